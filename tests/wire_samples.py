@@ -1,0 +1,83 @@
+"""One fixed sample envelope per message type: the source of the golden byte vectors."""
+
+from __future__ import annotations
+
+from wire import (
+    Envelope,
+    ExpectedEntry,
+    Manifest,
+    PeerInfo,
+    ReceiverTable,
+    RegionInfo,
+    SenderTable,
+    ShardSpec,
+    Slice,
+    TensorSpec,
+    Transfer,
+    TransportInfo,
+)
+from wire import messages as m
+
+TRANSPORT = TransportInfo("tcp", "node-a", "127.0.0.1:40001", "cpu", b"")
+REGION = RegionInfo(0, 4096, "cpu", b"\x00\x01region")
+MANIFEST = Manifest(
+    tensors=(
+        TensorSpec("embed.weight", "bfloat16", (16, 8), 256, (8, 1), True, "cpu", 0, 0, None, None, False),
+        TensorSpec("lm_head.weight", "bfloat16", (16, 8), 256, (8, 1), True, "cpu", 0, 0, None, "embed.weight", False),
+        TensorSpec(
+            "mlp.up.weight", "float32", (2, 8), 64, (8, 1), True, "cpu", 0, 256,
+            ShardSpec((4, 8), 0, 2, 4), None, True,
+        ),
+        TensorSpec("step", "int64", (), 8, (), True, "cpu", None, 0, None, None, False),
+    ),
+    regions=(REGION,),
+)
+SENDER_TABLE = SenderTable(
+    rank=0,
+    transfers=(
+        Transfer(0, "embed.weight", None, 1, "embed.weight", 0, 0, 256, ""),
+        Transfer(1, "mlp.up.weight", Slice(0, 2, 4), 1, "mlp.up.weight", 0, 256, 64, "fp8_block128"),
+    ),
+    peers=(PeerInfo(1, TRANSPORT, (REGION,)),),
+)
+RECEIVER_TABLE = ReceiverTable(
+    rank=1,
+    entries=(
+        ExpectedEntry("embed.weight", 0, 0, None, 0, 0, 256, ""),
+        ExpectedEntry("mlp.up.weight", 0, 1, Slice(0, 2, 4), 0, 256, 64, "fp8_block128"),
+    ),
+)
+SUMMARY = m.WriteSummary(1, 2, 320, (m.Checksum(0, 0xDEADBEEF), m.Checksum(1, 7)))
+
+BODIES: dict[str, m.Message] = {
+    "hello": m.Hello(m.Role.SENDER, 0, "node-a", "cpu", 4242, 1, 0, ("tcp", "checksum"), MANIFEST, TRANSPORT),
+    "welcome": m.Welcome("s-1", 1, 0, 500, 5000, ("checksum",)),
+    "reject": m.Reject(m.RejectCode.VERSION_MISMATCH, "major differs", 1, 0, 2, 3),
+    "plan": m.Plan(9, SENDER_TABLE, None),
+    "plan_ack": m.PlanAck(9, True, ""),
+    "push": m.Push(3),
+    "begin": m.UpdateBegin(3, 9, "crc32"),
+    "writes_done": m.WritesDone(3, 9, (SUMMARY,), 0.25, 1.5),
+    "fence": m.Fence(3, (SUMMARY,)),
+    "fence_ack": m.FenceAck(3, False, 320, ("mlp.up.weight",), "checksum mismatch"),
+    "commit": m.Commit(3),
+    "commit_ack": m.CommitAck(3, True, ""),
+    "abort": m.Abort(3, m.AbortReason.PEER_LOST, "sender 0 missed heartbeats", "sender/0"),
+    "heartbeat": m.Heartbeat(17),
+    "leave": m.Leave("shutdown"),
+    "error": m.Error(m.ErrorCode.TRANSPORT, "connection refused", "transport.address", 3),
+    "status_request": m.StatusRequest(True),
+    "status_reply": m.StatusReply({"version": 3, "paused": False, "links": [{"gbps": 1.5}], "x": None}),
+    "command_request": m.CommandRequest("pause", {"reason": "maintenance"}),
+    "command_reply": m.CommandReply(True, {"paused": True}, ""),
+}
+RECEIVER_PLAN = m.Plan(9, None, RECEIVER_TABLE)
+
+
+def samples() -> dict[str, Envelope]:
+    out = {}
+    for i, (name, body) in enumerate(sorted(BODIES.items())):
+        version = 3 if name in {"push", "begin", "writes_done", "fence", "fence_ack", "commit", "commit_ack", "abort"} else None
+        out[name] = Envelope(body, msg_id=100 + i, sender="sender/0", parent_id=None if i % 2 else 99, version=version)
+    out["plan_receiver"] = Envelope(RECEIVER_PLAN, msg_id=200, sender="controller", parent_id=None, version=None)
+    return out

@@ -1,0 +1,299 @@
+"""Every message of the control protocol, as typed frozen dataclasses.
+
+How this works: each message class has a ``TYPE`` string that travels in the envelope header and
+selects the class at decode. Bodies are schema-checked structs (``wire.schema``). Workers (senders,
+receivers) talk to the controller through the session messages, whose legal order is the transition
+table in ``wire.states``; ``StatusRequest``/``CommandRequest`` and their replies are sessionless
+request/reply pairs for the daemon and the CLI. ``docs/PROTOCOL.md`` is the specification.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Optional
+
+from .manifest import Manifest, TransportInfo
+from .routing import ReceiverTable, SenderTable
+from .schema import U32, U64, Json, Violation, struct
+
+
+class Role(str, enum.Enum):
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+class RejectCode(enum.IntEnum):
+    VERSION_MISMATCH = 1
+    DUPLICATE_RANK = 2
+    MANIFEST_MISMATCH = 3
+    BAD_RANK = 4
+    UNAUTHENTICATED = 5
+    LIMIT_EXCEEDED = 6
+    SHUTTING_DOWN = 7
+
+
+class AbortReason(enum.IntEnum):
+    PEER_LOST = 1
+    PEER_ERROR = 2
+    CHECKSUM_MISMATCH = 3
+    TIMEOUT = 4
+    MEMBERSHIP_CHANGED = 5
+    CANCELLED = 6
+    SHUTDOWN = 7
+
+
+class ErrorCode(enum.IntEnum):
+    PROTOCOL = 1
+    TRANSPORT = 2
+    PLAN = 3
+    STAGING = 4
+    INTERNAL = 5
+    BAD_REQUEST = 6
+    UNAUTHORIZED = 7
+
+
+class Message:
+    """Base of all message bodies."""
+
+    TYPE: ClassVar[str] = ""
+
+
+# --- join ----------------------------------------------------------------------------------------
+
+
+@struct
+class Hello(Message):
+    TYPE = "hello"
+    role: Role
+    rank: U32
+    host: str
+    device: str
+    pid: U32
+    proto_major: U32
+    proto_minor: U32
+    capabilities: tuple[str, ...]
+    manifest: Manifest
+    transport: TransportInfo
+
+
+@struct
+class Welcome(Message):
+    TYPE = "welcome"
+    session: str
+    proto_major: U32
+    proto_minor: U32
+    heartbeat_ms: U32
+    timeout_ms: U32
+    capabilities: tuple[str, ...]
+
+
+@struct
+class Reject(Message):
+    """Refuses a join. Its layout is frozen across major versions so any peer can read it."""
+
+    TYPE = "reject"
+    code: RejectCode
+    text: str
+    local_major: U32
+    local_minor: U32
+    peer_major: U32
+    peer_minor: U32
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+
+@struct
+class Plan(Message):
+    """A routing table: ``sender`` for a sender, ``receiver`` for a receiver (exactly one is set)."""
+
+    TYPE = "plan"
+    plan_id: U64
+    sender: Optional[SenderTable]
+    receiver: Optional[ReceiverTable]
+
+    def _check(self) -> None:
+        if (self.sender is None) == (self.receiver is None):
+            raise Violation("value", "sender", "exactly one of sender/receiver must be set")
+
+
+@struct
+class PlanAck(Message):
+    TYPE = "plan_ack"
+    plan_id: U64
+    ok: bool
+    text: str
+
+
+# --- update round --------------------------------------------------------------------------------
+
+
+@struct
+class Push(Message):
+    """Sender -> controller: this sender's weights for ``version`` are ready to go."""
+
+    TYPE = "push"
+    version: U64
+
+
+@struct
+class UpdateBegin(Message):
+    TYPE = "begin"
+    version: U64
+    plan_id: U64
+    checksum: str
+
+
+@struct
+class Checksum:
+    index: U32
+    value: U64
+
+
+@struct
+class WriteSummary:
+    dst_rank: U32
+    count: U32
+    nbytes: U64
+    checksums: tuple[Checksum, ...]
+
+
+@struct
+class WritesDone(Message):
+    TYPE = "writes_done"
+    version: U64
+    plan_id: U64
+    receivers: tuple[WriteSummary, ...]
+    stage_s: float
+    write_s: float
+
+
+@struct
+class Fence(Message):
+    """Controller -> receiver: all senders finished; verify and stage the version."""
+
+    TYPE = "fence"
+    version: U64
+    checksums: tuple[WriteSummary, ...]
+
+
+@struct
+class FenceAck(Message):
+    TYPE = "fence_ack"
+    version: U64
+    ok: bool
+    nbytes: U64
+    mismatches: tuple[str, ...]
+    text: str
+
+
+@struct
+class Commit(Message):
+    TYPE = "commit"
+    version: U64
+
+
+@struct
+class CommitAck(Message):
+    TYPE = "commit_ack"
+    version: U64
+    applied: bool
+    text: str
+
+
+@struct
+class Abort(Message):
+    TYPE = "abort"
+    version: U64
+    reason: AbortReason
+    text: str
+    culprit: str
+
+
+# --- liveness and errors -------------------------------------------------------------------------
+
+
+@struct
+class Heartbeat(Message):
+    TYPE = "heartbeat"
+    seq: U64
+
+
+@struct
+class Leave(Message):
+    TYPE = "leave"
+    reason: str
+
+
+@struct
+class Error(Message):
+    TYPE = "error"
+    code: ErrorCode
+    text: str
+    field: str
+    version: Optional[U64]
+
+
+# --- daemon / CLI request-reply (sessionless) ----------------------------------------------------
+
+
+@struct
+class StatusRequest(Message):
+    TYPE = "status_request"
+    detail: bool
+
+
+@struct
+class StatusReply(Message):
+    TYPE = "status_reply"
+    status: Json
+
+
+@struct
+class CommandRequest(Message):
+    TYPE = "command_request"
+    command: str
+    args: Json
+
+
+@struct
+class CommandReply(Message):
+    TYPE = "command_reply"
+    ok: bool
+    result: Json
+    error: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Welcome,
+        Reject,
+        Plan,
+        PlanAck,
+        Push,
+        UpdateBegin,
+        WritesDone,
+        Fence,
+        FenceAck,
+        Commit,
+        CommitAck,
+        Abort,
+        Heartbeat,
+        Leave,
+        Error,
+        StatusRequest,
+        StatusReply,
+        CommandRequest,
+        CommandReply,
+    )
+}
+
+SESSIONLESS = frozenset({StatusRequest, StatusReply, CommandRequest, CommandReply})
+
+__all__ = [
+    "Role", "RejectCode", "AbortReason", "ErrorCode", "Message", "Checksum", "WriteSummary",
+    "MESSAGE_TYPES", "SESSIONLESS",
+    *(cls.__name__ for cls in MESSAGE_TYPES.values()),
+]

@@ -1,0 +1,280 @@
+"""A strict schema for wire structs, derived from dataclass annotations.
+
+How this works: every struct of the protocol is a frozen dataclass decorated with ``@struct``. The
+first time one is encoded or decoded, its annotations are compiled into a pair of converters per
+field: ``to_wire`` (Python value -> MessagePack-able value, validating) and ``from_wire`` (decoded
+MessagePack value -> Python value, validating). Structs travel as maps whose keys are the field
+names in declaration order, so encoding is deterministic byte for byte.
+
+Supported annotations: ``bool``, ``str``, ``bytes``, ``float``, ranged ints (``U8``, ``U32``,
+``U64``, ``I64``), ``tuple[X, ...]``, ``Optional[X]``, enums (``IntEnum`` travel as ints, ``str``
+enums as strings), nested structs, and ``Json`` (nested maps/lists of scalars, depth-limited).
+
+A violation raises ``Violation(kind, path, detail)``; the codec turns it into a typed
+``FieldError`` (decode, the peer's fault) or ``InvalidMessage`` (encode, ours). A struct may define
+``_check(self)`` for cross-field rules; it raises ``Violation`` with a field name relative to itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from typing import Annotated, Any, Callable, Optional, Union
+
+__all__ = [
+    "U8",
+    "U32",
+    "U64",
+    "I64",
+    "Json",
+    "Violation",
+    "struct",
+    "to_wire",
+    "from_wire",
+]
+
+
+class Range:
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+
+class _JsonMarker:
+    pass
+
+
+U8 = Annotated[int, Range(0, 2**8 - 1)]
+U32 = Annotated[int, Range(0, 2**32 - 1)]
+U64 = Annotated[int, Range(0, 2**64 - 1)]
+I64 = Annotated[int, Range(-(2**63), 2**63 - 1)]
+Json = Annotated[object, _JsonMarker()]
+
+JSON_MAX_DEPTH = 32
+
+
+class Violation(Exception):
+    """A schema rule broken at ``path``: kind is missing / extra / type / value."""
+
+    def __init__(self, kind: str, path: str, detail: str) -> None:
+        super().__init__(f"{path}: {detail}")
+        self.kind, self.path, self.detail = kind, path, detail
+
+    def under(self, prefix: str) -> "Violation":
+        return Violation(self.kind, f"{prefix}.{self.path}" if self.path else prefix, self.detail)
+
+
+Converter = Callable[[Any, str], Any]
+
+
+def _type_name(v: object) -> str:
+    return type(v).__name__
+
+
+def _scalar(py_type: type, wire_types: tuple[type, ...]) -> tuple[Converter, Converter]:
+    def check(v: Any, path: str) -> Any:
+        if type(v) not in wire_types:
+            raise Violation("type", path, f"expected {py_type.__name__}, got {_type_name(v)}")
+        return py_type(v) if py_type is float else v
+
+    return check, check
+
+
+def _ranged_int(rng: Range) -> tuple[Converter, Converter]:
+    def check(v: Any, path: str) -> Any:
+        if type(v) is not int:
+            raise Violation("type", path, f"expected int, got {_type_name(v)}")
+        if not rng.lo <= v <= rng.hi:
+            raise Violation("value", path, f"{v} is outside [{rng.lo}, {rng.hi}]")
+        return v
+
+    return check, check
+
+
+def _enum(cls: type[enum.Enum]) -> tuple[Converter, Converter]:
+    base = int if issubclass(cls, int) else str
+    members = {m.value: m for m in cls}
+
+    def to(v: Any, path: str) -> Any:
+        if isinstance(v, cls):
+            return base(v.value)
+        if type(v) is base and v in members:
+            return v
+        raise Violation("value", path, f"expected {cls.__name__}, got {v!r}")
+
+    def frm(v: Any, path: str) -> Any:
+        if type(v) is not base:
+            raise Violation("type", path, f"expected {base.__name__} ({cls.__name__}), got {_type_name(v)}")
+        try:
+            return members[v]
+        except KeyError:
+            raise Violation("value", path, f"{v!r} is not a {cls.__name__}") from None
+
+    return to, frm
+
+
+def _json_check(v: Any, path: str, depth: int = 0) -> Any:
+    if depth > JSON_MAX_DEPTH:
+        raise Violation("value", path, f"nested deeper than {JSON_MAX_DEPTH}")
+    if v is None or type(v) in (bool, int, float, str):
+        if type(v) is int and not -(2**63) <= v < 2**64:
+            raise Violation("value", path, "integer out of 64-bit range")
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_check(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if type(k) is not str:
+                raise Violation("type", path, f"map keys must be str, got {_type_name(k)}")
+            out[k] = _json_check(x, f"{path}.{k}", depth + 1)
+        return out
+    raise Violation("type", path, f"{_type_name(v)} is not JSON-able")
+
+
+def _json() -> tuple[Converter, Converter]:
+    return _json_check, _json_check
+
+
+def _tuple(inner: tuple[Converter, Converter]) -> tuple[Converter, Converter]:
+    to_i, from_i = inner
+
+    def to(v: Any, path: str) -> Any:
+        if not isinstance(v, (tuple, list)):
+            raise Violation("type", path, f"expected a sequence, got {_type_name(v)}")
+        return [to_i(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+    def frm(v: Any, path: str) -> Any:
+        if type(v) is not list:
+            raise Violation("type", path, f"expected an array, got {_type_name(v)}")
+        return tuple(from_i(x, f"{path}[{i}]") for i, x in enumerate(v))
+
+    return to, frm
+
+
+def _optional(inner: tuple[Converter, Converter]) -> tuple[Converter, Converter]:
+    to_i, from_i = inner
+
+    def to(v: Any, path: str) -> Any:
+        return None if v is None else to_i(v, path)
+
+    def frm(v: Any, path: str) -> Any:
+        return None if v is None else from_i(v, path)
+
+    return to, frm
+
+
+def _struct_kind(cls: type) -> tuple[Converter, Converter]:
+    def to(v: Any, path: str) -> Any:
+        if not isinstance(v, cls):
+            raise Violation("type", path, f"expected {cls.__name__}, got {_type_name(v)}")
+        return to_wire(v, path)
+
+    def frm(v: Any, path: str) -> Any:
+        return from_wire(cls, v, path)
+
+    return to, frm
+
+
+def _compile_annotation(tp: Any) -> tuple[Converter, Converter]:
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        for m in meta:
+            if isinstance(m, Range):
+                return _ranged_int(m)
+            if isinstance(m, _JsonMarker):
+                return _json()
+        return _compile_annotation(base)
+    if origin is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported union {tp}")
+        return _optional(_compile_annotation(args[0]))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"only tuple[X, ...] is supported, not {tp}")
+        return _tuple(_compile_annotation(args[0]))
+    if isinstance(tp, type):
+        if issubclass(tp, enum.Enum):
+            return _enum(tp)
+        if dataclasses.is_dataclass(tp):
+            return _struct_kind(tp)
+        if tp is bool:
+            return _scalar(bool, (bool,))
+        if tp is str:
+            return _scalar(str, (str,))
+        if tp is bytes:
+            return _scalar(bytes, (bytes,))
+        if tp is float:
+            return _scalar(float, (float, int))
+        if tp is int:
+            return _ranged_int(Range(-(2**63), 2**64 - 1))
+    raise TypeError(f"unsupported wire annotation {tp!r}")
+
+
+class _Compiled:
+    __slots__ = ("names", "fields", "name_set")
+
+    def __init__(self, cls: type) -> None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        self.names = tuple(f.name for f in dataclasses.fields(cls))
+        self.fields = tuple((n, *_compile_annotation(hints[n])) for n in self.names)
+        self.name_set = frozenset(self.names)
+
+
+_COMPILED: dict[type, _Compiled] = {}
+
+
+def _compiled(cls: type) -> _Compiled:
+    c = _COMPILED.get(cls)
+    if c is None:
+        c = _COMPILED[cls] = _Compiled(cls)
+    return c
+
+
+def struct(cls: type) -> type:
+    """Mark a dataclass as a wire struct (frozen; compiled lazily on first use)."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    cls.__wire_struct__ = True
+    return cls
+
+
+def _run_check(obj: Any, path: str) -> None:
+    check = getattr(obj, "_check", None)
+    if check is not None:
+        try:
+            check()
+        except Violation as v:
+            raise v.under(path) if path else v from None
+
+
+def to_wire(obj: Any, path: str = "") -> dict[str, Any]:
+    """Validate a struct instance and return its MessagePack-able map."""
+    c = _compiled(type(obj))
+    out: dict[str, Any] = {}
+    for name, to, _ in c.fields:
+        out[name] = to(getattr(obj, name), f"{path}.{name}" if path else name)
+    _run_check(obj, path)
+    return out
+
+
+def from_wire(cls: type, data: Any, path: str = "") -> Any:
+    """Validate a decoded map strictly (no missing, no extra fields) and build the struct."""
+    c = _compiled(cls)
+    if type(data) is not dict:
+        raise Violation("type", path, f"expected a map for {cls.__name__}, got {_type_name(data)}")
+    if len(data) != len(c.names) or data.keys() != c.name_set:
+        for key in data:
+            if key not in c.name_set:
+                raise Violation("extra", f"{path}.{key}" if path else str(key), f"not a field of {cls.__name__}")
+        for name in c.names:
+            if name not in data:
+                raise Violation("missing", f"{path}.{name}" if path else name, f"required by {cls.__name__}")
+    kwargs = {}
+    for name, _, frm in c.fields:
+        kwargs[name] = frm(data[name], f"{path}.{name}" if path else name)
+    obj = cls(**kwargs)
+    _run_check(obj, path)
+    return obj

@@ -1,0 +1,127 @@
+"""The session state machine of one worker as seen by both ends, as a transition table (h11-style).
+
+How this works: a worker (sender or receiver) and the controller each keep a ``Session`` for the
+worker's session. Both use the same ``TRANSITIONS`` table, keyed by (role, state, origin, message
+type), where ``origin`` is who sent the message. ``Session.send`` checks a message we are about to
+send (an illegal one is our bug: ``LocalIllegalTransition``); ``Session.receive`` checks one we got
+(an illegal one is the peer's: ``RemoteIllegalTransition``). Both move the state. No I/O here.
+
+Round shape: begin -> (sender) writes_done -> commit; (receiver) fence -> fence_ack -> commit ->
+commit_ack. ``abort`` returns any in-round state to READY. Heartbeat and error are legal in every
+joined state and change nothing; ``leave`` from either side closes the session.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from . import messages as m
+from .errors import LocalIllegalTransition, RemoteIllegalTransition
+
+
+class State(enum.Enum):
+    NEW = "NEW"
+    HELLO_SENT = "HELLO_SENT"
+    JOINED = "JOINED"
+    PLAN_RECEIVED = "PLAN_RECEIVED"
+    READY = "READY"
+    WRITING = "WRITING"
+    WRITTEN = "WRITTEN"
+    RECEIVING = "RECEIVING"
+    FENCING = "FENCING"
+    FENCED = "FENCED"
+    APPLYING = "APPLYING"
+    CLOSED = "CLOSED"
+
+
+class Origin(enum.Enum):
+    WORKER = "worker"
+    CONTROLLER = "controller"
+
+
+S, R = m.Role.SENDER, m.Role.RECEIVER
+W, C = Origin.WORKER, Origin.CONTROLLER
+
+_BOTH_ROLES = (S, R)
+JOINED_STATES = (
+    State.JOINED,
+    State.PLAN_RECEIVED,
+    State.READY,
+    State.WRITING,
+    State.WRITTEN,
+    State.RECEIVING,
+    State.FENCING,
+    State.FENCED,
+    State.APPLYING,
+)
+ROUND_STATES = {
+    S: (State.WRITING, State.WRITTEN),
+    R: (State.RECEIVING, State.FENCING, State.FENCED),
+}
+
+
+def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
+    t: dict[tuple[m.Role, State, Origin, str], State] = {}
+    for role in _BOTH_ROLES:
+        t[role, State.NEW, W, m.Hello.TYPE] = State.HELLO_SENT
+        t[role, State.HELLO_SENT, C, m.Welcome.TYPE] = State.JOINED
+        t[role, State.HELLO_SENT, C, m.Reject.TYPE] = State.CLOSED
+        t[role, State.HELLO_SENT, C, m.Error.TYPE] = State.HELLO_SENT
+        t[role, State.JOINED, C, m.Plan.TYPE] = State.PLAN_RECEIVED
+        t[role, State.READY, C, m.Plan.TYPE] = State.PLAN_RECEIVED
+        t[role, State.PLAN_RECEIVED, W, m.PlanAck.TYPE] = State.READY
+        for state in JOINED_STATES:
+            for origin in (W, C):
+                t[role, state, origin, m.Heartbeat.TYPE] = state
+                t[role, state, origin, m.Error.TYPE] = state
+                t[role, state, origin, m.Leave.TYPE] = State.CLOSED
+        for state in ROUND_STATES[role]:
+            t[role, state, C, m.Abort.TYPE] = State.READY
+    # a sender's round: it asks for one with push, the controller starts it with begin
+    t[S, State.READY, W, m.Push.TYPE] = State.READY
+    t[S, State.READY, C, m.UpdateBegin.TYPE] = State.WRITING
+    t[S, State.WRITING, W, m.WritesDone.TYPE] = State.WRITTEN
+    t[S, State.WRITTEN, C, m.Commit.TYPE] = State.READY
+    # a receiver's round
+    t[R, State.READY, C, m.UpdateBegin.TYPE] = State.RECEIVING
+    t[R, State.RECEIVING, C, m.Fence.TYPE] = State.FENCING
+    t[R, State.FENCING, W, m.FenceAck.TYPE] = State.FENCED
+    t[R, State.FENCED, C, m.Commit.TYPE] = State.APPLYING
+    t[R, State.APPLYING, W, m.CommitAck.TYPE] = State.READY
+    return t
+
+
+TRANSITIONS = _build()
+
+
+class Session:
+    """One worker's session state; ``side`` says which end we are."""
+
+    def __init__(self, role: m.Role, side: Origin) -> None:
+        self.role = m.Role(role)
+        self.side = side
+        self.state = State.NEW
+
+    def __repr__(self) -> str:
+        return f"<Session {self.role.value} as {self.side.value}: {self.state.value}>"
+
+    def send(self, msg_type: str) -> State:
+        return self._step(self.side, msg_type, LocalIllegalTransition)
+
+    def receive(self, msg_type: str) -> State:
+        other = Origin.CONTROLLER if self.side is Origin.WORKER else Origin.WORKER
+        return self._step(other, msg_type, RemoteIllegalTransition)
+
+    def allowed(self, origin: Origin, msg_type: str) -> bool:
+        return (self.role, self.state, origin, msg_type) in TRANSITIONS
+
+    @property
+    def in_round(self) -> bool:
+        return self.state in ROUND_STATES[self.role] or self.state is State.APPLYING
+
+    def _step(self, origin: Origin, msg_type: str, exc: type) -> State:
+        nxt = TRANSITIONS.get((self.role, self.state, origin, msg_type))
+        if nxt is None:
+            raise exc(self.role.value, self.state.value, msg_type, origin.value)
+        self.state = nxt
+        return nxt
