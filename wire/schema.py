@@ -32,6 +32,7 @@ __all__ = [
     "struct",
     "to_wire",
     "from_wire",
+    "trusted",
 ]
 
 
@@ -239,6 +240,21 @@ def struct(cls: type) -> type:
     cls = dataclasses.dataclass(frozen=True)(cls)
     cls.__wire_struct__ = True
     return cls
+
+
+def trusted(cls: type, *values: Any) -> Any:
+    """Build a struct from values known to be valid, skipping ``__init__`` (hot paths of the planner).
+
+    Positional values in field order; the caller vouches for their validity. ``to_wire`` still
+    validates everything when the struct is encoded.
+    """
+    obj = object.__new__(cls)
+    names = _NAMES.get(cls) or _NAMES.setdefault(cls, _compiled(cls).names)
+    obj.__dict__.update(zip(names, values))
+    return obj
+
+
+_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _run_check(obj: Any, path: str) -> None:

@@ -1,0 +1,12 @@
+"""Routing planner: static M-to-N routing tables, the makespan model and its baselines (pure code)."""
+
+from .links import LinkClass, LinkModel, Participant, link_class
+from .model import broadcast_assignment, lower_bound, makespan, seed_greedy_assignment
+from .needs import Piece, build_pieces
+from .planner import PlanOptions, RoutingPlan, plan, tables_from_assignment
+
+__all__ = [
+    "LinkClass", "LinkModel", "Participant", "link_class", "broadcast_assignment", "lower_bound", "makespan",
+    "seed_greedy_assignment", "Piece", "build_pieces", "PlanOptions", "RoutingPlan", "plan",
+    "tables_from_assignment",
+]

@@ -1,0 +1,119 @@
+"""The makespan model, the lower bound, and the two baselines it is compared with.
+
+How this works: ``makespan`` replays routing tables over virtual time. Each sender posts its
+transfers in table order, one every ``per_transfer_s`` (issue overhead; posting overlaps with data
+already moving, as with queued copies or RDMA work requests). A transfer's data occupies the sender's
+port and the receiver's port of its link class (``links.LinkClass``) for bytes / bandwidth, starting
+once it is posted and both ports are free. The makespan is when the last byte lands.
+
+``lower_bound`` ignores ordering and issue overhead: the slowest of (a) each receiver's bytes over
+its best port, (b) each sender's bytes that only it can supply, (c) all network bytes over all
+senders' network ports together. No table can beat it under this model.
+
+Baselines, planned from the same pieces and replayed by the same model: ``broadcast_assignment``
+(rank 0 feeds every receiver, parameter by parameter; it is even allowed to send what it would first
+have to gather) and ``seed_greedy_assignment`` (for each (parameter, receiver) pair in parameter
+order, the candidate sender with the fewest bytes so far; no locality, no splitting, no ordering).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from typing import Mapping, Sequence
+
+from wire import SenderTable
+
+from .links import LinkClass, LinkModel, Participant, link_class
+from .needs import Piece
+
+
+def makespan(
+    tables: Mapping[int, SenderTable],
+    senders: Sequence[Participant],
+    receivers: Sequence[Participant],
+    link: LinkModel,
+) -> float:
+    s_by_rank = {p.rank: p for p in senders}
+    r_by_rank = {p.rank: p for p in receivers}
+    cls_cache: dict[tuple[int, int], LinkClass] = {}
+
+    def cls_of(s: int, r: int) -> LinkClass:
+        c = cls_cache.get((s, r))
+        if c is None:
+            c = cls_cache[s, r] = link_class(s_by_rank[s], r_by_rank[r])
+        return c
+
+    sfree: dict[tuple[int, LinkClass], float] = defaultdict(float)
+    rfree: dict[tuple[int, LinkClass], float] = defaultdict(float)
+    issued = {s: 0.0 for s in tables}
+    pos = {s: 0 for s in tables}
+    heap = [(0.0, s) for s, t in sorted(tables.items()) if t.transfers]
+    end_all = 0.0
+    overhead = link.per_transfer_s
+    while heap:
+        _, s = heapq.heappop(heap)
+        transfers = tables[s].transfers
+        tr = transfers[pos[s]]
+        c = cls_of(s, tr.dst_rank)
+        posted = issued[s] = issued[s] + overhead
+        start = max(posted, sfree[s, c], rfree[tr.dst_rank, c])
+        end = start + tr.nbytes / link.bandwidth(c, s, tr.dst_rank)
+        sfree[s, c] = rfree[tr.dst_rank, c] = end
+        end_all = max(end_all, end)
+        pos[s] += 1
+        if pos[s] < len(transfers):
+            nxt = transfers[pos[s]]
+            heapq.heappush(heap, (max(posted + overhead, sfree[s, cls_of(s, nxt.dst_rank)]), s))
+    return end_all
+
+
+def lower_bound(
+    pieces: Sequence[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], link: LinkModel
+) -> float:
+    s_by_rank = {p.rank: p for p in senders}
+    r_by_rank = {p.rank: p for p in receivers}
+    recv_time: dict[int, float] = defaultdict(float)
+    forced: dict[tuple[int, LinkClass], float] = defaultdict(float)
+    net_bytes = 0
+    best_cls: dict[tuple[int, tuple[int, ...]], LinkClass] = {}
+    for p in pieces:
+        key = (p.receiver, p.cands)
+        c = best_cls.get(key)
+        if c is None:
+            c = best_cls[key] = min(link_class(s_by_rank[s], r_by_rank[p.receiver]) for s in p.cands)
+        recv_time[p.receiver] += p.nbytes / link.port_bw(c, "receiver", p.receiver)
+        if len(p.cands) == 1:
+            forced[p.cands[0], c] += p.nbytes / link.port_bw(c, "sender", p.cands[0])
+        if c is LinkClass.NET:
+            net_bytes += p.nbytes
+    aggregate = net_bytes / sum(link.port_bw(LinkClass.NET, "sender", s.rank) for s in senders)
+    return max([aggregate, *recv_time.values(), *forced.values()])
+
+
+def _param_order(senders: Sequence[Participant]) -> dict[str, int]:
+    order: dict[str, int] = {}
+    for sp in senders:
+        for t in sp.manifest.tensors:
+            order.setdefault(t.name, len(order))
+    return order
+
+
+def _param_major(pieces: Sequence[Piece], senders: Sequence[Participant]) -> list[Piece]:
+    rank = _param_order(senders)
+    return sorted(pieces, key=lambda p: (rank[p.src_name], p.receiver, p.offset))
+
+
+def broadcast_assignment(pieces: Sequence[Piece], senders: Sequence[Participant]) -> dict[int, list[Piece]]:
+    root = min(p.rank for p in senders)
+    return {root: _param_major(pieces, senders)}
+
+
+def seed_greedy_assignment(pieces: Sequence[Piece], senders: Sequence[Participant]) -> dict[int, list[Piece]]:
+    sent: dict[int, int] = defaultdict(int)
+    out: dict[int, list[Piece]] = defaultdict(list)
+    for p in _param_major(pieces, senders):
+        s = min(p.cands, key=lambda c: (sent[c], c))
+        sent[s] += p.nbytes
+        out[s].append(p)
+    return out

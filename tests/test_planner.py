@@ -1,0 +1,235 @@
+"""The routing planner: coverage, determinism, TP slicing, tied weights, locality, errors, model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import errors
+from engine.plan import (
+    LinkClass,
+    LinkModel,
+    PlanOptions,
+    broadcast_assignment,
+    build_pieces,
+    link_class,
+    lower_bound,
+    makespan,
+    plan,
+    seed_greedy_assignment,
+    tables_from_assignment,
+)
+from plan_helpers import check_coverage, participant, tensor
+from wire import Envelope, encode
+from wire import messages as m
+
+MODEL = {"embed": (64, 16), "w1": (32, 16), "w2": (16, 32), "norm": (16,), "step": ()}
+
+
+def _replicas(n, model=MODEL, **kw):
+    return [participant(r, [tensor(k, s) for k, s in model.items()], host=f"t{r}", **kw) for r in range(n)]
+
+
+def _receivers(n, model=MODEL):
+    return [participant(r, [tensor(k, s) for k, s in model.items()], host=f"i{r}") for r in range(n)]
+
+
+@pytest.mark.parametrize("n_send,n_recv", [(1, 1), (2, 3), (4, 2), (3, 7)])
+def test_every_byte_exactly_once(n_send, n_recv):
+    senders, receivers = _replicas(n_send), _receivers(n_recv)
+    routing = plan(senders, receivers, options=PlanOptions(min_chunk_bytes=256, chunks_per_receiver=4))
+    check_coverage(routing, receivers)
+    used = {s for s, t in routing.senders.items() if t.transfers}
+    assert len(used) == min(n_send, n_recv * 4) or n_send <= n_recv  # receivers fed by several senders
+
+
+def test_deterministic_byte_for_byte():
+    def encoded():
+        routing = plan(_replicas(3), _receivers(4), options=PlanOptions(min_chunk_bytes=256))
+        frames = [encode(Envelope(m.Plan(1, t, None), 1, "controller")) for t in routing.senders.values()]
+        frames += [encode(Envelope(m.Plan(1, None, t), 1, "controller")) for t in routing.receivers.values()]
+        return frames
+    assert encoded() == encoded()
+
+
+def test_large_tensor_is_split_across_senders_at_rows():
+    senders = _replicas(4, {"big": (1024, 64)})
+    receivers = _receivers(1, {"big": (1024, 64)})
+    routing = plan(senders, receivers, options=PlanOptions(min_chunk_bytes=4096, chunks_per_receiver=4))
+    check_coverage(routing, receivers)
+    slices = sorted(t.slice.start for table in routing.senders.values() for t in table.transfers)
+    assert len(slices) == 4 and slices[0] == 0
+    assert all(t.slice.dim == 0 for table in routing.senders.values() for t in table.transfers)
+
+
+def test_tp_receiver_gets_only_its_slice():
+    senders = _replicas(2, {"col": (8, 4), "row": (4, 8)})
+    receivers = [
+        participant(r, [tensor("col", (8, 4), shard=(0, 4 * r, 4 * r + 4)), tensor("row", (4, 8), shard=(1, 4 * r, 4 * r + 4))],
+                    host="i")
+        for r in range(2)
+    ]
+    routing = plan(senders, receivers)
+    check_coverage(routing, receivers)
+    for r in range(2):
+        entries = {e.name: e for e in routing.receivers[r].entries}
+        assert entries["col"].slice.dim == 0 and (entries["col"].slice.start, entries["col"].nbytes) == (4 * r, 64)
+        assert entries["row"].slice.dim == 1 and (entries["row"].slice.start, entries["row"].nbytes) == (4 * r, 64)
+    assert routing.nbytes == 2 * (64 + 64)  # nothing unneeded moves
+
+
+def test_tied_weights_move_once_when_receiver_ties_them():
+    senders = [participant(0, [tensor("embed", (8, 4)), tensor("lm_head", (8, 4), tied_to="embed")])]
+    tied = participant(0, [tensor("embed", (8, 4)), tensor("lm_head", (8, 4), tied_to="embed")], host="i")
+    untied = participant(1, [tensor("embed", (8, 4)), tensor("lm_head", (8, 4))], host="i")
+    routing = plan(senders, [tied, untied])
+    check_coverage(routing, [tied, untied])
+    assert [e.name for e in routing.receivers[0].entries] == ["embed"]
+    assert sorted(e.name for e in routing.receivers[1].entries) == ["embed", "lm_head"]
+
+
+def test_stitches_a_need_from_dim0_shards():
+    shards = [participant(r, [tensor("w", (8, 2), shard=(0, 4 * r, 4 * r + 4))], host=f"t{r}") for r in range(2)]
+    receivers = [participant(0, [tensor("w", (8, 2))], host="i"), participant(1, [tensor("w", (8, 2), shard=(0, 2, 6))], host="i")]
+    routing = plan(shards, receivers)
+    check_coverage(routing, receivers)
+    got = sorted((e.src_rank, e.slice.start, e.slice.stop) for e in routing.receivers[1].entries)
+    assert got == [(0, 2, 4), (1, 4, 6)]
+
+
+def test_prefers_same_gpu_then_same_host():
+    senders = [participant(0, [tensor("w", (4, 4))], host="a", device="cuda:0"),
+               participant(1, [tensor("w", (4, 4))], host="a", device="cuda:1"),
+               participant(2, [tensor("w", (4, 4))], host="b", device="cuda:0")]
+    same_gpu = participant(0, [tensor("w", (4, 4))], host="a", device="cuda:1")
+    same_host = participant(1, [tensor("w", (4, 4))], host="a", device="cuda:5")
+    remote = participant(2, [tensor("w", (4, 4))], host="b", device="cuda:3")
+    routing = plan(senders, [same_gpu, same_host, remote])
+    assert link_class(senders[1], same_gpu) is LinkClass.LOCAL
+    src = {r: routing.receivers[r].entries[0].src_rank for r in range(3)}
+    assert src[0] == 1 and src[1] in (0, 1) and src[2] == 2
+
+
+def test_unknown_name_lists_closest():
+    receivers = [participant(0, [tensor("model.layers.0.mlp.up_proj.weigth", (4,))])]
+    senders = [participant(0, [tensor("model.layers.0.mlp.up_proj.weight", (4,)), tensor("other", (4,))])]
+    with pytest.raises(errors.UnknownParameter) as e:
+        plan(senders, receivers)
+    assert e.value.param == "model.layers.0.mlp.up_proj.weigth"
+    assert "model.layers.0.mlp.up_proj.weight" in e.value.closest and "receiver/0" in e.value.ranks
+
+
+def test_sources_disagree_on_dtype_or_shape():
+    a = participant(0, [tensor("w", (4, 4))])
+    b = participant(1, [tensor("w", (4, 4), dtype="bfloat16")])
+    with pytest.raises(errors.ManifestMismatch) as e:
+        plan([a, b], _receivers(1, {"w": (4, 4)}))
+    assert e.value.param == "w" and e.value.ranks == ("sender/0", "sender/1")
+    c = participant(1, [tensor("w", (4, 5))])
+    with pytest.raises(errors.ManifestMismatch, match=r"\[4, 5\]"):
+        plan([a, c], _receivers(1, {"w": (4, 4)}))
+
+
+def test_receiver_disagrees_with_sources():
+    senders = _replicas(1, {"w": (4, 4)})
+    with pytest.raises(errors.ManifestMismatch, match="receiver wants full shape") as e:
+        plan(senders, [participant(3, [tensor("w", (4, 8))])])
+    assert e.value.ranks == ("receiver/3",)
+    with pytest.raises(errors.ManifestMismatch, match="no transform"):
+        plan(senders, [participant(0, [tensor("w", (4, 4), dtype="bfloat16")])])
+    routing = plan(senders, [participant(0, [tensor("w", (4, 4), dtype="bfloat16")])],
+                   transforms={("float32", "bfloat16"): "cast"})
+    assert routing.senders[0].transfers[0].transform == "cast"
+
+
+def test_overlapping_shards_do_not_tile():
+    a = participant(0, [tensor("w", (8, 2), shard=(0, 0, 5))])
+    b = participant(1, [tensor("w", (8, 2), shard=(0, 4, 8))])
+    with pytest.raises(errors.BadTiling, match=r"\[0:5\] and \[4:8\] overlap") as e:
+        plan([a, b], _receivers(1, {"w": (8, 2)}))
+    assert e.value.param == "w"
+
+
+def test_gap_in_shards_is_unsuppliable():
+    a = participant(0, [tensor("w", (8, 2), shard=(0, 0, 4))])
+    b = participant(1, [tensor("w", (8, 2), shard=(0, 6, 8))])
+    with pytest.raises(errors.Unsuppliable, match="rows 4:6"):
+        plan([a, b], _receivers(1, {"w": (8, 2)}))
+    plan([a, b], [participant(0, [tensor("w", (8, 2), shard=(0, 6, 8))])])  # the gap is not needed: fine
+
+
+def test_duplicate_ranks_and_no_senders():
+    with pytest.raises(errors.PlanError, match="two senders claim rank 0"):
+        plan([participant(0, []), participant(0, [])], [])
+    with pytest.raises(errors.PlanError, match="no senders"):
+        plan([], _receivers(1))
+
+
+def test_model_bound_and_baselines():
+    link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
+    senders, receivers = _replicas(4, {"w": (4096, 64)}), _receivers(4, {"w": (4096, 64)})
+    routing = plan(senders, receivers, link, PlanOptions(min_chunk_bytes=1 << 16))
+    pieces, _ = build_pieces(senders, receivers)
+    bound = lower_bound(pieces, senders, receivers, link)
+    assert bound == pytest.approx(4096 * 64 * 4 / 1e9)
+    ours = makespan(routing.senders, senders, receivers, link)
+    assert bound <= ours <= bound * 1.01
+    bcast = tables_from_assignment(broadcast_assignment(pieces, senders), senders, receivers)
+    assert makespan(bcast.senders, senders, receivers, link) == pytest.approx(4 * bound)
+    greedy = tables_from_assignment(seed_greedy_assignment(pieces, senders), senders, receivers)
+    check_coverage(greedy, receivers)
+    assert makespan(greedy.senders, senders, receivers, link) >= bound
+
+
+def test_per_transfer_latency_costs_something():
+    senders, receivers = _replicas(1, {f"t{i}": (1,) for i in range(100)}), _receivers(1, {f"t{i}": (1,) for i in range(100)})
+    routing = plan(senders, receivers)
+    fast = makespan(routing.senders, senders, receivers, LinkModel(per_transfer_s=0.0))
+    slow = makespan(routing.senders, senders, receivers, LinkModel(per_transfer_s=1e-3))
+    assert slow >= 0.1 > fast
+
+
+# --- property: random manifests plan with full coverage or raise PlanError -----------------------
+
+NAMES = ["a", "b", "c", "d"]
+
+
+@st.composite
+def scenarios(draw):
+    shapes = {n: tuple(draw(st.lists(st.integers(0, 9), min_size=0, max_size=3))) for n in NAMES}
+    dtypes = {n: draw(st.sampled_from(["float32", "bfloat16", "int64"])) for n in NAMES}
+
+    def spec(n, allow_shard):
+        shape = shapes[n]
+        shard = None
+        if allow_shard and shape and draw(st.booleans()):
+            dim = draw(st.integers(0, len(shape) - 1))
+            a = draw(st.integers(0, shape[dim]))
+            shard = (dim, a, draw(st.integers(a, shape[dim])))
+        dtype = dtypes[n] if draw(st.integers(0, 9)) else "float64"  # sometimes a mismatch
+        return tensor(n, shape, dtype, shard=shard, gatherable=draw(st.booleans()))
+
+    n_send, n_recv = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    senders = [participant(r, [spec(n, True) for n in draw(st.lists(st.sampled_from(NAMES), unique=True))],
+                           host=draw(st.sampled_from(["h0", "h1"])), device=f"cuda:{draw(st.integers(0, 1))}")
+               for r in range(n_send)]
+    receivers = [participant(r, [spec(n, True) for n in draw(st.lists(st.sampled_from(NAMES), unique=True))],
+                             host=draw(st.sampled_from(["h0", "h1", "h2"])), device=f"cuda:{draw(st.integers(0, 1))}")
+                 for r in range(n_recv)]
+    return senders, receivers
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(1, 64))
+def test_random_manifests_plan_fully_or_raise_plan_error(scenario, min_chunk):
+    senders, receivers = scenario
+    try:
+        routing = plan(senders, receivers, options=PlanOptions(min_chunk_bytes=min_chunk, chunks_per_receiver=3))
+    except errors.PlanError:
+        return
+    check_coverage(routing, receivers)
+    again = plan(senders, receivers, options=PlanOptions(min_chunk_bytes=min_chunk, chunks_per_receiver=3))
+    assert again == routing
