@@ -152,7 +152,10 @@ class Checksum:
 
 @struct
 class WriteSummary:
-    dst_rank: U32
+    """What one sender wrote to one receiver; ``peer_rank`` is the receiver in ``writes_done`` and the
+    sender in ``fence``."""
+
+    peer_rank: U32
     count: U32
     nbytes: U64
     checksums: tuple[Checksum, ...]

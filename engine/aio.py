@@ -1,0 +1,157 @@
+"""Small asyncio building blocks: a byte budget, a bounded closable channel, and structured gather.
+
+How this works: ``ByteBudget`` is a semaphore counted in bytes (a request larger than the whole
+budget is admitted alone, so nothing deadlocks). ``Channel`` is a bounded FIFO between two pipeline
+stages with trio-like semantics: ``close()`` ends it gracefully (the reader drains what is left, then
+gets ``ChannelClosed``), ``fail(exc)`` breaks it (both ends raise). ``run_all`` runs coroutines
+concurrently and, on the first failure, cancels the rest and waits for them before re-raising, so no
+task outlives its scope (Python 3.10 has no TaskGroup). ``install_uvloop`` picks uvloop when present.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any, Awaitable, Coroutine, Generic, Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+class ChannelClosed(Exception):
+    """The channel was closed and is empty."""
+
+
+class ByteBudget:
+    """At most ``limit`` bytes in flight; FIFO fair."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"byte budget must be positive, got {limit}")
+        self.limit = limit
+        self.in_use = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def __repr__(self) -> str:
+        return f"<ByteBudget {self.in_use}/{self.limit} bytes, {len(self._waiters)} waiting>"
+
+    async def acquire(self, nbytes: int) -> None:
+        if not self._waiters and self._fits(nbytes):
+            self.in_use += nbytes
+            return
+        fut = asyncio.get_running_loop().create_future()
+        entry = (nbytes, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            elif fut.done() and not fut.cancelled():
+                self.release(nbytes)  # granted just as we were cancelled: give it back
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.in_use -= nbytes
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, fut = self._waiters.popleft()
+            if not fut.done():
+                self.in_use += n
+                fut.set_result(None)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.in_use + nbytes <= self.limit or self.in_use == 0
+
+
+class Channel(Generic[T]):
+    """A bounded FIFO with explicit close (graceful) and fail (broken) states."""
+
+    def __init__(self, capacity: int) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=capacity)
+        self._closed = False
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = "broken" if self._error else "closed" if self._closed else "open"
+        return f"<Channel {state} {self._queue.qsize()}/{self._queue.maxsize}>"
+
+    async def send(self, item: T) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ChannelClosed("send on a closed channel")
+        await self._queue.put(item)
+
+    async def receive(self) -> T:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._closed and self._queue.empty():
+                raise ChannelClosed("channel closed")
+            item = await self._queue.get()
+            if item is _WAKE:
+                continue
+            return item
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._queue.put_nowait(_WAKE)  # unblock a waiting receiver
+        except asyncio.QueueFull:
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return await self.receive()
+        except ChannelClosed:
+            raise StopAsyncIteration from None
+
+
+_WAKE = object()
+
+
+async def run_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run concurrently; on the first error cancel the others, wait for them, then re-raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return []
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def shielded(aw: Awaitable[T]) -> T:
+    """Await cleanup even if the caller is being cancelled; cancellation is re-raised afterwards."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+
+
+def install_uvloop() -> bool:
+    """Use uvloop's event loop policy where the platform has it; returns whether it did."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True

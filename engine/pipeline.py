@@ -1,0 +1,143 @@
+"""The per-parameter pipeline: stage -> write -> complete, across many connections at once.
+
+How this works: a sender's routing table is split into one lane per receiver, keeping table order
+inside each lane. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
+stager prepares sources (views or staging copies, optional checksums) and the writer issues
+one-sided writes and waits for their completion, then fences the connection. All lanes share one
+``ByteBudget``: a transfer's bytes are held from staging until its write completes, bounding
+temporary memory and bytes in flight. The first failure cancels every lane; staging buffers and
+budget are returned on every path (``finally``), and the error propagates to the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Mapping, Sequence
+
+from wire import Transfer
+from wire.messages import Checksum, WriteSummary
+
+from .aio import ByteBudget, Channel, run_all
+from .errors import ConfigError
+from .staging import SourceSet, StagingPool
+from .transport import Connection
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    max_inflight_bytes: int = 512 * MiB  # staged or on the wire, all connections together
+    depth: int = 4  # prepared writes queued per connection ahead of the writer
+    checksum: str = ""  # "" (off) or "crc32"
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes <= 0:
+            raise ConfigError("max_inflight_bytes", f"must be positive, got {self.max_inflight_bytes}")
+        if self.depth < 1:
+            raise ConfigError("depth", f"must be at least 1, got {self.depth}")
+        if self.checksum not in ("", "crc32"):
+            raise ConfigError("checksum", f"unknown checksum {self.checksum!r} (use '' or 'crc32')")
+
+
+@dataclasses.dataclass
+class LaneReport:
+    count: int = 0
+    nbytes: int = 0
+    checksums: list = dataclasses.field(default_factory=list)
+    stage_s: float = 0.0
+    write_s: float = 0.0
+
+
+@dataclasses.dataclass
+class PushReport:
+    lanes: dict[int, LaneReport]
+    seconds: float
+
+    def summaries(self) -> tuple[WriteSummary, ...]:
+        return tuple(
+            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums))
+            for rank, lane in sorted(self.lanes.items())
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lane.nbytes for lane in self.lanes.values())
+
+    @property
+    def stage_s(self) -> float:
+        return sum(lane.stage_s for lane in self.lanes.values())
+
+    @property
+    def write_s(self) -> float:
+        return sum(lane.write_s for lane in self.lanes.values())
+
+
+class Pipeline:
+    def __init__(self, sources: SourceSet, options: PipelineOptions = PipelineOptions(),
+                 pool: StagingPool | None = None) -> None:
+        self.sources = sources
+        self.options = options
+        self.pool = pool or StagingPool()
+        self.budget = ByteBudget(options.max_inflight_bytes)  # replaced per run: a failed run leaks nothing
+        self.runs = 0
+
+    def __repr__(self) -> str:
+        return f"<Pipeline runs={self.runs} {self.budget!r} {self.pool!r}>"
+
+    async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection]) -> PushReport:
+        """Write every transfer, fence every connection used; return what went to whom."""
+        lanes: dict[int, list[Transfer]] = defaultdict(list)
+        for t in transfers:
+            lanes[t.dst_rank].append(t)
+        missing = sorted(set(lanes) - set(conns))
+        if missing:
+            raise ConfigError("connections", f"no connection to receivers {missing}")
+        reports = {rank: LaneReport() for rank in lanes}
+        self.budget = ByteBudget(self.options.max_inflight_bytes)
+        start = time.perf_counter()
+        await run_all(self._lane(conns[r], ts, reports[r]) for r, ts in sorted(lanes.items()))
+        self.runs += 1
+        return PushReport(reports, time.perf_counter() - start)
+
+    async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport) -> None:
+        channel: Channel = Channel(self.options.depth)
+        await run_all([self._stager(transfers, channel, report), self._writer(conn, channel, report)])
+        await conn.fence()
+
+    async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport) -> None:
+        want = self.options.checksum == "crc32"
+        try:
+            for t in transfers:
+                await self.budget.acquire(t.nbytes)
+                handed_over = False
+                try:
+                    t0 = time.perf_counter()
+                    staged = await self.sources.stage(t, self.pool, want)
+                    report.stage_s += time.perf_counter() - t0
+                    await channel.send((t, staged))
+                    handed_over = True
+                finally:
+                    if not handed_over:
+                        self.budget.release(t.nbytes)
+            channel.close()
+        except BaseException as exc:
+            channel.fail(exc)
+            raise
+
+    async def _writer(self, conn: Connection, channel: Channel, report: LaneReport) -> None:
+        async for t, staged in channel:
+            try:
+                t0 = time.perf_counter()
+                await conn.write(staged.tensor, t.dst_region, t.dst_offset)
+                report.write_s += time.perf_counter() - t0
+            finally:
+                self.budget.release(t.nbytes)
+                if staged.pooled:
+                    self.pool.give(staged.tensor)
+            report.count += 1
+            report.nbytes += t.nbytes
+            if staged.checksum is not None:
+                report.checksums.append(Checksum(t.index, staged.checksum))

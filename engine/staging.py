@@ -1,0 +1,120 @@
+"""Sender-side source preparation: a routing-table row -> a contiguous tensor whose bytes can be written.
+
+How this works: ``SourceSet`` holds the sender's named tensors (and shard specs, if it holds shards).
+``plan_staging`` (pure) decides per transfer whether the source can be written in place (a
+contiguous view: whole tensor or a dim-0 slice of a contiguous one) or needs a copy into a staging
+buffer (non-contiguous, a slice along another dim, a transform, or a device the transport cannot
+read). ``stage`` carries that out; large copies run in a worker thread so the event loop keeps
+serving other connections. Staging buffers come from a ``StagingPool`` and go back after the write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from wire import ShardSpec, Transfer
+
+from .errors import StagingError
+from .tensors import byte_view, checksum
+
+THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off the event loop
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Staged:
+    """A ready-to-write source: ``tensor`` is contiguous; ``pooled`` says it must go back to the pool."""
+
+    tensor: torch.Tensor
+    pooled: bool
+    checksum: Optional[int] = None
+
+
+class StagingPool:
+    """Reusable CPU (optionally pinned) byte buffers, by size class, bounded by the byte budget."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated = 0
+        self.reused = 0
+
+    def __repr__(self) -> str:
+        return f"<StagingPool allocated={self.allocated} reused={self.reused}>"
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = 1 << max(nbytes - 1, 0).bit_length()
+        bucket = self.free.get(size)
+        if bucket:
+            self.reused += 1
+            return bucket.pop()[:nbytes]
+        self.allocated += 1
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)[:nbytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        self.free.setdefault(base.numel(), []).append(base)
+
+
+class SourceSet:
+    """The tensors a sender can read, by name; ``shards`` for names it holds only a slice of."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] = {},
+                 transforms: Mapping[str, Transform] = {}) -> None:
+        self.tensors = dict(tensors)
+        self.shards = dict(shards)
+        self.transforms = dict(transforms)
+
+    def view(self, t: Transfer) -> torch.Tensor:
+        """The source region of ``t`` as a (possibly non-contiguous) view, in local coordinates."""
+        try:
+            src = self.tensors[t.name]
+        except KeyError:
+            raise StagingError(t.name, "the routing table names a tensor this sender does not hold") from None
+        if t.slice is None:
+            return src
+        shard = self.shards.get(t.name)
+        base = shard.start if shard is not None and shard.dim == t.slice.dim else 0
+        start = t.slice.start - base
+        if start < 0 or t.slice.stop - base > src.shape[t.slice.dim]:
+            raise StagingError(t.name, f"slice {t.slice} is outside the rows this sender holds")
+        return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
+
+    def needs_copy(self, t: Transfer, view: torch.Tensor) -> bool:
+        return bool(t.transform) or not view.is_contiguous() or view.device.type != "cpu"
+
+    async def stage(self, t: Transfer, pool: StagingPool, want_checksum: bool) -> Staged:
+        view = self.view(t)
+        if t.transform:
+            fn = self.transforms.get(t.transform)
+            if fn is None:
+                raise StagingError(t.name, f"unknown transform {t.transform!r}")
+            view = fn(view)
+        nbytes = view.numel() * view.element_size()
+        if nbytes != t.nbytes:
+            raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")
+        if not self.needs_copy(t, view):
+            staged = Staged(view, pooled=False)
+        else:
+            buf = pool.take(nbytes)
+            dst = buf.view(view.dtype).view(view.shape) if nbytes else buf
+            if nbytes > THREAD_THRESHOLD:
+                await asyncio.to_thread(_copy, dst, view)
+            elif nbytes:
+                _copy(dst, view)
+            staged = Staged(dst, pooled=True)
+        if want_checksum:
+            data = byte_view(staged.tensor)
+            staged.checksum = await asyncio.to_thread(checksum, data) if nbytes > THREAD_THRESHOLD else checksum(data)
+        return staged
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+    if src.device.type == "cuda":
+        torch.cuda.current_stream(src.device).synchronize()

@@ -1,0 +1,106 @@
+"""The transport contract, and a lazy-import registry of backends.
+
+How this works: a ``Transport`` is one worker's data-plane endpoint. The target side (a receiver)
+``register`` s whole allocations as numbered regions and ``describe`` s them (an opaque descriptor
+that travels in manifests); its agent lands incoming bytes straight into them and keeps per-source
+counters. The initiator (a sender) ``connect`` s to a peer from its ``PeerInfo`` and gets a
+``Connection``: ``write`` puts a byte range of a local tensor into (region, offset) of the peer and
+completes when the source may be reused; ``fence`` completes only once every earlier write on that
+connection is visible at the target, and checks the target's byte counts against ours. Everything is
+awaitable; nothing blocks the event loop.
+
+Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on
+a machine that does not ask for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+from wire import PeerInfo, RegionInfo, TransportInfo
+
+from .errors import ConfigError, TransportUnavailable
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportOptions:
+    """Where a transport listens and what it advertises. Loopback unless told otherwise."""
+
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: Optional[str] = None  # the address peers connect to (defaults to bind_host)
+    host_id: Optional[str] = None  # host identity for locality (defaults to the machine's hostname)
+    device: str = "cpu"
+
+
+@dataclasses.dataclass
+class SourceCounters:
+    """What a target received from one source since the last reset."""
+
+    count: int = 0
+    nbytes: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+@runtime_checkable
+class Connection(Protocol):
+    peer: str
+
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> None:
+        """Write the bytes of ``src`` (contiguous) into the peer's region at an offset."""
+
+    async def fence(self) -> None:
+        """Return once every earlier write is visible at the target; raise if any failed."""
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    kind: str
+
+    async def start(self, rank: int) -> TransportInfo:
+        """Open the endpoint (a target also starts its agent); returns how peers reach it."""
+
+    def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
+        """Make a whole allocation (1-D uint8 tensor) writable by peers as ``region_id``."""
+
+    def deregister(self, region_id: int) -> None: ...
+
+    async def connect(self, peer: PeerInfo) -> Connection: ...
+
+    def reset_counters(self) -> None:
+        """Target side: forget what was received (at the start of a round)."""
+
+    def counters(self) -> dict[int, SourceCounters]:
+        """Target side: what each source rank delivered since the last reset."""
+
+    async def close(self) -> None: ...
+
+
+BACKENDS: dict[str, str] = {
+    "tcp": "engine.transports.tcp:TcpTransport",
+    "memory": "engine.transports.memory:MemoryTransport",
+}
+
+
+def register_backend(kind: str, target: str) -> None:
+    """Add a backend as ``module:Class`` (imported on first use)."""
+    BACKENDS[kind] = target
+
+
+def create_transport(kind: str, options: TransportOptions = TransportOptions()) -> Transport:
+    try:
+        target = BACKENDS[kind]
+    except KeyError:
+        raise ConfigError("transport", f"unknown transport {kind!r}; known: {', '.join(sorted(BACKENDS))}") from None
+    module_name, _, cls_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TransportUnavailable(f"transport {kind!r} cannot be imported here: {exc}") from exc
+    return getattr(module, cls_name)(options)

@@ -1,0 +1,1 @@
+"""Transport backends (imported lazily through engine.transport.create_transport)."""

@@ -1,0 +1,312 @@
+"""The TCP transport: real sockets, pure asyncio, zero-copy on both ends.
+
+How this works. Target side: an asyncio server whose per-connection ``_AgentProtocol`` is a
+``BufferedProtocol`` state machine. For a WRITE it hands the event loop a memoryview of the
+destination region at (region, offset) as the receive buffer, so the kernel copies straight from the
+socket into tensor memory (``recv_into``). A write that is out of bounds is drained into a scratch
+buffer and recorded as an error, never applied. For a FENCE it answers with the cumulative count and
+bytes it has landed from that connection, and any errors.
+
+Initiator side: ``TcpConnection.write`` sends a 21-byte header and the payload with ``sendmsg``
+straight from the tensor's memory (no copy), waiting for writability when the socket is full; it
+completes when the kernel has taken every byte (the source may then be reused). Writes on one
+connection are serialised by a FIFO lock; several connections progress at once. ``fence`` sends a
+FENCE, awaits the matching ACK and compares the target's counts with ours.
+
+Frame (little-endian): op u8, a u32, b u64, c u64. HELLO: a=source rank, b=magic|version.
+WRITE: a=region, b=offset, c=nbytes, then nbytes of payload. FENCE: b=sequence number.
+ACK (target -> initiator): op u8, seq u64, count u64, nbytes u64, error-text length u16, error text.
+docs/TRANSPORTS.md has the full description.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Optional
+
+import torch
+
+from wire import PeerInfo, RegionInfo, TransportInfo
+
+from ..errors import ConnectionClosed, TransportError
+from ..tensors import byte_view
+from ..transport import SourceCounters, TransportOptions
+
+HEADER = struct.Struct("<BIQQ")
+ACK = struct.Struct("<BQQQH")
+OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK = 0, 1, 2, 3
+MAGIC = 0x57535443_0001  # "WSTC", version 1
+SCRATCH = 1 << 20
+
+
+class TcpTransport:
+    kind = "tcp"
+
+    def __init__(self, options: TransportOptions = TransportOptions()) -> None:
+        self.options = options
+        self.rank = -1
+        self.regions: dict[int, memoryview] = {}
+        self._tensors: dict[int, torch.Tensor] = {}
+        self._counters: dict[int, SourceCounters] = {}
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._agents: set[_AgentProtocol] = set()
+        self.address = ""
+
+    def __repr__(self) -> str:
+        return f"<TcpTransport {self.address or 'not started'} regions={len(self.regions)} agents={len(self._agents)}>"
+
+    async def start(self, rank: int) -> TransportInfo:
+        self.rank = rank
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _AgentProtocol(self), self.options.bind_host,
+                                                self.options.port, reuse_address=True)
+        port = self._server.sockets[0].getsockname()[1]
+        host = self.options.advertise_host or self.options.bind_host
+        self.address = f"{host}:{port}"
+        host_id = self.options.host_id or socket.gethostname()
+        return TransportInfo(self.kind, host_id, self.address, self.options.device, b"")
+
+    def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
+        self.regions[region_id] = byte_view(buffer)
+        self._tensors[region_id] = buffer
+        size = buffer.numel() * buffer.element_size()
+        return RegionInfo(region_id, size, str(buffer.device), struct.pack("<IQ", region_id, size))
+
+    def deregister(self, region_id: int) -> None:
+        self.regions.pop(region_id, None)
+        self._tensors.pop(region_id, None)
+
+    async def connect(self, peer: PeerInfo) -> "TcpConnection":
+        host, _, port = peer.transport.address.rpartition(":")
+        name = f"receiver/{peer.rank}"
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await loop.sock_connect(sock, (host.strip("[]"), int(port)))
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot connect to {peer.transport.address}: {exc}", peer=name) from exc
+        conn = TcpConnection(sock, name)
+        await conn.hello(self.rank)
+        return conn
+
+    def reset_counters(self) -> None:
+        self._counters = {}
+
+    def counters(self) -> dict[int, SourceCounters]:
+        return dict(self._counters)
+
+    def _count(self, source: int) -> SourceCounters:
+        c = self._counters.get(source)
+        if c is None:
+            c = self._counters[source] = SourceCounters()
+        return c
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for agent in list(self._agents):
+                agent.transport.close()
+            await self._server.wait_closed()
+            self._server = None
+
+
+class _AgentProtocol(asyncio.BufferedProtocol):
+    """Target side of one connection: header -> payload (into the region) or drain -> header ..."""
+
+    def __init__(self, owner: TcpTransport) -> None:
+        self.owner = owner
+        self.header = bytearray(HEADER.size)
+        self.scratch = bytearray(SCRATCH)
+        self.target: memoryview = memoryview(self.header)
+        self.pos = 0
+        self.state = "header"
+        self.drain_left = 0
+        self.source = -1
+        self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
+        self.landed_bytes = 0
+        self.errors: list[str] = []
+        self.transport: asyncio.Transport
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.owner._agents.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.owner._agents.discard(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state == "drain":
+            return memoryview(self.scratch)[: min(SCRATCH, self.drain_left)]
+        return self.target[self.pos:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.state == "drain":
+            self.drain_left -= nbytes
+            if self.drain_left == 0:
+                self._expect_header()
+            return
+        self.pos += nbytes
+        if self.pos < len(self.target):
+            return
+        if self.state == "header":
+            self._on_header(*HEADER.unpack(self.header))
+        else:  # payload complete
+            self._landed(len(self.target))
+            self._expect_header()
+
+    def _expect_header(self) -> None:
+        self.state, self.target, self.pos = "header", memoryview(self.header), 0
+
+    def _landed(self, nbytes: int) -> None:
+        self.landed_count += 1
+        self.landed_bytes += nbytes
+        c = self.owner._count(self.source)
+        c.count += 1
+        c.nbytes += nbytes
+
+    def _on_header(self, op: int, a: int, b: int, c: int) -> None:
+        self.pos = 0
+        if op == OP_WRITE:
+            region = self.owner.regions.get(a)
+            if region is None or b + c > len(region):
+                size = "missing" if region is None else f"{len(region)} bytes"
+                self._error(f"write of {c} bytes at region {a} offset {b} is out of bounds (region {size})")
+                if c:
+                    self.state, self.drain_left = "drain", c
+                return
+            if c == 0:
+                self._landed(0)
+                return
+            self.state, self.target = "payload", region[b:b + c]
+        elif op == OP_FENCE:
+            text = "; ".join(self.errors)[:1000].encode()
+            self.errors = []
+            self.transport.write(ACK.pack(OP_ACK, b, self.landed_count, self.landed_bytes, len(text)) + text)
+        elif op == OP_HELLO and b == MAGIC:
+            self.source = a
+        else:
+            self._error(f"unknown frame op={op} (or bad hello); closing")
+            self.transport.close()
+
+    def _error(self, text: str) -> None:
+        self.errors.append(text)
+        self.owner._count(self.source).errors.append(text)
+
+
+class TcpConnection:
+    """Initiator side of one connection to a receiver's agent."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.lock = asyncio.Lock()
+        self.sent_count = 0
+        self.sent_bytes = 0
+        self._seq = 0
+        self._acks: dict[int, asyncio.Future] = {}
+        self._closed = False
+        self._reader = asyncio.ensure_future(self._read_acks())
+
+    def __repr__(self) -> str:
+        return f"<TcpConnection to {self.peer} sent={self.sent_count} writes/{self.sent_bytes} bytes>"
+
+    async def hello(self, rank: int) -> None:
+        async with self.lock:
+            await self._send([HEADER.pack(OP_HELLO, rank, MAGIC, 0)])
+
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> None:
+        payload = byte_view(src)
+        header = HEADER.pack(OP_WRITE, dst_region, dst_offset, len(payload))
+        async with self.lock:
+            await self._send([header, payload])
+            self.sent_count += 1
+            self.sent_bytes += len(payload)
+
+    async def fence(self) -> None:
+        self._seq += 1
+        seq = self._seq
+        fut = self.loop.create_future()
+        self._acks[seq] = fut
+        async with self.lock:
+            await self._send([HEADER.pack(OP_FENCE, 0, seq, 0)])
+            want = (self.sent_count, self.sent_bytes)
+        count, nbytes, errors = await fut
+        if errors:
+            raise TransportError(f"target reported: {errors}", peer=self.peer)
+        if (count, nbytes) != want:
+            raise TransportError(f"target landed {count} writes/{nbytes} bytes, we sent {want[0]}/{want[1]}",
+                                 peer=self.peer)
+
+    async def _send(self, buffers: list) -> None:
+        if self._closed:
+            raise ConnectionClosed("connection is closed", peer=self.peer)
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        try:
+            while views:
+                try:
+                    sent = self.sock.sendmsg(views)
+                except (BlockingIOError, InterruptedError):
+                    await self._writable()
+                    continue
+                while sent:
+                    if sent >= len(views[0]):
+                        sent -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        except OSError as exc:
+            self._fail(ConnectionClosed(f"send failed: {exc}", peer=self.peer))
+            raise ConnectionClosed(f"send failed: {exc}", peer=self.peer) from exc
+
+    async def _writable(self) -> None:
+        fut = self.loop.create_future()
+        fd = self.sock.fileno()
+        self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self.loop.remove_writer(fd)
+
+    async def _read_acks(self) -> None:
+        buf = bytearray()
+        try:
+            while True:
+                chunk = await self.loop.sock_recv(self.sock, 65536)
+                if not chunk:
+                    raise ConnectionClosed("receiver closed the connection", peer=self.peer)
+                buf += chunk
+                while len(buf) >= ACK.size:
+                    op, seq, count, nbytes, tlen = ACK.unpack_from(buf)
+                    if len(buf) < ACK.size + tlen:
+                        break
+                    text = bytes(buf[ACK.size:ACK.size + tlen]).decode(errors="replace")
+                    del buf[:ACK.size + tlen]
+                    fut = self._acks.pop(seq, None)
+                    if op == OP_ACK and fut is not None and not fut.done():
+                        fut.set_result((count, nbytes, text))
+        except asyncio.CancelledError:
+            raise
+        except (OSError, TransportError) as exc:
+            err = exc if isinstance(exc, TransportError) else ConnectionClosed(str(exc), peer=self.peer)
+            self._fail(err)
+
+    def _fail(self, exc: TransportError) -> None:
+        self._closed = True
+        for fut in self._acks.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._acks.clear()
+
+    async def close(self) -> None:
+        if not self._reader.done():
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._fail(ConnectionClosed("connection closed", peer=self.peer))
+        self.sock.close()

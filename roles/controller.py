@@ -1,0 +1,531 @@
+"""``Controller``: admits workers, plans routing, and runs update rounds over one ZeroMQ ROUTER.
+
+How this works: one receive loop handles every message in order. ``hello`` goes through admission
+(version, rank range, duplicate rank, manifest consistency; a ``reject`` otherwise); identity comes
+from the hello, never from arrival order. Once the configured senders and receivers have joined, the
+planner runs (in a worker thread) and each worker gets its table; a membership change later (a worker
+lost, left or rejoined) triggers a re-plan between rounds. When every planned sender has pushed v, a
+round task runs begin -> writes_done -> fence -> commit -> commit_ack, or sends ``abort`` on any failure
+(a participant's error, a failed verification, a lost peer, a deadline). A heartbeat loop keeps peers
+alive and drops silent ones. Round reports are kept for ``status`` and ``wait_round``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from engine.aio import shielded
+from engine.errors import ConfigError, PlanError, RoundAborted
+from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, build_pieces, plan
+from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
+from wire import messages as m
+from wire.errors import ProtocolError, RemoteProtocolError, VersionMismatch
+
+from .channel import ControlChannel
+from .rounds import RoundReport, RoundState
+from .status import controller_status
+
+log = logging.getLogger("weightsync")
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerOptions:
+    heartbeat_s: float = 0.5
+    timeout_s: float = 5.0
+    checksum: str = ""  # "crc32": senders checksum every transfer, receivers verify after the fence
+    round_timeout_s: Optional[float] = None
+    link: LinkModel = LinkModel()
+    plan: PlanOptions = PlanOptions()
+    limits: Limits = DEFAULT_LIMITS
+    keep_reports: int = 100
+
+
+@dataclasses.dataclass
+class Peer:
+    identity: bytes
+    hello: m.Hello
+    session: Session
+    last_seen: float
+
+    @property
+    def key(self) -> tuple[Role, int]:
+        return (self.hello.role, self.hello.rank)
+
+    @property
+    def name(self) -> str:
+        return f"{self.hello.role.value}/{self.hello.rank}"
+
+
+class Controller:
+    def __init__(self, bind_addr: str = "tcp://127.0.0.1:0", *, senders: int, receivers: int,
+                 options: ControllerOptions = ControllerOptions(),
+                 on_round: Optional[Callable[[RoundReport], Any]] = None) -> None:
+        if senders < 1 or receivers < 0:
+            raise ConfigError("senders", f"need at least one sender, got senders={senders} receivers={receivers}")
+        self.bind_addr = bind_addr
+        self.expected = {Role.SENDER: senders, Role.RECEIVER: receivers}
+        self.options = options
+        self.on_round = on_round
+        self.address = ""
+        self.peers: dict[bytes, Peer] = {}
+        self.by_rank: dict[tuple[Role, int], bytes] = {}
+        self.plan: Optional[RoutingPlan] = None
+        self.plan_error: Optional[PlanError] = None
+        self.plan_members: frozenset[tuple[Role, int]] = frozenset()
+        self.planned_once = False
+        self.reports: list[RoundReport] = []
+        self.committed: Optional[int] = None
+        self.round: Optional[RoundState] = None
+        self._plan_ids = 0
+        self._acks_pending: set[tuple[Role, int]] = set()
+        self._planning: Optional[asyncio.Task] = None
+        self._round_task: Optional[asyncio.Task] = None
+        self._pushes: dict[int, set[int]] = {}
+        self._ready = asyncio.Event()
+        self._round_waiters: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._ctx: Optional[zmq.asyncio.Context] = None
+        self._chan: Optional[ControlChannel] = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"<Controller {self.address} peers={len(self.peers)} plan={self.plan.plan_id if self.plan else None} "
+                f"committed=v{self.committed} rounds={len(self.reports)} {self.round!r}>")
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Controller":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._chan = ControlChannel(self._ctx, zmq.ROUTER, "controller", limits=self.options.limits)
+        self._chan.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            self.address = self._chan.bind(self.bind_addr)
+        except zmq.ZMQError as exc:
+            self._chan.close()
+            self._ctx.term()
+            raise ConfigError("bind_addr", f"cannot bind {self.bind_addr}: {exc}") from exc
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await shielded(self._teardown())
+
+    async def _teardown(self) -> None:
+        if self.round is not None:
+            self.round.abort(m.AbortReason.SHUTDOWN, "controller shutting down")
+        for task in [*self._tasks, self._round_task, self._planning]:
+            if task is not None and not task.done():
+                task.cancel()
+        await asyncio.gather(*[t for t in [*self._tasks, self._round_task, self._planning] if t],
+                             return_exceptions=True)
+        for peer in list(self.peers.values()):
+            if peer.session.allowed(Origin.CONTROLLER, m.Leave.TYPE):
+                try:
+                    await self._send(peer, m.Leave("controller shutting down"))
+                except zmq.ZMQError:
+                    pass
+        for fut in self._round_waiters.values():
+            if not fut.done():
+                fut.set_exception(RoundAborted(-1, m.AbortReason.SHUTDOWN, "controller closed"))
+        if self._chan is not None:
+            self._chan.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # --- public API -------------------------------------------------------------------------------
+
+    async def wait_ready(self) -> RoutingPlan:
+        """Wait until a plan has been computed and acknowledged by every worker in it."""
+        await self._ready.wait()
+        return self.plan
+
+    async def wait_round(self, version: int) -> RoundReport:
+        """Wait for the round of ``version``; returns its report or raises ``RoundAborted``."""
+        for report in self.reports:
+            if report.version == version:
+                return self._report_or_raise(report)
+        fut = self._round_waiters.setdefault(version, asyncio.get_running_loop().create_future())
+        return await asyncio.shield(fut)
+
+    def update(self, version: int) -> None:
+        """Start a round for ``version`` without waiting for pushes (the daemon's and CLI's way)."""
+        self._check_version(version)
+        self._start_round(version)
+
+    def status(self) -> dict:
+        return controller_status(self)
+
+    # --- receive loop -----------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                identity, env = await self._chan.recv()
+            except VersionMismatch as exc:
+                await self._reject_version(exc)
+                continue
+            except ProtocolError as exc:
+                log.warning("controller: bad message from %r: %s", getattr(exc, "peer", None), exc)
+                peer_id = getattr(exc, "peer", None)
+                if peer_id is not None:
+                    await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, str(exc), getattr(exc, "field", ""), None),
+                                          to=peer_id)
+                continue
+            try:
+                await self._dispatch(identity, env)
+            except zmq.ZMQError:
+                raise
+            except Exception:  # one bad message must not take the controller down
+                log.exception("controller: failed to handle %s from %r", env.type, identity)
+
+    async def _dispatch(self, identity: bytes, env: Envelope) -> None:
+        body = env.body
+        if isinstance(body, m.StatusRequest):
+            await self._chan.send(m.StatusReply(self.status()), to=identity, parent_id=env.msg_id)
+            return
+        if isinstance(body, m.CommandRequest):
+            await self._command(identity, env)
+            return
+        peer = self.peers.get(identity)
+        if isinstance(body, m.Hello) and peer is None:
+            await self._admit(identity, env)
+            return
+        if peer is None:
+            await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, f"{env.type} before hello", "", env.version),
+                                  to=identity, parent_id=env.msg_id)
+            return
+        peer.last_seen = time.monotonic()
+        try:
+            peer.session.receive(env.type)
+        except RemoteProtocolError as exc:
+            log.warning("controller: %s: %s", peer.name, exc)
+            await self._send(peer, m.Error(m.ErrorCode.PROTOCOL, str(exc), env.type, env.version))
+            return
+        handler = getattr(self, f"_on_{env.type}", None)
+        if handler is not None:
+            await handler(peer, env)
+
+    async def _reject_version(self, exc: VersionMismatch) -> None:
+        peer_id = getattr(exc, "peer", None)
+        if peer_id is None:
+            return
+        body = m.Reject(m.RejectCode.VERSION_MISMATCH, str(exc), PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
+                        exc.theirs[0], exc.theirs[1])
+        await self._chan.send(body, to=peer_id, parent_id=exc.header.msg_id)
+
+    # --- admission --------------------------------------------------------------------------------
+
+    async def _admit(self, identity: bytes, env: Envelope) -> None:
+        hello: m.Hello = env.body
+        code, text = self._admission_problem(hello)
+        session = Session(hello.role, Origin.CONTROLLER)
+        session.receive(m.Hello.TYPE)
+        if code is not None:
+            log.warning("controller: rejecting %s/%d: %s", hello.role.value, hello.rank, text)
+            body = m.Reject(code, text, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1], hello.proto_major, hello.proto_minor)
+            await self._chan.send(body, to=identity, parent_id=env.msg_id)
+            return
+        peer = Peer(identity, hello, session, time.monotonic())
+        self.peers[identity] = peer
+        self.by_rank[peer.key] = identity
+        welcome = m.Welcome(f"{peer.name}@{self.address}", PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
+                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum",))
+        await self._send(peer, welcome, parent_id=env.msg_id)
+        log.info("controller: %s joined from %s (%s)", peer.name, hello.host, hello.transport.address)
+        self._maybe_plan()
+
+    def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
+        if hello.proto_major != PROTOCOL_VERSION[0]:
+            return m.RejectCode.VERSION_MISMATCH, f"protocol {hello.proto_major}.{hello.proto_minor} is not compatible"
+        limit = self.expected[hello.role]
+        if hello.rank >= limit:
+            return m.RejectCode.BAD_RANK, f"{hello.role.value} rank {hello.rank} is outside 0..{limit - 1}"
+        old = self.by_rank.get((hello.role, hello.rank))
+        if old is not None:
+            return m.RejectCode.DUPLICATE_RANK, f"{hello.role.value}/{hello.rank} is already joined (and alive)"
+        try:
+            self._check_manifests(hello)
+        except PlanError as exc:
+            return m.RejectCode.MANIFEST_MISMATCH, str(exc)
+        return None, ""
+
+    def _check_manifests(self, hello: m.Hello) -> None:
+        """Check the newcomer against everyone joined so far; raises PlanError naming the culprit."""
+        senders, receivers = self._participants()
+        newcomer = Participant(hello.rank, hello.manifest, hello.transport)
+        if hello.role is Role.SENDER:
+            senders = [*senders, newcomer]
+        else:
+            receivers = [*receivers, newcomer]
+        if senders:
+            build_pieces(senders, receivers)
+
+    def _participants(self) -> tuple[list[Participant], list[Participant]]:
+        out: dict[Role, list[Participant]] = {Role.SENDER: [], Role.RECEIVER: []}
+        for peer in self.peers.values():
+            out[peer.hello.role].append(Participant(peer.hello.rank, peer.hello.manifest, peer.hello.transport))
+        return out[Role.SENDER], out[Role.RECEIVER]
+
+    # --- planning ---------------------------------------------------------------------------------
+
+    def _maybe_plan(self) -> None:
+        if self._planning is not None or self._round_task is not None or self._acks_pending:
+            return
+        if any(p.session.state is State.PLAN_RECEIVED for p in self.peers.values()):
+            return  # a plan may only follow an acknowledged one; the ack will call us again
+        members = frozenset(self.by_rank)
+        if members == self.plan_members and (self.plan is not None or self.plan_error is not None):
+            return
+        counts = {role: sum(1 for r, _ in members if r is role) for role in Role}
+        if not self.planned_once and any(counts[r] < self.expected[r] for r in Role):
+            return  # the first plan waits for everyone configured
+        if counts[Role.SENDER] == 0 or counts[Role.RECEIVER] == 0:
+            return  # nothing to plan: wait for members
+        self._ready.clear()
+        self._planning = asyncio.ensure_future(self._plan(members))
+
+    async def _plan(self, members: frozenset) -> None:
+        senders, receivers = self._participants()
+        self._plan_ids += 1
+        plan_id = self._plan_ids
+        try:
+            routing = await asyncio.to_thread(plan, senders, receivers, self.options.link, self.options.plan,
+                                              {}, plan_id)
+        except PlanError as exc:
+            log.error("controller: cannot plan: %s", exc)
+            self.plan, self.plan_error, self.plan_members = None, exc, members
+            for peer in self.peers.values():
+                await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
+            self._planning = None
+            return
+        self.plan, self.plan_error, self.plan_members, self.planned_once = routing, None, members, True
+        self._acks_pending = set()
+        for peer in list(self.peers.values()):
+            if peer.hello.role is Role.SENDER:
+                body = m.Plan(plan_id, routing.senders[peer.hello.rank], None)
+            else:
+                body = m.Plan(plan_id, None, routing.receivers[peer.hello.rank])
+            self._acks_pending.add(peer.key)
+            await self._send(peer, body)
+        self._planning = None
+        log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
+
+    async def _on_plan_ack(self, peer: Peer, env: Envelope) -> None:
+        current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
+        if current:
+            self._acks_pending.discard(peer.key)
+            if not env.body.ok:
+                log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
+                self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
+            if not self._acks_pending and self.plan_error is None:
+                self._ready.set()
+                self._maybe_start_rounds()
+        self._maybe_plan()
+
+    # --- rounds -----------------------------------------------------------------------------------
+
+    def _check_version(self, version: int) -> None:
+        floor = max([v for v in (self.committed, self.round.version if self.round else None) if v is not None],
+                    default=-1)
+        if version <= floor:
+            raise ConfigError("version", f"version {version} is not newer than {floor}: versions only move forward")
+
+    async def _on_push(self, peer: Peer, env: Envelope) -> None:
+        version = env.body.version
+        try:
+            self._check_version(version)
+        except ConfigError as exc:
+            await self._send(peer, m.Error(m.ErrorCode.BAD_REQUEST, str(exc), "version", version), version=version)
+            return
+        self._pushes.setdefault(version, set()).add(peer.hello.rank)
+        self._maybe_start_rounds()
+
+    def _maybe_start_rounds(self) -> None:
+        if self._round_task is not None or not self._ready.is_set() or self.plan is None:
+            return
+        planned = {r for role, r in self.plan_members if role is Role.SENDER}
+        for version in sorted(self._pushes):
+            if self._pushes[version] >= planned:
+                del self._pushes[version]
+                self._start_round(version)
+                return
+
+    def _start_round(self, version: int) -> None:
+        if self.plan is None or not self._ready.is_set() or self._round_task is not None:
+            raise ConfigError("round", "no acknowledged plan yet, or a round is already running")
+        senders = {r for role, r in self.plan_members if role is Role.SENDER}
+        receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
+        self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)
+        self._round_task = asyncio.ensure_future(self._run_round(self.round))
+
+    async def _run_round(self, rnd: RoundState) -> None:
+        try:
+            await self._round_steps(rnd)
+        except RoundAborted as exc:
+            rnd.abort(exc.reason, exc.text, exc.culprit)  # no-op when the round recorded it already
+            await self._send_aborts(rnd)
+        finally:
+            report = rnd.report()
+            self._finish_round(rnd, report)
+
+    async def _round_steps(self, rnd: RoundState) -> None:
+        deadline = self.options.round_timeout_s
+        for key in sorted(self.plan_members):
+            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum), version=rnd.version)
+        await self._stage(rnd, "writes_done", deadline)
+        rnd.stage = "fencing"
+        for r in sorted(rnd.receivers):
+            await self._send_to((Role.RECEIVER, r), m.Fence(rnd.version, rnd.fence_for(r)), version=rnd.version)
+        await self._stage(rnd, "fenced", deadline)
+        rnd.stage = "committing"
+        rnd.committed = True
+        for key in sorted(self.plan_members):
+            if key in self.by_rank:
+                await self._send_to(key, m.Commit(rnd.version), version=rnd.version)
+        await self._stage(rnd, "applied", deadline)
+        rnd.stage = "done"
+
+    async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(rnd.futures[stage]), deadline)
+        except asyncio.TimeoutError:
+            rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s")
+            await rnd.futures[stage]
+
+    async def _send_aborts(self, rnd: RoundState) -> None:
+        a = rnd.aborted
+        log.warning("controller: %s", a)
+        for key in sorted(self.plan_members):
+            peer = self.peers.get(self.by_rank.get(key, b""))
+            if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Abort.TYPE):
+                await self._send(peer, m.Abort(rnd.version, a.reason, a.text, a.culprit), version=rnd.version)
+
+    def _finish_round(self, rnd: RoundState, report: RoundReport) -> None:
+        if report.ok:
+            self.committed = rnd.version
+        self.reports.append(report)
+        del self.reports[:-self.options.keep_reports]
+        self.round, self._round_task = None, None
+        fut = self._round_waiters.pop(rnd.version, None)
+        if fut is not None and not fut.done():
+            try:
+                fut.set_result(self._report_or_raise(report))
+            except RoundAborted as exc:
+                fut.set_exception(exc)
+        if self.on_round is not None:
+            self.on_round(report)
+        self._maybe_plan()
+        self._maybe_start_rounds()
+
+    @staticmethod
+    def _report_or_raise(report: RoundReport) -> RoundReport:
+        if not report.ok:
+            reason, _, text = report.reason.partition(": ")
+            raise RoundAborted(report.version, reason, text, report.culprit)
+        return report
+
+    def _round_peer(self, peer: Peer, version: Optional[int]) -> Optional[RoundState]:
+        rnd = self.round
+        if rnd is None or version != rnd.version:
+            return None
+        return rnd
+
+    async def _on_writes_done(self, peer: Peer, env: Envelope) -> None:
+        rnd = self._round_peer(peer, env.body.version)
+        if rnd is not None:
+            rnd.on_writes_done(peer.hello.rank, env.body)
+
+    async def _on_fence_ack(self, peer: Peer, env: Envelope) -> None:
+        rnd = self._round_peer(peer, env.body.version)
+        if rnd is not None:
+            rnd.on_fence_ack(peer.hello.rank, env.body)
+
+    async def _on_commit_ack(self, peer: Peer, env: Envelope) -> None:
+        rnd = self._round_peer(peer, env.body.version)
+        if rnd is not None:
+            rnd.on_commit_ack(peer.hello.rank)
+
+    async def _on_error(self, peer: Peer, env: Envelope) -> None:
+        log.warning("controller: %s reports %s: %s", peer.name, env.body.code.name, env.body.text)
+        rnd = self._round_peer(peer, env.body.version)
+        if rnd is not None and peer.key in self.plan_members:
+            rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {env.body.text}", peer.name)
+
+    async def _on_leave(self, peer: Peer, env: Envelope) -> None:
+        self._drop(peer, f"left: {env.body.reason}")
+
+    # --- liveness ---------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.options.heartbeat_s)
+            seq += 1
+            now = time.monotonic()
+            for peer in list(self.peers.values()):
+                if now - peer.last_seen > self.options.timeout_s:
+                    self._drop(peer, f"silent for more than {self.options.timeout_s}s")
+                elif peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):
+                    await self._send(peer, m.Heartbeat(seq))
+
+    def _drop(self, peer: Peer, why: str) -> None:
+        if self.peers.pop(peer.identity, None) is None:
+            return
+        self.by_rank.pop(peer.key, None)
+        if peer.key in self._acks_pending:  # the plan can never be complete: void it, plan again
+            self._acks_pending.clear()
+            self.plan_members = frozenset()
+        log.warning("controller: %s dropped: %s", peer.name, why)
+        rnd = self.round
+        if rnd is not None and peer.key in self.plan_members:
+            if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", peer.name):
+                rnd.drop(peer.hello.role, peer.hello.rank)
+        self._maybe_plan()
+
+    # --- sending ----------------------------------------------------------------------------------
+
+    async def _send(self, peer: Peer, body: m.Message, *, version: Optional[int] = None,
+                    parent_id: Optional[int] = None) -> None:
+        peer.session.send(body.TYPE)
+        await self._chan.send(body, to=peer.identity, version=version, parent_id=parent_id)
+        if peer.session.state is State.CLOSED:
+            self.peers.pop(peer.identity, None)
+            self.by_rank.pop(peer.key, None)
+
+    async def _send_to(self, key: tuple[Role, int], body: m.Message, *, version: Optional[int] = None) -> None:
+        identity = self.by_rank.get(key)
+        if identity is None:
+            raise RoundAborted(version or 0, m.AbortReason.PEER_LOST, f"{key[0].value}/{key[1]} is gone",
+                               f"{key[0].value}/{key[1]}")
+        await self._send(self.peers[identity], body, version=version)
+
+    async def _command(self, identity: bytes, env: Envelope) -> None:
+        cmd, args = env.body.command, env.body.args if isinstance(env.body.args, dict) else {}
+        try:
+            if cmd == "status":
+                result = self.status()
+            elif cmd == "update":
+                self.update(int(args.get("version", -1)))
+                result = {"started": args.get("version")}
+            else:
+                raise ConfigError("command", f"unknown command {cmd!r} (controller knows: status, update)")
+        except (ConfigError, ValueError, TypeError) as exc:
+            await self._chan.send(m.CommandReply(False, None, str(exc)), to=identity, parent_id=env.msg_id)
+            return
+        await self._chan.send(m.CommandReply(True, result, ""), to=identity, parent_id=env.msg_id)

@@ -1,0 +1,199 @@
+"""``WeightReceiver``: the inference side. Lands versions and makes each visible atomically, or not at all.
+
+How this works: at start the receiver re-homes its tensors into one flat, registered buffer (each
+tensor becomes a view at an aligned offset; tied names share a slot). In ``shadow`` mode a second
+buffer of the same layout is the landing zone: senders write there while serving reads the live one,
+and ``commit`` rebinds every tensor to the landing buffer in one step without awaiting (serving never
+sees a mix); the old live buffer becomes the next landing zone. In ``inplace`` mode senders write into
+the live tensors: ``before_update`` runs at ``begin`` so serving can pause, ``after_update`` at commit
+or abort; an abort leaves the receiver ``dirty`` until the next successful round repairs it.
+At ``fence`` the receiver checks that every expected transfer arrived (counts and bytes per sender)
+and, when asked, recomputes each transfer's checksum; only then does it acknowledge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import defaultdict
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine.errors import ConfigError, RoundAborted
+from engine.registry import RegistrationCache
+from engine.tensors import FlatBuffer, Params, aligned_layout, checksum, find_ties, named_tensors, spec_for
+from wire import Envelope, Manifest, ReceiverTable, Role
+from wire import messages as m
+
+from .worker import Worker, WorkerOptions, call_hook
+
+log = logging.getLogger("weightsync")
+
+REGION = 0
+MODES = ("shadow", "inplace")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverOptions(WorkerOptions):
+    mode: str = "shadow"
+
+
+class WeightReceiver(Worker):
+    role = Role.RECEIVER
+
+    def __init__(self, controller_addr: str, params: Params, *, rank: int,
+                 options: ReceiverOptions = ReceiverOptions(), mode: Optional[str] = None,
+                 on_update: Optional[Callable[[int], Any]] = None,
+                 before_update: Optional[Callable[[int], Any]] = None,
+                 after_update: Optional[Callable[[int, bool], Any]] = None) -> None:
+        if mode is not None:
+            options = dataclasses.replace(options, mode=mode)
+        if options.mode not in MODES:
+            raise ConfigError("mode", f"must be one of {MODES}, got {options.mode!r}")
+        super().__init__(controller_addr, rank, options)
+        self.mode = options.mode
+        self.on_update, self.before_update, self.after_update = on_update, before_update, after_update
+        self.tensors = named_tensors(params)
+        self.ties = find_ties(self.tensors)
+        self.offsets, self.nbytes = aligned_layout(self.tensors, self.ties)
+        self.live = self._rehome()
+        self.landing = FlatBuffer(self.nbytes) if self.mode == "shadow" else self.live
+        self.cache = RegistrationCache()
+        self.table: Optional[ReceiverTable] = None
+        self.version: Optional[int] = None
+        self.dirty = False
+        self.rounds_committed = 0
+        self.rounds_aborted = 0
+        self._pending: Optional[int] = None
+        self._version_changed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (f"<WeightReceiver {self.name} {self.mode} {self.session.state.value} version={self.version} "
+                f"committed={self.rounds_committed} aborted={self.rounds_aborted} dirty={self.dirty} {self.cache!r}>")
+
+    # --- layout -----------------------------------------------------------------------------------
+
+    def _rehome(self) -> FlatBuffer:
+        """Copy every tensor into one flat buffer and make the tensor a view of it."""
+        buf = FlatBuffer(self.nbytes)
+        for name, t in self.tensors.items():
+            if name in self.ties:
+                continue
+            if t.device.type != "cpu":
+                raise ConfigError(name, f"the {self.options.transport} receiver keeps CPU tensors; {name} is on {t.device}")
+            view = buf.view(self.offsets[name], t.dtype, tuple(t.shape))
+            view.copy_(t.detach())
+            t.data = view
+        for name, canonical in self.ties.items():
+            self.tensors[name].data = self.tensors[canonical].data
+        return buf
+
+    def _manifest(self) -> Manifest:
+        infos = self.cache.apply(self.cache.plan({REGION: self.landing.storage}), self.transport)
+        specs = tuple(
+            spec_for(name, t, region=REGION, offset=self.offsets[name], tied_to=self.ties.get(name))
+            for name, t in self.tensors.items()
+        )
+        return Manifest(specs, (infos[REGION],))
+
+    # --- public API -------------------------------------------------------------------------------
+
+    async def wait_for(self, version: int) -> int:
+        """Wait until a version >= ``version`` is committed; returns the current version."""
+        while self.version is None or self.version < version:
+            if self.lost is not None:
+                raise self.lost
+            self._version_changed.clear()
+            await self._version_changed.wait()
+        return self.version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
+    # --- protocol handlers ------------------------------------------------------------------------
+
+    async def _on_plan(self, env: Envelope) -> None:
+        self.table = env.body.receiver
+        await self._send(m.PlanAck(env.body.plan_id, True, ""))
+
+    async def _on_begin(self, env: Envelope) -> None:
+        self._pending = env.body.version
+        self.transport.reset_counters()
+        if self.mode == "inplace":
+            await call_hook(self.before_update, self._pending)
+            self.dirty = True  # live bytes may change from now until commit
+
+    async def _on_fence(self, env: Envelope) -> None:
+        version = env.body.version
+        problems, mismatches = self._check_arrivals()
+        if not problems:
+            mismatches = await asyncio.to_thread(self._check_checksums, env.body.checksums)
+            if mismatches:
+                problems.append(f"checksum mismatch in {len(mismatches)} transfer(s)")
+        received = sum(c.nbytes for c in self.transport.counters().values())
+        ok = not problems
+        await self._send(m.FenceAck(version, ok, received, tuple(mismatches), "; ".join(problems)), version=version)
+
+    def _check_arrivals(self) -> tuple[list[str], list[str]]:
+        want: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        for e in self.table.entries:
+            want[e.src_rank][0] += 1
+            want[e.src_rank][1] += e.nbytes
+        got = self.transport.counters()
+        problems, names = [], []
+        for src, (count, nbytes) in sorted(want.items()):
+            c = got.get(src)
+            have = (c.count, c.nbytes) if c else (0, 0)
+            if have != (count, nbytes):
+                problems.append(f"from sender/{src}: got {have[0]} writes/{have[1]} bytes, expected {count}/{nbytes}")
+                names.extend(sorted({e.name for e in self.table.entries if e.src_rank == src}))
+            if c and c.errors:
+                problems.append(f"from sender/{src}: {'; '.join(c.errors[:3])}")
+        return problems, names
+
+    def _check_checksums(self, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
+        expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
+        bad = {
+            e.name for e in self.table.entries
+            if (e.src_rank, e.index) in expected
+            and checksum(self.landing.bytes_at(e.offset, e.nbytes)) != expected[e.src_rank, e.index]
+        }
+        return sorted(bad)
+
+    async def _on_commit(self, env: Envelope) -> None:
+        version = env.body.version
+        if self.mode == "shadow":
+            self._swap()
+        self.dirty = False
+        self.version = version
+        self._pending = None
+        self.rounds_committed += 1
+        self._version_changed.set()
+        try:
+            await call_hook(self.on_update, version)
+            if self.mode == "inplace":
+                await call_hook(self.after_update, version, True)
+        finally:
+            await self._send(m.CommitAck(version, True, ""), version=version)
+
+    def _swap(self) -> None:
+        """Rebind every tensor to the landing buffer, then land the next version in the old live one."""
+        new_live, new_landing = self.landing, self.live
+        for name, t in self.tensors.items():
+            t.data = new_live.view(self.offsets[name], t.dtype, tuple(t.shape))
+        self.live, self.landing = new_live, new_landing
+        self.cache.apply(self.cache.plan({REGION: self.landing.storage}), self.transport)
+
+    async def _on_abort(self, env: Envelope) -> None:
+        body = env.body
+        self._pending = None
+        self.rounds_aborted += 1
+        log.warning("%s: %s", self.name, RoundAborted(body.version, body.reason, body.text, body.culprit))
+        if self.mode == "inplace":
+            await call_hook(self.after_update, body.version, False)
+
+    def _on_closed(self, exc: BaseException) -> None:
+        super()._on_closed(exc)
+        self._version_changed.set()

@@ -1,0 +1,217 @@
+"""``WeightSender``: the trainer side. Pushes a version of its weights through its routing table.
+
+How this works: on ``plan`` the sender opens (and keeps) one data-plane connection per receiver in its
+table and acknowledges. ``push(v)`` tells the controller the weights for v are ready and waits for
+``begin(v)``, which comes once every planned sender has pushed v. The pipeline then writes every row of
+the table; when all writes are done and fenced the sources are free again (``push`` returns, so the
+optimizer may step), and ``writes_done`` goes to the controller. The returned ``PushHandle`` resolves
+at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Mapping, Optional
+
+from engine.errors import RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
+from engine.pipeline import Pipeline, PipelineOptions, PushReport
+from engine.staging import SourceSet, StagingPool, Transform
+from engine.tensors import Params, find_ties, named_tensors, spec_for
+from engine.transport import Connection
+from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec
+from wire import messages as m
+
+from .worker import Worker, WorkerOptions
+
+log = logging.getLogger("weightsync")
+
+
+def _quiet(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # mark retrieved: the user may never await a handle of a failed push
+
+
+class PushHandle:
+    """One push. ``released``: sources free again. Awaiting the handle waits for the global commit."""
+
+    def __init__(self, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.version = version
+        self.released: asyncio.Future[PushReport] = loop.create_future()
+        self.committed: asyncio.Future[int] = loop.create_future()
+        self.released.add_done_callback(_quiet)
+        self.committed.add_done_callback(_quiet)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed.done() and not self.committed.exception() else (
+            "failed" if self.committed.done() else "released" if self.released.done() else "pending")
+        return f"<PushHandle v{self.version} {state}>"
+
+    def __await__(self):
+        return self.committed.__await__()
+
+    def fail(self, exc: BaseException) -> None:
+        for fut in (self.released, self.committed):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    @property
+    def report(self) -> Optional[PushReport]:
+        if self.released.done() and not self.released.exception():
+            return self.released.result()
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderOptions(WorkerOptions):
+    pipeline: PipelineOptions = PipelineOptions()
+
+
+class WeightSender(Worker):
+    role = Role.SENDER
+
+    def __init__(self, controller_addr: str, params: Params, *, rank: int,
+                 options: SenderOptions = SenderOptions(), shards: Mapping[str, ShardSpec] = {},
+                 gatherable: bool = False, transforms: Mapping[str, Transform] = {}) -> None:
+        super().__init__(controller_addr, rank, options)
+        self.tensors = named_tensors(params)
+        self.shards = dict(shards)
+        self.gatherable = gatherable
+        self.sources = SourceSet(self.tensors, self.shards, transforms)
+        self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool())
+        self.table: Optional[SenderTable] = None
+        self.plan_id: Optional[int] = None
+        self.conns: dict[int, Connection] = {}
+        self._conn_addr: dict[int, str] = {}
+        self._handles: dict[int, PushHandle] = {}
+        self._round: Optional[asyncio.Task] = None
+        self._last_version = -1
+
+    def __repr__(self) -> str:
+        return (f"<WeightSender {self.name} {self.session.state.value} plan={self.plan_id} "
+                f"connections={len(self.conns)} pushed=v{self._last_version} {self.pipeline!r}>")
+
+    def _manifest(self) -> Manifest:
+        ties = find_ties(self.tensors)
+        specs = tuple(
+            spec_for(name, t, region=None, offset=0, tied_to=ties.get(name), shard=self.shards.get(name),
+                     gatherable=self.gatherable and name in self.shards)
+            for name, t in self.tensors.items()
+        )
+        return Manifest(specs, ())
+
+    # --- public API -------------------------------------------------------------------------------
+
+    async def push(self, version: int) -> PushHandle:
+        """Returns once this sender no longer reads its tensors; ``await`` the handle for the commit."""
+        handle = self.push_nowait(version)
+        await asyncio.shield(handle.released)
+        return handle
+
+    def push_nowait(self, version: int) -> PushHandle:
+        if self.lost is not None:
+            raise self.lost
+        if version <= self._last_version:
+            raise VersionError(f"push of version {version}: versions only move forward (last pushed "
+                               f"{self._last_version})")
+        self._last_version = version
+        handle = self._handles[version] = PushHandle(version)
+        task = asyncio.ensure_future(self._send(m.Push(version), version=version))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
+        return handle
+
+    # --- protocol handlers ------------------------------------------------------------------------
+
+    async def _on_plan(self, env: Envelope) -> None:
+        self.table = env.body.sender
+        self.plan_id = env.body.plan_id
+        try:
+            await self._connect_peers(self.table.peers)
+        except WeightSyncError as exc:
+            await self._send(m.PlanAck(self.plan_id, False, str(exc)))
+            return
+        await self._send(m.PlanAck(self.plan_id, True, ""))
+
+    async def _connect_peers(self, peers: tuple[PeerInfo, ...]) -> None:
+        for peer in peers:
+            if self._conn_addr.get(peer.rank) == peer.transport.address:
+                continue  # connected once, kept across rounds and plans
+            old = self.conns.pop(peer.rank, None)
+            if old is not None:
+                await old.close()
+            self.conns[peer.rank] = await self.transport.connect(peer)
+            self._conn_addr[peer.rank] = peer.transport.address
+
+    async def _on_begin(self, env: Envelope) -> None:
+        version = env.body.version
+        handle = self._handles.get(version)
+        if handle is None:  # a round the controller started on its own
+            handle = self._handles[version] = PushHandle(version)
+            self._last_version = max(self._last_version, version)
+        if env.body.plan_id != self.plan_id:
+            await self._fail_round(version, handle, WeightSyncError(
+                f"begin names plan {env.body.plan_id}, ours is {self.plan_id}"), m.ErrorCode.PLAN)
+            return
+        pipeline = dataclasses.replace(self.pipeline.options, checksum=env.body.checksum)
+        self.pipeline.options = pipeline
+        self._round = asyncio.ensure_future(self._write(version, handle))
+
+    async def _write(self, version: int, handle: PushHandle) -> None:
+        try:
+            report = await self.pipeline.run(self.table.transfers, self.conns)
+        except asyncio.CancelledError:
+            raise
+        except (TransportError, StagingError, WeightSyncError) as exc:
+            code = m.ErrorCode.STAGING if isinstance(exc, StagingError) else m.ErrorCode.TRANSPORT
+            await self._fail_round(version, handle, exc, code)
+            return
+        except Exception as exc:  # a bug or a torch error: report it, never leave the round hanging
+            log.exception("%s: round %s failed", self.name, version)
+            await self._fail_round(version, handle, exc, m.ErrorCode.INTERNAL)
+            return
+        if not handle.released.done():
+            handle.released.set_result(report)
+        await self._send(m.WritesDone(version, self.plan_id, report.summaries(), report.stage_s, report.write_s),
+                         version=version)
+
+    async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
+        field = getattr(exc, "param", None) or getattr(exc, "peer", None) or ""
+        handle.fail(exc)
+        await self._send(m.Error(code, str(exc), field, version), version=version)
+
+    async def _on_commit(self, env: Envelope) -> None:
+        handle = self._handles.pop(env.body.version, None)
+        if handle is not None and not handle.committed.done():
+            handle.committed.set_result(env.body.version)
+
+    async def _on_abort(self, env: Envelope) -> None:
+        body = env.body
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+            await asyncio.gather(self._round, return_exceptions=True)
+        handle = self._handles.pop(body.version, None)
+        if handle is not None:
+            handle.fail(RoundAborted(body.version, body.reason, body.text, body.culprit))
+
+    async def _on_error(self, env: Envelope) -> None:
+        await super()._on_error(env)
+        handle = self._handles.get(env.version) if env.version is not None else None
+        if handle is not None and env.body.code == m.ErrorCode.BAD_REQUEST:
+            self._handles.pop(env.version, None)
+            handle.fail(VersionError(env.body.text))
+
+    def _on_closed(self, exc: BaseException) -> None:
+        super()._on_closed(exc)
+        for handle in self._handles.values():
+            handle.fail(exc)
+        self._handles.clear()
+
+    async def _close_data_plane(self) -> None:
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+            await asyncio.gather(self._round, return_exceptions=True)
+        for conn in self.conns.values():
+            await conn.close()
+        self.conns.clear()

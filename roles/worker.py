@@ -1,0 +1,207 @@
+"""What senders and receivers share: the join handshake, heartbeats, and message dispatch.
+
+How this works: ``Worker.start`` opens the data-plane transport, builds the manifest (subclass),
+connects a DEALER with a fresh random routing id, sends ``hello`` and waits for ``welcome`` (or turns
+a ``reject`` into ``JoinRejected``). Then two tasks run: the receive loop checks each message against
+the session state machine (an illegal one is answered with ``error`` and ignored) and dispatches it to
+``_on_<type>``; the heartbeat loop sends ``heartbeat`` and declares the controller lost when nothing
+was heard for the timeout. ``close`` says ``leave`` and tears down sockets, tasks and transport,
+shielded from cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from engine.aio import shielded
+from engine.errors import ConfigError, ControllerLost, JoinRejected
+from engine.transport import Transport, TransportOptions, create_transport
+from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, TransportInfo
+from wire import messages as m
+from wire.errors import ProtocolError, RemoteProtocolError
+
+from .channel import ControlChannel, random_identity
+
+log = logging.getLogger("weightsync")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    transport: str = "tcp"
+    transport_options: TransportOptions = TransportOptions()
+    join_timeout_s: float = 60.0
+    limits: Limits = DEFAULT_LIMITS
+    capabilities: tuple[str, ...] = ("checksum",)
+
+
+async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:
+    if hook is None:
+        return
+    result = hook(*args)
+    if inspect.isawaitable(result):
+        await result
+
+
+class Worker:
+    role: Role
+
+    def __init__(self, controller_addr: str, rank: int, options: WorkerOptions) -> None:
+        if not isinstance(rank, int) or rank < 0:
+            raise ConfigError("rank", f"must be a non-negative int, got {rank!r}")
+        self.controller_addr = controller_addr
+        self.rank = rank
+        self.options = options
+        self.name = f"{self.role.value}/{rank}"
+        self.session = Session(self.role, Origin.WORKER)
+        self.transport: Optional[Transport] = None
+        self.transport_info: Optional[TransportInfo] = None
+        self.welcome: Optional[m.Welcome] = None
+        self.lost: Optional[BaseException] = None
+        self._ctx: Optional[zmq.asyncio.Context] = None
+        self._channel: Optional[ControlChannel] = None
+        self._tasks: list[asyncio.Task] = []
+        self._last_heard = 0.0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.session.state.value}>"
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        try:
+            self.transport = create_transport(self.options.transport, self.options.transport_options)
+            self.transport_info = await self.transport.start(self.rank)
+            manifest = self._manifest()
+            self._ctx = zmq.asyncio.Context()
+            self._channel = ControlChannel(self._ctx, zmq.DEALER, self.name, limits=self.options.limits,
+                                           identity=random_identity(self.name))
+            self._channel.connect(self.controller_addr)
+            await self._join(manifest)
+        except BaseException:
+            await self.close()
+            raise
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await shielded(self._teardown())
+
+    async def _teardown(self) -> None:
+        if self._channel is not None and self.session.allowed(Origin.WORKER, m.Leave.TYPE):
+            try:
+                await self._send(m.Leave("closing"))
+            except (zmq.ZMQError, ProtocolError):
+                pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._on_closed(ControllerLost("worker closed"))
+        await self._close_data_plane()
+        if self.transport is not None:
+            await self.transport.close()
+        if self._channel is not None:
+            self._channel.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # --- the handshake ----------------------------------------------------------------------------
+
+    async def _join(self, manifest: Manifest) -> None:
+        hello = m.Hello(self.role, self.rank, self.transport_info.host, self.transport_info.device,
+                        os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
+                        self.options.capabilities, manifest, self.transport_info)
+        await self._send(hello)
+        try:
+            _, env = await asyncio.wait_for(self._channel.recv(), self.options.join_timeout_s)
+        except asyncio.TimeoutError:
+            raise ControllerLost(f"no answer to hello from {self.controller_addr} within "
+                                 f"{self.options.join_timeout_s}s") from None
+        self.session.receive(env.type)
+        if isinstance(env.body, m.Reject):
+            raise JoinRejected(env.body.code, env.body.text)
+        if not isinstance(env.body, m.Welcome):
+            raise ControllerLost(f"expected welcome, got {env.type}")
+        self.welcome = env.body
+        self._last_heard = time.monotonic()
+
+    # --- loops ------------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                _, env = await self._channel.recv()
+            except ProtocolError as exc:
+                log.warning("%s: undecodable message from controller: %s", self.name, exc)
+                continue
+            self._last_heard = time.monotonic()
+            try:
+                self.session.receive(env.type)
+            except RemoteProtocolError as exc:
+                log.warning("%s: %s", self.name, exc)
+                await self._send(m.Error(m.ErrorCode.PROTOCOL, str(exc), env.type, env.version))
+                continue
+            handler = getattr(self, f"_on_{env.type}", None)
+            if handler is not None:
+                await handler(env)
+            if self.session.state.name == "CLOSED":
+                self._on_closed(ControllerLost(f"controller closed the session ({env.type})"))
+                return
+
+    async def _heartbeat_loop(self) -> None:
+        period = self.welcome.heartbeat_ms / 1000
+        timeout = self.welcome.timeout_ms / 1000
+        seq = 0
+        while True:
+            await asyncio.sleep(period)
+            if time.monotonic() - self._last_heard > timeout:
+                self._on_closed(ControllerLost(f"controller silent for more than {timeout:.1f}s"))
+                return
+            seq += 1
+            await self._send(m.Heartbeat(seq))
+
+    async def _send(self, body: m.Message, *, version: Optional[int] = None, parent_id: Optional[int] = None) -> int:
+        self.session.send(body.TYPE)
+        return await self._channel.send(body, version=version, parent_id=parent_id)
+
+    async def _on_leave(self, env: Envelope) -> None:
+        log.info("%s: controller asked us to leave: %s", self.name, env.body.reason)
+
+    async def _on_error(self, env: Envelope) -> None:
+        log.warning("%s: controller reported %s: %s", self.name, env.body.code.name, env.body.text)
+
+    # --- for subclasses ---------------------------------------------------------------------------
+
+    def _manifest(self) -> Manifest:
+        raise NotImplementedError
+
+    def _on_closed(self, exc: BaseException) -> None:
+        """The session is over (controller lost or closing): fail whatever is waiting."""
+        if self.lost is None:
+            self.lost = exc
+
+    async def _close_data_plane(self) -> None:
+        """Close connections the subclass opened."""
+
+
+def default_host_id() -> str:
+    return socket.gethostname()
