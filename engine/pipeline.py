@@ -87,7 +87,7 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"<Pipeline runs={self.runs} {self.budget!r} {self.pool!r}>"
 
-    async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection]) -> PushReport:
+    async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int) -> PushReport:
         """Write every transfer, fence every connection used; return what went to whom."""
         lanes: dict[int, list[Transfer]] = defaultdict(list)
         for t in transfers:
@@ -98,13 +98,13 @@ class Pipeline:
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
-        await run_all(self._lane(conns[r], ts, reports[r]) for r, ts in sorted(lanes.items()))
+        await run_all(self._lane(conns[r], ts, reports[r], epoch) for r, ts in sorted(lanes.items()))
         self.runs += 1
         return PushReport(reports, time.perf_counter() - start)
 
-    async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport) -> None:
+    async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int) -> None:
         channel: Channel = Channel(self.options.depth)
-        await run_all([self._stager(transfers, channel, report), self._writer(conn, channel, report)])
+        await run_all([self._stager(transfers, channel, report), self._writer(conn, channel, report, epoch)])
         await conn.fence()
 
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport) -> None:
@@ -127,11 +127,11 @@ class Pipeline:
             channel.fail(exc)
             raise
 
-    async def _writer(self, conn: Connection, channel: Channel, report: LaneReport) -> None:
+    async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int) -> None:
         async for t, staged in channel:
             try:
                 t0 = time.perf_counter()
-                await conn.write(staged.tensor, t.dst_region, t.dst_offset)
+                await conn.write(staged.tensor, t.dst_region, t.dst_offset, epoch)
                 report.write_s += time.perf_counter() - t0
             finally:
                 self.budget.release(t.nbytes)

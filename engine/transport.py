@@ -6,8 +6,10 @@ that travels in manifests); its agent lands incoming bytes straight into them an
 counters. The initiator (a sender) ``connect`` s to a peer from its ``PeerInfo`` and gets a
 ``Connection``: ``write`` puts a byte range of a local tensor into (region, offset) of the peer and
 completes when the source may be reused; ``fence`` completes only once every earlier write on that
-connection is visible at the target, and checks the target's byte counts against ours. Everything is
-awaitable; nothing blocks the event loop.
+connection is visible at the target, and checks the target's byte counts against ours. Writes carry
+their round (``epoch``): a target counts per (source, epoch), because a sender may start writing before
+the receiver has even seen the round begin, and drops late writes of rounds it has closed. Everything
+is awaitable; nothing blocks the event loop.
 
 Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on
 a machine that does not ask for them.
@@ -50,8 +52,8 @@ class SourceCounters:
 class Connection(Protocol):
     peer: str
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> None:
-        """Write the bytes of ``src`` (contiguous) into the peer's region at an offset."""
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+        """Write the bytes of ``src`` (contiguous) into the peer's region at an offset, for round ``epoch``."""
 
     async def fence(self) -> None:
         """Return once every earlier write is visible at the target; raise if any failed."""
@@ -73,11 +75,11 @@ class Transport(Protocol):
 
     async def connect(self, peer: PeerInfo) -> Connection: ...
 
-    def reset_counters(self) -> None:
-        """Target side: forget what was received (at the start of a round)."""
+    def counters(self, epoch: int) -> dict[int, SourceCounters]:
+        """Target side: what each source rank delivered for round ``epoch``."""
 
-    def counters(self) -> dict[int, SourceCounters]:
-        """Target side: what each source rank delivered since the last reset."""
+    def close_epoch(self, epoch: int) -> None:
+        """Target side: round ``epoch`` and every earlier one are over: drop their late writes, forget them."""
 
     async def close(self) -> None: ...
 

@@ -79,6 +79,7 @@ class Controller:
         self.plan: Optional[RoutingPlan] = None
         self.plan_error: Optional[PlanError] = None
         self.plan_members: frozenset[tuple[Role, int]] = frozenset()
+        self.plan_sessions: frozenset[bytes] = frozenset()  # a rejoin is a new session: it needs a plan
         self.planned_once = False
         self.reports: list[RoundReport] = []
         self.committed: Optional[int] = None
@@ -90,6 +91,7 @@ class Controller:
         self._pushes: dict[int, set[int]] = {}
         self._ready = asyncio.Event()
         self._round_waiters: dict[int, asyncio.Future] = {}
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
         self._tasks: list[asyncio.Task] = []
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._chan: Optional[ControlChannel] = None
@@ -154,6 +156,26 @@ class Controller:
         """Wait until a plan has been computed and acknowledged by every worker in it."""
         await self._ready.wait()
         return self.plan
+
+    async def wait_plan(self, after: int = 0) -> RoutingPlan:
+        """Wait for an acknowledged plan newer than ``after`` (a re-plan after a membership change)."""
+        await self._wait(lambda: self._ready.is_set() and self.plan is not None and self.plan.plan_id > after)
+        return self.plan
+
+    async def _wait(self, predicate: Callable[[], bool]) -> None:
+        if predicate():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((predicate, fut))
+        try:
+            await fut
+        finally:
+            self._waiters = [(p, f) for p, f in self._waiters if f is not fut]
+
+    def _wake(self) -> None:
+        for predicate, fut in self._waiters:
+            if not fut.done() and predicate():
+                fut.set_result(None)
 
     async def wait_round(self, version: int) -> RoundReport:
         """Wait for the round of ``version``; returns its report or raises ``RoundAborted``."""
@@ -290,7 +312,8 @@ class Controller:
         if any(p.session.state is State.PLAN_RECEIVED for p in self.peers.values()):
             return  # a plan may only follow an acknowledged one; the ack will call us again
         members = frozenset(self.by_rank)
-        if members == self.plan_members and (self.plan is not None or self.plan_error is not None):
+        sessions = frozenset(self.peers)
+        if sessions == self.plan_sessions and (self.plan is not None or self.plan_error is not None):
             return
         counts = {role: sum(1 for r, _ in members if r is role) for role in Role}
         if not self.planned_once and any(counts[r] < self.expected[r] for r in Role):
@@ -298,9 +321,9 @@ class Controller:
         if counts[Role.SENDER] == 0 or counts[Role.RECEIVER] == 0:
             return  # nothing to plan: wait for members
         self._ready.clear()
-        self._planning = asyncio.ensure_future(self._plan(members))
+        self._planning = asyncio.ensure_future(self._plan(members, sessions))
 
-    async def _plan(self, members: frozenset) -> None:
+    async def _plan(self, members: frozenset, sessions: frozenset) -> None:
         senders, receivers = self._participants()
         self._plan_ids += 1
         plan_id = self._plan_ids
@@ -309,12 +332,13 @@ class Controller:
                                               {}, plan_id)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
-            self.plan, self.plan_error, self.plan_members = None, exc, members
+            self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
             for peer in self.peers.values():
                 await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
             self._planning = None
             return
-        self.plan, self.plan_error, self.plan_members, self.planned_once = routing, None, members, True
+        self.plan, self.plan_error, self.planned_once = routing, None, True
+        self.plan_members, self.plan_sessions = members, sessions
         self._acks_pending = set()
         for peer in list(self.peers.values()):
             if peer.hello.role is Role.SENDER:
@@ -335,6 +359,7 @@ class Controller:
                 self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
             if not self._acks_pending and self.plan_error is None:
                 self._ready.set()
+                self._wake()
                 self._maybe_start_rounds()
         self._maybe_plan()
 
@@ -490,8 +515,7 @@ class Controller:
         self.by_rank.pop(peer.key, None)
         if peer.key in self._acks_pending:  # the plan can never be complete: void it, plan again
             self._acks_pending.clear()
-            self.plan_members = frozenset()
-        log.warning("controller: %s dropped: %s", peer.name, why)
+        (log.info if why.startswith("left") else log.warning)("controller: %s dropped: %s", peer.name, why)
         rnd = self.round
         if rnd is not None and peer.key in self.plan_members:
             if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", peer.name):

@@ -47,7 +47,8 @@ class WeightReceiver(Worker):
                  options: ReceiverOptions = ReceiverOptions(), mode: Optional[str] = None,
                  on_update: Optional[Callable[[int], Any]] = None,
                  before_update: Optional[Callable[[int], Any]] = None,
-                 after_update: Optional[Callable[[int, bool], Any]] = None) -> None:
+                 after_update: Optional[Callable[[int, bool], Any]] = None,
+                 on_abort: Optional[Callable[[int, str], Any]] = None) -> None:
         if mode is not None:
             options = dataclasses.replace(options, mode=mode)
         if options.mode not in MODES:
@@ -55,6 +56,7 @@ class WeightReceiver(Worker):
         super().__init__(controller_addr, rank, options)
         self.mode = options.mode
         self.on_update, self.before_update, self.after_update = on_update, before_update, after_update
+        self.on_abort = on_abort
         self.tensors = named_tensors(params)
         self.ties = find_ties(self.tensors)
         self.offsets, self.nbytes = aligned_layout(self.tensors, self.ties)
@@ -119,8 +121,7 @@ class WeightReceiver(Worker):
         await self._send(m.PlanAck(env.body.plan_id, True, ""))
 
     async def _on_begin(self, env: Envelope) -> None:
-        self._pending = env.body.version
-        self.transport.reset_counters()
+        self._pending = env.body.version  # writes may have started already: they count under this epoch
         if self.mode == "inplace":
             await call_hook(self.before_update, self._pending)
             self.dirty = True  # live bytes may change from now until commit
@@ -132,7 +133,7 @@ class WeightReceiver(Worker):
             mismatches = await asyncio.to_thread(self._check_checksums, env.body.checksums)
             if mismatches:
                 problems.append(f"checksum mismatch in {len(mismatches)} transfer(s)")
-        received = sum(c.nbytes for c in self.transport.counters().values())
+        received = sum(c.nbytes for c in self.transport.counters(version).values())
         ok = not problems
         await self._send(m.FenceAck(version, ok, received, tuple(mismatches), "; ".join(problems)), version=version)
 
@@ -141,7 +142,7 @@ class WeightReceiver(Worker):
         for e in self.table.entries:
             want[e.src_rank][0] += 1
             want[e.src_rank][1] += e.nbytes
-        got = self.transport.counters()
+        got = self.transport.counters(self._pending)
         problems, names = [], []
         for src, (count, nbytes) in sorted(want.items()):
             c = got.get(src)
@@ -164,6 +165,7 @@ class WeightReceiver(Worker):
 
     async def _on_commit(self, env: Envelope) -> None:
         version = env.body.version
+        self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
         self.dirty = False
@@ -188,11 +190,14 @@ class WeightReceiver(Worker):
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
+        self.transport.close_epoch(body.version)
         self._pending = None
         self.rounds_aborted += 1
-        log.warning("%s: %s", self.name, RoundAborted(body.version, body.reason, body.text, body.culprit))
+        aborted = RoundAborted(body.version, body.reason, body.text, body.culprit)
+        log.warning("%s: %s", self.name, aborted)
         if self.mode == "inplace":
             await call_hook(self.after_update, body.version, False)
+        await call_hook(self.on_abort, body.version, str(aborted))
 
     def _on_closed(self, exc: BaseException) -> None:
         super()._on_closed(exc)

@@ -20,7 +20,7 @@ from engine.pipeline import Pipeline, PipelineOptions, PushReport
 from engine.staging import SourceSet, StagingPool, Transform
 from engine.tensors import Params, find_ties, named_tensors, spec_for
 from engine.transport import Connection
-from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec
+from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
 from wire import messages as m
 
 from .worker import Worker, WorkerOptions
@@ -118,9 +118,14 @@ class WeightSender(Worker):
                                f"{self._last_version})")
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
-        task = asyncio.ensure_future(self._send(m.Push(version), version=version))
+        task = asyncio.ensure_future(self._push_when_ready(version))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
         return handle
+
+    async def _push_when_ready(self, version: int) -> None:
+        """A push is legal once the plan is acknowledged and no round is writing: wait for that."""
+        await self._wait_state(State.READY)
+        await self._send(m.Push(version), version=version)
 
     # --- protocol handlers ------------------------------------------------------------------------
 
@@ -160,7 +165,7 @@ class WeightSender(Worker):
 
     async def _write(self, version: int, handle: PushHandle) -> None:
         try:
-            report = await self.pipeline.run(self.table.transfers, self.conns)
+            report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version)
         except asyncio.CancelledError:
             raise
         except (TransportError, StagingError, WeightSyncError) as exc:
@@ -173,13 +178,13 @@ class WeightSender(Worker):
             return
         if not handle.released.done():
             handle.released.set_result(report)
-        await self._send(m.WritesDone(version, self.plan_id, report.summaries(), report.stage_s, report.write_s),
-                         version=version)
+        await self._send_if_allowed(
+            m.WritesDone(version, self.plan_id, report.summaries(), report.stage_s, report.write_s), version=version)
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
         field = getattr(exc, "param", None) or getattr(exc, "peer", None) or ""
         handle.fail(exc)
-        await self._send(m.Error(code, str(exc), field, version), version=version)
+        await self._send_if_allowed(m.Error(code, str(exc), field, version), version=version)
 
     async def _on_commit(self, env: Envelope) -> None:
         handle = self._handles.pop(env.body.version, None)

@@ -26,7 +26,7 @@ import zmq.asyncio
 from engine.aio import shielded
 from engine.errors import ConfigError, ControllerLost, JoinRejected
 from engine.transport import Transport, TransportOptions, create_transport
-from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, TransportInfo
+from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
 from wire import messages as m
 from wire.errors import ProtocolError, RemoteProtocolError
 
@@ -72,6 +72,7 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
         self._closed = False
+        self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.session.state.value}>"
@@ -160,10 +161,11 @@ class Worker:
                 log.warning("%s: %s", self.name, exc)
                 await self._send(m.Error(m.ErrorCode.PROTOCOL, str(exc), env.type, env.version))
                 continue
+            self._state_moved()
             handler = getattr(self, f"_on_{env.type}", None)
             if handler is not None:
                 await handler(env)
-            if self.session.state.name == "CLOSED":
+            if self.session.state is State.CLOSED:
                 self._on_closed(ControllerLost(f"controller closed the session ({env.type})"))
                 return
 
@@ -181,7 +183,36 @@ class Worker:
 
     async def _send(self, body: m.Message, *, version: Optional[int] = None, parent_id: Optional[int] = None) -> int:
         self.session.send(body.TYPE)
+        self._state_moved()
         return await self._channel.send(body, version=version, parent_id=parent_id)
+
+    async def _send_if_allowed(self, body: m.Message, *, version: Optional[int] = None) -> bool:
+        """Send unless the session has moved on (a round aborted or the session closed meanwhile)."""
+        if not self.session.allowed(Origin.WORKER, body.TYPE):
+            log.debug("%s: not sending %s in state %s", self.name, body.TYPE, self.session.state.value)
+            return False
+        await self._send(body, version=version)
+        return True
+
+    async def _wait_state(self, *states: State) -> None:
+        """Wait until the session is in one of ``states``; raises if the session is lost first."""
+        while self.session.state not in states:
+            if self.lost is not None:
+                raise self.lost
+            fut = asyncio.get_running_loop().create_future()
+            self._state_waiters.append((states, fut))
+            await fut
+
+    def _state_moved(self) -> None:
+        keep = []
+        for states, fut in self._state_waiters:
+            if fut.done():
+                continue
+            if self.session.state in states or self.lost is not None:
+                fut.set_result(None)
+            else:
+                keep.append((states, fut))
+        self._state_waiters = keep
 
     async def _on_leave(self, env: Envelope) -> None:
         log.info("%s: controller asked us to leave: %s", self.name, env.body.reason)
@@ -198,6 +229,7 @@ class Worker:
         """The session is over (controller lost or closing): fail whatever is waiting."""
         if self.lost is None:
             self.lost = exc
+        self._state_moved()
 
     async def _close_data_plane(self) -> None:
         """Close connections the subclass opened."""

@@ -31,7 +31,8 @@ class MemoryTransport:
         self.address = f"mem-{next(_NEXT)}"
         self.rank = -1
         self.regions: dict[int, torch.Tensor] = {}
-        self._counters: dict[int, SourceCounters] = {}
+        self._counters: dict[tuple[int, int], SourceCounters] = {}
+        self.closed_epoch = -1
         self.fail_writes: Optional[str] = None  # a test sets this to make every write fail
 
     def __repr__(self) -> str:
@@ -56,11 +57,12 @@ class MemoryTransport:
             raise TransportError(f"no memory transport at {peer.transport.address}", peer=f"receiver/{peer.rank}")
         return MemoryConnection(self, target, f"receiver/{peer.rank}")
 
-    def reset_counters(self) -> None:
-        self._counters = {}
+    def counters(self, epoch: int) -> dict[int, SourceCounters]:
+        return {src: c for (src, e), c in self._counters.items() if e == epoch}
 
-    def counters(self) -> dict[int, SourceCounters]:
-        return dict(self._counters)
+    def close_epoch(self, epoch: int) -> None:
+        self.closed_epoch = max(self.closed_epoch, epoch)
+        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
 
     async def close(self) -> None:
         _DIRECTORY.pop(self.address, None)
@@ -73,7 +75,7 @@ class MemoryConnection:
         self.sent_bytes = 0
         self.closed = False
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> None:
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         if self.local.fail_writes:
@@ -83,13 +85,15 @@ class MemoryConnection:
         if region is None or dst_offset + n > region.numel():
             raise RegistrationError(f"write of {n} bytes at region {dst_region}+{dst_offset} is out of bounds",
                                     peer=self.peer)
-        if n:
-            region[dst_offset:dst_offset + n].copy_(src.reshape(-1).view(torch.uint8))
-        c = self.target._counters.setdefault(self.local.rank, SourceCounters())
-        c.count += 1
-        c.nbytes += n
         self.sent_count += 1
         self.sent_bytes += n
+        if epoch <= self.target.closed_epoch:
+            return  # a late write of a closed round: dropped, as the TCP agent does
+        if n:
+            region[dst_offset:dst_offset + n].copy_(src.reshape(-1).view(torch.uint8))
+        c = self.target._counters.setdefault((self.local.rank, epoch), SourceCounters())
+        c.count += 1
+        c.nbytes += n
         await asyncio.sleep(0)  # a real transport yields here; so does this one
 
     async def fence(self) -> None:

@@ -13,8 +13,9 @@ completes when the kernel has taken every byte (the source may then be reused). 
 connection are serialised by a FIFO lock; several connections progress at once. ``fence`` sends a
 FENCE, awaits the matching ACK and compares the target's counts with ours.
 
-Frame (little-endian): op u8, a u32, b u64, c u64. HELLO: a=source rank, b=magic|version.
-WRITE: a=region, b=offset, c=nbytes, then nbytes of payload. FENCE: b=sequence number.
+Frame (little-endian): op u8, a u32, b u64, c u64, epoch u64. HELLO: a=source rank, b=magic|version.
+WRITE: a=region, b=offset, c=nbytes, epoch=round, then nbytes of payload. FENCE: b=sequence number.
+A WRITE whose epoch the target has closed (a late write of an aborted round) is drained, not applied.
 ACK (target -> initiator): op u8, seq u64, count u64, nbytes u64, error-text length u16, error text.
 docs/TRANSPORTS.md has the full description.
 """
@@ -34,7 +35,7 @@ from ..errors import ConnectionClosed, TransportError
 from ..tensors import byte_view
 from ..transport import SourceCounters, TransportOptions
 
-HEADER = struct.Struct("<BIQQ")
+HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
 OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK = 0, 1, 2, 3
 MAGIC = 0x57535443_0001  # "WSTC", version 1
@@ -49,7 +50,8 @@ class TcpTransport:
         self.rank = -1
         self.regions: dict[int, memoryview] = {}
         self._tensors: dict[int, torch.Tensor] = {}
-        self._counters: dict[int, SourceCounters] = {}
+        self._counters: dict[tuple[int, int], SourceCounters] = {}
+        self.closed_epoch = -1
         self._server: Optional[asyncio.AbstractServer] = None
         self._agents: set[_AgentProtocol] = set()
         self.address = ""
@@ -94,16 +96,17 @@ class TcpTransport:
         await conn.hello(self.rank)
         return conn
 
-    def reset_counters(self) -> None:
-        self._counters = {}
+    def counters(self, epoch: int) -> dict[int, SourceCounters]:
+        return {src: c for (src, e), c in self._counters.items() if e == epoch}
 
-    def counters(self) -> dict[int, SourceCounters]:
-        return dict(self._counters)
+    def close_epoch(self, epoch: int) -> None:
+        self.closed_epoch = max(self.closed_epoch, epoch)
+        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
 
-    def _count(self, source: int) -> SourceCounters:
-        c = self._counters.get(source)
+    def _count(self, source: int, epoch: int) -> SourceCounters:
+        c = self._counters.get((source, epoch))
         if c is None:
-            c = self._counters[source] = SourceCounters()
+            c = self._counters[source, epoch] = SourceCounters()
         return c
 
     async def close(self) -> None:
@@ -127,6 +130,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.state = "header"
         self.drain_left = 0
         self.source = -1
+        self.epoch = 0
         self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
         self.landed_bytes = 0
         self.errors: list[str] = []
@@ -165,13 +169,21 @@ class _AgentProtocol(asyncio.BufferedProtocol):
     def _landed(self, nbytes: int) -> None:
         self.landed_count += 1
         self.landed_bytes += nbytes
-        c = self.owner._count(self.source)
-        c.count += 1
-        c.nbytes += nbytes
+        if self.epoch > self.owner.closed_epoch:
+            c = self.owner._count(self.source, self.epoch)
+            c.count += 1
+            c.nbytes += nbytes
 
-    def _on_header(self, op: int, a: int, b: int, c: int) -> None:
+    def _on_header(self, op: int, a: int, b: int, c: int, epoch: int) -> None:
         self.pos = 0
         if op == OP_WRITE:
+            self.epoch = epoch
+            if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
+                self.landed_count += 1
+                self.landed_bytes += c
+                if c:
+                    self.state, self.drain_left = "drain", c
+                return
             region = self.owner.regions.get(a)
             if region is None or b + c > len(region):
                 size = "missing" if region is None else f"{len(region)} bytes"
@@ -195,7 +207,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
 
     def _error(self, text: str) -> None:
         self.errors.append(text)
-        self.owner._count(self.source).errors.append(text)
+        self.owner._count(self.source, self.epoch).errors.append(text)
 
 
 class TcpConnection:
@@ -218,11 +230,11 @@ class TcpConnection:
 
     async def hello(self, rank: int) -> None:
         async with self.lock:
-            await self._send([HEADER.pack(OP_HELLO, rank, MAGIC, 0)])
+            await self._send([HEADER.pack(OP_HELLO, rank, MAGIC, 0, 0)])
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> None:
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
         payload = byte_view(src)
-        header = HEADER.pack(OP_WRITE, dst_region, dst_offset, len(payload))
+        header = HEADER.pack(OP_WRITE, dst_region, dst_offset, len(payload), epoch)
         async with self.lock:
             await self._send([header, payload])
             self.sent_count += 1
@@ -234,7 +246,7 @@ class TcpConnection:
         fut = self.loop.create_future()
         self._acks[seq] = fut
         async with self.lock:
-            await self._send([HEADER.pack(OP_FENCE, 0, seq, 0)])
+            await self._send([HEADER.pack(OP_FENCE, 0, seq, 0, 0)])
             want = (self.sent_count, self.sent_bytes)
         count, nbytes, errors = await fut
         if errors:

@@ -1,0 +1,234 @@
+"""Controller, sender and receiver in one event loop over real TCP and ZeroMQ on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from engine.errors import ConfigError, JoinRejected, RoundAborted, StagingError, VersionError
+from proc_helpers import SPEC, mismatches, receiver_tensors, sender_tensors, update_in_place
+from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+from roles.channel import ControlChannel
+from wire import Envelope, Limits, decode, encode
+from wire import messages as m
+
+FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, checksum="crc32")
+WATCHDOG = 30
+
+
+@contextlib.asynccontextmanager
+async def cluster(n_send=1, n_recv=1, options=FAST, mode="shadow", receiver_cls=WeightReceiver, **recv_kw):
+    senders_t = [sender_tensors(0) for _ in range(n_send)]
+    receivers_t = [receiver_tensors() for _ in range(n_recv)]
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(Controller(senders=n_send, receivers=n_recv, options=options))
+        senders = [await stack.enter_async_context(WeightSender(ctl.address, t, rank=r)) for r, t in enumerate(senders_t)]
+        receivers = [await stack.enter_async_context(receiver_cls(ctl.address, t, rank=r, mode=mode, **recv_kw))
+                     for r, t in enumerate(receivers_t)]
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        yield ctl, senders, senders_t, receivers, receivers_t
+
+
+async def push_all(senders, senders_t, version):
+    for t in senders_t:
+        update_in_place(t, version)
+    handles = await asyncio.wait_for(asyncio.gather(*(s.push(version) for s in senders)), WATCHDOG)
+    return handles
+
+
+async def test_round_trip_bit_exact_and_versions():
+    updates = []
+    async with cluster(2, 2, on_update=updates.append) as (ctl, senders, senders_t, receivers, receivers_t):
+        for v in (1, 2):
+            handles = await push_all(senders, senders_t, v)
+            assert all(h.report.nbytes > 0 for h in handles)
+            await asyncio.wait_for(asyncio.gather(*handles), WATCHDOG)
+            report = await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
+            assert report.ok and report.nbytes == sum(h.report.nbytes for h in handles)
+            for r in receivers:
+                assert r.version == v
+            for t in receivers_t:
+                assert mismatches(t, v) == []
+        assert {l.sender for l in report.links} == {0, 1}  # both replicas carry part of the load
+        assert updates == [1, 1, 2, 2]
+        assert "committed=v2" in repr(ctl) and "version=2" in repr(receivers[0])
+
+
+async def test_versions_only_move_forward():
+    async with cluster() as (ctl, senders, senders_t, _, _):
+        await asyncio.gather(*await push_all(senders, senders_t, 5))
+        with pytest.raises(VersionError):
+            await senders[0].push(5)
+        with pytest.raises(ConfigError, match="versions only move forward"):
+            ctl.update(3)
+
+
+async def test_failed_round_leaves_last_good_version_in_shadow_mode():
+    async with cluster() as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        real = senders[0].sources.stage
+        calls = {"n": 0}
+
+        async def failing_stage(t, pool, want):
+            calls["n"] += 1
+            if calls["n"] == 3:  # after some bytes already landed
+                raise StagingError(t.name, "injected failure")
+            return await real(t, pool, want)
+
+        senders[0].sources.stage = failing_stage
+        update_in_place(senders_t[0], 2)
+        with pytest.raises(StagingError, match="injected"):
+            await asyncio.wait_for(senders[0].push(2), WATCHDOG)
+        with pytest.raises(RoundAborted) as e:
+            await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
+        assert e.value.culprit == "sender/0"
+        assert receivers[0].version == 1 and mismatches(receivers_t[0], 1) == []
+        senders[0].sources.stage = real
+        await asyncio.gather(*await push_all(senders, senders_t, 3))
+        await asyncio.wait_for(receivers[0].wait_for(3), WATCHDOG)
+        assert mismatches(receivers_t[0], 3) == []
+
+
+async def test_inplace_hooks_dirty_and_repair():
+    events = []
+    kw = dict(before_update=lambda v: events.append(("before", v)),
+              after_update=lambda v, ok: events.append(("after", v, ok)))
+    async with cluster(mode="inplace", **kw) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+        assert receivers[0].dirty is False and mismatches(receivers_t[0], 1) == []
+        real = senders[0].sources.stage
+
+        async def fail_late(t, pool, want):
+            if t.index == len(senders[0].table.transfers) - 1:
+                raise StagingError(t.name, "injected")
+            return await real(t, pool, want)
+
+        senders[0].sources.stage = fail_late
+        update_in_place(senders_t[0], 2)
+        with pytest.raises(StagingError):
+            await asyncio.wait_for(senders[0].push(2), WATCHDOG)
+        with pytest.raises(RoundAborted):
+            await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
+        assert receivers[0].dirty is True and receivers[0].version == 1
+        senders[0].sources.stage = real
+        await asyncio.gather(*await push_all(senders, senders_t, 3))
+        await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)
+        assert receivers[0].dirty is False and mismatches(receivers_t[0], 3) == []
+        assert events == [("before", 1), ("after", 1, True), ("before", 2), ("after", 2, False),
+                          ("before", 3), ("after", 3, True)]
+
+
+class CorruptingReceiver(WeightReceiver):
+    async def _on_fence(self, env):
+        if env.body.version == 2:
+            self.landing.storage[self.offsets["big"]] ^= 0xFF  # a byte flipped in flight
+        await super()._on_fence(env)
+
+
+async def test_checksum_mismatch_aborts_and_names_parameter():
+    async with cluster(receiver_cls=CorruptingReceiver) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        handles = await push_all(senders, senders_t, 2)
+        with pytest.raises(RoundAborted) as e:
+            await asyncio.wait_for(handles[0], WATCHDOG)
+        assert e.value.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in e.value.text
+        assert receivers[0].version == 1 and mismatches(receivers_t[0], 1) == []
+
+
+async def _join_error(spec_change, role="receiver"):
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl:
+        async with WeightSender(ctl.address, sender_tensors(0), rank=0):
+            tensors = receiver_tensors()
+            spec_change(tensors)
+            with pytest.raises(JoinRejected) as e:
+                async with WeightReceiver(ctl.address, tensors, rank=0):
+                    pass
+            return e.value
+
+
+async def test_manifest_disagreements_are_rejected_before_any_byte_moves():
+    missing = await _join_error(lambda t: t.__setitem__("blocks.0.atn.w", t.pop("blocks.0.attn.w")))
+    assert missing.code == m.RejectCode.MANIFEST_MISMATCH and "blocks.0.attn.w" in missing.text  # closest name
+    shape = await _join_error(lambda t: t.__setitem__("counts", torch.zeros(12, dtype=torch.int64)))
+    assert "counts" in shape.text and "[12]" in shape.text
+    dtype = await _join_error(lambda t: t.__setitem__("blocks.0.norm", torch.zeros(16)))
+    assert "blocks.0.norm" in dtype.text and "float32" in dtype.text
+
+
+async def test_duplicate_and_out_of_range_ranks():
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl:
+        async with WeightSender(ctl.address, sender_tensors(0), rank=0):
+            with pytest.raises(JoinRejected) as e:
+                async with WeightSender(ctl.address, sender_tensors(0), rank=0):
+                    pass
+            assert e.value.code == m.RejectCode.DUPLICATE_RANK
+            with pytest.raises(JoinRejected) as e:
+                async with WeightReceiver(ctl.address, receiver_tensors(), rank=3):
+                    pass
+            assert e.value.code == m.RejectCode.BAD_RANK and "0..0" in e.value.text
+
+
+@contextlib.asynccontextmanager
+async def raw_dealer(addr):
+    ctx = zmq.asyncio.Context()
+    chan = ControlChannel(ctx, zmq.DEALER, "test")
+    chan.connect(addr)
+    try:
+        yield chan
+    finally:
+        chan.close()
+        ctx.term()
+
+
+async def test_protocol_version_mismatch_gets_reject_with_both_versions():
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, raw_dealer(ctl.address) as chan:
+        hello = m.Hello(m.Role.SENDER, 0, "h", "cpu", 1, 9, 0, (), m.Manifest((), ()),
+                        m.TransportInfo("tcp", "h", "127.0.0.1:1", "cpu", b""))
+        frames = encode(Envelope(hello, 1, "sender/0", proto=(9, 0)))
+        await chan.sock.send_multipart(frames)
+        frames = await asyncio.wait_for(chan.sock.recv_multipart(), WATCHDOG)
+        reply = decode(frames)
+        assert isinstance(reply.body, m.Reject) and reply.parent_id == 1
+        assert reply.body.code == m.RejectCode.VERSION_MISMATCH
+        assert (reply.body.local_major, reply.body.peer_major) == (1, 9)
+
+
+async def test_status_and_messages_before_hello():
+    async with cluster() as (ctl, senders, senders_t, _, _):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+        async with raw_dealer(ctl.address) as chan:
+            await chan.send(m.StatusRequest(True))
+            _, reply = await asyncio.wait_for(chan.recv(), WATCHDOG)
+            status = reply.body.status
+            assert {(p["role"], p["rank"]) for p in status["peers"]} == {("sender", 0), ("receiver", 0)}
+            assert status["committed_version"] == 1 and status["rounds"][0]["ok"] is True
+            await chan.send(m.Push(4))
+            _, reply = await asyncio.wait_for(chan.recv(), WATCHDOG)
+            assert isinstance(reply.body, m.Error) and "before hello" in reply.body.text
+
+
+async def test_lost_receiver_aborts_round_and_replans():
+    opts = dataclasses.replace(FAST, timeout_s=0.5)
+    async with cluster(1, 2, options=opts) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+        first = ctl.plan.plan_id
+        for task in receivers[1]._tasks:  # receiver 1 goes silent (as if frozen)
+            task.cancel()
+        replanned = await asyncio.wait_for(ctl.wait_plan(after=first), WATCHDOG)
+        assert replanned.receivers.keys() == {0} and len(ctl.peers) == 2
+        await asyncio.gather(*await push_all(senders, senders_t, 2))
+        assert (await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)).ok
+
+
+async def test_limits_reject_oversized_plan_message():
+    with pytest.raises(Exception):
+        encode(Envelope(m.Heartbeat(1), 1, "x"), Limits(max_frame_bytes=4, max_message_bytes=8))
