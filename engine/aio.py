@@ -96,6 +96,15 @@ class Channel(Generic[T]):
         self._closed = True
         self._wake()
 
+    def drain_nowait(self) -> list[T]:
+        """Take whatever is still queued (for cleanup after a failure)."""
+        items = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is not _WAKE:
+                items.append(item)
+        return items
+
     def fail(self, exc: BaseException) -> None:
         self._error = exc
         self._wake()

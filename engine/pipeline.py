@@ -104,7 +104,13 @@ class Pipeline:
 
     async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int) -> None:
         channel: Channel = Channel(self.options.depth)
-        await run_all([self._stager(transfers, channel, report), self._writer(conn, channel, report, epoch)])
+        try:
+            await run_all([self._stager(transfers, channel, report), self._writer(conn, channel, report, epoch)])
+        finally:
+            for t, staged in channel.drain_nowait():  # staged but never written: give everything back
+                self.budget.release(t.nbytes)
+                if staged.pooled:
+                    self.pool.give(staged.buffer)
         await conn.fence()
 
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport) -> None:
@@ -136,7 +142,7 @@ class Pipeline:
             finally:
                 self.budget.release(t.nbytes)
                 if staged.pooled:
-                    self.pool.give(staged.tensor)
+                    self.pool.give(staged.buffer)
             report.count += 1
             report.nbytes += t.nbytes
             if staged.checksum is not None:

@@ -28,11 +28,15 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclasses.dataclass
 class Staged:
-    """A ready-to-write source: ``tensor`` is contiguous; ``pooled`` says it must go back to the pool."""
+    """A ready-to-write source: ``tensor`` is contiguous; ``buffer`` is the pool's, to give back after."""
 
     tensor: torch.Tensor
-    pooled: bool
+    buffer: Optional[torch.Tensor] = None
     checksum: Optional[int] = None
+
+    @property
+    def pooled(self) -> bool:
+        return self.buffer is not None
 
 
 class StagingPool:
@@ -48,17 +52,17 @@ class StagingPool:
         return f"<StagingPool allocated={self.allocated} reused={self.reused}>"
 
     def take(self, nbytes: int) -> torch.Tensor:
+        """A whole buffer of at least ``nbytes`` (a power of two); slice it, give the whole one back."""
         size = 1 << max(nbytes - 1, 0).bit_length()
         bucket = self.free.get(size)
         if bucket:
             self.reused += 1
-            return bucket.pop()[:nbytes]
+            return bucket.pop()
         self.allocated += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)[:nbytes]
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf
-        self.free.setdefault(base.numel(), []).append(base)
+        self.free.setdefault(buf.numel(), []).append(buf)
 
 
 class SourceSet:
@@ -99,15 +103,15 @@ class SourceSet:
         if nbytes != t.nbytes:
             raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")
         if not self.needs_copy(t, view):
-            staged = Staged(view, pooled=False)
+            staged = Staged(view)
         else:
             buf = pool.take(nbytes)
-            dst = buf.view(view.dtype).view(view.shape) if nbytes else buf
+            dst = buf[:nbytes].view(view.dtype).view(view.shape) if nbytes else buf[:0]
             if nbytes > THREAD_THRESHOLD:
                 await asyncio.to_thread(_copy, dst, view)
             elif nbytes:
                 _copy(dst, view)
-            staged = Staged(dst, pooled=True)
+            staged = Staged(dst, buf)
         if want_checksum:
             data = byte_view(staged.tensor)
             staged.checksum = await asyncio.to_thread(checksum, data) if nbytes > THREAD_THRESHOLD else checksum(data)

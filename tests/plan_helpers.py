@@ -47,8 +47,8 @@ def check_coverage(plan: RoutingPlan, receivers) -> None:
                 assert t.name not in spans, f"tied {t.name} moved separately"
                 continue
             got = sorted(spans.pop(t.name, []))
-            if t.nbytes == 0:
-                assert all(a == b for a, b in got) and len(got) >= 1
+            if t.nbytes == 0:  # nothing to move; a zero-byte transfer is allowed, not required
+                assert all(a == b for a, b in got)
                 continue
             at = t.offset
             for a, b in got:

@@ -54,6 +54,7 @@ class TcpTransport:
         self.closed_epoch = -1
         self._server: Optional[asyncio.AbstractServer] = None
         self._agents: set[_AgentProtocol] = set()
+        self.closing = False
         self.address = ""
 
     def __repr__(self) -> str:
@@ -110,6 +111,7 @@ class TcpTransport:
         return c
 
     async def close(self) -> None:
+        self.closing = True
         if self._server is not None:
             self._server.close()
             for agent in list(self._agents):
@@ -138,6 +140,9 @@ class _AgentProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self.owner.closing:  # accepted just as the transport closed
+            transport.close()
+            return
         self.owner._agents.add(self)
 
     def connection_lost(self, exc) -> None:
@@ -179,17 +184,13 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         if op == OP_WRITE:
             self.epoch = epoch
             if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
-                self.landed_count += 1
-                self.landed_bytes += c
-                if c:
-                    self.state, self.drain_left = "drain", c
+                self._drain(c)
                 return
             region = self.owner.regions.get(a)
             if region is None or b + c > len(region):
                 size = "missing" if region is None else f"{len(region)} bytes"
                 self._error(f"write of {c} bytes at region {a} offset {b} is out of bounds (region {size})")
-                if c:
-                    self.state, self.drain_left = "drain", c
+                self._drain(c)
                 return
             if c == 0:
                 self._landed(0)
@@ -204,6 +205,13 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         else:
             self._error(f"unknown frame op={op} (or bad hello); closing")
             self.transport.close()
+
+    def _drain(self, nbytes: int) -> None:
+        """Consume a write without applying it; it still counts as delivered for the fence."""
+        self.landed_count += 1
+        self.landed_bytes += nbytes
+        if nbytes:
+            self.state, self.drain_left = "drain", nbytes
 
     def _error(self, text: str) -> None:
         self.errors.append(text)
