@@ -20,6 +20,7 @@ from wire import Transfer
 from wire.messages import Checksum, WriteSummary
 
 from .aio import ByteBudget, Channel, run_all
+from .checksums import validate as validate_checksum
 from .errors import ConfigError
 from .staging import SourceSet, StagingPool
 from .transport import Connection
@@ -31,7 +32,7 @@ MiB = 1 << 20
 class PipelineOptions:
     max_inflight_bytes: int = 512 * MiB  # staged or on the wire, all connections together
     depth: int = 4  # prepared writes queued per connection ahead of the writer
-    checksum: str = ""  # "" (off) or "crc32"
+    checksum: str = ""  # "" (off), "crc32" or "sum64" (engine.checksums)
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes <= 0:
@@ -87,8 +88,11 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"<Pipeline runs={self.runs} {self.budget!r} {self.pool!r}>"
 
-    async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int) -> PushReport:
-        """Write every transfer, fence every connection used; return what went to whom."""
+    async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int,
+                  slots: Mapping[int, int] = {}) -> PushReport:
+        """Write every transfer, fence every connection used; return what went to whom.
+
+        ``slots``: receiver rank -> landing slot this round (added to each transfer's region id)."""
         lanes: dict[int, list[Transfer]] = defaultdict(list)
         for t in transfers:
             lanes[t.dst_rank].append(t)
@@ -98,14 +102,16 @@ class Pipeline:
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
-        await run_all(self._lane(conns[r], ts, reports[r], epoch) for r, ts in sorted(lanes.items()))
+        await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0)) for r, ts in sorted(lanes.items()))
         self.runs += 1
         return PushReport(reports, time.perf_counter() - start)
 
-    async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int) -> None:
+    async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int,
+                    slot: int) -> None:
         channel: Channel = Channel(self.options.depth)
         try:
-            await run_all([self._stager(transfers, channel, report), self._writer(conn, channel, report, epoch)])
+            await run_all([self._stager(transfers, channel, report),
+                           self._writer(conn, channel, report, epoch, slot)])
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
                 self.budget.release(t.nbytes)
@@ -114,14 +120,14 @@ class Pipeline:
         await conn.fence()
 
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport) -> None:
-        want = self.options.checksum == "crc32"
+        algo = self.options.checksum
         try:
             for t in transfers:
                 await self.budget.acquire(t.nbytes)
                 handed_over = False
                 try:
                     t0 = time.perf_counter()
-                    staged = await self.sources.stage(t, self.pool, want)
+                    staged = await self.sources.stage(t, self.pool, algo)
                     report.stage_s += time.perf_counter() - t0
                     await channel.send((t, staged))
                     handed_over = True
@@ -133,11 +139,12 @@ class Pipeline:
             channel.fail(exc)
             raise
 
-    async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int) -> None:
+    async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
+                      slot: int) -> None:
         async for t, staged in channel:
             try:
                 t0 = time.perf_counter()
-                await conn.write(staged.tensor, t.dst_region, t.dst_offset, epoch)
+                await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
                 report.write_s += time.perf_counter() - t0
             finally:
                 self.budget.release(t.nbytes)

@@ -19,7 +19,7 @@ import torch
 from wire import ShardSpec, Transfer
 
 from .errors import StagingError
-from .tensors import byte_view, checksum
+from .checksums import checksum
 
 THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off the event loop
 
@@ -73,6 +73,7 @@ class SourceSet:
         self.tensors = dict(tensors)
         self.shards = dict(shards)
         self.transforms = dict(transforms)
+        self.devices: set[str] = {"cpu"}  # device types the transport writes from directly
 
     def view(self, t: Transfer) -> torch.Tensor:
         """The source region of ``t`` as a (possibly non-contiguous) view, in local coordinates."""
@@ -90,9 +91,11 @@ class SourceSet:
         return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
 
     def needs_copy(self, t: Transfer, view: torch.Tensor) -> bool:
-        return bool(t.transform) or not view.is_contiguous() or view.device.type != "cpu"
+        """Copy when a transform runs, the view is not dense, or the transport cannot read the device."""
+        readable = view.device.type == "cpu" or view.device.type in self.devices
+        return bool(t.transform) or not view.is_contiguous() or not readable
 
-    async def stage(self, t: Transfer, pool: StagingPool, want_checksum: bool) -> Staged:
+    async def stage(self, t: Transfer, pool: StagingPool, algo: str = "") -> Staged:
         view = self.view(t)
         if t.transform:
             fn = self.transforms.get(t.transform)
@@ -112,9 +115,9 @@ class SourceSet:
             elif nbytes:
                 _copy(dst, view)
             staged = Staged(dst, buf)
-        if want_checksum:
-            data = byte_view(staged.tensor)
-            staged.checksum = await asyncio.to_thread(checksum, data) if nbytes > THREAD_THRESHOLD else checksum(data)
+        if algo:
+            big = nbytes > THREAD_THRESHOLD and staged.tensor.device.type == "cpu"
+            staged.checksum = await asyncio.to_thread(checksum, staged.tensor, algo) if big else checksum(staged.tensor, algo)
         return staged
 
 

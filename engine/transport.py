@@ -76,7 +76,11 @@ class Transport(Protocol):
     async def connect(self, peer: PeerInfo) -> Connection: ...
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
-        """Target side: what each source rank delivered for round ``epoch``."""
+        """Target side: what each source rank delivered for round ``epoch`` (empty where the transport
+        cannot observe one-sided writes)."""
+
+    async def settle(self) -> None:
+        """Target side: make landed bytes visible in the registered buffers (a no-op for most)."""
 
     def close_epoch(self, epoch: int) -> None:
         """Target side: round ``epoch`` and every earlier one are over: drop their late writes, forget them."""

@@ -53,6 +53,7 @@ class Peer:
     hello: m.Hello
     session: Session
     last_seen: float
+    slot: int = 0  # the receiver's landing buffer this round (shadow receivers alternate 1, 0, 1, ...)
 
     @property
     def key(self) -> tuple[Role, int]:
@@ -263,7 +264,7 @@ class Controller:
             body = m.Reject(code, text, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1], hello.proto_major, hello.proto_minor)
             await self._chan.send(body, to=identity, parent_id=env.msg_id)
             return
-        peer = Peer(identity, hello, session, time.monotonic())
+        peer = Peer(identity, hello, session, time.monotonic(), slot=1 if "slots:2" in hello.capabilities else 0)
         self.peers[identity] = peer
         self.by_rank[peer.key] = identity
         welcome = m.Welcome(f"{peer.name}@{self.address}", PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
@@ -411,8 +412,11 @@ class Controller:
 
     async def _round_steps(self, rnd: RoundState) -> None:
         deadline = self.options.round_timeout_s
+        landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
+                        for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
         for key in sorted(self.plan_members):
-            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum), version=rnd.version)
+            slots = landing if key[0] is Role.SENDER else ()
+            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
         await self._stage(rnd, "writes_done", deadline)
         rnd.stage = "fencing"
         for r in sorted(rnd.receivers):
@@ -484,6 +488,8 @@ class Controller:
     async def _on_commit_ack(self, peer: Peer, env: Envelope) -> None:
         rnd = self._round_peer(peer, env.body.version)
         if rnd is not None:
+            if "slots:2" in peer.hello.capabilities and env.body.applied:
+                peer.slot = 1 - peer.slot  # it swapped: next round lands in the other buffer
             rnd.on_commit_ack(peer.hello.rank)
 
     async def _on_error(self, peer: Peer, env: Envelope) -> None:

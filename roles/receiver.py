@@ -23,7 +23,8 @@ import torch
 
 from engine.errors import ConfigError, RoundAborted
 from engine.registry import RegistrationCache
-from engine.tensors import FlatBuffer, Params, aligned_layout, checksum, find_ties, named_tensors, spec_for
+from engine.checksums import checksum
+from engine.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
 from wire import Envelope, Manifest, ReceiverTable, Role
 from wire import messages as m
 
@@ -61,7 +62,10 @@ class WeightReceiver(Worker):
         self.ties = find_ties(self.tensors)
         self.offsets, self.nbytes = aligned_layout(self.tensors, self.ties)
         self.live = self._rehome()
-        self.landing = FlatBuffer(self.nbytes) if self.mode == "shadow" else self.live
+        self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
+        self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
+        if self.mode == "shadow":
+            self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, "slots:2"))
         self.cache = RegistrationCache()
         self.table: Optional[ReceiverTable] = None
         self.version: Optional[int] = None
@@ -69,6 +73,7 @@ class WeightReceiver(Worker):
         self.rounds_committed = 0
         self.rounds_aborted = 0
         self._pending: Optional[int] = None
+        self._algo = ""
         self._version_changed = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -78,13 +83,15 @@ class WeightReceiver(Worker):
     # --- layout -----------------------------------------------------------------------------------
 
     def _rehome(self) -> FlatBuffer:
-        """Copy every tensor into one flat buffer and make the tensor a view of it."""
-        buf = FlatBuffer(self.nbytes)
+        """Copy every tensor into one flat buffer (on their device) and make the tensor a view of it."""
+        devices = sorted({str(t.device) for t in self.tensors.values()})
+        if len(devices) > 1:
+            raise ConfigError("params", f"a receiver's tensors must share one device, found {devices}")
+        self.device = torch.device(devices[0] if devices else "cpu")
+        buf = FlatBuffer(self.nbytes, self.device)
         for name, t in self.tensors.items():
             if name in self.ties:
                 continue
-            if t.device.type != "cpu":
-                raise ConfigError(name, f"the {self.options.transport} receiver keeps CPU tensors; {name} is on {t.device}")
             view = buf.view(self.offsets[name], t.dtype, tuple(t.shape))
             view.copy_(t.detach())
             t.data = view
@@ -93,12 +100,14 @@ class WeightReceiver(Worker):
         return buf
 
     def _manifest(self) -> Manifest:
-        infos = self.cache.apply(self.cache.plan({REGION: self.landing.storage}), self.transport)
+        """Region 0 (and 1 in shadow mode) are the buffers; senders add the round's slot to region 0."""
+        wanted = {REGION + i: buf.storage for i, buf in enumerate(self.buffers)}
+        infos = self.cache.apply(self.cache.plan(wanted), self.transport)
         specs = tuple(
             spec_for(name, t, region=REGION, offset=self.offsets[name], tied_to=self.ties.get(name))
             for name, t in self.tensors.items()
         )
-        return Manifest(specs, (infos[REGION],))
+        return Manifest(specs, tuple(infos[r] for r in sorted(wanted)))
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -122,36 +131,46 @@ class WeightReceiver(Worker):
 
     async def _on_begin(self, env: Envelope) -> None:
         self._pending = env.body.version  # writes may have started already: they count under this epoch
+        self._algo = env.body.checksum
         if self.mode == "inplace":
             await call_hook(self.before_update, self._pending)
             self.dirty = True  # live bytes may change from now until commit
 
     async def _on_fence(self, env: Envelope) -> None:
         version = env.body.version
-        problems, mismatches = self._check_arrivals()
-        if not problems:
-            mismatches = await asyncio.to_thread(self._check_checksums, env.body.checksums)
-            if mismatches:
-                problems.append(f"checksum mismatch in {len(mismatches)} transfer(s)")
-        received = sum(c.nbytes for c in self.transport.counters(version).values())
-        ok = not problems
-        await self._send(m.FenceAck(version, ok, received, tuple(mismatches), "; ".join(problems)), version=version)
+        await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
+        problems, names = self._check_arrivals(env.body.checksums)
+        if not problems and self._algo:
+            bad = await asyncio.to_thread(self._check_checksums, env.body.checksums)
+            if bad:
+                problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")
+                names = bad
+        received = sum(s.nbytes for s in env.body.checksums)
+        await self._send(m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems)),
+                         version=version)
 
-    def _check_arrivals(self) -> tuple[list[str], list[str]]:
+    def _check_arrivals(self, summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str]]:
+        """Every sender in our table reported what the table says; where the transport observes
+        incoming writes (TCP), what landed matches too. One-sided transports rely on the report plus
+        the senders' fences, and checksums check the content."""
         want: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for e in self.table.entries:
             want[e.src_rank][0] += 1
             want[e.src_rank][1] += e.nbytes
-        got = self.transport.counters(self._pending)
-        problems, names = [], []
+        reported = {s.peer_rank: (s.count, s.nbytes) for s in summaries}
+        observed = self.transport.counters(self._pending)
+        problems: list[str] = []
+        bad_src: set[int] = set()
         for src, (count, nbytes) in sorted(want.items()):
-            c = got.get(src)
-            have = (c.count, c.nbytes) if c else (0, 0)
-            if have != (count, nbytes):
-                problems.append(f"from sender/{src}: got {have[0]} writes/{have[1]} bytes, expected {count}/{nbytes}")
-                names.extend(sorted({e.name for e in self.table.entries if e.src_rank == src}))
-            if c and c.errors:
-                problems.append(f"from sender/{src}: {'; '.join(c.errors[:3])}")
+            if reported.get(src, (0, 0)) != (count, nbytes):
+                problems.append(f"sender/{src} reported {reported.get(src, (0, 0))}, expected {(count, nbytes)}")
+                bad_src.add(src)
+            c = observed.get(src)
+            if c is not None and ((c.count, c.nbytes) != (count, nbytes) or c.errors):
+                problems.append(f"from sender/{src} landed {c.count} writes/{c.nbytes} bytes, expected "
+                                f"{count}/{nbytes} {'; '.join(c.errors[:3])}")
+                bad_src.add(src)
+        names = sorted({e.name for e in self.table.entries if e.src_rank in bad_src})
         return problems, names
 
     def _check_checksums(self, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
@@ -159,7 +178,7 @@ class WeightReceiver(Worker):
         bad = {
             e.name for e in self.table.entries
             if (e.src_rank, e.index) in expected
-            and checksum(self.landing.bytes_at(e.offset, e.nbytes)) != expected[e.src_rank, e.index]
+            and checksum(self.landing.storage[e.offset:e.offset + e.nbytes], self._algo) != expected[e.src_rank, e.index]
         }
         return sorted(bad)
 
@@ -181,12 +200,14 @@ class WeightReceiver(Worker):
             await self._send(m.CommitAck(version, True, ""), version=version)
 
     def _swap(self) -> None:
-        """Rebind every tensor to the landing buffer, then land the next version in the old live one."""
+        """Rebind every tensor to the landing buffer; the next version lands in the old live one.
+
+        Both buffers stay registered (regions 0 and 1); the controller flips this receiver's slot on
+        our commit_ack, so senders follow without any re-registration."""
         new_live, new_landing = self.landing, self.live
         for name, t in self.tensors.items():
             t.data = new_live.view(self.offsets[name], t.dtype, tuple(t.shape))
         self.live, self.landing = new_live, new_landing
-        self.cache.apply(self.cache.plan({REGION: self.landing.storage}), self.transport)
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body

@@ -161,11 +161,12 @@ class WeightSender(Worker):
             return
         pipeline = dataclasses.replace(self.pipeline.options, checksum=env.body.checksum)
         self.pipeline.options = pipeline
-        self._round = asyncio.ensure_future(self._write(version, handle))
+        slots = {s.rank: s.slot for s in env.body.landing}
+        self._round = asyncio.ensure_future(self._write(version, handle, slots))
 
-    async def _write(self, version: int, handle: PushHandle) -> None:
+    async def _write(self, version: int, handle: PushHandle, slots: dict[int, int]) -> None:
         try:
-            report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version)
+            report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots)
         except asyncio.CancelledError:
             raise
         except (TransportError, StagingError, WeightSyncError) as exc:

@@ -56,7 +56,7 @@ BODIES: dict[str, m.Message] = {
     "plan": m.Plan(9, SENDER_TABLE, None),
     "plan_ack": m.PlanAck(9, True, ""),
     "push": m.Push(3),
-    "begin": m.UpdateBegin(3, 9, "crc32"),
+    "begin": m.UpdateBegin(3, 9, "crc32", (m.Slot(1, 1), m.Slot(2, 0))),
     "writes_done": m.WritesDone(3, 9, (SUMMARY,), 0.25, 1.5),
     "fence": m.Fence(3, (SUMMARY,)),
     "fence_ack": m.FenceAck(3, False, 320, ("mlp.up.weight",), "checksum mismatch"),

@@ -137,11 +137,20 @@ class Push(Message):
 
 
 @struct
+class Slot:
+    """Receiver ``rank`` lands this round in buffer ``slot`` (region id = table region + slot)."""
+
+    rank: U32
+    slot: U32
+
+
+@struct
 class UpdateBegin(Message):
     TYPE = "begin"
     version: U64
     plan_id: U64
     checksum: str
+    landing: tuple[Slot, ...]
 
 
 @struct
@@ -296,7 +305,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 SESSIONLESS = frozenset({StatusRequest, StatusReply, CommandRequest, CommandReply})
 
 __all__ = [
-    "Role", "RejectCode", "AbortReason", "ErrorCode", "Message", "Checksum", "WriteSummary",
+    "Role", "RejectCode", "AbortReason", "ErrorCode", "Message", "Checksum", "WriteSummary", "Slot",
     "MESSAGE_TYPES", "SESSIONLESS",
     *(cls.__name__ for cls in MESSAGE_TYPES.values()),
 ]

@@ -64,6 +64,9 @@ class MemoryTransport:
         self.closed_epoch = max(self.closed_epoch, epoch)
         self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
 
+    async def settle(self) -> None:
+        return None
+
     async def close(self) -> None:
         _DIRECTORY.pop(self.address, None)
 

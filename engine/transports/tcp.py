@@ -50,6 +50,7 @@ class TcpTransport:
         self.rank = -1
         self.regions: dict[int, memoryview] = {}
         self._tensors: dict[int, torch.Tensor] = {}
+        self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._counters: dict[tuple[int, int], SourceCounters] = {}
         self.closed_epoch = -1
         self._server: Optional[asyncio.AbstractServer] = None
@@ -72,7 +73,15 @@ class TcpTransport:
         return TransportInfo(self.kind, host_id, self.address, self.options.device, b"")
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
-        self.regions[region_id] = byte_view(buffer)
+        """CPU buffers are written in place; a CUDA buffer lands in a pinned host mirror first and is
+        copied to the device by ``settle`` (at the fence)."""
+        host = buffer
+        if buffer.device.type != "cpu":
+            host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+            self._mirrors[region_id] = (host, buffer)
+        else:
+            self._mirrors.pop(region_id, None)
+        self.regions[region_id] = byte_view(host)
         self._tensors[region_id] = buffer
         size = buffer.numel() * buffer.element_size()
         return RegionInfo(region_id, size, str(buffer.device), struct.pack("<IQ", region_id, size))
@@ -80,6 +89,11 @@ class TcpTransport:
     def deregister(self, region_id: int) -> None:
         self.regions.pop(region_id, None)
         self._tensors.pop(region_id, None)
+        self._mirrors.pop(region_id, None)
+
+    async def settle(self) -> None:
+        for host, device_buffer in self._mirrors.values():
+            await asyncio.to_thread(_upload, host, device_buffer)
 
     async def connect(self, peer: PeerInfo) -> "TcpConnection":
         host, _, port = peer.transport.address.rpartition(":")
@@ -118,6 +132,11 @@ class TcpTransport:
                 agent.transport.close()
             await self._server.wait_closed()
             self._server = None
+
+
+def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
+    device_buffer.copy_(host, non_blocking=True)
+    torch.cuda.current_stream(device_buffer.device).synchronize()
 
 
 class _AgentProtocol(asyncio.BufferedProtocol):
