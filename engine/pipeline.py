@@ -11,6 +11,8 @@ budget are returned on every path (``finally``), and the error propagates to the
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import time
 from collections import defaultdict
@@ -22,7 +24,7 @@ from wire.messages import Checksum, WriteSummary
 from .aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .errors import ConfigError
-from .staging import SourceSet, StagingPool
+from .staging import SourceSet, Staged, StagingPool
 from .transport import Connection
 
 MiB = 1 << 20
@@ -110,7 +112,8 @@ class Pipeline:
                     slot: int) -> None:
         channel: Channel = Channel(self.options.depth)
         try:
-            await run_all([self._stager(transfers, channel, report),
+            readable = getattr(conn, "devices", frozenset({"cpu"}))
+            await run_all([self._stager(transfers, channel, report, readable),
                            self._writer(conn, channel, report, epoch, slot)])
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
@@ -119,7 +122,8 @@ class Pipeline:
                     self.pool.give(staged.buffer)
         await conn.fence()
 
-    async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport) -> None:
+    async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport,
+                      readable: frozenset) -> None:
         algo = self.options.checksum
         try:
             for t in transfers:
@@ -127,7 +131,7 @@ class Pipeline:
                 handed_over = False
                 try:
                     t0 = time.perf_counter()
-                    staged = await self.sources.stage(t, self.pool, algo)
+                    staged = await self.sources.stage(t, self.pool, algo, readable)
                     report.stage_s += time.perf_counter() - t0
                     await channel.send((t, staged))
                     handed_over = True
@@ -141,16 +145,31 @@ class Pipeline:
 
     async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
                       slot: int) -> None:
-        async for t, staged in channel:
-            try:
-                t0 = time.perf_counter()
-                await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
-                report.write_s += time.perf_counter() - t0
-            finally:
-                self.budget.release(t.nbytes)
-                if staged.pooled:
-                    self.pool.give(staged.buffer)
-            report.count += 1
-            report.nbytes += t.nbytes
-            if staged.checksum is not None:
-                report.checksums.append(Checksum(t.index, staged.checksum))
+        """Issue writes in lane order with up to ``depth`` in flight on this connection."""
+        inflight: collections.deque[asyncio.Task] = collections.deque()
+        try:
+            async for t, staged in channel:
+                inflight.append(asyncio.ensure_future(self._write_one(conn, t, staged, report, epoch, slot)))
+                if len(inflight) >= self.options.depth:
+                    await inflight.popleft()
+            while inflight:
+                await inflight.popleft()
+        finally:
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _write_one(self, conn: Connection, t: Transfer, staged: Staged, report: LaneReport, epoch: int,
+                         slot: int) -> None:
+        try:
+            t0 = time.perf_counter()
+            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
+            report.write_s += time.perf_counter() - t0
+        finally:
+            self.budget.release(t.nbytes)
+            if staged.pooled:
+                self.pool.give(staged.buffer)
+        report.count += 1
+        report.nbytes += t.nbytes
+        if staged.checksum is not None:
+            report.checksums.append(Checksum(t.index, staged.checksum))

@@ -73,7 +73,6 @@ class SourceSet:
         self.tensors = dict(tensors)
         self.shards = dict(shards)
         self.transforms = dict(transforms)
-        self.devices: set[str] = {"cpu"}  # device types the transport writes from directly
 
     def view(self, t: Transfer) -> torch.Tensor:
         """The source region of ``t`` as a (possibly non-contiguous) view, in local coordinates."""
@@ -90,12 +89,12 @@ class SourceSet:
             raise StagingError(t.name, f"slice {t.slice} is outside the rows this sender holds")
         return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
 
-    def needs_copy(self, t: Transfer, view: torch.Tensor) -> bool:
-        """Copy when a transform runs, the view is not dense, or the transport cannot read the device."""
-        readable = view.device.type == "cpu" or view.device.type in self.devices
-        return bool(t.transform) or not view.is_contiguous() or not readable
+    def needs_copy(self, t: Transfer, view: torch.Tensor, readable: frozenset) -> bool:
+        """Copy when a transform runs, the view is not dense, or the connection cannot read the device."""
+        return bool(t.transform) or not view.is_contiguous() or view.device.type not in readable
 
-    async def stage(self, t: Transfer, pool: StagingPool, algo: str = "") -> Staged:
+    async def stage(self, t: Transfer, pool: StagingPool, algo: str = "",
+                    readable: frozenset = frozenset({"cpu"})) -> Staged:
         view = self.view(t)
         if t.transform:
             fn = self.transforms.get(t.transform)
@@ -105,7 +104,7 @@ class SourceSet:
         nbytes = view.numel() * view.element_size()
         if nbytes != t.nbytes:
             raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")
-        if not self.needs_copy(t, view):
+        if not self.needs_copy(t, view, readable):
             staged = Staged(view)
         else:
             buf = pool.take(nbytes)

@@ -37,6 +37,7 @@ class TransportOptions:
     advertise_host: Optional[str] = None  # the address peers connect to (defaults to bind_host)
     host_id: Optional[str] = None  # host identity for locality (defaults to the machine's hostname)
     device: str = "cpu"
+    uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
 
 
 @dataclasses.dataclass
@@ -91,6 +92,9 @@ class Transport(Protocol):
 BACKENDS: dict[str, str] = {
     "tcp": "engine.transports.tcp:TcpTransport",
     "memory": "engine.transports.memory:MemoryTransport",
+    "cuda_ipc": "engine.transports.cuda_ipc:CudaIpcTransport",
+    "uccl": "engine.transports.uccl:UcclTransport",
+    "auto": "engine.transports.auto:AutoTransport",
 }
 
 

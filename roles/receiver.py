@@ -28,7 +28,7 @@ from engine.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_
 from wire import Envelope, Manifest, ReceiverTable, Role
 from wire import messages as m
 
-from .worker import Worker, WorkerOptions, call_hook
+from .worker import Worker, WorkerOptions, call_hook, with_device
 
 log = logging.getLogger("weightsync")
 
@@ -54,11 +54,12 @@ class WeightReceiver(Worker):
             options = dataclasses.replace(options, mode=mode)
         if options.mode not in MODES:
             raise ConfigError("mode", f"must be one of {MODES}, got {options.mode!r}")
-        super().__init__(controller_addr, rank, options)
+        tensors = named_tensors(params)
+        super().__init__(controller_addr, rank, with_device(options, tensors))
         self.mode = options.mode
         self.on_update, self.before_update, self.after_update = on_update, before_update, after_update
         self.on_abort = on_abort
-        self.tensors = named_tensors(params)
+        self.tensors = tensors
         self.ties = find_ties(self.tensors)
         self.offsets, self.nbytes = aligned_layout(self.tensors, self.ties)
         self.live = self._rehome()

@@ -15,6 +15,8 @@ import dataclasses
 import logging
 from typing import Mapping, Optional
 
+import torch
+
 from engine.errors import RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
 from engine.pipeline import Pipeline, PipelineOptions, PushReport
 from engine.staging import SourceSet, StagingPool, Transform
@@ -23,7 +25,7 @@ from engine.transport import Connection
 from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
 from wire import messages as m
 
-from .worker import Worker, WorkerOptions
+from .worker import Worker, WorkerOptions, with_device
 
 log = logging.getLogger("weightsync")
 
@@ -75,12 +77,14 @@ class WeightSender(Worker):
     def __init__(self, controller_addr: str, params: Params, *, rank: int,
                  options: SenderOptions = SenderOptions(), shards: Mapping[str, ShardSpec] = {},
                  gatherable: bool = False, transforms: Mapping[str, Transform] = {}) -> None:
+        tensors = named_tensors(params)
+        options = with_device(options, tensors)
         super().__init__(controller_addr, rank, options)
-        self.tensors = named_tensors(params)
+        self.tensors = tensors
         self.shards = dict(shards)
         self.gatherable = gatherable
         self.sources = SourceSet(self.tensors, self.shards, transforms)
-        self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool())
+        self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool(pin=torch.cuda.is_available()))
         self.table: Optional[SenderTable] = None
         self.plan_id: Optional[int] = None
         self.conns: dict[int, Connection] = {}

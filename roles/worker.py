@@ -90,6 +90,7 @@ class Worker:
         try:
             self.transport = create_transport(self.options.transport, self.options.transport_options)
             self.transport_info = await self.transport.start(self.rank)
+            self._on_transport(self.transport)
             manifest = self._manifest()
             self._ctx = zmq.asyncio.Context()
             self._channel = ControlChannel(self._ctx, zmq.DEALER, self.name, limits=self.options.limits,
@@ -225,6 +226,9 @@ class Worker:
     def _manifest(self) -> Manifest:
         raise NotImplementedError
 
+    def _on_transport(self, transport: Transport) -> None:
+        """The transport is up (before the manifest is built)."""
+
     def _on_closed(self, exc: BaseException) -> None:
         """The session is over (controller lost or closing): fail whatever is waiting."""
         if self.lost is None:
@@ -237,3 +241,11 @@ class Worker:
 
 def default_host_id() -> str:
     return socket.gethostname()
+
+
+def with_device(options: WorkerOptions, tensors: dict) -> WorkerOptions:
+    """Tell the transport which device this worker's tensors live on (the first CUDA one, else cpu)."""
+    device = next((str(t.device) for t in tensors.values() if t.device.type == "cuda"), "cpu")
+    if options.transport_options.device == device:
+        return options
+    return dataclasses.replace(options, transport_options=dataclasses.replace(options.transport_options, device=device))

@@ -9,6 +9,7 @@ writing to a shared multiprocessing.Queue would leave its lock held and silence 
 from __future__ import annotations
 
 import asyncio
+import os
 import traceback
 
 import torch
@@ -40,16 +41,16 @@ def hash_name(name: str) -> int:
     return sum((i + 1) * ord(c) for i, c in enumerate(name)) % 100_003
 
 
-def sender_tensors(version: int, spec=SPEC) -> dict[str, torch.Tensor]:
+def sender_tensors(version: int, spec=SPEC, device: str = "cpu") -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, (shape, dtype, how) in spec.items():
         if how.startswith("tied:"):
             out[name] = out[how.split(":", 1)[1]]
         elif how == "transposed":
-            base = value(name, shape, dtype, version).t().contiguous()  # stored transposed ...
+            base = value(name, shape, dtype, version).t().contiguous().to(device)  # stored transposed ...
             out[name] = base.t()  # ... so the logical tensor is a non-contiguous view
         else:
-            out[name] = value(name, shape, dtype, version)
+            out[name] = value(name, shape, dtype, version).to(device)
     return out
 
 
@@ -57,16 +58,16 @@ def update_in_place(tensors: dict[str, torch.Tensor], version: int, spec=SPEC) -
     """Write version's values into the sender's existing tensors (as an optimizer step would)."""
     for name, (shape, dtype, how) in spec.items():
         if not how.startswith("tied:"):
-            tensors[name].copy_(value(name, shape, dtype, version))
+            tensors[name].copy_(value(name, shape, dtype, version).to(tensors[name].device))
 
 
-def receiver_tensors(spec=SPEC, tie: bool = True) -> dict[str, torch.Tensor]:
+def receiver_tensors(spec=SPEC, tie: bool = True, device: str = "cpu") -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, (shape, dtype, how) in spec.items():
         if how.startswith("tied:") and tie:
             out[name] = out[how.split(":", 1)[1]]
         else:
-            out[name] = torch.full(shape, 7, dtype=dtype) if shape != (0, 4) else torch.empty(shape, dtype=dtype)
+            out[name] = torch.full(shape, 7, dtype=dtype, device=device)
     return out
 
 
@@ -75,7 +76,7 @@ def mismatches(tensors: dict[str, torch.Tensor], version: int, spec=SPEC) -> lis
     for name, (shape, dtype, how) in spec.items():
         source = how.split(":", 1)[1] if how.startswith("tied:") else name  # a tied name reads its target
         want = value(source, shape, dtype, version)
-        got = tensors[name]
+        got = tensors[name].cpu()
         if got.dtype != dtype or tuple(got.shape) != tuple(shape) or not torch.equal(got, want):
             bad.append(name)
     return bad
@@ -84,19 +85,28 @@ def mismatches(tensors: dict[str, torch.Tensor], version: int, spec=SPEC) -> lis
 # --- child processes -----------------------------------------------------------------------------
 
 
-def sender_main(addr: str, rank: int, versions: list[int], out, block_at: int = -1, opts: dict = {}) -> None:
+def _options(cls, transport: str, uccl_tcp: bool):
+    from engine.transport import TransportOptions
+
+    if uccl_tcp:
+        os.environ.setdefault("UCCL_P2P_TRANSPORT", "tcp")  # a test child: UCCL reads it at import
+    return cls(transport=transport, transport_options=TransportOptions(uccl_tcp=uccl_tcp))
+
+
+def sender_main(addr: str, rank: int, versions: list[int], out, block_at: int = -1,
+                transport: str = "tcp", device: str = "cpu", uccl_tcp: bool = False) -> None:
     try:
-        asyncio.run(_sender(addr, rank, versions, out, block_at, opts))
+        asyncio.run(_sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp))
     except BaseException:
         out.send(("error", "sender", rank, traceback.format_exc()))
 
 
-async def _sender(addr, rank, versions, out, block_at, opts) -> None:
+async def _sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp) -> None:
     from roles import SenderOptions, WeightSender
 
     torch.set_num_threads(1)
-    tensors = sender_tensors(0)
-    async with WeightSender(addr, tensors, rank=rank, options=SenderOptions(**opts)) as sender:
+    tensors = sender_tensors(0, device=device)
+    async with WeightSender(addr, tensors, rank=rank, options=_options(SenderOptions, transport, uccl_tcp)) as sender:
         out.send(("joined", "sender", rank, None))
         if block_at >= 0:
             _block_after_first_write(sender, block_at, out, rank)
@@ -115,30 +125,32 @@ def _block_after_first_write(sender, version: int, out, rank: int) -> None:
     real_stage = sender.sources.stage
     staged = {"n": 0}
 
-    async def stage(t, pool, want):
+    async def stage(t, *args):
         if sender._last_version == version:
             staged["n"] += 1
             if staged["n"] == 2:
                 out.send(("blocked", "sender", rank, version))
                 await asyncio.Event().wait()  # until SIGKILL
-        return await real_stage(t, pool, want)
+        return await real_stage(t, *args)
 
     sender.sources.stage = stage
 
 
-def receiver_main(addr: str, rank: int, versions: list[int], out, mode: str = "shadow", tie: bool = True) -> None:
+def receiver_main(addr: str, rank: int, versions: list[int], out, mode: str = "shadow", tie: bool = True,
+                  transport: str = "tcp", device: str = "cpu", uccl_tcp: bool = False) -> None:
     try:
-        asyncio.run(_receiver(addr, rank, versions, out, mode, tie))
+        asyncio.run(_receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp))
     except BaseException:
         out.send(("error", "receiver", rank, traceback.format_exc()))
 
 
-async def _receiver(addr, rank, versions, out, mode, tie) -> None:
-    from roles import WeightReceiver
+async def _receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp) -> None:
+    from roles import ReceiverOptions, WeightReceiver
 
     torch.set_num_threads(1)
-    tensors = receiver_tensors(tie=tie)
-    receiver = WeightReceiver(addr, tensors, rank=rank, mode=mode)
+    tensors = receiver_tensors(tie=tie, device=device)
+    receiver = WeightReceiver(addr, tensors, rank=rank, mode=mode,
+                              options=_options(ReceiverOptions, transport, uccl_tcp))
 
     def on_abort(version: int, why: str) -> None:
         current = receiver.version

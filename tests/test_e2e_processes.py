@@ -3,77 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import os
-import signal
-from multiprocessing.connection import wait
 
 import pytest
 
 from engine.errors import RoundAborted
+from children import Children
 from proc_helpers import receiver_main, sender_main
 from roles import Controller, ControllerOptions
 
 pytestmark = pytest.mark.slow
-CTX = mp.get_context("spawn")
-WATCHDOG = 40.0
-
-
-class Children:
-    """Child processes, each reporting on its own pipe; every child is reaped on exit."""
-
-    def __init__(self) -> None:
-        self.procs: dict[tuple[str, int], mp.Process] = {}
-        self.pipes: dict[tuple[str, int], object] = {}
-        self.backlog: list = []
-
-    def start(self, role: str, rank: int, target, *args) -> None:
-        reader, writer = CTX.Pipe(duplex=False)
-        p = CTX.Process(target=target, args=(*args[:3], writer, *args[3:]), daemon=True)
-        p.start()
-        writer.close()
-        self.procs[(role, rank)] = p
-        self.pipes[(role, rank)] = reader
-
-    def _next(self):
-        ready = wait(list(self.pipes.values()), WATCHDOG)
-        if not ready:
-            raise AssertionError(f"no report within {WATCHDOG}s")
-        for conn in ready:
-            try:
-                self.backlog.append(conn.recv())
-            except EOFError:  # that child exited (or was killed): stop listening to it
-                self.pipes = {k: c for k, c in self.pipes.items() if c is not conn}
-        return None
-
-    async def expect(self, kind: str, n: int = 1) -> list:
-        """The next n reports of this kind, in arrival order; a child's error fails the test."""
-        got = []
-        loop = asyncio.get_running_loop()
-        while len(got) < n:
-            while not self.backlog:
-                await loop.run_in_executor(None, self._next)
-            item = self.backlog.pop(0)
-            if item[0] == "error":
-                raise AssertionError(f"{item[1]} {item[2]} failed:\n{item[3]}")
-            assert item[0] == kind, f"expected {kind}, got {item}"
-            got.append(item)
-        return got
-
-    def kill(self, role: str, rank: int) -> None:
-        p = self.procs.pop((role, rank))
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
-        self.pipes.pop((role, rank)).close()
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for conn in self.pipes.values():
-            conn.close()
+WATCHDOG = 40.0  # per report
 
 
 @pytest.mark.parametrize("n_send,n_recv", [(1, 1), (2, 3), (4, 2)])

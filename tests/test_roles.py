@@ -75,11 +75,11 @@ async def test_failed_round_leaves_last_good_version_in_shadow_mode():
         real = senders[0].sources.stage
         calls = {"n": 0}
 
-        async def failing_stage(t, pool, want):
+        async def failing_stage(t, *args):
             calls["n"] += 1
             if calls["n"] == 3:  # after some bytes already landed
                 raise StagingError(t.name, "injected failure")
-            return await real(t, pool, want)
+            return await real(t, *args)
 
         senders[0].sources.stage = failing_stage
         update_in_place(senders_t[0], 2)
@@ -105,10 +105,10 @@ async def test_inplace_hooks_dirty_and_repair():
         assert receivers[0].dirty is False and mismatches(receivers_t[0], 1) == []
         real = senders[0].sources.stage
 
-        async def fail_late(t, pool, want):
+        async def fail_late(t, *args):
             if t.index == len(senders[0].table.transfers) - 1:
                 raise StagingError(t.name, "injected")
-            return await real(t, pool, want)
+            return await real(t, *args)
 
         senders[0].sources.stage = fail_late
         update_in_place(senders_t[0], 2)

@@ -25,6 +25,8 @@ _NEXT = itertools.count(1)
 
 class MemoryTransport:
     kind = "memory"
+    observes_writes = True
+    devices = frozenset({"cuda"})  # torch copies reach any device in this process
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
         self.options = options
@@ -72,6 +74,8 @@ class MemoryTransport:
 
 
 class MemoryConnection:
+    devices = frozenset({"cpu", "cuda"})
+
     def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str) -> None:
         self.local, self.target, self.peer = local, target, peer
         self.sent_count = 0

@@ -44,6 +44,8 @@ SCRATCH = 1 << 20
 
 class TcpTransport:
     kind = "tcp"
+    observes_writes = True
+    devices: frozenset = frozenset()  # GPU sources are staged through pinned host memory
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
         self.options = options
@@ -239,6 +241,8 @@ class _AgentProtocol(asyncio.BufferedProtocol):
 
 class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
+
+    devices: frozenset = frozenset({"cpu"})  # GPU sources are staged through pinned host memory
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock

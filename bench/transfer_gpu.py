@@ -1,0 +1,222 @@
+"""GPU transfer benchmark: a Qwen2.5-7B-shaped bf16 state dict, GPU 0 -> GPU 1, side by side in one run.
+
+Rows: the bound (one peer copy of the same byte count, one process); NCCL broadcast, one call per
+tensor; NCCL broadcast of 512 MiB buckets with pack and unpack (the usual RL-framework way); and each
+engine transport through the public API (Controller, WeightSender on GPU 0 in one process,
+WeightReceiver on GPU 1 in another; full rounds begin -> commit acknowledged). Median of N rounds after
+a warm-up. Prints a table, writes JSON (--out). Shapes come from the transformers config (no download).
+
+    python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --out transfer_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+BUCKET = 512 << 20
+
+
+def make_state(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    from engine.shapes import state_dict_shapes
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {p.name: torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16)
+            for p in state_dict_shapes("qwen2.5-7b")}
+
+
+# --- the bound -----------------------------------------------------------------------------------
+
+
+def bound_seconds(nbytes: int, rounds: int) -> list[float]:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    times = []
+    for _ in range(rounds + 1):
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        times.append(time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return times[1:]
+
+
+# --- NCCL baselines ------------------------------------------------------------------------------
+
+
+def _nccl_rank(rank: int, port: int, rounds: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    state = make_state(f"cuda:{rank}", seed=0 if rank == 0 else 1)
+    tensors = list(state.values())
+    bucket = torch.empty(BUCKET, dtype=torch.bfloat16, device=f"cuda:{rank}")
+
+    def per_tensor():
+        for t in tensors:
+            dist.broadcast(t, src=0)
+
+    def buckets():
+        i = 0
+        while i < len(tensors):
+            group, used = [], 0
+            while i < len(tensors) and (not group or used + tensors[i].numel() <= BUCKET):
+                group.append(tensors[i])
+                used += tensors[i].numel()
+                i += 1
+            flat = bucket[:used] if used <= BUCKET else torch.empty(used, dtype=torch.bfloat16, device=f"cuda:{rank}")
+            if rank == 0:
+                torch.cat([t.reshape(-1) for t in group], out=flat)
+            dist.broadcast(flat, src=0)
+            if rank != 0:
+                at = 0
+                for t in group:
+                    t.view(-1).copy_(flat[at:at + t.numel()])
+                    at += t.numel()
+
+    results = {}
+    for name, fn in (("nccl_per_tensor", per_tensor), ("nccl_512mib_buckets", buckets)):
+        times = []
+        for _ in range(rounds + 1):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        results[name] = times[1:]
+    if rank == 1:
+        ok = all(torch.equal(t, s) for t, s in zip(tensors, make_state("cuda:1", seed=0).values()))
+        out.send((results, ok))
+    dist.destroy_process_group()
+
+
+def nccl_baselines(rounds: int) -> tuple[dict, bool]:
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_nccl_rank, args=(r, port, rounds, writer)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = reader.recv()
+    for p in procs:
+        p.join(120)
+    return results
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn) -> None:
+    from engine.transport import TransportOptions
+    from roles import SenderOptions, WeightSender
+
+    torch.cuda.set_device(0)
+    state = make_state("cuda:0")
+    opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp))
+
+    async def main():
+        async with WeightSender(addr, state, rank=0, options=opts) as sender:
+            for v in range(1, rounds + 1):
+                await (await sender.push(v))
+    asyncio.run(main())
+    conn.send("done")
+
+
+def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn) -> None:
+    from engine.transport import TransportOptions
+    from roles import ReceiverOptions, WeightReceiver
+
+    torch.cuda.set_device(1)
+    state = make_state("cuda:1", seed=1)
+    opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device="cuda:1", uccl_tcp=uccl_tcp))
+
+    async def main():
+        async with WeightReceiver(addr, state, rank=0, options=opts) as receiver:
+            await receiver.wait_for(rounds)
+            want = make_state("cuda:1", seed=0)
+            conn.send(all(torch.equal(state[k], want[k]) for k in want))
+    asyncio.run(main())
+
+
+async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool) -> tuple[list, bool]:
+    from roles import Controller, ControllerOptions
+
+    ctx = mp.get_context("spawn")
+    total = rounds + 1
+    async with Controller(senders=1, receivers=1, options=ControllerOptions(timeout_s=120.0)) as ctl:
+        r_in, r_out = ctx.Pipe(duplex=False)
+        s_in, s_out = ctx.Pipe(duplex=False)
+        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out)),
+                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out))]
+        for p in procs:
+            p.start()
+        reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
+        ok = await asyncio.get_running_loop().run_in_executor(None, r_in.recv)
+        for p in procs:
+            p.join(120)
+    return reports[1:], ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--transports", default="cuda_ipc,auto")
+    ap.add_argument("--uccl-tcp", action="store_true", help="run uccl in its tcp mode (no RDMA NIC here)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        print("needs two GPUs")
+        return 0
+    from engine.shapes import state_dict_shapes
+
+    nbytes = sum(2 * torch.Size(p.shape).numel() for p in state_dict_shapes("qwen2.5-7b"))
+    rows: dict[str, dict] = {}
+    bound = statistics.median(bound_seconds(nbytes, args.rounds))
+    rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
+    nccl, nccl_ok = nccl_baselines(args.rounds)
+    for name, times in nccl.items():
+        rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}
+    for transport in [t for t in args.transports.split(",") if t]:
+        try:
+            reports, ok = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp))
+        except Exception as exc:  # report a failing transport as such, keep measuring the others
+            rows[f"engine {transport}"] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
+            continue
+        rows[f"engine {transport}: full round"] = {"seconds": statistics.median(r.seconds for r in reports), "ok": ok}
+        rows[f"engine {transport}: transfer stage"] = {
+            "seconds": statistics.median(r.stages["transfer"] for r in reports), "ok": ok}
+    gb = nbytes / 1e9
+    print(f"Qwen2.5-7B bf16 state dict, {gb:.2f} GB, GPU0 -> GPU1, median of {args.rounds} after a warm-up")
+    print(f"  {'path':<40} {'ms':>9} {'GB/s':>7} {'x bound':>8}  bit-exact")
+    for name, row in rows.items():
+        s = row["seconds"]
+        if s is None:
+            print(f"  {name:<40} {'-':>9} {'-':>7} {'-':>8}  failed: {row.get('error')}")
+            continue
+        row["gbps"], row["over_bound"] = gb / s, s / bound
+        print(f"  {name:<40} {s * 1e3:9.2f} {gb / s:7.1f} {s / bound:8.3f}  {'yes' if row['ok'] else 'NO'}")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"bytes": nbytes, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

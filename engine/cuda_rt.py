@@ -1,0 +1,126 @@
+"""A small ctypes binding to the CUDA runtime that torch has already loaded, and event polling.
+
+How this works: torch does not expose opening an IPC handle in a chosen device's context, nor a raw
+pointer-to-pointer async copy, and both decide how fast a same-host push is (see docs/TRANSPORTS.md,
+"CUDA IPC: push or pull"). So this module finds the ``libcudart`` mapped into the process after torch
+initialised CUDA (``/proc/self/maps``), binds the handful of calls needed, and raises
+``TransportError`` with CUDA's own error string on failure. ``wait_event`` polls a CUDA event from the
+event loop, never blocking it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import os
+
+import torch
+
+from .errors import TransportError, TransportUnavailable
+
+CUDA_MEMCPY_DEFAULT = 4
+IPC_LAZY_ENABLE_PEER_ACCESS = 1
+ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+class IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    if not torch.cuda.is_available():
+        raise TransportUnavailable("CUDA is not available here (torch.cuda.is_available() is False)")
+    torch.cuda.init()
+    path = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart.so" in line:
+                path = line.split()[-1]
+                break
+    try:
+        lib = ctypes.CDLL(path) if path else ctypes.CDLL("libcudart.so")
+    except OSError as exc:
+        raise TransportUnavailable(f"cannot load the CUDA runtime library: {exc}") from exc
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle, ctypes.c_uint]
+    lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaSetDevice.argtypes = [ctypes.c_int]
+    lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
+    lib.cudaDeviceCanAccessPeer.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        text = _lib().cudaGetErrorString(code).decode(errors="replace")
+        raise TransportError(f"{what} failed: CUDA error {code} ({text})")
+
+
+class on_device:
+    """Make ``device`` current for the runtime calls inside the block."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.previous = ctypes.c_int(0)
+
+    def __enter__(self) -> None:
+        _check(_lib().cudaGetDevice(ctypes.byref(self.previous)), "cudaGetDevice")
+        _check(_lib().cudaSetDevice(self.device), "cudaSetDevice")
+
+    def __exit__(self, *exc) -> None:
+        _lib().cudaSetDevice(self.previous.value)
+
+
+def open_ipc_handle(handle: bytes, device: int) -> int:
+    """Map another process's allocation into this one, in ``device``'s context (peer access on)."""
+    h = IpcHandle()
+    ctypes.memmove(h.reserved, handle, 64)
+    ptr = ctypes.c_void_p()
+    with on_device(device):
+        _check(_lib().cudaIpcOpenMemHandle(ctypes.byref(ptr), h, IPC_LAZY_ENABLE_PEER_ACCESS),
+               "cudaIpcOpenMemHandle")
+    return ptr.value or 0
+
+
+def close_ipc_handle(ptr: int, device: int) -> None:
+    with on_device(device):
+        _check(_lib().cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+def enable_peer_access(device: int, peer: int) -> bool:
+    """Let ``device``'s kernels and copy engines reach ``peer``'s memory; returns whether they can."""
+    if device == peer:
+        return True
+    can = ctypes.c_int(0)
+    _check(_lib().cudaDeviceCanAccessPeer(ctypes.byref(can), device, peer), "cudaDeviceCanAccessPeer")
+    if not can.value:
+        return False
+    with on_device(device):
+        code = _lib().cudaDeviceEnablePeerAccess(peer, 0)
+    if code not in (0, ERROR_PEER_ACCESS_ALREADY_ENABLED):
+        _check(code, "cudaDeviceEnablePeerAccess")
+    _lib().cudaGetLastError()  # clear the sticky "already enabled" status
+    return True
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+    """A pointer-to-pointer copy (any direction, peers included) queued on ``stream``."""
+    with on_device(stream.device.index):
+        _check(_lib().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes, CUDA_MEMCPY_DEFAULT,
+                                      ctypes.c_void_p(stream.cuda_stream)), "cudaMemcpyAsync")
+
+
+async def wait_event(event: torch.cuda.Event) -> None:
+    """Poll ``event`` from the event loop: yield first, then back off up to 0.5 ms between polls."""
+    delay = 0.0
+    while not event.query():
+        await asyncio.sleep(delay)
+        delay = min(max(delay * 2, 20e-6), 5e-4)
+
+
+def this_process() -> int:
+    return os.getpid()

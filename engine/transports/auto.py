@@ -1,0 +1,124 @@
+"""``transport="auto"``: every backend that can run here, and the best one chosen per peer.
+
+How this works: ``start`` starts each available child (``cuda_ipc`` where CUDA is, ``uccl`` where an
+RDMA NIC is and uccl imports, ``tcp`` always) and advertises all of them in ``TransportInfo.data``
+(a MessagePack map kind -> [address, device, data]); ``register`` registers a region with every child
+and ships all descriptors (a map kind -> descriptor). ``connect`` picks for each peer: same host and
+both have CUDA IPC -> ``cuda_ipc`` (the same GPU included: a device copy); different hosts and both
+have UCCL -> ``uccl``; otherwise ``tcp``. Forcing a kind by name (``transport="tcp"``) bypasses this.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import msgpack
+import torch
+
+from wire import PeerInfo, RegionInfo, TransportInfo
+
+from ..errors import TransportError, TransportUnavailable
+from ..transport import SourceCounters, TransportOptions, create_transport
+
+log = logging.getLogger("weightsync")
+
+PREFERENCE = ("cuda_ipc", "uccl", "tcp")
+
+
+def available_kinds(options: TransportOptions) -> list[str]:
+    """The backends this process can start, best first (probing, never aborting)."""
+    kinds = []
+    if options.device.startswith("cuda") and torch.cuda.is_available():
+        kinds.append("cuda_ipc")
+        from .uccl import uccl_unavailable_reason
+
+        if uccl_unavailable_reason(options) is None:
+            kinds.append("uccl")
+    kinds.append("tcp")
+    return kinds
+
+
+def choose(local: dict[str, Any], peer: dict[str, Any], same_host: bool) -> str:
+    if same_host and "cuda_ipc" in local and "cuda_ipc" in peer:
+        return "cuda_ipc"
+    if not same_host and "uccl" in local and "uccl" in peer:
+        return "uccl"
+    if "tcp" in local and "tcp" in peer:
+        return "tcp"
+    raise TransportUnavailable(f"no transport in common: ours {sorted(local)}, the peer's {sorted(peer)}")
+
+
+class AutoTransport:
+    kind = "auto"
+    observes_writes = True  # counters come from the children that can observe (tcp)
+
+    def __init__(self, options: TransportOptions = TransportOptions()) -> None:
+        self.options = options
+        self.children: dict[str, Any] = {}
+        self.infos: dict[str, TransportInfo] = {}
+        self.host = options.host_id or socket.gethostname()
+        self.chosen: dict[int, str] = {}
+
+    def __repr__(self) -> str:
+        return f"<AutoTransport children={sorted(self.children)} chosen={self.chosen}>"
+
+    async def start(self, rank: int) -> TransportInfo:
+        for kind in available_kinds(self.options):
+            try:
+                child = create_transport(kind, self.options)
+                self.infos[kind] = await child.start(rank)
+                self.children[kind] = child
+            except TransportUnavailable as exc:
+                log.info("auto transport: %s unavailable: %s", kind, exc)
+        data = msgpack.packb({k: [i.address, i.device, i.data] for k, i in self.infos.items()}, use_bin_type=True)
+        return TransportInfo(self.kind, self.host, self.infos["tcp"].address, self.options.device, data)
+
+    def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
+        descs = {kind: child.register(region_id, buffer).descriptor for kind, child in self.children.items()}
+        size = buffer.numel() * buffer.element_size()
+        return RegionInfo(region_id, size, str(buffer.device), msgpack.packb(descs, use_bin_type=True))
+
+    def deregister(self, region_id: int) -> None:
+        for child in self.children.values():
+            child.deregister(region_id)
+
+    async def connect(self, peer: PeerInfo):
+        name = f"receiver/{peer.rank}"
+        if peer.transport.kind != self.kind:
+            child = self.children.get(peer.transport.kind)
+            if child is None:
+                raise TransportUnavailable(f"peer uses {peer.transport.kind!r}, which is not available here "
+                                           f"(have {sorted(self.children)})")
+            return await child.connect(peer)
+        try:
+            offered = msgpack.unpackb(peer.transport.data, raw=False)
+            descs = [msgpack.unpackb(r.descriptor, raw=False) for r in peer.regions]
+        except Exception as exc:  # a malformed peer descriptor
+            raise TransportError(f"cannot read the peer's auto descriptors: {exc}", peer=name) from exc
+        kind = choose(self.children, offered, peer.transport.host == self.host)
+        address, device, data = offered[kind]
+        info = TransportInfo(kind, peer.transport.host, address, device, data)
+        regions = tuple(RegionInfo(r.region_id, r.nbytes, r.device, d[kind]) for r, d in zip(peer.regions, descs))
+        self.chosen[peer.rank] = kind
+        log.info("auto transport: %s via %s", name, kind)
+        return await self.children[kind].connect(PeerInfo(peer.rank, info, regions))
+
+    def counters(self, epoch: int) -> dict[int, SourceCounters]:
+        out: dict[int, SourceCounters] = {}
+        for child in self.children.values():
+            out.update(child.counters(epoch))
+        return out
+
+    def close_epoch(self, epoch: int) -> None:
+        for child in self.children.values():
+            child.close_epoch(epoch)
+
+    async def settle(self) -> None:
+        for child in self.children.values():
+            await child.settle()
+
+    async def close(self) -> None:
+        for child in self.children.values():
+            await child.close()

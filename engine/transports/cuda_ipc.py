@@ -1,0 +1,159 @@
+"""Same-host GPU transport: one-sided writes straight into the receiver's registered CUDA memory.
+
+How this works. Target: ``register`` shares the whole caching-allocator block behind a buffer
+(``storage._share_cuda_()``: the block's IPC handle and the buffer's offset in it); the descriptor
+carries that handle, offset, size, device, owner pid and raw pointer. Initiator: ``connect`` opens each
+peer handle once per local device, in the *sender's* device context, with peer access enabled, and
+caches the mapping (a block shared by several regions is opened once). ``write`` orders itself after
+the producer's stream, queues a pointer-to-pointer ``cudaMemcpyAsync`` on a dedicated stream of the
+sender's device (the copy engine pushes over NVLink/PCIe; the same GPU is a local device copy) and
+polls a CUDA event from the event loop until the copy is done, so ``fence`` has nothing left to wait
+for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
+Writes are not observable by the target (``counters`` is empty); senders report them instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import torch
+
+from wire import PeerInfo, RegionInfo, TransportInfo
+
+from .. import cuda_rt
+from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
+from ..transport import SourceCounters, TransportOptions
+
+DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
+
+
+class CudaIpcTransport:
+    kind = "cuda_ipc"
+    observes_writes = False
+    devices = frozenset({"cuda"})
+
+    def __init__(self, options: TransportOptions = TransportOptions()) -> None:
+        if not torch.cuda.is_available():
+            raise TransportUnavailable("transport 'cuda_ipc' needs CUDA, and torch.cuda.is_available() is False")
+        self.options = options
+        self.rank = -1
+        self.regions: dict[int, torch.Tensor] = {}
+        self.mappings: dict[tuple[bytes, int], int] = {}  # (block handle, local device) -> base pointer
+        self.streams: dict[int, list[torch.cuda.Stream]] = {}
+        self.opened = 0
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)}>"
+
+    async def start(self, rank: int) -> TransportInfo:
+        self.rank = rank
+        host = self.options.host_id or socket.gethostname()
+        device = self.options.device if self.options.device != "cpu" else f"cuda:{torch.cuda.current_device()}"
+        return TransportInfo(self.kind, host, f"{host}/pid{os.getpid()}", device, b"")
+
+    def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
+        if buffer.device.type != "cuda":
+            raise RegistrationError(f"region {region_id}: cuda_ipc registers CUDA memory, got {buffer.device}")
+        share = buffer.untyped_storage()._share_cuda_()
+        device, handle, _, block_offset = share[0], share[1], share[2], share[3]
+        nbytes = buffer.numel() * buffer.element_size()
+        offset = block_offset + buffer.storage_offset() * buffer.element_size()
+        self.regions[region_id] = buffer
+        desc = DESCRIPTOR.pack(os.getpid(), device, bytes(handle), offset, nbytes, buffer.data_ptr())
+        return RegionInfo(region_id, nbytes, str(buffer.device), desc)
+
+    def deregister(self, region_id: int) -> None:
+        self.regions.pop(region_id, None)
+
+    async def connect(self, peer: PeerInfo) -> "CudaIpcConnection":
+        regions = {}
+        for info in peer.regions:
+            try:
+                regions[info.region_id] = DESCRIPTOR.unpack(info.descriptor)
+            except struct.error as exc:
+                raise TransportError(f"region {info.region_id}: not a cuda_ipc descriptor", peer=f"receiver/{peer.rank}") from exc
+        return CudaIpcConnection(self, regions, f"receiver/{peer.rank}")
+
+    def base_pointer(self, desc: tuple, local_device: int) -> int:
+        pid, device, handle, offset, _, raw = desc
+        if pid == os.getpid():
+            return raw - offset  # our own memory: no IPC mapping (CUDA refuses to open it here)
+        key = (handle, local_device)
+        base = self.mappings.get(key)
+        if base is None:
+            cuda_rt.enable_peer_access(local_device, device)
+            base = self.mappings[key] = cuda_rt.open_ipc_handle(handle, local_device)
+            self.opened += 1
+        return base
+
+    def stream(self, device: int, index: int) -> torch.cuda.Stream:
+        streams = self.streams.get(device)
+        if streams is None:
+            streams = self.streams[device] = [torch.cuda.Stream(device=device) for _ in range(2)]
+        return streams[index % len(streams)]
+
+    def counters(self, epoch: int) -> dict[int, SourceCounters]:
+        return {}
+
+    def close_epoch(self, epoch: int) -> None:
+        return None
+
+    async def settle(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        for (handle, device), base in list(self.mappings.items()):
+            try:
+                cuda_rt.close_ipc_handle(base, device)
+            except TransportError:
+                pass
+        self.mappings.clear()
+
+
+class CudaIpcConnection:
+    devices = frozenset({"cpu", "cuda"})
+
+    def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str) -> None:
+        self.owner = owner
+        self.regions = regions
+        self.peer = peer
+        self.sent_count = 0
+        self.sent_bytes = 0
+        self.closed = False
+        self._issued = 0
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcConnection to {self.peer} sent={self.sent_count}/{self.sent_bytes} bytes>"
+
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        desc = self.regions.get(dst_region)
+        nbytes = src.numel() * src.element_size()
+        if desc is None or dst_offset + nbytes > desc[4]:
+            size = "missing" if desc is None else f"{desc[4]} bytes"
+            raise RegistrationError(f"write of {nbytes} bytes at region {dst_region}+{dst_offset} is out of bounds "
+                                    f"(region {size})", peer=self.peer)
+        if nbytes:
+            device = src.device.index if src.device.type == "cuda" else desc[1]
+            dst = self.owner.base_pointer(desc, device) + desc[3] + dst_offset
+            stream = self.owner.stream(device, self._issued)
+            self._issued += 1
+            if src.device.type == "cuda":
+                stream.wait_stream(torch.cuda.current_stream(device))  # after the producer's work
+            cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+            await cuda_rt.wait_event(done)
+        self.sent_count += 1
+        self.sent_bytes += nbytes
+
+    async def fence(self) -> None:
+        if self.closed:
+            raise ConnectionClosed("fence on a closed connection", peer=self.peer)
+        # every write awaited its own completion event: all of it is in the target's memory already
+
+    async def close(self) -> None:
+        self.closed = True
+
