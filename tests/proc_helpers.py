@@ -101,9 +101,19 @@ def sender_main(addr: str, rank: int, versions: list[int], out, block_at: int = 
         out.send(("error", "sender", rank, traceback.format_exc()))
 
 
+def _watchdog(device: str) -> None:
+    """On GPU runs, dump every thread's stack if a child is stuck (diagnosis, not synchronisation)."""
+    if device.startswith("cuda"):
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(45, repeat=False, file=sys.stderr)
+
+
 async def _sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp) -> None:
     from roles import SenderOptions, WeightSender
 
+    _watchdog(device)
     torch.set_num_threads(1)
     tensors = sender_tensors(0, device=device)
     async with WeightSender(addr, tensors, rank=rank, options=_options(SenderOptions, transport, uccl_tcp)) as sender:
@@ -147,6 +157,7 @@ def receiver_main(addr: str, rank: int, versions: list[int], out, mode: str = "s
 async def _receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp) -> None:
     from roles import ReceiverOptions, WeightReceiver
 
+    _watchdog(device)
     torch.set_num_threads(1)
     tensors = receiver_tensors(tie=tie, device=device)
     receiver = WeightReceiver(addr, tensors, rank=rank, mode=mode,

@@ -60,7 +60,8 @@ class CudaIpcTransport:
         nbytes = buffer.numel() * buffer.element_size()
         offset = block_offset + buffer.storage_offset() * buffer.element_size()
         self.regions[region_id] = buffer
-        desc = DESCRIPTOR.pack(os.getpid(), device, bytes(handle), offset, nbytes, buffer.data_ptr())
+        raw = cuda_rt.raw_ipc_handle(bytes(handle))
+        desc = DESCRIPTOR.pack(os.getpid(), device, raw, offset, nbytes, buffer.data_ptr())
         return RegionInfo(region_id, nbytes, str(buffer.device), desc)
 
     def deregister(self, region_id: int) -> None:
@@ -77,12 +78,12 @@ class CudaIpcTransport:
 
     def base_pointer(self, desc: tuple, local_device: int) -> int:
         pid, device, handle, offset, _, raw = desc
+        cuda_rt.enable_peer_access(local_device, device)  # else the copy is staged through the host
         if pid == os.getpid():
             return raw - offset  # our own memory: no IPC mapping (CUDA refuses to open it here)
         key = (handle, local_device)
         base = self.mappings.get(key)
         if base is None:
-            cuda_rt.enable_peer_access(local_device, device)
             base = self.mappings[key] = cuda_rt.open_ipc_handle(handle, local_device)
             self.opened += 1
         return base
