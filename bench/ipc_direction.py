@@ -95,7 +95,7 @@ def _peer(nbytes: int, conn, report) -> None:
     results["push_torch_tensors"] = _time(lambda: _per_tensor(dst_t, src, sizes), [0, 1])
     # push_cudart: open the same handle in cuda:0's context, copy on a cuda:0 stream
     cuda_rt.enable_peer_access(0, 1)
-    base = cuda_rt.open_ipc_handle(bytes(owner_share[1]), 0) + owner_share[3]
+    base = cuda_rt.open_ipc_handle(cuda_rt.raw_ipc_handle(bytes(owner_share[1])), 0) + owner_share[3]
     streams = [torch.cuda.Stream(device=0) for _ in range(4)]
 
     def push_one():

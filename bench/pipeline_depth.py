@@ -71,11 +71,12 @@ async def one_point(kind: str, src_dev: str, dst_dev: str, sizes: list[int], dep
     return total / best / 1e9, latency
 
 
-async def sweep(budget_bytes: dict[str, int]) -> list[dict]:
+async def sweep(budget_bytes: dict[str, int], only: set[str]) -> list[dict]:
     rows = []
     plans = [("tcp", "cpu", "cpu"), ("memory", "cpu", "cpu")]
     if torch.cuda.device_count() >= 2:
         plans.append(("cuda_ipc", "cuda:0", "cuda:1"))
+    plans = [p for p in plans if not only or p[0] in only]
     for kind, src, dst in plans:
         for mix, sizes in mixes(budget_bytes.get(kind, 256 * MiB)).items():
             for depth in DEPTHS:
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="", help="only plot this JSON file")
     ap.add_argument("--cpu-mib", type=int, default=128, help="bytes per point for CPU transports")
     ap.add_argument("--gpu-mib", type=int, default=2048, help="bytes per point for cuda_ipc")
+    ap.add_argument("--transports", default="", help="comma-separated subset (default: all available)")
     args = ap.parse_args(argv)
     if args.plot:
         src = pathlib.Path(args.plot)
@@ -126,7 +128,9 @@ def main(argv=None) -> int:
     from engine.aio import install_uvloop
 
     install_uvloop()
-    rows = asyncio.run(sweep({"tcp": args.cpu_mib * MiB, "memory": args.cpu_mib * MiB, "cuda_ipc": args.gpu_mib * MiB}))
+    only = {t for t in args.transports.split(",") if t}
+    budgets = {"tcp": args.cpu_mib * MiB, "memory": args.cpu_mib * MiB, "cuda_ipc": args.gpu_mib * MiB}
+    rows = asyncio.run(sweep(budgets, only))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows}, indent=1))

@@ -76,16 +76,19 @@ class on_device:
 
 
 def raw_ipc_handle(shared: bytes) -> bytes:
-    """The 64-byte cudaIpcMemHandle inside torch's shared handle (torch prefixes a type tag:
-    'c' for a cudaMalloc'd block; 'e' marks an expandable segment, which IPC cannot open)."""
+    """The 64-byte cudaIpcMemHandle inside torch's shareable handle.
+
+    torch's caching allocator writes ``[version byte][type byte][payload]``: type ``c`` is a
+    cudaMalloc'd block followed by its 64-byte cudaIpcMemHandle; ``e`` is an expandable segment,
+    which cudaIpcOpenMemHandle cannot open. A bare 64-byte handle passes through."""
     if len(shared) == 64:
         return shared
-    if len(shared) == 65 and shared[:1] == b"c":
-        return shared[1:]
-    if shared[:1] == b"e":
+    if len(shared) == 66 and shared[1:2] == b"c":
+        return shared[2:]
+    if len(shared) >= 2 and shared[1:2] == b"e":
         raise TransportUnavailable("cuda_ipc cannot share expandable segments: run without "
                                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    raise TransportError(f"unrecognised CUDA IPC handle ({len(shared)} bytes)")
+    raise TransportError(f"unrecognised CUDA IPC handle ({len(shared)} bytes, starts {shared[:2]!r})")
 
 
 def open_ipc_handle(handle: bytes, device: int) -> int:

@@ -165,7 +165,15 @@ class Worker:
             self._state_moved()
             handler = getattr(self, f"_on_{env.type}", None)
             if handler is not None:
-                await handler(env)
+                try:
+                    await handler(env)
+                except (ProtocolError, zmq.ZMQError):
+                    raise
+                except Exception as exc:  # a failing handler must not silence the session
+                    log.exception("%s: handling %s failed", self.name, env.type)
+                    if self.session.allowed(Origin.WORKER, m.Error.TYPE):
+                        await self._send(m.Error(m.ErrorCode.INTERNAL, f"{env.type}: {exc!r}", "", env.version),
+                                         version=env.version)
             if self.session.state is State.CLOSED:
                 self._on_closed(ControllerLost(f"controller closed the session ({env.type})"))
                 return

@@ -4,11 +4,13 @@ How this works. Nothing is imported or built until it can work: ``uccl_unavailab
 for CUDA, an RDMA device (``/sys/class/infiniband``; uccl 0.1.1 aborts the whole process without
 one, unless the caller runs UCCL's tcp mode, ``TransportOptions.uccl_tcp``) and the package. Every
 blocking UCCL call (endpoint, connect, accept, reg, send/recv) runs in a worker thread, never on the
-event loop. Target: an accept thread takes each incoming connection, advertises every registered
-region on it (64-byte blobs, sent two-sided) and serves fences on it. Initiator: ``connect`` once per
-receiver, receive the blobs, then ``write_async`` one-sided into (region, offset) and drive
-``poll_async`` from the loop until done, polling each transfer id until done exactly once (the id is
-freed when it reports done). ``fence`` sends (count, bytes) two-sided on the same connection and
+event loop. Target: an accept thread takes each incoming connection and serves it: advertisement
+requests and fences, two-sided. uccl 0.1.1's ``write_async(conn, mr, ptr, size, meta)`` has no offset:
+the 64-byte ``meta`` from ``advertise`` names one remote range. So the initiator asks the target to
+advertise each destination (region, offset, size) once and caches the blob: routing tables are
+static, so only the first round pays for it. Initiator: ``connect`` once per receiver, then
+``write_async`` one-sided and drive ``poll_async`` from the loop, polling each transfer id until
+done exactly once (the id is freed when it reports done). ``fence`` sends (count, bytes) two-sided on the same connection and
 waits for the target's echo: on UCCL's tcp mode an initiator's completion is not delivery, a message
 that follows the writes on the same connection is.
 """
@@ -35,7 +37,6 @@ log = logging.getLogger("weightsync")
 
 FENCE = struct.Struct("<QQQ")  # sequence, writes, bytes
 BLOB = 64
-HEADER_BYTES = 64  # region count + up to 15 region ids
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
@@ -115,9 +116,9 @@ class UcclTransport:
 
     def _make_endpoint(self):
         try:
-            return self.p2p.Endpoint(self.gpu, max(1, (os.cpu_count() or 4) // 4))
+            return self.p2p.Endpoint(self.gpu)  # 0.1.1: Endpoint(local_gpu_idx)
         except TypeError:
-            return self.p2p.Endpoint(self.gpu)
+            return self.p2p.Endpoint(self.gpu, max(1, (os.cpu_count() or 4) // 4))  # newer builds
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -162,42 +163,42 @@ class UcclTransport:
             self._threads.append(t)
 
     def _serve(self, conn_id: int) -> None:
-        """Advertise every region on this connection, then answer fences until it closes."""
+        """Answer one connection's requests until it closes: hello, advertise, fence."""
         ctl = torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{self.gpu}")
         ctl_mr = _ok(self.ep.reg(ctl.data_ptr(), ctl.numel()), "reg (control)")
-        blobs = []
-        for region_id in sorted(self.regions):
-            buffer, mr = self.regions[region_id]
-            blob = _ok(self.ep.advertise(conn_id, mr, buffer.data_ptr(), buffer.numel()), "advertise")
-            blobs.append(bytes(blob)[:BLOB].ljust(BLOB, b"\0"))
-        ids = sorted(self.regions)
-        header = struct.pack("<I", len(ids)) + b"".join(struct.pack("<I", r) for r in ids)
-        _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(header.ljust(HEADER_BYTES, b"\0")))
-        for blob in blobs:
-            _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(blob))
         source = -1
         while not self._stop.is_set():
             try:
                 raw = _recv(self.ep, conn_id, ctl_mr, ctl, FENCE.size)
             except TransportError:
                 return
-            seq, count, nbytes = FENCE.unpack(raw)
-            if seq >> 63:  # the hello: who we serve
-                source = seq & 0xFFFFFFFF
-                continue
-            with self.lock:
-                self._counters[(source, nbytes >> 48)] = SourceCounters(count, nbytes & ((1 << 48) - 1))
-            _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(raw))
+            a, b, c = FENCE.unpack(raw)
+            if a >> 63:  # hello: who we serve
+                source = a & 0xFFFFFFFF
+            elif a >> 62:  # advertise region (a & 0xFFFF) bytes b .. b+c
+                _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(self._advertise(conn_id, a & 0xFFFF, b, c)))
+            else:  # fence: sequence a, count b, bytes | epoch << 48 in c
+                with self.lock:
+                    self._counters[(source, c >> 48)] = SourceCounters(b, c & ((1 << 48) - 1))
+                _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(raw))
+
+    def _advertise(self, conn_id: int, region_id: int, offset: int, size: int) -> bytes:
+        entry = self.regions.get(region_id)
+        if entry is None or offset + size > entry[0].numel():
+            return b"\0" * BLOB  # refused: the initiator raises RegistrationError
+        buffer, mr = entry
+        blob = _ok(self.ep.advertise(conn_id, mr, buffer.data_ptr() + offset, size), "advertise")
+        return bytes(blob)[:BLOB].ljust(BLOB, b"\0")
 
     # --- initiator side -------------------------------------------------------------------------
 
     async def connect(self, peer: PeerInfo) -> "UcclConnection":
         name = f"receiver/{peer.rank}"
         try:
-            ip, port, gpu = self.p2p.Endpoint.parse_metadata(peer.transport.data)
+            ip, port, bdf = self.p2p.Endpoint.parse_metadata(peer.transport.data)  # 0.1.1: (ip, port, gpu bdf)
         except Exception as exc:
             raise TransportError(f"cannot parse the peer's uccl metadata: {exc!r}", peer=name) from exc
-        conn_id = await asyncio.to_thread(lambda: _ok(self.ep.connect(ip, gpu, remote_port=port), "connect"))
+        conn_id = await asyncio.to_thread(lambda: _ok(self.ep.connect(ip, bdf, remote_port=port), "connect"))
         conn = UcclConnection(self, conn_id, name)
         await asyncio.to_thread(conn.handshake, self.rank)
         return conn
@@ -236,7 +237,8 @@ class UcclConnection:
         self.owner = owner
         self.conn_id = conn_id
         self.peer = peer
-        self.blobs: dict[int, bytes] = {}
+        self.blobs: dict[tuple[int, int, int], bytes] = {}
+        self._lock = asyncio.Lock()
         self.sent_count = 0
         self.sent_bytes = 0
         self.closed = False
@@ -246,33 +248,38 @@ class UcclConnection:
         self._epoch = 0
 
     def handshake(self, rank: int) -> None:
-        """Receive the target's region blobs, then say who we are (blocking: run in a thread)."""
-        ep = self.owner.ep
-        self._ctl_mr = _ok(ep.reg(self._ctl.data_ptr(), self._ctl.numel()), "reg (control)")
-        head = _recv(ep, self.conn_id, self._ctl_mr, self._ctl, HEADER_BYTES)
-        (n,) = struct.unpack_from("<I", head)
-        ids = struct.unpack_from(f"<{n}I", head, 4)
-        for region_id in ids:
-            self.blobs[region_id] = _recv(ep, self.conn_id, self._ctl_mr, self._ctl, BLOB)
-        hello = FENCE.pack((1 << 63) | rank, 0, 0)
-        _send(ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(hello))
+        """Say who we are (blocking: run in a thread)."""
+        self._ctl_mr = _ok(self.owner.ep.reg(self._ctl.data_ptr(), self._ctl.numel()), "reg (control)")
+        _send(self.owner.ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(FENCE.pack((1 << 63) | rank, 0, 0)))
+
+    def _blob(self, region: int, offset: int, size: int) -> bytes:
+        """The target's advertisement of one destination range (asked once, then cached)."""
+        key = (region, offset, size)
+        blob = self.blobs.get(key)
+        if blob is None:
+            ep = self.owner.ep
+            _send(ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(FENCE.pack((1 << 62) | region, offset, size)))
+            blob = _recv(ep, self.conn_id, self._ctl_mr, self._ctl, BLOB)
+            if blob == b"\0" * BLOB:
+                raise RegistrationError(f"target refused region {region} bytes {offset}+{size} (out of bounds?)",
+                                        peer=self.peer)
+            self.blobs[key] = blob
+        return blob
 
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
-        blob = self.blobs.get(dst_region)
-        if blob is None:
-            raise RegistrationError(f"region {dst_region} was not advertised", peer=self.peer)
         nbytes = src.numel() * src.element_size()
         self._epoch = epoch
         if nbytes:
             ep = self.owner.ep
+            async with self._lock:  # control messages on this connection are request/reply
+                blob = await asyncio.to_thread(self._blob, dst_region, dst_offset, nbytes)
             mr = self.owner.source_mr(src)
             torch.cuda.current_stream(src.device).synchronize()  # the producer's work is done
-            tid = _ok(ep.write_async(self.conn_id, mr, src.data_ptr(), nbytes, blob, dst_offset), "write_async")
+            tid = _ok(ep.write_async(self.conn_id, mr, src.data_ptr(), nbytes, blob), "write_async")
             while True:  # poll this transfer id until done, exactly once done
-                done = _ok(ep.poll_async(tid), "poll_async")
-                if done:
+                if _ok(ep.poll_async(tid), "poll_async"):
                     break
                 await asyncio.sleep(0)
         self.sent_count += 1
@@ -287,7 +294,8 @@ class UcclConnection:
             _send(ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(msg))
             return _recv(ep, self.conn_id, self._ctl_mr, self._ctl, FENCE.size)
 
-        echo = await asyncio.to_thread(roundtrip)
+        async with self._lock:
+            echo = await asyncio.to_thread(roundtrip)
         if echo != msg:
             raise TransportError("fence echo does not match what was sent", peer=self.peer)
 
