@@ -94,7 +94,7 @@ def raw_ipc_handle(shared: bytes) -> bytes:
 def open_ipc_handle(handle: bytes, device: int) -> int:
     """Map another process's allocation into this one, in ``device``'s context (peer access on)."""
     h = IpcHandle()
-    ctypes.memmove(h.reserved, handle, 64)
+    ctypes.memmove(ctypes.addressof(h), handle, 64)  # (h.reserved would be a bytes *copy*)
     ptr = ctypes.c_void_p()
     with on_device(device):
         _check(_lib().cudaIpcOpenMemHandle(ctypes.byref(ptr), h, IPC_LAZY_ENABLE_PEER_ACCESS),
