@@ -135,11 +135,11 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> 
 
 
 async def wait_event(event: torch.cuda.Event) -> None:
-    """Poll ``event`` from the event loop: yield first, then back off up to 0.5 ms between polls."""
+    """Poll ``event`` from the event loop: yield first, then back off up to 50 us between polls."""
     delay = 0.0
     while not event.query():
         await asyncio.sleep(delay)
-        delay = min(max(delay * 2, 20e-6), 5e-4)
+        delay = min(max(delay * 2, 10e-6), 5e-5)
 
 
 def this_process() -> int:

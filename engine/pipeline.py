@@ -33,7 +33,7 @@ MiB = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     max_inflight_bytes: int = 512 * MiB  # staged or on the wire, all connections together
-    depth: int = 4  # prepared writes queued per connection ahead of the writer
+    depth: int = 8  # writes in flight per connection (bench/pipeline_depth.py: docs/TRANSPORTS.md)
     checksum: str = ""  # "" (off), "crc32" or "sum64" (engine.checksums)
 
     def __post_init__(self) -> None:
@@ -41,8 +41,7 @@ class PipelineOptions:
             raise ConfigError("max_inflight_bytes", f"must be positive, got {self.max_inflight_bytes}")
         if self.depth < 1:
             raise ConfigError("depth", f"must be at least 1, got {self.depth}")
-        if self.checksum not in ("", "crc32"):
-            raise ConfigError("checksum", f"unknown checksum {self.checksum!r} (use '' or 'crc32')")
+        validate_checksum(self.checksum)
 
 
 @dataclasses.dataclass
