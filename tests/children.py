@@ -40,17 +40,20 @@ class Children:
         return None
 
     async def expect(self, kind: str, n: int = 1) -> list:
-        """The next n reports of this kind, in arrival order; a child's error fails the test."""
+        """The next n reports of this kind; reports of other kinds stay queued, in order, for later
+        calls (children run concurrently). A child's error fails the test at once."""
         got = []
         loop = asyncio.get_running_loop()
         while len(got) < n:
-            while not self.backlog:
+            for item in self.backlog:
+                if item[0] == "error":
+                    raise AssertionError(f"{item[1]} {item[2]} failed:\n{item[3]}")
+            match = next((item for item in self.backlog if item[0] == kind), None)
+            if match is None:
                 await loop.run_in_executor(None, self._next)
-            item = self.backlog.pop(0)
-            if item[0] == "error":
-                raise AssertionError(f"{item[1]} {item[2]} failed:\n{item[3]}")
-            assert item[0] == kind, f"expected {kind}, got {item}"
-            got.append(item)
+                continue
+            self.backlog.remove(match)
+            got.append(match)
         return got
 
     def kill(self, role: str, rank: int) -> None:
