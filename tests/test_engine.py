@@ -326,3 +326,21 @@ def test_registration_cache_plans_then_acts():
     assert transport.regions[0] is b
     cache.apply(cache.evict([0, 5]), transport)
     assert 0 not in transport.regions and "evictions=2" in repr(cache)
+
+
+async def test_tcp_settle_uploads_only_regions_tcp_wrote():
+    """Under ``auto`` another transport may fill a device buffer directly: a TCP mirror that saw no
+    write must not be copied over it (checked here with the mirror bookkeeping on CPU)."""
+    src, dst = create_transport("tcp"), create_transport("tcp")
+    info = await dst.start(1)
+    await src.start(0)
+    rinfos = tuple(dst.register(r, torch.zeros(64, dtype=torch.uint8)) for r in (0, 1))
+    conn = await src.connect(PeerInfo(1, info, rinfos))
+    await conn.write(torch.ones(8, dtype=torch.uint8), 1, 0, 1)
+    await conn.fence()
+    assert dst._dirty == {1}
+    await dst.settle()  # no mirrors on CPU: nothing to upload, and the dirty set is consumed
+    assert dst._dirty == set()
+    await conn.close()
+    await src.close()
+    await dst.close()

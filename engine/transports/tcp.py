@@ -53,6 +53,7 @@ class TcpTransport:
         self.regions: dict[int, memoryview] = {}
         self._tensors: dict[int, torch.Tensor] = {}
         self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dirty: set[int] = set()  # mirrored regions written since the last settle
         self._counters: dict[tuple[int, int], SourceCounters] = {}
         self.closed_epoch = -1
         self._server: Optional[asyncio.AbstractServer] = None
@@ -94,8 +95,13 @@ class TcpTransport:
         self._mirrors.pop(region_id, None)
 
     async def settle(self) -> None:
-        for host, device_buffer in self._mirrors.values():
-            await asyncio.to_thread(_upload, host, device_buffer)
+        """Upload the mirrors that TCP wrote into since the last settle, and only those: another
+        transport (cuda_ipc under ``auto``) may have written the device buffer directly."""
+        dirty, self._dirty = self._dirty, set()
+        for region_id in sorted(dirty):
+            mirror = self._mirrors.get(region_id)
+            if mirror is not None:
+                await asyncio.to_thread(_upload, *mirror)
 
     async def connect(self, peer: PeerInfo) -> "TcpConnection":
         host, _, port = peer.transport.address.rpartition(":")
@@ -216,6 +222,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
             if c == 0:
                 self._landed(0)
                 return
+            self.owner._dirty.add(a)
             self.state, self.target = "payload", region[b:b + c]
         elif op == OP_FENCE:
             text = "; ".join(self.errors)[:1000].encode()
