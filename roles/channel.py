@@ -3,8 +3,10 @@
 How this works: ``ControlChannel`` wraps a ``zmq.asyncio`` ROUTER (controller, daemon) or DEALER
 (worker, CLI) socket. ``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's
 routing id. ``recv`` returns (routing id or None, envelope); frames that do not decode raise the
-wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on. Every
-socket is created with linger 0 and closed by ``close``.
+wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on. With an
+``auth_key`` every message is signed and verified (``wire.auth``) and each peer's message ids must
+increase: an unauthenticated or replayed message raises ``Unauthenticated`` / ``Replayed`` and is
+never handed to the owner's handlers. Every socket is created with linger 0 and closed by ``close``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
+from wire.auth import ReplayGuard, sign, verify
 from wire.errors import ProtocolError
 
 
@@ -27,13 +30,15 @@ def random_identity(prefix: str) -> bytes:
 
 class ControlChannel:
     def __init__(self, ctx: zmq.asyncio.Context, kind: int, name: str, *, limits: Limits = DEFAULT_LIMITS,
-                 identity: Optional[bytes] = None) -> None:
+                 identity: Optional[bytes] = None, auth_key: Optional[bytes] = None) -> None:
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + 4096)
         if identity is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.router = kind == zmq.ROUTER
+        self.auth_key = auth_key
+        self.replays = ReplayGuard()
         self.name = name
         self.limits = limits
         self._ids = itertools.count(1)
@@ -55,6 +60,8 @@ class ControlChannel:
                    parent_id: Optional[int] = None) -> int:
         msg_id = next(self._ids)
         frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits)
+        if self.auth_key is not None:
+            frames = sign(frames, self.auth_key)
         if self.router:
             if to is None:
                 raise ValueError("a ROUTER send needs the peer's routing id")
@@ -70,7 +77,12 @@ class ControlChannel:
         if self.router:
             peer, frames = frames[0], frames[1:]
         try:
-            return peer, decode(frames, self.limits)
+            if self.auth_key is not None:
+                frames = verify(frames, self.auth_key)
+            env = decode(frames, self.limits)
+            if self.auth_key is not None:
+                self.replays.check(peer or b"", env.msg_id)
+            return peer, env
         except ProtocolError as exc:
             exc.peer = peer  # type: ignore[attr-defined]
             raise

@@ -1,11 +1,204 @@
-"""The ``weightsync`` command line. The environment is read here and nowhere else."""
+"""The ``weightsync`` command line. The environment is read here and nowhere else.
+
+Subcommands: ``demo`` (the main job), ``controller`` (standalone controller), ``daemon`` (standalone
+receiver with a command socket), ``ctl`` (send a command to a daemon), ``status`` (ask a controller or
+daemon), ``doctor`` (check this machine). Long-running ones stop gracefully on SIGINT/SIGTERM.
+Environment: ``WEIGHTSYNC_AUTH_KEY_FILE`` (default for ``--auth-key-file``), ``UCCL_P2P_TRANSPORT=tcp``
+(lets the uccl transport run without an RDMA NIC).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import os
+import signal
 import sys
+from typing import Optional
+
+log = logging.getLogger("weightsync")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"t": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _auth_key(args: argparse.Namespace) -> Optional[bytes]:
+    path = getattr(args, "auth_key_file", None) or os.environ.get("WEIGHTSYNC_AUTH_KEY_FILE")
+    if not path:
+        return None
+    from wire.auth import check_key
+
+    with open(path, "rb") as f:
+        return check_key(f.read().strip())
+
+
+async def _until_signalled(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.warning("signal received: shutting down cleanly")
+
+
+# --- controller -------------------------------------------------------------------------------------
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from engine.plan import LinkModel
+
+    from .controller import Controller, ControllerOptions
+
+    options = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
+                                round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
+                                link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8))
+    metrics = None
+    if args.metrics_port:
+        from .metrics import Metrics
+
+        metrics = Metrics(args.metrics_port)
+
+    def on_round(report) -> None:
+        log.info("round %s", json.dumps(report.to_json()))
+        if metrics is not None:
+            metrics.observe(report)
+
+    async def main() -> None:
+        async with Controller(args.bind, senders=args.senders, receivers=args.receivers, options=options,
+                              on_round=on_round) as ctl:
+            print(f"weightsync controller listening on {ctl.address}", flush=True)
+            await _until_signalled(asyncio.Event())
+
+    asyncio.run(main())
+    return 0
+
+
+# --- daemon -----------------------------------------------------------------------------------------
+
+
+def daemon_params(args: argparse.Namespace) -> dict:
+    """The receive buffers: a transformers architecture's state dict, or a JSON spec of shapes."""
+    import torch
+
+    if args.arch:
+        from transformers import AutoModelForCausalLM
+
+        from engine.shapes import ARCHITECTURES, gpt2_config
+
+        config = gpt2_config(args.arch.split("-", 1)[1]) if args.arch.startswith("gpt2-") else ARCHITECTURES[args.arch]()
+        model = AutoModelForCausalLM.from_config(config).to(args.device)
+        return dict(model.state_dict(keep_vars=True))
+    with open(args.spec) as f:
+        spec = json.load(f)
+    return {name: torch.zeros(entry["shape"], dtype=getattr(torch, entry.get("dtype", "float32")), device=args.device)
+            for name, entry in spec.items()}
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    from engine.transport import TransportOptions
+
+    from .daemon import Daemon, DaemonOptions, load_hook
+    from .receiver import ReceiverOptions
+
+    key = _auth_key(args)
+    hook = load_hook(args.hook) if args.hook else None
+    uccl_tcp = os.environ.get("UCCL_P2P_TRANSPORT") == "tcp"
+    receiver = ReceiverOptions(transport=args.transport, mode=args.mode, auth_key=key,
+                               transport_options=TransportOptions(bind_host=args.data_host, uccl_tcp=uccl_tcp))
+    options = DaemonOptions(command_bind=args.command_bind, receiver=receiver, auth_key=key)
+
+    async def main() -> None:
+        async with Daemon(args.controller, daemon_params(args), rank=args.rank, hook=hook, options=options) as d:
+            print(f"weightsync daemon {d.receiver.name}: commands on {d.command_address}", flush=True)
+            stop = asyncio.Event()
+            waiter = asyncio.ensure_future(d.stopped.wait())
+            signalled = asyncio.ensure_future(_until_signalled(stop))
+            await asyncio.wait([waiter, signalled], return_when=asyncio.FIRST_COMPLETED)
+            for task in (waiter, signalled):
+                task.cancel()
+
+    asyncio.run(main())
+    return 0
+
+
+# --- client commands --------------------------------------------------------------------------------
+
+
+def _ask(addr: str, body, key: Optional[bytes], timeout: float):
+    from .daemon import request
+
+    try:
+        return asyncio.run(request(addr, body, timeout_s=timeout, auth_key=key))
+    except asyncio.TimeoutError:
+        print(f"no answer from {addr} within {timeout} s (not running? wrong address or auth key?)", file=sys.stderr)
+        return None
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    from wire import messages as m
+
+    cmd_args = {"version": args.version} if args.version is not None else {}
+    env = _ask(args.daemon, m.CommandRequest(args.command, cmd_args), _auth_key(args), args.wait)
+    if env is None:
+        return 2
+    body = env.body
+    if isinstance(body, m.CommandReply) and not body.ok:
+        print(f"error: {body.error}", file=sys.stderr)
+        return 1
+    print(json.dumps(getattr(body, "result", None), indent=1))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from wire import messages as m
+
+    env = _ask(args.controller or args.daemon, m.StatusRequest(True), _auth_key(args), args.wait)
+    if env is None:
+        return 2
+    status = env.body.status
+    if args.json or args.daemon:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(s: dict) -> str:
+    lines = [f"controller {s['address']}: committed version {s['committed_version']}, "
+             f"expected {s['expected']['sender']} senders / {s['expected']['receiver']} receivers"]
+    if s.get("plan_error"):
+        lines.append(f"PLAN ERROR: {s['plan_error']}")
+    if s.get("plan"):
+        p = s["plan"]
+        lines.append(f"plan {p['id']}: {p['transfers']} transfers, {p['bytes'] / 1e9:.3f} GB, "
+                     f"{'acknowledged' if p['acknowledged'] else 'pending'}")
+    lines.append(f"{'role':<9}{'rank':>5}  {'host':<16}{'device':<9}{'transport':<10}{'state':<14}last seen")
+    for p in s["peers"]:
+        lines.append(f"{p['role']:<9}{p['rank']:>5}  {p['host'][:15]:<16}{p['device']:<9}{p['transport']:<10}"
+                     f"{p['state']:<14}{p['last_seen_s']:.1f}s ago")
+    for r in s.get("rounds", [])[-5:]:
+        stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if not k.startswith("sender_"))
+        lines.append(f"round v{r['version']}: {'ok' if r['ok'] else 'ABORTED ' + r['reason']} "
+                     f"{r['nbytes'] / 1e9:.3f} GB in {r['seconds'] * 1e3:.1f} ms ({r['gbps']:.2f} GB/s) {stages}")
+        for link in r["links"]:
+            lines.append(f"    sender/{link['sender']} -> receiver/{link['receiver']}: {link['nbytes'] / 1e6:.1f} MB, "
+                         f"{link['gbps']:.2f} GB/s")
+    return "\n".join(lines)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import FAIL, report, run_checks
+
+    rows = run_checks(args.controller, _auth_key(args), os.environ.get("UCCL_P2P_TRANSPORT") == "tcp")
+    print(report(rows))
+    return 1 if any(status == FAIL for status, _, _ in rows) else 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -19,25 +212,84 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move fresh weights from trainers to inference.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--log-json", action="store_true", help="structured (JSON lines) logs on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
+
     demo = sub.add_parser("demo", help="a real multi-process transfer on this machine (no GPU needed)")
-    demo.add_argument("--trainers", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_TRAINERS", 2)))
-    demo.add_argument("--inference", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_INFERENCE", 2)))
-    demo.add_argument("--size", default=os.environ.get("WEIGHTSYNC_DEMO_SIZE", "small"),
-                      choices=["tiny", "small", "medium", "large"], help="GPT-2 size (default small, 124M)")
+    demo.add_argument("--trainers", type=int, default=2)
+    demo.add_argument("--inference", type=int, default=2)
+    demo.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"],
+                      help="GPT-2 size (default small, 124M parameters)")
     demo.add_argument("--rounds", type=int, default=3)
     demo.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
     demo.add_argument("--no-checksum", action="store_true", help="skip per-transfer CRC-32 verification")
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary as the last line")
     demo.set_defaults(func=_demo)
+
+    auth = argparse.ArgumentParser(add_help=False)
+    auth.add_argument("--auth-key-file", help="shared HMAC key (>= 16 bytes); default $WEIGHTSYNC_AUTH_KEY_FILE")
+
+    ctl = sub.add_parser("controller", parents=[auth], help="run a standalone controller")
+    ctl.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint (loopback unless told)")
+    ctl.add_argument("--senders", type=int, required=True)
+    ctl.add_argument("--receivers", type=int, required=True)
+    ctl.add_argument("--checksum", default="", choices=["", "crc32", "sum64"])
+    ctl.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    ctl.add_argument("--timeout", type=float, default=5.0, help="seconds of silence before a peer is lost")
+    ctl.add_argument("--round-timeout", type=float, default=None, help="abort a round stage after this long")
+    ctl.add_argument("--nic-gbit", type=float, default=400.0, help="NIC speed per GPU for the planner")
+    ctl.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    ctl.set_defaults(func=_controller)
+
+    dmn = sub.add_parser("daemon", parents=[auth], help="run a standalone receiver with a command socket")
+    dmn.add_argument("--controller", required=True)
+    dmn.add_argument("--rank", type=int, required=True)
+    src = dmn.add_mutually_exclusive_group(required=True)
+    src.add_argument("--arch", help="receive buffers of this architecture (gpt2-<size> or a benchmark one)")
+    src.add_argument("--spec", help="JSON file: {name: {shape: [...], dtype: 'float32'}}")
+    dmn.add_argument("--device", default="cpu")
+    dmn.add_argument("--hook", help="module:function called with (version, [(name, tensor), ...])")
+    dmn.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
+    dmn.add_argument("--transport", default="tcp", choices=["tcp", "cuda_ipc", "uccl", "auto"])
+    dmn.add_argument("--data-host", default="127.0.0.1", help="address the data plane listens on")
+    dmn.add_argument("--command-bind", default="tcp://127.0.0.1:5560")
+    dmn.set_defaults(func=_daemon)
+
+    c = sub.add_parser("ctl", parents=[auth], help="send a command to a daemon")
+    c.add_argument("--daemon", required=True, help="the daemon's command endpoint")
+    c.add_argument("command", choices=["status", "pause", "resume", "apply", "drop", "layout", "shutdown"])
+    c.add_argument("--version", type=int, default=None)
+    c.add_argument("--wait", type=float, default=10.0)
+    c.set_defaults(func=_ctl)
+
+    st = sub.add_parser("status", parents=[auth], help="who is joined, versions, last rounds and GB/s per link")
+    who = st.add_mutually_exclusive_group(required=True)
+    who.add_argument("--controller")
+    who.add_argument("--daemon")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--wait", type=float, default=10.0)
+    st.set_defaults(func=_status)
+
+    doc = sub.add_parser("doctor", parents=[auth], help="check this machine and say what to fix")
+    doc.add_argument("--controller", help="also check that this controller answers")
+    doc.set_defaults(func=_doctor)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if args.log_json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+    from engine.errors import WeightSyncError
+
+    try:
+        return args.func(args)
+    except WeightSyncError as exc:
+        print(f"weightsync {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

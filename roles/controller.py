@@ -26,9 +26,11 @@ from engine.errors import ConfigError, PlanError, RoundAborted
 from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, build_pieces, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from wire import messages as m
+from wire.auth import Replayed, Unauthenticated
 from wire.errors import ProtocolError, RemoteProtocolError, VersionMismatch
 
 from .channel import ControlChannel
+from .limits import JoinLimiter, PeerLimits, RateLimiter
 from .rounds import RoundReport, RoundState
 from .status import controller_status
 
@@ -45,6 +47,8 @@ class ControllerOptions:
     plan: PlanOptions = PlanOptions()
     limits: Limits = DEFAULT_LIMITS
     keep_reports: int = 100
+    auth_key: Optional[bytes] = None  # HMAC key: only holders can join or command (wire.auth)
+    peer_limits: PeerLimits = PeerLimits()
 
 
 @dataclasses.dataclass
@@ -113,7 +117,11 @@ class Controller:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._chan = ControlChannel(self._ctx, zmq.ROUTER, "controller", limits=self.options.limits)
+        self._chan = ControlChannel(self._ctx, zmq.ROUTER, "controller", limits=self.options.limits,
+                                    auth_key=self.options.auth_key)
+        self._rates = RateLimiter(self.options.peer_limits)
+        self._joins = JoinLimiter(self.options.peer_limits)
+        self.dropped = 0
         self._chan.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             self.address = self._chan.bind(self.bind_addr)
@@ -200,6 +208,10 @@ class Controller:
         while True:
             try:
                 identity, env = await self._chan.recv()
+            except (Unauthenticated, Replayed) as exc:  # dropped and logged, never executed or answered
+                self.dropped += 1
+                log.warning("controller: dropped a message from %r: %s", getattr(exc, "peer", None), exc)
+                continue
             except VersionMismatch as exc:
                 await self._reject_version(exc)
                 continue
@@ -209,6 +221,10 @@ class Controller:
                 if peer_id is not None:
                     await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, str(exc), getattr(exc, "field", ""), None),
                                           to=peer_id)
+                continue
+            if not self._rates.allow(identity, time.monotonic()):
+                self.dropped += 1
+                self._on_abusive(identity)
                 continue
             try:
                 await self._dispatch(identity, env)
@@ -244,6 +260,14 @@ class Controller:
         if handler is not None:
             await handler(peer, env)
 
+    def _on_abusive(self, identity: bytes) -> None:
+        if self._rates.abusive(identity):
+            peer = self.peers.get(identity)
+            log.warning("controller: disconnecting %s: over its message rate", peer.name if peer else identity)
+            if peer is not None:
+                self._drop(peer, "over its message rate")
+            self._rates.forget(identity)
+
     async def _reject_version(self, exc: VersionMismatch) -> None:
         peer_id = getattr(exc, "peer", None)
         if peer_id is None:
@@ -274,6 +298,8 @@ class Controller:
         self._maybe_plan()
 
     def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
+        if not self._joins.allow(hello.host, time.monotonic()):
+            return m.RejectCode.LIMIT_EXCEEDED, f"too many joins from host {hello.host!r} in the last minute"
         if hello.proto_major != PROTOCOL_VERSION[0]:
             return m.RejectCode.VERSION_MISMATCH, f"protocol {hello.proto_major}.{hello.proto_minor} is not compatible"
         limit = self.expected[hello.role]

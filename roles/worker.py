@@ -42,6 +42,7 @@ class WorkerOptions:
     join_timeout_s: float = 60.0
     limits: Limits = DEFAULT_LIMITS
     capabilities: tuple[str, ...] = ("checksum",)
+    auth_key: Optional[bytes] = None  # must match the controller's (wire.auth)
 
 
 async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:
@@ -94,7 +95,7 @@ class Worker:
             manifest = self._manifest()
             self._ctx = zmq.asyncio.Context()
             self._channel = ControlChannel(self._ctx, zmq.DEALER, self.name, limits=self.options.limits,
-                                           identity=random_identity(self.name))
+                                           identity=random_identity(self.name), auth_key=self.options.auth_key)
             self._channel.connect(self.controller_addr)
             await self._join(manifest)
         except BaseException:
@@ -137,7 +138,7 @@ class Worker:
             _, env = await asyncio.wait_for(self._channel.recv(), self.options.join_timeout_s)
         except asyncio.TimeoutError:
             raise ControllerLost(f"no answer to hello from {self.controller_addr} within "
-                                 f"{self.options.join_timeout_s}s") from None
+                                 f"{self.options.join_timeout_s}s (is it running? same auth key?)") from None
         self.session.receive(env.type)
         if isinstance(env.body, m.Reject):
             raise JoinRejected(env.body.code, env.body.text)

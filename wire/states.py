@@ -77,8 +77,10 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
                 t[role, state, origin, m.Leave.TYPE] = State.CLOSED
         for state in ROUND_STATES[role]:
             t[role, state, C, m.Abort.TYPE] = State.READY
-    # a sender's round: it asks for one with push, the controller starts it with begin
-    t[S, State.READY, W, m.Push.TYPE] = State.READY
+    # a sender's round: it asks for one with push, the controller starts it with begin. A push may
+    # cross a new plan or a begin in flight, so it is legal in those states too and changes nothing.
+    for state in (State.PLAN_RECEIVED, State.READY, State.WRITING, State.WRITTEN):
+        t[S, state, W, m.Push.TYPE] = state
     t[S, State.READY, C, m.UpdateBegin.TYPE] = State.WRITING
     t[S, State.WRITING, W, m.WritesDone.TYPE] = State.WRITTEN
     t[S, State.WRITTEN, C, m.Commit.TYPE] = State.READY

@@ -1,0 +1,40 @@
+"""Optional Prometheus metrics for the controller (``pip install prometheus-client``)."""
+
+from __future__ import annotations
+
+from engine.errors import ConfigError
+
+from .rounds import RoundReport
+
+
+class Metrics:
+    """Counters and histograms of update rounds, served over HTTP on ``port``."""
+
+    def __init__(self, port: int, addr: str = "127.0.0.1") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:
+            raise ConfigError("metrics", "prometheus-client is not installed (pip install prometheus-client)") from exc
+        self.registry = prom.CollectorRegistry()
+        self.rounds = prom.Counter("weightsync_rounds", "Update rounds by outcome", ["outcome"], registry=self.registry)
+        self.bytes = prom.Counter("weightsync_bytes", "Bytes moved by committed rounds", registry=self.registry)
+        self.seconds = prom.Histogram("weightsync_round_seconds", "Round time, begin to commit acknowledged",
+                                      buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
+        self.stage = prom.Histogram("weightsync_stage_seconds", "Round stages", ["stage"], registry=self.registry)
+        self.version = prom.Gauge("weightsync_committed_version", "Last committed version", registry=self.registry)
+        self.link = prom.Gauge("weightsync_link_gbps", "GB/s of the last round per link", ["sender", "receiver"],
+                               registry=self.registry)
+        prom.start_http_server(port, addr=addr, registry=self.registry)
+
+    def observe(self, report: RoundReport) -> None:
+        self.rounds.labels("committed" if report.ok else "aborted").inc()
+        if not report.ok:
+            return
+        self.bytes.inc(report.nbytes)
+        self.seconds.observe(report.seconds)
+        for stage in ("transfer", "fence", "commit"):
+            if stage in report.stages:
+                self.stage.labels(stage).observe(report.stages[stage])
+        self.version.set(report.version)
+        for link in report.links:
+            self.link.labels(str(link.sender), str(link.receiver)).set(link.gbps)

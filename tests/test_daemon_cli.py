@@ -1,0 +1,192 @@
+"""The daemon and CLI in real processes; control-plane authentication; limits; doctor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from children import Children
+from engine.errors import ControllerLost, RoundAborted
+from proc_helpers import SPEC, receiver_main, sender_main
+from roles import Controller, ControllerOptions, SenderOptions, WeightSender
+from roles.daemon import request
+from roles.limits import JoinLimiter, PeerLimits, RateLimiter
+from wire import Envelope, encode
+from wire import messages as m
+from wire.auth import Unauthenticated, sign, verify
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WATCHDOG = 60.0
+KEY = b"k" * 32
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec_file(tmp_path) -> str:
+    spec = {name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for name, (shape, dtype, how) in SPEC.items()}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+@contextlib.contextmanager
+def daemon_process(tmp_path, controller: str, command: str, *extra: str):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "WEIGHTSYNC_TEST_HOOK_LOG": str(tmp_path / "hook.jsonl")}
+    cmd = [sys.executable, "-m", "roles.cli", "daemon", "--controller", controller, "--rank", "0",
+           "--spec", _spec_file(tmp_path), "--hook", "daemon_hook:record", "--command-bind", command, *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def _hook_log(tmp_path) -> list[dict]:
+    path = tmp_path / "hook.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def _command(addr: str, name: str, key=None):
+    env = await request(addr, m.CommandRequest(name, {}), timeout_s=WATCHDOG, auth_key=key)
+    assert env.body.ok, env.body.error
+    return env.body.result
+
+
+async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
+    kids = Children()
+    command = f"tcp://127.0.0.1:{_port()}"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
+    try:
+        async with Controller(senders=1, receivers=1, options=opts) as ctl:
+            with daemon_process(tmp_path, ctl.address, command):
+                kids.start("sender", 0, sender_main, ctl.address, 0, [1, 2, 3])
+                await kids.expect("joined")
+                await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+                status = await _command(command, "status")
+                assert (status["received_version"], status["applied_version"]) == (1, 1)
+                assert _hook_log(tmp_path) == [{"version": 1, "names": len(SPEC), "mismatches": []}]
+                # (the sender pushes 2 and 3 on its own; pause first, so they wait as pending)
+                await _command(command, "pause")
+                await kids.expect("committed")  # v1 at the sender
+                await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)
+                status = await _command(command, "status")
+                assert status["paused"] and status["received_version"] == 3 and status["applied_version"] == 1
+                assert status["pending_version"] == 3
+                applied = await _command(command, "apply")
+                assert applied["applied_version"] == 3 and applied["pending_version"] is None
+                assert _hook_log(tmp_path)[-1] == {"version": 3, "names": len(SPEC), "mismatches": []}
+                bad = await request(command, m.CommandRequest("drop", {}), timeout_s=WATCHDOG)
+                assert not bad.body.ok and "no pending version" in bad.body.error
+                unknown = await request(command, m.CommandRequest("teleport", {}), timeout_s=WATCHDOG)
+                assert not unknown.body.ok and "unknown command" in unknown.body.error
+                layout = await _command(command, "layout")
+                assert {t["name"] for t in layout["tensors"]} == set(SPEC)
+                await _command(command, "shutdown")
+    finally:
+        kids.close()
+
+
+async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):
+    kids = Children()
+    command = f"tcp://127.0.0.1:{_port()}"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
+    try:
+        async with Controller(senders=1, receivers=2, options=opts) as ctl:
+            with daemon_process(tmp_path, ctl.address, command) as proc:
+                kids.start("receiver", 1, receiver_main, ctl.address, 1, [1, 3])  # stays joined
+                kids.start("sender", 0, sender_main, ctl.address, 0, [1, 2], 2)  # hangs mid-round 2
+                await kids.expect("joined", 2)
+                await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+                await kids.expect("blocked")
+                proc.send_signal(signal.SIGTERM)
+                with pytest.raises(RoundAborted) as e:
+                    await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
+                assert e.value.culprit == "receiver/0"
+                assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, WATCHDOG) == 0
+                assert "shutting down cleanly" in proc.stderr.read()
+                assert [h["version"] for h in _hook_log(tmp_path)] == [1]  # never a half-applied 2
+                (_, _, _, (version, current, intact)), = await kids.expect("aborted")
+                assert (version, current, intact) == (2, 1, True)  # the other receiver kept v1 intact
+    finally:
+        kids.close()
+
+
+async def test_authentication_accepts_holders_and_drops_the_rest():
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=5.0, auth_key=KEY)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        async with WeightSender(ctl.address, {"w": __import__("torch").zeros(4)}, rank=0,
+                                options=SenderOptions(auth_key=KEY)):
+            assert len(ctl.peers) == 1
+        with pytest.raises(ControllerLost, match="auth key"):
+            async with WeightSender(ctl.address, {"w": __import__("torch").zeros(4)}, rank=0,
+                                    options=SenderOptions(join_timeout_s=1.0)):
+                pass
+        # one socket, in order: a forged message, a good one, a replay of the good one, a newer one
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ctl.address)
+        try:
+            dropped = ctl.dropped
+            good = sign(encode(Envelope(m.StatusRequest(False), 1, "cli")), KEY)
+            await sock.send_multipart(sign(encode(Envelope(m.StatusRequest(False), 1, "cli")), b"x" * 32))
+            await sock.send_multipart(good)
+            await sock.send_multipart(good)
+            await sock.send_multipart(sign(encode(Envelope(m.StatusRequest(False), 2, "cli")), KEY))
+            replies = [await asyncio.wait_for(sock.recv_multipart(), WATCHDOG) for _ in range(2)]
+            assert [msgpack.unpackb(verify(r, KEY)[0])["parent_id"] for r in replies] == [1, 2]
+            assert ctl.dropped - dropped == 2  # the forgery and the replay
+        finally:
+            sock.close()
+            ctx.term()
+
+
+def test_sign_and_verify():
+    frames = [b"header", b"body"]
+    assert verify(sign(frames, KEY), KEY) == frames
+    with pytest.raises(Unauthenticated):
+        verify(sign(frames, KEY)[:2] + [b"0" * 32], KEY)
+    with pytest.raises(Unauthenticated):
+        verify(frames, KEY)
+
+
+def test_rate_and_join_limits():
+    rates = RateLimiter(PeerLimits(messages_per_s=10, burst=5, max_strikes=3))
+    assert all(rates.allow(b"a", 0.0) for _ in range(5))
+    assert not rates.allow(b"a", 0.0) and rates.allow(b"b", 0.0)  # one peer over; the other unaffected
+    assert rates.allow(b"a", 0.2)  # refilled
+    for _ in range(3):
+        rates.allow(b"a", 0.2)
+    assert rates.abusive(b"a") and not rates.abusive(b"b")
+    joins = JoinLimiter(PeerLimits(joins_per_minute=2))
+    assert joins.allow("h", 0) and joins.allow("h", 1) and not joins.allow("h", 2) and joins.allow("h", 61.5)
+
+
+def test_doctor_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "roles.cli", "doctor"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    for check in ("python", "torch", "gpus", "rdma devices", "uccl", "auto transport", "loopback port"):
+        assert check in out.stdout
+    assert "tcp" in out.stdout.splitlines()[-2] or "tcp" in out.stdout
