@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from children import Children
 from engine.errors import ControllerLost, RoundAborted
-from proc_helpers import SPEC, receiver_main, sender_main
+from proc_helpers import SPEC, receiver_main, sender_main, sender_tensors, update_in_place
 from roles import Controller, ControllerOptions, SenderOptions, WeightSender
 from roles.daemon import request
 from roles.limits import JoinLimiter, PeerLimits, RateLimiter
@@ -74,22 +74,25 @@ async def _command(addr: str, name: str, key=None):
 
 
 async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
-    kids = Children()
     command = f"tcp://127.0.0.1:{_port()}"
     opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
-    try:
-        async with Controller(senders=1, receivers=1, options=opts) as ctl:
-            with daemon_process(tmp_path, ctl.address, command):
-                kids.start("sender", 0, sender_main, ctl.address, 0, [1, 2, 3])
-                await kids.expect("joined")
-                await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+    tensors = sender_tensors(0)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        with daemon_process(tmp_path, ctl.address, command):
+            async with WeightSender(ctl.address, tensors, rank=0) as sender:
+
+                async def push(v):
+                    update_in_place(tensors, v)
+                    await asyncio.wait_for(await sender.push(v), WATCHDOG)
+                    await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
+
+                await push(1)
                 status = await _command(command, "status")
                 assert (status["received_version"], status["applied_version"]) == (1, 1)
                 assert _hook_log(tmp_path) == [{"version": 1, "names": len(SPEC), "mismatches": []}]
-                # (the sender pushes 2 and 3 on its own; pause first, so they wait as pending)
                 await _command(command, "pause")
-                await kids.expect("committed")  # v1 at the sender
-                await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)
+                await push(2)
+                await push(3)
                 status = await _command(command, "status")
                 assert status["paused"] and status["received_version"] == 3 and status["applied_version"] == 1
                 assert status["pending_version"] == 3
@@ -98,13 +101,17 @@ async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
                 assert _hook_log(tmp_path)[-1] == {"version": 3, "names": len(SPEC), "mismatches": []}
                 bad = await request(command, m.CommandRequest("drop", {}), timeout_s=WATCHDOG)
                 assert not bad.body.ok and "no pending version" in bad.body.error
+                await push(4)
+                dropped = await _command(command, "drop")
+                assert dropped["pending_version"] is None and dropped["applied_version"] == 3
+                await _command(command, "resume")
+                await push(5)
+                assert [h["version"] for h in _hook_log(tmp_path)] == [1, 3, 5]
                 unknown = await request(command, m.CommandRequest("teleport", {}), timeout_s=WATCHDOG)
                 assert not unknown.body.ok and "unknown command" in unknown.body.error
                 layout = await _command(command, "layout")
                 assert {t["name"] for t in layout["tensors"]} == set(SPEC)
                 await _command(command, "shutdown")
-    finally:
-        kids.close()
 
 
 async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):
@@ -126,8 +133,9 @@ async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):
                 assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, WATCHDOG) == 0
                 assert "shutting down cleanly" in proc.stderr.read()
                 assert [h["version"] for h in _hook_log(tmp_path)] == [1]  # never a half-applied 2
-                (_, _, _, (version, current, intact)), = await kids.expect("aborted")
-                assert (version, current, intact) == (2, 1, True)  # the other receiver kept v1 intact
+                aborted = {role: data for _, role, _, data in await kids.expect("aborted", 2)}  # both children
+                assert aborted["receiver"] == (2, 1, True)  # the other receiver kept v1 intact
+                assert aborted["sender"][0] == 2 and "RoundAborted" in aborted["sender"][1]
     finally:
         kids.close()
 
