@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.weightsync-installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench-cpu bench-planner lint clean venv
+.PHONY: demo test bench-cpu bench-planner bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ bench-cpu: $(STAMP)
 
 bench-planner: $(STAMP)
 	$(BIN)/python bench/planner_scale.py
+
+# on a 2-GPU machine, from the project root (see docs/TRANSPORTS.md): wheels in .whl, scripts in .gpu
+bench-gpu:
+	bash -c 'source .gpu/env.sh .whl && bash bench/gpu_suite.sh bench/results'
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -29,9 +29,10 @@ def random_identity(prefix: str) -> bytes:
 
 
 class ControlChannel:
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int, name: str, *, limits: Limits = DEFAULT_LIMITS,
+    def __init__(self, kind: int, name: str, *, limits: Limits = DEFAULT_LIMITS,
                  identity: Optional[bytes] = None, auth_key: Optional[bytes] = None) -> None:
-        self.sock = ctx.socket(kind)
+        self.ctx = zmq.asyncio.Context()  # one per channel: closing the channel terminates it
+        self.sock = self.ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + 4096)
         if identity is not None:
@@ -89,3 +90,4 @@ class ControlChannel:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        self.ctx.term()

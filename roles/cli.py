@@ -59,6 +59,9 @@ def _controller(args: argparse.Namespace) -> int:
     options = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
                                 round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
                                 link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8))
+    from .progress import Progress
+
+    progress = Progress(total=0, enabled=sys.stderr.isatty())  # a live line in a terminal, quiet otherwise
     metrics = None
     if args.metrics_port:
         from .metrics import Metrics
@@ -67,6 +70,7 @@ def _controller(args: argparse.Namespace) -> int:
 
     def on_round(report) -> None:
         log.info("round %s", json.dumps(report.to_json()))
+        progress.round_done(report)
         if metrics is not None:
             metrics.observe(report)
 

@@ -19,19 +19,19 @@ import time
 from typing import Any, Callable, Optional
 
 import zmq
-import zmq.asyncio
 
 from engine.aio import shielded
 from engine.errors import ConfigError, PlanError, RoundAborted
-from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, build_pieces, plan
+from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from wire import messages as m
 from wire.auth import Replayed, Unauthenticated
 from wire.errors import ProtocolError, RemoteProtocolError, VersionMismatch
 
+from .admission import admission_problem, participants
 from .channel import ControlChannel
 from .limits import JoinLimiter, PeerLimits, RateLimiter
-from .rounds import RoundReport, RoundState
+from .rounds import RoundReport, RoundRunner, RoundState
 from .status import controller_status
 
 log = logging.getLogger("weightsync")
@@ -68,7 +68,7 @@ class Peer:
         return f"{self.hello.role.value}/{self.hello.rank}"
 
 
-class Controller:
+class Controller(RoundRunner):
     def __init__(self, bind_addr: str = "tcp://127.0.0.1:0", *, senders: int, receivers: int,
                  options: ControllerOptions = ControllerOptions(),
                  on_round: Optional[Callable[[RoundReport], Any]] = None) -> None:
@@ -98,7 +98,6 @@ class Controller:
         self._round_waiters: dict[int, asyncio.Future] = {}
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
         self._tasks: list[asyncio.Task] = []
-        self._ctx: Optional[zmq.asyncio.Context] = None
         self._chan: Optional[ControlChannel] = None
         self._closed = False
 
@@ -116,8 +115,7 @@ class Controller:
         await self.close()
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._chan = ControlChannel(self._ctx, zmq.ROUTER, "controller", limits=self.options.limits,
+        self._chan = ControlChannel(zmq.ROUTER, "controller", limits=self.options.limits,
                                     auth_key=self.options.auth_key)
         self._rates = RateLimiter(self.options.peer_limits)
         self._joins = JoinLimiter(self.options.peer_limits)
@@ -127,7 +125,6 @@ class Controller:
             self.address = self._chan.bind(self.bind_addr)
         except zmq.ZMQError as exc:
             self._chan.close()
-            self._ctx.term()
             raise ConfigError("bind_addr", f"cannot bind {self.bind_addr}: {exc}") from exc
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
 
@@ -156,8 +153,6 @@ class Controller:
                 fut.set_exception(RoundAborted(-1, m.AbortReason.SHUTDOWN, "controller closed"))
         if self._chan is not None:
             self._chan.close()
-        if self._ctx is not None:
-            self._ctx.term()
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -300,36 +295,10 @@ class Controller:
     def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
         if not self._joins.allow(hello.host, time.monotonic()):
             return m.RejectCode.LIMIT_EXCEEDED, f"too many joins from host {hello.host!r} in the last minute"
-        if hello.proto_major != PROTOCOL_VERSION[0]:
-            return m.RejectCode.VERSION_MISMATCH, f"protocol {hello.proto_major}.{hello.proto_minor} is not compatible"
-        limit = self.expected[hello.role]
-        if hello.rank >= limit:
-            return m.RejectCode.BAD_RANK, f"{hello.role.value} rank {hello.rank} is outside 0..{limit - 1}"
-        old = self.by_rank.get((hello.role, hello.rank))
-        if old is not None:
-            return m.RejectCode.DUPLICATE_RANK, f"{hello.role.value}/{hello.rank} is already joined (and alive)"
-        try:
-            self._check_manifests(hello)
-        except PlanError as exc:
-            return m.RejectCode.MANIFEST_MISMATCH, str(exc)
-        return None, ""
-
-    def _check_manifests(self, hello: m.Hello) -> None:
-        """Check the newcomer against everyone joined so far; raises PlanError naming the culprit."""
-        senders, receivers = self._participants()
-        newcomer = Participant(hello.rank, hello.manifest, hello.transport)
-        if hello.role is Role.SENDER:
-            senders = [*senders, newcomer]
-        else:
-            receivers = [*receivers, newcomer]
-        if senders:
-            build_pieces(senders, receivers)
+        return admission_problem(hello, self.expected, self.by_rank, *self._participants())
 
     def _participants(self) -> tuple[list[Participant], list[Participant]]:
-        out: dict[Role, list[Participant]] = {Role.SENDER: [], Role.RECEIVER: []}
-        for peer in self.peers.values():
-            out[peer.hello.role].append(Participant(peer.hello.rank, peer.hello.manifest, peer.hello.transport))
-        return out[Role.SENDER], out[Role.RECEIVER]
+        return participants(p.hello for p in self.peers.values())
 
     # --- planning ---------------------------------------------------------------------------------
 
@@ -417,76 +386,6 @@ class Controller:
                 del self._pushes[version]
                 self._start_round(version)
                 return
-
-    def _start_round(self, version: int) -> None:
-        if self.plan is None or not self._ready.is_set() or self._round_task is not None:
-            raise ConfigError("round", "no acknowledged plan yet, or a round is already running")
-        senders = {r for role, r in self.plan_members if role is Role.SENDER}
-        receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
-        self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)
-        self._round_task = asyncio.ensure_future(self._run_round(self.round))
-
-    async def _run_round(self, rnd: RoundState) -> None:
-        try:
-            await self._round_steps(rnd)
-        except RoundAborted as exc:
-            rnd.abort(exc.reason, exc.text, exc.culprit)  # no-op when the round recorded it already
-            await self._send_aborts(rnd)
-        finally:
-            report = rnd.report()
-            self._finish_round(rnd, report)
-
-    async def _round_steps(self, rnd: RoundState) -> None:
-        deadline = self.options.round_timeout_s
-        landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
-                        for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
-        for key in sorted(self.plan_members):
-            slots = landing if key[0] is Role.SENDER else ()
-            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
-        await self._stage(rnd, "writes_done", deadline)
-        rnd.stage = "fencing"
-        for r in sorted(rnd.receivers):
-            await self._send_to((Role.RECEIVER, r), m.Fence(rnd.version, rnd.fence_for(r)), version=rnd.version)
-        await self._stage(rnd, "fenced", deadline)
-        rnd.stage = "committing"
-        rnd.committed = True
-        for key in sorted(self.plan_members):
-            if key in self.by_rank:
-                await self._send_to(key, m.Commit(rnd.version), version=rnd.version)
-        await self._stage(rnd, "applied", deadline)
-        rnd.stage = "done"
-
-    async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
-        try:
-            await asyncio.wait_for(asyncio.shield(rnd.futures[stage]), deadline)
-        except asyncio.TimeoutError:
-            rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s")
-            await rnd.futures[stage]
-
-    async def _send_aborts(self, rnd: RoundState) -> None:
-        a = rnd.aborted
-        log.warning("controller: %s", a)
-        for key in sorted(self.plan_members):
-            peer = self.peers.get(self.by_rank.get(key, b""))
-            if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Abort.TYPE):
-                await self._send(peer, m.Abort(rnd.version, a.reason, a.text, a.culprit), version=rnd.version)
-
-    def _finish_round(self, rnd: RoundState, report: RoundReport) -> None:
-        if report.ok:
-            self.committed = rnd.version
-        self.reports.append(report)
-        del self.reports[:-self.options.keep_reports]
-        self.round, self._round_task = None, None
-        fut = self._round_waiters.pop(rnd.version, None)
-        if fut is not None and not fut.done():
-            try:
-                fut.set_result(self._report_or_raise(report))
-            except RoundAborted as exc:
-                fut.set_exception(exc)
-        if self.on_round is not None:
-            self.on_round(report)
-        self._maybe_plan()
-        self._maybe_start_rounds()
 
     @staticmethod
     def _report_or_raise(report: RoundReport) -> RoundReport:

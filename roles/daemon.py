@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import zmq
-import zmq.asyncio
 
 from engine.errors import ConfigError
 from wire import Envelope
@@ -72,7 +71,6 @@ class Daemon:
         self.handovers = 0
         self.command_address = ""
         self.stopped = asyncio.Event()
-        self._ctx: Optional[zmq.asyncio.Context] = None
         self._chan: Optional[ControlChannel] = None
         self._serve_task: Optional[asyncio.Task] = None
 
@@ -88,15 +86,12 @@ class Daemon:
         await self.close()
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._chan = ControlChannel(self._ctx, zmq.ROUTER, f"daemon/{self.receiver.rank}",
-                                    auth_key=self.options.auth_key)
+        self._chan = ControlChannel(zmq.ROUTER, f"daemon/{self.receiver.rank}", auth_key=self.options.auth_key)
         try:
             self.command_address = self._chan.bind(self.options.command_bind)
             await self.receiver.start()
         except BaseException:
             self._chan.close()
-            self._ctx.term()
             raise
         self._serve_task = asyncio.ensure_future(self._serve())
 
@@ -107,7 +102,6 @@ class Daemon:
         await self.receiver.close()
         if self._chan is not None:
             self._chan.close()
-            self._ctx.term()
             self._chan = None
         self.stopped.set()
 
@@ -200,8 +194,7 @@ class Daemon:
 
 async def request(addr: str, body: m.Message, *, timeout_s: float = 10.0, auth_key: Optional[bytes] = None) -> Envelope:
     """One request/reply with a controller or daemon (the CLI's client side)."""
-    ctx = zmq.asyncio.Context()
-    chan = ControlChannel(ctx, zmq.DEALER, "cli", auth_key=auth_key)
+    chan = ControlChannel(zmq.DEALER, "cli", auth_key=auth_key)
     try:
         chan.connect(addr)
         await chan.send(body)
@@ -209,4 +202,3 @@ async def request(addr: str, body: m.Message, *, timeout_s: float = 10.0, auth_k
         return env
     finally:
         chan.close()
-        ctx.term()

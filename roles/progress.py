@@ -23,10 +23,14 @@ class Progress:
     def _draw(self, report) -> None:
         if not self.enabled:
             return
-        filled = int(self.width * min(self.done, self.total) / max(self.total, 1))
-        bar = "#" * filled + "." * (self.width - filled)
+        if self.total:
+            filled = int(self.width * min(self.done, self.total) / self.total)
+            bar = "[" + "#" * filled + "." * (self.width - filled) + "] "
+        else:  # open-ended (a standalone controller): just the counters
+            bar = ""
         state = "ok" if report.ok else "ABORTED"
-        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} rounds, {self.nbytes / 1e9:.2f} GB moved, "
+        total = f"/{self.total}" if self.total else ""
+        sys.stderr.write(f"\r{bar}{self.done}{total} rounds, {self.nbytes / 1e9:.2f} GB moved, "
                          f"last v{report.version} {report.gbps:.2f} GB/s {state}   ")
         sys.stderr.flush()
 

@@ -4,18 +4,23 @@ How this works: a ``RoundState`` knows who takes part (the senders and receivers
 and holds one future per stage (writes done, fenced, applied). Handlers record each participant's
 message; a stage's future resolves when the last one arrives. ``abort`` fails the stage in progress,
 which the round task turns into ``abort`` messages. ``report`` turns timings and byte counts into a
-``RoundReport`` (per stage and per link). No I/O here.
+``RoundReport`` (per stage and per link). ``RoundRunner`` is the controller's side that drives a round
+over its sockets: begin -> writes_done -> fence -> commit -> commit_ack, or abort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Optional
 
-from engine.errors import RoundAborted
+from engine.errors import ConfigError, RoundAborted
+from wire import Origin, Role
 from wire import messages as m
+
+log = logging.getLogger("weightsync")
 
 STAGES = ("writes_done", "fenced", "applied")
 
@@ -147,3 +152,78 @@ class RoundState:
             reason="" if ok else getattr(self.aborted.reason, "name", str(self.aborted.reason)) + ": " + self.aborted.text,
             culprit="" if ok else self.aborted.culprit,
         )
+
+
+class RoundRunner:
+    """Mixin of ``Controller``: runs one round at a time over the controller's sessions."""
+
+    def _start_round(self, version: int) -> None:
+        if self.plan is None or not self._ready.is_set() or self._round_task is not None:
+            raise ConfigError("round", "no acknowledged plan yet, or a round is already running")
+        senders = {r for role, r in self.plan_members if role is Role.SENDER}
+        receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
+        self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)
+        self._round_task = asyncio.ensure_future(self._run_round(self.round))
+
+    async def _run_round(self, rnd: RoundState) -> None:
+        try:
+            await self._round_steps(rnd)
+        except RoundAborted as exc:
+            rnd.abort(exc.reason, exc.text, exc.culprit)  # no-op when the round recorded it already
+            await self._send_aborts(rnd)
+        finally:
+            report = rnd.report()
+            self._finish_round(rnd, report)
+
+    async def _round_steps(self, rnd: RoundState) -> None:
+        deadline = self.options.round_timeout_s
+        landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
+                        for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
+        for key in sorted(self.plan_members):
+            slots = landing if key[0] is Role.SENDER else ()
+            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
+        await self._stage(rnd, "writes_done", deadline)
+        rnd.stage = "fencing"
+        for r in sorted(rnd.receivers):
+            await self._send_to((Role.RECEIVER, r), m.Fence(rnd.version, rnd.fence_for(r)), version=rnd.version)
+        await self._stage(rnd, "fenced", deadline)
+        rnd.stage = "committing"
+        rnd.committed = True
+        for key in sorted(self.plan_members):
+            if key in self.by_rank:
+                await self._send_to(key, m.Commit(rnd.version), version=rnd.version)
+        await self._stage(rnd, "applied", deadline)
+        rnd.stage = "done"
+
+    async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(rnd.futures[stage]), deadline)
+        except asyncio.TimeoutError:
+            rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s")
+            await rnd.futures[stage]
+
+    async def _send_aborts(self, rnd: RoundState) -> None:
+        a = rnd.aborted
+        log.warning("controller: %s", a)
+        for key in sorted(self.plan_members):
+            peer = self.peers.get(self.by_rank.get(key, b""))
+            if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Abort.TYPE):
+                await self._send(peer, m.Abort(rnd.version, a.reason, a.text, a.culprit), version=rnd.version)
+
+    def _finish_round(self, rnd: RoundState, report: RoundReport) -> None:
+        if report.ok:
+            self.committed = rnd.version
+        self.reports.append(report)
+        del self.reports[:-self.options.keep_reports]
+        self.round, self._round_task = None, None
+        fut = self._round_waiters.pop(rnd.version, None)
+        if fut is not None and not fut.done():
+            try:
+                fut.set_result(self._report_or_raise(report))
+            except RoundAborted as exc:
+                fut.set_exception(exc)
+        if self.on_round is not None:
+            self.on_round(report)
+        self._maybe_plan()
+        self._maybe_start_rounds()
+

@@ -21,7 +21,6 @@ import time
 from typing import Any, Callable, Optional
 
 import zmq
-import zmq.asyncio
 
 from engine.aio import shielded
 from engine.errors import ConfigError, ControllerLost, JoinRejected
@@ -68,7 +67,6 @@ class Worker:
         self.transport_info: Optional[TransportInfo] = None
         self.welcome: Optional[m.Welcome] = None
         self.lost: Optional[BaseException] = None
-        self._ctx: Optional[zmq.asyncio.Context] = None
         self._channel: Optional[ControlChannel] = None
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
@@ -93,8 +91,7 @@ class Worker:
             self.transport_info = await self.transport.start(self.rank)
             self._on_transport(self.transport)
             manifest = self._manifest()
-            self._ctx = zmq.asyncio.Context()
-            self._channel = ControlChannel(self._ctx, zmq.DEALER, self.name, limits=self.options.limits,
+            self._channel = ControlChannel(zmq.DEALER, self.name, limits=self.options.limits,
                                            identity=random_identity(self.name), auth_key=self.options.auth_key)
             self._channel.connect(self.controller_addr)
             await self._join(manifest)
@@ -124,8 +121,6 @@ class Worker:
             await self.transport.close()
         if self._channel is not None:
             self._channel.close()
-        if self._ctx is not None:
-            self._ctx.term()
 
     # --- the handshake ----------------------------------------------------------------------------
 

@@ -19,6 +19,13 @@ from wire import PeerInfo, Slice, Transfer
 WATCHDOG = 20
 
 
+async def _one_loop_iteration() -> None:
+    """Let every ready task run once (a future resolved by the loop itself; no timing involved)."""
+    fut = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(fut.set_result, None)
+    await fut
+
+
 # --- aio ------------------------------------------------------------------------------------------
 
 
@@ -26,7 +33,7 @@ async def test_byte_budget_bounds_and_admits_oversized_alone():
     budget = ByteBudget(100)
     await budget.acquire(60)
     waiter = asyncio.ensure_future(budget.acquire(50))
-    await asyncio.sleep(0)  # let the waiter park (a yield, not a timing assumption)
+    await _one_loop_iteration()  # the waiter parks
     assert not waiter.done() and budget.in_use == 60
     budget.release(60)
     await asyncio.wait_for(waiter, WATCHDOG)
@@ -40,7 +47,7 @@ async def test_byte_budget_cancelled_waiter_gives_nothing_away():
     budget = ByteBudget(10)
     await budget.acquire(10)
     waiter = asyncio.ensure_future(budget.acquire(5))
-    await asyncio.sleep(0)
+    await _one_loop_iteration()
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     budget.release(10)
@@ -253,7 +260,7 @@ class RecordingConnection:
         self.shared["inflight"] += n
         self.shared["peak"] = max(self.shared["peak"], self.shared["inflight"])
         self.shared["order"].append((self.peer, dst_offset))
-        await asyncio.sleep(0)
+        await _one_loop_iteration()  # other lanes run while this write is "in flight"
         self.shared["inflight"] -= n
         if self.shared.get("fail_at") == len(self.shared["order"]):
             raise TransportError("injected", peer=self.peer)

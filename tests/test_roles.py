@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 import torch
 import zmq
-import zmq.asyncio
 
 from engine.errors import ConfigError, JoinRejected, RoundAborted, StagingError, VersionError
 from proc_helpers import SPEC, mismatches, receiver_tensors, sender_tensors, update_in_place
@@ -177,14 +176,12 @@ async def test_duplicate_and_out_of_range_ranks():
 
 @contextlib.asynccontextmanager
 async def raw_dealer(addr):
-    ctx = zmq.asyncio.Context()
-    chan = ControlChannel(ctx, zmq.DEALER, "test")
+    chan = ControlChannel(zmq.DEALER, "test")
     chan.connect(addr)
     try:
         yield chan
     finally:
         chan.close()
-        ctx.term()
 
 
 async def test_protocol_version_mismatch_gets_reject_with_both_versions():
