@@ -156,6 +156,31 @@ async def shielded(aw: Awaitable[T]) -> T:
         raise
 
 
+class AsyncResource:
+    """``async with`` support and an idempotent ``close`` whose teardown runs shielded from cancellation."""
+
+    _closed = False
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await shielded(self._teardown())
+
+    async def _teardown(self) -> None:
+        raise NotImplementedError
+
+
 def install_uvloop() -> bool:
     """Use uvloop's event loop policy where the platform has it; returns whether it did."""
     try:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.aio import shielded
+from engine.aio import AsyncResource
 from engine.errors import ConfigError, PlanError, RoundAborted
 from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
@@ -68,7 +68,7 @@ class Peer:
         return f"{self.hello.role.value}/{self.hello.rank}"
 
 
-class Controller(RoundRunner):
+class Controller(RoundRunner, AsyncResource):
     def __init__(self, bind_addr: str = "tcp://127.0.0.1:0", *, senders: int, receivers: int,
                  options: ControllerOptions = ControllerOptions(),
                  on_round: Optional[Callable[[RoundReport], Any]] = None) -> None:
@@ -99,20 +99,12 @@ class Controller(RoundRunner):
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
         self._tasks: list[asyncio.Task] = []
         self._chan: Optional[ControlChannel] = None
-        self._closed = False
 
     def __repr__(self) -> str:
         return (f"<Controller {self.address} peers={len(self.peers)} plan={self.plan.plan_id if self.plan else None} "
                 f"committed=v{self.committed} rounds={len(self.reports)} {self.round!r}>")
 
     # --- lifecycle --------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> "Controller":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.close()
 
     async def start(self) -> None:
         self._chan = ControlChannel(zmq.ROUTER, "controller", limits=self.options.limits,
@@ -127,12 +119,6 @@ class Controller(RoundRunner):
             self._chan.close()
             raise ConfigError("bind_addr", f"cannot bind {self.bind_addr}: {exc}") from exc
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await shielded(self._teardown())
 
     async def _teardown(self) -> None:
         if self.round is not None:

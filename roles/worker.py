@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.aio import shielded
+from engine.aio import AsyncResource
 from engine.errors import ConfigError, ControllerLost, JoinRejected
 from engine.transport import Transport, TransportOptions, create_transport
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
@@ -52,7 +52,7 @@ async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:
         await result
 
 
-class Worker:
+class Worker(AsyncResource):
     role: Role
 
     def __init__(self, controller_addr: str, rank: int, options: WorkerOptions) -> None:
@@ -70,20 +70,12 @@ class Worker:
         self._channel: Optional[ControlChannel] = None
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
-        self._closed = False
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.session.state.value}>"
 
     # --- lifecycle --------------------------------------------------------------------------------
-
-    async def __aenter__(self):
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.close()
 
     async def start(self) -> None:
         try:
@@ -99,12 +91,6 @@ class Worker:
             await self.close()
             raise
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await shielded(self._teardown())
 
     async def _teardown(self) -> None:
         if self._channel is not None and self.session.allowed(Origin.WORKER, m.Leave.TYPE):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -194,13 +195,24 @@ async def test_late_writes_of_closed_rounds_are_dropped(pair):
     assert int(region[:10].sum()) == 0 and dst.counters(3) == {}
 
 
-async def test_out_of_bounds_write_is_reported_at_fence():
+@contextlib.asynccontextmanager
+async def tcp_pair(nbytes: int = 64):
+    """A TCP initiator connected to a target with one registered region of ``nbytes``."""
     src, dst = create_transport("tcp"), create_transport("tcp")
     info = await dst.start(1)
     await src.start(0)
-    rinfo = dst.register(0, torch.zeros(64, dtype=torch.uint8))
+    rinfo = dst.register(0, torch.zeros(nbytes, dtype=torch.uint8))
     conn = await src.connect(PeerInfo(1, info, (rinfo,)))
     try:
+        yield src, dst, conn
+    finally:
+        await conn.close()
+        await src.close()
+        await dst.close()
+
+
+async def test_out_of_bounds_write_is_reported_at_fence():
+    async with tcp_pair() as (src, dst, conn):
         await conn.write(torch.ones(32, dtype=torch.uint8), 0, 40, 1)
         with pytest.raises(TransportError, match="out of bounds"):
             await asyncio.wait_for(conn.fence(), WATCHDOG)
@@ -209,25 +221,15 @@ async def test_out_of_bounds_write_is_reported_at_fence():
             await asyncio.wait_for(conn.fence(), WATCHDOG)
         await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1)  # the connection still works
         await asyncio.wait_for(conn.fence(), WATCHDOG)
-    finally:
-        await conn.close()
-        await src.close()
-        await dst.close()
 
 
 async def test_closed_target_fails_pending_and_later_operations():
-    src, dst = create_transport("tcp"), create_transport("tcp")
-    info = await dst.start(1)
-    await src.start(0)
-    rinfo = dst.register(0, torch.zeros(64, dtype=torch.uint8))
-    conn = await src.connect(PeerInfo(1, info, (rinfo,)))
-    await dst.close()
-    with pytest.raises(ConnectionClosed):
-        await asyncio.wait_for(conn.fence(), WATCHDOG)
-    with pytest.raises(ConnectionClosed):
-        await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1)
-    await conn.close()
-    await src.close()
+    async with tcp_pair() as (src, dst, conn):
+        await dst.close()
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(conn.fence(), WATCHDOG)
+        with pytest.raises(ConnectionClosed):
+            await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1)
 
 
 async def test_connect_refused_is_typed():
@@ -338,16 +340,9 @@ def test_registration_cache_plans_then_acts():
 async def test_tcp_settle_uploads_only_regions_tcp_wrote():
     """Under ``auto`` another transport may fill a device buffer directly: a TCP mirror that saw no
     write must not be copied over it (checked here with the mirror bookkeeping on CPU)."""
-    src, dst = create_transport("tcp"), create_transport("tcp")
-    info = await dst.start(1)
-    await src.start(0)
-    rinfos = tuple(dst.register(r, torch.zeros(64, dtype=torch.uint8)) for r in (0, 1))
-    conn = await src.connect(PeerInfo(1, info, rinfos))
-    await conn.write(torch.ones(8, dtype=torch.uint8), 1, 0, 1)
-    await conn.fence()
-    assert dst._dirty == {1}
-    await dst.settle()  # no mirrors on CPU: nothing to upload, and the dirty set is consumed
-    assert dst._dirty == set()
-    await conn.close()
-    await src.close()
-    await dst.close()
+    async with tcp_pair() as (src, dst, conn):
+        await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1)
+        await conn.fence()
+        assert dst._dirty == {0}
+        await dst.settle()  # no mirrors on CPU: nothing to upload, and the dirty set is consumed
+        assert dst._dirty == set()
