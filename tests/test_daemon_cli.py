@@ -198,3 +198,22 @@ def test_doctor_on_this_machine():
     for check in ("python", "torch", "gpus", "rdma devices", "uccl", "auto transport", "loopback port"):
         assert check in out.stdout
     assert "tcp" in out.stdout.splitlines()[-2] or "tcp" in out.stdout
+
+
+def test_prometheus_metrics_endpoint():
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from roles.metrics import Metrics
+    from roles.rounds import LinkStat, RoundReport
+
+    port = _port()
+    metrics = Metrics(port)
+    metrics.observe(RoundReport(7, True, 10**9, 0.5, {"transfer": 0.4, "fence": 0.05, "commit": 0.05},
+                                [LinkStat(0, 1, 10**9, 3, 2.5)]))
+    metrics.observe(RoundReport(8, False, 0, 0.1, {}, [], reason="PEER_LOST: gone"))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WATCHDOG).read().decode()
+    assert 'weightsync_rounds_total{outcome="committed"} 1.0' in text
+    assert 'weightsync_rounds_total{outcome="aborted"} 1.0' in text
+    assert "weightsync_committed_version 7.0" in text
+    assert 'weightsync_link_gbps{receiver="1",sender="0"} 2.5' in text
