@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -141,6 +140,3 @@ async def wait_event(event: torch.cuda.Event) -> None:
         await asyncio.sleep(delay)
         delay = min(max(delay * 2, 10e-6), 5e-5)
 
-
-def this_process() -> int:
-    return os.getpid()

@@ -88,7 +88,6 @@ async def _trainer(rank: int, cfg: DemoConfig, addr: str, dist_port: int, out: m
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from engine.aio import install_uvloop  # noqa: F401  (the parent chose the loop; children use asyncio's)
     from engine.tensors import named_tensors
 
     from .sender import WeightSender

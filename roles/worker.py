@@ -16,7 +16,6 @@ import dataclasses
 import inspect
 import logging
 import os
-import socket
 import time
 from typing import Any, Callable, Optional
 
@@ -232,10 +231,6 @@ class Worker(AsyncResource):
 
     async def _close_data_plane(self) -> None:
         """Close connections the subclass opened."""
-
-
-def default_host_id() -> str:
-    return socket.gethostname()
 
 
 def with_device(options: WorkerOptions, tensors: dict) -> WorkerOptions:

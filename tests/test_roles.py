@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from engine.errors import ConfigError, JoinRejected, RoundAborted, StagingError, VersionError
-from proc_helpers import SPEC, mismatches, receiver_tensors, sender_tensors, update_in_place
+from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
 from roles.channel import ControlChannel
 from wire import Envelope, Limits, decode, encode

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from typing import Annotated, Any, Callable, Optional, Union
+from typing import Annotated, Any, Callable, Union
 
 __all__ = [
     "U8",
