@@ -67,10 +67,11 @@ def _model(size: str, seed: int):
 
     from engine.shapes import gpt2_config
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' notices would interleave with the demo's table
     torch.manual_seed(seed)
-    config = gpt2_config(size)
-    config.loss_type = "ForCausalLM"  # say it explicitly (transformers warns otherwise)
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(gpt2_config(size))
 
 
 # --- child processes ---------------------------------------------------------------------------------
