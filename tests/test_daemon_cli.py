@@ -217,3 +217,13 @@ def test_prometheus_metrics_endpoint():
     assert 'weightsync_rounds_total{outcome="aborted"} 1.0' in text
     assert "weightsync_committed_version 7.0" in text
     assert 'weightsync_link_gbps{receiver="1",sender="0"} 2.5' in text
+
+
+def test_demo_main_job_verifies_bit_exact():
+    """`make demo`'s job, small: real DDP trainer and inference processes; exit 0 only if verified."""
+    out = subprocess.run([sys.executable, "-m", "roles.cli", "demo", "--size", "tiny", "--rounds", "2", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and [r["verified"] for r in summary["rounds"]] == [True, True]
+    assert all(r["bytes"] > 0 for r in summary["rounds"])
