@@ -26,7 +26,7 @@ from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from wire import messages as m
 from wire.auth import Replayed, Unauthenticated
-from wire.errors import ProtocolError, RemoteProtocolError, VersionMismatch
+from wire.errors import ProtocolError, VersionMismatch
 
 from .admission import admission_problem, participants
 from .channel import ControlChannel
@@ -231,11 +231,10 @@ class Controller(RoundRunner, AsyncResource):
                                   to=identity, parent_id=env.msg_id)
             return
         peer.last_seen = time.monotonic()
-        try:
-            peer.session.receive(env.type)
-        except RemoteProtocolError as exc:
-            log.warning("controller: %s: %s", peer.name, exc)
-            await self._send(peer, m.Error(m.ErrorCode.PROTOCOL, str(exc), env.type, env.version))
+        illegal = peer.session.accept(env.type, env.version)
+        if illegal is not None:
+            log.warning("controller: %s: %s", peer.name, illegal.text)
+            await self._send(peer, illegal)
             return
         handler = getattr(self, f"_on_{env.type}", None)
         if handler is not None:
@@ -380,24 +379,23 @@ class Controller(RoundRunner, AsyncResource):
             raise RoundAborted(report.version, reason, text, report.culprit)
         return report
 
-    def _round_peer(self, peer: Peer, version: Optional[int]) -> Optional[RoundState]:
+    def _round_of(self, version: Optional[int]) -> Optional[RoundState]:
+        """The running round if ``version`` is its version (late messages of old rounds are ignored)."""
         rnd = self.round
-        if rnd is None or version != rnd.version:
-            return None
-        return rnd
+        return rnd if rnd is not None and version == rnd.version else None
 
     async def _on_writes_done(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_peer(peer, env.body.version)
+        rnd = self._round_of(env.body.version)
         if rnd is not None:
             rnd.on_writes_done(peer.hello.rank, env.body)
 
     async def _on_fence_ack(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_peer(peer, env.body.version)
+        rnd = self._round_of(env.body.version)
         if rnd is not None:
             rnd.on_fence_ack(peer.hello.rank, env.body)
 
     async def _on_commit_ack(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_peer(peer, env.body.version)
+        rnd = self._round_of(env.body.version)
         if rnd is not None:
             if "slots:2" in peer.hello.capabilities and env.body.applied:
                 peer.slot = 1 - peer.slot  # it swapped: next round lands in the other buffer
@@ -405,7 +403,7 @@ class Controller(RoundRunner, AsyncResource):
 
     async def _on_error(self, peer: Peer, env: Envelope) -> None:
         log.warning("controller: %s reports %s: %s", peer.name, env.body.code.name, env.body.text)
-        rnd = self._round_peer(peer, env.body.version)
+        rnd = self._round_of(env.body.version)
         if rnd is not None and peer.key in self.plan_members:
             rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {env.body.text}", peer.name)
 

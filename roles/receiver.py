@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -128,6 +127,10 @@ class WeightReceiver(Worker):
 
     async def _on_plan(self, env: Envelope) -> None:
         self.table = env.body.receiver
+        self._expected: dict[int, tuple[int, int]] = {}  # sender -> (writes, bytes), fixed for this plan
+        for e in self.table.entries:
+            count, nbytes = self._expected.get(e.src_rank, (0, 0))
+            self._expected[e.src_rank] = (count + 1, nbytes + e.nbytes)
         await self._send(m.PlanAck(env.body.plan_id, True, ""))
 
     async def _on_begin(self, env: Envelope) -> None:
@@ -154,15 +157,11 @@ class WeightReceiver(Worker):
         """Every sender in our table reported what the table says; where the transport observes
         incoming writes (TCP), what landed matches too. One-sided transports rely on the report plus
         the senders' fences, and checksums check the content."""
-        want: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-        for e in self.table.entries:
-            want[e.src_rank][0] += 1
-            want[e.src_rank][1] += e.nbytes
         reported = {s.peer_rank: (s.count, s.nbytes) for s in summaries}
         observed = self.transport.counters(self._pending)
         problems: list[str] = []
         bad_src: set[int] = set()
-        for src, (count, nbytes) in sorted(want.items()):
+        for src, (count, nbytes) in sorted(self._expected.items()):
             if reported.get(src, (0, 0)) != (count, nbytes):
                 problems.append(f"sender/{src} reported {reported.get(src, (0, 0))}, expected {(count, nbytes)}")
                 bad_src.add(src)

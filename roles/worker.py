@@ -26,7 +26,7 @@ from engine.errors import ConfigError, ControllerLost, JoinRejected
 from engine.transport import Transport, TransportOptions, create_transport
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
 from wire import messages as m
-from wire.errors import ProtocolError, RemoteProtocolError
+from wire.errors import ProtocolError
 
 from .channel import ControlChannel, random_identity
 
@@ -137,11 +137,10 @@ class Worker(AsyncResource):
                 log.warning("%s: undecodable message from controller: %s", self.name, exc)
                 continue
             self._last_heard = time.monotonic()
-            try:
-                self.session.receive(env.type)
-            except RemoteProtocolError as exc:
-                log.warning("%s: %s", self.name, exc)
-                await self._send(m.Error(m.ErrorCode.PROTOCOL, str(exc), env.type, env.version))
+            illegal = self.session.accept(env.type, env.version)
+            if illegal is not None:
+                log.warning("%s: %s", self.name, illegal.text)
+                await self._send(illegal)
                 continue
             self._state_moved()
             handler = getattr(self, f"_on_{env.type}", None)

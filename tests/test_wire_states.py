@@ -92,3 +92,11 @@ def test_commit_is_never_abortable_after_it_is_applied():
     s = _at(m.Role.RECEIVER, State.APPLYING, Origin.WORKER)
     with pytest.raises(errors.RemoteIllegalTransition, match="abort from the controller is illegal for a receiver in state APPLYING"):
         s.receive("abort")
+
+
+def test_accept_answers_an_illegal_message_with_a_protocol_error():
+    s = _at(m.Role.SENDER, State.JOINED, Origin.WORKER)
+    err = s.accept("commit", 4)
+    assert s.state is State.JOINED and err.code == m.ErrorCode.PROTOCOL and err.field == "commit"
+    assert err.version == 4 and "sender in state JOINED" in err.text
+    assert s.accept("plan") is None and s.state is State.PLAN_RECEIVED

@@ -14,6 +14,7 @@ joined state and change nothing; ``leave`` from either side closes the session.
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 from . import messages as m
 from .errors import LocalIllegalTransition, RemoteIllegalTransition
@@ -114,12 +115,17 @@ class Session:
         other = Origin.CONTROLLER if self.side is Origin.WORKER else Origin.WORKER
         return self._step(other, msg_type, RemoteIllegalTransition)
 
+    def accept(self, msg_type: str, version: Optional[int] = None) -> Optional[m.Error]:
+        """Receive a message; if it is illegal here, leave the state as it is and return the
+        ``error`` (code PROTOCOL, naming role, state and type) that the spec says to answer with."""
+        try:
+            self.receive(msg_type)
+        except RemoteIllegalTransition as exc:
+            return m.Error(m.ErrorCode.PROTOCOL, str(exc), msg_type, version)
+        return None
+
     def allowed(self, origin: Origin, msg_type: str) -> bool:
         return (self.role, self.state, origin, msg_type) in TRANSITIONS
-
-    @property
-    def in_round(self) -> bool:
-        return self.state in ROUND_STATES[self.role] or self.state is State.APPLYING
 
     def _step(self, origin: Origin, msg_type: str, exc: type) -> State:
         nxt = TRANSITIONS.get((self.role, self.state, origin, msg_type))

@@ -52,7 +52,6 @@ def choose(local: dict[str, Any], peer: dict[str, Any], same_host: bool) -> str:
 
 class AutoTransport:
     kind = "auto"
-    observes_writes = True  # counters come from the children that can observe (tcp)
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
         self.options = options

@@ -30,7 +30,6 @@ DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block,
 
 class CudaIpcTransport:
     kind = "cuda_ipc"
-    observes_writes = False
     devices = frozenset({"cuda"})
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
@@ -41,7 +40,6 @@ class CudaIpcTransport:
         self.regions: dict[int, torch.Tensor] = {}
         self.mappings: dict[tuple[bytes, int], int] = {}  # (block handle, local device) -> base pointer
         self.streams: dict[int, list[torch.cuda.Stream]] = {}
-        self.opened = 0
 
     def __repr__(self) -> str:
         return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)}>"
@@ -85,7 +83,6 @@ class CudaIpcTransport:
         base = self.mappings.get(key)
         if base is None:
             base = self.mappings[key] = cuda_rt.open_ipc_handle(handle, local_device)
-            self.opened += 1
         return base
 
     def stream(self, device: int, index: int) -> torch.cuda.Stream:

@@ -25,7 +25,6 @@ _NEXT = itertools.count(1)
 
 class MemoryTransport:
     kind = "memory"
-    observes_writes = True
     devices = frozenset({"cuda"})  # torch copies reach any device in this process
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:

@@ -44,14 +44,12 @@ SCRATCH = 1 << 20
 
 class TcpTransport:
     kind = "tcp"
-    observes_writes = True
     devices: frozenset = frozenset()  # GPU sources are staged through pinned host memory
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
         self.options = options
         self.rank = -1
         self.regions: dict[int, memoryview] = {}
-        self._tensors: dict[int, torch.Tensor] = {}
         self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dirty: set[int] = set()  # mirrored regions written since the last settle
         self._counters: dict[tuple[int, int], SourceCounters] = {}
@@ -84,14 +82,12 @@ class TcpTransport:
             self._mirrors[region_id] = (host, buffer)
         else:
             self._mirrors.pop(region_id, None)
-        self.regions[region_id] = byte_view(host)
-        self._tensors[region_id] = buffer
+        self.regions[region_id] = byte_view(host)  # the view keeps the buffer alive
         size = buffer.numel() * buffer.element_size()
         return RegionInfo(region_id, size, str(buffer.device), struct.pack("<IQ", region_id, size))
 
     def deregister(self, region_id: int) -> None:
         self.regions.pop(region_id, None)
-        self._tensors.pop(region_id, None)
         self._mirrors.pop(region_id, None)
 
     async def settle(self) -> None:

@@ -82,7 +82,6 @@ def _ok(result: Any, what: str) -> Any:
 
 class UcclTransport:
     kind = "uccl"
-    observes_writes = False
     devices = frozenset({"cuda"})
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
