@@ -42,10 +42,12 @@ class PlanError(WeightSyncError):
 class UnknownParameter(PlanError):
     """A receiver asks for a name no sender has; ``closest`` lists the nearest names."""
 
-    def __init__(self, param: str, rank: str, closest: list[str]) -> None:
+    def __init__(self, param: str, rank: str, closest: list[str], part_of: Optional[str] = None) -> None:
         hint = f"; closest: {', '.join(closest)}" if closest else ""
-        super().__init__(f"no sender has this parameter{hint}", param=param, ranks=[rank])
+        what = f"this part of {part_of!r}" if part_of else "this parameter"
+        super().__init__(f"no sender has {what}{hint}", param=param, ranks=[rank])
         self.closest = closest
+        self.part_of = part_of
 
 
 class Unsuppliable(PlanError):

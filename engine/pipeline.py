@@ -101,6 +101,7 @@ class Pipeline:
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
         reports = {rank: LaneReport() for rank in lanes}
+        self.sources.begin(transfers)
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
         await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0)) for r, ts in sorted(lanes.items()))

@@ -1,18 +1,18 @@
 """Sender-side source preparation: a routing-table row -> a contiguous tensor whose bytes can be written.
 
 How this works: ``SourceSet`` holds the sender's named tensors (and shard specs, if it holds shards).
-``plan_staging`` (pure) decides per transfer whether the source can be written in place (a
-contiguous view: whole tensor or a dim-0 slice of a contiguous one) or needs a copy into a staging
-buffer (non-contiguous, a slice along another dim, a transform, or a device the transport cannot
-read). ``stage`` carries that out; large copies run in a worker thread so the event loop keeps
-serving other connections. Staging buffers come from a ``StagingPool`` and go back after the write.
+``stage`` slices the source, runs the row's transform (``engine.transforms``: transposes, casts, block
+FP8, on a side stream for CUDA sources), and writes the result in place when it is a contiguous tensor
+on a device the connection reads, else copies it into a staging buffer (non-contiguous views, a slice
+along another dim, a CUDA source over a host-only transport); large copies run in a worker thread so
+the event loop keeps serving other connections. Staging buffers come from a ``StagingPool`` and go back after the write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -20,10 +20,9 @@ from wire import ShardSpec, Transfer
 
 from .errors import StagingError
 from .checksums import checksum
+from .transforms import Transform, TransformSet
 
 THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off the event loop
-
-Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -72,7 +71,11 @@ class SourceSet:
                  transforms: Mapping[str, Transform] = {}) -> None:
         self.tensors = dict(tensors)
         self.shards = dict(shards)
-        self.transforms = dict(transforms)
+        self.transforms = TransformSet(transforms)
+
+    def begin(self, transfers: Sequence[Transfer]) -> None:
+        """A round over ``transfers`` starts: check its transforms and set up shared quantizations."""
+        self.transforms.begin(transfers)
 
     def view(self, t: Transfer) -> torch.Tensor:
         """The source region of ``t`` as a (possibly non-contiguous) view, in local coordinates."""
@@ -85,26 +88,21 @@ class SourceSet:
         shard = self.shards.get(t.name)
         base = shard.start if shard is not None and shard.dim == t.slice.dim else 0
         start = t.slice.start - base
-        if start < 0 or t.slice.stop - base > src.shape[t.slice.dim]:
+        if t.slice.dim >= src.dim() or start < 0 or t.slice.stop - base > src.shape[t.slice.dim]:
             raise StagingError(t.name, f"slice {t.slice} is outside the rows this sender holds")
         return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
 
-    def needs_copy(self, t: Transfer, view: torch.Tensor, readable: frozenset) -> bool:
-        """Copy when a transform runs, the view is not dense, or the connection cannot read the device."""
-        return bool(t.transform) or not view.is_contiguous() or view.device.type not in readable
-
     async def stage(self, t: Transfer, pool: StagingPool, algo: str = "",
                     readable: frozenset = frozenset({"cpu"})) -> Staged:
+        """Slice, transform (a fresh tensor on the source's device), then copy only if the connection
+        cannot read it where it is or it is not dense."""
         view = self.view(t)
         if t.transform:
-            fn = self.transforms.get(t.transform)
-            if fn is None:
-                raise StagingError(t.name, f"unknown transform {t.transform!r}")
-            view = fn(view)
+            view = await self.transforms.run(t, view)
         nbytes = view.numel() * view.element_size()
         if nbytes != t.nbytes:
             raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")
-        if not self.needs_copy(t, view, readable):
+        if view.is_contiguous() and view.device.type in readable:
             staged = Staged(view)
         else:
             buf = pool.take(nbytes)

@@ -138,10 +138,12 @@ def test_receiver_disagrees_with_sources():
         plan(senders, [participant(3, [tensor("w", (4, 8))])])
     assert e.value.ranks == ("receiver/3",)
     with pytest.raises(errors.ManifestMismatch, match="no transform"):
-        plan(senders, [participant(0, [tensor("w", (4, 4), dtype="bfloat16")])])
-    routing = plan(senders, [participant(0, [tensor("w", (4, 4), dtype="bfloat16")])],
-                   transforms={("float32", "bfloat16"): "cast"})
-    assert routing.senders[0].transfers[0].transform == "cast"
+        plan(senders, [participant(0, [tensor("w", (4, 4), dtype="int32")])])
+    routing = plan(senders, [participant(0, [tensor("w", (4, 4), dtype="int32")])],
+                   transforms={("float32", "int32"): "my_round"})
+    assert routing.senders[0].transfers[0].transform == "my_round"
+    routing = plan(senders, [participant(0, [tensor("w", (4, 4), dtype="bfloat16")])])
+    assert routing.senders[0].transfers[0].transform == "cast:bfloat16"  # float to float: built in
 
 
 def test_overlapping_shards_do_not_tile():

@@ -157,8 +157,8 @@ async def test_manifest_disagreements_are_rejected_before_any_byte_moves():
     assert missing.code == m.RejectCode.MANIFEST_MISMATCH and "blocks.0.attn.w" in missing.text  # closest name
     shape = await _join_error(lambda t: t.__setitem__("counts", torch.zeros(12, dtype=torch.int64)))
     assert "counts" in shape.text and "[12]" in shape.text
-    dtype = await _join_error(lambda t: t.__setitem__("blocks.0.norm", torch.zeros(16)))
-    assert "blocks.0.norm" in dtype.text and "float32" in dtype.text
+    dtype = await _join_error(lambda t: t.__setitem__("blocks.0.norm", torch.zeros(16, dtype=torch.int32)))
+    assert "blocks.0.norm" in dtype.text and "int32" in dtype.text and "no transform" in dtype.text
 
 
 async def test_duplicate_and_out_of_range_ranks():

@@ -1,6 +1,7 @@
 """Routing planner: static M-to-N routing tables, the makespan model and its baselines (pure code)."""
 
 from .links import LinkClass, LinkModel, Participant, link_class
+from .mapping import MAPPINGS, Mapping, Rule, get_mapping
 from .model import broadcast_assignment, lower_bound, makespan, seed_greedy_assignment
 from .needs import Piece, build_pieces
 from .planner import PlanOptions, RoutingPlan, plan, tables_from_assignment
@@ -8,5 +9,5 @@ from .planner import PlanOptions, RoutingPlan, plan, tables_from_assignment
 __all__ = [
     "LinkClass", "LinkModel", "Participant", "link_class", "broadcast_assignment", "lower_bound", "makespan",
     "seed_greedy_assignment", "Piece", "build_pieces", "PlanOptions", "RoutingPlan", "plan",
-    "tables_from_assignment",
+    "tables_from_assignment", "MAPPINGS", "Mapping", "Rule", "get_mapping",
 ]

@@ -2,21 +2,23 @@
 
 How this works: ``index_sources`` checks that all senders agree on each parameter (dtype, full shape)
 and that non-gatherable shards tile cleanly. ``build_pieces`` walks each receiver's manifest (skipping
-names the receiver ties to another: one storage moves once), checks it against the sources, and turns
-each need into one ``Piece`` — or several, when only a combination of dim-0 shards covers it. A piece
+names the receiver ties to another: one storage moves once), resolves each tensor through the name
+mapping into parts (``mapping.py``: fused components, transposes, TP shards, casts, FP8 weight and
+scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
+covers it. A piece
 lists its candidate senders. Every failure is a ``PlanError`` naming the parameter and ranks.
 """
 
 from __future__ import annotations
 
-import difflib
-from math import prod
 from typing import Mapping, Optional, Sequence
 
-from wire import Slice, TensorSpec, dtype_size
+from wire import Slice, TensorSpec
 
-from ..errors import BadTiling, ManifestMismatch, Unsuppliable, UnknownParameter
+from ..errors import BadTiling, ManifestMismatch, Unsuppliable
 from .links import Participant
+from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, Part, SourceShape, components, dtype_transform
+from .mapping import get_mapping, parts_for
 
 
 class Piece:
@@ -109,56 +111,45 @@ def _check_tiling(src: Source) -> None:
             raise BadTiling(f"shards [{a0}:{b0}] and [{a1}:{b1}] overlap", param=src.name, ranks=ranks)
 
 
-def _closest(name: str, names: Sequence[str]) -> list[str]:
-    return difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-
-
 def build_pieces(
     senders: Sequence[Participant],
     receivers: Sequence[Participant],
     transforms: Mapping[tuple[str, str], str] = {},
+    mapping: "str | NameMapping" = "identity",
 ) -> tuple[list[Piece], dict[str, Source]]:
     sources = index_sources(senders)
+    shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
+    rules = get_mapping(mapping)
     intern: dict[tuple[int, ...], tuple[int, ...]] = {}
     pieces: list[Piece] = []
     for rp in receivers:
+        where = f"receiver/{rp.rank}"
+        specs = rp.manifest.by_name()
+        names = frozenset(specs)
         for t in rp.manifest.tensors:
             if t.tied_to is not None:
                 continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
-            src = sources.get(t.name)
-            if src is None:
-                raise UnknownParameter(t.name, f"receiver/{rp.rank}", _closest(t.name, list(sources)))
-            transform = _transform_for(src, t, rp.rank, transforms)
-            pieces.extend(_pieces_for(src, t, rp.rank, transform, intern))
+            scale_of = _scales_of(t, specs, sources)
+            weight = scale_of or t
+            comps, src_dtype = components(rules, weight.name, shapes, where)
+            step = dtype_transform(src_dtype, weight, where, transforms, names)
+            for part in parts_for(t, comps, src_dtype, step, where, scale_of):
+                pieces.extend(_pieces_for(sources[part.src], t, rp.rank, part, intern))
     return pieces, sources
 
 
-def _transform_for(src: Source, t: TensorSpec, rank: int, transforms: Mapping[tuple[str, str], str]) -> str:
-    if (t.shard.full_shape if t.shard is not None else t.shape) != src.full_shape:
-        raise ManifestMismatch(
-            f"receiver wants full shape {list(t.full_shape)}, senders have {list(src.full_shape)}",
-            param=t.name, ranks=[f"receiver/{rank}"],
-        )
-    if t.dtype == src.dtype:
-        return ""
-    transform = transforms.get((src.dtype, t.dtype))
-    if transform is None:
-        raise ManifestMismatch(
-            f"receiver wants {t.dtype}, senders have {src.dtype} and no transform converts them",
-            param=t.name, ranks=[f"receiver/{rank}"],
-        )
-    return transform
+def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optional[TensorSpec]:
+    """The FP8 weight whose block scales ``t`` holds, if ``t`` is such a tensor."""
+    if not t.name.endswith(SCALE_SUFFIX) or t.name in sources:
+        return None
+    weight = specs.get(t.name[: -len(SCALE_SUFFIX)])
+    return weight if weight is not None and weight.dtype == FP8 else None
 
 
-def _pieces_for(src: Source, t: TensorSpec, rank: int, transform: str, intern: dict) -> list[Piece]:
-    full = src.full_shape
-    shard = t.shard
-    need = shard.slice if shard is not None else None
+def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict) -> list[Piece]:
+    need = part.slice
     region = t.region if t.region is not None else 0
-    splittable = len(full) >= 1 and (need is None or need.dim == 0) and not transform
-    row_bytes = prod(full[1:]) * dtype_size(t.dtype) if splittable else 0
-    if need is None and splittable:
-        need = Slice(0, 0, full[0])
+    offset = t.offset + part.offset
     if not src.shards and src.full:
         cands = src.full_cands(intern)
     else:
@@ -169,11 +160,12 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, transform: str, intern: d
         key = tuple(sorted(found))
         cands = intern.setdefault(key, key)
     if cands:
-        return [Piece(rank, t.name, src.name, need, t.nbytes, region, t.offset, row_bytes, transform, cands)]
-    return _cover_with_shards(src, t, rank, need, region, row_bytes, transform)
+        return [Piece(rank, t.name, src.name, need, part.nbytes, region, offset, part.row_bytes, part.transform,
+                      cands)]
+    return _cover_with_shards(src, t, rank, need, region, offset, part.row_bytes, part.transform)
 
 
-def _cover_with_shards(src, t, rank, need, region, row_bytes, transform) -> list[Piece]:
+def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform) -> list[Piece]:
     """No single sender covers the need: stitch it from dim-0 shards, or fail."""
     holders = [f"sender/{r}" for rs in src.shards.values() for r in rs]
     if need is None or need.dim != 0 or not src.shards or next(iter(src.shards))[0] != 0 or not row_bytes:
@@ -190,7 +182,7 @@ def _cover_with_shards(src, t, rank, need, region, row_bytes, transform) -> list
         stop = min(b, need.stop)
         nbytes = (stop - at) * row_bytes
         out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
-                         t.offset + (at - need.start) * row_bytes, row_bytes, transform, tuple(sorted(senders))))
+                         offset + (at - need.start) * row_bytes, row_bytes, transform, tuple(sorted(senders))))
         at = stop
     if at < need.stop:
         raise Unsuppliable(f"rows {at}:{need.stop} of dim 0 are held by no sender", param=t.name,

@@ -29,6 +29,7 @@ from wire.schema import trusted
 
 from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, link_class
+from .mapping import Mapping as NameMapping
 from .needs import Piece, build_pieces
 
 MiB = 1 << 20
@@ -86,10 +87,13 @@ def plan(
     options: PlanOptions = PlanOptions(),
     transforms: Mapping[tuple[str, str], str] = {},
     plan_id: int = 0,
+    mapping: "str | NameMapping" = "identity",
 ) -> RoutingPlan:
-    """Compute routing tables; raises ``PlanError`` (naming parameter and ranks) before any byte moves."""
+    """Compute routing tables; raises ``PlanError`` (naming parameter and ranks) before any byte moves.
+
+    ``mapping``: how receiver names are made from sender names (``engine.plan.mapping``)."""
     with _gc_paused():
-        return _plan(senders, receivers, link, options, transforms, plan_id)
+        return _plan(senders, receivers, link, options, transforms, plan_id, mapping)
 
 
 @contextlib.contextmanager
@@ -105,11 +109,11 @@ def _gc_paused():
             gc.enable()
 
 
-def _plan(senders, receivers, link, options, transforms, plan_id) -> RoutingPlan:
+def _plan(senders, receivers, link, options, transforms, plan_id, mapping) -> RoutingPlan:
     check_ranks(senders, receivers)
     senders = sorted(senders, key=lambda p: p.rank)
     receivers = sorted(receivers, key=lambda p: p.rank)
-    pieces, _ = build_pieces(senders, receivers, transforms)
+    pieces, _ = build_pieces(senders, receivers, transforms, mapping)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality)
     segments = schedule(groups, link, options)
     return build_tables(segments, senders, receivers, plan_id)

@@ -1,0 +1,300 @@
+"""Name mapping and layout: which source bytes, transformed how, make up each receiver tensor.
+
+How this works. A ``Mapping`` is an ordered list of declarative ``Rule`` s for one architecture; the
+first rule whose pattern matches a receiver name says which trainer parameters (``parts``, name
+templates filled from the pattern's groups) are concatenated along dim 0 to make it, whether they are
+GPT-2 ``Conv1D`` weights to transpose, and whether each part is itself ``split`` fused components (GPT-2's
+``c_attn`` holds q, k and v). A name no rule matches maps to the source of the same name (identity).
+
+``parts_for`` (pure) turns one receiver ``TensorSpec`` into ``Part`` s: a source slice (in the source's
+own coordinates), a transform (``engine.transforms`` grammar) and the bytes' place in the receiver
+tensor. Tensor parallelism: a receiver declares a ``ShardSpec`` of its tensor; a dim-0 shard of a fused
+tensor is taken per component (shard ``i`` of ``w`` gets the ``i``-th ``w``-th of q, of k and of v), any
+other dim slices every component. Dtypes: a different float dtype is a cast; ``float8_e4m3fn`` with a
+``<name>_scale_inv`` float32 tensor next to it is 128x128 block quantization, each part on its own grid
+(DeepSeek-V3 / vLLM block FP8), and the scale tensor's parts are derived from the weight's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from math import prod
+from typing import Mapping as MappingT, Optional, Sequence
+
+from wire import Slice, TensorSpec, dtype_size
+
+from ..errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
+
+FP8 = "float8_e4m3fn"
+SCALE_SUFFIX = "_scale_inv"
+BLOCK = 128
+FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Receiver names matching ``pattern`` are made of ``parts`` (source-name templates)."""
+
+    pattern: str
+    parts: tuple[str, ...] = ("{name}",)
+    transpose: bool = False  # the sources are Conv1D weights [in, out]; the receiver holds [out, in]
+    split: int = 1  # each part holds this many equal fused components along its output dim
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "_regex", re.compile(self.pattern))
+        except re.error as exc:
+            raise ConfigError("pattern", f"{self.pattern!r} is not a regular expression: {exc}") from exc
+        if not self.parts or self.split < 1:
+            raise ConfigError("parts", f"rule {self.pattern!r} needs parts and split >= 1")
+
+    def match(self, name: str) -> Optional[tuple[str, ...]]:
+        m = self._regex.fullmatch(name)
+        if m is None:
+            return None
+        return tuple(p.format(name=name, **m.groupdict()) for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    name: str
+    rules: tuple[Rule, ...] = ()
+
+    def recipe(self, dst_name: str) -> tuple[Rule, tuple[str, ...]]:
+        for rule in self.rules:
+            parts = rule.match(dst_name)
+            if parts is not None:
+                return rule, parts
+        return IDENTITY_RULE, (dst_name,)
+
+
+IDENTITY_RULE = Rule(r".*")
+
+_DECODER = (  # Llama / Qwen2 / Qwen3 / Mistral: vLLM fuses q, k, v and gate, up along dim 0
+    Rule(r"(?P<p>.*)\.self_attn\.qkv_proj\.(?P<w>weight|bias)",
+         ("{p}.self_attn.q_proj.{w}", "{p}.self_attn.k_proj.{w}", "{p}.self_attn.v_proj.{w}")),
+    Rule(r"(?P<p>.*)\.mlp\.gate_up_proj\.weight", ("{p}.mlp.gate_proj.weight", "{p}.mlp.up_proj.weight")),
+)
+_GPT2 = (  # transformers' GPT-2 uses Conv1D ([in, out]); Linear-based engines hold [out, in]
+    Rule(r"(?P<p>.*\.attn\.c_attn)\.weight", ("{p}.weight",), transpose=True, split=3),
+    Rule(r"(?P<p>.*\.attn\.c_attn)\.bias", ("{p}.bias",), split=3),
+    Rule(r".*\.(attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight", transpose=True),
+)
+
+MAPPINGS: dict[str, Mapping] = {
+    "identity": Mapping("identity"),
+    "llama": Mapping("llama", _DECODER),
+    "qwen2": Mapping("qwen2", _DECODER),
+    "qwen3": Mapping("qwen3", _DECODER),
+    "mistral": Mapping("mistral", _DECODER),
+    "gpt2": Mapping("gpt2", _GPT2),
+}
+
+
+def get_mapping(mapping: "str | Mapping") -> Mapping:
+    if isinstance(mapping, Mapping):
+        return mapping
+    try:
+        return MAPPINGS[mapping]
+    except KeyError:
+        raise ConfigError("mapping", f"unknown mapping {mapping!r}; known: {sorted(MAPPINGS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceShape:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """Rows ``start:stop`` of a source's output dim, in the receiver's orientation."""
+
+    src: str
+    start: int
+    stop: int
+    transpose: bool
+    out_dim: int  # the source dim that becomes the receiver's dim 0 (-1: a scalar)
+    rest: tuple[int, ...]  # the receiver-orientation shape after dim 0
+    src_size: int  # the source's size along out_dim
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One contiguous write: ``slice`` of source ``src`` -> ``nbytes`` at ``offset`` into the receiver tensor."""
+
+    src: str
+    slice: Optional[Slice]
+    offset: int
+    nbytes: int
+    transform: str
+    row_bytes: int  # > 0: the part may be cut at multiples of this along source dim 0 (plain copies only)
+
+
+def components(mapping: Mapping, dst: str, sources: MappingT[str, SourceShape], where: str
+               ) -> tuple[list[Component], str]:
+    """The receiver tensor ``dst`` as components in order; also the sources' common dtype."""
+    rule, names = mapping.recipe(dst)
+    out: list[Component] = []
+    dtypes: set[str] = set()
+    for src in names:
+        s = sources.get(src)
+        if s is None:
+            raise UnknownParameter(src, where, _closest(src, sources), part_of=None if src == dst else dst)
+        dtypes.add(s.dtype)
+        transpose = rule.transpose and len(s.shape) == 2
+        out_dim = 1 if transpose else 0
+        if not s.shape:
+            out.append(Component(src, 0, 0, False, -1, (), 0))
+            continue
+        rest = (s.shape[0],) if transpose else tuple(s.shape[1:])
+        size = s.shape[out_dim]
+        if size % rule.split:
+            raise BadTiling(f"{size} rows cannot be split into {rule.split} fused components", param=src)
+        step = size // rule.split
+        out.extend(Component(src, k * step, (k + 1) * step, transpose, out_dim, rest, size)
+                   for k in range(rule.split))
+    if len(dtypes) > 1 or len({c.rest for c in out}) > 1:
+        raise ManifestMismatch(f"parts {list(names)} disagree in dtype or trailing shape", param=dst, ranks=[where])
+    return out, dtypes.pop()
+
+
+def full_shape(comps: Sequence[Component]) -> tuple[int, ...]:
+    if len(comps) == 1 and comps[0].out_dim < 0:
+        return ()
+    return (sum(c.rows for c in comps), *comps[0].rest)
+
+
+def _closest(name: str, names) -> list[str]:
+    return difflib.get_close_matches(name, list(names), n=3, cutoff=0.5)
+
+
+def dtype_transform(src_dtype: str, t: TensorSpec, where: str, custom: MappingT[tuple[str, str], str],
+                    names: frozenset) -> str:
+    """The per-element step from the source dtype to what the receiver wants ('' when they agree)."""
+    if t.dtype == src_dtype:
+        return ""
+    if (src_dtype, t.dtype) in custom:
+        return custom[(src_dtype, t.dtype)]
+    if t.dtype == FP8 and src_dtype in FLOATS:
+        if t.name + SCALE_SUFFIX not in names:
+            raise ManifestMismatch(f"an {FP8} weight needs its block scales as {t.name + SCALE_SUFFIX!r}",
+                                   param=t.name, ranks=[where])
+        if len(t.shape) != 2:
+            raise ManifestMismatch(f"block FP8 quantizes 2-D weights, this one is {len(t.shape)}-D",
+                                   param=t.name, ranks=[where])
+        return f"fp8w:{BLOCK}"
+    if t.dtype in FLOATS and src_dtype in FLOATS:
+        return f"cast:{t.dtype}"
+    raise ManifestMismatch(f"receiver wants {t.dtype}, senders have {src_dtype} and no transform converts them",
+                           param=t.name, ranks=[where])
+
+
+def parts_for(t: TensorSpec, comps: Sequence[Component], src_dtype: str, step: str, where: str,
+              scale_of: Optional[TensorSpec] = None) -> list[Part]:
+    """The writes that fill receiver tensor ``t`` (or, with ``scale_of``, the FP8 scales of that weight)."""
+    weight = scale_of or t
+    if tuple(weight.full_shape) != full_shape(comps):
+        raise ManifestMismatch(f"receiver wants full shape {list(weight.full_shape)}, the mapping gives "
+                               f"{list(full_shape(comps))} from {sorted({c.src for c in comps})}",
+                               param=weight.name, ranks=[where])
+    regions = _shard_regions(weight, comps, where)
+    if scale_of is not None:
+        return _scale_parts(t, regions, step, where)
+    size = dtype_size(t.dtype)
+    out: list[Part] = []
+    offset = 0
+    for comp, rows, cols in regions:
+        local = _local_shape(comp, rows, cols)
+        nbytes = prod(local) * size
+        out.append(_part(comp, rows, cols, offset, nbytes, step, size))
+        offset += nbytes
+    return out
+
+
+def _shard_regions(t: TensorSpec, comps: Sequence[Component], where: str):
+    """Per component: (rows in the component, (dim, start, stop) of another receiver dim or None)."""
+    shard = t.shard
+    if shard is None or comps[0].out_dim < 0:
+        return [(c, (0, c.rows), None) for c in comps]
+    if shard.dim != 0:
+        return [(c, (0, c.rows), (shard.dim, shard.start, shard.stop)) for c in comps]
+    if len(comps) == 1:
+        return [(comps[0], (shard.start, shard.stop), None)]
+    span = shard.stop - shard.start
+    total = shard.full_shape[0]
+    if span == 0 or total % span or shard.start % span:
+        raise BadTiling(f"rows {shard.start}:{shard.stop} of {total} are not one of equal tensor-parallel shards",
+                        param=t.name, ranks=[where])
+    world, index = total // span, shard.start // span
+    out = []
+    for c in comps:
+        if c.rows % world:
+            raise BadTiling(f"component {c.src} [{c.start}:{c.stop}] has {c.rows} rows, not divisible into "
+                            f"{world} tensor-parallel shards", param=t.name, ranks=[where])
+        each = c.rows // world
+        out.append((c, (index * each, (index + 1) * each), None))
+    return out
+
+
+def _local_shape(comp: Component, rows: tuple[int, int], cols) -> tuple[int, ...]:
+    if comp.out_dim < 0:
+        return ()
+    shape = [rows[1] - rows[0], *comp.rest]
+    if cols is not None:
+        shape[cols[0]] = cols[2] - cols[1]
+    return tuple(shape)
+
+
+def _source_slice(comp: Component, rows: tuple[int, int], cols) -> Optional[Slice]:
+    """The one source dim that needs cutting (a cut along two is refused); dim-0 copies always carry one."""
+    if comp.out_dim < 0:
+        return None
+    a, b = comp.start + rows[0], comp.start + rows[1]
+    cuts = []
+    if (a, b) != (0, comp.src_size) or (comp.out_dim == 0 and cols is None):
+        cuts.append((comp.out_dim, a, b))
+    if cols is not None:
+        dim, start, stop = cols
+        cuts.append(((1 - comp.out_dim) if comp.transpose else dim, start, stop))
+    if len(cuts) > 1:
+        raise BadTiling(f"needs a slice of {comp.src} along two dims (a fused component and a shard)",
+                        param=comp.src)
+    return Slice(*cuts[0]) if cuts else None
+
+
+def _part(comp: Component, rows, cols, offset: int, nbytes: int, step: str, size: int) -> Part:
+    sl = _source_slice(comp, rows, cols)
+    steps = [s for s in ("t" if comp.transpose else "", step) if s]
+    plain = not steps and (sl is None or sl.dim == 0) and comp.out_dim >= 0
+    row_bytes = prod(comp.rest) * size if plain else 0
+    return Part(comp.src, sl, offset, nbytes, ",".join(steps), row_bytes)
+
+
+def _scale_parts(t: TensorSpec, regions, step: str, where: str) -> list[Part]:
+    if not step.startswith("fp8w:"):
+        raise ManifestMismatch(f"{t.name} looks like block scales, but its weight is not quantized to {FP8}",
+                               param=t.name, ranks=[where])
+    rows_total, cols_blocks, offset, out = 0, None, 0, []
+    for k, (comp, rows, cols) in enumerate(regions):
+        r, c = _local_shape(comp, rows, cols)
+        if k < len(regions) - 1 and r % BLOCK:
+            raise BadTiling(f"fused component {comp.src} has {r} rows: block FP8 needs a multiple of {BLOCK} "
+                            f"to keep the components' blocks apart", param=t.name, ranks=[where])
+        br, bc = -(-r // BLOCK), -(-c // BLOCK)
+        cols_blocks = bc
+        nbytes = br * bc * 4
+        steps = [s for s in ("t" if comp.transpose else "", "fp8s" + step[4:]) if s]
+        out.append(Part(comp.src, _source_slice(comp, rows, cols), offset, nbytes, ",".join(steps), 0))
+        rows_total += br
+        offset += nbytes
+    if t.dtype != "float32" or tuple(t.shape) != (rows_total, cols_blocks):
+        raise ManifestMismatch(f"block scales must be float32 {[rows_total, cols_blocks]}, receiver has "
+                               f"{t.dtype}{list(t.shape)}", param=t.name, ranks=[where])
+    return out
