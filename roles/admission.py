@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Optional
 
 from engine.errors import PlanError
-from engine.plan import Participant, build_pieces
+from engine.plan import Mapping as NameMapping, Participant, build_pieces
 from wire import PROTOCOL_VERSION, Role
 from wire import messages as m
 
@@ -24,7 +24,8 @@ def participants(hellos: Iterable[m.Hello]) -> tuple[list[Participant], list[Par
 
 
 def admission_problem(hello: m.Hello, expected: Mapping[Role, int], joined: Mapping[tuple[Role, int], object],
-                      senders: list[Participant], receivers: list[Participant]) -> tuple[Optional[m.RejectCode], str]:
+                      senders: list[Participant], receivers: list[Participant],
+                      mapping: "str | NameMapping" = "identity") -> tuple[Optional[m.RejectCode], str]:
     if hello.proto_major != PROTOCOL_VERSION[0]:
         return m.RejectCode.VERSION_MISMATCH, f"protocol {hello.proto_major}.{hello.proto_minor} is not compatible"
     limit = expected[hello.role]
@@ -39,7 +40,7 @@ def admission_problem(hello: m.Hello, expected: Mapping[Role, int], joined: Mapp
         receivers = [*receivers, newcomer]
     try:
         if senders:
-            build_pieces(senders, receivers)
+            build_pieces(senders, receivers, mapping=mapping)
     except PlanError as exc:
         return m.RejectCode.MANIFEST_MISMATCH, str(exc)
     return None, ""

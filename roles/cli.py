@@ -58,7 +58,7 @@ def _controller(args: argparse.Namespace) -> int:
 
     options = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
                                 round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
-                                link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8))
+                                link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8), mapping=args.mapping)
     from .progress import Progress
 
     progress = Progress(total=0, enabled=sys.stderr.isatty())  # a live line in a terminal, quiet otherwise
@@ -214,6 +214,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.plan.mapping import MAPPINGS  # pure Python: no torch import
+
     parser = argparse.ArgumentParser(prog="weightsync", description="Move fresh weights from trainers to inference.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("--log-json", action="store_true", help="structured (JSON lines) logs on stderr")
@@ -243,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--round-timeout", type=float, default=None, help="abort a round stage after this long")
     ctl.add_argument("--nic-gbit", type=float, default=400.0, help="NIC speed per GPU for the planner")
     ctl.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    ctl.add_argument("--mapping", default="identity", choices=sorted(MAPPINGS),
+                     help="how receiver names are made from trainer names (fused qkv/gate_up, GPT-2 Conv1D)")
     ctl.set_defaults(func=_controller)
 
     dmn = sub.add_parser("daemon", parents=[auth], help="run a standalone receiver with a command socket")

@@ -22,7 +22,7 @@ import zmq
 
 from engine.aio import AsyncResource
 from engine.errors import ConfigError, PlanError, RoundAborted
-from engine.plan import LinkModel, Participant, PlanOptions, RoutingPlan, plan
+from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from wire import messages as m
 from wire.auth import Replayed, Unauthenticated
@@ -49,6 +49,10 @@ class ControllerOptions:
     keep_reports: int = 100
     auth_key: Optional[bytes] = None  # HMAC key: only holders can join or command (wire.auth)
     peer_limits: PeerLimits = PeerLimits()
+    mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
+
+    def __post_init__(self) -> None:
+        get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
 
 
 @dataclasses.dataclass
@@ -280,7 +284,7 @@ class Controller(RoundRunner, AsyncResource):
     def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
         if not self._joins.allow(hello.host, time.monotonic()):
             return m.RejectCode.LIMIT_EXCEEDED, f"too many joins from host {hello.host!r} in the last minute"
-        return admission_problem(hello, self.expected, self.by_rank, *self._participants())
+        return admission_problem(hello, self.expected, self.by_rank, *self._participants(), self.options.mapping)
 
     def _participants(self) -> tuple[list[Participant], list[Participant]]:
         return participants(p.hello for p in self.peers.values())
@@ -310,7 +314,7 @@ class Controller(RoundRunner, AsyncResource):
         plan_id = self._plan_ids
         try:
             routing = await asyncio.to_thread(plan, senders, receivers, self.options.link, self.options.plan,
-                                              {}, plan_id)
+                                              {}, plan_id, self.options.mapping)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
             self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from engine.errors import ConfigError, RoundAborted
 from engine.registry import RegistrationCache
 from engine.checksums import checksum
 from engine.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
-from wire import Envelope, Manifest, ReceiverTable, Role
+from wire import Envelope, Manifest, ReceiverTable, Role, ShardSpec
 from wire import messages as m
 
 from .worker import Worker, WorkerOptions, call_hook, with_device
@@ -45,6 +45,7 @@ class WeightReceiver(Worker):
 
     def __init__(self, controller_addr: str, params: Params, *, rank: int,
                  options: ReceiverOptions = ReceiverOptions(), mode: Optional[str] = None,
+                 shards: Mapping[str, ShardSpec] = {},
                  on_update: Optional[Callable[[int], Any]] = None,
                  before_update: Optional[Callable[[int], Any]] = None,
                  after_update: Optional[Callable[[int, bool], Any]] = None,
@@ -59,6 +60,10 @@ class WeightReceiver(Worker):
         self.on_update, self.before_update, self.after_update = on_update, before_update, after_update
         self.on_abort = on_abort
         self.tensors = tensors
+        self.shards = dict(shards)  # name -> the slice of the full tensor this receiver holds (tensor parallel)
+        unknown = sorted(set(self.shards) - set(tensors))
+        if unknown:
+            raise ConfigError("shards", f"shard specs for parameters this receiver does not hold: {unknown[:5]}")
         self.ties = find_ties(self.tensors)
         self.offsets, self.nbytes = aligned_layout(self.tensors, self.ties)
         self.live = self._rehome()
@@ -104,7 +109,8 @@ class WeightReceiver(Worker):
         wanted = {REGION + i: buf.storage for i, buf in enumerate(self.buffers)}
         infos = self.cache.apply(self.cache.plan(wanted), self.transport)
         specs = tuple(
-            spec_for(name, t, region=REGION, offset=self.offsets[name], tied_to=self.ties.get(name))
+            spec_for(name, t, region=REGION, offset=self.offsets[name], tied_to=self.ties.get(name),
+                     shard=self.shards.get(name))
             for name, t in self.tensors.items()
         )
         return Manifest(specs, tuple(infos[r] for r in sorted(wanted)))

@@ -1,8 +1,8 @@
 """Name mapping and layout: which source bytes, transformed how, make up each receiver tensor.
 
 How this works. A ``Mapping`` is an ordered list of declarative ``Rule`` s for one architecture; the
-first rule whose pattern matches a receiver name says which trainer parameters (``parts``, name
-templates filled from the pattern's groups) are concatenated along dim 0 to make it, whether they are
+first rule whose ``dst`` template matches a receiver name says which trainer parameters (``parts``,
+templates sharing its placeholders) are concatenated along dim 0 to make it, whether they are
 GPT-2 ``Conv1D`` weights to transpose, and whether each part is itself ``split`` fused components (GPT-2's
 ``c_attn`` holds q, k and v). A name no rule matches maps to the source of the same name (identity).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import string
 from math import prod
 from typing import Mapping as MappingT, Optional, Sequence
 
@@ -35,26 +36,51 @@ FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Receiver names matching ``pattern`` are made of ``parts`` (source-name templates)."""
+    """Receiver names of the form ``dst`` are made of ``parts``; templates share ``{placeholders}``.
 
-    pattern: str
-    parts: tuple[str, ...] = ("{name}",)
+    A placeholder matches ``where[name]`` (a regular expression; any text by default). ``parts``
+    defaults to ``(dst,)``: the same name, for a rule that only transposes."""
+
+    dst: str
+    parts: tuple[str, ...] = ()
     transpose: bool = False  # the sources are Conv1D weights [in, out]; the receiver holds [out, in]
     split: int = 1  # each part holds this many equal fused components along its output dim
+    where: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "_regex", re.compile(self.pattern))
-        except re.error as exc:
-            raise ConfigError("pattern", f"{self.pattern!r} is not a regular expression: {exc}") from exc
-        if not self.parts or self.split < 1:
-            raise ConfigError("parts", f"rule {self.pattern!r} needs parts and split >= 1")
+        if not self.parts:
+            object.__setattr__(self, "parts", (self.dst,))
+        if self.split < 1:
+            raise ConfigError("split", f"rule {self.dst!r}: split must be >= 1, got {self.split}")
+        groups = dict(self.where)
+        object.__setattr__(self, "_dst_re", _template_regex(self.dst, groups))
+        object.__setattr__(self, "_part_re", _template_regex(self.parts[0], groups))
 
     def match(self, name: str) -> Optional[tuple[str, ...]]:
-        m = self._regex.fullmatch(name)
+        """The source names that make receiver name ``name``, or None if this rule does not apply."""
+        m = self._dst_re.fullmatch(name)
         if m is None:
             return None
-        return tuple(p.format(name=name, **m.groupdict()) for p in self.parts)
+        return tuple(p.format(**m.groupdict()) for p in self.parts)
+
+    def produce(self, source_name: str) -> Optional[str]:
+        """The receiver name this rule makes from a source matching its first part, else None."""
+        m = self._part_re.fullmatch(source_name)
+        return None if m is None else self.dst.format(**m.groupdict())
+
+
+def _template_regex(template: str, groups: dict[str, str]) -> "re.Pattern":
+    out, seen = [], set()
+    try:
+        for literal, field, _, _ in string.Formatter().parse(template):
+            out.append(re.escape(literal))
+            if field is None:
+                continue
+            out.append(f"(?P={field})" if field in seen else f"(?P<{field}>{groups.get(field, '.+')})")
+            seen.add(field)
+        return re.compile("".join(out))
+    except (re.error, ValueError) as exc:
+        raise ConfigError("rule", f"template {template!r} does not compile: {exc}") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +95,40 @@ class Mapping:
                 return rule, parts
         return IDENTITY_RULE, (dst_name,)
 
+    def receiver_names(self, source_names: Sequence[str]) -> list[str]:
+        """The names a receiver with this layout holds, in source order (a fused name at its first part)."""
+        have = set(source_names)
+        consumed: set[str] = set()
+        out: list[str] = []
+        for src in source_names:
+            if src in consumed:
+                continue
+            for rule in self.rules:
+                dst = rule.produce(src)
+                if dst is None:
+                    continue
+                parts = rule.match(dst)
+                if parts and all(p in have for p in parts):
+                    consumed.update(parts)
+                    out.append(dst)
+                    break
+            else:
+                out.append(src)
+        return out
 
-IDENTITY_RULE = Rule(r".*")
+
+IDENTITY_RULE = Rule("{name}")
 
 _DECODER = (  # Llama / Qwen2 / Qwen3 / Mistral: vLLM fuses q, k, v and gate, up along dim 0
-    Rule(r"(?P<p>.*)\.self_attn\.qkv_proj\.(?P<w>weight|bias)",
-         ("{p}.self_attn.q_proj.{w}", "{p}.self_attn.k_proj.{w}", "{p}.self_attn.v_proj.{w}")),
-    Rule(r"(?P<p>.*)\.mlp\.gate_up_proj\.weight", ("{p}.mlp.gate_proj.weight", "{p}.mlp.up_proj.weight")),
+    Rule("{p}.self_attn.qkv_proj.{w}",
+         ("{p}.self_attn.q_proj.{w}", "{p}.self_attn.k_proj.{w}", "{p}.self_attn.v_proj.{w}"),
+         where=(("w", "weight|bias"),)),
+    Rule("{p}.mlp.gate_up_proj.weight", ("{p}.mlp.gate_proj.weight", "{p}.mlp.up_proj.weight")),
 )
 _GPT2 = (  # transformers' GPT-2 uses Conv1D ([in, out]); Linear-based engines hold [out, in]
-    Rule(r"(?P<p>.*\.attn\.c_attn)\.weight", ("{p}.weight",), transpose=True, split=3),
-    Rule(r"(?P<p>.*\.attn\.c_attn)\.bias", ("{p}.bias",), split=3),
-    Rule(r".*\.(attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight", transpose=True),
+    Rule("{p}.attn.c_attn.weight", transpose=True, split=3),
+    Rule("{p}.attn.c_attn.bias", split=3),
+    Rule("{p}.{m}.weight", transpose=True, where=(("m", r"attn\.c_proj|mlp\.c_fc|mlp\.c_proj"),)),
 )
 
 MAPPINGS: dict[str, Mapping] = {

@@ -1,0 +1,237 @@
+"""Transforms on the path: name mapping, fused projections, GPT-2 Conv1D, TP slicing, block FP8.
+
+The expected receiver tensors are computed here from the trainer's tensors with plain torch (cat,
+chunk, transpose), independently of the planner's part arithmetic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
+from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from engine.plan import Rule, Mapping, get_mapping, plan
+from engine.tensors import dtype_name
+from engine.transforms import dequantize_blocks, fp8_error_bound, quantize_blocks
+from plan_helpers import participant, tensor
+from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+
+WATCHDOG = 60
+FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32")
+
+
+# --- block FP8 against the reference ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (129, 1), (1, 1), (7, 517)])
+def test_fp8_round_trip_within_the_stated_bound(shape):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-4, 3, shape[1])).to(torch.bfloat16)
+    q, s = quantize_blocks(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    err = (dequantize_blocks(q, s) - x.float()).abs()
+    assert bool((err <= fp8_error_bound(x, s)).all())
+    # each block's largest magnitude maps onto the top of the e4m3 range: the scale is not wasted
+    top = q.float().abs().amax()
+    assert top == 448.0
+
+
+def test_fp8_zero_and_huge_blocks():
+    x = torch.zeros(130, 260)
+    x[129, 259] = 3.0e38  # float32 extreme: must not overflow to inf or nan
+    q, s = quantize_blocks(x)
+    assert torch.isfinite(dequantize_blocks(q, s)).all()
+    assert dequantize_blocks(q, s)[0, 0] == 0 and dequantize_blocks(q, s)[129, 259] == pytest.approx(3.0e38, rel=1e-6)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_blocks(torch.zeros(4))
+
+
+# --- mapping rules ----------------------------------------------------------------------------------
+
+
+def test_mapping_fuses_decoder_projections_and_keeps_the_rest():
+    names = [f"model.layers.0.self_attn.{p}_proj.{w}" for w in ("weight", "bias") for p in "qkv"]
+    names += ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    fused = get_mapping("qwen2").receiver_names(names)
+    assert fused == ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.bias",
+                     "model.layers.0.mlp.gate_up_proj.weight", "model.norm.weight"]
+    assert get_mapping("identity").receiver_names(names) == names
+    with pytest.raises(ConfigError, match="unknown mapping 'qwen9'"):
+        get_mapping("qwen9")
+
+
+def test_unmatched_names_list_the_closest():
+    senders = [participant(0, [tensor("model.layers.0.self_attn.q_proj.weight", (8, 4)),
+                               tensor("model.layers.0.self_attn.k_proj.weight", (4, 4))])]
+    recv = [participant(0, [tensor("model.layers.0.self_attn.qkv_proj.weight", (16, 4))])]
+    with pytest.raises(UnknownParameter) as e:
+        plan(senders, recv, mapping="qwen2")
+    assert e.value.param == "model.layers.0.self_attn.v_proj.weight"  # the missing part, named
+    assert "qkv_proj" in str(e.value) and "k_proj" in str(e.value)  # what it is part of; the closest name
+    recv = [participant(0, [tensor("model.layers.0.self_attn.o_proj.weight", (8, 4))])]
+    with pytest.raises(UnknownParameter, match="closest: model.layers.0.self_attn.q_proj.weight"):
+        plan(senders, recv, mapping="qwen2")
+
+
+def test_custom_rules_and_bad_layouts():
+    rename = Mapping("mine", (Rule("decoder.{rest}", ("model.{rest}",)),))
+    senders = [participant(0, [tensor("model.w", (4, 4))])]
+    routing = plan(senders, [participant(0, [tensor("decoder.w", (4, 4))])], mapping=rename)
+    t = routing.senders[0].transfers[0]
+    assert (t.name, t.dst_name) == ("model.w", "decoder.w")
+    with pytest.raises(ConfigError, match="split"):
+        Rule("{a}", split=0)
+    fused = [participant(0, [tensor(f"l.self_attn.{p}_proj.weight", (8 if p == "q" else 2, 4)) for p in "qkv"])]
+    with pytest.raises(BadTiling, match="2 rows, not divisible into 4"):  # GQA: k and v have 2 rows each
+        plan(fused, [participant(0, [tensor("l.self_attn.qkv_proj.weight", (12, 4), shard=(0, 3, 6))])],
+             mapping="qwen2")
+    with pytest.raises(BadTiling, match="not one of equal tensor-parallel shards"):
+        plan(fused, [participant(0, [tensor("l.self_attn.qkv_proj.weight", (12, 4), shard=(0, 2, 7))])],
+             mapping="qwen2")
+    routing = plan(fused, [participant(0, [tensor("l.self_attn.qkv_proj.weight", (12, 4), shard=(0, 6, 12))])],
+                   mapping="qwen2")  # shard 1 of 2 = rows 4:8 of q, 1:2 of k, 1:2 of v
+    got = [(t.name[-13:-7], t.slice.start, t.slice.stop, t.dst_offset) for t in routing.senders[0].transfers]
+    assert sorted(got, key=lambda g: g[3]) == [("q_proj", 4, 8, 0), ("k_proj", 1, 2, 64), ("v_proj", 1, 2, 80)]
+    no_scales = participant(0, [tensor("l.self_attn.q_proj.weight", (6, 4), dtype="float8_e4m3fn")])
+    with pytest.raises(ManifestMismatch, match="needs its block scales as 'l.self_attn.q_proj.weight_scale_inv'"):
+        plan(fused, [no_scales], mapping="qwen2")
+
+
+# --- end to end through the roles -------------------------------------------------------------------
+
+
+def _qwen2_state(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _gpt2_state(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=32)
+    return {k: v.detach().clone() for k, v in GPT2LMHeadModel(cfg).state_dict().items()}
+
+
+def _expected_qwen2(src: dict, name: str, tp: TensorParallel) -> torch.Tensor:
+    """What a vLLM-style TP rank holds under ``name``, from the trainer's tensors."""
+    i, w = tp.index, tp.world
+    p, _, leaf = name.rpartition(".")
+    if ".qkv_proj" in name:
+        base = p.replace("qkv_proj", "")
+        return torch.cat([src[f"{base}{c}_proj.{leaf}"].chunk(w)[i] for c in "qkv"])
+    if ".gate_up_proj" in name:
+        base = p.replace("gate_up_proj", "")
+        return torch.cat([src[f"{base}{c}_proj.weight"].chunk(w)[i] for c in ("gate", "up")])
+    if ".o_proj." in name or ".down_proj." in name:
+        return src[name].chunk(w, dim=1)[i]
+    if "embed_tokens" in name or "lm_head" in name:
+        return src[name].chunk(w)[i]
+    return src[name]
+
+
+def _expected_gpt2(src: dict, name: str, tp: TensorParallel) -> torch.Tensor:
+    i, w = tp.index, tp.world
+    t = src[name]
+    if name.endswith("c_attn.weight"):
+        return torch.cat([part.t().chunk(w)[i] for part in t.chunk(3, dim=1)])
+    if name.endswith("c_attn.bias"):
+        return torch.cat([part.chunk(w)[i] for part in t.chunk(3)])
+    if name.endswith("mlp.c_fc.weight"):
+        return t.t().chunk(w)[i]
+    if name.endswith("mlp.c_fc.bias") or name.endswith("wte.weight") or name == "lm_head.weight":
+        return t.chunk(w)[i]
+    if name.endswith("c_proj.weight"):
+        return t.t().chunk(w, dim=1)[i]
+    return t
+
+
+@contextlib.asynccontextmanager
+async def _cluster(src: dict, layouts: list, mapping: str):
+    async with contextlib.AsyncExitStack() as stack:
+        options = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32", mapping=mapping)
+        ctl = await stack.enter_async_context(Controller(senders=1, receivers=len(layouts), options=options))
+        sender = await stack.enter_async_context(WeightSender(ctl.address, src, rank=0))
+        receivers = []
+        for r, layout in enumerate(layouts):
+            tensors, shards = allocate(layout)
+            receivers.append(await stack.enter_async_context(
+                WeightReceiver(ctl.address, tensors, rank=r, shards=shards)))
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        yield ctl, sender, receivers
+
+
+async def _one_round(sender, receivers, version=1):
+    handle = await asyncio.wait_for(sender.push(version), WATCHDOG)
+    await asyncio.wait_for(handle, WATCHDOG)
+    for r in receivers:
+        await asyncio.wait_for(r.wait_for(version), WATCHDOG)
+    return handle
+
+
+async def test_qwen2_fused_and_tensor_parallel_bit_exact():
+    src = _qwen2_state()
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    tps = [TensorParallel(0, 1), TensorParallel(0, 2), TensorParallel(1, 2)]
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp) for tp in tps]
+    assert any(e.name.endswith("qkv_proj.bias") for e in layouts[0])
+    async with _cluster(src, layouts, "qwen2") as (ctl, sender, receivers):
+        handle = await _one_round(sender, receivers)
+        for tp, r in zip(tps, receivers):
+            state = r.state_dict()
+            assert set(state) == {e.name for e in layouts[0]}
+            for name, got in state.items():
+                assert torch.equal(got, _expected_qwen2(src, name, tp)), (tp, name)
+        # only the needed bytes move: what each receiver holds, no more (norms are replicated on TP ranks)
+        held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
+        whole = sum(v.numel() * v.element_size() for v in src.values())
+        norms = sum(v.numel() * v.element_size() for k, v in src.items() if "norm" in k)
+        assert handle.report.nbytes == held == 2 * whole + norms
+
+
+async def test_gpt2_conv1d_transposed_and_split_per_component():
+    src = _gpt2_state()
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    tps = [TensorParallel(0, 2), TensorParallel(1, 2)]
+    layouts = [receiver_layout(shapes, "gpt2", tp=tp) for tp in tps]
+    async with _cluster(src, layouts, "gpt2") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        for tp, r in zip(tps, receivers):
+            for name, got in r.state_dict().items():
+                assert torch.equal(got, _expected_gpt2(src, name, tp)), (tp, name)
+
+
+async def test_bf16_to_block_fp8_receivers():
+    src = _qwen2_state(seed=1)
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))  # lm_head too: 1000 rows, ragged last block
+    tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp, fp8=policy) for tp in tps]
+    async with _cluster(src, layouts, "qwen2") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        assert sender.sources.transforms.kept == {}  # every weight + scale pair quantized once, nothing left
+        for tp, r in zip(tps, receivers):
+            state = r.state_dict()
+            fp8 = [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]
+            assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
+            assert not any("norm" in n or "embed" in n for n in fp8)
+            for name, got in state.items():
+                want = _expected_qwen2(src, name.removesuffix("_scale_inv"), tp)
+                if name.endswith("_scale_inv"):
+                    continue
+                if got.dtype != torch.float8_e4m3fn:
+                    assert torch.equal(got, want), name
+                    continue
+                scale = state[name + "_scale_inv"]
+                deq = dequantize_blocks(got, scale)
+                assert bool(((deq - want.float()).abs() <= fp8_error_bound(want, scale)).all()), name
