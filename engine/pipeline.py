@@ -94,17 +94,22 @@ class Pipeline:
         """Write every transfer, fence every connection used; return what went to whom.
 
         ``slots``: receiver rank -> landing slot this round (added to each transfer's region id)."""
-        lanes: dict[int, list[Transfer]] = defaultdict(list)
-        for t in transfers:
-            lanes[t.dst_rank].append(t)
-        missing = sorted(set(lanes) - set(conns))
+        missing = sorted({t.dst_rank for t in transfers} - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
+        lanes: dict[int, list[Transfer]] = defaultdict(list)
+        for t in self.sources.begin(transfers):
+            lanes[t.dst_rank].append(t)
         reports = {rank: LaneReport() for rank in lanes}
-        self.sources.begin(transfers)
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
-        await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0)) for r, ts in sorted(lanes.items()))
+        try:
+            await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0))
+                          for r, ts in sorted(lanes.items()))
+        except BaseException:
+            self.sources.abort()
+            raise
+        await self.sources.finish()  # collectives (gathers) run to the end of the list on every rank
         self.runs += 1
         return PushReport(reports, time.perf_counter() - start)
 
@@ -118,6 +123,7 @@ class Pipeline:
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
                 self.budget.release(t.nbytes)
+                self.sources.release(t)
                 if staged.pooled:
                     self.pool.give(staged.buffer)
         await conn.fence()
@@ -127,6 +133,7 @@ class Pipeline:
         algo = self.options.checksum
         try:
             for t in transfers:
+                await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
                 await self.budget.acquire(t.nbytes)
                 handed_over = False
                 try:
@@ -138,6 +145,7 @@ class Pipeline:
                 finally:
                     if not handed_over:
                         self.budget.release(t.nbytes)
+                        self.sources.release(t)
             channel.close()
         except BaseException as exc:
             channel.fail(exc)
@@ -167,6 +175,7 @@ class Pipeline:
             report.write_s += time.perf_counter() - t0
         finally:
             self.budget.release(t.nbytes)
+            self.sources.release(t)
             if staged.pooled:
                 self.pool.give(staged.buffer)
         report.count += 1

@@ -20,6 +20,7 @@ from wire import ShardSpec, Transfer
 
 from .errors import StagingError
 from .checksums import checksum
+from .gather import Gatherer
 from .transforms import Transform, TransformSet
 
 THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off the event loop
@@ -68,17 +69,51 @@ class SourceSet:
     """The tensors a sender can read, by name; ``shards`` for names it holds only a slice of."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] = {},
-                 transforms: Mapping[str, Transform] = {}) -> None:
+                 transforms: Mapping[str, Transform] = {}, gatherer: Optional[Gatherer] = None) -> None:
         self.tensors = dict(tensors)
         self.shards = dict(shards)
         self.transforms = TransformSet(transforms)
+        self.gatherer = gatherer
 
-    def begin(self, transfers: Sequence[Transfer]) -> None:
-        """A round over ``transfers`` starts: check its transforms and set up shared quantizations."""
+    def begin(self, transfers: Sequence[Transfer]) -> list[Transfer]:
+        """A round over ``transfers`` starts: check transforms, set up shared quantizations, start gathers.
+        Returns the transfers in the order to stage them (rows of gathered parameters in gather order)."""
         self.transforms.begin(transfers)
+        if self.gatherer is None:
+            return list(transfers)
+        self.gatherer.begin(transfers)
+        return _gather_order(transfers, self.gatherer)
+
+    def gathered(self, t: Transfer) -> bool:
+        return self.gatherer is not None and t.name in self.gatherer.dtensors
+
+    async def ready(self, t: Transfer) -> None:
+        """Wait until ``t``'s source exists (its full tensor gathered, for a sharded parameter)."""
+        if self.gathered(t):
+            await self.gatherer.full(t.name)
+
+    def release(self, t: Transfer) -> None:
+        """``t`` is written (or dropped): a gathered source may go once its last row is."""
+        if self.gathered(t):
+            self.gatherer.release(t.name)
+
+    async def finish(self) -> None:
+        """The round's rows are written: let the gathers still due (for the mesh's sake) complete."""
+        if self.gatherer is not None:
+            await self.gatherer.finish()
+
+    def abort(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.cancel()
 
     def view(self, t: Transfer) -> torch.Tensor:
         """The source region of ``t`` as a (possibly non-contiguous) view, in local coordinates."""
+        if self.gathered(t):
+            fut = self.gatherer.ready.get(t.name)
+            if fut is None or not fut.done():
+                raise StagingError(t.name, "staged before its full tensor was gathered")
+            full = fut.result()
+            return full if t.slice is None else full.narrow(t.slice.dim, t.slice.start, t.slice.stop - t.slice.start)
         try:
             src = self.tensors[t.name]
         except KeyError:
@@ -116,6 +151,16 @@ class SourceSet:
             big = nbytes > THREAD_THRESHOLD and staged.tensor.device.type == "cpu"
             staged.checksum = await asyncio.to_thread(checksum, staged.tensor, algo) if big else checksum(staged.tensor, algo)
         return staged
+
+
+def _gather_order(transfers: Sequence[Transfer], gatherer: Gatherer) -> list[Transfer]:
+    """Keep the table's order, except that rows of gathered parameters follow the gather order."""
+    out = list(transfers)
+    slots = [i for i, t in enumerate(out) if t.name in gatherer.dtensors]
+    rows = sorted((out[i] for i in slots), key=gatherer.sort_key)
+    for i, t in zip(slots, rows):
+        out[i] = t
+    return out
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from engine.errors import RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
 from engine.pipeline import Pipeline, PipelineOptions, PushReport
+from engine.gather import Gatherer, split_dtensors
 from engine.staging import SourceSet, StagingPool, Transform
 from engine.tensors import Params, find_ties, named_tensors, spec_for
 from engine.transport import Connection
@@ -69,6 +70,7 @@ class PushHandle:
 @dataclasses.dataclass(frozen=True)
 class SenderOptions(WorkerOptions):
     pipeline: PipelineOptions = PipelineOptions()
+    gather_budget_bytes: int = 2 << 30  # FSDP2: bytes of gathered full tensors alive at once on this rank
 
 
 class WeightSender(Worker):
@@ -77,13 +79,15 @@ class WeightSender(Worker):
     def __init__(self, controller_addr: str, params: Params, *, rank: int,
                  options: SenderOptions = SenderOptions(), shards: Mapping[str, ShardSpec] = {},
                  gatherable: bool = False, transforms: Mapping[str, Transform] = {}) -> None:
-        tensors = named_tensors(params)
+        tensors, dtensor_shards, dtensors = split_dtensors(named_tensors(params))
         options = with_device(options, tensors)
         super().__init__(controller_addr, rank, options)
         self.tensors = tensors
-        self.shards = dict(shards)
+        self.shards = {**shards, **dtensor_shards}
         self.gatherable = gatherable
-        self.sources = SourceSet(self.tensors, self.shards, transforms)
+        self.gathered = frozenset(dtensors)  # FSDP2 parameters: gathered per round (engine.gather)
+        gatherer = Gatherer(dtensors, options.gather_budget_bytes) if dtensors else None
+        self.sources = SourceSet(self.tensors, self.shards, transforms, gatherer)
         self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool(pin=torch.cuda.is_available()))
         self.table: Optional[SenderTable] = None
         self.plan_id: Optional[int] = None
@@ -101,7 +105,7 @@ class WeightSender(Worker):
         ties = find_ties(self.tensors)
         specs = tuple(
             spec_for(name, t, region=None, offset=0, tied_to=ties.get(name), shard=self.shards.get(name),
-                     gatherable=self.gatherable and name in self.shards)
+                     gatherable=(self.gatherable and name in self.shards) or name in self.gathered)
             for name, t in self.tensors.items()
         )
         return Manifest(specs, ())

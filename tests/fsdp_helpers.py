@@ -1,0 +1,58 @@
+"""A trainer rank with an FSDP2-sharded model (gloo, CPU), for the FSDP source tests (spawned child)."""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+
+import torch
+
+BUDGET = 1 << 20  # bytes of gathered full tensors alive at once: below the largest parameter (2 MB)
+
+
+def qwen2_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=500, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def trained(state: dict, version: int) -> dict:
+    """What the trainer holds at ``version``: the initial weights scaled, deterministically."""
+    return {k: v * (1 + version) for k, v in state.items()}
+
+
+def fsdp_sender_main(addr: str, rank: int, world: int, out, port: int, versions: list[int]) -> None:
+    try:
+        asyncio.run(_fsdp_sender(addr, rank, world, out, port, versions))
+    except BaseException:
+        out.send(("error", "sender", rank, traceback.format_exc()))
+
+
+async def _fsdp_sender(addr, rank, world, out, port, versions) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from roles import SenderOptions, WeightSender
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = qwen2_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        options = SenderOptions(gather_budget_bytes=BUDGET)
+        async with WeightSender(addr, model, rank=rank, options=options) as sender:
+            out.send(("joined", "sender", rank, None))
+            for v in versions:
+                with torch.no_grad():
+                    for p in model.parameters():  # a "training step": every rank scales its own shard
+                        p.to_local().mul_((1 + v) / v if v > 1 else 1 + v)
+                handle = await sender.push(v)
+                await handle
+                g = sender.sources.gatherer
+                out.send(("committed", "sender", rank, (v, g.gathered, g.peak_bytes, handle.report.nbytes)))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""FSDP2 sources: two gloo trainer processes with DTensor parameters -> TP-fused and FP8 receivers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import torch
+
+from children import Children
+from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from engine.tensors import dtype_name
+from engine.transforms import dequantize_blocks, fp8_error_bound
+from fsdp_helpers import BUDGET, fsdp_sender_main, qwen2_model, trained
+from roles import Controller, ControllerOptions, WeightReceiver
+
+WATCHDOG = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _expected(src: dict, name: str, tp: TensorParallel) -> torch.Tensor:
+    i, w = tp.index, tp.world
+    if ".qkv_proj." in name:
+        return torch.cat([src[name.replace("qkv_proj", f"{c}_proj")].chunk(w)[i] for c in "qkv"])
+    if ".gate_up_proj." in name:
+        return torch.cat([src[name.replace("gate_up_proj", f"{c}_proj")].chunk(w)[i] for c in ("gate", "up")])
+    if ".o_proj." in name or ".down_proj." in name:
+        return src[name].chunk(w, dim=1)[i]
+    if "embed_tokens" in name or "lm_head" in name:
+        return src[name].chunk(w)[i]
+    return src[name]
+
+
+async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
+    initial = {k: v.detach().clone() for k, v in qwen2_model().state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in initial.items()}
+    tp = TensorParallel(1, 2)
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp),
+               receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
+    options = ControllerOptions(heartbeat_s=0.1, timeout_s=20.0, checksum="crc32", mapping="qwen2")
+    children = Children()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            ctl = await stack.enter_async_context(Controller(senders=2, receivers=2, options=options))
+            receivers = []
+            for r, layout in enumerate(layouts):
+                tensors, shards = allocate(layout)
+                receivers.append(await stack.enter_async_context(
+                    WeightReceiver(ctl.address, tensors, rank=r, shards=shards)))
+            port = _free_port()
+            for rank in range(2):
+                children.start("sender", rank, fsdp_sender_main, ctl.address, rank, 2, port, [1, 2])
+            for v in (1, 2):
+                done = await children.expect("committed", 2)
+                for r in receivers:
+                    await asyncio.wait_for(r.wait_for(v), WATCHDOG)
+                want = trained(initial, v)
+                _check_receivers(receivers, tp, want)
+                largest = max(t.numel() * t.element_size() for t in initial.values())
+                for _, _, rank, (version, gathered, peak, nbytes) in done:
+                    assert version == v and gathered == v * len(initial)  # each parameter once per round
+                    assert peak <= max(BUDGET, largest)  # the budget held: never two big tensors at once
+                    assert nbytes > 0  # both FSDP ranks write their share
+                held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
+                assert sum(d[3][3] for d in done) == held  # only what the receivers hold moved
+    finally:
+        children.close()
+
+
+def _check_receivers(receivers, tp, want) -> None:
+    state = receivers[0].state_dict()
+    for name, got in state.items():
+        assert torch.equal(got, _expected(want, name, tp)), name
+    state = receivers[1].state_dict()
+    quantized = [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]
+    assert quantized and not any("norm" in n or "embed" in n or "lm_head" in n for n in quantized)
+    for name, got in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        ref = _expected(want, name, TensorParallel(0, 1))
+        if got.dtype != torch.float8_e4m3fn:
+            assert torch.equal(got, ref), name
+            continue
+        scale = state[name + "_scale_inv"]
+        assert bool(((dequantize_blocks(got, scale) - ref.float()).abs() <= fp8_error_bound(ref, scale)).all()), name
