@@ -11,8 +11,11 @@ event loop, never blocking it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import functools
+import time
+from typing import Optional
 
 import torch
 
@@ -133,10 +136,54 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> 
                                       ctypes.c_void_p(stream.cuda_stream)), "cudaMemcpyAsync")
 
 
-async def wait_event(event: torch.cuda.Event) -> None:
-    """Poll ``event`` from the event loop: yield first, then back off up to 50 us between polls."""
-    delay = 0.0
-    while not event.query():
-        await asyncio.sleep(delay)
-        delay = min(max(delay * 2, 10e-6), 5e-5)
+SPIN_S = 0.002  # after a wait starts, yield to the loop without sleeping this long (epoll sleeps >= 1 ms)
+NAP_S = 0.0005
 
+
+async def wait_event(event: torch.cuda.Event) -> None:
+    """Poll ``event`` from the event loop: yield for the first ``SPIN_S``, then nap between polls.
+
+    asyncio's sleeps shorter than a millisecond still block in epoll for one, so a plain backoff
+    leaves the copy engines idle between short copies; yielding keeps every other task running."""
+    start = time.perf_counter()
+    while not event.query():
+        await asyncio.sleep(0 if time.perf_counter() - start < SPIN_S else NAP_S)
+
+
+class EventPoller:
+    """Completions of a connection's CUDA events, polled from the loop by one task, oldest first."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[tuple[torch.cuda.Event, asyncio.Future]] = collections.deque()
+        self.completed = 0
+        self._task: Optional[asyncio.Task] = None
+
+    def __repr__(self) -> str:
+        return f"<EventPoller pending={len(self.pending)} completed={self.completed}>"
+
+    def wait(self, event: torch.cuda.Event) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((event, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        return fut
+
+    async def _run(self) -> None:
+        progress = time.perf_counter()
+        while self.pending:
+            event, fut = self.pending[0]
+            if fut.done() or event.query():  # a cancelled waiter's copy still ran: nothing to tell it
+                self.pending.popleft()
+                self.completed += 1
+                if not fut.done():
+                    fut.set_result(None)
+                progress = time.perf_counter()
+                continue
+            await asyncio.sleep(0 if time.perf_counter() - progress < SPIN_S else NAP_S)
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for _, fut in self.pending:
+            fut.cancel()
+        self.pending.clear()

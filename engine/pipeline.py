@@ -4,8 +4,10 @@ How this works: a sender's routing table is split into one lane per receiver, ke
 inside each lane. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
 stager prepares sources (views or staging copies, optional checksums) and the writer issues
 one-sided writes and waits for their completion, then fences the connection. All lanes share one
-``ByteBudget``: a transfer's bytes are held from staging until its write completes, bounding
-temporary memory and bytes in flight. The first failure cancels every lane; staging buffers and
+``ByteBudget`` for temporary memory: a transfer that needs a staging copy or a transform output holds
+its bytes from staging until its write completes; a zero-copy write (a view of the source) holds
+none and is bounded by ``depth`` alone, so large direct GPU copies queue deep enough to keep the
+copy engines busy. The first failure cancels every lane; staging buffers and
 budget are returned on every path (``finally``), and the error propagates to the caller.
 """
 
@@ -32,7 +34,7 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-    max_inflight_bytes: int = 512 * MiB  # staged or on the wire, all connections together
+    max_inflight_bytes: int = 512 * MiB  # staging copies and transform outputs alive, all connections together
     depth: int = 8  # writes in flight per connection (bench/pipeline_depth.py: docs/TRANSPORTS.md)
     checksum: str = ""  # "" (off), "crc32" or "sum64" (engine.checksums)
 
@@ -122,7 +124,7 @@ class Pipeline:
                            self._writer(conn, channel, report, epoch, slot)])
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
-                self.budget.release(t.nbytes)
+                self.budget.release(staged.charge)
                 self.sources.release(t)
                 if staged.pooled:
                     self.pool.give(staged.buffer)
@@ -134,17 +136,19 @@ class Pipeline:
         try:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
-                await self.budget.acquire(t.nbytes)
+                charge = t.nbytes if self.sources.makes_copy(t, readable) else 0
+                await self.budget.acquire(charge)
                 handed_over = False
                 try:
                     t0 = time.perf_counter()
                     staged = await self.sources.stage(t, self.pool, algo, readable)
+                    staged.charge = charge
                     report.stage_s += time.perf_counter() - t0
                     await channel.send((t, staged))
                     handed_over = True
                 finally:
                     if not handed_over:
-                        self.budget.release(t.nbytes)
+                        self.budget.release(charge)
                         self.sources.release(t)
             channel.close()
         except BaseException as exc:
@@ -174,7 +178,7 @@ class Pipeline:
             await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
             report.write_s += time.perf_counter() - t0
         finally:
-            self.budget.release(t.nbytes)
+            self.budget.release(staged.charge)
             self.sources.release(t)
             if staged.pooled:
                 self.pool.give(staged.buffer)

@@ -33,6 +33,7 @@ class Staged:
     tensor: torch.Tensor
     buffer: Optional[torch.Tensor] = None
     checksum: Optional[int] = None
+    charge: int = 0  # bytes of the pipeline's budget this holds until written
 
     @property
     def pooled(self) -> bool:
@@ -126,6 +127,13 @@ class SourceSet:
         if t.slice.dim >= src.dim() or start < 0 or t.slice.stop - base > src.shape[t.slice.dim]:
             raise StagingError(t.name, f"slice {t.slice} is outside the rows this sender holds")
         return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
+
+    def makes_copy(self, t: Transfer, readable: frozenset) -> bool:
+        """Whether staging ``t`` allocates (a transform output or a staging copy) rather than a view."""
+        if t.transform:
+            return True
+        view = self.view(t)
+        return not view.is_contiguous() or view.device.type not in readable
 
     async def stage(self, t: Transfer, pool: StagingPool, algo: str = "",
                     readable: frozenset = frozenset({"cpu"})) -> Staged:

@@ -4,11 +4,12 @@ How this works. Target: ``register`` shares the whole caching-allocator block be
 (``storage._share_cuda_()``: the block's IPC handle and the buffer's offset in it); the descriptor
 carries that handle, offset, size, device, owner pid and raw pointer. Initiator: ``connect`` opens each
 peer handle once per local device, in the *sender's* device context, with peer access enabled, and
-caches the mapping (a block shared by several regions is opened once). ``write`` orders itself after
-the producer's stream, queues a pointer-to-pointer ``cudaMemcpyAsync`` on a dedicated stream of the
-sender's device (the copy engine pushes over NVLink/PCIe; the same GPU is a local device copy) and
-polls a CUDA event from the event loop until the copy is done, so ``fence`` has nothing left to wait
-for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
+caches the mapping (a block shared by several regions is opened once). The first ``write`` of a round
+orders the copy streams after the producer's stream; each write queues a pointer-to-pointer
+``cudaMemcpyAsync`` on a dedicated stream of the sender's device (the copy engine pushes over
+NVLink/PCIe; the same GPU is a local device copy) and waits for its CUDA event, which one poller task
+per connection queries from the event loop, oldest first (``cuda_rt.EventPoller``). So ``fence`` has
+nothing left to wait for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
 Writes are not observable by the target (``counters`` is empty); senders report them instead.
 """
 
@@ -91,6 +92,11 @@ class CudaIpcTransport:
             streams = self.streams[device] = [torch.cuda.Stream(device=device) for _ in range(2)]
         return streams[index % len(streams)]
 
+    def order_after_producer(self, device: int) -> None:
+        """Every copy stream of ``device`` waits for the work queued so far on its current stream."""
+        for stream in self.streams.get(device) or [self.stream(device, 0)]:
+            stream.wait_stream(torch.cuda.current_stream(device))
+
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {}
 
@@ -120,6 +126,9 @@ class CudaIpcConnection:
         self.sent_bytes = 0
         self.closed = False
         self._issued = 0
+        self._ordered: dict[int, int] = {}  # device -> the round (epoch) whose producer work we are after
+        self._bases: dict[tuple[int, int], int] = {}  # (region, local device) -> mapped address of its byte 0
+        self.completions = cuda_rt.EventPoller()
 
     def __repr__(self) -> str:
         return f"<CudaIpcConnection to {self.peer} sent={self.sent_count}/{self.sent_bytes} bytes>"
@@ -135,17 +144,24 @@ class CudaIpcConnection:
                                     f"(region {size})", peer=self.peer)
         if nbytes:
             device = src.device.index if src.device.type == "cuda" else desc[1]
-            dst = self.owner.base_pointer(desc, device) + desc[3] + dst_offset
+            dst = self._base(dst_region, desc, device) + dst_offset
+            if src.device.type == "cuda" and self._ordered.get(device) != epoch:
+                self.owner.order_after_producer(device)  # once per round: the weights are final by then
+                self._ordered[device] = epoch
             stream = self.owner.stream(device, self._issued)
             self._issued += 1
-            if src.device.type == "cuda":
-                stream.wait_stream(torch.cuda.current_stream(device))  # after the producer's work
             cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
             done = torch.cuda.Event()
             done.record(stream)
-            await cuda_rt.wait_event(done)
+            await self.completions.wait(done)
         self.sent_count += 1
         self.sent_bytes += nbytes
+
+    def _base(self, region: int, desc: tuple, device: int) -> int:
+        base = self._bases.get((region, device))
+        if base is None:
+            base = self._bases[(region, device)] = self.owner.base_pointer(desc, device) + desc[3]
+        return base
 
     async def fence(self) -> None:
         if self.closed:
@@ -154,4 +170,5 @@ class CudaIpcConnection:
 
     async def close(self) -> None:
         self.closed = True
+        self.completions.cancel()
 
