@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
 #   source .gpu/env.sh .whl        (installs the carried wheels; sets UCCL's environment)
-# usage: bash bench/gpu_suite.sh OUTDIR
+# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|all]   (each part fits one 10-minute device call)
 set -u
 out=${1:-bench/results}
+part=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); print(torch.cuda.can_device_access_peer(0, 1) if torch.cuda.device_count() > 1 else '')" > "$out/env.txt" 2>&1
+if [ "$part" != bench ]; then
 timeout 120 python3 - > "$out/uccl_api.txt" 2>&1 <<'PY'
 import os, inspect
 print("UCCL_P2P_TRANSPORT", os.environ.get("UCCL_P2P_TRANSPORT"), "ib:", os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else None)
@@ -29,11 +31,17 @@ meta = ep.get_metadata()
 print("metadata", len(meta), p2p.Endpoint.parse_metadata(meta))
 PY
 echo "uccl smoke exit: $?" >> "$out/uccl_api.txt"
-timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs --timeout 90 --maxfail=3 -o log_cli=true --log-cli-level=WARNING > "$out/gpu_tests.txt" 2>&1
+timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs --timeout 90 --maxfail=5 -o log_cli=true --log-cli-level=WARNING > "$out/gpu_tests.txt" 2>&1
 echo "gpu tests exit: $?" >> "$out/gpu_tests.txt"
+fi
+if [ "$part" = all ]; then
 timeout 300 python3 bench/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
-timeout 600 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
+fi
+if [ "$part" != tests ]; then
+timeout 540 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto,uccl --uccl-tcp --fp8 --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
+echo "transfer_gpu exit: $?" >> "$out/transfer_gpu.txt"
+fi
 # one log (the device returns at most 8 files): every text output, in order
 for f in env topo uccl_api gpu_tests ipc_direction transfer_gpu pipeline_depth; do
   echo "===== $f"; cat "$out/$f.txt" 2>/dev/null; rm -f "$out/$f.txt"

@@ -1,12 +1,15 @@
 """GPU transfer benchmark: a Qwen2.5-7B-shaped bf16 state dict, GPU 0 -> GPU 1, side by side in one run.
 
-Rows: the bound (one peer copy of the same byte count, one process); NCCL broadcast, one call per
-tensor; NCCL broadcast of 512 MiB buckets with pack and unpack (the usual RL-framework way); and each
-engine transport through the public API (Controller, WeightSender on GPU 0 in one process,
-WeightReceiver on GPU 1 in another; full rounds begin -> commit acknowledged). Median of N rounds after
-a warm-up. Prints a table, writes JSON (--out). Shapes come from the transformers config (no download).
+Rows: the bound (one peer copy of the same byte count, one process); the same tensors copied one by
+one; NCCL broadcast, one call per tensor; NCCL broadcast of 512 MiB buckets with pack and unpack (the
+usual RL-framework way); UCCL ``write_ipc`` of 1 GiB buffers (bench/uccl_ipc.py); and each engine
+transport through the public API (Controller, WeightSender on GPU 0 in one process, WeightReceiver on
+GPU 1 in another; full rounds begin -> commit acknowledged) with its stage breakdown. ``--fp8`` adds a
+bf16 trainer -> vLLM-layout block-FP8 receiver (fused qkv / gate_up, 128x128 scales made on GPU 0 on
+a side stream) and quantization alone. Median of N rounds after a warm-up. Prints a table, writes
+JSON (--out). Shapes come from the transformers config (no download).
 
-    python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --out transfer_gpu.json
+    python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto,uccl --uccl-tcp --fp8 --out t.json
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -52,6 +56,45 @@ def bound_seconds(nbytes: int, rounds: int) -> list[float]:
         torch.cuda.synchronize(1)
         times.append(time.perf_counter() - t0)
     del a, b
+    torch.cuda.empty_cache()
+    return times[1:]
+
+
+def per_tensor_copy_seconds(rounds: int) -> list[float]:
+    """The same state dict copied tensor by tensor on one stream: what per-tensor granularity costs."""
+    src = make_state("cuda:0")
+    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
+    times = []
+    with torch.cuda.device(0):
+        for _ in range(rounds + 1):
+            torch.cuda.synchronize(0)
+            t0 = time.perf_counter()
+            for k, v in src.items():
+                dst[k].copy_(v, non_blocking=True)
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return times[1:]
+
+
+def quantize_seconds(rounds: int) -> list[float]:
+    """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer)."""
+    from engine.layouts import FP8Policy
+    from engine.transforms import quantize_blocks
+
+    policy = FP8Policy()
+    src = [v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())]
+    times = []
+    for _ in range(rounds + 1):
+        torch.cuda.synchronize(0)
+        t0 = time.perf_counter()
+        for v in src:
+            quantize_blocks(v)
+        torch.cuda.synchronize(0)
+        times.append(time.perf_counter() - t0)
+    del src
     torch.cuda.empty_cache()
     return times[1:]
 
@@ -124,6 +167,32 @@ def nccl_baselines(rounds: int) -> tuple[dict, bool]:
 # --- the engine ----------------------------------------------------------------------------------
 
 
+def fp8_layout():
+    from engine.layouts import FP8Policy, receiver_layout
+    from engine.shapes import state_dict_shapes
+
+    shapes = {p.name: ("bfloat16", tuple(p.shape)) for p in state_dict_shapes("qwen2.5-7b")}
+    return receiver_layout(shapes, "qwen2", fp8=FP8Policy())
+
+
+def fp8_check(state: dict, want: dict) -> bool:
+    """Fused names equal the concatenated sources; FP8 weights dequantize within the stated bound."""
+    from engine.plan.mapping import get_mapping
+    from engine.transforms import dequantize_blocks, fp8_error_bound
+
+    ok = True
+    for name, got in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        ref = torch.cat([want[p] for p in get_mapping("qwen2").recipe(name)[1]])
+        if got.dtype == torch.float8_e4m3fn:
+            scale = state[name + "_scale_inv"]
+            ok &= bool(((dequantize_blocks(got, scale) - ref.float()).abs() <= fp8_error_bound(ref, scale)).all())
+        else:
+            ok &= torch.equal(got, ref)
+    return ok
+
+
 def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn) -> None:
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
@@ -140,32 +209,34 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn)
     conn.send("done")
 
 
-def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn) -> None:
+def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False) -> None:
+    from engine.layouts import allocate
     from engine.transport import TransportOptions
     from roles import ReceiverOptions, WeightReceiver
 
     torch.cuda.set_device(1)
-    state = make_state("cuda:1", seed=1)
+    state = allocate(fp8_layout(), "cuda:1")[0] if fp8 else make_state("cuda:1", seed=1)
     opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device="cuda:1", uccl_tcp=uccl_tcp))
 
     async def main():
         async with WeightReceiver(addr, state, rank=0, options=opts) as receiver:
             await receiver.wait_for(rounds)
             want = make_state("cuda:1", seed=0)
-            conn.send(all(torch.equal(state[k], want[k]) for k in want))
+            conn.send(fp8_check(state, want) if fp8 else all(torch.equal(state[k], want[k]) for k in want))
     asyncio.run(main())
 
 
-async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool) -> tuple[list, bool]:
+async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False) -> tuple[list, bool]:
     from roles import Controller, ControllerOptions
 
     ctx = mp.get_context("spawn")
     total = rounds + 1
-    async with Controller(senders=1, receivers=1, options=ControllerOptions(timeout_s=120.0)) as ctl:
+    options = ControllerOptions(timeout_s=120.0, mapping="qwen2" if fp8 else "identity")
+    async with Controller(senders=1, receivers=1, options=options) as ctl:
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
         procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out)),
-                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out))]
+                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8))]
         for p in procs:
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
@@ -175,10 +246,65 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool) -> tuple[li
     return reports[1:], ok
 
 
+def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False) -> None:
+    try:
+        reports, ok = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8))
+    except Exception as exc:  # report a failing transport as such, keep measuring the others
+        rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
+        return
+    med = statistics.median
+    rows[f"{label}: full round"] = {"seconds": med(r.seconds for r in reports), "ok": ok,
+                                    "bytes": med(r.nbytes for r in reports)}
+    for stage in ("transfer", "fence", "commit", "sender_stage_max", "sender_write_max"):
+        rows[f"{label}: {stage}"] = {"seconds": med(r.stages.get(stage, 0.0) for r in reports), "ok": ok,
+                                     "stage": True}
+
+
+def _baseline_rows(rows: dict, nbytes: int, args) -> float:
+    bound = statistics.median(bound_seconds(nbytes, args.rounds))
+    rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
+    rows["peer copy per tensor, one stream"] = {"seconds": statistics.median(per_tensor_copy_seconds(args.rounds)),
+                                                "ok": True}
+    nccl, nccl_ok = nccl_baselines(args.rounds)
+    for name, times in nccl.items():
+        rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}
+    if "uccl_write_ipc" in args.baselines:
+        from uccl_ipc import write_ipc_seconds
+
+        got = write_ipc_seconds(nbytes, args.rounds)
+        rows["uccl write_ipc, 1 GiB buffers"] = (
+            {"seconds": statistics.median(got["seconds"]), "ok": got["ok"]} if "seconds" in got
+            else {"seconds": None, "ok": False, "error": got["error"]})
+    return bound
+
+
+def _print(rows: dict, nbytes: int, bound: float, rounds: int) -> None:
+    gb = nbytes / 1e9
+    print(f"Qwen2.5-7B bf16 state dict, {gb:.2f} GB, GPU0 -> GPU1, median of {rounds} after a warm-up")
+    print(f"  {'path':<44} {'ms':>9} {'GB/s':>7} {'x bound':>8}  correct")
+    for name, row in rows.items():
+        s = row["seconds"]
+        if s is None:
+            print(f"  {name:<44} {'-':>9} {'-':>7} {'-':>8}  failed: {row.get('error')}")
+            continue
+        if row.get("stage"):
+            print(f"    {name:<42} {s * 1e3:9.2f}")
+            continue
+        moved = row.get("bytes", nbytes) / 1e9
+        row["gbps"], row["over_bound"] = moved / s, s / bound
+        print(f"  {name:<44} {s * 1e3:9.2f} {moved / s:7.1f} {s / bound:8.3f}  {'yes' if row['ok'] else 'NO'}")
+    nccl = rows.get("nccl_per_tensor", {}).get("seconds")
+    for name, row in rows.items():
+        if nccl and row.get("seconds") and name.endswith("full round"):
+            print(f"  {name}: {row['seconds'] / nccl:.3f} x NCCL per-tensor bf16 broadcast")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--transports", default="cuda_ipc,auto")
+    ap.add_argument("--fp8", action="store_true", help="also: bf16 trainer -> fused block-FP8 receiver (cuda_ipc)")
+    ap.add_argument("--baselines", default="uccl_write_ipc", help="extra baselines: uccl_write_ipc or ''")
     ap.add_argument("--uccl-tcp", action="store_true", help="run uccl in its tcp mode (no RDMA NIC here)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -189,30 +315,14 @@ def main(argv=None) -> int:
 
     nbytes = sum(2 * torch.Size(p.shape).numel() for p in state_dict_shapes("qwen2.5-7b"))
     rows: dict[str, dict] = {}
-    bound = statistics.median(bound_seconds(nbytes, args.rounds))
-    rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
-    nccl, nccl_ok = nccl_baselines(args.rounds)
-    for name, times in nccl.items():
-        rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}
+    bound = _baseline_rows(rows, nbytes, args)
     for transport in [t for t in args.transports.split(",") if t]:
-        try:
-            reports, ok = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp))
-        except Exception as exc:  # report a failing transport as such, keep measuring the others
-            rows[f"engine {transport}"] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
-            continue
-        rows[f"engine {transport}: full round"] = {"seconds": statistics.median(r.seconds for r in reports), "ok": ok}
-        rows[f"engine {transport}: transfer stage"] = {
-            "seconds": statistics.median(r.stages["transfer"] for r in reports), "ok": ok}
-    gb = nbytes / 1e9
-    print(f"Qwen2.5-7B bf16 state dict, {gb:.2f} GB, GPU0 -> GPU1, median of {args.rounds} after a warm-up")
-    print(f"  {'path':<40} {'ms':>9} {'GB/s':>7} {'x bound':>8}  bit-exact")
-    for name, row in rows.items():
-        s = row["seconds"]
-        if s is None:
-            print(f"  {name:<40} {'-':>9} {'-':>7} {'-':>8}  failed: {row.get('error')}")
-            continue
-        row["gbps"], row["over_bound"] = gb / s, s / bound
-        print(f"  {name:<40} {s * 1e3:9.2f} {gb / s:7.1f} {s / bound:8.3f}  {'yes' if row['ok'] else 'NO'}")
+        _engine_rows(rows, f"engine {transport}", transport, args)
+    if args.fp8:
+        rows["fp8: quantize only (GPU 0)"] = {"seconds": statistics.median(quantize_seconds(args.rounds)), "ok": True,
+                                              "stage": True}
+        _engine_rows(rows, "engine cuda_ipc fp8", "cuda_ipc", args, fp8=True)
+    _print(rows, nbytes, bound, args.rounds)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"bytes": nbytes, "rows": rows}, indent=1))
     return 0

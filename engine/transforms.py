@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F

@@ -79,3 +79,53 @@ async def test_ipc_write_in_process_and_out_of_bounds():
     await conn.close()
     await src.close()
     await tgt.close()
+
+
+def test_fp8_quantization_on_gpu_within_the_reference_bound():
+    from engine.transforms import dequantize_blocks, fp8_error_bound, quantize_blocks
+
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+    x = (torch.randn(1000, 777, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
+    q, s = quantize_blocks(x)
+    q_cpu, s_cpu = quantize_blocks(x.cpu())
+    assert torch.equal(s.cpu(), s_cpu)  # same scales; elementwise rounding may differ by a step at most
+    err = (dequantize_blocks(q, s) - x.float()).abs()
+    assert bool((err <= fp8_error_bound(x, s)).all())
+
+
+@pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
+async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst):
+    from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from engine.tensors import dtype_name
+    from engine.transforms import dequantize_blocks, fp8_error_bound
+    from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+    from test_transforms import _expected_qwen2, _qwen2_state
+
+    src = {k: v.to("cuda:0") for k, v in _qwen2_state().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    tp = TensorParallel(1, 2)
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp), receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, checksum="crc32", mapping="qwen2")
+    async with Controller(senders=1, receivers=2, options=opts) as ctl:
+        sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc"))
+        receivers = [WeightReceiver(ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],
+                                    options=ReceiverOptions(transport="cuda_ipc")) for r, lay in enumerate(layouts)]
+        async with sender, receivers[0], receivers[1]:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            await asyncio.wait_for(await sender.push(1), WATCHDOG)
+            for r in receivers:
+                await asyncio.wait_for(r.wait_for(1), WATCHDOG)
+            cpu_src = {k: v.cpu() for k, v in src.items()}
+            for name, got in receivers[0].state_dict().items():
+                assert torch.equal(got.cpu(), _expected_qwen2(cpu_src, name, tp)), name
+            state = {k: v.cpu() for k, v in receivers[1].state_dict().items()}
+            for name, got in state.items():
+                if name.endswith("_scale_inv"):
+                    continue
+                want = _expected_qwen2(cpu_src, name, TensorParallel(0, 1))
+                if got.dtype != torch.float8_e4m3fn:
+                    assert torch.equal(got, want), name
+                    continue
+                scale = state[name + "_scale_inv"]
+                assert bool(((dequantize_blocks(got, scale) - want.float()).abs()
+                             <= fp8_error_bound(want, scale)).all()), name
