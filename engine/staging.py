@@ -147,13 +147,20 @@ class SourceSet:
             raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")
         if view.is_contiguous() and view.device.type in readable:
             staged = Staged(view)
+        elif view.device.type == "cuda" and "cuda" in readable:
+            staged = Staged(await _gpu_dense(view))  # a dense copy on the same GPU, not through the host
+        elif view.device.type not in readable and "cpu" not in readable:
+            raise StagingError(t.name, f"the connection reads {sorted(readable)} memory, the source is on {view.device}")
         else:
             buf = pool.take(nbytes)
             dst = buf[:nbytes].view(view.dtype).view(view.shape) if nbytes else buf[:0]
-            if nbytes > THREAD_THRESHOLD:
-                await asyncio.to_thread(_copy, dst, view)
+            if view.device.type == "cuda":
+                dst.copy_(view, non_blocking=True)  # into pinned host memory
+                await _completed(view.device)
+            elif nbytes > THREAD_THRESHOLD:
+                await asyncio.to_thread(dst.copy_, view)
             elif nbytes:
-                _copy(dst, view)
+                dst.copy_(view)
             staged = Staged(dst, buf)
         if algo:
             big = nbytes > THREAD_THRESHOLD and staged.tensor.device.type == "cpu"
@@ -171,7 +178,16 @@ def _gather_order(transfers: Sequence[Transfer], gatherer: Gatherer) -> list[Tra
     return out
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
-    if src.device.type == "cuda":
-        torch.cuda.current_stream(src.device).synchronize()
+async def _gpu_dense(view: torch.Tensor) -> torch.Tensor:
+    out = view.contiguous()
+    await _completed(view.device)
+    return out
+
+
+async def _completed(device: torch.device) -> None:
+    """Wait, without blocking the loop, for the work queued so far on ``device``'s current stream."""
+    from . import cuda_rt
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    await cuda_rt.wait_event(event)

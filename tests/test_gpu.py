@@ -88,7 +88,7 @@ def test_fp8_quantization_on_gpu_within_the_reference_bound():
     x = (torch.randn(1000, 777, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
     q, s = quantize_blocks(x)
     q_cpu, s_cpu = quantize_blocks(x.cpu())
-    assert torch.equal(s.cpu(), s_cpu)  # same scales; elementwise rounding may differ by a step at most
+    assert torch.allclose(s.cpu(), s_cpu, rtol=2e-7, atol=0)  # the GPU's division may differ in the last bit
     err = (dequantize_blocks(q, s) - x.float()).abs()
     assert bool((err <= fp8_error_bound(x, s)).all())
 

@@ -30,6 +30,7 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
+from .. import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions
 
@@ -245,6 +246,7 @@ class UcclConnection:
         self._ctl = torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{owner.gpu}")
         self._ctl_mr: Optional[int] = None
         self._epoch = 0
+        self._ordered = -1
 
     def handshake(self, rank: int) -> None:
         """Say who we are (blocking: run in a thread)."""
@@ -275,7 +277,11 @@ class UcclConnection:
             async with self._lock:  # control messages on this connection are request/reply
                 blob = await asyncio.to_thread(self._blob, dst_region, dst_offset, nbytes)
             mr = self.owner.source_mr(src)
-            torch.cuda.current_stream(src.device).synchronize()  # the producer's work is done
+            if self._ordered != epoch:  # once per round: the producer's work is done (UCCL's streams are its own)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(src.device))
+                await cuda_rt.wait_event(done)
+                self._ordered = epoch
             tid = _ok(ep.write_async(self.conn_id, mr, src.data_ptr(), nbytes, blob), "write_async")
             while True:  # poll this transfer id until done, exactly once done
                 if _ok(ep.poll_async(tid), "poll_async"):
