@@ -79,8 +79,8 @@ def _connect(ep, meta_parsed):
 
 
 def _expect(conn, kind: str) -> tuple:
-    if not conn.poll(180):
-        raise RuntimeError(f"target sent no {kind!r} within 180 s")
+    if not conn.poll(90):
+        raise RuntimeError(f"target sent no {kind!r} within 90 s")
     msg = conn.recv()
     if msg[0] != kind:
         raise RuntimeError(f"target: {msg}")
@@ -97,7 +97,7 @@ def _initiator(nbytes: int, rounds: int, conn, result) -> None:
         cid_box: list = []
         t = threading.Thread(target=lambda: cid_box.append(_connect(ep, parsed)))
         t.start()
-        t.join(120)
+        t.join(60)
         if not cid_box:
             raise RuntimeError("connect_local did not complete")
         cid = cid_box[0]
@@ -128,8 +128,8 @@ def write_ipc_seconds(nbytes: int, rounds: int) -> dict:
     for p in procs:
         p.start()
     try:
-        if not r_in.poll(300):
-            return {"error": "no result within 300 s"}
+        if not r_in.poll(150):
+            return {"error": "no result within 150 s"}
         msg = r_in.recv()
         if msg[0] == "error":
             return {"error": msg[1]}
