@@ -174,6 +174,7 @@ class Pipeline:
     async def _write_one(self, conn: Connection, t: Transfer, staged: Staged, report: LaneReport, epoch: int,
                          slot: int) -> None:
         try:
+            await staged.wait()  # a side-stream transform finishing; the stager is queueing the next ones
             t0 = time.perf_counter()
             await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
             report.write_s += time.perf_counter() - t0

@@ -34,6 +34,15 @@ class Staged:
     buffer: Optional[torch.Tensor] = None
     checksum: Optional[int] = None
     charge: int = 0  # bytes of the pipeline's budget this holds until written
+    event: Optional[torch.cuda.Event] = None  # on CUDA: the tensor is complete once this has happened
+
+    async def wait(self) -> None:
+        """Until the bytes exist (a transform queued on a side stream may still be running)."""
+        if self.event is not None:
+            from . import cuda_rt
+
+            await cuda_rt.wait_event(self.event)
+            self.event = None
 
     @property
     def pooled(self) -> bool:
@@ -140,32 +149,41 @@ class SourceSet:
         """Slice, transform (a fresh tensor on the source's device), then copy only if the connection
         cannot read it where it is or it is not dense."""
         view = self.view(t)
+        event = None
         if t.transform:
-            view = await self.transforms.run(t, view)
+            view, event = await self.transforms.run(t, view)
         nbytes = view.numel() * view.element_size()
         if nbytes != t.nbytes:
             raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")
         if view.is_contiguous() and view.device.type in readable:
-            staged = Staged(view)
-        elif view.device.type == "cuda" and "cuda" in readable:
-            staged = Staged(await _gpu_dense(view))  # a dense copy on the same GPU, not through the host
-        elif view.device.type not in readable and "cpu" not in readable:
-            raise StagingError(t.name, f"the connection reads {sorted(readable)} memory, the source is on {view.device}")
+            staged = Staged(view, event=event)
         else:
-            buf = pool.take(nbytes)
-            dst = buf[:nbytes].view(view.dtype).view(view.shape) if nbytes else buf[:0]
-            if view.device.type == "cuda":
-                dst.copy_(view, non_blocking=True)  # into pinned host memory
-                await _completed(view.device)
-            elif nbytes > THREAD_THRESHOLD:
-                await asyncio.to_thread(dst.copy_, view)
-            elif nbytes:
-                dst.copy_(view)
-            staged = Staged(dst, buf)
+            await Staged(view, event=event).wait()  # the copies below run on other streams
+            staged = await _dense_copy(t, view, nbytes, pool, readable)
         if algo:
+            await staged.wait()
             big = nbytes > THREAD_THRESHOLD and staged.tensor.device.type == "cpu"
             staged.checksum = await asyncio.to_thread(checksum, staged.tensor, algo) if big else checksum(staged.tensor, algo)
         return staged
+
+
+async def _dense_copy(t: Transfer, view: torch.Tensor, nbytes: int, pool: StagingPool,
+                      readable: frozenset) -> Staged:
+    """A contiguous copy the connection can read: on the same GPU, or in pinned host memory."""
+    if view.device.type == "cuda" and "cuda" in readable:
+        return Staged(await _gpu_dense(view))  # a dense copy on the same GPU, not through the host
+    if view.device.type not in readable and "cpu" not in readable:
+        raise StagingError(t.name, f"the connection reads {sorted(readable)} memory, the source is on {view.device}")
+    buf = pool.take(nbytes)
+    dst = buf[:nbytes].view(view.dtype).view(view.shape) if nbytes else buf[:0]
+    if view.device.type == "cuda":
+        dst.copy_(view, non_blocking=True)  # into pinned host memory
+        await _completed(view.device)
+    elif nbytes > THREAD_THRESHOLD:
+        await asyncio.to_thread(dst.copy_, view)
+    elif nbytes:
+        dst.copy_(view)
+    return Staged(dst, buf)
 
 
 def _gather_order(transfers: Sequence[Transfer], gatherer: Gatherer) -> list[Transfer]:

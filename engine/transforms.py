@@ -9,9 +9,10 @@ grid anchored at the slice's origin; ragged edge blocks are padded with zeros fo
 One quantization makes both outputs. ``TransformSet.begin`` counts, from the round's routing table, how
 many rows ask for each (source, slice, steps) quantization; the first to run computes both, which wait
 in a small cache until the last of those rows has asked, so every quantization runs once per round and
-the cache is empty at the end of it. On CUDA the work is launched from a worker thread onto a side
-stream that first waits for the producer's stream; the caller awaits an event polled from the loop, so
-transforms of later parameters overlap the writes of earlier ones. Users may add their own named
+the cache is empty at the end of it. On CUDA the work is queued on a side stream that first waits for the
+producer's stream, and ``run`` returns the output with an event at once: the pipeline's writer waits
+for the event (polled from the loop) just before the write, while its stager queues the transforms of
+the next parameters, so quantization of later parameters overlaps the copies of earlier ones. Users may add their own named
 transforms (``custom``): a function from a source view to a tensor.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +46,10 @@ def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
     if rows % block or cols % block:
         x = F.pad(x, (0, bc * block - cols, 0, br * block - rows))
     blocks = x.reshape(br, block, bc, block)
-    amax = blocks.abs().amax(dim=(1, 3)).float().clamp_(min=MIN_AMAX)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3))).float().clamp_(min=MIN_AMAX)
     scale_inv = amax.div_(FP8_MAX)
-    q = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # |x| * (448 / amax) <= 448 up to float32 rounding, which the cast rounds back to 448: no clamp pass
+    q = (blocks * scale_inv.reciprocal()[:, None, :, None]).to(torch.float8_e4m3fn)
     q = q.reshape(br * block, bc * block)
     if q.shape != (rows, cols):
         q = q[:rows, :cols].contiguous()
@@ -113,19 +115,19 @@ class TransformSet:
             if t.transform:
                 self.check(t.name, t.transform)
 
-    async def run(self, t: Transfer, view: torch.Tensor) -> torch.Tensor:
-        """The transformed, contiguous tensor for row ``t`` (on the source's device)."""
+    async def run(self, t: Transfer, view: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+        """The transformed, contiguous tensor for row ``t`` (on the source's device), and for CUDA the
+        event that marks it complete: the caller waits on it only where it needs the bytes, so the
+        next transforms are launched while this one runs."""
         if view.device.type == "cuda":
-            stream = self._side_stream(view.device)
-            out, done = await asyncio.to_thread(self._launch, t, view, stream)
-            from . import cuda_rt  # CUDA-only helper, imported where CUDA is in use
-            await cuda_rt.wait_event(done)
-            return out
+            return self._launch(t, view, self._side_stream(view.device))
         if view.numel() * view.element_size() > THREAD_BYTES:
-            return await asyncio.to_thread(self.apply, t, view)
-        return self.apply(t, view)
+            return await asyncio.to_thread(self.apply, t, view), None
+        return self.apply(t, view), None
 
     def _launch(self, t: Transfer, view: torch.Tensor, stream: torch.cuda.Stream):
+        """Queue the work on the side stream, from the loop's thread (a worker thread would fight the
+        loop for the GIL on every launch); launches return at once."""
         stream.wait_stream(torch.cuda.current_stream(view.device))  # after the producer's work
         with torch.cuda.stream(stream):
             out = self.apply(t, view)
