@@ -69,6 +69,7 @@ class WeightReceiver(Worker):
         self.live = self._rehome()
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # id(buffer) -> tensor views into it
         if self.mode == "shadow":
             self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, "slots:2"))
         self.cache = RegistrationCache()
@@ -211,8 +212,12 @@ class WeightReceiver(Worker):
         Both buffers stay registered (regions 0 and 1); the controller flips this receiver's slot on
         our commit_ack, so senders follow without any re-registration."""
         new_live, new_landing = self.landing, self.live
+        views = self._views.get(id(new_live))
+        if views is None:  # made once per buffer: a swap is then one rebinding per tensor
+            views = self._views[id(new_live)] = {
+                name: new_live.view(self.offsets[name], t.dtype, tuple(t.shape)) for name, t in self.tensors.items()}
         for name, t in self.tensors.items():
-            t.data = new_live.view(self.offsets[name], t.dtype, tuple(t.shape))
+            t.data = views[name]
         self.live, self.landing = new_live, new_landing
 
     async def _on_abort(self, env: Envelope) -> None:
