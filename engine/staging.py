@@ -94,6 +94,16 @@ class SourceSet:
         self.gatherer.begin(transfers)
         return _gather_order(transfers, self.gatherer)
 
+    def prepare(self, transfers: Sequence[Transfer]) -> None:
+        """Once per plan, blocking (run it in a thread): compile the GPU quantizer for every shape the
+        table quantizes, so that rounds do not pay for it on the event loop."""
+        shapes: dict = {}
+        for t in transfers:
+            if "fp8" in t.transform and not self.gathered(t):
+                self.transforms.warm(t, self.view(t), shapes)
+        for (device, dtype, block), group in shapes.items():
+            self.transforms.quantizer.warm(group, device, dtype, block)
+
     def gathered(self, t: Transfer) -> bool:
         return self.gatherer is not None and t.name in self.gatherer.dtensors
 

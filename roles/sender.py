@@ -142,6 +142,7 @@ class WeightSender(Worker):
         self.plan_id = env.body.plan_id
         try:
             await self._connect_peers(self.table.peers)
+            await asyncio.to_thread(self.sources.prepare, self.table.transfers)
         except WeightSyncError as exc:
             await self._send(m.PlanAck(self.plan_id, False, str(exc)))
             return
