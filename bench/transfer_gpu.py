@@ -79,19 +79,21 @@ def per_tensor_copy_seconds(rounds: int) -> list[float]:
     return times[1:]
 
 
-def quantize_seconds(rounds: int) -> list[float]:
-    """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer)."""
+def quantize_seconds(rounds: int, compiled: bool) -> list[float]:
+    """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer),
+    with the engine's quantizer (compiled) or eager ``quantize_blocks``."""
     from engine.layouts import FP8Policy
-    from engine.transforms import quantize_blocks
+    from engine.transforms import Quantizer
 
     policy = FP8Policy()
     src = [v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())]
+    quantize = Quantizer(compile_cuda=compiled)
     times = []
     for _ in range(rounds + 1):
         torch.cuda.synchronize(0)
         t0 = time.perf_counter()
         for v in src:
-            quantize_blocks(v)
+            quantize(v, 128)
         torch.cuda.synchronize(0)
         times.append(time.perf_counter() - t0)
     del src
@@ -321,8 +323,9 @@ def main(argv=None) -> int:
     for transport in [t for t in args.transports.split(",") if t]:
         _engine_rows(rows, f"engine {transport}", transport, args)
     if args.fp8:
-        rows["fp8: quantize only (GPU 0)"] = {"seconds": statistics.median(quantize_seconds(args.rounds)), "ok": True,
-                                              "stage": True}
+        for compiled in (False, True):
+            rows[f"fp8: quantize only, {'compiled' if compiled else 'eager'} (GPU 0)"] = {
+                "seconds": statistics.median(quantize_seconds(args.rounds, compiled)), "ok": True, "stage": True}
         _engine_rows(rows, "engine cuda_ipc fp8", "cuda_ipc", args, fp8=True)
     _print(rows, nbytes, bound, args.rounds)
     if args.out:
