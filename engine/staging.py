@@ -80,7 +80,7 @@ class SourceSet:
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] = {},
                  transforms: Mapping[str, Transform] = {}, gatherer: Optional[Gatherer] = None) -> None:
-        self.tensors = dict(tensors)
+        self.tensors = {name: t.detach() for name, t in tensors.items()}  # same storage, no autograd
         self.shards = dict(shards)
         self.transforms = TransformSet(transforms)
         self.gatherer = gatherer
