@@ -121,6 +121,7 @@ def build_pieces(
     shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
     rules = get_mapping(mapping)
     intern: dict[tuple[int, ...], tuple[int, ...]] = {}
+    recipes: dict[tuple, list[Part]] = {}  # receivers with the same layout share their parts (pure)
     pieces: list[Piece] = []
     for rp in receivers:
         where = f"receiver/{rp.rank}"
@@ -130,10 +131,14 @@ def build_pieces(
             if t.tied_to is not None:
                 continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
             scale_of = _scales_of(t, specs, sources)
-            weight = scale_of or t
-            comps, src_dtype = components(rules, weight.name, shapes, where)
-            step = dtype_transform(src_dtype, weight, where, transforms, names)
-            for part in parts_for(t, comps, src_dtype, step, where, scale_of):
+            key = (t.name, t.dtype, t.shape, t.shard, scale_of, t.name + SCALE_SUFFIX in names)
+            parts = recipes.get(key)
+            if parts is None:
+                weight = scale_of or t
+                comps, src_dtype = components(rules, weight.name, shapes, where)
+                step = dtype_transform(src_dtype, weight, where, transforms, names)
+                parts = recipes[key] = parts_for(t, comps, src_dtype, step, where, scale_of)
+            for part in parts:
                 pieces.extend(_pieces_for(sources[part.src], t, rp.rank, part, intern))
     return pieces, sources
 
