@@ -43,40 +43,42 @@ def make_state(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
 # --- the bound -----------------------------------------------------------------------------------
 
 
-def bound_seconds(nbytes: int, rounds: int) -> list[float]:
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+def _timed(fn, rounds: int) -> list[float]:
+    """Seconds per call of ``fn`` with both GPUs idle before and after, after one warm-up call."""
     times = []
     for _ in range(rounds + 1):
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
         t0 = time.perf_counter()
-        b.copy_(a)
+        fn()
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
         times.append(time.perf_counter() - t0)
-    del a, b
-    torch.cuda.empty_cache()
     return times[1:]
+
+
+def _released(times: list[float]) -> list[float]:
+    """Give the measured tensors' memory back to the driver (the engine processes need it)."""
+    torch.cuda.empty_cache()
+    return times
+
+
+def bound_seconds(nbytes: int, rounds: int) -> list[float]:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    return _timed(lambda: b.copy_(a), rounds)  # a and b die with this frame
 
 
 def per_tensor_copy_seconds(rounds: int) -> list[float]:
     """The same state dict copied tensor by tensor on one stream: what per-tensor granularity costs."""
     src = make_state("cuda:0")
     dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
-    times = []
-    with torch.cuda.device(0):
-        for _ in range(rounds + 1):
-            torch.cuda.synchronize(0)
-            t0 = time.perf_counter()
+
+    def copy_all():
+        with torch.cuda.device(0):
             for k, v in src.items():
                 dst[k].copy_(v, non_blocking=True)
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    torch.cuda.empty_cache()
-    return times[1:]
+    return _timed(copy_all, rounds)
 
 
 def quantize_seconds(rounds: int, compiled: bool) -> list[float]:
@@ -88,17 +90,12 @@ def quantize_seconds(rounds: int, compiled: bool) -> list[float]:
     policy = FP8Policy()
     src = [v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())]
     quantize = Quantizer(compile_cuda=compiled)
-    times = []
-    for _ in range(rounds + 1):
-        torch.cuda.synchronize(0)
-        t0 = time.perf_counter()
-        for v in src:
-            quantize(v, 128)
-        torch.cuda.synchronize(0)
-        times.append(time.perf_counter() - t0)
-    del src
-    torch.cuda.empty_cache()
-    return times[1:]
+
+    def quantize_all():
+        with torch.cuda.device(0):
+            for v in src:
+                quantize(v, 128)
+    return _timed(quantize_all, rounds)
 
 
 # --- NCCL baselines ------------------------------------------------------------------------------
@@ -263,10 +260,10 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
 
 
 def _baseline_rows(rows: dict, nbytes: int, args) -> float:
-    bound = statistics.median(bound_seconds(nbytes, args.rounds))
+    bound = statistics.median(_released(bound_seconds(nbytes, args.rounds)))
     rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
-    rows["peer copy per tensor, one stream"] = {"seconds": statistics.median(per_tensor_copy_seconds(args.rounds)),
-                                                "ok": True}
+    rows["peer copy per tensor, one stream"] = {
+        "seconds": statistics.median(_released(per_tensor_copy_seconds(args.rounds))), "ok": True}
     nccl, nccl_ok = nccl_baselines(args.rounds)
     for name, times in nccl.items():
         rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}
@@ -325,7 +322,8 @@ def main(argv=None) -> int:
     if args.fp8:
         for compiled in (False, True):
             rows[f"fp8: quantize only, {'compiled' if compiled else 'eager'} (GPU 0)"] = {
-                "seconds": statistics.median(quantize_seconds(args.rounds, compiled)), "ok": True, "stage": True}
+                "seconds": statistics.median(_released(quantize_seconds(args.rounds, compiled))), "ok": True,
+                "stage": True}
         _engine_rows(rows, "engine cuda_ipc fp8", "cuda_ipc", args, fp8=True)
     _print(rows, nbytes, bound, args.rounds)
     if args.out:

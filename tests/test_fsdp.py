@@ -11,8 +11,8 @@ import torch
 from children import Children
 from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
 from engine.tensors import dtype_name
-from engine.transforms import dequantize_blocks, fp8_error_bound
 from fsdp_helpers import BUDGET, fsdp_sender_main, qwen2_model, trained
+from layout_oracle import check_fp8_receiver, expected_qwen2
 from roles import Controller, ControllerOptions, WeightReceiver
 
 WATCHDOG = 120
@@ -22,19 +22,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _expected(src: dict, name: str, tp: TensorParallel) -> torch.Tensor:
-    i, w = tp.index, tp.world
-    if ".qkv_proj." in name:
-        return torch.cat([src[name.replace("qkv_proj", f"{c}_proj")].chunk(w)[i] for c in "qkv"])
-    if ".gate_up_proj." in name:
-        return torch.cat([src[name.replace("gate_up_proj", f"{c}_proj")].chunk(w)[i] for c in ("gate", "up")])
-    if ".o_proj." in name or ".down_proj." in name:
-        return src[name].chunk(w, dim=1)[i]
-    if "embed_tokens" in name or "lm_head" in name:
-        return src[name].chunk(w)[i]
-    return src[name]
 
 
 async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
@@ -74,18 +61,7 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
 
 
 def _check_receivers(receivers, tp, want) -> None:
-    state = receivers[0].state_dict()
-    for name, got in state.items():
-        assert torch.equal(got, _expected(want, name, tp)), name
-    state = receivers[1].state_dict()
-    quantized = [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]
+    for name, got in receivers[0].state_dict().items():
+        assert torch.equal(got, expected_qwen2(want, name, tp)), name
+    quantized = check_fp8_receiver(receivers[1].state_dict(), lambda n: expected_qwen2(want, n))
     assert quantized and not any("norm" in n or "embed" in n or "lm_head" in n for n in quantized)
-    for name, got in state.items():
-        if name.endswith("_scale_inv"):
-            continue
-        ref = _expected(want, name, TensorParallel(0, 1))
-        if got.dtype != torch.float8_e4m3fn:
-            assert torch.equal(got, ref), name
-            continue
-        scale = state[name + "_scale_inv"]
-        assert bool(((dequantize_blocks(got, scale) - ref.float()).abs() <= fp8_error_bound(ref, scale)).all()), name

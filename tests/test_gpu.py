@@ -97,11 +97,10 @@ def test_fp8_quantization_on_gpu_within_the_reference_bound():
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst):
     from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
     from engine.tensors import dtype_name
-    from engine.transforms import dequantize_blocks, fp8_error_bound
+    from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
     from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
-    from test_transforms import _expected_qwen2, _qwen2_state
 
-    src = {k: v.to("cuda:0") for k, v in _qwen2_state().items()}
+    src = {k: v.to("cuda:0") for k, v in qwen2_state().items()}
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     tp = TensorParallel(1, 2)
     layouts = [receiver_layout(shapes, "qwen2", tp=tp), receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
@@ -117,15 +116,6 @@ async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst):
                 await asyncio.wait_for(r.wait_for(1), WATCHDOG)
             cpu_src = {k: v.cpu() for k, v in src.items()}
             for name, got in receivers[0].state_dict().items():
-                assert torch.equal(got.cpu(), _expected_qwen2(cpu_src, name, tp)), name
+                assert torch.equal(got.cpu(), expected_qwen2(cpu_src, name, tp)), name
             state = {k: v.cpu() for k, v in receivers[1].state_dict().items()}
-            for name, got in state.items():
-                if name.endswith("_scale_inv"):
-                    continue
-                want = _expected_qwen2(cpu_src, name, TensorParallel(0, 1))
-                if got.dtype != torch.float8_e4m3fn:
-                    assert torch.equal(got, want), name
-                    continue
-                scale = state[name + "_scale_inv"]
-                assert bool(((dequantize_blocks(got, scale) - want.float()).abs()
-                             <= fp8_error_bound(want, scale)).all()), name
+            assert check_fp8_receiver(state, lambda n: expected_qwen2(cpu_src, n))

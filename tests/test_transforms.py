@@ -17,6 +17,7 @@ from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
 from engine.plan import Rule, Mapping, get_mapping, plan
 from engine.tensors import dtype_name
 from engine.transforms import dequantize_blocks, fp8_error_bound, quantize_blocks
+from layout_oracle import check_fp8_receiver, expected_gpt2, expected_qwen2, qwen2_state
 from plan_helpers import participant, tensor
 from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
 
@@ -105,55 +106,12 @@ def test_custom_rules_and_bad_layouts():
 # --- end to end through the roles -------------------------------------------------------------------
 
 
-def _qwen2_state(seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _gpt2_state(seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=32)
     return {k: v.detach().clone() for k, v in GPT2LMHeadModel(cfg).state_dict().items()}
-
-
-def _expected_qwen2(src: dict, name: str, tp: TensorParallel) -> torch.Tensor:
-    """What a vLLM-style TP rank holds under ``name``, from the trainer's tensors."""
-    i, w = tp.index, tp.world
-    p, _, leaf = name.rpartition(".")
-    if ".qkv_proj" in name:
-        base = p.replace("qkv_proj", "")
-        return torch.cat([src[f"{base}{c}_proj.{leaf}"].chunk(w)[i] for c in "qkv"])
-    if ".gate_up_proj" in name:
-        base = p.replace("gate_up_proj", "")
-        return torch.cat([src[f"{base}{c}_proj.weight"].chunk(w)[i] for c in ("gate", "up")])
-    if ".o_proj." in name or ".down_proj." in name:
-        return src[name].chunk(w, dim=1)[i]
-    if "embed_tokens" in name or "lm_head" in name:
-        return src[name].chunk(w)[i]
-    return src[name]
-
-
-def _expected_gpt2(src: dict, name: str, tp: TensorParallel) -> torch.Tensor:
-    i, w = tp.index, tp.world
-    t = src[name]
-    if name.endswith("c_attn.weight"):
-        return torch.cat([part.t().chunk(w)[i] for part in t.chunk(3, dim=1)])
-    if name.endswith("c_attn.bias"):
-        return torch.cat([part.chunk(w)[i] for part in t.chunk(3)])
-    if name.endswith("mlp.c_fc.weight"):
-        return t.t().chunk(w)[i]
-    if name.endswith("mlp.c_fc.bias") or name.endswith("wte.weight") or name == "lm_head.weight":
-        return t.chunk(w)[i]
-    if name.endswith("c_proj.weight"):
-        return t.t().chunk(w, dim=1)[i]
-    return t
 
 
 @contextlib.asynccontextmanager
@@ -180,7 +138,7 @@ async def _one_round(sender, receivers, version=1):
 
 
 async def test_qwen2_fused_and_tensor_parallel_bit_exact():
-    src = _qwen2_state()
+    src = qwen2_state()
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     tps = [TensorParallel(0, 1), TensorParallel(0, 2), TensorParallel(1, 2)]
     layouts = [receiver_layout(shapes, "qwen2", tp=tp) for tp in tps]
@@ -191,7 +149,7 @@ async def test_qwen2_fused_and_tensor_parallel_bit_exact():
             state = r.state_dict()
             assert set(state) == {e.name for e in layouts[0]}
             for name, got in state.items():
-                assert torch.equal(got, _expected_qwen2(src, name, tp)), (tp, name)
+                assert torch.equal(got, expected_qwen2(src, name, tp)), (tp, name)
         # only the needed bytes move: what each receiver holds, no more (norms are replicated on TP ranks)
         held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
         whole = sum(v.numel() * v.element_size() for v in src.values())
@@ -208,11 +166,11 @@ async def test_gpt2_conv1d_transposed_and_split_per_component():
         await _one_round(sender, receivers)
         for tp, r in zip(tps, receivers):
             for name, got in r.state_dict().items():
-                assert torch.equal(got, _expected_gpt2(src, name, tp)), (tp, name)
+                assert torch.equal(got, expected_gpt2(src, name, tp)), (tp, name)
 
 
 async def test_bf16_to_block_fp8_receivers():
-    src = _qwen2_state(seed=1)
+    src = qwen2_state(seed=1)
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))  # lm_head too: 1000 rows, ragged last block
     tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
@@ -221,17 +179,6 @@ async def test_bf16_to_block_fp8_receivers():
         await _one_round(sender, receivers)
         assert sender.sources.transforms.kept == {}  # every weight + scale pair quantized once, nothing left
         for tp, r in zip(tps, receivers):
-            state = r.state_dict()
-            fp8 = [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]
+            fp8 = check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
             assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
             assert not any("norm" in n or "embed" in n for n in fp8)
-            for name, got in state.items():
-                want = _expected_qwen2(src, name.removesuffix("_scale_inv"), tp)
-                if name.endswith("_scale_inv"):
-                    continue
-                if got.dtype != torch.float8_e4m3fn:
-                    assert torch.equal(got, want), name
-                    continue
-                scale = state[name + "_scale_inv"]
-                deq = dequantize_blocks(got, scale)
-                assert bool(((deq - want.float()).abs() <= fp8_error_bound(want, scale)).all()), name
