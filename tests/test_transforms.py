@@ -160,13 +160,16 @@ async def test_qwen2_fused_and_tensor_parallel_bit_exact():
 async def test_gpt2_conv1d_transposed_and_split_per_component():
     src = _gpt2_state()
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
-    tps = [TensorParallel(0, 2), TensorParallel(1, 2)]
-    layouts = [receiver_layout(shapes, "gpt2", tp=tp) for tp in tps]
+    tps = [TensorParallel(0, 2), TensorParallel(1, 2), TensorParallel(0, 1)]
+    layouts = [receiver_layout(shapes, "gpt2", tp=tp) for tp in tps[:2]]
+    layouts.append(receiver_layout(shapes, "gpt2", dtype="float16"))  # a half-precision server: cast on the way
     async with _cluster(src, layouts, "gpt2") as (ctl, sender, receivers):
         await _one_round(sender, receivers)
         for tp, r in zip(tps, receivers):
             for name, got in r.state_dict().items():
-                assert torch.equal(got, expected_gpt2(src, name, tp)), (tp, name)
+                want = expected_gpt2(src, name, tp)
+                assert torch.equal(got, want.to(got.dtype)), (tp, name)
+        assert all(t.dtype == torch.float16 for t in receivers[2].state_dict().values())
 
 
 async def test_bf16_to_block_fp8_receivers():

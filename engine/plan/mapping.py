@@ -244,7 +244,7 @@ def dtype_transform(src_dtype: str, t: TensorSpec, where: str, custom: MappingT[
                            param=t.name, ranks=[where])
 
 
-def parts_for(t: TensorSpec, comps: Sequence[Component], src_dtype: str, step: str, where: str,
+def parts_for(t: TensorSpec, comps: Sequence[Component], step: str, where: str,
               scale_of: Optional[TensorSpec] = None) -> list[Part]:
     """The writes that fill receiver tensor ``t`` (or, with ``scale_of``, the FP8 scales of that weight)."""
     weight = scale_of or t

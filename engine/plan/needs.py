@@ -137,7 +137,7 @@ def build_pieces(
                 weight = scale_of or t
                 comps, src_dtype = components(rules, weight.name, shapes, where)
                 step = dtype_transform(src_dtype, weight, where, transforms, names)
-                parts = recipes[key] = parts_for(t, comps, src_dtype, step, where, scale_of)
+                parts = recipes[key] = parts_for(t, comps, step, where, scale_of)
             for part in parts:
                 pieces.extend(_pieces_for(sources[part.src], t, rp.rank, part, intern))
     return pieces, sources
