@@ -7,7 +7,8 @@ included), dtype, local shape and the ``ShardSpec`` a receiver declares. ``alloc
 tensors. Tensor parallelism follows vLLM's Linear classes: column-parallel layers (q/k/v and fused qkv,
 gate/up and fused gate_up, GPT-2 c_attn and c_fc, vocab-parallel embeddings and lm_head) shard dim 0
 and their biases; row-parallel layers (o_proj, down_proj, GPT-2 attn/mlp c_proj) shard dim 1 of the
-weight and replicate the bias; everything else (norms, positions) is replicated. FP8: 2-D weights the
+weight and replicate the bias; everything else (norms, positions) is replicated, and so is a
+vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). FP8: 2-D weights the
 policy includes become float8_e4m3fn with a float32 ``<name>_scale_inv`` of 128x128 blocks next to
 them; norms, embeddings and lm_head are excluded by default.
 """
@@ -29,6 +30,7 @@ from .tensors import dtype_from_name
 COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)\.(weight|bias)",
           r".*\.(attn\.c_attn|mlp\.c_fc)\.(weight|bias)",
           r".*(embed_tokens|lm_head|wte)\.weight")
+VOCAB = r".*(embed_tokens|lm_head|wte)\.weight"
 ROW = (r".*\.(o_proj|down_proj|attn\.c_proj|mlp\.c_proj)\.weight",)
 FP8_EXCLUDE = (r".*norm.*", r".*embed.*", r".*lm_head.*", r".*\.wte\..*", r".*\.wpe\..*", r".*\.ln_.*")
 
@@ -103,6 +105,8 @@ def _shard(name: str, full: tuple[int, ...], parts: int, tp: Optional[TensorPara
     if dim is None:
         return None
     size = full[dim]
+    if size % tp.world and re.fullmatch(VOCAB, name):
+        return None  # vLLM pads the vocabulary to divide; without padding, a ragged vocabulary is replicated
     if size % tp.world:
         raise ConfigError("tensor_parallel", f"{name}: dim {dim} of size {size} does not divide by {tp.world}")
     each = size // tp.world

@@ -87,10 +87,13 @@ def _controller(args: argparse.Namespace) -> int:
 # --- daemon -----------------------------------------------------------------------------------------
 
 
-def daemon_params(args: argparse.Namespace) -> dict:
-    """The receive buffers: a transformers architecture's state dict, or a JSON spec of shapes."""
+def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The receive buffers (a transformers architecture's state dict, in an inference layout if asked,
+    or a JSON spec of shapes) and the tensor-parallel shard specs of the layout."""
     import torch
 
+    if args.arch and (args.mapping != "identity" or args.tp or args.fp8 or args.dtype):
+        return _layout_params(args)
     if args.arch:
         from transformers import AutoModelForCausalLM
 
@@ -98,11 +101,29 @@ def daemon_params(args: argparse.Namespace) -> dict:
 
         config = gpt2_config(args.arch.split("-", 1)[1]) if args.arch.startswith("gpt2-") else ARCHITECTURES[args.arch]()
         model = AutoModelForCausalLM.from_config(config).to(args.device)
-        return dict(model.state_dict(keep_vars=True))
+        return dict(model.state_dict(keep_vars=True)), {}
     with open(args.spec) as f:
         spec = json.load(f)
-    return {name: torch.zeros(entry["shape"], dtype=getattr(torch, entry.get("dtype", "float32")), device=args.device)
-            for name, entry in spec.items()}
+    return ({name: torch.zeros(entry["shape"], dtype=getattr(torch, entry.get("dtype", "float32")), device=args.device)
+             for name, entry in spec.items()}, {})
+
+
+def _layout_params(args: argparse.Namespace) -> tuple[dict, dict]:
+    """``--arch`` in an inference engine's layout: ``--mapping`` names, ``--tp I/W`` shards, ``--fp8``."""
+    from engine.errors import ConfigError
+    from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from engine.shapes import state_dict_shapes
+
+    tp = None
+    if args.tp:
+        index, sep, world = args.tp.partition("/")
+        if not sep or not index.isdigit() or not world.isdigit():
+            raise ConfigError("tp", f"expected INDEX/WORLD such as 0/2, got {args.tp!r}")
+        tp = TensorParallel(int(index), int(world))
+    dtype = args.dtype or "float32"
+    shapes = {p.name: (dtype, p.shape) for p in state_dict_shapes(args.arch, dtype)}
+    layout = receiver_layout(shapes, args.mapping, tp=tp, fp8=FP8Policy() if args.fp8 else None)
+    return allocate(layout, args.device)
 
 
 def _daemon(args: argparse.Namespace) -> int:
@@ -119,7 +140,8 @@ def _daemon(args: argparse.Namespace) -> int:
     options = DaemonOptions(command_bind=args.command_bind, receiver=receiver, auth_key=key)
 
     async def main() -> None:
-        async with Daemon(args.controller, daemon_params(args), rank=args.rank, hook=hook, options=options) as d:
+        params, shards = daemon_params(args)
+        async with Daemon(args.controller, params, rank=args.rank, hook=hook, options=options, shards=shards) as d:
             print(f"weightsync daemon {d.receiver.name}: commands on {d.command_address}", flush=True)
             stop = asyncio.Event()
             waiter = asyncio.ensure_future(d.stopped.wait())
@@ -256,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--arch", help="receive buffers of this architecture (gpt2-<size> or a benchmark one)")
     src.add_argument("--spec", help="JSON file: {name: {shape: [...], dtype: 'float32'}}")
     dmn.add_argument("--device", default="cpu")
+    dmn.add_argument("--mapping", default="identity", choices=sorted(MAPPINGS),
+                     help="with --arch: hold the inference engine's names (fused qkv_proj / gate_up_proj, ...)")
+    dmn.add_argument("--tp", default="", help="with --arch: this rank's tensor-parallel shard, INDEX/WORLD")
+    dmn.add_argument("--fp8", action="store_true", help="with --arch: serve 2-D weights in block FP8 (+ scales)")
+    dmn.add_argument("--dtype", default="", help="with --arch: the float dtype of the buffers (default float32)")
     dmn.add_argument("--hook", help="module:function called with (version, [(name, tensor), ...])")
     dmn.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
     dmn.add_argument("--transport", default="tcp", choices=["tcp", "cuda_ipc", "uccl", "auto"])

@@ -17,13 +17,13 @@ import asyncio
 import dataclasses
 import importlib
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import zmq
 
 from engine.errors import ConfigError
-from wire import Envelope
+from wire import Envelope, ShardSpec
 from wire import messages as m
 from wire.auth import Replayed, Unauthenticated
 from wire.errors import ProtocolError
@@ -60,11 +60,12 @@ class DaemonOptions:
 
 class Daemon:
     def __init__(self, controller_addr: str, params: dict[str, torch.Tensor], *, rank: int,
-                 hook: Optional[Hook] = None, options: DaemonOptions = DaemonOptions()) -> None:
+                 hook: Optional[Hook] = None, options: DaemonOptions = DaemonOptions(),
+                 shards: Mapping[str, ShardSpec] = {}) -> None:
         self.options = options
         self.hook = hook
         self.receiver = WeightReceiver(controller_addr, params, rank=rank, options=options.receiver,
-                                       on_update=self._committed)
+                                       on_update=self._committed, shards=shards)
         self.paused = False
         self.pending: Optional[int] = None
         self.applied: Optional[int] = None
@@ -161,7 +162,8 @@ class Daemon:
         r = self.receiver
         return {"device": str(r.device), "bytes": r.nbytes,
                 "tensors": [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                             "offset": r.offsets[n]} for n, t in r.tensors.items()]}
+                             "offset": r.offsets[n], "shard": _shard_json(r.shards.get(n))}
+                            for n, t in r.tensors.items()]}
 
     async def _serve(self) -> None:
         while True:
@@ -202,3 +204,9 @@ async def request(addr: str, body: m.Message, *, timeout_s: float = 10.0, auth_k
         return env
     finally:
         chan.close()
+
+
+def _shard_json(shard: Optional[ShardSpec]) -> Optional[dict]:
+    if shard is None:
+        return None
+    return {"dim": shard.dim, "start": shard.start, "stop": shard.stop, "full_shape": list(shard.full_shape)}

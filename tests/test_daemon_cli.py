@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import pathlib
 import signal
@@ -15,6 +16,7 @@ import sys
 import msgpack
 import pytest
 import zmq
+import torch
 import zmq.asyncio
 
 from children import Children
@@ -48,11 +50,12 @@ def _spec_file(tmp_path) -> str:
 
 
 @contextlib.contextmanager
-def daemon_process(tmp_path, controller: str, command: str, *extra: str):
+def daemon_process(tmp_path, controller: str, command: str, *extra: str, source: tuple = ()):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
            "WEIGHTSYNC_TEST_HOOK_LOG": str(tmp_path / "hook.jsonl")}
+    source = source or ("--spec", _spec_file(tmp_path), "--hook", "daemon_hook:record")
     cmd = [sys.executable, "-m", "roles.cli", "daemon", "--controller", controller, "--rank", "0",
-           "--spec", _spec_file(tmp_path), "--hook", "daemon_hook:record", "--command-bind", command, *extra]
+           *source, "--command-bind", command, *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
@@ -112,6 +115,32 @@ async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
                 layout = await _command(command, "layout")
                 assert {t["name"] for t in layout["tensors"]} == set(SPEC)
                 await _command(command, "shutdown")
+
+
+async def test_daemon_in_an_inference_layout(tmp_path):
+    """--arch with --mapping/--tp/--dtype: vLLM-style names, a TP half, fp16 buffers, from an fp32 trainer."""
+    from engine.shapes import gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    trainer = GPT2LMHeadModel(gpt2_config("tiny"))
+    command = f"tcp://127.0.0.1:{_port()}"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32", mapping="gpt2")
+    source = ("--arch", "gpt2-tiny", "--mapping", "gpt2", "--tp", "1/2", "--dtype", "float16")
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        with daemon_process(tmp_path, ctl.address, command, source=source):
+            async with WeightSender(ctl.address, trainer, rank=0) as sender:
+                await asyncio.wait_for(await sender.push(1), WATCHDOG)
+                report = await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+                status = await _command(command, "status")
+                assert status["received_version"] == 1
+                layout = {t["name"]: t for t in (await _command(command, "layout"))["tensors"]}
+                c_attn = layout["transformer.h.0.attn.c_attn.weight"]  # Conv1D [128, 384] -> Linear half [192, 128]
+                assert c_attn["shape"] == [192, 128] and c_attn["dtype"] == "float16"
+                assert c_attn["shard"] == {"dim": 0, "start": 192, "stop": 384, "full_shape": [384, 128]}
+                assert layout["transformer.h.0.attn.c_proj.weight"]["shard"]["dim"] == 1  # row-parallel
+                assert report.nbytes == sum(2 * math.prod(t["shape"]) for t in layout.values())
+            await _command(command, "shutdown")
 
 
 async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):

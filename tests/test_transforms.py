@@ -185,3 +185,16 @@ async def test_bf16_to_block_fp8_receivers():
             fp8 = check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
             assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
             assert not any("norm" in n or "embed" in n for n in fp8)
+
+
+def test_layout_tp_rules_and_refusals():
+    shapes = {"wte.weight": ("float32", (11, 4)), "h.0.mlp.c_fc.weight": ("float32", (4, 6)),
+              "h.0.mlp.c_proj.weight": ("float32", (6, 4)), "ln_f.weight": ("float32", (4,))}
+    layout = {e.name: e for e in receiver_layout(shapes, "gpt2", tp=TensorParallel(1, 2))}
+    assert layout["wte.weight"].shard is None and layout["wte.weight"].shape == (11, 4)  # ragged vocab: replicated
+    assert layout["h.0.mlp.c_fc.weight"].shape == (3, 4) and layout["h.0.mlp.c_fc.weight"].shard.start == 3
+    assert layout["h.0.mlp.c_proj.weight"].shard.dim == 1 and layout["ln_f.weight"].shard is None
+    with pytest.raises(ConfigError, match="h.0.mlp.c_fc.weight: dim 0 of size 6 does not divide by 4"):
+        receiver_layout(shapes, "gpt2", tp=TensorParallel(0, 4))
+    with pytest.raises(ConfigError, match="index 2 is not within world 2"):
+        TensorParallel(2, 2)
