@@ -39,7 +39,7 @@ timeout 300 python3 bench/ipc_direction.py --gib 4 --out "$out/ipc_direction.jso
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
 fi
 if [ "$part" != tests ]; then
-timeout 540 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto,uccl --uccl-tcp --fp8 --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
+timeout 540 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --fp8 --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
 echo "transfer_gpu exit: $?" >> "$out/transfer_gpu.txt"
 fi
 # one log (the device returns at most 8 files): every text output, in order
