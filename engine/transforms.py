@@ -19,6 +19,7 @@ transforms (``custom``): a function from a source view to a tensor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from typing import Callable, Mapping, Optional
@@ -107,13 +108,10 @@ def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) 
     return x.float().abs() * 2.0 ** -4 + scale * 2.0 ** -10 + 1e-30
 
 
-def parse(transform: str) -> list[tuple[str, str]]:
-    """``"t,fp8w:128"`` -> ``[("t", ""), ("fp8w", "128")]``."""
-    steps = []
-    for step in transform.split(","):
-        op, _, arg = step.partition(":")
-        steps.append((op, arg))
-    return steps
+@functools.lru_cache(maxsize=256)
+def parse(transform: str) -> tuple[tuple[str, str], ...]:
+    """``"t,fp8w:128"`` -> ``(("t", ""), ("fp8w", "128"))`` (a table has a handful of distinct strings)."""
+    return tuple(step.partition(":")[::2] for step in transform.split(","))
 
 
 class TransformSet:
@@ -146,9 +144,12 @@ class TransformSet:
         """A new round: count who will ask for each quantization; forget anything kept from before."""
         self.kept.clear()
         self.pending = Counter(_quant_key(t) for t in transfers if "fp8" in t.transform)
+        first = {}  # each distinct transform once, named by its first row
         for t in transfers:
             if t.transform:
-                self.check(t.name, t.transform)
+                first.setdefault(t.transform, t.name)
+        for transform, name in first.items():
+            self.check(name, transform)
 
     def warm(self, t: Transfer, view: torch.Tensor, shapes: dict) -> None:
         """Note the shape row ``t`` will quantize (for ``Quantizer.warm``)."""

@@ -198,3 +198,19 @@ def test_layout_tp_rules_and_refusals():
         receiver_layout(shapes, "gpt2", tp=TensorParallel(0, 4))
     with pytest.raises(ConfigError, match="index 2 is not within world 2"):
         TensorParallel(2, 2)
+
+
+async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes():
+    from engine.shapes import gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(2)
+    src = {k: v.detach().clone() for k, v in GPT2LMHeadModel(gpt2_config("tiny")).state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    layout = receiver_layout(shapes, "gpt2", fp8=FP8Policy())
+    async with _cluster(src, [layout], "gpt2") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        quantized = check_fp8_receiver(receivers[0].state_dict(), lambda n: expected_gpt2(src, n, TensorParallel(0, 1)))
+        assert "transformer.h.0.attn.c_attn.weight" in quantized and "transformer.h.1.mlp.c_proj.weight" in quantized
+        assert not any(".wte." in n or ".wpe." in n or ".ln_" in n for n in quantized)
+        assert sender.sources.transforms.kept == {}
