@@ -214,3 +214,23 @@ async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes():
         assert "transformer.h.0.attn.c_attn.weight" in quantized and "transformer.h.1.mlp.c_proj.weight" in quantized
         assert not any(".wte." in n or ".wpe." in n or ".ln_" in n for n in quantized)
         assert sender.sources.transforms.kept == {}
+
+
+async def test_custom_and_unknown_transforms_on_the_sender():
+    from engine.errors import StagingError
+    from engine.staging import SourceSet, StagingPool
+    from wire import Transfer
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sources = SourceSet({"w": w}, transforms={"round_to_int": lambda x: x.round().to(torch.int32)})
+    rows = [Transfer(0, "w", None, 0, "w", 0, 0, 48, "round_to_int"), Transfer(1, "w", None, 0, "w", 0, 48, 48, "t")]
+    sources.begin(rows)
+    staged = await sources.stage(rows[0], StagingPool())
+    assert staged.tensor.dtype == torch.int32 and torch.equal(staged.tensor, w.to(torch.int32))
+    staged = await sources.stage(rows[1], StagingPool())
+    assert torch.equal(staged.tensor, w.t().contiguous()) and staged.tensor.is_contiguous()
+    with pytest.raises(StagingError, match="'w'.*unknown transform 'zip' \\(step 'zip'\\)"):
+        sources.begin([Transfer(0, "w", None, 0, "w", 0, 0, 48, "zip")])
+    with pytest.raises(StagingError, match="source gives 48 bytes, the table says 40"):
+        sources.begin(rows)
+        await sources.stage(Transfer(0, "w", None, 0, "w", 0, 0, 40, "t"), StagingPool())
