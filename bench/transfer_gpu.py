@@ -177,7 +177,7 @@ def fp8_layout():
 def fp8_check(state: dict, want: dict) -> bool:
     """Fused names equal the concatenated sources; FP8 weights dequantize within the stated bound."""
     from engine.plan.mapping import get_mapping
-    from engine.transforms import dequantize_blocks, fp8_error_bound
+    from engine.transforms import within_fp8_bound
 
     ok = True
     for name, got in state.items():
@@ -185,8 +185,7 @@ def fp8_check(state: dict, want: dict) -> bool:
             continue
         ref = torch.cat([want[p] for p in get_mapping("qwen2").recipe(name)[1]])
         if got.dtype == torch.float8_e4m3fn:
-            scale = state[name + "_scale_inv"]
-            ok &= bool(((dequantize_blocks(got, scale) - ref.float()).abs() <= fp8_error_bound(ref, scale)).all())
+            ok &= within_fp8_bound(ref, got, state[name + "_scale_inv"])
         else:
             ok &= torch.equal(got, ref)
     return ok

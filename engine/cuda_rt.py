@@ -147,7 +147,18 @@ async def wait_event(event: torch.cuda.Event) -> None:
     leaves the copy engines idle between short copies; yielding keeps every other task running."""
     start = time.perf_counter()
     while not event.query():
-        await asyncio.sleep(0 if time.perf_counter() - start < SPIN_S else NAP_S)
+        await _pause(start)
+
+
+async def stream_done(device: torch.device) -> None:
+    """Wait, without blocking the loop, for the work queued so far on ``device``'s current stream."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    await wait_event(event)
+
+
+async def _pause(since: float) -> None:
+    await asyncio.sleep(0 if time.perf_counter() - since < SPIN_S else NAP_S)
 
 
 class EventPoller:
@@ -179,7 +190,7 @@ class EventPoller:
                     fut.set_result(None)
                 progress = time.perf_counter()
                 continue
-            await asyncio.sleep(0 if time.perf_counter() - progress < SPIN_S else NAP_S)
+            await _pause(progress)
 
     def cancel(self) -> None:
         if self._task is not None:

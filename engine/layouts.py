@@ -24,7 +24,8 @@ import torch
 from wire import ShardSpec
 
 from .errors import ConfigError
-from .plan.mapping import BLOCK, FP8, SCALE_SUFFIX, Mapping, SourceShape, components, full_shape, get_mapping
+from .plan.mapping import FP8, SCALE_SUFFIX, Mapping, SourceShape, block_scale_shape, components, full_shape
+from .plan.mapping import get_mapping
 from .tensors import dtype_from_name
 
 COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)\.(weight|bias)",
@@ -93,7 +94,7 @@ def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: 
         local = shard.local_shape() if shard is not None else full
         if fp8 is not None and fp8.wants(name, len(full)):
             out.append(LayoutEntry(name, FP8, local, shard))
-            scales = _scale_shape(comps, shard, name)
+            scales = block_scale_shape(name, shard, comps)
             out.append(LayoutEntry(name + SCALE_SUFFIX, "float32", scales, None))
         else:
             out.append(LayoutEntry(name, want, local, shard))
@@ -111,14 +112,6 @@ def _shard(name: str, full: tuple[int, ...], parts: int, tp: Optional[TensorPara
         raise ConfigError("tensor_parallel", f"{name}: dim {dim} of size {size} does not divide by {tp.world}")
     each = size // tp.world
     return ShardSpec(full, dim, tp.index * each, (tp.index + 1) * each)
-
-
-def _scale_shape(comps, shard: Optional[ShardSpec], name: str) -> tuple[int, int]:
-    """Block-scale rows per component (each on its own grid), concatenated; columns of the local shard."""
-    world = shard.full_shape[0] // (shard.stop - shard.start) if shard is not None and shard.dim == 0 else 1
-    rows = sum(-(-(c.rows // world) // BLOCK) for c in comps)
-    cols = shard.stop - shard.start if shard is not None and shard.dim == 1 else comps[0].rest[0]
-    return rows, -(-cols // BLOCK)
 
 
 def allocate(layout: Sequence[LayoutEntry], device: "str | torch.device" = "cpu"

@@ -136,12 +136,13 @@ class Pipeline:
         try:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
-                charge = t.nbytes if self.sources.makes_copy(t, readable) else 0
+                view = self.sources.view(t)
+                charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0
                 await self.budget.acquire(charge)
                 handed_over = False
                 try:
                     t0 = time.perf_counter()
-                    staged = await self.sources.stage(t, self.pool, algo, readable)
+                    staged = await self.sources.stage(t, self.pool, algo, readable, view)
                     staged.charge = charge
                     report.stage_s += time.perf_counter() - t0
                     await channel.send((t, staged))

@@ -147,18 +147,15 @@ class SourceSet:
             raise StagingError(t.name, f"slice {t.slice} is outside the rows this sender holds")
         return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
 
-    def makes_copy(self, t: Transfer, readable: frozenset) -> bool:
-        """Whether staging ``t`` allocates (a transform output or a staging copy) rather than a view."""
-        if t.transform:
-            return True
-        view = self.view(t)
-        return not view.is_contiguous() or view.device.type not in readable
+    def makes_copy(self, t: Transfer, view: torch.Tensor, readable: frozenset) -> bool:
+        """Whether staging ``t`` (source ``view``) allocates (a transform output or a staging copy)."""
+        return bool(t.transform) or not view.is_contiguous() or view.device.type not in readable
 
     async def stage(self, t: Transfer, pool: StagingPool, algo: str = "",
-                    readable: frozenset = frozenset({"cpu"})) -> Staged:
-        """Slice, transform (a fresh tensor on the source's device), then copy only if the connection
-        cannot read it where it is or it is not dense."""
-        view = self.view(t)
+                    readable: frozenset = frozenset({"cpu"}), view: Optional[torch.Tensor] = None) -> Staged:
+        """Slice (unless the caller passes ``view``), transform (a fresh tensor on the source's device),
+        then copy only if the connection cannot read it where it is or it is not dense."""
+        view = self.view(t) if view is None else view
         event = None
         if t.transform:
             view, event = await self.transforms.run(t, view)
@@ -168,7 +165,10 @@ class SourceSet:
         if view.is_contiguous() and view.device.type in readable:
             staged = Staged(view, event=event)
         else:
-            await Staged(view, event=event).wait()  # the copies below run on other streams
+            if event is not None:  # the copies below run on other streams: the transform must be done
+                from . import cuda_rt
+
+                await cuda_rt.wait_event(event)
             staged = await _dense_copy(t, view, nbytes, pool, readable)
         if algo:
             await staged.wait()
@@ -187,8 +187,10 @@ async def _dense_copy(t: Transfer, view: torch.Tensor, nbytes: int, pool: Stagin
     buf = pool.take(nbytes)
     dst = buf[:nbytes].view(view.dtype).view(view.shape) if nbytes else buf[:0]
     if view.device.type == "cuda":
+        from . import cuda_rt
+
         dst.copy_(view, non_blocking=True)  # into pinned host memory
-        await _completed(view.device)
+        await cuda_rt.stream_done(view.device)
     elif nbytes > THREAD_THRESHOLD:
         await asyncio.to_thread(dst.copy_, view)
     elif nbytes:
@@ -207,15 +209,8 @@ def _gather_order(transfers: Sequence[Transfer], gatherer: Gatherer) -> list[Tra
 
 
 async def _gpu_dense(view: torch.Tensor) -> torch.Tensor:
-    out = view.contiguous()
-    await _completed(view.device)
-    return out
-
-
-async def _completed(device: torch.device) -> None:
-    """Wait, without blocking the loop, for the work queued so far on ``device``'s current stream."""
     from . import cuda_rt
 
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    await cuda_rt.wait_event(event)
+    out = view.contiguous()
+    await cuda_rt.stream_done(view.device)
+    return out

@@ -108,6 +108,12 @@ def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) 
     return x.float().abs() * 2.0 ** -4 + scale * 2.0 ** -10 + 1e-30
 
 
+def within_fp8_bound(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> bool:
+    """Whether ``(q, scale_inv)`` dequantizes to within ``fp8_error_bound`` of ``x`` everywhere."""
+    err = (dequantize_blocks(q, scale_inv, block) - x.float()).abs()
+    return bool((err <= fp8_error_bound(x, scale_inv, block)).all())
+
+
 @functools.lru_cache(maxsize=256)
 def parse(transform: str) -> tuple[tuple[str, str], ...]:
     """``"t,fp8w:128"`` -> ``(("t", ""), ("fp8w", "128"))`` (a table has a handful of distinct strings)."""

@@ -6,10 +6,18 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import socket
 from multiprocessing.connection import wait
 
 CTX = mp.get_context("spawn")
 WATCHDOG = 60.0
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for a child's own listener or rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Children:

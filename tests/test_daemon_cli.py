@@ -9,7 +9,6 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import zmq
 import torch
 import zmq.asyncio
 
-from children import Children
+from children import Children, free_port
 from engine.errors import ControllerLost, RoundAborted
 from proc_helpers import SPEC, receiver_main, sender_main, sender_tensors, update_in_place
 from roles import Controller, ControllerOptions, SenderOptions, WeightSender
@@ -33,12 +32,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 WATCHDOG = 60.0
 KEY = b"k" * 32
 pytestmark = pytest.mark.slow
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spec_file(tmp_path) -> str:
@@ -77,7 +70,7 @@ async def _command(addr: str, name: str, key=None):
 
 
 async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
-    command = f"tcp://127.0.0.1:{_port()}"
+    command = f"tcp://127.0.0.1:{free_port()}"
     opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
     tensors = sender_tensors(0)
     async with Controller(senders=1, receivers=1, options=opts) as ctl:
@@ -124,7 +117,7 @@ async def test_daemon_in_an_inference_layout(tmp_path):
 
     torch.manual_seed(0)
     trainer = GPT2LMHeadModel(gpt2_config("tiny"))
-    command = f"tcp://127.0.0.1:{_port()}"
+    command = f"tcp://127.0.0.1:{free_port()}"
     opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32", mapping="gpt2")
     source = ("--arch", "gpt2-tiny", "--mapping", "gpt2", "--tp", "1/2", "--dtype", "float16")
     async with Controller(senders=1, receivers=1, options=opts) as ctl:
@@ -145,7 +138,7 @@ async def test_daemon_in_an_inference_layout(tmp_path):
 
 async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):
     kids = Children()
-    command = f"tcp://127.0.0.1:{_port()}"
+    command = f"tcp://127.0.0.1:{free_port()}"
     opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
     try:
         async with Controller(senders=1, receivers=2, options=opts) as ctl:
@@ -236,7 +229,7 @@ def test_prometheus_metrics_endpoint():
     from roles.metrics import Metrics
     from roles.rounds import LinkStat, RoundReport
 
-    port = _port()
+    port = free_port()
     metrics = Metrics(port)
     metrics.observe(RoundReport(7, True, 10**9, 0.5, {"transfer": 0.4, "fence": 0.05, "commit": 0.05},
                                 [LinkStat(0, 1, 10**9, 3, 2.5)]))

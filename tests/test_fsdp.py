@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 import torch
 
-from children import Children
+from children import Children, free_port
 from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
 from engine.tensors import dtype_name
 from fsdp_helpers import BUDGET, fsdp_sender_main, qwen2_model, trained
@@ -16,12 +15,6 @@ from layout_oracle import check_fp8_receiver, expected_qwen2
 from roles import Controller, ControllerOptions, WeightReceiver
 
 WATCHDOG = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
@@ -40,7 +33,7 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                 tensors, shards = allocate(layout)
                 receivers.append(await stack.enter_async_context(
                     WeightReceiver(ctl.address, tensors, rank=r, shards=shards)))
-            port = _free_port()
+            port = free_port()
             for rank in range(2):
                 children.start("sender", rank, fsdp_sender_main, ctl.address, rank, 2, port, [1, 2])
             for v in (1, 2):

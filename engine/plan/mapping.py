@@ -24,7 +24,7 @@ import string
 from math import prod
 from typing import Mapping as MappingT, Optional, Sequence
 
-from wire import Slice, TensorSpec, dtype_size
+from wire import ShardSpec, Slice, TensorSpec, dtype_size
 
 from ..errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
 
@@ -252,7 +252,7 @@ def parts_for(t: TensorSpec, comps: Sequence[Component], step: str, where: str,
         raise ManifestMismatch(f"receiver wants full shape {list(weight.full_shape)}, the mapping gives "
                                f"{list(full_shape(comps))} from {sorted({c.src for c in comps})}",
                                param=weight.name, ranks=[where])
-    regions = _shard_regions(weight, comps, where)
+    regions = _shard_regions(weight.name, weight.shard, comps, where)
     if scale_of is not None:
         return _scale_parts(t, regions, step, where)
     size = dtype_size(t.dtype)
@@ -266,9 +266,20 @@ def parts_for(t: TensorSpec, comps: Sequence[Component], step: str, where: str,
     return out
 
 
-def _shard_regions(t: TensorSpec, comps: Sequence[Component], where: str):
+def block_scale_shape(name: str, shard: Optional[ShardSpec], comps: Sequence[Component]) -> tuple[int, int]:
+    """The float32 ``<name>_scale_inv`` a receiver holding ``shard`` of weight ``name`` needs."""
+    blocks = [_blocks(_local_shape(c, rows, cols)) for c, rows, cols in _shard_regions(name, shard, comps, "layout")]
+    return sum(br for br, _ in blocks), blocks[-1][1]
+
+
+def _blocks(local: tuple[int, ...]) -> tuple[int, int]:
+    """Block rows and columns of a 2-D region (edge blocks ragged)."""
+    r, c = local
+    return -(-r // BLOCK), -(-c // BLOCK)
+
+
+def _shard_regions(name: str, shard: Optional[ShardSpec], comps: Sequence[Component], where: str):
     """Per component: (rows in the component, (dim, start, stop) of another receiver dim or None)."""
-    shard = t.shard
     if shard is None or comps[0].out_dim < 0:
         return [(c, (0, c.rows), None) for c in comps]
     if shard.dim != 0:
@@ -279,13 +290,13 @@ def _shard_regions(t: TensorSpec, comps: Sequence[Component], where: str):
     total = shard.full_shape[0]
     if span == 0 or total % span or shard.start % span:
         raise BadTiling(f"rows {shard.start}:{shard.stop} of {total} are not one of equal tensor-parallel shards",
-                        param=t.name, ranks=[where])
+                        param=name, ranks=[where])
     world, index = total // span, shard.start // span
     out = []
     for c in comps:
         if c.rows % world:
             raise BadTiling(f"component {c.src} [{c.start}:{c.stop}] has {c.rows} rows, not divisible into "
-                            f"{world} tensor-parallel shards", param=t.name, ranks=[where])
+                            f"{world} tensor-parallel shards", param=name, ranks=[where])
         each = c.rows // world
         out.append((c, (index * each, (index + 1) * each), None))
     return out
@@ -331,11 +342,11 @@ def _scale_parts(t: TensorSpec, regions, step: str, where: str) -> list[Part]:
                                param=t.name, ranks=[where])
     rows_total, cols_blocks, offset, out = 0, None, 0, []
     for k, (comp, rows, cols) in enumerate(regions):
-        r, c = _local_shape(comp, rows, cols)
-        if k < len(regions) - 1 and r % BLOCK:
-            raise BadTiling(f"fused component {comp.src} has {r} rows: block FP8 needs a multiple of {BLOCK} "
-                            f"to keep the components' blocks apart", param=t.name, ranks=[where])
-        br, bc = -(-r // BLOCK), -(-c // BLOCK)
+        local = _local_shape(comp, rows, cols)
+        if k < len(regions) - 1 and local[0] % BLOCK:
+            raise BadTiling(f"fused component {comp.src} has {local[0]} rows: block FP8 needs a multiple of "
+                            f"{BLOCK} to keep the components' blocks apart", param=t.name, ranks=[where])
+        br, bc = _blocks(local)
         cols_blocks = bc
         nbytes = br * bc * 4
         steps = [s for s in ("t" if comp.transpose else "", "fp8s" + step[4:]) if s]

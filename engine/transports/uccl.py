@@ -278,9 +278,7 @@ class UcclConnection:
                 blob = await asyncio.to_thread(self._blob, dst_region, dst_offset, nbytes)
             mr = self.owner.source_mr(src)
             if self._ordered != epoch:  # once per round: the producer's work is done (UCCL's streams are its own)
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(src.device))
-                await cuda_rt.wait_event(done)
+                await cuda_rt.stream_done(src.device)
                 self._ordered = epoch
             tid = _ok(ep.write_async(self.conn_id, mr, src.data_ptr(), nbytes, blob), "write_async")
             while True:  # poll this transfer id until done, exactly once done
