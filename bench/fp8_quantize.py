@@ -1,8 +1,9 @@
 """Microbenchmark: block-FP8 quantization of Qwen2.5-7B's quantized weights on one GPU, step by step.
 
 Times (median of N after a warm-up, all weights the FP8 receiver takes): the engine's
-``quantize_blocks``; its two passes alone (block max, scale-and-round); and the same function under
-``torch.compile`` (fused by Inductor, if it compiles here). Bytes read/written per element say how
+``quantize_blocks``; its two passes alone (block max, scale-and-round); the same function under
+``torch.compile`` (fused by Inductor, if it compiles here); and the engine's Triton kernel
+(``engine.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
 far each is from the memory bound.
 
     python3 bench/fp8_quantize.py --rounds 5
@@ -79,6 +80,13 @@ def main(argv=None) -> int:
             compiled, weights, args.rounds)
     except Exception as exc:  # report, keep the other rows
         rows[f"torch.compile failed: {repr(exc)[:120]}"] = float("nan")
+    from engine.fp8_kernel import quantize_many
+
+    rows["Triton kernel (engine.fp8_kernel), one launch per weight"] = _time(
+        lambda w: quantize_many([w]), weights, args.rounds)
+    per_layer = [weights[i:i + 7] for i in range(0, len(weights), 7)]  # q, k, v, o, gate, up, down
+    rows["Triton kernel, one launch per layer (7 weights)"] = _time(quantize_many, per_layer, args.rounds)
+    rows["Triton kernel, one launch for all weights"] = _time(quantize_many, [weights], args.rounds)
     print(f"{len(weights)} weights, {elems / 1e9:.2f} G elements ({2 * elems / 1e9:.1f} GB bf16)")
     for name, s in rows.items():
         print(f"  {name:<60} {s * 1e3:8.2f} ms  {2 * elems / s / 1e9:7.0f} GB/s of bf16 read")

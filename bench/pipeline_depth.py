@@ -1,8 +1,8 @@
-"""Pipelining depth: writes in flight per connection (1..32) against tensor-size mixes, per transport.
+"""Pipelining depth: writes in flight per connection (1..64) against tensor-size mixes, per transport.
 
 For each transport that can run here (tcp and memory always; cuda_ipc GPU0 -> GPU1 where two GPUs
 are), runs the engine's ``Pipeline`` over one connection for three mixes — many 64 KiB tensors, a mixed
-state dict, a few 256 MiB tensors — at depths 1, 2, 4, 8, 16, 32, and reports GB/s and the mean
+state dict, a few 256 MiB tensors — at depths 1, 2, 4, 8, 16, 32, 64, and reports GB/s and the mean
 per-transfer latency (issue to completion). Best of 3 runs per point. Writes JSON and, where
 matplotlib is installed, a PNG next to it.
 
@@ -28,7 +28,7 @@ from engine.staging import SourceSet  # noqa: E402
 from engine.transport import TransportOptions, create_transport  # noqa: E402
 from wire import PeerInfo, Transfer  # noqa: E402
 
-DEPTHS = (1, 2, 4, 8, 16, 32)
+DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -29,6 +29,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from engine.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
+
 BUCKET = 512 << 20
 
 
@@ -81,21 +83,34 @@ def per_tensor_copy_seconds(rounds: int) -> list[float]:
     return _timed(copy_all, rounds)
 
 
-def quantize_seconds(rounds: int, compiled: bool) -> list[float]:
-    """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer),
-    with the engine's quantizer (compiled) or eager ``quantize_blocks``."""
+def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
+    """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer):
+    the engine's Triton kernel over the groups a round makes, or eager ``quantize_blocks`` one by one."""
     from engine.layouts import FP8Policy
-    from engine.transforms import Quantizer
+    from engine.transforms import Quantizer, plan_quant_groups
+    from wire import Transfer
 
     policy = FP8Policy()
-    src = [v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())]
-    quantize = Quantizer(compile_cuda=compiled)
+    src = {k: v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())}
+    rows = [Transfer(i, k, None, 0, k, 0, 0, v.numel(), "fp8w:128") for i, (k, v) in enumerate(src.items())]
+    planned = plan_quant_groups(rows, lambda r: src[r.name]) if kernel else {}
+    groups, seen = [], set()
+    for t in rows:  # the launches a round makes: its groups, and single tensors
+        group = planned.get((t.name, None, "", "128"))
+        if t.name not in seen:
+            members = [r.name for r, _ in group] if group else [t.name]
+            seen.update(members)
+            groups.append([src[n] for n in members])
+    quantizer = Quantizer(use_kernel=kernel)
 
     def quantize_all():
         with torch.cuda.device(0):
-            for v in src:
-                quantize(v, 128)
-    return _timed(quantize_all, rounds)
+            for group in groups:
+                quantizer.many(group, 128)
+    times = _timed(quantize_all, rounds)
+    if kernel and quantizer.fallback:
+        raise RuntimeError(f"the FP8 kernel fell back to eager: {quantizer.fallback}")
+    return times
 
 
 # --- NCCL baselines ------------------------------------------------------------------------------
@@ -191,10 +206,11 @@ def fp8_check(state: dict, want: dict) -> bool:
     return ok
 
 
-def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn) -> None:
+def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "") -> None:
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
 
+    install_uvloop()
     torch.cuda.set_device(0)
     state = make_state("cuda:0")
     opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp))
@@ -203,8 +219,26 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn)
         async with WeightSender(addr, state, rank=0, options=opts) as sender:
             for v in range(1, rounds + 1):
                 await (await sender.push(v))
-    asyncio.run(main())
+    _profiled(main, profile)
     conn.send("done")
+
+
+def _profiled(main, path: str) -> None:
+    """Run ``main()`` on a new loop; with ``path``, under cProfile, writing the hottest functions there."""
+    if not path:
+        asyncio.run(main())
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(asyncio.run, main())
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    pathlib.Path(path).write_text(text.getvalue())
 
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False) -> None:
@@ -212,6 +246,7 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
     from engine.transport import TransportOptions
     from roles import ReceiverOptions, WeightReceiver
 
+    install_uvloop()
     torch.cuda.set_device(1)
     state = allocate(fp8_layout(), "cuda:1")[0] if fp8 else make_state("cuda:1", seed=1)
     opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device="cuda:1", uccl_tcp=uccl_tcp))
@@ -224,7 +259,8 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
     asyncio.run(main())
 
 
-async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False) -> tuple[list, bool]:
+async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
+                        profile: str = "") -> tuple[list, bool]:
     from roles import Controller, ControllerOptions
 
     ctx = mp.get_context("spawn")
@@ -233,7 +269,7 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
     async with Controller(senders=1, receivers=1, options=options) as ctl:
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
-        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out)),
+        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile)),
                  ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8))]
         for p in procs:
             p.start()
@@ -246,7 +282,8 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
 
 def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False) -> None:
     try:
-        reports, ok = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8))
+        profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
+        reports, ok = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8, profile))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -307,10 +344,12 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="uccl_write_ipc", help="extra baselines: uccl_write_ipc or ''")
     ap.add_argument("--uccl-tcp", action="store_true", help="run uccl in its tcp mode (no RDMA NIC here)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", default="", help="a folder: cProfile each engine sender, top functions there")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")
         return 0
+    install_uvloop()
     from engine.shapes import state_dict_shapes
 
     nbytes = sum(2 * torch.Size(p.shape).numel() for p in state_dict_shapes("qwen2.5-7b"))
@@ -319,9 +358,10 @@ def main(argv=None) -> int:
     for transport in [t for t in args.transports.split(",") if t]:
         _engine_rows(rows, f"engine {transport}", transport, args)
     if args.fp8:
-        for compiled in (False, True):
-            rows[f"fp8: quantize only, {'compiled' if compiled else 'eager'} (GPU 0)"] = {
-                "seconds": statistics.median(_released(quantize_seconds(args.rounds, compiled))), "ok": True,
+        for kernel in (False, True):
+            label = "Triton kernel, grouped" if kernel else "eager, one by one"
+            rows[f"fp8: quantize only, {label} (GPU 0)"] = {
+                "seconds": statistics.median(_released(quantize_seconds(args.rounds, kernel))), "ok": True,
                 "stage": True}
         _engine_rows(rows, "engine cuda_ipc fp8", "cuda_ipc", args, fp8=True)
     _print(rows, nbytes, bound, args.rounds)

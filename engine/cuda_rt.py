@@ -71,10 +71,12 @@ class on_device:
 
     def __enter__(self) -> None:
         _check(_lib().cudaGetDevice(ctypes.byref(self.previous)), "cudaGetDevice")
-        _check(_lib().cudaSetDevice(self.device), "cudaSetDevice")
+        if self.previous.value != self.device:  # (the usual case is already there: one call, not three)
+            _check(_lib().cudaSetDevice(self.device), "cudaSetDevice")
 
     def __exit__(self, *exc) -> None:
-        _lib().cudaSetDevice(self.previous.value)
+        if self.previous.value != self.device:
+            _lib().cudaSetDevice(self.previous.value)
 
 
 def raw_ipc_handle(shared: bytes) -> bytes:

@@ -3,7 +3,8 @@
 How this works: a sender's routing table is split into one lane per receiver, keeping table order
 inside each lane. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
 stager prepares sources (views or staging copies, optional checksums) and the writer issues
-one-sided writes and waits for their completion, then fences the connection. All lanes share one
+one-sided writes (ordered after the source's transform event, if any) and waits for their completion,
+then fences the connection. ``depth`` is the connection's own unless the options name one. All lanes share one
 ``ByteBudget`` for temporary memory: a transfer that needs a staging copy or a transform output holds
 its bytes from staging until its write completes; a zero-copy write (a view of the source) holds
 none and is bounded by ``depth`` alone, so large direct GPU copies queue deep enough to keep the
@@ -18,7 +19,7 @@ import collections
 import dataclasses
 import time
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from wire import Transfer
 from wire.messages import Checksum, WriteSummary
@@ -30,18 +31,19 @@ from .staging import SourceSet, Staged, StagingPool
 from .transport import Connection
 
 MiB = 1 << 20
+DEFAULT_DEPTH = 8  # for a connection that names none (``Connection.depth``): bench/pipeline_depth.py
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     max_inflight_bytes: int = 512 * MiB  # staging copies and transform outputs alive, all connections together
-    depth: int = 8  # writes in flight per connection (bench/pipeline_depth.py: docs/TRANSPORTS.md)
+    depth: Optional[int] = None  # writes in flight per connection; None: the transport's own (docs/TRANSPORTS.md)
     checksum: str = ""  # "" (off), "crc32" or "sum64" (engine.checksums)
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes <= 0:
             raise ConfigError("max_inflight_bytes", f"must be positive, got {self.max_inflight_bytes}")
-        if self.depth < 1:
+        if self.depth is not None and self.depth < 1:
             raise ConfigError("depth", f"must be at least 1, got {self.depth}")
         validate_checksum(self.checksum)
 
@@ -117,11 +119,12 @@ class Pipeline:
 
     async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int,
                     slot: int) -> None:
-        channel: Channel = Channel(self.options.depth)
+        depth = self.options.depth or getattr(conn, "depth", DEFAULT_DEPTH)
+        channel: Channel = Channel(depth)
         try:
             readable = getattr(conn, "devices", frozenset({"cpu"}))
             await run_all([self._stager(transfers, channel, report, readable),
-                           self._writer(conn, channel, report, epoch, slot)])
+                           self._writer(conn, channel, report, epoch, slot, depth)])
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
                 self.budget.release(staged.charge)
@@ -157,13 +160,13 @@ class Pipeline:
             raise
 
     async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
-                      slot: int) -> None:
+                      slot: int, depth: int) -> None:
         """Issue writes in lane order with up to ``depth`` in flight on this connection."""
         inflight: collections.deque[asyncio.Task] = collections.deque()
         try:
             async for t, staged in channel:
                 inflight.append(asyncio.ensure_future(self._write_one(conn, t, staged, report, epoch, slot)))
-                if len(inflight) >= self.options.depth:
+                if len(inflight) >= depth:
                     await inflight.popleft()
             while inflight:
                 await inflight.popleft()
@@ -175,9 +178,11 @@ class Pipeline:
     async def _write_one(self, conn: Connection, t: Transfer, staged: Staged, report: LaneReport, epoch: int,
                          slot: int) -> None:
         try:
-            await staged.wait()  # a side-stream transform finishing; the stager is queueing the next ones
             t0 = time.perf_counter()
-            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
+            if staged.event is None:
+                await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
+            else:  # a side-stream transform may still be running: the transport orders the write after it
+                await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, after=staged.event)
             report.write_s += time.perf_counter() - t0
         finally:
             self.budget.release(staged.charge)

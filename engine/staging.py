@@ -86,23 +86,28 @@ class SourceSet:
         self.gatherer = gatherer
 
     def begin(self, transfers: Sequence[Transfer]) -> list[Transfer]:
-        """A round over ``transfers`` starts: check transforms, set up shared quantizations, start gathers.
-        Returns the transfers in the order to stage them (rows of gathered parameters in gather order)."""
-        self.transforms.begin(transfers)
+        """A round over ``transfers`` starts: check transforms, plan shared (and grouped) quantizations,
+        start gathers. Returns the transfers in the order to stage them (rows of gathered parameters in
+        gather order)."""
+        self.transforms.begin(transfers, self._known_view)
         if self.gatherer is None:
             return list(transfers)
         self.gatherer.begin(transfers)
         return _gather_order(transfers, self.gatherer)
 
     def prepare(self, transfers: Sequence[Transfer]) -> None:
-        """Once per plan, blocking (run it in a thread): compile the GPU quantizer for every shape the
-        table quantizes, so that rounds do not pay for it on the event loop."""
-        shapes: dict = {}
-        for t in transfers:
-            if "fp8" in t.transform and not self.gathered(t):
-                self.transforms.warm(t, self.view(t), shapes)
-        for (device, dtype, block), group in shapes.items():
-            self.transforms.quantizer.warm(group, device, dtype, block)
+        """Once per plan, blocking (run it in a thread): compile the GPU quantization kernel for what
+        the table quantizes, so that rounds do not pay for it on the event loop."""
+        self.transforms.warm(transfers, self._known_view)
+
+    def _known_view(self, t: Transfer) -> Optional[torch.Tensor]:
+        """``t``'s source view where it exists before staging (not a gathered one, not a bad slice)."""
+        if self.gathered(t):
+            return None
+        try:
+            return self.view(t)
+        except StagingError:
+            return None  # raised again, to the round, when the row is staged
 
     def gathered(self, t: Transfer) -> bool:
         return self.gatherer is not None and t.name in self.gatherer.dtensors

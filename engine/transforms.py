@@ -9,11 +9,14 @@ grid anchored at the slice's origin; ragged edge blocks are padded with zeros fo
 One quantization makes both outputs. ``TransformSet.begin`` counts, from the round's routing table, how
 many rows ask for each (source, slice, steps) quantization; the first to run computes both, which wait
 in a small cache until the last of those rows has asked, so every quantization runs once per round and
-the cache is empty at the end of it. On CUDA the work is queued on a side stream that first waits for the
-producer's stream, and ``run`` returns the output with an event at once: the pipeline's writer waits
-for the event (polled from the loop) just before the write, while its stager queues the transforms of
-the next parameters, so quantization of later parameters overlaps the copies of earlier ones. Users may add their own named
-transforms (``custom``): a function from a source view to a tensor.
+the cache is empty at the end of it. On CUDA, consecutive quantizations are also *grouped*
+(``plan_quant_groups``: up to ``GROUP_SIZE`` tensors, ``GROUP_BYTES`` of output): the first row of a
+group quantizes the whole group in one Triton launch (``engine.fp8_kernel``) and the others find their
+outputs in the cache. The work is queued on a side stream that first waits for the producer's stream,
+and ``run`` returns the output with an event at once: the transport orders the write after that event
+on the device (or waits for it on the host), while the stager queues the transforms of the next
+parameters, so quantization of later parameters overlaps the copies of earlier ones. Users may add their
+own named transforms (``custom``): a function from a source view to a tensor.
 """
 
 from __future__ import annotations
@@ -63,32 +66,51 @@ def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
 
 
 class Quantizer:
-    """``quantize_blocks`` for one device type: on CUDA compiled by ``torch.compile`` (Inductor fuses
-    the block max and the scale-and-round: ~5x faster than eager on an H200, bench/fp8_quantize.py),
-    falling back to eager, with a warning, if compiling fails here. ``warm`` compiles ahead of a round,
-    for each shape the routing table will quantize, so the first round does not pay for it."""
+    """``quantize_blocks`` for a list of tensors: on CUDA one Triton launch per list
+    (``engine.fp8_kernel``; the per-tensor launches and Python of the eager path were what FP8 rounds
+    waited on), elsewhere eager, tensor by tensor. If the kernel cannot run here (no Triton, a compile
+    error) it warns once and quantizes eagerly: correct, only slower."""
 
-    def __init__(self, compile_cuda: bool = True) -> None:
-        self.compile_cuda = compile_cuda
-        self._compiled = None
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.use_kernel = use_kernel
         self.fallback: Optional[str] = None
+        self.launches = 0
+
+    def __repr__(self) -> str:
+        mode = "eager" if not self.use_kernel or self.fallback else "kernel"
+        return f"<Quantizer {mode} launches={self.launches}>"
 
     def __call__(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.device.type != "cuda" or not self.compile_cuda or self.fallback is not None:
-            return quantize_blocks(x, block)
-        if self._compiled is None:
-            self._compiled = torch.compile(quantize_blocks, dynamic=False)
-        try:
-            return self._compiled(x, block)
-        except Exception as exc:  # an Inductor/Triton problem on this machine: eager is correct, only slower
-            self.fallback = repr(exc)[:200]
-            log.warning("block FP8: torch.compile failed (%s); quantizing eagerly", self.fallback)
-            return quantize_blocks(x, block)
+        return self.many([x], block)[0]
 
-    def warm(self, shapes, device: torch.device, dtype: torch.dtype, block: int) -> None:
-        """Compile for each 2-D shape now (blocking: run it in a worker thread)."""
-        for shape in sorted(set(shapes)):
-            self(torch.zeros(shape, dtype=dtype, device=device), block)
+    def many(self, xs: list[torch.Tensor], block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device)."""
+        if xs and self._kernel_for(xs[0].device):
+            try:
+                from . import fp8_kernel
+
+                out = fp8_kernel.quantize_many(xs, block)
+                self.launches += 1
+                return out
+            except Exception as exc:  # no Triton or a Triton problem on this machine: eager is correct
+                self.fallback = repr(exc)[:200]
+                log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
+        self.launches += len(xs)
+        return [quantize_blocks(x, block) for x in xs]
+
+    def warm(self, device: torch.device, dtype: torch.dtype, block: int) -> None:
+        """Compile the kernel for ``dtype`` now (blocking: run it in a worker thread)."""
+        if self._kernel_for(device):
+            try:
+                from . import fp8_kernel
+
+                fp8_kernel.warm(device, dtype, block)
+            except Exception as exc:
+                self.fallback = repr(exc)[:200]
+                log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
+
+    def _kernel_for(self, device: torch.device) -> bool:
+        return self.use_kernel and self.fallback is None and device.type == "cuda"
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -125,16 +147,20 @@ class TransformSet:
 
     BUILTIN = frozenset({"t", "cast", "fp8w", "fp8s"})
 
-    def __init__(self, custom: Mapping[str, Transform] = {}, compile_cuda: bool = True) -> None:
+    def __init__(self, custom: Mapping[str, Transform] = {}, use_kernel: bool = True,
+                 group_devices: frozenset = frozenset({"cuda"})) -> None:
         self.custom = dict(custom)
-        self.quantizer = Quantizer(compile_cuda)
+        self.group_devices = group_devices  # where quantizations are batched (one launch per group)
+        self.quantizer = Quantizer(use_kernel)
         self.pending: Counter = Counter()  # quantization key -> rows of this round still to ask for it
         self.kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (weight, scale_inv) still wanted
+        self.groups: dict[tuple, list[tuple[Transfer, torch.Tensor]]] = {}  # key -> its group's (row, source view)
         self.quantized = 0
         self._streams: dict[int, torch.cuda.Stream] = {}
 
     def __repr__(self) -> str:
-        return f"<TransformSet quantized={self.quantized} kept={len(self.kept)} custom={sorted(self.custom)}>"
+        return (f"<TransformSet quantized={self.quantized} kept={len(self.kept)} groups={len(self.groups)} "
+                f"{self.quantizer!r} custom={sorted(self.custom)}>")
 
     def check(self, name: str, transform: str) -> None:
         """Raise ``StagingError`` for a transform this sender cannot run (before the round starts)."""
@@ -146,10 +172,12 @@ class TransformSet:
             if op == "cast":
                 dtype_from_name(arg)
 
-    def begin(self, transfers) -> None:
-        """A new round: count who will ask for each quantization; forget anything kept from before."""
+    def begin(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None) -> None:
+        """A new round: count who will ask for each quantization, group the quantizations of CUDA sources
+        (``view_of``: a row's source view, None where it is not known yet); forget what was kept."""
         self.kept.clear()
         self.pending = Counter(_quant_key(t) for t in transfers if "fp8" in t.transform)
+        self.groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
         first = {}  # each distinct transform once, named by its first row
         for t in transfers:
             if t.transform:
@@ -157,13 +185,15 @@ class TransformSet:
         for transform, name in first.items():
             self.check(name, transform)
 
-    def warm(self, t: Transfer, view: torch.Tensor, shapes: dict) -> None:
-        """Note the shape row ``t`` will quantize (for ``Quantizer.warm``)."""
-        if "fp8" not in t.transform or view.device.type != "cuda" or view.dim() != 2:
-            return
-        shape = tuple(view.shape[::-1]) if t.transform.startswith("t,") else tuple(view.shape)
-        block = int(t.transform.rpartition(":")[2])
-        shapes.setdefault((view.device, view.dtype, block), set()).add(shape)
+    def warm(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]]) -> None:
+        """Compile the GPU kernel for each (device, dtype, block) the table quantizes (blocking)."""
+        kinds = set()
+        for t in transfers:
+            view = view_of(t) if "fp8" in t.transform else None
+            if view is not None and view.device.type == "cuda":
+                kinds.add((view.device, self._head(t, view).dtype, int(t.transform.rpartition(":")[2])))
+        for device, dtype, block in sorted(kinds, key=str):
+            self.quantizer.warm(device, dtype, block)
 
     async def run(self, t: Transfer, view: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
         """The transformed, contiguous tensor for row ``t`` (on the source's device), and for CUDA the
@@ -189,6 +219,14 @@ class TransformSet:
         fn = self.custom.get(t.transform)
         if fn is not None:
             return fn(view).contiguous()
+        x = self._head(t, view)
+        for op, arg in parse(t.transform):
+            if op in ("fp8w", "fp8s"):
+                x = self._quantized(t, x, op, int(arg))
+        return x.contiguous()
+
+    def _head(self, t: Transfer, view: torch.Tensor) -> torch.Tensor:
+        """``view`` after the row's steps that come before a quantization (all of them if none)."""
         x = view
         for op, arg in parse(t.transform):
             if op == "t":
@@ -198,10 +236,10 @@ class TransformSet:
             elif op == "cast":
                 x = x.to(dtype_from_name(arg))
             elif op in ("fp8w", "fp8s"):
-                x = self._quantized(t, x, op, int(arg))
+                break
             else:
                 raise StagingError(t.name, f"unknown transform step {op!r} in {t.transform!r}")
-        return x.contiguous()
+        return x
 
     def _quantized(self, t: Transfer, x: torch.Tensor, op: str, block: int) -> torch.Tensor:
         key = _quant_key(t)
@@ -209,8 +247,7 @@ class TransformSet:
         if both is None:
             if x.dim() != 2:
                 raise StagingError(t.name, f"block FP8 needs a 2-D weight, got {list(x.shape)}")
-            both = self.quantizer(x, block)
-            self.quantized += 1
+            both = self._quantize_group(key, x, block)
         self.pending[key] -= 1
         if self.pending[key] > 0:  # more rows of this round want this quantization: keep it for them
             self.kept[key] = both
@@ -218,12 +255,59 @@ class TransformSet:
             self.kept.pop(key, None)
         return both[0] if op == "fp8w" else both[1]
 
+    def _quantize_group(self, key: tuple, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` and, in the same launch, the rest of its group (kept for their rows)."""
+        members = [(k, r, v) for k, (r, v) in ((_quant_key(r), (r, v)) for r, v in self.groups.get(key, ()))
+                   if k != key and k not in self.kept and self.pending[k] > 0]
+        inputs, keys = [x], [key]
+        for k, row, view in members:
+            head = self._head(row, view)
+            if head.dim() == 2 and head.dtype == x.dtype and head.device == x.device:
+                inputs.append(head)  # (anything else is quantized, or refused, when its own row comes)
+                keys.append(k)
+        results = self.quantizer.many(inputs, block)
+        self.quantized += len(results)
+        for k, both in zip(keys[1:], results[1:]):
+            self.kept[k] = both
+        return results[0]
+
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = torch.cuda.Stream(device=index)
         return stream
+
+
+GROUP_BYTES = 128 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
+GROUP_SIZE = 16  # tensors per launch
+
+
+def plan_quant_groups(transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]],
+                      skip: frozenset = frozenset(), devices: frozenset = frozenset({"cuda"}),
+                      max_bytes: int = GROUP_BYTES, max_size: int = GROUP_SIZE) -> dict[tuple, list]:
+    """Consecutive quantizations (table order) of sources on ``devices`` of one dtype and block size, cut at
+    ``max_size`` tensors or ``max_bytes`` of FP8 output: quantization key -> its group's
+    ``(row, source view)`` list (every key of a group maps to the same list). Pure; rows whose source
+    is not known yet (``view_of`` gives None) or whose transform is in ``skip`` stay ungrouped."""
+    groups: dict[tuple, list] = {}
+    current: list = []
+    size, kind = 0, None
+    for t in transfers:
+        if t.transform in skip or not any(op in ("fp8w", "fp8s") for op, _ in parse(t.transform)):
+            continue
+        key = _quant_key(t)
+        view = None if key in groups else view_of(t)
+        if view is None or view.device.type not in devices:
+            continue
+        nbytes = view.numel()  # one byte per FP8 element
+        this_kind = (view.device, view.dtype, key[2], key[3])
+        if current and (len(current) >= max_size or size + nbytes > max_bytes or kind != this_kind):
+            current, size = [], 0
+        current.append((t, view))
+        size, kind = size + nbytes, this_kind
+        groups[key] = current
+    return {k: g for k, g in groups.items() if len(g) > 1}
 
 
 def _quant_key(t: Transfer) -> tuple:

@@ -5,7 +5,7 @@ How this works: a ``Transport`` is one worker's data-plane endpoint. The target 
 that travels in manifests); its agent lands incoming bytes straight into them and keeps per-source
 counters. The initiator (a sender) ``connect`` s to a peer from its ``PeerInfo`` and gets a
 ``Connection``: ``write`` puts a byte range of a local tensor into (region, offset) of the peer and
-completes when the source may be reused; ``fence`` completes only once every earlier write on that
+completes when the source may be reused (optionally ordered after a CUDA event: ``after``); ``fence`` completes only once every earlier write on that
 connection is visible at the target, and checks the target's byte counts against ours. Writes carry
 their round (``epoch``): a target counts per (source, epoch), because a sender may start writing before
 the receiver has even seen the round begin, and drops late writes of rounds it has closed. Everything
@@ -53,13 +53,26 @@ class SourceCounters:
 class Connection(Protocol):
     peer: str
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
-        """Write the bytes of ``src`` (contiguous) into the peer's region at an offset, for round ``epoch``."""
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+                    after: Optional[torch.cuda.Event] = None) -> None:
+        """Write the bytes of ``src`` (contiguous) into the peer's region at an offset, for round ``epoch``.
+
+        ``after``: a CUDA event that marks ``src`` complete (a transform still running on a side
+        stream). A transport that queues device work orders the write behind it on the device;
+        the others wait for it on the host (``wait_after``) before reading ``src``."""
 
     async def fence(self) -> None:
         """Return once every earlier write is visible at the target; raise if any failed."""
 
     async def close(self) -> None: ...
+
+
+async def wait_after(after: Optional[torch.cuda.Event]) -> None:
+    """For transports that read a source from the host side: until ``after`` (if any) has happened."""
+    if after is not None:
+        from . import cuda_rt
+
+        await cuda_rt.wait_event(after)
 
 
 @runtime_checkable

@@ -318,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JsonFormatter() if args.log_json else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
+    from engine.aio import install_uvloop
     from engine.errors import WeightSyncError
 
+    install_uvloop()  # the controller and the daemon run on uvloop where it is installed
     try:
         return args.func(args)
     except WeightSyncError as exc:

@@ -92,8 +92,27 @@ def test_fp8_quantization_on_gpu_within_the_reference_bound():
     assert within_fp8_bound(x, q, s)
 
 
+def test_fp8_kernel_quantizes_many_strided_tensors_in_one_launch():
+    from engine.transforms import Quantizer, quantize_blocks, within_fp8_bound
+
+    g = torch.Generator(device="cuda:0").manual_seed(4)
+    base = (torch.randn(700, 390, generator=g, device="cuda:0") * 2).to(torch.bfloat16)
+    xs = [base, base.t(), base[100:356, 7:300], torch.zeros(3, 5, dtype=torch.bfloat16, device="cuda:0"),
+          (torch.randn(256, 128, generator=g, device="cuda:0") * 1e-4).to(torch.bfloat16)]
+    quantizer = Quantizer()
+    got = quantizer.many(xs, 128)
+    assert quantizer.fallback is None and quantizer.launches == 1, quantizer.fallback
+    for x, (q, s) in zip(xs, got):
+        q_ref, s_ref = quantize_blocks(x)
+        assert q.shape == x.shape and q.is_contiguous() and s.shape == s_ref.shape
+        assert torch.allclose(s, s_ref, rtol=2e-7, atol=0)
+        assert within_fp8_bound(x, q, s)
+        assert (q.float() == q_ref.float()).float().mean() > 0.999  # (the division may round differently)
+
+
+@pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
-async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst):
+async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
     from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
     from engine.tensors import dtype_name
     from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
@@ -103,7 +122,7 @@ async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst):
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     tp = TensorParallel(1, 2)
     layouts = [receiver_layout(shapes, "qwen2", tp=tp), receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
-    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, checksum="crc32", mapping="qwen2")
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, checksum=checksum, mapping="qwen2")
     async with Controller(senders=1, receivers=2, options=opts) as ctl:
         sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc"))
         receivers = [WeightReceiver(ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],

@@ -16,7 +16,7 @@ from engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParam
 from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
 from engine.plan import Rule, Mapping, get_mapping, plan
 from engine.tensors import dtype_name
-from engine.transforms import dequantize_blocks, quantize_blocks, within_fp8_bound
+from engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
 from layout_oracle import check_fp8_receiver, expected_gpt2, expected_qwen2, qwen2_state
 from plan_helpers import participant, tensor
 from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
@@ -171,15 +171,21 @@ async def test_gpt2_conv1d_transposed_and_split_per_component():
         assert all(t.dtype == torch.float16 for t in receivers[2].state_dict().values())
 
 
-async def test_bf16_to_block_fp8_receivers():
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_bf16_to_block_fp8_receivers(grouped):
     src = qwen2_state(seed=1)
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))  # lm_head too: 1000 rows, ragged last block
     tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
     layouts = [receiver_layout(shapes, "qwen2", tp=tp, fp8=policy) for tp in tps]
     async with _cluster(src, layouts, "qwen2") as (ctl, sender, receivers):
+        transforms = sender.sources.transforms
+        if grouped:  # the batching CUDA sources get, here on CPU (eager, tensor by tensor)
+            transforms.group_devices = frozenset({"cpu"})
         await _one_round(sender, receivers)
-        assert sender.sources.transforms.kept == {}  # every weight + scale pair quantized once, nothing left
+        assert transforms.kept == {}  # every weight + scale pair quantized once, nothing left
+        groups = {id(g): g for g in transforms.groups.values()}
+        assert (len(groups) > 0) == grouped and all(2 <= len(g) <= GROUP_SIZE for g in groups.values())
         for tp, r in zip(tps, receivers):
             fp8 = check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
             assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
@@ -199,7 +205,8 @@ def test_layout_tp_rules_and_refusals():
         TensorParallel(2, 2)
 
 
-async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes():
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes(grouped):
     from engine.shapes import gpt2_config
     from transformers import GPT2LMHeadModel
 
@@ -208,7 +215,10 @@ async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes():
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     layout = receiver_layout(shapes, "gpt2", fp8=FP8Policy())
     async with _cluster(src, [layout], "gpt2") as (ctl, sender, receivers):
+        if grouped:  # transposed views inside a group (each member's own steps before quantizing)
+            sender.sources.transforms.group_devices = frozenset({"cpu"})
         await _one_round(sender, receivers)
+        assert bool(sender.sources.transforms.groups) == grouped
         quantized = check_fp8_receiver(receivers[0].state_dict(), lambda n: expected_gpt2(src, n, TensorParallel(0, 1)))
         assert "transformer.h.0.attn.c_attn.weight" in quantized and "transformer.h.1.mlp.c_proj.weight" in quantized
         assert not any(".wte." in n or ".wpe." in n or ".ln_" in n for n in quantized)
@@ -233,3 +243,23 @@ async def test_custom_and_unknown_transforms_on_the_sender():
     with pytest.raises(StagingError, match="source gives 48 bytes, the table says 40"):
         sources.begin(rows)
         await sources.stage(Transfer(0, "w", None, 0, "w", 0, 0, 40, "t"), StagingPool())
+
+
+def test_quantization_groups_are_consecutive_and_bounded():
+    from wire import Slice, Transfer
+
+    views = {f"w{i}": torch.zeros(4, 8) for i in range(6)}
+    views["h"] = torch.zeros(4, 8, dtype=torch.float16)  # another dtype: starts a new group
+    rows = [Transfer(i, n, None, 0, n, 0, 0, 32, "fp8w:128") for i, n in enumerate(["w0", "w1", "w2", "h", "w3"])]
+    rows.append(Transfer(9, "w0", None, 1, "w0", 0, 0, 4, "fp8s:128"))  # w0's scale row: same quantization
+    rows.append(Transfer(10, "w4", Slice(0, 0, 2), 0, "w4", 0, 0, 16, "fp8w:128"))
+    rows.append(Transfer(11, "w5", None, 0, "w5", 0, 0, 32, "mine"))  # a custom transform: never grouped
+    rows.append(Transfer(12, "gone", None, 0, "gone", 0, 0, 32, "fp8w:128"))  # no view yet (a gathered source)
+    groups = plan_quant_groups(rows, lambda t: views.get(t.name), skip=frozenset({"mine"}),
+                               devices=frozenset({"cpu"}), max_bytes=80, max_size=2)
+    names = {key[0]: [r.name for r, _ in g] for key, g in groups.items()}
+    assert names == {"w0": ["w0", "w1"], "w1": ["w0", "w1"], "w3": ["w3", "w4"], "w4": ["w3", "w4"]}
+    # w2 is alone (size cut, then "h" changes the dtype); bytes cut: 32 + 32 + 16 > 80 needs a third
+    assert plan_quant_groups(rows, lambda t: views.get(t.name), devices=frozenset({"cuda"})) == {}
+    big = plan_quant_groups(rows[:3], lambda t: views.get(t.name), devices=frozenset({"cpu"}), max_bytes=64)
+    assert [r.name for r, _ in next(iter(big.values()))] == ["w0", "w1"]

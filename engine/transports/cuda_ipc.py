@@ -7,7 +7,8 @@ peer handle once per local device, in the *sender's* device context, with peer a
 caches the mapping (a block shared by several regions is opened once). The first ``write`` of a round
 orders the copy streams after the producer's stream; each write queues a pointer-to-pointer
 ``cudaMemcpyAsync`` on a dedicated stream of the sender's device (the copy engine pushes over
-NVLink/PCIe; the same GPU is a local device copy) and waits for its CUDA event, which one poller task
+NVLink/PCIe; the same GPU is a local device copy), behind the source's transform event if it has
+one (``stream.wait_event``: no host round trip), and waits for its CUDA event, which one poller task
 per connection queries from the event loop, oldest first (``cuda_rt.EventPoller``). So ``fence`` has
 nothing left to wait for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
 Writes are not observable by the target (``counters`` is empty); senders report them instead.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from typing import Optional
+
 import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
@@ -117,6 +120,7 @@ class CudaIpcTransport:
 
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
+    depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
 
     def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str) -> None:
         self.owner = owner
@@ -133,7 +137,8 @@ class CudaIpcConnection:
     def __repr__(self) -> str:
         return f"<CudaIpcConnection to {self.peer} sent={self.sent_count}/{self.sent_bytes} bytes>"
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+                    after: Optional[torch.cuda.Event] = None) -> None:
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         desc = self.regions.get(dst_region)
@@ -150,6 +155,8 @@ class CudaIpcConnection:
                 self._ordered[device] = epoch
             stream = self.owner.stream(device, self._issued)
             self._issued += 1
+            if after is not None:
+                stream.wait_event(after)  # on the device: the transform's output is complete first
             cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
             done = torch.cuda.Event()
             done.record(stream)

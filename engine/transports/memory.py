@@ -17,7 +17,7 @@ import torch
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from ..errors import ConnectionClosed, RegistrationError, TransportError
-from ..transport import SourceCounters, TransportOptions
+from ..transport import SourceCounters, TransportOptions, wait_after
 
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
 _NEXT = itertools.count(1)
@@ -81,7 +81,9 @@ class MemoryConnection:
         self.sent_bytes = 0
         self.closed = False
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+                    after: Optional[torch.cuda.Event] = None) -> None:
+        await wait_after(after)
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         if self.local.fail_writes:

@@ -33,7 +33,7 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 
 from ..errors import ConnectionClosed, TransportError
 from ..tensors import byte_view
-from ..transport import SourceCounters, TransportOptions
+from ..transport import SourceCounters, TransportOptions, wait_after
 
 HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
@@ -266,7 +266,9 @@ class TcpConnection:
         async with self.lock:
             await self._send([HEADER.pack(OP_HELLO, rank, MAGIC, 0, 0)])
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+                    after: Optional[torch.cuda.Event] = None) -> None:
+        await wait_after(after)
         payload = byte_view(src)
         header = HEADER.pack(OP_WRITE, dst_region, dst_offset, len(payload), epoch)
         async with self.lock:

@@ -32,7 +32,7 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
-from ..transport import SourceCounters, TransportOptions
+from ..transport import SourceCounters, TransportOptions, wait_after
 
 log = logging.getLogger("weightsync")
 
@@ -267,7 +267,9 @@ class UcclConnection:
             self.blobs[key] = blob
         return blob
 
-    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+    async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+                    after: Optional[torch.cuda.Event] = None) -> None:
+        await wait_after(after)
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         nbytes = src.numel() * src.element_size()

@@ -1,0 +1,132 @@
+"""Block FP8 quantization of many tensors in one GPU launch (Triton), for the sender's FP8 transforms.
+
+How this works. ``quantize_many(xs, block)`` takes 2-D tensors of one float dtype on one GPU, any
+strides (a transposed or TP-sliced view is read in place), and returns ``(fp8, scale_inv)`` per tensor,
+exactly the layout of ``engine.transforms.quantize_blocks``. Tensors are launched in classes (inner
+dimension contiguous or not; every row start 16-element aligned or not: the kernel is specialised for
+each, so the common case loads and stores whole vectors). Per launch a small int64 table, one row per
+tensor (rows, columns, strides, the offsets of its source and outputs from three base pointers, and its
+first block), goes to the GPU; the grid is the blocks of all tensors together, and each program finds
+its tensor by comparing its block number with the table's first-block column, then quantizes one
+B x B block (edge blocks masked: absent elements count as zero for the max). One launch replaces two
+or three kernel launches and a Python wrapper per tensor: the host cost of FP8 rounds was those
+launches (docs/TRANSFORMS.md). Addresses are offsets from the first tensor of each kind, so the
+compiler knows their alignment (a pointer loaded from memory would defeat vector loads).
+
+The module imports Triton at import time: import it only where CUDA is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import triton
+import triton.language as tl
+
+COLUMNS = 8  # rows, cols, row stride, col stride, source, fp8 out and scale_inv offsets, first block
+MAX_TENSORS = 64  # per launch (a longer list is split)
+ALIGN = 16  # elements: what "aligned" promises the compiler about row starts
+
+_IN_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit(do_not_specialize=["n"])
+def _quantize_blocks_kernel(table, n, src, out, scales, BLOCK: tl.constexpr, MAXN: tl.constexpr,
+                            INNER_CONTIGUOUS: tl.constexpr, ALIGNED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, MAXN)
+    firsts = tl.load(table + idx * 8 + 7, mask=idx < n, other=1 << 62)
+    entry = table + (tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1) * 8
+    rows = tl.load(entry + 0)
+    cols = tl.load(entry + 1)
+    row_stride = tl.load(entry + 2)
+    col_stride = tl.load(entry + 3)
+    src_at = tl.load(entry + 4)
+    out_at = tl.load(entry + 5)
+    scale_at = tl.load(entry + 6)
+    blk = pid - tl.load(entry + 7)
+    if ALIGNED:
+        cols = tl.multiple_of(cols, 16)
+        row_stride = tl.multiple_of(row_stride, 16)
+        src_at = tl.multiple_of(src_at, 16)
+        out_at = tl.multiple_of(out_at, 16)
+    block_cols = (cols + BLOCK - 1) // BLOCK
+    r = (blk // block_cols) * BLOCK + tl.arange(0, BLOCK)
+    c = (blk % block_cols) * BLOCK + tl.arange(0, BLOCK)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    if INNER_CONTIGUOUS:
+        at = r[:, None] * row_stride + c[None, :]
+    else:
+        at = r[:, None] * row_stride + c[None, :] * col_stride
+    x = tl.load(src + src_at + at, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12)  # transforms.MIN_AMAX
+    scale_inv = amax / 448.0  # transforms.FP8_MAX
+    q = x * (1.0 / scale_inv)
+    tl.store(out + out_at + r[:, None] * cols + c[None, :], q.to(tl.float8e4nv), mask=mask)
+    tl.store(scales + scale_at + blk, scale_inv)
+
+
+def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Block FP8 of every 2-D tensor in ``xs`` (one dtype, one device): one launch per class of up to
+    ``MAX_TENSORS`` tensors."""
+    if not xs:
+        return []
+    device, dtype = xs[0].device, xs[0].dtype
+    if dtype not in _IN_TYPES:
+        raise ValueError(f"block FP8 quantizes bfloat16, float16 or float32 tensors, got {dtype}")
+    outs, classes = [], {}
+    for x in xs:
+        if x.dim() != 2 or x.device != device or x.dtype != dtype:
+            raise ValueError(f"quantize_many takes 2-D {dtype} tensors on {device}, got "
+                             f"{x.dtype} {list(x.shape)} on {x.device}")
+        rows, cols = x.shape
+        q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty((-(-rows // block), -(-cols // block)), dtype=torch.float32, device=device)
+        outs.append((q, s))
+        if x.numel():
+            classes.setdefault(_class_of(x, q), []).append((x, q, s))
+    for (inner, aligned), members in classes.items():
+        for start in range(0, len(members), MAX_TENSORS):
+            _launch(members[start:start + MAX_TENSORS], block, inner, aligned)
+    return outs
+
+
+def _class_of(x: torch.Tensor, q: torch.Tensor) -> tuple[bool, bool]:
+    """(inner dim contiguous, every row start ALIGN-element aligned in the source and the output)."""
+    inner = x.stride(1) == 1 or x.shape[1] == 1
+    size = x.element_size()
+    aligned = (inner and x.shape[1] % ALIGN == 0 and x.stride(0) % ALIGN == 0
+               and x.data_ptr() % (ALIGN * size) == 0 and q.data_ptr() % ALIGN == 0)
+    return inner, aligned
+
+
+def _launch(members: list, block: int, inner: bool, aligned: bool) -> None:
+    x0, q0, s0 = members[0]
+    size = x0.element_size()
+    table, first = [], 0
+    for x, q, s in members:
+        rows, cols = x.shape
+        table.append((rows, cols, x.stride(0), x.stride(1), (x.data_ptr() - x0.data_ptr()) // size,
+                      q.data_ptr() - q0.data_ptr(), (s.data_ptr() - s0.data_ptr()) // 4, first))
+        first += s.numel()
+    _quantize_blocks_kernel[(first,)](_table(table, x0.device), len(members), x0, q0, s0, BLOCK=block,
+                                      MAXN=MAX_TENSORS, INNER_CONTIGUOUS=inner, ALIGNED=aligned,
+                                      num_warps=8 if block >= 128 else 4)
+
+
+def _table(entries: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """The launch's table on ``device``, copied from pinned memory on the current stream (the
+    caching host allocator keeps the pinned buffer until that copy has run)."""
+    host = torch.tensor(entries, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def warm(device: torch.device, dtype: torch.dtype, block: int) -> None:
+    """Compile every class of the kernel for ``dtype`` (blocking: run it in a worker thread)."""
+    aligned = torch.zeros((2 * ALIGN, 2 * ALIGN), dtype=dtype, device=device)
+    odd = torch.zeros((2 * ALIGN, 2 * ALIGN + 1), dtype=dtype, device=device)
+    quantize_many([aligned, odd, odd.t()], block)  # one tensor of each class
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
