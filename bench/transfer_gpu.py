@@ -83,6 +83,23 @@ def per_tensor_copy_seconds(rounds: int) -> list[float]:
     return _timed(copy_all, rounds)
 
 
+def pointer_copy_seconds(rounds: int, streams: int = 2) -> list[float]:
+    """The same tensors as raw pointer copies issued from GPU 0 on ``streams`` streams, round robin:
+    the copy pattern of the engine's cuda_ipc writes, without the engine (its floor)."""
+    from engine import cuda_rt
+
+    src = make_state("cuda:0")
+    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
+    cuda_rt.enable_peer_access(0, 1)
+    pool = [torch.cuda.Stream(device=0) for _ in range(streams)]
+    pairs = [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
+
+    def copy_all():
+        for i, (d, s, n) in enumerate(pairs):
+            cuda_rt.memcpy_async(d, s, n, pool[i % streams])
+    return _timed(copy_all, rounds)
+
+
 def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
     """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer):
     the engine's Triton kernel over the groups a round makes, or eager ``quantize_blocks`` one by one."""
@@ -218,9 +235,12 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
     async def main():
         async with WeightSender(addr, state, rank=0, options=opts) as sender:
             for v in range(1, rounds + 1):
-                await (await sender.push(v))
+                handle = await sender.push(v)
+                await handle
+                pipeline_s.append(handle.report.seconds)
+    pipeline_s: list[float] = []
     _profiled(main, profile)
-    conn.send("done")
+    conn.send(pipeline_s[1:])
 
 
 def _profiled(main, path: str) -> None:
@@ -275,24 +295,27 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
         ok = await asyncio.get_running_loop().run_in_executor(None, r_in.recv)
+        pipeline_s = await asyncio.get_running_loop().run_in_executor(None, s_in.recv)
         for p in procs:
             p.join(120)
-    return reports[1:], ok
+    return reports[1:], ok, pipeline_s
 
 
 def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False) -> None:
     try:
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
-        reports, ok = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8, profile))
+        reports, ok, pipeline_s = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8, profile))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
     med = statistics.median
     rows[f"{label}: full round"] = {"seconds": med(r.seconds for r in reports), "ok": ok,
                                     "bytes": med(r.nbytes for r in reports)}
-    for stage in ("transfer", "fence", "commit", "sender_stage_max", "sender_write_max"):
+    for stage in ("transfer", "fence", "commit", "sender_stage_max"):
         rows[f"{label}: {stage}"] = {"seconds": med(r.stages.get(stage, 0.0) for r in reports), "ok": ok,
                                      "stage": True}
+    rows[f"{label}: sender pipeline (first stage to last write)"] = {"seconds": med(pipeline_s), "ok": ok,
+                                                                     "stage": True}
 
 
 def _baseline_rows(rows: dict, nbytes: int, args) -> float:
@@ -300,6 +323,8 @@ def _baseline_rows(rows: dict, nbytes: int, args) -> float:
     rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
     rows["peer copy per tensor, one stream"] = {
         "seconds": statistics.median(_released(per_tensor_copy_seconds(args.rounds))), "ok": True}
+    rows["pointer copies per tensor, 2 streams (engine floor)"] = {
+        "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds))), "ok": True}
     nccl, nccl_ok = nccl_baselines(args.rounds)
     for name, times in nccl.items():
         rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}

@@ -185,12 +185,14 @@ class SourceSet:
 async def _dense_copy(t: Transfer, view: torch.Tensor, nbytes: int, pool: StagingPool,
                       readable: frozenset) -> Staged:
     """A contiguous copy the connection can read: on the same GPU, or in pinned host memory."""
+    if not nbytes:  # nothing to copy (and a 0-byte pool buffer has no shape to take)
+        return Staged(torch.empty(view.shape, dtype=view.dtype))
     if view.device.type == "cuda" and "cuda" in readable:
         return Staged(await _gpu_dense(view))  # a dense copy on the same GPU, not through the host
     if view.device.type not in readable and "cpu" not in readable:
         raise StagingError(t.name, f"the connection reads {sorted(readable)} memory, the source is on {view.device}")
     buf = pool.take(nbytes)
-    dst = buf[:nbytes].view(view.dtype).view(view.shape) if nbytes else buf[:0]
+    dst = buf[:nbytes].view(view.dtype).view(view.shape)
     if view.device.type == "cuda":
         from . import cuda_rt
 
@@ -198,7 +200,7 @@ async def _dense_copy(t: Transfer, view: torch.Tensor, nbytes: int, pool: Stagin
         await cuda_rt.stream_done(view.device)
     elif nbytes > THREAD_THRESHOLD:
         await asyncio.to_thread(dst.copy_, view)
-    elif nbytes:
+    else:
         dst.copy_(view)
     return Staged(dst, buf)
 

@@ -153,10 +153,12 @@ class TransformSet:
         self.group_devices = group_devices  # where quantizations are batched (one launch per group)
         self.quantizer = Quantizer(use_kernel)
         self.pending: Counter = Counter()  # quantization key -> rows of this round still to ask for it
-        self.kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (weight, scale_inv) still wanted
+        self.kept: dict[tuple, tuple] = {}  # key -> (weight, scale_inv, CUDA event or None) still wanted
         self.groups: dict[tuple, list[tuple[Transfer, torch.Tensor]]] = {}  # key -> its group's (row, source view)
         self.quantized = 0
+        self.rounds = 0
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._ordered: dict[int, int] = {}  # side stream's device -> the round it was last ordered after the producer
 
     def __repr__(self) -> str:
         return (f"<TransformSet quantized={self.quantized} kept={len(self.kept)} groups={len(self.groups)} "
@@ -166,16 +168,20 @@ class TransformSet:
         """Raise ``StagingError`` for a transform this sender cannot run (before the round starts)."""
         if transform in self.custom:
             return
-        for op, arg in parse(transform):
+        steps = parse(transform)
+        for i, (op, arg) in enumerate(steps):
             if op not in self.BUILTIN:
                 raise StagingError(name, f"unknown transform {transform!r} (step {op!r})")
             if op == "cast":
                 dtype_from_name(arg)
+            if op in ("fp8w", "fp8s") and i != len(steps) - 1:
+                raise StagingError(name, f"transform {transform!r}: a quantization must be the last step")
 
     def begin(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None) -> None:
         """A new round: count who will ask for each quantization, group the quantizations of CUDA sources
         (``view_of``: a row's source view, None where it is not known yet); forget what was kept."""
         self.kept.clear()
+        self.rounds += 1
         self.pending = Counter(_quant_key(t) for t in transfers if "fp8" in t.transform)
         self.groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
         first = {}  # each distinct transform once, named by its first row
@@ -199,6 +205,9 @@ class TransformSet:
         """The transformed, contiguous tensor for row ``t`` (on the source's device), and for CUDA the
         event that marks it complete: the caller waits on it only where it needs the bytes, so the
         next transforms are launched while this one runs."""
+        cached = self._cached(t)
+        if cached is not None:  # a quantization that already ran this round (the other output of a pair,
+            return cached       # or a member of a group): no new work, its launch's event
         if view.device.type == "cuda":
             return self._launch(t, view, self._side_stream(view.device))
         if view.numel() * view.element_size() > THREAD_BYTES:
@@ -208,12 +217,24 @@ class TransformSet:
     def _launch(self, t: Transfer, view: torch.Tensor, stream: torch.cuda.Stream):
         """Queue the work on the side stream, from the loop's thread (a worker thread would fight the
         loop for the GIL on every launch); launches return at once."""
-        stream.wait_stream(torch.cuda.current_stream(view.device))  # after the producer's work
+        if self._ordered.get(stream.device.index) != self.rounds:  # once per round: the weights are final
+            stream.wait_stream(torch.cuda.current_stream(view.device))
+            self._ordered[stream.device.index] = self.rounds
         with torch.cuda.stream(stream):
             out = self.apply(t, view)
             done = torch.cuda.Event()
             done.record(stream)
         return out, done
+
+    def _cached(self, t: Transfer) -> Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]]:
+        """Row ``t``'s output, if it is one of a quantization this round has made already."""
+        if "fp8" not in t.transform or t.transform in self.custom:
+            return None
+        both = self.kept.get(_quant_key(t))
+        if both is None:
+            return None
+        op, arg = parse(t.transform)[-1]
+        return self._quantized(t, None, op, int(arg)), both[2]
 
     def apply(self, t: Transfer, view: torch.Tensor) -> torch.Tensor:
         fn = self.custom.get(t.transform)
@@ -255,8 +276,9 @@ class TransformSet:
             self.kept.pop(key, None)
         return both[0] if op == "fp8w" else both[1]
 
-    def _quantize_group(self, key: tuple, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x`` and, in the same launch, the rest of its group (kept for their rows)."""
+    def _quantize_group(self, key: tuple, x: torch.Tensor, block: int) -> tuple:
+        """Quantize ``x`` and, in the same launch, the rest of its group (kept for their rows, with the
+        launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``."""
         members = [(k, r, v) for k, (r, v) in ((_quant_key(r), (r, v)) for r, v in self.groups.get(key, ()))
                    if k != key and k not in self.kept and self.pending[k] > 0]
         inputs, keys = [x], [key]
@@ -267,9 +289,13 @@ class TransformSet:
                 keys.append(k)
         results = self.quantizer.many(inputs, block)
         self.quantized += len(results)
-        for k, both in zip(keys[1:], results[1:]):
-            self.kept[k] = both
-        return results[0]
+        done = None
+        if x.device.type == "cuda":  # (we are on the side stream: ``_launch``)
+            done = torch.cuda.Event()
+            done.record()
+        for k, (q, s) in zip(keys[1:], results[1:]):
+            self.kept[k] = (q, s, done)
+        return (*results[0], done)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -279,7 +305,7 @@ class TransformSet:
         return stream
 
 
-GROUP_BYTES = 128 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
+GROUP_BYTES = 256 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
 GROUP_SIZE = 16  # tensors per launch
 
 
