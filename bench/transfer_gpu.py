@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -223,7 +224,9 @@ def fp8_check(state: dict, want: dict) -> bool:
     return ok
 
 
-def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "") -> None:
+def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "",
+                   budget_mib: int = 0) -> None:
+    from engine.pipeline import PipelineOptions
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
 
@@ -231,6 +234,8 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
     torch.cuda.set_device(0)
     state = make_state("cuda:0")
     opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp))
+    if budget_mib:
+        opts = dataclasses.replace(opts, pipeline=PipelineOptions(max_inflight_bytes=budget_mib << 20))
 
     async def main():
         async with WeightSender(addr, state, rank=0, options=opts) as sender:
@@ -280,7 +285,7 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
 
 
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
-                        profile: str = "") -> tuple[list, bool]:
+                        profile: str = "", budget_mib: int = 0) -> tuple[list, bool, list]:
     from roles import Controller, ControllerOptions
 
     ctx = mp.get_context("spawn")
@@ -289,7 +294,7 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
     async with Controller(senders=1, receivers=1, options=options) as ctl:
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
-        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile)),
+        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile, budget_mib)),
                  ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8))]
         for p in procs:
             p.start()
@@ -304,7 +309,8 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
 def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False) -> None:
     try:
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
-        reports, ok, pipeline_s = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8, profile))
+        reports, ok, pipeline_s = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8, profile,
+                                                            args.budget_mib))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -369,6 +375,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="uccl_write_ipc", help="extra baselines: uccl_write_ipc or ''")
     ap.add_argument("--uccl-tcp", action="store_true", help="run uccl in its tcp mode (no RDMA NIC here)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--budget-mib", type=int, default=0,
+                    help="the senders' max_inflight_bytes in MiB (default: the library's, 512)")
     ap.add_argument("--profile", default="", help="a folder: cProfile each engine sender, top functions there")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:

@@ -157,6 +157,9 @@ class TransformSet:
         self.groups: dict[tuple, list[tuple[Transfer, torch.Tensor]]] = {}  # key -> its group's (row, source view)
         self.quantized = 0
         self.rounds = 0
+        self._table: object = None  # the routing table planned below (the same object every round of a plan)
+        self._key_of: dict[int, tuple] = {}  # id(row) -> its quantization key, for the rows of ``_table``
+        self._wanted: Counter = Counter()  # quantization key -> rows of ``_table`` asking for it
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._ordered: dict[int, int] = {}  # side stream's device -> the round it was last ordered after the producer
 
@@ -182,14 +185,26 @@ class TransformSet:
         (``view_of``: a row's source view, None where it is not known yet); forget what was kept."""
         self.kept.clear()
         self.rounds += 1
-        self.pending = Counter(_quant_key(t) for t in transfers if "fp8" in t.transform)
-        self.groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
+        if transfers is not self._table or not isinstance(transfers, tuple):  # a new table (a plan's is
+            self._plan_table(transfers, view_of)  # one tuple, every round): check it, plan its quantizations
+        self.pending = self._wanted.copy()
+
+    def _plan_table(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]]) -> None:
+        self._table = None
         first = {}  # each distinct transform once, named by its first row
         for t in transfers:
             if t.transform:
                 first.setdefault(t.transform, t.name)
         for transform, name in first.items():
             self.check(name, transform)
+        self._key_of = {id(t): _quant_key(t) for t in transfers if "fp8" in t.transform}
+        self._wanted = Counter(self._key_of.values())
+        self.groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
+        self._table = transfers  # (kept alive here, so the ids above stay its rows')
+
+    def _key(self, t: Transfer) -> tuple:
+        key = self._key_of.get(id(t))
+        return key if key is not None else _quant_key(t)
 
     def warm(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]]) -> None:
         """Compile the GPU kernel for each (device, dtype, block) the table quantizes (blocking)."""
@@ -230,7 +245,7 @@ class TransformSet:
         """Row ``t``'s output, if it is one of a quantization this round has made already."""
         if "fp8" not in t.transform or t.transform in self.custom:
             return None
-        both = self.kept.get(_quant_key(t))
+        both = self.kept.get(self._key(t))
         if both is None:
             return None
         op, arg = parse(t.transform)[-1]
@@ -263,7 +278,7 @@ class TransformSet:
         return x
 
     def _quantized(self, t: Transfer, x: torch.Tensor, op: str, block: int) -> torch.Tensor:
-        key = _quant_key(t)
+        key = self._key(t)
         both = self.kept.get(key)
         if both is None:
             if x.dim() != 2:
@@ -279,7 +294,7 @@ class TransformSet:
     def _quantize_group(self, key: tuple, x: torch.Tensor, block: int) -> tuple:
         """Quantize ``x`` and, in the same launch, the rest of its group (kept for their rows, with the
         launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``."""
-        members = [(k, r, v) for k, (r, v) in ((_quant_key(r), (r, v)) for r, v in self.groups.get(key, ()))
+        members = [(k, r, v) for k, (r, v) in ((self._key(r), (r, v)) for r, v in self.groups.get(key, ()))
                    if k != key and k not in self.kept and self.pending[k] > 0]
         inputs, keys = [x], [key]
         for k, row, view in members:

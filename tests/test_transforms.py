@@ -263,3 +263,22 @@ def test_quantization_groups_are_consecutive_and_bounded():
     assert plan_quant_groups(rows, lambda t: views.get(t.name), devices=frozenset({"cuda"})) == {}
     big = plan_quant_groups(rows[:3], lambda t: views.get(t.name), devices=frozenset({"cpu"}), max_bytes=64)
     assert [r.name for r, _ in next(iter(big.values()))] == ["w0", "w1"]
+
+
+def test_a_plan_table_is_checked_and_grouped_once():
+    from collections import Counter
+
+    from engine.transforms import TransformSet
+    from wire import Transfer
+
+    views = {f"w{i}": torch.zeros(4, 8) for i in range(3)}
+    rows = tuple(Transfer(i, n, None, 0, n, 0, 0, 32, "fp8w:128") for i, n in enumerate(views))
+    transforms = TransformSet(group_devices=frozenset({"cpu"}))
+    transforms.begin(rows, lambda t: views[t.name])
+    groups = transforms.groups
+    assert len({id(g) for g in groups.values()}) == 1 and transforms.pending == Counter({k: 1 for k in groups})
+    transforms.pending.clear()
+    transforms.begin(rows, lambda t: views[t.name])  # the next round of the same plan: counts renewed, plan kept
+    assert transforms.groups is groups and sum(transforms.pending.values()) == 3
+    transforms.begin(list(rows), lambda t: views[t.name])  # not a plan's (immutable) table: planned afresh
+    assert transforms.groups is not groups and transforms.groups == groups
