@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 from typing import Mapping, Optional, Sequence
@@ -127,10 +128,7 @@ class Pipeline:
                            self._writer(conn, channel, report, epoch, slot, depth)])
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
-                self.budget.release(staged.charge)
-                self.sources.release(t)
-                if staged.pooled:
-                    self.pool.give(staged.buffer)
+                self._give_back(t, staged)
         await conn.fence()
 
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport,
@@ -141,7 +139,8 @@ class Pipeline:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
                 view = self.sources.view(t)
                 charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0
-                await self.budget.acquire(charge)
+                if charge:
+                    await self.budget.acquire(charge)
                 handed_over = False
                 try:
                     t0 = time.perf_counter()
@@ -161,35 +160,56 @@ class Pipeline:
 
     async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
                       slot: int, depth: int) -> None:
-        """Issue writes in lane order with up to ``depth`` in flight on this connection."""
-        inflight: collections.deque[asyncio.Task] = collections.deque()
+        """Issue writes in lane order with up to ``depth`` in flight on this connection; complete them
+        oldest first. A connection with ``submit`` (queue now, a future for the completion) is driven
+        without a task per write."""
+        inflight: collections.deque[tuple[asyncio.Future, Transfer, Staged, float]] = collections.deque()
+        submit = getattr(conn, "submit", None)
         try:
             async for t, staged in channel:
-                inflight.append(asyncio.ensure_future(self._write_one(conn, t, staged, report, epoch, slot)))
+                t0 = time.perf_counter()
+                try:
+                    if submit is not None:
+                        op = submit(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, staged.event)
+                    else:
+                        op = asyncio.ensure_future(self._write(conn, t, staged, epoch, slot))
+                except BaseException:
+                    self._give_back(t, staged)
+                    raise
+                # what it holds goes back the moment it completes (or is cancelled), not when we look
+                op.add_done_callback(functools.partial(self._written, t, staged))
+                inflight.append((op, t, staged, t0))
                 if len(inflight) >= depth:
-                    await inflight.popleft()
+                    await self._complete(*inflight.popleft(), report)
             while inflight:
-                await inflight.popleft()
+                await self._complete(*inflight.popleft(), report)
         finally:
-            for task in inflight:
-                task.cancel()
-            await asyncio.gather(*inflight, return_exceptions=True)
+            for op, *_ in inflight:
+                op.cancel()
+            await asyncio.gather(*(op for op, *_ in inflight), return_exceptions=True)
 
-    async def _write_one(self, conn: Connection, t: Transfer, staged: Staged, report: LaneReport, epoch: int,
-                         slot: int) -> None:
-        try:
-            t0 = time.perf_counter()
-            if staged.event is None:
-                await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
-            else:  # a side-stream transform may still be running: the transport orders the write after it
-                await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, after=staged.event)
-            report.write_s += time.perf_counter() - t0
-        finally:
-            self.budget.release(staged.charge)
-            self.sources.release(t)
-            if staged.pooled:
-                self.pool.give(staged.buffer)
+    @staticmethod
+    async def _write(conn: Connection, t: Transfer, staged: Staged, epoch: int, slot: int) -> None:
+        if staged.event is None:
+            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
+        else:  # a side-stream transform may still be running: the transport orders the write after it
+            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, after=staged.event)
+
+    async def _complete(self, op: asyncio.Future, t: Transfer, staged: Staged, t0: float,
+                        report: LaneReport) -> None:
+        await op
+        report.write_s += time.perf_counter() - t0
         report.count += 1
         report.nbytes += t.nbytes
         if staged.checksum is not None:
             report.checksums.append(Checksum(t.index, staged.checksum))
+
+    def _written(self, t: Transfer, staged: Staged, op: asyncio.Future) -> None:
+        self._give_back(t, staged)
+
+    def _give_back(self, t: Transfer, staged: Staged) -> None:
+        """``t`` is written or dropped: its budget, its source (a gathered one may go) and its buffer."""
+        self.budget.release(staged.charge)
+        self.sources.release(t)
+        if staged.pooled:
+            self.pool.give(staged.buffer)

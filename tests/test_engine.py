@@ -314,6 +314,58 @@ async def test_pipeline_failure_cancels_lanes_and_returns_budget():
     assert len(shared["order"]) < 12 and pipe.budget.in_use == 0
 
 
+class SubmittingConnection:
+    """A connection that queues writes (``submit``) and completes them later, oldest first; one may fail."""
+
+    depth = 3
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.peer = "receiver/0"
+        self.queued: list[tuple[int, asyncio.Future]] = []
+        self.most_queued = 0
+        self.fail_at = fail_at
+        self.fenced = 0
+
+    def submit(self, src, dst_region, dst_offset, epoch, after=None) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.queued.append((dst_offset, fut))
+        self.most_queued = max(self.most_queued, sum(not f.done() for _, f in self.queued))
+        asyncio.get_running_loop().call_soon(self._complete_oldest)
+        return fut
+
+    def _complete_oldest(self) -> None:
+        offset, fut = next((o, f) for o, f in self.queued if not f.done())
+        if offset == self.fail_at:
+            fut.set_exception(TransportError("injected completion failure", peer=self.peer))
+        else:
+            fut.set_result(None)
+
+    async def write(self, *args, **kwargs) -> None:
+        raise AssertionError("the pipeline drives a submitting connection through submit")
+
+    async def fence(self) -> None:
+        self.fenced += 1
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["all-complete", "one-fails"])
+async def test_pipeline_drives_submitting_connections_at_their_depth(fail):
+    sources = SourceSet({f"p0_{k}": torch.zeros(8, 8, dtype=torch.uint8).t() for k in range(8)})  # staged copies
+    conn = SubmittingConnection(fail_at=5 * 64 if fail else -1)
+    pipe = Pipeline(sources, PipelineOptions(max_inflight_bytes=4 * 64))
+    run = pipe.run(_table(1, 8, 64), {0: conn}, epoch=1)
+    if fail:
+        with pytest.raises(TransportError, match="injected completion failure"):
+            await asyncio.wait_for(run, WATCHDOG)
+    else:
+        report = await asyncio.wait_for(run, WATCHDOG)
+        assert (report.lanes[0].count, report.nbytes, conn.fenced) == (8, 8 * 64, 1)
+    assert [o for o, _ in conn.queued][:6] == [k * 64 for k in range(6)] and conn.most_queued <= conn.depth
+    assert pipe.budget.in_use == 0  # every completion (and the failed one) gave its staging bytes back
+
+
 async def test_pipeline_options_are_validated():
     with pytest.raises(ConfigError, match="depth"):
         PipelineOptions(depth=0)

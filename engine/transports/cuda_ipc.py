@@ -16,6 +16,7 @@ Writes are not observable by the target (``counters`` is empty); senders report 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
@@ -139,6 +140,12 @@ class CudaIpcConnection:
 
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:
+        await self.submit(src, dst_region, dst_offset, epoch, after)
+
+    def submit(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+               after: Optional[torch.cuda.Event] = None) -> asyncio.Future:
+        """``write`` in two halves: queue the copy now, return a future that completes with it (the
+        pipeline drives many writes this way without a task each)."""
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         desc = self.regions.get(dst_region)
@@ -147,22 +154,25 @@ class CudaIpcConnection:
             size = "missing" if desc is None else f"{desc[4]} bytes"
             raise RegistrationError(f"write of {nbytes} bytes at region {dst_region}+{dst_offset} is out of bounds "
                                     f"(region {size})", peer=self.peer)
-        if nbytes:
-            device = src.device.index if src.device.type == "cuda" else desc[1]
-            dst = self._base(dst_region, desc, device) + dst_offset
-            if src.device.type == "cuda" and self._ordered.get(device) != epoch:
-                self.owner.order_after_producer(device)  # once per round: the weights are final by then
-                self._ordered[device] = epoch
-            stream = self.owner.stream(device, self._issued)
-            self._issued += 1
-            if after is not None:
-                stream.wait_event(after)  # on the device: the transform's output is complete first
-            cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
-            done = torch.cuda.Event()
-            done.record(stream)
-            await self.completions.wait(done)
         self.sent_count += 1
         self.sent_bytes += nbytes
+        if not nbytes:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        device = src.device.index if src.device.type == "cuda" else desc[1]
+        dst = self._base(dst_region, desc, device) + dst_offset
+        if src.device.type == "cuda" and self._ordered.get(device) != epoch:
+            self.owner.order_after_producer(device)  # once per round: the weights are final by then
+            self._ordered[device] = epoch
+        stream = self.owner.stream(device, self._issued)
+        self._issued += 1
+        if after is not None:
+            stream.wait_event(after)  # on the device: the transform's output is complete first
+        cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return self.completions.wait(done)
 
     def _base(self, region: int, desc: tuple, device: int) -> int:
         base = self._bases.get((region, device))
