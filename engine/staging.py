@@ -84,11 +84,15 @@ class SourceSet:
         self.shards = dict(shards)
         self.transforms = TransformSet(transforms)
         self.gatherer = gatherer
+        self._table: object = None  # the last plan's table (a tuple, the same every round) ...
+        self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once
 
     def begin(self, transfers: Sequence[Transfer]) -> list[Transfer]:
         """A round over ``transfers`` starts: check transforms, plan shared (and grouped) quantizations,
         start gathers. Returns the transfers in the order to stage them (rows of gathered parameters in
         gather order)."""
+        if transfers is not self._table:
+            self._plan_views(transfers)
         self.transforms.begin(transfers, self._known_view)
         if self.gatherer is None:
             return list(transfers)
@@ -99,6 +103,20 @@ class SourceSet:
         """Once per plan, blocking (run it in a thread): compile the GPU quantization kernel for what
         the table quantizes, so that rounds do not pay for it on the event loop."""
         self.transforms.warm(transfers, self._known_view)
+
+    def _plan_views(self, transfers: Sequence[Transfer]) -> None:
+        """Slice every row of a plan's table once (sources are fixed views; a bad slice is left for
+        the round to raise); other sequences are not cached (their rows' ids may be reused)."""
+        self._table, self._views = None, {}
+        if not isinstance(transfers, tuple):
+            return
+        for t in transfers:
+            if not self.gathered(t):
+                try:
+                    self._views[id(t)] = self._slice(t)
+                except StagingError:
+                    pass
+        self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
     def _known_view(self, t: Transfer) -> Optional[torch.Tensor]:
         """``t``'s source view where it exists before staging (not a gathered one, not a bad slice)."""
@@ -139,6 +157,10 @@ class SourceSet:
                 raise StagingError(t.name, "staged before its full tensor was gathered")
             full = fut.result()
             return full if t.slice is None else full.narrow(t.slice.dim, t.slice.start, t.slice.stop - t.slice.start)
+        view = self._views.get(id(t))
+        return view if view is not None else self._slice(t)
+
+    def _slice(self, t: Transfer) -> torch.Tensor:
         try:
             src = self.tensors[t.name]
         except KeyError:

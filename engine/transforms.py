@@ -158,7 +158,7 @@ class TransformSet:
         self.quantized = 0
         self.rounds = 0
         self._table: object = None  # the routing table planned below (the same object every round of a plan)
-        self._key_of: dict[int, tuple] = {}  # id(row) -> its quantization key, for the rows of ``_table``
+        self._key_of: dict[int, int] = {}  # id(row) -> its quantization's number, for the rows of ``_table``
         self._wanted: Counter = Counter()  # quantization key -> rows of ``_table`` asking for it
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._ordered: dict[int, int] = {}  # side stream's device -> the round it was last ordered after the producer
@@ -197,12 +197,16 @@ class TransformSet:
                 first.setdefault(t.transform, t.name)
         for transform, name in first.items():
             self.check(name, transform)
-        self._key_of = {id(t): _quant_key(t) for t in transfers if "fp8" in t.transform}
+        numbers: dict[tuple, int] = {}  # a quantization's key -> a small number (cheaper to hash)
+        self._key_of = {id(t): numbers.setdefault(_quant_key(t), len(numbers))
+                        for t in transfers if "fp8" in t.transform}
         self._wanted = Counter(self._key_of.values())
-        self.groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
+        groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
+        self.groups = {numbers[key]: group for key, group in groups.items()}
         self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
-    def _key(self, t: Transfer) -> tuple:
+    def _key(self, t: Transfer):
+        """The number of ``t``'s quantization (its key for a row outside the planned table)."""
         key = self._key_of.get(id(t))
         return key if key is not None else _quant_key(t)
 
