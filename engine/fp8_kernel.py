@@ -2,11 +2,13 @@
 
 How this works. ``quantize_many(xs, block)`` takes 2-D tensors of one float dtype on one GPU, any
 strides (a transposed or TP-sliced view is read in place), and returns ``(fp8, scale_inv)`` per tensor,
-exactly the layout of ``engine.transforms.quantize_blocks``. Tensors are launched in classes (inner
-dimension contiguous or not; every row start 16-element aligned or not: the kernel is specialised for
-each, so the common case loads and stores whole vectors). Per launch a small int64 table, one row per
-tensor (rows, columns, strides, the offsets of its source and outputs from three base pointers, and its
-first block), goes to the GPU; the grid is the blocks of all tensors together, and each program finds
+exactly the layout of ``engine.transforms.quantize_blocks``; a ``Batch`` does the same for a list
+quantized every round (a plan's group), with everything but the launch made once. Tensors are
+launched in classes (inner dimension contiguous or not; every row start 16-element aligned or not:
+the kernel is specialised for each, so the common case loads and stores whole vectors). A launch
+reads a small int64 table on the GPU, one row per tensor (rows, columns, strides, the offsets of its
+source and outputs from three base pointers, and its first block); the outputs are views of two flat
+buffers allocated per run; the grid is the blocks of all tensors together, and each program finds
 its tensor by comparing its block number with the table's first-block column, then quantizes one
 B x B block (edge blocks masked: absent elements count as zero for the max). One launch replaces two
 or three kernel launches and a Python wrapper per tensor: the host cost of FP8 rounds was those
@@ -67,51 +69,88 @@ def _quantize_blocks_kernel(table, n, src, out, scales, BLOCK: tl.constexpr, MAX
 
 
 def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Block FP8 of every 2-D tensor in ``xs`` (one dtype, one device): one launch per class of up to
-    ``MAX_TENSORS`` tensors."""
-    if not xs:
-        return []
-    device, dtype = xs[0].device, xs[0].dtype
-    if dtype not in _IN_TYPES:
-        raise ValueError(f"block FP8 quantizes bfloat16, float16 or float32 tensors, got {dtype}")
-    outs, classes = [], {}
-    for x in xs:
-        if x.dim() != 2 or x.device != device or x.dtype != dtype:
-            raise ValueError(f"quantize_many takes 2-D {dtype} tensors on {device}, got "
-                             f"{x.dtype} {list(x.shape)} on {x.device}")
-        rows, cols = x.shape
-        q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device)
-        s = torch.empty((-(-rows // block), -(-cols // block)), dtype=torch.float32, device=device)
-        outs.append((q, s))
-        if x.numel():
-            classes.setdefault(_class_of(x, q), []).append((x, q, s))
-    for (inner, aligned), members in classes.items():
-        for start in range(0, len(members), MAX_TENSORS):
-            _launch(members[start:start + MAX_TENSORS], block, inner, aligned)
-    return outs
+    """Block FP8 of every 2-D tensor in ``xs`` (one dtype, one device), once: a one-off ``Batch``."""
+    return Batch(xs, block).run()
 
 
-def _class_of(x: torch.Tensor, q: torch.Tensor) -> tuple[bool, bool]:
-    """(inner dim contiguous, every row start ALIGN-element aligned in the source and the output)."""
+class Batch:
+    """A fixed list of 2-D sources quantized together, possibly every round (a plan's group).
+
+    Made once: the outputs' layout in two flat buffers (an FP8 one, each tensor's start 16-aligned,
+    and a float32 one for the scales) and, per class, the launch table on the device. Each ``run``
+    then allocates the two buffers and launches once per class: no per-tensor allocation, no table
+    upload. ``matches`` says whether a list of tensors is still the one it was made for."""
+
+    def __init__(self, xs: list[torch.Tensor], block: int) -> None:
+        if not xs:
+            raise ValueError("a quantization batch needs at least one tensor")
+        self.xs, self.block = list(xs), block
+        self.device, self.dtype = xs[0].device, xs[0].dtype
+        if self.dtype not in _IN_TYPES:
+            raise ValueError(f"block FP8 quantizes bfloat16, float16 or float32 tensors, got {self.dtype}")
+        self.layout: list[tuple[int, int, int, int, tuple[int, int]]] = []  # q at, rows, cols, scales at, grid
+        q_at = s_at = 0
+        classes: dict[tuple[bool, bool], list[int]] = {}
+        for i, x in enumerate(self.xs):
+            if x.dim() != 2 or x.device != self.device or x.dtype != self.dtype:
+                raise ValueError(f"a quantization batch takes 2-D {self.dtype} tensors on {self.device}, got "
+                                 f"{x.dtype} {list(x.shape)} on {x.device}")
+            rows, cols = x.shape
+            grid = (-(-rows // block), -(-cols // block))
+            self.layout.append((q_at, rows, cols, s_at, grid))
+            q_at += -(-rows * cols // ALIGN) * ALIGN
+            s_at += grid[0] * grid[1]
+            if x.numel():
+                classes.setdefault(_class_of(x), []).append(i)
+        self.q_total, self.s_total = q_at, s_at
+        self.launches = [launch for (inner, aligned), members in classes.items()
+                         for start in range(0, len(members), MAX_TENSORS)
+                         for launch in [self._launch_for(members[start:start + MAX_TENSORS], inner, aligned)]]
+        self.tables_ready = None  # the tables were copied on the stream current now: later streams wait for it
+        if self.device.type == "cuda":
+            self.tables_ready = torch.cuda.Event()
+            self.tables_ready.record(torch.cuda.current_stream(self.device))
+
+    def __repr__(self) -> str:
+        return f"<Batch {len(self.xs)} tensors, {len(self.launches)} launches, {self.q_total} fp8 bytes>"
+
+    def matches(self, xs: list[torch.Tensor]) -> bool:
+        return len(xs) == len(self.xs) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            for a, b in zip(xs, self.xs))
+
+    def run(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp8, scale_inv) per tensor, queued on the current stream."""
+        if self.tables_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.tables_ready)
+        qbuf = torch.empty(self.q_total, dtype=torch.float8_e4m3fn, device=self.device)
+        sbuf = torch.empty(self.s_total, dtype=torch.float32, device=self.device)
+        for table, count, first, blocks, inner, aligned in self.launches:
+            _quantize_blocks_kernel[(blocks,)](table, count, first, qbuf, sbuf, BLOCK=self.block, MAXN=MAX_TENSORS,
+                                               INNER_CONTIGUOUS=inner, ALIGNED=aligned,
+                                               num_warps=8 if self.block >= 128 else 4)
+        return [(qbuf[q_at:q_at + rows * cols].view(rows, cols), sbuf[s_at:s_at + grid[0] * grid[1]].view(grid))
+                for q_at, rows, cols, s_at, grid in self.layout]
+
+    def _launch_for(self, members: list[int], inner: bool, aligned: bool) -> tuple:
+        first = self.xs[members[0]]
+        size = first.element_size()
+        entries, blocks = [], 0
+        for i in members:
+            x = self.xs[i]
+            q_at, rows, cols, s_at, grid = self.layout[i]
+            entries.append((rows, cols, x.stride(0), x.stride(1), (x.data_ptr() - first.data_ptr()) // size,
+                            q_at, s_at, blocks))
+            blocks += grid[0] * grid[1]
+        return _table(entries, self.device), len(members), first, blocks, inner, aligned
+
+
+def _class_of(x: torch.Tensor) -> tuple[bool, bool]:
+    """(inner dim contiguous, every row start ALIGN-element aligned in the source; outputs always are)."""
     inner = x.stride(1) == 1 or x.shape[1] == 1
-    size = x.element_size()
     aligned = (inner and x.shape[1] % ALIGN == 0 and x.stride(0) % ALIGN == 0
-               and x.data_ptr() % (ALIGN * size) == 0 and q.data_ptr() % ALIGN == 0)
+               and x.data_ptr() % (ALIGN * x.element_size()) == 0)
     return inner, aligned
-
-
-def _launch(members: list, block: int, inner: bool, aligned: bool) -> None:
-    x0, q0, s0 = members[0]
-    size = x0.element_size()
-    table, first = [], 0
-    for x, q, s in members:
-        rows, cols = x.shape
-        table.append((rows, cols, x.stride(0), x.stride(1), (x.data_ptr() - x0.data_ptr()) // size,
-                      q.data_ptr() - q0.data_ptr(), (s.data_ptr() - s0.data_ptr()) // 4, first))
-        first += s.numel()
-    _quantize_blocks_kernel[(first,)](_table(table, x0.device), len(members), x0, q0, s0, BLOCK=block,
-                                      MAXN=MAX_TENSORS, INNER_CONTIGUOUS=inner, ALIGNED=aligned,
-                                      num_warps=8 if block >= 128 else 4)
 
 
 def _table(entries: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:

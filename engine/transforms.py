@@ -75,6 +75,7 @@ class Quantizer:
         self.use_kernel = use_kernel
         self.fallback: Optional[str] = None
         self.launches = 0
+        self._batches: dict = {}  # reuse key -> fp8_kernel.Batch (its layout and launch tables, made once)
 
     def __repr__(self) -> str:
         mode = "eager" if not self.use_kernel or self.fallback else "kernel"
@@ -83,13 +84,19 @@ class Quantizer:
     def __call__(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.many([x], block)[0]
 
-    def many(self, xs: list[torch.Tensor], block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device)."""
+    def many(self, xs: list[torch.Tensor], block: int, reuse=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device). ``reuse``: a key under
+        which the same list comes back (every round): its launch is prepared once and kept."""
         if xs and self._kernel_for(xs[0].device):
             try:
                 from . import fp8_kernel
 
-                out = fp8_kernel.quantize_many(xs, block)
+                batch = self._batches.get(reuse) if reuse is not None else None
+                if batch is None or batch.block != block or not batch.matches(xs):
+                    batch = fp8_kernel.Batch(xs, block)
+                    if reuse is not None:
+                        self._batches[reuse] = batch
+                out = batch.run()
                 self.launches += 1
                 return out
             except Exception as exc:  # no Triton or a Triton problem on this machine: eager is correct
@@ -108,6 +115,10 @@ class Quantizer:
             except Exception as exc:
                 self.fallback = repr(exc)[:200]
                 log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
+
+    def forget(self) -> None:
+        """Drop the prepared launches (a new plan)."""
+        self._batches.clear()
 
     def _kernel_for(self, device: torch.device) -> bool:
         return self.use_kernel and self.fallback is None and device.type == "cuda"
@@ -203,6 +214,7 @@ class TransformSet:
         self._wanted = Counter(self._key_of.values())
         groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
         self.groups = {numbers[key]: group for key, group in groups.items()}
+        self.quantizer.forget()
         self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
     def _key(self, t: Transfer):
@@ -295,26 +307,29 @@ class TransformSet:
             self.kept.pop(key, None)
         return both[0] if op == "fp8w" else both[1]
 
-    def _quantize_group(self, key: tuple, x: torch.Tensor, block: int) -> tuple:
+    def _quantize_group(self, key, x: torch.Tensor, block: int) -> tuple:
         """Quantize ``x`` and, in the same launch, the rest of its group (kept for their rows, with the
-        launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``."""
-        members = [(k, r, v) for k, (r, v) in ((self._key(r), (r, v)) for r, v in self.groups.get(key, ()))
-                   if k != key and k not in self.kept and self.pending[k] > 0]
-        inputs, keys = [x], [key]
-        for k, row, view in members:
-            head = self._head(row, view)
-            if head.dim() == 2 and head.dtype == x.dtype and head.device == x.device:
-                inputs.append(head)  # (anything else is quantized, or refused, when its own row comes)
-                keys.append(k)
-        results = self.quantizer.many(inputs, block)
+        launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``. A group is fixed for a plan
+        (sources of one kind, transposes at most before the quantization), so its launch is reused."""
+        group = self.groups.get(key)
+        if group is None:
+            results, keys = self.quantizer.many([x], block), [key]
+        else:
+            keys = [self._key(row) for row, _ in group]
+            results = self.quantizer.many([self._head(row, view) for row, view in group], block,
+                                          reuse=id(group))
         self.quantized += len(results)
         done = None
         if x.device.type == "cuda":  # (we are on the side stream: ``_launch``)
             done = torch.cuda.Event()
             done.record()
-        for k, (q, s) in zip(keys[1:], results[1:]):
-            self.kept[k] = (q, s, done)
-        return (*results[0], done)
+        mine = None
+        for k, (q, s) in zip(keys, results):
+            if k == key:
+                mine = (q, s, done)
+            elif self.pending[k] > 0:
+                self.kept[k] = (q, s, done)
+        return mine
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -339,11 +354,12 @@ def plan_quant_groups(transfers, view_of: Callable[[Transfer], Optional[torch.Te
     current: list = []
     size, kind = 0, None
     for t in transfers:
-        if t.transform in skip or not any(op in ("fp8w", "fp8s") for op, _ in parse(t.transform)):
-            continue
+        steps = parse(t.transform)
+        if t.transform in skip or steps[-1][0] not in ("fp8w", "fp8s") or any(op != "t" for op, _ in steps[:-1]):
+            continue  # (a cast before quantizing makes a new tensor each round: not a fixed group)
         key = _quant_key(t)
         view = None if key in groups else view_of(t)
-        if view is None or view.device.type not in devices:
+        if view is None or view.device.type not in devices or view.dim() != 2:
             continue
         nbytes = view.numel()  # one byte per FP8 element
         this_kind = (view.device, view.dtype, key[2], key[3])

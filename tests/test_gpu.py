@@ -108,6 +108,12 @@ def test_fp8_kernel_quantizes_many_strided_tensors_in_one_launch():
         assert torch.allclose(s, s_ref, rtol=2e-7, atol=0)
         assert within_fp8_bound(x, q, s)
         assert (q.float() == q_ref.float()).float().mean() > 0.999  # (the division may round differently)
+    for round_ in range(2):  # a group quantized every round: prepared once, then only launched
+        base.mul_(1.5)  # new values in the same storage
+        again = quantizer.many(xs, 128, reuse="group")
+        for x, (q, s) in zip(xs, again):
+            assert torch.allclose(s, quantize_blocks(x)[1], rtol=2e-7, atol=0) and within_fp8_bound(x, q, s)
+    assert len(quantizer._batches) == 1 and quantizer.launches == 3 and quantizer.fallback is None
 
 
 @pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
