@@ -81,9 +81,6 @@ class Quantizer:
         mode = "eager" if not self.use_kernel or self.fallback else "kernel"
         return f"<Quantizer {mode} launches={self.launches}>"
 
-    def __call__(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.many([x], block)[0]
-
     def many(self, xs: list[torch.Tensor], block: int, reuse=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device). ``reuse``: a key under
         which the same list comes back (every round): its launch is prepared once and kept."""
