@@ -114,6 +114,13 @@ def _peer(nbytes: int, conn, report) -> None:
     conn.send("done")
 
 
+def _bound(nbytes: int):
+    """One peer copy GPU 0 -> GPU 1 in this process (the buffers die with this frame)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    return _time(lambda: b.copy_(a), [0, 1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=4.0)
@@ -123,10 +130,7 @@ def main(argv=None) -> int:
         print("needs two GPUs")
         return 0
     nbytes = int(args.gib * (1 << 30))
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    bound = _time(lambda: b.copy_(a), [0, 1])
-    del a, b
+    bound = _bound(nbytes)
     torch.cuda.empty_cache()
     ctx = mp.get_context("spawn")
     owner_end, peer_end = ctx.Pipe()  # owner <-> peer, directly
