@@ -5,11 +5,13 @@ How this works: a ``Transport`` is one worker's data-plane endpoint. The target 
 that travels in manifests); its agent lands incoming bytes straight into them and keeps per-source
 counters. The initiator (a sender) ``connect`` s to a peer from its ``PeerInfo`` and gets a
 ``Connection``: ``write`` puts a byte range of a local tensor into (region, offset) of the peer and
-completes when the source may be reused (optionally ordered after a CUDA event: ``after``); ``fence`` completes only once every earlier write on that
-connection is visible at the target, and checks the target's byte counts against ours. Writes carry
-their round (``epoch``): a target counts per (source, epoch), because a sender may start writing before
-the receiver has even seen the round begin, and drops late writes of rounds it has closed. Everything
-is awaitable; nothing blocks the event loop.
+completes when the source may be reused (optionally ordered after a CUDA event: ``after``); ``fence``
+completes only once every earlier write on that connection is visible at the target, and checks the
+target's byte counts against ours. Writes carry their round (``epoch``): a target counts per (source,
+epoch), because a sender may start writing before the receiver has even seen the round begin, and
+drops late writes of rounds it has closed. Everything is awaitable; nothing blocks the event loop.
+Optional on a connection: ``depth`` (writes in flight it wants) and ``submit`` (``write`` in two
+halves: queue now, return a future for the completion), which the pipeline uses where present.
 
 Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on
 a machine that does not ask for them.
