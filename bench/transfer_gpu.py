@@ -112,13 +112,9 @@ def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
     src = {k: v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())}
     rows = [Transfer(i, k, None, 0, k, 0, 0, v.numel(), "fp8w:128") for i, (k, v) in enumerate(src.items())]
     planned = plan_quant_groups(rows, lambda r: src[r.name]) if kernel else {}
-    groups, seen = [], set()
-    for t in rows:  # the launches a round makes: its groups, and single tensors
-        group = planned.get((t.name, None, "", "128"))
-        if t.name not in seen:
-            members = [r.name for r, _ in group] if group else [t.name]
-            seen.update(members)
-            groups.append([src[n] for n in members])
+    groups = [[view for _, view in g] for g in {id(g): g for g in planned.values()}.values()]
+    grouped = {r.name for g in planned.values() for r, _ in g}
+    groups += [[v] for k, v in src.items() if k not in grouped]  # the launches a round makes
     quantizer = Quantizer(use_kernel=kernel)
 
     def quantize_all():

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-COLUMNS = 8  # rows, cols, row stride, col stride, source, fp8 out and scale_inv offsets, first block
 MAX_TENSORS = 64  # per launch (a longer list is split)
 ALIGN = 16  # elements: what "aligned" promises the compiler about row starts
 
@@ -103,9 +102,10 @@ class Batch:
             if x.numel():
                 classes.setdefault(_class_of(x), []).append(i)
         self.q_total, self.s_total = q_at, s_at
-        self.launches = [launch for (inner, aligned), members in classes.items()
-                         for start in range(0, len(members), MAX_TENSORS)
-                         for launch in [self._launch_for(members[start:start + MAX_TENSORS], inner, aligned)]]
+        self.launches = []
+        for (inner, aligned), members in classes.items():
+            for start in range(0, len(members), MAX_TENSORS):
+                self.launches.append(self._launch_for(members[start:start + MAX_TENSORS], inner, aligned))
         self.tables_ready = None  # the tables were copied on the stream current now: later streams wait for it
         if self.device.type == "cuda":
             self.tables_ready = torch.cuda.Event()
@@ -154,7 +154,8 @@ def _class_of(x: torch.Tensor) -> tuple[bool, bool]:
 
 
 def _table(entries: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    """The launch's table on ``device``, copied from pinned memory on the current stream (the
+    """The launch's table on ``device`` (8 int64 columns: rows, cols, row stride, col stride, source,
+    fp8 and scale offsets, first block), copied from pinned memory on the current stream (the
     caching host allocator keeps the pinned buffer until that copy has run)."""
     host = torch.tensor(entries, dtype=torch.int64)
     if device.type == "cuda":

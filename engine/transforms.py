@@ -97,8 +97,7 @@ class Quantizer:
                 self.launches += 1
                 return out
             except Exception as exc:  # no Triton or a Triton problem on this machine: eager is correct
-                self.fallback = repr(exc)[:200]
-                log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
+                self._give_up(exc)
         self.launches += len(xs)
         return [quantize_blocks(x, block) for x in xs]
 
@@ -110,8 +109,11 @@ class Quantizer:
 
                 fp8_kernel.warm(device, dtype, block)
             except Exception as exc:
-                self.fallback = repr(exc)[:200]
-                log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
+                self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        self.fallback = repr(exc)[:200]
+        log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
 
     def forget(self) -> None:
         """Drop the prepared launches (a new plan)."""
@@ -224,8 +226,10 @@ class TransformSet:
         kinds = set()
         for t in transfers:
             view = view_of(t) if "fp8" in t.transform else None
-            if view is not None and view.device.type == "cuda":
-                kinds.add((view.device, self._head(t, view).dtype, int(t.transform.rpartition(":")[2])))
+            if view is not None and view.device.type == "cuda":  # (the input dtype: a cast's, else the source's)
+                casts = [arg for op, arg in parse(t.transform) if op == "cast"]
+                dtype = dtype_from_name(casts[-1]) if casts else view.dtype
+                kinds.add((view.device, dtype, int(t.transform.rpartition(":")[2])))
         for device, dtype, block in sorted(kinds, key=str):
             self.quantizer.warm(device, dtype, block)
 
