@@ -149,7 +149,7 @@ async def wait_event(event: torch.cuda.Event) -> None:
     leaves the copy engines idle between short copies; yielding keeps every other task running."""
     start = time.perf_counter()
     while not event.query():
-        await _pause(start)
+        await pause(start)
 
 
 async def stream_done(device: torch.device) -> None:
@@ -159,7 +159,8 @@ async def stream_done(device: torch.device) -> None:
     await wait_event(event)
 
 
-async def _pause(since: float) -> None:
+async def pause(since: float) -> None:
+    """One step of a poll loop that began at ``since``: yield for ``SPIN_S``, then nap ``NAP_S``."""
     await asyncio.sleep(0 if time.perf_counter() - since < SPIN_S else NAP_S)
 
 
@@ -192,7 +193,7 @@ class EventPoller:
                     fut.set_result(None)
                 progress = time.perf_counter()
                 continue
-            await _pause(progress)
+            await pause(progress)
 
     def cancel(self) -> None:
         if self._task is not None:

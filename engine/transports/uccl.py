@@ -2,29 +2,43 @@
 
 How this works. Nothing is imported or built until it can work: ``uccl_unavailable_reason`` probes
 for CUDA, an RDMA device (``/sys/class/infiniband``; uccl 0.1.1 aborts the whole process without
-one, unless the caller runs UCCL's tcp mode, ``TransportOptions.uccl_tcp``) and the package. Every
-blocking UCCL call (endpoint, connect, accept, reg, send/recv) runs in a worker thread, never on the
-event loop. Target: an accept thread takes each incoming connection and serves it: advertisement
-requests and fences, two-sided. uccl 0.1.1's ``write_async(conn, mr, ptr, size, meta)`` has no offset:
-the 64-byte ``meta`` from ``advertise`` names one remote range. So the initiator asks the target to
-advertise each destination (region, offset, size) once and caches the blob: routing tables are
-static, so only the first round pays for it. Initiator: ``connect`` once per receiver, then
-``write_async`` one-sided and drive ``poll_async`` from the loop, polling each transfer id until
-done exactly once (the id is freed when it reports done). ``fence`` sends (count, bytes) two-sided on the same connection and
-waits for the target's echo: on UCCL's tcp mode an initiator's completion is not delivery, a message
-that follows the writes on the same connection is.
+one, unless the caller runs UCCL's tcp mode, ``TransportOptions.uccl_tcp``) and the package.
+
+Bytes go one-sided through UCCL; everything else goes over a small side channel, one asyncio TCP
+session per connection (loopback unless ``bind_host`` says otherwise):
+
+- HELLO(rank) -> READY, then the initiator's UCCL ``connect`` and the target's ``accept`` are paired
+  inside that session (one pairing at a time per target, so identities never depend on timing);
+  ACCEPTED carries the advertisement of the target's fence cell.
+- ADVERTISE(region, offset, size) -> the 64-byte descriptor ``write_async`` needs (uccl 0.1.1 takes
+  no offset: one descriptor per destination range). Routing tables are static, so the initiator
+  asks once per range and caches it.
+- FENCE(seq, count, bytes, epoch) -> echo; the target records what this source says it wrote.
+
+Why not UCCL's own two-sided ``send``/``recv`` for control: in UCCL's tcp mode a connection is an NCCL
+communicator, a one-sided write is an ``ncclRecv`` posted by UCCL's control thread on the target, and
+a control ``recv`` waiting on the same communicator is matched, in posting order, against the next
+write's ``ncclSend``: it swallows the write (hang or truncation). Blocking UCCL calls also spin.
+
+Delivery. The initiator's completion of a write is not delivery on tcp mode (notes/uccl-0.1.1.md).
+``fence`` therefore reads the target's fence cell back over the same UCCL connection after the writes:
+UCCL serves a connection's requests in order, each to completion, so the read returns only after every
+earlier write has landed; only then are the counters sent. Each transfer id is polled until done
+exactly once; a cancelled write keeps being polled by a shielded task holding its source.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
 import socket
 import struct
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,12 +50,16 @@ from ..transport import SourceCounters, TransportOptions, wait_after
 
 log = logging.getLogger("weightsync")
 
-FENCE = struct.Struct("<QQQ")  # sequence, writes, bytes
+FRAME = struct.Struct("<B3xIQQQQ")  # op, a, b, c, d, e
+OP_HELLO, OP_ADVERTISE, OP_FENCE, OP_ACCEPTED = 1, 2, 3, 4
+MAGIC = 0x5753_5543_0002  # "WSUC", version 2
 BLOB = 64
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+REFUSED = b"\0" * BLOB
+CELL = 256  # bytes of the fence cell read back by each fence
+FENCE_CELL = 0xFFFFFFFF  # the region id that names the target's fence cell
+CHUNK = 1 << 30  # UCCL's sizes are u32 on its tcp path: larger writes go in pieces
+PAIRING_TIMEOUT_S = 60.0
+RDMA_DEPTH = 16  # writes in flight per connection over RDMA (unmeasured here: no NIC)
 
 
 def rdma_devices() -> list[str]:
@@ -70,49 +88,95 @@ def _p2p():
     return p2p
 
 
-def _ok(result: Any, what: str) -> Any:
+def _ok(result: Any, what: str, peer: Optional[str] = None) -> Any:
     """UCCL returns (ok, value...) tuples or bare bools; turn failure into TransportError."""
     if isinstance(result, tuple):
         if not result[0]:
-            raise TransportError(f"uccl {what} failed")
+            raise TransportError(f"uccl {what} failed", peer=peer)
         return result[1] if len(result) == 2 else result[1:]
     if result is False:
-        raise TransportError(f"uccl {what} failed")
+        raise TransportError(f"uccl {what} failed", peer=peer)
     return result
+
+
+def _off_loop(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run a blocking UCCL call in a daemon thread: one that never returns (a peer that died
+    mid-handshake) must not hold up the process's exit, as an executor thread would."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(value: Any, exc: Optional[BaseException]) -> None:
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value, exc = fn(), None
+        except BaseException as e:  # handed to the awaiting task
+            value, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="uccl-call", daemon=True).start()
+    return fut
+
+
+def _memory_block(t: torch.Tensor) -> tuple[int, int]:
+    """The whole allocation holding ``t``: a caching-allocator segment on CUDA, else its storage."""
+    if t.is_cuda:
+        from ..cuda_blocks import block_of
+
+        return block_of(t)
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, ...]:
+    return FRAME.unpack(await reader.readexactly(FRAME.size))
 
 
 class UcclTransport:
     kind = "uccl"
     devices = frozenset({"cuda"})
 
-    def __init__(self, options: TransportOptions = TransportOptions()) -> None:
-        reason = uccl_unavailable_reason(options)
-        if reason is not None:
-            raise TransportUnavailable(f"transport 'uccl' cannot run here: {reason}")
+    def __init__(self, options: TransportOptions = TransportOptions(), p2p: Any = None) -> None:
+        """``p2p``: the module providing ``Endpoint`` (uccl's, unless a test gives a stand-in)."""
+        if p2p is None:
+            reason = uccl_unavailable_reason(options)
+            if reason is not None:
+                raise TransportUnavailable(f"transport 'uccl' cannot run here: {reason}")
+            p2p = _p2p()
         self.options = options
-        self.p2p = _p2p()
-        self.gpu = torch.device(options.device).index or 0 if options.device.startswith("cuda") else 0
+        self.p2p = p2p
+        device = torch.device(options.device)
+        self.gpu = device.index or 0 if device.type == "cuda" else 0
         self.ep: Any = None
         self.rank = -1
         self.regions: dict[int, tuple[torch.Tensor, int]] = {}  # region id -> (buffer, mr id)
-        self.sources: dict[tuple[int, int], int] = {}  # (base pointer, size) -> mr id (whole blocks)
-        self._counters: dict[tuple[int, int], SourceCounters] = {}
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.lock = threading.Lock()
+        self.blocks: dict[tuple[int, int], int] = {}  # (base, size) of a whole source allocation -> mr id
+        self._counters: dict[tuple[int, int], SourceCounters] = {}  # (source, epoch) -> reported
+        self.closed_epoch = -1
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._sessions: dict[asyncio.StreamWriter, asyncio.Task] = {}
+        self._pairing = asyncio.Lock()
+        self._stalled: Optional[str] = None
+        self._cell: tuple[torch.Tensor, int] = (torch.empty(0, dtype=torch.uint8), -1)  # fence cell, mr id
 
     def __repr__(self) -> str:
-        return f"<UcclTransport gpu={self.gpu} regions={len(self.regions)} source_blocks={len(self.sources)}>"
+        return (f"<UcclTransport gpu={self.gpu} regions={len(self.regions)} source_blocks={len(self.blocks)} "
+                f"sessions={len(self._sessions)}>")
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
-        self.ep = await asyncio.to_thread(self._make_endpoint)
-        meta = bytes(self.ep.get_metadata())
+        self.ep = await _off_loop(self._make_endpoint)
+        self._cell = self.fence_cell()
+        self._server = await asyncio.start_server(self._session, self.options.bind_host, self.options.port)
+        port = self._server.sockets[0].getsockname()[1]
         host = self.options.host_id or socket.gethostname()
-        accept = threading.Thread(target=self._accept_loop, name="uccl-accept", daemon=True)
-        accept.start()
-        self._threads.append(accept)
-        return TransportInfo(self.kind, host, f"{host}:uccl", self.options.device, meta)
+        address = f"{self.options.advertise_host or self.options.bind_host}:{port}"
+        return TransportInfo(self.kind, host, address, self.options.device, bytes(self.ep.get_metadata()))
 
     def _make_endpoint(self):
         try:
@@ -120,13 +184,22 @@ class UcclTransport:
         except TypeError:
             return self.p2p.Endpoint(self.gpu, max(1, (os.cpu_count() or 4) // 4))  # newer builds
 
+    def _reg(self, ptr: int, size: int, what: str) -> int:
+        return _ok(self.ep.reg(ptr, size), what)
+
+    def fence_cell(self) -> tuple[torch.Tensor, int]:
+        """A small registered buffer that fences read (initiator) or are read from (target)."""
+        cell = torch.zeros(CELL, dtype=torch.uint8, device=self.options.device)
+        return cell, self._reg(cell.data_ptr(), CELL, "reg (fence cell)")
+
     # --- registration ---------------------------------------------------------------------------
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
-        if buffer.device.type != "cuda":
-            raise RegistrationError(f"region {region_id}: uccl registers CUDA memory, got {buffer.device}")
+        if buffer.device.type != torch.device(self.options.device).type:
+            raise RegistrationError(f"region {region_id}: this uccl endpoint registers {self.options.device} "
+                                    f"memory, got {buffer.device}")
         nbytes = buffer.numel() * buffer.element_size()
-        mr = _ok(self.ep.reg(buffer.data_ptr(), nbytes), "reg")
+        mr = self._reg(buffer.data_ptr(), nbytes, f"reg (region {region_id})")
         self.regions[region_id] = (buffer, mr)
         return RegionInfo(region_id, nbytes, str(buffer.device), struct.pack("<IQ", region_id, nbytes))
 
@@ -136,57 +209,71 @@ class UcclTransport:
             self.ep.dereg(entry[1])
 
     def source_mr(self, src: torch.Tensor) -> int:
-        """The memory registration of the whole caching-allocator block holding ``src`` (cached)."""
-        from ..cuda_blocks import block_of
-
-        base, size = block_of(src)
-        key = (base, size)
-        mr = self.sources.get(key)
+        """The memory registration of the whole allocation holding ``src`` (made once, then cached)."""
+        key = _memory_block(src)
+        mr = self.blocks.get(key)
         if mr is None:
-            mr = self.sources[key] = _ok(self.ep.reg(base, size), "reg (source block)")
+            mr = self.blocks[key] = self._reg(key[0], key[1], "reg (source block)")
         return mr
 
-    # --- target side ----------------------------------------------------------------------------
+    # --- target side: one side-channel session per incoming connection -----------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                res = self.ep.accept()
-            except Exception as exc:  # the endpoint is going away
-                log.debug("uccl accept stopped: %r", exc)
-                return
-            if not res or not res[0]:
-                continue
-            conn_id = res[-1]
-            t = threading.Thread(target=self._serve, args=(conn_id,), name=f"uccl-serve-{conn_id}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _serve(self, conn_id: int) -> None:
-        """Answer one connection's requests until it closes: hello, advertise, fence."""
-        ctl = torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{self.gpu}")
-        ctl_mr = _ok(self.ep.reg(ctl.data_ptr(), ctl.numel()), "reg (control)")
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._sessions[writer] = asyncio.current_task()
         source = -1
-        while not self._stop.is_set():
-            try:
-                raw = _recv(self.ep, conn_id, ctl_mr, ctl, FENCE.size)
-            except TransportError:
+        try:
+            op, source, magic, *_ = await _read_frame(reader)
+            if op != OP_HELLO or magic != MAGIC:
+                log.error("uccl side channel: bad hello (op %d, magic %#x): closing", op, magic)
                 return
-            a, b, c = FENCE.unpack(raw)
-            if a >> 63:  # hello: who we serve
-                source = a & 0xFFFFFFFF
-            elif a >> 62:  # advertise region (a & 0xFFFF) bytes b .. b+c
-                _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(self._advertise(conn_id, a & 0xFFFF, b, c)))
-            else:  # fence: sequence a, count b, bytes | epoch << 48 in c
-                with self.lock:
-                    self._counters[(source, c >> 48)] = SourceCounters(b, c & ((1 << 48) - 1))
-                _send(self.ep, conn_id, ctl_mr, ctl, _as_tensor(raw))
+            conn_id = await self._pair(writer, source)
+            cell = self._advertise(conn_id, FENCE_CELL, 0, CELL)
+            writer.write(FRAME.pack(OP_ACCEPTED, 0, conn_id, 0, 0, 0) + cell)
+            while True:
+                op, a, b, c, d, e = await _read_frame(reader)
+                if op == OP_ADVERTISE:
+                    writer.write(self._advertise(conn_id, a, b, c))
+                elif op == OP_FENCE:  # b: sequence, c: writes, d: bytes, e: epoch
+                    if e > self.closed_epoch:
+                        self._counters[(source, e)] = SourceCounters(c, d)
+                    writer.write(FRAME.pack(op, a, b, c, d, e))
+                else:
+                    log.error("uccl side channel: unknown op %d from sender/%d: closing", op, source)
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the initiator closed its connection
+        except TransportError as exc:
+            log.error("uccl: session with sender/%d failed: %s", source, exc)
+        finally:
+            self._sessions.pop(writer, None)
+            writer.close()
+
+    async def _pair(self, writer: asyncio.StreamWriter, source: int) -> int:
+        """UCCL ``accept`` paired with this session's initiator: READY is sent only while holding the
+        pairing lock, and the initiator calls ``connect`` only after READY."""
+        async with self._pairing:
+            if self._stalled:
+                raise TransportError(f"an earlier UCCL pairing never completed ({self._stalled})")
+            writer.write(FRAME.pack(OP_HELLO, self.rank, MAGIC, 0, 0, 0))
+            await writer.drain()
+            accepted = _off_loop(self.ep.accept)
+            try:
+                result = await asyncio.wait_for(asyncio.shield(accepted), PAIRING_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self._stalled = f"sender/{source} did not connect within {PAIRING_TIMEOUT_S:.0f}s"
+                raise TransportError(self._stalled) from None
+        return int(_ok(result, "accept")[-1])  # 0.1.1: (ok, remote ip, remote gpu, conn id)
 
     def _advertise(self, conn_id: int, region_id: int, offset: int, size: int) -> bytes:
-        entry = self.regions.get(region_id)
-        if entry is None or offset + size > entry[0].numel():
-            return b"\0" * BLOB  # refused: the initiator raises RegistrationError
-        buffer, mr = entry
+        if region_id == FENCE_CELL:
+            buffer, mr = self._cell
+        else:
+            entry = self.regions.get(region_id)
+            if entry is None:
+                return REFUSED  # the initiator raises RegistrationError
+            buffer, mr = entry
+        if offset + size > buffer.numel() * buffer.element_size():
+            return REFUSED
         blob = _ok(self.ep.advertise(conn_id, mr, buffer.data_ptr() + offset, size), "advertise")
         return bytes(blob)[:BLOB].ljust(BLOB, b"\0")
 
@@ -196,113 +283,165 @@ class UcclTransport:
         name = f"receiver/{peer.rank}"
         try:
             ip, port, bdf = self.p2p.Endpoint.parse_metadata(peer.transport.data)  # 0.1.1: (ip, port, gpu bdf)
-        except Exception as exc:
+            side_host, _, side_port = peer.transport.address.rpartition(":")
+            reader, writer = await asyncio.open_connection(side_host, int(side_port))
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot reach the peer's uccl side channel {peer.transport.address!r}: {exc}",
+                                 peer=name) from exc
+        except Exception as exc:  # whatever parse_metadata raises on a bad blob
             raise TransportError(f"cannot parse the peer's uccl metadata: {exc!r}", peer=name) from exc
-        conn_id = await asyncio.to_thread(lambda: _ok(self.ep.connect(ip, bdf, remote_port=port), "connect"))
-        conn = UcclConnection(self, conn_id, name)
-        await asyncio.to_thread(conn.handshake, self.rank)
-        return conn
+        try:
+            writer.write(FRAME.pack(OP_HELLO, self.rank, MAGIC, 0, 0, 0))
+            op, _, magic, *_ = await _read_frame(reader)
+            if op != OP_HELLO or magic != MAGIC:
+                raise TransportError(f"the peer's uccl side channel speaks another version ({magic:#x})", peer=name)
+            conn_id = _ok(await _off_loop(lambda: self.ep.connect(ip, bdf, remote_port=port)), "connect", name)
+            op, *_ = await _read_frame(reader)
+            cell_blob = await reader.readexactly(BLOB)
+        except BaseException:
+            writer.close()
+            raise
+        if op != OP_ACCEPTED or cell_blob == REFUSED:
+            writer.close()
+            raise TransportError("the peer did not accept the uccl connection", peer=name)
+        return UcclConnection(self, conn_id, name, reader, writer, cell_blob, self.fence_cell())
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
-        with self.lock:
-            return {src: c for (src, e), c in self._counters.items() if e == epoch & 0xFFFF}
+        return {src: c for (src, e), c in self._counters.items() if e == epoch}
 
     def close_epoch(self, epoch: int) -> None:
-        with self.lock:
-            self._counters = {k: c for k, c in self._counters.items() if k[1] > epoch & 0xFFFF}
+        self.closed_epoch = max(self.closed_epoch, epoch)
+        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
 
     async def settle(self) -> None:
         return None
 
     async def close(self) -> None:
-        self._stop.set()
-
-
-def _send(ep, conn_id: int, mr: int, ctl: torch.Tensor, data: torch.Tensor) -> None:
-    n = data.numel()
-    ctl[:n].copy_(data)
-    torch.cuda.current_stream(ctl.device).synchronize()
-    _ok(ep.send(conn_id, mr, ctl.data_ptr(), n), "send")
-
-
-def _recv(ep, conn_id: int, mr: int, ctl: torch.Tensor, n: int) -> bytes:
-    _ok(ep.recv(conn_id, mr, ctl.data_ptr(), n), "recv")
-    return bytes(ctl[:n].cpu().numpy())
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        sessions = list(self._sessions.items())
+        for writer, _ in sessions:
+            writer.close()  # the session's read sees EOF and it ends
+        await asyncio.gather(*(task for _, task in sessions), return_exceptions=True)
 
 
 class UcclConnection:
-    devices = frozenset({"cuda"})
-
-    def __init__(self, owner: UcclTransport, conn_id: int, peer: str) -> None:
+    def __init__(self, owner: UcclTransport, conn_id: int, peer: str, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, cell_blob: bytes, cell: tuple[torch.Tensor, int]) -> None:
         self.owner = owner
+        self.devices = frozenset({torch.device(owner.options.device).type})  # what sources it reads in place
         self.conn_id = conn_id
         self.peer = peer
         self.blobs: dict[tuple[int, int, int], bytes] = {}
-        self._lock = asyncio.Lock()
-        self.sent_count = 0
-        self.sent_bytes = 0
+        self._reader, self._writer = reader, writer
+        self._side = asyncio.Lock()  # side-channel requests are request/reply, one at a time
+        self._cell_blob, self._cell = cell_blob, cell  # the target's fence cell; where we read it to
         self.closed = False
         self._seq = 0
-        self._ctl = torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{owner.gpu}")
-        self._ctl_mr: Optional[int] = None
-        self._epoch = 0
+        self._round = (-1, 0, 0)  # (epoch, writes, bytes) of the round being written
         self._ordered = -1
+        self.sent_count = 0
+        self.sent_bytes = 0
+        self.pending: set[asyncio.Task] = set()
+        # UCCL's tcp mode: one operation in flight per connection (see ``_one_at_a_time``)
+        self._serial = asyncio.Lock() if owner.options.uccl_tcp else None
+        self.depth = 1 if self._serial else RDMA_DEPTH
 
-    def handshake(self, rank: int) -> None:
-        """Say who we are (blocking: run in a thread)."""
-        self._ctl_mr = _ok(self.owner.ep.reg(self._ctl.data_ptr(), self._ctl.numel()), "reg (control)")
-        _send(self.owner.ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(FENCE.pack((1 << 63) | rank, 0, 0)))
+    def _one_at_a_time(self):
+        """In UCCL's tcp mode every operation is an NCCL send/recv pair matched in posting order, and
+        uccl 0.1.1 posts large operations from its proxy thread but small ones from ``poll_async``: two
+        in flight on one connection can be posted in another order than announced, and the target then
+        lands one write's bytes in another's place (seen on the 2-GPU machine: checksum mismatches in
+        rounds 2 and 3). So there, each operation completes before the next is issued."""
+        return self._serial if self._serial is not None else contextlib.nullcontext()
 
-    def _blob(self, region: int, offset: int, size: int) -> bytes:
-        """The target's advertisement of one destination range (asked once, then cached)."""
+    def __repr__(self) -> str:
+        return (f"<UcclConnection to {self.peer} conn={self.conn_id} sent={self.sent_count}/{self.sent_bytes} "
+                f"bytes descriptors={len(self.blobs)} polling={len(self.pending)}>")
+
+    async def _request(self, frame: bytes, reply: int) -> bytes:
+        async with self._side:
+            try:
+                self._writer.write(frame)
+                return await self._reader.readexactly(reply)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                self.closed = True
+                raise ConnectionClosed("the uccl side channel closed", peer=self.peer) from exc
+
+    async def _blob(self, region: int, offset: int, size: int) -> bytes:
+        """The target's descriptor of one destination range (asked once, then cached)."""
         key = (region, offset, size)
         blob = self.blobs.get(key)
         if blob is None:
-            ep = self.owner.ep
-            _send(ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(FENCE.pack((1 << 62) | region, offset, size)))
-            blob = _recv(ep, self.conn_id, self._ctl_mr, self._ctl, BLOB)
-            if blob == b"\0" * BLOB:
+            blob = await self._request(FRAME.pack(OP_ADVERTISE, region, offset, size, 0, 0), BLOB)
+            if blob == REFUSED:
                 raise RegistrationError(f"target refused region {region} bytes {offset}+{size} (out of bounds?)",
                                         peer=self.peer)
             self.blobs[key] = blob
         return blob
 
+    async def _complete(self, tid: int, keep: torch.Tensor, what: str) -> None:
+        """Poll ``tid`` until done, exactly once done; if we are cancelled, a shielded task keeps
+        polling (and holds ``keep``, the memory UCCL still reads) so the id is neither leaked nor reused."""
+        ep = self.owner.ep
+
+        async def poll() -> None:
+            since = time.perf_counter()
+            while not _ok(ep.poll_async(tid), f"poll_async ({what})", self.peer):
+                await cuda_rt.pause(since)
+            del keep_alive[:]
+
+        keep_alive = [keep]
+        task = asyncio.ensure_future(poll())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        await asyncio.shield(task)
+
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:
-        await wait_after(after)
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        await wait_after(after)  # UCCL's streams are its own: order on the host
         nbytes = src.numel() * src.element_size()
-        self._epoch = epoch
+        if self._round[0] != epoch:
+            self._round = (epoch, 0, 0)
         if nbytes:
-            ep = self.owner.ep
-            async with self._lock:  # control messages on this connection are request/reply
-                blob = await asyncio.to_thread(self._blob, dst_region, dst_offset, nbytes)
-            mr = self.owner.source_mr(src)
-            if self._ordered != epoch:  # once per round: the producer's work is done (UCCL's streams are its own)
+            if self._ordered != epoch and src.is_cuda:  # once per round: the producer's queued work is done
                 await cuda_rt.stream_done(src.device)
                 self._ordered = epoch
-            tid = _ok(ep.write_async(self.conn_id, mr, src.data_ptr(), nbytes, blob), "write_async")
-            while True:  # poll this transfer id until done, exactly once done
-                if _ok(ep.poll_async(tid), "poll_async"):
-                    break
-                await asyncio.sleep(0)
+            mr = self.owner.source_mr(src)
+            for start in range(0, nbytes, CHUNK):
+                size = min(CHUNK, nbytes - start)
+                blob = await self._blob(dst_region, dst_offset + start, size)
+                async with self._one_at_a_time():
+                    tid = _ok(self.owner.ep.write_async(self.conn_id, mr, src.data_ptr() + start, size, blob),
+                              "write_async", self.peer)
+                    await self._complete(tid, src, "write")
+        e, count, total = self._round
+        self._round = (e, count + 1, total + nbytes)
         self.sent_count += 1
         self.sent_bytes += nbytes
 
     async def fence(self) -> None:
+        """Read the target's fence cell back (proves every earlier write landed), then report this
+        round's counts and wait for the echo."""
+        if self.closed:
+            raise ConnectionClosed("fence on a closed connection", peer=self.peer)
+        cell, mr = self._cell
+        async with self._one_at_a_time():
+            tid = _ok(self.owner.ep.read_async(self.conn_id, mr, cell.data_ptr(), CELL, self._cell_blob),
+                      "read_async (fence)", self.peer)
+            await self._complete(tid, cell, "fence read")
         self._seq += 1
-        msg = FENCE.pack(self._seq, self.sent_count, self.sent_bytes | ((self._epoch & 0xFFFF) << 48))
-        ep = self.owner.ep
-
-        def roundtrip() -> bytes:
-            _send(ep, self.conn_id, self._ctl_mr, self._ctl, _as_tensor(msg))
-            return _recv(ep, self.conn_id, self._ctl_mr, self._ctl, FENCE.size)
-
-        async with self._lock:
-            echo = await asyncio.to_thread(roundtrip)
-        if echo != msg:
+        epoch, count, total = self._round
+        frame = FRAME.pack(OP_FENCE, 0, self._seq, count, total, max(epoch, 0))
+        echo = await self._request(frame, FRAME.size)
+        if echo != frame:
             raise TransportError("fence echo does not match what was sent", peer=self.peer)
 
     async def close(self) -> None:
         self.closed = True
+        if self.pending:
+            await asyncio.gather(*self.pending, return_exceptions=True)
+        self._writer.close()
