@@ -9,7 +9,8 @@ bf16 trainer -> vLLM-layout block-FP8 receiver (fused qkv / gate_up, 128x128 sca
 a side stream) and quantization alone. Median of N rounds after a warm-up. Prints a table, writes
 JSON (--out). Shapes come from the transformers config (no download).
 
-    python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --fp8 --out t.json   (add uccl --uccl-tcp: not working yet)
+    python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --fp8 --out t.json
+    python3 bench/transfer_gpu.py --rounds 5 --transports uccl --uccl-tcp --baselines "" --out u.json   (UCCL tcp mode)
 """
 
 from __future__ import annotations

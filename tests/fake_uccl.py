@@ -2,9 +2,9 @@
 
 - ``connect`` blocks until the target's ``accept`` takes it (as UCCL's do).
 - A write reports completion at the initiator before its bytes land at the target (measured on
-  UCCL's tcp mode, notes/uccl-0.1.1.md). Bytes land, in order, when the target's side processes the
-  connection's requests: here, when a later ``read`` on the same connection is served. So a fence
-  that does not read back would leave the target unchanged and the tests would see it.
+  UCCL's tcp mode, notes/uccl-0.1.1.md). A connection's bytes land later, in order, one write every
+  ``LATENCY_S``, from a delivery thread: a fence that did not wait for them would let the target see
+  the old bytes, and the tests would notice.
 - Two operations in flight on one connection are recorded in ``problems`` (UCCL's tcp mode may post
   them to NCCL in another order than announced, landing one write's bytes in another's place).
 - Transfer ids must be polled until done exactly once: polling one again (a use-after-free in UCCL)
@@ -19,6 +19,7 @@ import itertools
 import queue
 import struct
 import threading
+import time
 
 from engine.transports.uccl import UcclTransport
 
@@ -29,20 +30,23 @@ _ports = itertools.count(41000)
 _ids = itertools.count(1)
 _lock = threading.Lock()
 problems: list[str] = []
+LATENCY_S = 0.01  # from sending a write to its bytes landing
 POLLS = 6  # polls until an operation reports done: long enough for others to be issued meanwhile
 
 
 class _Link:
-    """One direction-agnostic connection: requests applied in order, like UCCL's per-connection loop."""
+    """One connection's delivery: bytes land in the order they were sent, some time after sending."""
 
     def __init__(self) -> None:
-        self.queued: list[tuple[int, bytes]] = []  # (dst, bytes) sent but not yet landed
+        self.queued: queue.Queue = queue.Queue()  # (dst, bytes) sent but not yet landed
         self.in_flight = 0
+        threading.Thread(target=self._deliver, daemon=True, name="fake-uccl-delivery").start()
 
-    def land(self) -> None:
-        for dst, data in self.queued:
+    def _deliver(self) -> None:
+        while True:
+            dst, data = self.queued.get()
+            time.sleep(LATENCY_S)  # the network's latency, not a test synchronising
             ctypes.memmove(dst, data, len(data))
-        self.queued.clear()
 
 
 class Endpoint:
@@ -109,19 +113,7 @@ class Endpoint:
         if not self._covers(mr, ptr, size) or size != dst_size:
             return False, 0
         link = self.conns[conn_id]
-        return self._start(link, lambda: link.queued.append((dst, ctypes.string_at(ptr, size))))  # read now
-
-    def read_async(self, conn_id: int, mr: int, ptr: int, size: int, blob: bytes):
-        src, src_size, _ = BLOB.unpack(blob[:BLOB.size])
-        if not self._covers(mr, ptr, size) or size != src_size:
-            return False, 0
-        link = self.conns[conn_id]
-
-        def serve() -> None:  # the target serves requests in order: earlier writes land first
-            link.land()
-            ctypes.memmove(ptr, src, size)
-
-        return self._start(link, serve)
+        return self._start(link, lambda: link.queued.put((dst, ctypes.string_at(ptr, size))))  # read now
 
     def poll_async(self, tid: int):
         entry = self.transfers.get(tid)

@@ -9,21 +9,25 @@ session per connection (loopback unless ``bind_host`` says otherwise):
 
 - HELLO(rank) -> READY, then the initiator's UCCL ``connect`` and the target's ``accept`` are paired
   inside that session (one pairing at a time per target, so identities never depend on timing);
-  ACCEPTED carries the advertisement of the target's fence cell.
+  ACCEPTED carries the descriptor of this session's fence mailbox at the target.
 - ADVERTISE(region, offset, size) -> the 64-byte descriptor ``write_async`` needs (uccl 0.1.1 takes
   no offset: one descriptor per destination range). Routing tables are static, so the initiator
   asks once per range and caches it.
-- FENCE(seq, count, bytes, epoch) -> echo; the target records what this source says it wrote.
+- FENCE(seq, count, bytes, epoch) -> echo once the mailbox holds ``seq``; the target records what
+  this source says it wrote.
 
 Why not UCCL's own two-sided ``send``/``recv`` for control: in UCCL's tcp mode a connection is an NCCL
 communicator, a one-sided write is an ``ncclRecv`` posted by UCCL's control thread on the target, and
 a control ``recv`` waiting on the same communicator is matched, in posting order, against the next
 write's ``ncclSend``: it swallows the write (hang or truncation). Blocking UCCL calls also spin.
 
-Delivery. The initiator's completion of a write is not delivery on tcp mode (notes/uccl-0.1.1.md).
-``fence`` therefore reads the target's fence cell back over the same UCCL connection after the writes:
-UCCL serves a connection's requests in order, each to completion, so the read returns only after every
-earlier write has landed; only then are the counters sent. Each transfer id is polled until done
+Delivery. The initiator's completion of a write is not delivery on tcp mode (notes/uccl-0.1.1.md), and
+neither is a read issued after the writes (measured on the 2-GPU machine: the read completed while
+later writes were still on their way). So ``fence`` writes its sequence number into the mailbox as one
+more one-sided write on the same connection, and the target answers the FENCE only once it reads that
+number there: the connection's writes land in order, so everything before it has landed. Over RDMA an
+initiator's completion already means placement, and the mailbox adds one small write. In tcp mode
+one operation is in flight per connection (``_one_at_a_time``). Each transfer id is polled until done
 exactly once; a cancelled write keeps being polled by a shielded task holding its source.
 """
 
@@ -55,8 +59,8 @@ OP_HELLO, OP_ADVERTISE, OP_FENCE, OP_ACCEPTED = 1, 2, 3, 4
 MAGIC = 0x5753_5543_0002  # "WSUC", version 2
 BLOB = 64
 REFUSED = b"\0" * BLOB
-CELL = 256  # bytes of the fence cell read back by each fence
-FENCE_CELL = 0xFFFFFFFF  # the region id that names the target's fence cell
+MAILBOX = 0xFFFFFFFF  # the region id that names a session's fence mailbox (one int64 at the target)
+FENCE_TIMEOUT_S = 60.0  # how long a target waits for a fence's mailbox write to land
 CHUNK = 1 << 30  # UCCL's sizes are u32 on its tcp path: larger writes go in pieces
 PAIRING_TIMEOUT_S = 60.0
 RDMA_DEPTH = 16  # writes in flight per connection over RDMA (unmeasured here: no NIC)
@@ -137,6 +141,34 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, ...]:
     return FRAME.unpack(await reader.readexactly(FRAME.size))
 
 
+class _Mailbox:
+    """A session's fence mailbox at the target: one registered int64 the initiator writes a fence's
+    sequence number into, read back here without blocking the loop."""
+
+    def __init__(self, device: str, reg: Callable[[int, int, str], int]) -> None:
+        self.cell = torch.zeros(1, dtype=torch.int64, device=device)
+        self.entry = (self.cell, reg(self.cell.data_ptr(), 8, "reg (fence mailbox)"))
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self.cell.is_cuda)
+
+    async def _read(self) -> int:
+        if self.cell.is_cuda:
+            self.host.copy_(self.cell, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.cell.device))
+            await cuda_rt.wait_event(done)
+        else:
+            self.host.copy_(self.cell)
+        return int(self.host[0])
+
+    async def holds(self, seq: int, timeout_s: float) -> bool:
+        since = time.perf_counter()
+        while await self._read() != seq:
+            if time.perf_counter() - since > timeout_s:
+                return False
+            await cuda_rt.pause(since)
+        return True
+
+
 class UcclTransport:
     kind = "uccl"
     devices = frozenset({"cuda"})
@@ -162,7 +194,6 @@ class UcclTransport:
         self._sessions: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self._pairing = asyncio.Lock()
         self._stalled: Optional[str] = None
-        self._cell: tuple[torch.Tensor, int] = (torch.empty(0, dtype=torch.uint8), -1)  # fence cell, mr id
 
     def __repr__(self) -> str:
         return (f"<UcclTransport gpu={self.gpu} regions={len(self.regions)} source_blocks={len(self.blocks)} "
@@ -171,7 +202,6 @@ class UcclTransport:
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
         self.ep = await _off_loop(self._make_endpoint)
-        self._cell = self.fence_cell()
         self._server = await asyncio.start_server(self._session, self.options.bind_host, self.options.port)
         port = self._server.sockets[0].getsockname()[1]
         host = self.options.host_id or socket.gethostname()
@@ -187,10 +217,6 @@ class UcclTransport:
     def _reg(self, ptr: int, size: int, what: str) -> int:
         return _ok(self.ep.reg(ptr, size), what)
 
-    def fence_cell(self) -> tuple[torch.Tensor, int]:
-        """A small registered buffer that fences read (initiator) or are read from (target)."""
-        cell = torch.zeros(CELL, dtype=torch.uint8, device=self.options.device)
-        return cell, self._reg(cell.data_ptr(), CELL, "reg (fence cell)")
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -227,16 +253,18 @@ class UcclTransport:
                 log.error("uccl side channel: bad hello (op %d, magic %#x): closing", op, magic)
                 return
             conn_id = await self._pair(writer, source)
-            cell = self._advertise(conn_id, FENCE_CELL, 0, CELL)
-            writer.write(FRAME.pack(OP_ACCEPTED, 0, conn_id, 0, 0, 0) + cell)
+            mailbox = _Mailbox(self.options.device, self._reg)
+            blob = self._advertise(conn_id, MAILBOX, 0, 8, mailbox.entry)
+            writer.write(FRAME.pack(OP_ACCEPTED, 0, conn_id, 0, 0, 0) + blob)
             while True:
                 op, a, b, c, d, e = await _read_frame(reader)
                 if op == OP_ADVERTISE:
                     writer.write(self._advertise(conn_id, a, b, c))
                 elif op == OP_FENCE:  # b: sequence, c: writes, d: bytes, e: epoch
-                    if e > self.closed_epoch:
+                    landed = await mailbox.holds(b, FENCE_TIMEOUT_S)
+                    if landed and e > self.closed_epoch:
                         self._counters[(source, e)] = SourceCounters(c, d)
-                    writer.write(FRAME.pack(op, a, b, c, d, e))
+                    writer.write(FRAME.pack(op, 0 if landed else 1, b, c, d, e))
                 else:
                     log.error("uccl side channel: unknown op %d from sender/%d: closing", op, source)
                     return
@@ -264,14 +292,12 @@ class UcclTransport:
                 raise TransportError(self._stalled) from None
         return int(_ok(result, "accept")[-1])  # 0.1.1: (ok, remote ip, remote gpu, conn id)
 
-    def _advertise(self, conn_id: int, region_id: int, offset: int, size: int) -> bytes:
-        if region_id == FENCE_CELL:
-            buffer, mr = self._cell
-        else:
-            entry = self.regions.get(region_id)
-            if entry is None:
-                return REFUSED  # the initiator raises RegistrationError
-            buffer, mr = entry
+    def _advertise(self, conn_id: int, region_id: int, offset: int, size: int,
+                   entry: Optional[tuple[torch.Tensor, int]] = None) -> bytes:
+        entry = entry or self.regions.get(region_id)
+        if entry is None:
+            return REFUSED  # the initiator raises RegistrationError
+        buffer, mr = entry
         if offset + size > buffer.numel() * buffer.element_size():
             return REFUSED
         blob = _ok(self.ep.advertise(conn_id, mr, buffer.data_ptr() + offset, size), "advertise")
@@ -297,14 +323,14 @@ class UcclTransport:
                 raise TransportError(f"the peer's uccl side channel speaks another version ({magic:#x})", peer=name)
             conn_id = _ok(await _off_loop(lambda: self.ep.connect(ip, bdf, remote_port=port)), "connect", name)
             op, *_ = await _read_frame(reader)
-            cell_blob = await reader.readexactly(BLOB)
+            mailbox = await reader.readexactly(BLOB)
         except BaseException:
             writer.close()
             raise
-        if op != OP_ACCEPTED or cell_blob == REFUSED:
+        if op != OP_ACCEPTED or mailbox == REFUSED:
             writer.close()
             raise TransportError("the peer did not accept the uccl connection", peer=name)
-        return UcclConnection(self, conn_id, name, reader, writer, cell_blob, self.fence_cell())
+        return UcclConnection(self, conn_id, name, reader, writer, mailbox)
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {src: c for (src, e), c in self._counters.items() if e == epoch}
@@ -328,7 +354,7 @@ class UcclTransport:
 
 class UcclConnection:
     def __init__(self, owner: UcclTransport, conn_id: int, peer: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, cell_blob: bytes, cell: tuple[torch.Tensor, int]) -> None:
+                 writer: asyncio.StreamWriter, mailbox: bytes) -> None:
         self.owner = owner
         self.devices = frozenset({torch.device(owner.options.device).type})  # what sources it reads in place
         self.conn_id = conn_id
@@ -336,7 +362,8 @@ class UcclConnection:
         self.blobs: dict[tuple[int, int, int], bytes] = {}
         self._reader, self._writer = reader, writer
         self._side = asyncio.Lock()  # side-channel requests are request/reply, one at a time
-        self._cell_blob, self._cell = cell_blob, cell  # the target's fence cell; where we read it to
+        self._mailbox = mailbox  # descriptor of the target's fence mailbox for this connection
+        self._seq_src = torch.zeros(1, dtype=torch.int64, device=owner.options.device)
         self.closed = False
         self._seq = 0
         self._round = (-1, 0, 0)  # (epoch, writes, bytes) of the round being written
@@ -424,21 +451,28 @@ class UcclConnection:
         self.sent_bytes += nbytes
 
     async def fence(self) -> None:
-        """Read the target's fence cell back (proves every earlier write landed), then report this
-        round's counts and wait for the echo."""
+        """Write the next sequence number into the target's mailbox, behind every earlier write on this
+        connection, then report this round's counts: the target answers once it sees that number in
+        its mailbox, that is once everything before it has landed."""
         if self.closed:
             raise ConnectionClosed("fence on a closed connection", peer=self.peer)
-        cell, mr = self._cell
-        async with self._one_at_a_time():
-            tid = _ok(self.owner.ep.read_async(self.conn_id, mr, cell.data_ptr(), CELL, self._cell_blob),
-                      "read_async (fence)", self.peer)
-            await self._complete(tid, cell, "fence read")
         self._seq += 1
+        self._seq_src.fill_(self._seq)
+        if self._seq_src.is_cuda:
+            await cuda_rt.stream_done(self._seq_src.device)
+        mr = self.owner.source_mr(self._seq_src)
+        async with self._one_at_a_time():
+            tid = _ok(self.owner.ep.write_async(self.conn_id, mr, self._seq_src.data_ptr(), 8, self._mailbox),
+                      "write_async (fence mailbox)", self.peer)
+            await self._complete(tid, self._seq_src, "fence")
         epoch, count, total = self._round
         frame = FRAME.pack(OP_FENCE, 0, self._seq, count, total, max(epoch, 0))
         echo = await self._request(frame, FRAME.size)
-        if echo != frame:
+        if echo[4:] != frame[4:]:
             raise TransportError("fence echo does not match what was sent", peer=self.peer)
+        if FRAME.unpack(echo)[1]:
+            raise TransportError(f"the target did not see this connection's writes land within "
+                                 f"{FENCE_TIMEOUT_S:.0f}s", peer=self.peer)
 
     async def close(self) -> None:
         self.closed = True
