@@ -50,6 +50,7 @@ class ControllerOptions:
     auth_key: Optional[bytes] = None  # HMAC key: only holders can join or command (wire.auth)
     peer_limits: PeerLimits = PeerLimits()
     mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
+    one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
 
     def __post_init__(self) -> None:
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan

@@ -70,14 +70,15 @@ class WeightReceiver(Worker):
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # id(buffer) -> tensor views into it
-        if self.mode == "shadow":
-            self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, "slots:2"))
+        extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit",)
+        self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
         self.cache = RegistrationCache()
         self.table: Optional[ReceiverTable] = None
         self.version: Optional[int] = None
         self.dirty = False
         self.rounds_committed = 0
         self.rounds_aborted = 0
+        self.rounds_one_phase = 0  # of the committed rounds, those fenced and committed in one exchange
         self._pending: Optional[int] = None
         self._algo = ""
         self._version_changed = asyncio.Event()
@@ -148,17 +149,28 @@ class WeightReceiver(Worker):
             self.dirty = True  # live bytes may change from now until commit
 
     async def _on_fence(self, env: Envelope) -> None:
-        version = env.body.version
+        ack = await self._verdict(env.body)
+        await self._send(ack, version=ack.version)
+
+    async def _on_fence_commit(self, env: Envelope) -> None:
+        """The only receiver of the round: verify, and apply at once if that passes."""
+        ack = await self._verdict(env.body)
+        await self._send(ack, version=ack.version)
+        if ack.ok:
+            self.rounds_one_phase += 1
+            await self._apply(ack.version)
+
+    async def _verdict(self, body: "m.Fence | m.FenceCommit") -> m.FenceAck:
+        version = body.version
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
-        problems, names = self._check_arrivals(env.body.checksums)
+        problems, names = self._check_arrivals(body.checksums)
         if not problems and self._algo:
-            bad = await asyncio.to_thread(self._check_checksums, env.body.checksums)
+            bad = await asyncio.to_thread(self._check_checksums, body.checksums)
             if bad:
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")
                 names = bad
-        received = sum(s.nbytes for s in env.body.checksums)
-        await self._send(m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems)),
-                         version=version)
+        received = sum(s.nbytes for s in body.checksums)
+        return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems))
 
     def _check_arrivals(self, summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str]]:
         """Every sender in our table reported what the table says; where the transport observes
@@ -190,7 +202,9 @@ class WeightReceiver(Worker):
         return sorted(bad)
 
     async def _on_commit(self, env: Envelope) -> None:
-        version = env.body.version
+        await self._apply(env.body.version)
+
+    async def _apply(self, version: int) -> None:
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()

@@ -5,7 +5,8 @@ and holds one future per stage (writes done, fenced, applied). Handlers record e
 message; a stage's future resolves when the last one arrives. ``abort`` fails the stage in progress,
 which the round task turns into ``abort`` messages. ``report`` turns timings and byte counts into a
 ``RoundReport`` (per stage and per link). ``RoundRunner`` is the controller's side that drives a round
-over its sockets: begin -> writes_done -> fence -> commit -> commit_ack, or abort.
+over its sockets: begin -> writes_done -> fence -> commit -> commit_ack, or abort; a round with a single
+receiver that offers ``fence_commit`` does fence and commit in one exchange (``_one_phase``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class RoundState:
         self.applied: set[int] = set()
         self.stage = "writing"
         self.committed = False
+        self.one_phase = False  # fence and commit in one exchange (a round with one capable receiver)
         self.t0 = time.perf_counter()
         self.marks: dict[str, float] = {}
         self.aborted: Optional[RoundAborted] = None
@@ -90,6 +92,8 @@ class RoundState:
                        f"receiver/{rank} failed verification: {body.text} {list(body.mismatches)[:5]}",
                        f"receiver/{rank}")
             return
+        if self.one_phase:  # the receiver applies on its own verdict: from here the round cannot abort
+            self.committed = True
         self._maybe("fenced", set(self.fence_acks) >= self.receivers)
 
     def on_commit_ack(self, rank: int) -> None:
@@ -184,16 +188,26 @@ class RoundRunner:
             await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
         await self._stage(rnd, "writes_done", deadline)
         rnd.stage = "fencing"
+        rnd.one_phase = self._one_phase(rnd)
+        fence = m.FenceCommit if rnd.one_phase else m.Fence
         for r in sorted(rnd.receivers):
-            await self._send_to((Role.RECEIVER, r), m.Fence(rnd.version, rnd.fence_for(r)), version=rnd.version)
+            await self._send_to((Role.RECEIVER, r), fence(rnd.version, rnd.fence_for(r)), version=rnd.version)
         await self._stage(rnd, "fenced", deadline)
         rnd.stage = "committing"
         rnd.committed = True
         for key in sorted(self.plan_members):
-            if key in self.by_rank:
+            if key in self.by_rank and not (rnd.one_phase and key[0] is Role.RECEIVER):
                 await self._send_to(key, m.Commit(rnd.version), version=rnd.version)
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
+
+    def _one_phase(self, rnd: RoundState) -> bool:
+        """A round with a single receiver that can apply on its own verdict needs no second phase:
+        nobody else's verdict could still veto it. Saves the commit's round trip."""
+        if not self.options.one_phase_commit or len(rnd.receivers) != 1:
+            return False
+        peer = self.peers.get(self.by_rank.get((Role.RECEIVER, next(iter(rnd.receivers))), b""))
+        return peer is not None and "fence_commit" in peer.hello.capabilities
 
     async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
         try:

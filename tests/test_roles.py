@@ -125,20 +125,26 @@ async def test_inplace_hooks_dirty_and_repair():
 
 
 class CorruptingReceiver(WeightReceiver):
-    async def _on_fence(self, env):
-        if env.body.version == 2:
+    async def _verdict(self, body):
+        if body.version == 2:
             self.landing.storage[self.offsets["big"]] ^= 0xFF  # a byte flipped in flight
-        await super()._on_fence(env)
+        return await super()._verdict(body)
 
 
-async def test_checksum_mismatch_aborts_and_names_parameter():
-    async with cluster(receiver_cls=CorruptingReceiver) as (ctl, senders, senders_t, receivers, receivers_t):
+@pytest.mark.parametrize("n_recv", [1, 2], ids=["one-phase", "two-phase"])
+async def test_checksum_mismatch_aborts_and_names_parameter(n_recv):
+    async with cluster(1, n_recv, receiver_cls=CorruptingReceiver) as (ctl, senders, senders_t, receivers, receivers_t):
         await asyncio.gather(*await push_all(senders, senders_t, 1))
+        assert all(r.rounds_one_phase == (1 if n_recv == 1 else 0) for r in receivers)
         handles = await push_all(senders, senders_t, 2)
         with pytest.raises(RoundAborted) as e:
             await asyncio.wait_for(handles[0], WATCHDOG)
         assert e.value.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in e.value.text
-        assert receivers[0].version == 1 and mismatches(receivers_t[0], 1) == []
+        for r, t in zip(receivers, receivers_t):  # a failed round leaves the last good version everywhere
+            assert r.version == 1 and mismatches(t, 1) == []
+        await asyncio.gather(*await push_all(senders, senders_t, 3))  # and the next round goes through
+        assert (await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)).ok
+        assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
 
 
 async def _join_error(spec_change, role="receiver"):

@@ -80,4 +80,6 @@ def samples() -> dict[str, Envelope]:
         version = 3 if name in {"push", "begin", "writes_done", "fence", "fence_ack", "commit", "commit_ack", "abort"} else None
         out[name] = Envelope(body, msg_id=100 + i, sender="sender/0", parent_id=None if i % 2 else 99, version=version)
     out["plan_receiver"] = Envelope(RECEIVER_PLAN, msg_id=200, sender="controller", parent_id=None, version=None)
+    out["fence_commit"] = Envelope(m.FenceCommit(3, (SUMMARY,)), msg_id=201, sender="controller", parent_id=99,
+                                   version=3)  # added after the others: their vectors stay as they were
     return out

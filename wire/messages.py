@@ -190,6 +190,17 @@ class Fence(Message):
 
 
 @struct
+class FenceCommit(Message):
+    """Controller -> the one receiver of a round (it offered capability ``fence_commit``): verify and,
+    if that passes, apply at once and answer ``fence_ack`` then ``commit_ack`` (a two-phase commit
+    with one participant needs no second phase)."""
+
+    TYPE = "fence_commit"
+    version: U64
+    checksums: tuple[WriteSummary, ...]
+
+
+@struct
 class FenceAck(Message):
     TYPE = "fence_ack"
     version: U64
@@ -288,6 +299,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         UpdateBegin,
         WritesDone,
         Fence,
+        FenceCommit,
         FenceAck,
         Commit,
         CommitAck,

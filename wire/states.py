@@ -7,7 +7,7 @@ send (an illegal one is our bug: ``LocalIllegalTransition``); ``Session.receive`
 (an illegal one is the peer's: ``RemoteIllegalTransition``). Both move the state. No I/O here.
 
 Round shape: begin -> (sender) writes_done -> commit; (receiver) fence -> fence_ack -> commit ->
-commit_ack. ``abort`` returns any in-round state to READY. Heartbeat and error are legal in every
+commit_ack, or, as the only receiver of a round, fence_commit -> fence_ack -> commit_ack. ``abort`` returns any in-round state to READY. Heartbeat and error are legal in every
 joined state and change nothing; ``leave`` from either side closes the session.
 """
 
@@ -31,6 +31,8 @@ class State(enum.Enum):
     RECEIVING = "RECEIVING"
     FENCING = "FENCING"
     FENCED = "FENCED"
+    COMMIT_FENCING = "COMMIT_FENCING"  # one-phase: verifying, will apply on its own if that passes
+    COMMIT_FENCED = "COMMIT_FENCED"  # one-phase: verdict sent; applying (ok) or waiting for abort
     APPLYING = "APPLYING"
     CLOSED = "CLOSED"
 
@@ -53,11 +55,13 @@ JOINED_STATES = (
     State.RECEIVING,
     State.FENCING,
     State.FENCED,
+    State.COMMIT_FENCING,
+    State.COMMIT_FENCED,
     State.APPLYING,
 )
 ROUND_STATES = {
     S: (State.WRITING, State.WRITTEN),
-    R: (State.RECEIVING, State.FENCING, State.FENCED),
+    R: (State.RECEIVING, State.FENCING, State.FENCED, State.COMMIT_FENCING, State.COMMIT_FENCED),
 }
 
 
@@ -91,6 +95,11 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     t[R, State.FENCING, W, m.FenceAck.TYPE] = State.FENCED
     t[R, State.FENCED, C, m.Commit.TYPE] = State.APPLYING
     t[R, State.APPLYING, W, m.CommitAck.TYPE] = State.READY
+    # a round with one receiver: fence and commit in one exchange (the receiver applies on its own
+    # verdict; a failed verification is answered by abort as above)
+    t[R, State.RECEIVING, C, m.FenceCommit.TYPE] = State.COMMIT_FENCING
+    t[R, State.COMMIT_FENCING, W, m.FenceAck.TYPE] = State.COMMIT_FENCED
+    t[R, State.COMMIT_FENCED, W, m.CommitAck.TYPE] = State.READY
     return t
 
 
