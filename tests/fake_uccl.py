@@ -19,7 +19,6 @@ import itertools
 import queue
 import struct
 import threading
-import time
 
 from engine.transports.uccl import UcclTransport
 
@@ -40,12 +39,16 @@ class _Link:
     def __init__(self) -> None:
         self.queued: queue.Queue = queue.Queue()  # (dst, bytes) sent but not yet landed
         self.in_flight = 0
+        self.stopped = threading.Event()
         threading.Thread(target=self._deliver, daemon=True, name="fake-uccl-delivery").start()
 
     def _deliver(self) -> None:
-        while True:
+        """Land each write ``LATENCY_S`` after it was taken (the network's latency, emulated; nothing
+        here synchronises a test), in order, until the link is stopped."""
+        while not self.stopped.is_set():
             dst, data = self.queued.get()
-            time.sleep(LATENCY_S)  # the network's latency, not a test synchronising
+            if self.stopped.wait(LATENCY_S):
+                return
             ctypes.memmove(dst, data, len(data))
 
 

@@ -93,9 +93,15 @@ async def test_concurrent_initiators_are_paired_by_handshake_not_timing():
 async def test_a_cancelled_write_is_still_polled_to_the_end():
     dst, info, region, rinfo = await _target()
     src, conn = await _initiator(0, info, rinfo)
+    polled, real_poll = asyncio.Event(), src.ep.poll_async
+
+    def poll(tid):
+        polled.set()  # the transfer id exists and its poll task runs
+        return real_poll(tid)
+
+    src.ep.poll_async = poll
     task = asyncio.ensure_future(conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1))
-    while not conn.pending:  # until the transfer id exists
-        await asyncio.sleep(0)
+    await asyncio.wait_for(polled.wait(), WATCHDOG)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
