@@ -153,9 +153,7 @@ class _Mailbox:
     async def _read(self) -> int:
         if self.cell.is_cuda:
             self.host.copy_(self.cell, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.cell.device))
-            await cuda_rt.wait_event(done)
+            await cuda_rt.stream_done(self.cell.device)
         else:
             self.host.copy_(self.cell)
         return int(self.host[0])
@@ -425,6 +423,15 @@ class UcclConnection:
         task.add_done_callback(self.pending.discard)
         await asyncio.shield(task)
 
+    async def _put(self, src: torch.Tensor, start: int, size: int, blob: bytes, what: str) -> None:
+        """One ``write_async`` of ``size`` bytes of ``src`` from byte ``start`` to the range ``blob``
+        names, polled to completion."""
+        mr = self.owner.source_mr(src)
+        async with self._one_at_a_time():
+            tid = _ok(self.owner.ep.write_async(self.conn_id, mr, src.data_ptr() + start, size, blob),
+                      f"write_async ({what})", self.peer)
+            await self._complete(tid, src, what)
+
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:
         if self.closed:
@@ -437,14 +444,9 @@ class UcclConnection:
             if self._ordered != epoch and src.is_cuda:  # once per round: the producer's queued work is done
                 await cuda_rt.stream_done(src.device)
                 self._ordered = epoch
-            mr = self.owner.source_mr(src)
             for start in range(0, nbytes, CHUNK):
                 size = min(CHUNK, nbytes - start)
-                blob = await self._blob(dst_region, dst_offset + start, size)
-                async with self._one_at_a_time():
-                    tid = _ok(self.owner.ep.write_async(self.conn_id, mr, src.data_ptr() + start, size, blob),
-                              "write_async", self.peer)
-                    await self._complete(tid, src, "write")
+                await self._put(src, start, size, await self._blob(dst_region, dst_offset + start, size), "write")
         e, count, total = self._round
         self._round = (e, count + 1, total + nbytes)
         self.sent_count += 1
@@ -460,11 +462,7 @@ class UcclConnection:
         self._seq_src.fill_(self._seq)
         if self._seq_src.is_cuda:
             await cuda_rt.stream_done(self._seq_src.device)
-        mr = self.owner.source_mr(self._seq_src)
-        async with self._one_at_a_time():
-            tid = _ok(self.owner.ep.write_async(self.conn_id, mr, self._seq_src.data_ptr(), 8, self._mailbox),
-                      "write_async (fence mailbox)", self.peer)
-            await self._complete(tid, self._seq_src, "fence")
+        await self._put(self._seq_src, 0, 8, self._mailbox, "fence mailbox write")
         epoch, count, total = self._round
         frame = FRAME.pack(OP_FENCE, 0, self._seq, count, total, max(epoch, 0))
         echo = await self._request(frame, FRAME.size)
