@@ -222,7 +222,7 @@ def fp8_check(state: dict, want: dict) -> bool:
 
 
 def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "",
-                   budget_mib: int = 0) -> None:
+                   budget_mib: int = 0, trace: str = "") -> None:
     from engine.pipeline import PipelineOptions
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
@@ -240,13 +240,23 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
                 handle = await sender.push(v)
                 await handle
                 pipeline_s.append(handle.report.seconds)
+            timelines.update({v: sender.timeline.of(v) for v in range(2, rounds + 1)})
     pipeline_s: list[float] = []
-    _profiled(main, profile)
-    conn.send(pipeline_s[1:])
+    timelines: dict[int, dict] = {}
+    _profiled(main, profile, trace)
+    conn.send((pipeline_s[1:], timelines))
 
 
-def _profiled(main, path: str) -> None:
-    """Run ``main()`` on a new loop; with ``path``, under cProfile, writing the hottest functions there."""
+def _profiled(main, path: str, trace: str = "") -> None:
+    """Run ``main()`` on a new loop; with ``path``, under cProfile, writing the hottest functions there;
+    with ``trace``, under torch.profiler (CPU and CUDA), writing a Chrome trace there."""
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            asyncio.run(main())
+        prof.export_chrome_trace(trace)
+        return
     if not path:
         asyncio.run(main())
         return
@@ -277,13 +287,15 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
         async with WeightReceiver(addr, state, rank=0, options=opts) as receiver:
             await receiver.wait_for(rounds)
             want = make_state("cuda:1", seed=0)
-            conn.send(fp8_check(state, want) if fp8 else all(torch.equal(state[k], want[k]) for k in want))
+            ok = fp8_check(state, want) if fp8 else all(torch.equal(state[k], want[k]) for k in want)
+            conn.send((ok, {v: receiver.timeline.of(v) for v in range(2, rounds + 1)}))
     asyncio.run(main())
 
 
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
-                        profile: str = "", budget_mib: int = 0) -> tuple[list, bool, list]:
+                        profile: str = "", budget_mib: int = 0, trace: str = "") -> tuple[list, bool, list, list]:
     from roles import Controller, ControllerOptions
+    from roles.timeline import merge
 
     ctx = mp.get_context("spawn")
     total = rounds + 1
@@ -291,23 +303,39 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
     async with Controller(senders=1, receivers=1, options=options) as ctl:
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
-        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile, budget_mib)),
+        procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile,
+                                                          budget_mib, trace)),
                  ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8))]
         for p in procs:
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
-        ok = await asyncio.get_running_loop().run_in_executor(None, r_in.recv)
-        pipeline_s = await asyncio.get_running_loop().run_in_executor(None, s_in.recv)
+        ok, r_marks = await asyncio.get_running_loop().run_in_executor(None, r_in.recv)
+        pipeline_s, s_marks = await asyncio.get_running_loop().run_in_executor(None, s_in.recv)
         for p in procs:
             p.join(120)
-    return reports[1:], ok, pipeline_s
+        timelines = []  # per measured round: [(ms since the controller started it, "role event")]
+        for v in range(2, total + 1):
+            marks = ctl.timeline.of(v)
+            timelines.append(merge(marks["round:start"], {"controller": marks, "sender": s_marks.get(v, {}),
+                                                          "receiver": r_marks.get(v, {})}))
+    return reports[1:], ok, pipeline_s, timelines
+
+
+def _median_timeline(timelines: list) -> list[tuple[str, float]]:
+    """Each event's median time since round start over the rounds, in order (one clock: CLOCK_MONOTONIC)."""
+    at: dict[str, list[float]] = {}
+    for rows in timelines:
+        for ms, event in rows:
+            at.setdefault(event, []).append(ms)
+    return sorted(((event, statistics.median(v)) for event, v in at.items()), key=lambda x: x[1])
 
 
 def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False) -> None:
     try:
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
-        reports, ok, pipeline_s = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8, profile,
-                                                            args.budget_mib))
+        trace = f"{args.trace}/sender_{label.replace(' ', '_')}.json" if args.trace else ""
+        reports, ok, pipeline_s, timelines = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8,
+                                                                       profile, args.budget_mib, trace))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -319,6 +347,8 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
                                      "stage": True}
     rows[f"{label}: sender pipeline (first stage to last write)"] = {"seconds": med(pipeline_s), "ok": ok,
                                                                      "stage": True}
+    rows[f"{label}: full round"]["timeline_ms"] = _median_timeline(timelines)
+    rows[f"{label}: full round"]["rounds_s"] = [r.seconds for r in reports]
 
 
 def _baseline_rows(rows: dict, nbytes: int, args) -> float:
@@ -362,6 +392,11 @@ def _print(rows: dict, nbytes: int, bound: float, rounds: int) -> None:
     for name, row in rows.items():
         if nccl and row.get("seconds") and name.endswith("full round"):
             print(f"  {name}: {row['seconds'] / nccl:.3f} x NCCL per-tensor bf16 broadcast")
+    for name, row in rows.items():
+        if row.get("timeline_ms"):
+            print(f"  {name}, median timeline (ms since the controller started the round):")
+            for event, ms in row["timeline_ms"]:
+                print(f"    {ms:9.3f}  {event}")
 
 
 def main(argv=None) -> int:
@@ -375,6 +410,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mib", type=int, default=0,
                     help="the senders' max_inflight_bytes in MiB (default: the library's, 512)")
     ap.add_argument("--profile", default="", help="a folder: cProfile each engine sender, top functions there")
+    ap.add_argument("--trace", default="", help="a folder: torch.profiler Chrome trace of each engine sender")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")

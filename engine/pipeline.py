@@ -10,6 +10,15 @@ its bytes from staging until its write completes; a zero-copy write (a view of t
 none and is bounded by ``depth`` alone, so large direct GPU copies queue deep enough to keep the
 copy engines busy. The first failure cancels every lane; staging buffers and
 budget are returned on every path (``finally``), and the error propagates to the caller.
+
+Sealing. A lane is *sealed* once its connection guarantees delivery of everything written: after
+its ``fence``, or, for a connection with ``seal`` (cuda_ipc), as soon as the last write is *issued*:
+``seal`` returns a proof the target waits on (an interprocess CUDA event behind the copies); only a
+connection with ``submit`` seals, so that every write is queued in the transport before the seal. When
+every lane is sealed, ``on_sealed`` gets the report (counts, bytes and checksums are recorded at
+issue): the sender announces ``writes_done`` then, while the last copies are still in flight, so the
+control messages of the round overlap the data. ``run`` itself still returns only once every write
+has completed (the sender's tensors may be reused from then on).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import dataclasses
 import functools
 import time
 from collections import defaultdict
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from wire import Transfer
 from wire.messages import Checksum, WriteSummary
@@ -56,6 +65,7 @@ class LaneReport:
     checksums: list = dataclasses.field(default_factory=list)
     stage_s: float = 0.0
     write_s: float = 0.0
+    proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
 
 
 @dataclasses.dataclass
@@ -65,7 +75,7 @@ class PushReport:
 
     def summaries(self) -> tuple[WriteSummary, ...]:
         return tuple(
-            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums))
+            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof)
             for rank, lane in sorted(self.lanes.items())
         )
 
@@ -95,10 +105,13 @@ class Pipeline:
         return f"<Pipeline runs={self.runs} {self.budget!r} {self.pool!r}>"
 
     async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int,
-                  slots: Mapping[int, int] = {}) -> PushReport:
+                  slots: Mapping[int, int] = {},
+                  on_sealed: Optional[Callable[[PushReport], None]] = None) -> PushReport:
         """Write every transfer, fence every connection used; return what went to whom.
 
-        ``slots``: receiver rank -> landing slot this round (added to each transfer's region id)."""
+        ``slots``: receiver rank -> landing slot this round (added to each transfer's region id).
+        ``on_sealed``: called once, when every lane is sealed (see the module's header); without it
+        no connection seals early."""
         missing = sorted({t.dst_rank for t in transfers} - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
@@ -108,28 +121,34 @@ class Pipeline:
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
+        seals = _Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
+                       if on_sealed is not None else None)
         try:
-            await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0))
-                          for r, ts in sorted(lanes.items()))
+            await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0), on_sealed is not None,
+                                     seals.one) for r, ts in sorted(lanes.items()))
         except BaseException:
             self.sources.abort()
             raise
         await self.sources.finish()  # collectives (gathers) run to the end of the list on every rank
+        seals.all()  # (no lanes at all: nothing to wait for)
         self.runs += 1
         return PushReport(reports, time.perf_counter() - start)
 
     async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int,
-                    slot: int) -> None:
+                    slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
         depth = self.options.depth or getattr(conn, "depth", DEFAULT_DEPTH)
         channel: Channel = Channel(depth)
+        seal = getattr(conn, "seal", None) if seal_early and hasattr(conn, "submit") else None  # (see below)
         try:
             readable = getattr(conn, "devices", frozenset({"cpu"}))
             await run_all([self._stager(transfers, channel, report, readable),
-                           self._writer(conn, channel, report, epoch, slot, depth)])
+                           self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
                 self._give_back(t, staged)
         await conn.fence()
+        if not report.proof:
+            sealed()
 
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport,
                       readable: frozenset) -> None:
@@ -159,10 +178,11 @@ class Pipeline:
             raise
 
     async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
-                      slot: int, depth: int) -> None:
+                      slot: int, depth: int, seal: Optional[Callable[[], Optional[bytes]]],
+                      sealed: Callable[[], None]) -> None:
         """Issue writes in lane order with up to ``depth`` in flight on this connection; complete them
         oldest first. A connection with ``submit`` (queue now, a future for the completion) is driven
-        without a task per write."""
+        without a task per write. With ``seal``, the lane is sealed once the last write is issued."""
         inflight: collections.deque[tuple[asyncio.Future, Transfer, Staged, float]] = collections.deque()
         submit = getattr(conn, "submit", None)
         try:
@@ -179,8 +199,13 @@ class Pipeline:
                 # what it holds goes back the moment it completes (or is cancelled), not when we look
                 op.add_done_callback(functools.partial(self._written, t, staged))
                 inflight.append((op, t, staged, t0))
+                _issued(report, t, staged)
                 if len(inflight) >= depth:
                     await self._complete(*inflight.popleft(), report)
+            proof = seal() if seal is not None and report.count else None
+            if proof:  # every write is issued and the target can wait for them itself
+                report.proof = proof
+                sealed()
             while inflight:
                 await self._complete(*inflight.popleft(), report)
         finally:
@@ -199,10 +224,6 @@ class Pipeline:
                         report: LaneReport) -> None:
         await op
         report.write_s += time.perf_counter() - t0
-        report.count += 1
-        report.nbytes += t.nbytes
-        if staged.checksum is not None:
-            report.checksums.append(Checksum(t.index, staged.checksum))
 
     def _written(self, t: Transfer, staged: Staged, op: asyncio.Future) -> None:
         self._give_back(t, staged)
@@ -213,3 +234,29 @@ class Pipeline:
         self.sources.release(t)
         if staged.pooled:
             self.pool.give(staged.buffer)
+
+
+def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
+    """What the lane reports is counted as writes are issued (a failed write fails the whole run)."""
+    report.count += 1
+    report.nbytes += t.nbytes
+    if staged.checksum is not None:
+        report.checksums.append(Checksum(t.index, staged.checksum))
+
+
+class _Seals:
+    """Counts lanes down to sealed; calls ``done`` once, when the last one is."""
+
+    def __init__(self, lanes: int, done: Callable[[], None]) -> None:
+        self.left = lanes
+        self.done: Optional[Callable[[], None]] = done
+
+    def one(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.all()
+
+    def all(self) -> None:
+        done, self.done = self.done, None
+        if done is not None:
+            done()

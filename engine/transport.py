@@ -12,6 +12,11 @@ epoch), because a sender may start writing before the receiver has even seen the
 drops late writes of rounds it has closed. Everything is awaitable; nothing blocks the event loop.
 Optional on a connection: ``depth`` (writes in flight it wants) and ``submit`` (``write`` in two
 halves: queue now, return a future for the completion), which the pipeline uses where present.
+Optional delivery proofs: a connection's ``seal()`` returns a token (bytes) that proves, once the
+target sees it fulfilled, delivery of every write issued so far, or ``None`` where it cannot; the
+target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for them and returns
+{source rank: why not} for those it could not confirm. With them a sender announces its writes
+before they complete and the round's control messages overlap the last copies (``engine.pipeline``).
 
 Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on
 a machine that does not ask for them.

@@ -33,6 +33,7 @@ from .channel import ControlChannel
 from .limits import JoinLimiter, PeerLimits, RateLimiter
 from .rounds import RoundReport, RoundRunner, RoundState
 from .status import controller_status
+from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
 
@@ -104,6 +105,7 @@ class Controller(RoundRunner, AsyncResource):
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
         self._tasks: list[asyncio.Task] = []
         self._chan: Optional[ControlChannel] = None
+        self.timeline = Timeline()  # per version: when each round message was sent / received
 
     def __repr__(self) -> str:
         return (f"<Controller {self.address} peers={len(self.peers)} plan={self.plan.plan_id if self.plan else None} "
@@ -236,6 +238,7 @@ class Controller(RoundRunner, AsyncResource):
                                   to=identity, parent_id=env.msg_id)
             return
         peer.last_seen = time.monotonic()
+        self.timeline.mark(env.version, f"recv:{env.type}<{peer.name}")
         illegal = peer.session.accept(env.type, env.version)
         if illegal is not None:
             log.warning("controller: %s: %s", peer.name, illegal.text)
@@ -448,6 +451,7 @@ class Controller(RoundRunner, AsyncResource):
                     parent_id: Optional[int] = None) -> None:
         peer.session.send(body.TYPE)
         await self._chan.send(body, to=peer.identity, version=version, parent_id=parent_id)
+        self.timeline.mark(version, f"send:{body.TYPE}>{peer.name}")
         if peer.session.state is State.CLOSED:
             self.peers.pop(peer.identity, None)
             self.by_rank.pop(peer.key, None)

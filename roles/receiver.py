@@ -38,6 +38,11 @@ MODES = ("shadow", "inplace")
 @dataclasses.dataclass(frozen=True)
 class ReceiverOptions(WorkerOptions):
     mode: str = "shadow"
+    proof_timeout_s: float = 60.0  # longest wait at fence for writes a sender announced with a delivery proof
+
+    def __post_init__(self) -> None:
+        if not self.proof_timeout_s > 0:
+            raise ConfigError("proof_timeout_s", f"must be positive, got {self.proof_timeout_s}")
 
 
 class WeightReceiver(Worker):
@@ -162,8 +167,12 @@ class WeightReceiver(Worker):
 
     async def _verdict(self, body: "m.Fence | m.FenceCommit") -> m.FenceAck:
         version = body.version
+        unproven = await self._await_proofs(body.checksums)
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
         problems, names = self._check_arrivals(body.checksums)
+        if unproven:
+            problems += [f"sender/{src}: {why}" for src, why in sorted(unproven.items())]
+            names = sorted({*names, *(e.name for e in self.table.entries if e.src_rank in unproven)})
         if not problems and self._algo:
             bad = await asyncio.to_thread(self._check_checksums, body.checksums)
             if bad:
@@ -171,6 +180,17 @@ class WeightReceiver(Worker):
                 names = bad
         received = sum(s.nbytes for s in body.checksums)
         return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems))
+
+    async def _await_proofs(self, summaries: tuple[m.WriteSummary, ...]) -> dict[int, str]:
+        """Senders that announced their writes before they completed sent a delivery proof: wait until
+        the transport sees each one fulfilled. Returns sender rank -> why it was not."""
+        proofs = {s.peer_rank: s.proof for s in summaries if s.proof}
+        if not proofs:
+            return {}
+        check = getattr(self.transport, "await_proofs", None)
+        if check is None:
+            return {src: f"sent a delivery proof that transport {self.transport.kind!r} cannot check" for src in proofs}
+        return await check(proofs, self.options.proof_timeout_s)
 
     def _check_arrivals(self, summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str]]:
         """Every sender in our table reported what the table says; where the transport observes
@@ -208,6 +228,7 @@ class WeightReceiver(Worker):
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
+        self.timeline.mark(version, "applied")
         self.dirty = False
         self.version = version
         self._pending = None

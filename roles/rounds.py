@@ -115,7 +115,7 @@ class RoundState:
         for sender, body in sorted(self.writes.items()):
             for s in body.receivers:
                 if s.peer_rank == receiver:
-                    out.append(m.WriteSummary(sender, s.count, s.nbytes, s.checksums))
+                    out.append(m.WriteSummary(sender, s.count, s.nbytes, s.checksums, s.proof))
         return tuple(out)
 
     def _maybe(self, stage: str, complete: bool) -> None:
@@ -167,6 +167,7 @@ class RoundRunner:
         senders = {r for role, r in self.plan_members if role is Role.SENDER}
         receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
         self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)
+        self.timeline.mark(version, "round:start", self.round.t0)
         self._round_task = asyncio.ensure_future(self._run_round(self.round))
 
     async def _run_round(self, rnd: RoundState) -> None:
@@ -183,7 +184,7 @@ class RoundRunner:
         deadline = self.options.round_timeout_s
         landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
                         for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
-        for key in sorted(self.plan_members):
+        for key in sorted(self.plan_members, key=_senders_first):  # senders start the data moving
             slots = landing if key[0] is Role.SENDER else ()
             await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
         await self._stage(rnd, "writes_done", deadline)
@@ -241,3 +242,7 @@ class RoundRunner:
         self._maybe_plan()
         self._maybe_start_rounds()
 
+
+
+def _senders_first(key: tuple[Role, int]) -> tuple[bool, int]:
+    return key[0] is not Role.SENDER, key[1]

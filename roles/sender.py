@@ -171,25 +171,44 @@ class WeightSender(Worker):
         pipeline = dataclasses.replace(self.pipeline.options, checksum=env.body.checksum)
         self.pipeline.options = pipeline
         slots = {s.rank: s.slot for s in env.body.landing}
-        self._round = asyncio.ensure_future(self._write(version, handle, slots))
+        self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round))
 
-    async def _write(self, version: int, handle: PushHandle, slots: dict[int, int]) -> None:
+    async def _write(self, version: int, handle: PushHandle, slots: dict[int, int],
+                     previous: Optional[asyncio.Future]) -> None:
+        """Run the pipeline; ``writes_done`` goes out once every lane is sealed (for connections that
+        prove delivery at the target, before the last copies finish), the handle is released once
+        every write has completed. A round may commit before its last completions are drained:
+        the next one starts after them (``previous``)."""
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        announced: list[asyncio.Task] = []
+
+        def announce(sealed: PushReport) -> None:
+            self.timeline.mark(version, "pipeline:sealed")
+            announced.append(asyncio.ensure_future(self._send_if_allowed(
+                m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s),
+                version=version)))
+
+        self.timeline.mark(version, "pipeline:start")
         try:
-            report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots)
+            report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
+                                             on_sealed=announce)
         except asyncio.CancelledError:
             raise
         except (TransportError, StagingError, WeightSyncError) as exc:
             code = m.ErrorCode.STAGING if isinstance(exc, StagingError) else m.ErrorCode.TRANSPORT
+            await asyncio.gather(*announced, return_exceptions=True)
             await self._fail_round(version, handle, exc, code)
             return
         except Exception as exc:  # a bug or a torch error: report it, never leave the round hanging
             log.exception("%s: round %s failed", self.name, version)
+            await asyncio.gather(*announced, return_exceptions=True)
             await self._fail_round(version, handle, exc, m.ErrorCode.INTERNAL)
             return
+        self.timeline.mark(version, "pipeline:end")
         if not handle.released.done():
             handle.released.set_result(report)
-        await self._send_if_allowed(
-            m.WritesDone(version, self.plan_id, report.summaries(), report.stage_s, report.write_s), version=version)
+        await asyncio.gather(*announced)
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
         field = getattr(exc, "param", None) or getattr(exc, "peer", None) or ""

@@ -29,6 +29,7 @@ from wire import messages as m
 from wire.errors import ProtocolError
 
 from .channel import ControlChannel, random_identity
+from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
 
@@ -70,6 +71,7 @@ class Worker(AsyncResource):
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
+        self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.session.state.value}>"
@@ -137,6 +139,7 @@ class Worker(AsyncResource):
                 log.warning("%s: undecodable message from controller: %s", self.name, exc)
                 continue
             self._last_heard = time.monotonic()
+            self.timeline.mark(env.version, f"recv:{env.type}")
             illegal = self.session.accept(env.type, env.version)
             if illegal is not None:
                 log.warning("%s: %s", self.name, illegal.text)
@@ -178,7 +181,9 @@ class Worker(AsyncResource):
     async def _send(self, body: m.Message, *, version: Optional[int] = None, parent_id: Optional[int] = None) -> int:
         self.session.send(body.TYPE)
         self._state_moved()
-        return await self._channel.send(body, version=version, parent_id=parent_id)
+        msg_id = await self._channel.send(body, version=version, parent_id=parent_id)
+        self.timeline.mark(version, f"send:{body.TYPE}")
+        return msg_id
 
     async def _send_if_allowed(self, body: m.Message, *, version: Optional[int] = None) -> bool:
         """Send unless the session has moved on (a round aborted or the session closed meanwhile)."""

@@ -191,3 +191,29 @@ def test_tensorspec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         MANIFEST.tensors[0].name = "x"  # type: ignore[misc]
     assert isinstance(MANIFEST.tensors[0], TensorSpec)
+
+
+def _writes_done_frames(proof: bytes):
+    env = Envelope(m.WritesDone(3, 9, (m.WriteSummary(0, 2, 64, (), proof),), 0.1, 0.2), 1, "sender/0", None, 3)
+    header, body = encode(env)
+    return env, header, msgpack.unpackb(body)
+
+
+def test_optional_field_stays_off_the_wire_at_its_default_and_decodes_to_it():
+    env, header, body = _writes_done_frames(b"")
+    assert "proof" not in body["receivers"][0]  # bytes identical to a message from before the field existed
+    assert decode(_with(header, body)) == env
+    env, header, body = _writes_done_frames(b"\x01" * 72)
+    assert body["receivers"][0]["proof"] == b"\x01" * 72 and decode(_with(header, body)) == env
+
+
+def test_optional_field_is_still_validated():
+    with pytest.raises(errors.InvalidMessage, match="proof"):
+        encode(Envelope(m.WritesDone(3, 9, (m.WriteSummary(0, 2, 64, (), b"x" * 257),), 0.1, 0.2), 1, "sender/0"))
+    _, header, body = _writes_done_frames(b"")
+    body["receivers"][0]["proof"] = "text"
+    with pytest.raises(errors.WrongType, match=r"writes_done.receivers\[0\].proof"):
+        decode(_with(header, body))
+    body["receivers"][0]["proof"] = b"x" * 257
+    with pytest.raises(errors.InvalidValue, match=r"receivers\[0\].proof"):
+        decode(_with(header, body))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from wire import (
     Envelope,
     ExpectedEntry,
@@ -82,4 +84,7 @@ def samples() -> dict[str, Envelope]:
     out["plan_receiver"] = Envelope(RECEIVER_PLAN, msg_id=200, sender="controller", parent_id=None, version=None)
     out["fence_commit"] = Envelope(m.FenceCommit(3, (SUMMARY,)), msg_id=201, sender="controller", parent_id=99,
                                    version=3)  # added after the others: their vectors stay as they were
+    out["writes_done_proof"] = Envelope(  # WriteSummary.proof (optional): absent above, present here
+        m.WritesDone(3, 9, (dataclasses.replace(SUMMARY, proof=bytes(range(72))),), 0.25, 1.5),
+        msg_id=202, sender="sender/0", parent_id=None, version=3)
     return out

@@ -159,15 +159,26 @@ class Checksum:
     value: U64
 
 
+MAX_PROOF_BYTES = 256
+
+
 @struct
 class WriteSummary:
     """What one sender wrote to one receiver; ``peer_rank`` is the receiver in ``writes_done`` and the
-    sender in ``fence``."""
+    sender in ``fence``. ``proof`` (optional, protocol 1.0 peers never see it): empty when the writes
+    were delivered before ``writes_done`` was sent; otherwise a transport-specific token the receiver
+    waits on before its verdict (cuda_ipc: an interprocess CUDA event recorded behind the copies), so
+    ``writes_done`` may leave while the last copies are still in flight."""
 
     peer_rank: U32
     count: U32
     nbytes: U64
     checksums: tuple[Checksum, ...]
+    proof: bytes = b""
+
+    def _check(self) -> None:
+        if len(self.proof) > MAX_PROOF_BYTES:
+            raise Violation("value", "proof", f"{len(self.proof)} bytes, at most {MAX_PROOF_BYTES}")
 
 
 @struct

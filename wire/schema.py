@@ -13,6 +13,11 @@ enums as strings), nested structs, and ``Json`` (nested maps/lists of scalars, d
 A violation raises ``Violation(kind, path, detail)``; the codec turns it into a typed
 ``FieldError`` (decode, the peer's fault) or ``InvalidMessage`` (encode, ours). A struct may define
 ``_check(self)`` for cross-field rules; it raises ``Violation`` with a field name relative to itself.
+
+Optional trailing fields: a field declared with a default (added after a protocol release) is left out
+of the map while it holds its default, and filled in with it when absent at decode. Messages that do
+not use a new field therefore encode to the same bytes as before it existed, and peers that predate
+it still decode them.
 """
 
 from __future__ import annotations
@@ -216,13 +221,15 @@ def _compile_annotation(tp: Any) -> tuple[Converter, Converter]:
 
 
 class _Compiled:
-    __slots__ = ("names", "fields", "name_set")
+    __slots__ = ("names", "fields", "name_set", "defaults")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
-        self.names = tuple(f.name for f in dataclasses.fields(cls))
+        fields = dataclasses.fields(cls)
+        self.names = tuple(f.name for f in fields)
         self.fields = tuple((n, *_compile_annotation(hints[n])) for n in self.names)
         self.name_set = frozenset(self.names)
+        self.defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
 
 _COMPILED: dict[type, _Compiled] = {}
@@ -271,13 +278,16 @@ def to_wire(obj: Any, path: str = "") -> dict[str, Any]:
     c = _compiled(type(obj))
     out: dict[str, Any] = {}
     for name, to, _ in c.fields:
-        out[name] = to(getattr(obj, name), f"{path}.{name}" if path else name)
+        value = getattr(obj, name)
+        if name in c.defaults and value == c.defaults[name]:
+            continue  # an optional field at its default stays off the wire
+        out[name] = to(value, f"{path}.{name}" if path else name)
     _run_check(obj, path)
     return out
 
 
 def from_wire(cls: type, data: Any, path: str = "") -> Any:
-    """Validate a decoded map strictly (no missing, no extra fields) and build the struct."""
+    """Validate a decoded map strictly (no missing required field, no extra field) and build the struct."""
     c = _compiled(cls)
     if type(data) is not dict:
         raise Violation("type", path, f"expected a map for {cls.__name__}, got {_type_name(data)}")
@@ -286,11 +296,14 @@ def from_wire(cls: type, data: Any, path: str = "") -> Any:
             if key not in c.name_set:
                 raise Violation("extra", f"{path}.{key}" if path else str(key), f"not a field of {cls.__name__}")
         for name in c.names:
-            if name not in data:
+            if name not in data and name not in c.defaults:
                 raise Violation("missing", f"{path}.{name}" if path else name, f"required by {cls.__name__}")
     kwargs = {}
     for name, _, frm in c.fields:
-        kwargs[name] = frm(data[name], f"{path}.{name}" if path else name)
+        if name in data:
+            kwargs[name] = frm(data[name], f"{path}.{name}" if path else name)
+        else:
+            kwargs[name] = c.defaults[name]
     obj = cls(**kwargs)
     _run_check(obj, path)
     return obj

@@ -12,6 +12,13 @@ one (``stream.wait_event``: no host round trip), and waits for its CUDA event, w
 per connection queries from the event loop, oldest first (``cuda_rt.EventPoller``). So ``fence`` has
 nothing left to wait for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
 Writes are not observable by the target (``counters`` is empty); senders report them instead.
+
+Delivery proofs. A target advertises ``PROOF_TAG``; a connection to it can ``seal`` a round as soon as
+its last copy is *queued*: the first copy stream waits for the others and an interprocess CUDA event
+(one per sender device, re-recorded by each seal) is recorded behind them; the proof is (pid, device,
+event handle). The target opens the handle once (``await_proofs``) and polls the event: when it has
+happened, every copy queued before the seal is in its memory. The record precedes the message that
+carries the proof, so the target never sees an older record of the event.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from ..errors import ConnectionClosed, RegistrationError, TransportError, Transp
 from ..transport import SourceCounters, TransportOptions
 
 DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
+PROOF = struct.Struct("<II64s")  # pid, device, interprocess event handle
+PROOF_TAG = b"proofs:ipc_event"  # in a target's TransportInfo.data: it checks delivery proofs
+_OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # handle -> our own proof events (CUDA will not reopen them here)
 
 
 class CudaIpcTransport:
@@ -45,6 +55,8 @@ class CudaIpcTransport:
         self.regions: dict[int, torch.Tensor] = {}
         self.mappings: dict[tuple[bytes, int], int] = {}  # (block handle, local device) -> base pointer
         self.streams: dict[int, list[torch.cuda.Stream]] = {}
+        self.proof_events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # device -> (event, its IPC handle)
+        self.opened_events: dict[bytes, torch.cuda.Event] = {}  # target side: senders' proof events
 
     def __repr__(self) -> str:
         return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)}>"
@@ -53,7 +65,7 @@ class CudaIpcTransport:
         self.rank = rank
         host = self.options.host_id or socket.gethostname()
         device = self.options.device if self.options.device != "cpu" else f"cuda:{torch.cuda.current_device()}"
-        return TransportInfo(self.kind, host, f"{host}/pid{os.getpid()}", device, b"")
+        return TransportInfo(self.kind, host, f"{host}/pid{os.getpid()}", device, PROOF_TAG)
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
         if buffer.device.type != "cuda":
@@ -77,7 +89,7 @@ class CudaIpcTransport:
                 regions[info.region_id] = DESCRIPTOR.unpack(info.descriptor)
             except struct.error as exc:
                 raise TransportError(f"region {info.region_id}: not a cuda_ipc descriptor", peer=f"receiver/{peer.rank}") from exc
-        return CudaIpcConnection(self, regions, f"receiver/{peer.rank}")
+        return CudaIpcConnection(self, regions, f"receiver/{peer.rank}", peer.transport.data == PROOF_TAG)
 
     def base_pointer(self, desc: tuple, local_device: int) -> int:
         pid, device, handle, offset, _, raw = desc
@@ -101,6 +113,48 @@ class CudaIpcTransport:
         for stream in self.streams.get(device) or [self.stream(device, 0)]:
             stream.wait_stream(torch.cuda.current_stream(device))
 
+    def seal(self, device: int) -> bytes:
+        """A proof of delivery of every copy queued so far on ``device``'s copy streams."""
+        streams = self.streams[device]
+        for other in streams[1:]:
+            streams[0].wait_stream(other)
+        entry = self.proof_events.get(device)
+        if entry is None:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event(interprocess=True)
+                event.record(streams[0])
+                handle = bytes(event.ipc_handle())
+            entry = self.proof_events[device] = (event, handle)
+            _OWN_EVENTS[handle] = event
+        else:
+            entry[0].record(streams[0])
+        return PROOF.pack(os.getpid(), device, entry[1])
+
+    async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
+        """Target side: wait for each sender's proof event; sender rank -> why it is not confirmed."""
+        failed = {}
+        for src, proof in sorted(proofs.items()):
+            try:
+                event = self._proof_event(proof)
+            except (struct.error, RuntimeError, KeyError) as exc:
+                failed[src] = f"unusable delivery proof ({exc!r})"
+                continue
+            try:
+                await asyncio.wait_for(cuda_rt.wait_event(event), timeout_s)
+            except asyncio.TimeoutError:
+                failed[src] = f"writes not delivered within {timeout_s}s of the fence"
+        return failed
+
+    def _proof_event(self, proof: bytes) -> torch.cuda.Event:
+        pid, _, handle = PROOF.unpack(proof)
+        if pid == os.getpid():
+            return _OWN_EVENTS[handle]
+        event = self.opened_events.get(handle)
+        if event is None:
+            device = torch.device(self.options.device if self.options.device != "cpu" else "cuda")
+            event = self.opened_events[handle] = torch.cuda.Event.from_ipc_handle(device, handle)
+        return event
+
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {}
 
@@ -117,16 +171,22 @@ class CudaIpcTransport:
             except TransportError:
                 pass
         self.mappings.clear()
+        self.opened_events.clear()
+        for _, handle in self.proof_events.values():
+            _OWN_EVENTS.pop(handle, None)
+        self.proof_events.clear()
 
 
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
 
-    def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str) -> None:
+    def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str, proofs: bool = False) -> None:
         self.owner = owner
         self.regions = regions
         self.peer = peer
+        self.proofs = proofs  # the target checks delivery proofs (it advertised PROOF_TAG)
+        self._unsealed: set[int] = set()  # devices with copies queued since the last seal
         self.sent_count = 0
         self.sent_bytes = 0
         self.closed = False
@@ -167,6 +227,7 @@ class CudaIpcConnection:
             self._ordered[device] = epoch
         stream = self.owner.stream(device, self._issued)
         self._issued += 1
+        self._unsealed.add(device)
         if after is not None:
             stream.wait_event(after)  # on the device: the transform's output is complete first
         cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
@@ -179,6 +240,14 @@ class CudaIpcConnection:
         if base is None:
             base = self._bases[(region, device)] = self.owner.base_pointer(desc, device) + desc[3]
         return base
+
+    def seal(self) -> Optional[bytes]:
+        """A delivery proof for every copy queued so far (before they complete), or ``None`` where the
+        target does not check proofs or the copies span several devices (one event cannot cover them)."""
+        devices, self._unsealed = self._unsealed, set()
+        if self.closed or not self.proofs or len(devices) != 1:
+            return None
+        return self.owner.seal(devices.pop())
 
     async def fence(self) -> None:
         if self.closed:

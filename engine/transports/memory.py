@@ -3,6 +3,12 @@
 How this works: every started ``MemoryTransport`` registers itself in a process-wide directory under
 a unique address; ``connect`` looks the peer up there. ``write`` copies bytes with torch and counts
 them on the target; ``fence`` checks the counts. ``fail_writes`` lets tests inject a failure.
+
+Late delivery, for tests of delivery proofs: with ``hold`` (an ``asyncio.Event``) set on the sending
+transport, a write completes once its bytes are copied aside and lands in the target only after
+``hold`` is set, as a one-sided write whose completion precedes delivery. ``seal`` then returns a proof
+(the connection's id and its count of issued writes) that the target's ``await_proofs`` waits on;
+``fence`` waits for delivery itself.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import struct
 from typing import Optional
 
 import torch
@@ -20,7 +27,10 @@ from ..errors import ConnectionClosed, RegistrationError, TransportError
 from ..transport import SourceCounters, TransportOptions, wait_after
 
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
+_CONNECTIONS: dict[int, "MemoryConnection"] = {}  # id -> open connection (proofs name one)
 _NEXT = itertools.count(1)
+PROOF = struct.Struct("<QQ")  # connection id, writes issued on it
+PROOF_TAG = b"proofs:memory"
 
 
 class MemoryTransport:
@@ -35,6 +45,7 @@ class MemoryTransport:
         self._counters: dict[tuple[int, int], SourceCounters] = {}
         self.closed_epoch = -1
         self.fail_writes: Optional[str] = None  # a test sets this to make every write fail
+        self.hold: Optional[asyncio.Event] = None  # a test sets this: writes land once it is set
 
     def __repr__(self) -> str:
         return f"<MemoryTransport {self.address} regions={len(self.regions)}>"
@@ -43,7 +54,7 @@ class MemoryTransport:
         self.rank = rank
         _DIRECTORY[self.address] = self
         host = self.options.host_id or socket.gethostname()
-        return TransportInfo(self.kind, host, self.address, self.options.device, b"")
+        return TransportInfo(self.kind, host, self.address, self.options.device, PROOF_TAG)
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
         self.regions[region_id] = buffer
@@ -56,7 +67,7 @@ class MemoryTransport:
         target = _DIRECTORY.get(peer.transport.address)
         if target is None:
             raise TransportError(f"no memory transport at {peer.transport.address}", peer=f"receiver/{peer.rank}")
-        return MemoryConnection(self, target, f"receiver/{peer.rank}")
+        return MemoryConnection(self, target, f"receiver/{peer.rank}", peer.transport.data == PROOF_TAG)
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {src: c for (src, e), c in self._counters.items() if e == epoch}
@@ -68,6 +79,21 @@ class MemoryTransport:
     async def settle(self) -> None:
         return None
 
+    async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
+        failed = {}
+        for src, proof in sorted(proofs.items()):
+            try:
+                conn_id, issued = PROOF.unpack(proof)
+                conn = _CONNECTIONS[conn_id]
+            except (struct.error, KeyError) as exc:
+                failed[src] = f"unusable delivery proof ({exc!r})"
+                continue
+            try:
+                await asyncio.wait_for(conn.landed(issued), timeout_s)
+            except asyncio.TimeoutError:
+                failed[src] = f"writes not delivered within {timeout_s}s of the fence"
+        return failed
+
     async def close(self) -> None:
         _DIRECTORY.pop(self.address, None)
 
@@ -75,15 +101,24 @@ class MemoryTransport:
 class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
 
-    def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str) -> None:
+    def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str, proofs: bool = False) -> None:
         self.local, self.target, self.peer = local, target, peer
+        self.proofs = proofs
+        self.id = next(_NEXT)
         self.sent_count = 0
         self.sent_bytes = 0
+        self.delivered = 0  # writes landed in the target, in issue order
         self.closed = False
+        self._landed = asyncio.Condition()
+        _CONNECTIONS[self.id] = self
 
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:
-        await wait_after(after)
+        await self.submit(src, dst_region, dst_offset, epoch, after)
+
+    def submit(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+               after: Optional[torch.cuda.Event] = None) -> asyncio.Future:
+        """Check and count the write now (a seal covers it from here); copy in a task."""
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         if self.local.fail_writes:
@@ -95,18 +130,47 @@ class MemoryConnection:
                                     peer=self.peer)
         self.sent_count += 1
         self.sent_bytes += n
-        if epoch <= self.target.closed_epoch:
-            return  # a late write of a closed round: dropped, as the TCP agent does
-        if n:
-            region[dst_offset:dst_offset + n].copy_(src.reshape(-1).view(torch.uint8))
-        c = self.target._counters.setdefault((self.local.rank, epoch), SourceCounters())
-        c.count += 1
-        c.nbytes += n
+        return asyncio.ensure_future(self._copy(src, region, dst_offset, epoch, after))
+
+    async def _copy(self, src: torch.Tensor, region: torch.Tensor, offset: int, epoch: int,
+                    after: Optional[torch.cuda.Event]) -> None:
+        await wait_after(after)
+        data = src.reshape(-1).view(torch.uint8)
+        if self.local.hold is not None:  # completes now, lands later
+            asyncio.ensure_future(self._land_later(self.local.hold, region, offset, data.clone(), epoch))
+        else:
+            await self._land(region, offset, data, epoch)
         await asyncio.sleep(0)  # a real transport yields here; so does this one
+
+    async def _land_later(self, hold: asyncio.Event, region: torch.Tensor, offset: int, data: torch.Tensor,
+                          epoch: int) -> None:
+        await hold.wait()
+        await self._land(region, offset, data, epoch)
+
+    async def _land(self, region: torch.Tensor, offset: int, data: torch.Tensor, epoch: int) -> None:
+        if epoch > self.target.closed_epoch:  # a late write of a closed round is dropped, as TCP's agent does
+            if data.numel():
+                region[offset:offset + data.numel()].copy_(data)
+            c = self.target._counters.setdefault((self.local.rank, epoch), SourceCounters())
+            c.count += 1
+            c.nbytes += data.numel()
+        async with self._landed:
+            self.delivered += 1
+            self._landed.notify_all()
+
+    async def landed(self, issued: int) -> None:
+        """Until the first ``issued`` writes of this connection are in the target."""
+        async with self._landed:
+            await self._landed.wait_for(lambda: self.delivered >= issued)
+
+    def seal(self) -> Optional[bytes]:
+        return PROOF.pack(self.id, self.sent_count) if self.proofs and not self.closed else None
 
     async def fence(self) -> None:
         if self.closed:
             raise ConnectionClosed("fence on a closed connection", peer=self.peer)
+        await self.landed(self.sent_count)
 
     async def close(self) -> None:
         self.closed = True
+        _CONNECTIONS.pop(self.id, None)
