@@ -157,9 +157,10 @@ class Pipeline:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
                 view = self.sources.view(t)
-                charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0
-                if charge:
-                    await self.budget.acquire(charge)
+                charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0  # freed once written
+                upfront = self.sources.upfront_bytes(t, charge)  # taken now (a quantization group: all of it)
+                if upfront:
+                    await self.budget.acquire(upfront)
                 handed_over = False
                 try:
                     t0 = time.perf_counter()
@@ -170,7 +171,7 @@ class Pipeline:
                     handed_over = True
                 finally:
                     if not handed_over:
-                        self.budget.release(charge)
+                        self.budget.release(upfront)
                         self.sources.release(t)
             channel.close()
         except BaseException as exc:

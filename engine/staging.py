@@ -21,7 +21,7 @@ from wire import ShardSpec, Transfer
 from .errors import StagingError
 from .checksums import checksum
 from .gather import Gatherer
-from .transforms import Transform, TransformSet
+from .transforms import GROUP_BYTES, Transform, TransformSet
 
 THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off the event loop
 
@@ -79,10 +79,11 @@ class SourceSet:
     """The tensors a sender can read, by name; ``shards`` for names it holds only a slice of."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] = {},
-                 transforms: Mapping[str, Transform] = {}, gatherer: Optional[Gatherer] = None) -> None:
+                 transforms: Mapping[str, Transform] = {}, gatherer: Optional[Gatherer] = None,
+                 group_bytes: int = GROUP_BYTES) -> None:
         self.tensors = {name: t.detach() for name, t in tensors.items()}  # same storage, no autograd
         self.shards = dict(shards)
-        self.transforms = TransformSet(transforms)
+        self.transforms = TransformSet(transforms, group_bytes=group_bytes)
         self.gatherer = gatherer
         self._table: object = None  # the last plan's table (a tuple, the same every round) ...
         self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once
@@ -177,6 +178,15 @@ class SourceSet:
     def makes_copy(self, t: Transfer, view: torch.Tensor, readable: frozenset) -> bool:
         """Whether staging ``t`` (source ``view``) allocates (a transform output or a staging copy)."""
         return bool(t.transform) or not view.is_contiguous() or view.device.type not in readable
+
+    def upfront_bytes(self, t: Transfer, charge: int) -> int:
+        """What staging ``t`` allocates now, of a pipeline that charges ``charge`` bytes for it until it
+        is written: the whole launch for the row that quantizes a group, nothing for the group's other
+        rows (their outputs exist already), ``charge`` otherwise. Summed over a round, the same."""
+        if not charge or not t.transform:
+            return charge
+        fresh = self.transforms.fresh_bytes(t)
+        return charge if fresh is None else fresh
 
     async def stage(self, t: Transfer, pool: StagingPool, algo: str = "",
                     readable: frozenset = frozenset({"cpu"}), view: Optional[torch.Tensor] = None) -> Staged:

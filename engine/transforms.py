@@ -40,6 +40,9 @@ log = logging.getLogger("weightsync")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale instead of a division by zero
 THREAD_BYTES = 1 << 20  # CPU transforms above this run in a worker thread
+GROUP_BYTES = 256 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
+GROUP_SIZE = 16  # tensors per launch
+GROUPS_IN_BUDGET = 4  # groups that fit the pipeline's byte budget: one copying, the next ones quantized ahead
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -158,9 +161,10 @@ class TransformSet:
     BUILTIN = frozenset({"t", "cast", "fp8w", "fp8s"})
 
     def __init__(self, custom: Mapping[str, Transform] = {}, use_kernel: bool = True,
-                 group_devices: frozenset = frozenset({"cuda"})) -> None:
+                 group_devices: frozenset = frozenset({"cuda"}), group_bytes: int = GROUP_BYTES) -> None:
         self.custom = dict(custom)
         self.group_devices = group_devices  # where quantizations are batched (one launch per group)
+        self.group_bytes = group_bytes  # FP8 output bytes of one group (``group_bytes_for`` a budget)
         self.quantizer = Quantizer(use_kernel)
         self.pending: Counter = Counter()  # quantization key -> rows of this round still to ask for it
         self.kept: dict[tuple, tuple] = {}  # key -> (weight, scale_inv, CUDA event or None) still wanted
@@ -170,6 +174,7 @@ class TransformSet:
         self._table: object = None  # the routing table planned below (the same object every round of a plan)
         self._key_of: dict[int, int] = {}  # id(row) -> its quantization's number, for the rows of ``_table``
         self._wanted: Counter = Counter()  # quantization key -> rows of ``_table`` asking for it
+        self._cost: dict[int, int] = {}  # quantization key -> output bytes its launch makes (its whole group's)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._ordered: dict[int, int] = {}  # side stream's device -> the round it was last ordered after the producer
 
@@ -211,8 +216,14 @@ class TransformSet:
         self._key_of = {id(t): numbers.setdefault(_quant_key(t), len(numbers))
                         for t in transfers if "fp8" in t.transform}
         self._wanted = Counter(self._key_of.values())
-        groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices)
+        groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices, self.group_bytes)
         self.groups = {numbers[key]: group for key, group in groups.items()}
+        rows_bytes: Counter = Counter()  # key -> bytes of all its rows (weight and scales)
+        for t in transfers:
+            if "fp8" in t.transform:
+                rows_bytes[self._key_of[id(t)]] += t.nbytes
+        self._cost = {k: sum(rows_bytes[self._key_of[id(row)]] for row, _ in self.groups[k]) if k in self.groups
+                      else rows_bytes[k] for k in self._wanted}
         self.quantizer.forget()
         self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
@@ -232,6 +243,17 @@ class TransformSet:
                 kinds.add((view.device, dtype, int(t.transform.rpartition(":")[2])))
         for device, dtype, block in sorted(kinds, key=str):
             self.quantizer.warm(device, dtype, block)
+
+    def fresh_bytes(self, t: Transfer) -> Optional[int]:
+        """Bytes of new outputs that staging row ``t`` makes now: for the row that launches a
+        quantization, every output of the launch (its group's rows, weights and scales); 0 for a row
+        whose output a launch already made; ``None`` where unknown (a row outside the planned table)."""
+        if "fp8" not in t.transform or t.transform in self.custom:
+            return t.nbytes
+        key = self._key(t)
+        if key in self.kept:
+            return 0
+        return self._cost.get(key)
 
     async def run(self, t: Transfer, view: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
         """The transformed, contiguous tensor for row ``t`` (on the source's device), and for CUDA the
@@ -340,8 +362,12 @@ class TransformSet:
         return stream
 
 
-GROUP_BYTES = 256 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
-GROUP_SIZE = 16  # tensors per launch
+
+
+def group_bytes_for(budget_bytes: int) -> int:
+    """The group size for a pipeline budget: small enough that ``GROUPS_IN_BUDGET`` groups fit it, so
+    the next groups are quantized while one is copied (with two, the copies waited for each launch)."""
+    return max(1 << 20, min(GROUP_BYTES, budget_bytes // GROUPS_IN_BUDGET))
 
 
 def plan_quant_groups(transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]],

@@ -15,7 +15,8 @@ halves: queue now, return a future for the completion), which the pipeline uses 
 Optional delivery proofs: a connection's ``seal()`` returns a token (bytes) that proves, once the
 target sees it fulfilled, delivery of every write issued so far, or ``None`` where it cannot; the
 target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for them and returns
-{source rank: why not} for those it could not confirm. With them a sender announces its writes
+{source rank: why not} for those it could not confirm. A proof starts with its transport's four-byte
+``proof_magic`` (so ``auto`` hands it to the right child). With them a sender announces its writes
 before they complete and the round's control messages overlap the last copies (``engine.pipeline``).
 
 Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on

@@ -158,12 +158,14 @@ class WeightReceiver(Worker):
         await self._send(ack, version=ack.version)
 
     async def _on_fence_commit(self, env: Envelope) -> None:
-        """The only receiver of the round: verify, and apply at once if that passes."""
+        """The only receiver of the round: verify, and if that passes apply at once and say so with
+        ``commit_ack`` alone (it tells the controller both); a failed verification is a ``fence_ack``."""
         ack = await self._verdict(env.body)
-        await self._send(ack, version=ack.version)
-        if ack.ok:
-            self.rounds_one_phase += 1
-            await self._apply(ack.version)
+        if not ack.ok:
+            await self._send(ack, version=ack.version)
+            return
+        self.rounds_one_phase += 1
+        await self._apply(ack.version)
 
     async def _verdict(self, body: "m.Fence | m.FenceCommit") -> m.FenceAck:
         version = body.version

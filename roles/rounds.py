@@ -68,7 +68,7 @@ class RoundState:
         for fut in self.futures.values():
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.writes: dict[int, m.WritesDone] = {}
-        self.fence_acks: dict[int, m.FenceAck] = {}
+        self.fence_acks: dict[int, Optional[m.FenceAck]] = {}  # None: a one-phase commit_ack stood for it
         self.applied: set[int] = set()
         self.stage = "writing"
         self.committed = False
@@ -97,6 +97,10 @@ class RoundState:
         self._maybe("fenced", set(self.fence_acks) >= self.receivers)
 
     def on_commit_ack(self, rank: int) -> None:
+        if self.one_phase and rank not in self.fence_acks:  # verified and applied, said in one message
+            self.committed = True
+            self.fence_acks[rank] = None
+            self._maybe("fenced", set(self.fence_acks) >= self.receivers)
         self.applied.add(rank)
         self._maybe("applied", self.applied >= self.receivers)
 

@@ -21,6 +21,7 @@ from engine.errors import RoundAborted, StagingError, TransportError, VersionErr
 from engine.pipeline import Pipeline, PipelineOptions, PushReport
 from engine.gather import Gatherer, split_dtensors
 from engine.staging import SourceSet, StagingPool, Transform
+from engine.transforms import group_bytes_for
 from engine.tensors import Params, find_ties, named_tensors, spec_for
 from engine.transport import Connection
 from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
@@ -87,7 +88,8 @@ class WeightSender(Worker):
         self.gatherable = gatherable
         self.gathered = frozenset(dtensors)  # FSDP2 parameters: gathered per round (engine.gather)
         gatherer = Gatherer(dtensors, options.gather_budget_bytes) if dtensors else None
-        self.sources = SourceSet(self.tensors, self.shards, transforms, gatherer)
+        self.sources = SourceSet(self.tensors, self.shards, transforms, gatherer,
+                                 group_bytes_for(options.pipeline.max_inflight_bytes))
         self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool(pin=torch.cuda.is_available()))
         self.table: Optional[SenderTable] = None
         self.plan_id: Optional[int] = None

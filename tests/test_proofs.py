@@ -82,7 +82,7 @@ async def test_writes_done_leaves_before_delivery_and_the_receiver_waits_for_the
         assert receiver.version == 1 and not handle.released.done() and ctl.round is not None
         assert not ctl.round.futures["fenced"].done()
         proof = receiver.proofs_seen[-1][0]
-        conn_id, issued = PROOF.unpack(proof)
+        _, conn_id, issued = PROOF.unpack(proof)
         conn = sender.conns[0]
         assert (conn_id, issued) == (conn.id, conn.sent_count)  # every write was issued before the seal ...
         assert conn.delivered < issued  # ... and some are not delivered

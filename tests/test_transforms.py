@@ -282,3 +282,70 @@ def test_a_plan_table_is_checked_and_grouped_once():
     assert transforms.groups is groups and sum(transforms.pending.values()) == 3
     transforms.begin(list(rows), lambda t: views[t.name])  # not a plan's (immutable) table: planned afresh
     assert transforms.groups is not groups and transforms.groups == groups
+
+
+async def test_a_quantization_group_is_charged_to_the_budget_when_it_is_launched(monkeypatch):
+    """The row that quantizes a group makes every output of the group at once: the pipeline takes the
+    whole group's bytes then (not row by row), gives each row's back once written, and ends balanced."""
+    from engine.aio import ByteBudget
+    from engine.pipeline import Pipeline, PipelineOptions
+    from engine.staging import SourceSet
+    from wire import Transfer
+
+    gen = torch.Generator().manual_seed(7)
+    views = {f"w{i}": torch.randn(256, 128, generator=gen) for i in range(6)}
+    rows, at = [], 0
+    for name in views:  # a weight row and its scale row, per tensor
+        for op, nbytes in (("fp8w", 256 * 128), ("fp8s", 2 * 1 * 4)):
+            rows.append(Transfer(len(rows), name, None, 0, name, 0, at, nbytes, f"{op}:128"))
+            at += nbytes
+    per_group = 3 * (256 * 128 + 8)
+    sources = SourceSet(views, group_bytes=3 * 256 * 128)  # three tensors' FP8 weights per launch
+    sources.transforms.group_devices = frozenset({"cpu"})
+    target = torch.zeros(at, dtype=torch.uint8)
+    pipe = Pipeline(sources, PipelineOptions(max_inflight_bytes=4 * per_group))
+    taken = []
+    real_acquire = ByteBudget.acquire
+
+    async def spy(self, nbytes):
+        taken.append(nbytes)
+        await real_acquire(self, nbytes)
+
+    monkeypatch.setattr(ByteBudget, "acquire", spy)
+    await pipe.run(tuple(rows), {0: RecordingConnection(target)}, epoch=1)
+    groups = {id(g): [r.name for r, _ in g] for g in sources.transforms.groups.values()}
+    assert sorted(groups.values()) == [["w0", "w1", "w2"], ["w3", "w4", "w5"]]
+    assert taken == [per_group, per_group]  # one acquire per launch: the whole group's outputs
+    assert pipe.budget.in_use == 0  # every row's share came back
+    for name in views:
+        w, s = [r for r in rows if r.name == name]
+        q = target[w.dst_offset:w.dst_offset + w.nbytes].view(torch.float8_e4m3fn).view(256, 128)
+        scale = target[s.dst_offset:s.dst_offset + s.nbytes].view(torch.float32).view(2, 1)
+        assert within_fp8_bound(views[name], q, scale)
+
+
+def test_groups_are_sized_to_leave_room_for_quantizing_ahead():
+    from engine.transforms import GROUP_BYTES, GROUPS_IN_BUDGET, group_bytes_for
+
+    assert group_bytes_for(512 << 20) == (512 << 20) // GROUPS_IN_BUDGET  # the default budget: 128 MiB groups
+    assert group_bytes_for(64 << 30) == GROUP_BYTES and group_bytes_for(1024) == 1 << 20
+
+
+class RecordingConnection:
+    """A target buffer written in place (the pipeline's view of a connection, without a transport)."""
+
+    devices = frozenset({"cpu"})
+    peer = "receiver/0"
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+
+    async def write(self, src, dst_region, dst_offset, epoch, after=None) -> None:
+        n = src.numel() * src.element_size()
+        self.target[dst_offset:dst_offset + n].copy_(src.reshape(-1).view(torch.uint8))
+
+    async def fence(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

@@ -83,6 +83,14 @@ def test_receiver_round_fence_commit():
     assert _run(m.Role.RECEIVER, JOIN + [(C, "begin"), (C, "fence"), (W, "fence_ack"), (C, "abort")]) is State.READY
 
 
+def test_receiver_one_phase_round():
+    assert _run(m.Role.RECEIVER, JOIN + [(C, "begin"), (C, "fence_commit"), (W, "commit_ack")]) is State.READY
+    failed = JOIN + [(C, "begin"), (C, "fence_commit"), (W, "fence_ack"), (C, "abort")]
+    assert _run(m.Role.RECEIVER, failed) is State.READY
+    with pytest.raises(errors.LocalIllegalTransition):  # commit_ack is not an answer to a plain fence
+        _run(m.Role.RECEIVER, JOIN + [(C, "begin"), (C, "fence"), (W, "commit_ack")])
+
+
 def test_reject_and_leave_close():
     assert _run(m.Role.SENDER, [(W, "hello"), (C, "reject")]) is State.CLOSED
     assert _run(m.Role.RECEIVER, JOIN + [(W, "heartbeat"), (C, "heartbeat"), (W, "leave")]) is State.CLOSED

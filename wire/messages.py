@@ -203,8 +203,9 @@ class Fence(Message):
 @struct
 class FenceCommit(Message):
     """Controller -> the one receiver of a round (it offered capability ``fence_commit``): verify and,
-    if that passes, apply at once and answer ``fence_ack`` then ``commit_ack`` (a two-phase commit
-    with one participant needs no second phase)."""
+    if that passes, apply at once and answer ``commit_ack`` (which says both); a failed verification
+    is answered ``fence_ack`` with ``ok=false``. A two-phase commit with one participant needs no second
+    phase."""
 
     TYPE = "fence_commit"
     version: U64

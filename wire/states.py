@@ -7,8 +7,9 @@ send (an illegal one is our bug: ``LocalIllegalTransition``); ``Session.receive`
 (an illegal one is the peer's: ``RemoteIllegalTransition``). Both move the state. No I/O here.
 
 Round shape: begin -> (sender) writes_done -> commit; (receiver) fence -> fence_ack -> commit ->
-commit_ack, or, as the only receiver of a round, fence_commit -> fence_ack -> commit_ack. ``abort`` returns any in-round state to READY. Heartbeat and error are legal in every
-joined state and change nothing; ``leave`` from either side closes the session.
+commit_ack, or, as the only receiver of a round, fence_commit -> commit_ack (or fence_ack, not ok).
+``abort`` returns any in-round state to READY. Heartbeat and error are legal in every joined state
+and change nothing; ``leave`` from either side closes the session.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     # a round with one receiver: fence and commit in one exchange (the receiver applies on its own
     # verdict; a failed verification is answered by abort as above)
     t[R, State.RECEIVING, C, m.FenceCommit.TYPE] = State.COMMIT_FENCING
-    t[R, State.COMMIT_FENCING, W, m.FenceAck.TYPE] = State.COMMIT_FENCED
+    t[R, State.COMMIT_FENCING, W, m.CommitAck.TYPE] = State.READY  # verified and applied: one message
+    t[R, State.COMMIT_FENCING, W, m.FenceAck.TYPE] = State.COMMIT_FENCED  # a failed verification (or 1.0 peers)
     t[R, State.COMMIT_FENCED, W, m.CommitAck.TYPE] = State.READY
     return t
 

@@ -118,6 +118,21 @@ class AutoTransport:
         for child in self.children.values():
             await child.settle()
 
+    async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
+        """Each proof to the child that made its kind (its first bytes name it: ``proof_magic``)."""
+        by_magic = {getattr(c, "proof_magic", None): c for c in self.children.values()}
+        failed: dict[int, str] = {}
+        groups: dict[bytes, dict[int, bytes]] = {}
+        for src, proof in proofs.items():
+            magic = proof[:4]
+            if magic in by_magic:
+                groups.setdefault(magic, {})[src] = proof
+            else:
+                failed[src] = f"a delivery proof of no transport here (kinds {sorted(self.children)})"
+        for magic, group in groups.items():
+            failed.update(await by_magic[magic].await_proofs(group, timeout_s))
+        return failed
+
     async def close(self) -> None:
         for child in self.children.values():
             await child.close()

@@ -38,13 +38,15 @@ from ..errors import ConnectionClosed, RegistrationError, TransportError, Transp
 from ..transport import SourceCounters, TransportOptions
 
 DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
-PROOF = struct.Struct("<II64s")  # pid, device, interprocess event handle
+PROOF = struct.Struct("<4sII64s")  # PROOF_MAGIC, pid, device, interprocess event handle
+PROOF_MAGIC = b"cipc"
 PROOF_TAG = b"proofs:ipc_event"  # in a target's TransportInfo.data: it checks delivery proofs
 _OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # handle -> our own proof events (CUDA will not reopen them here)
 
 
 class CudaIpcTransport:
     kind = "cuda_ipc"
+    proof_magic = PROOF_MAGIC
     devices = frozenset({"cuda"})
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
@@ -128,7 +130,7 @@ class CudaIpcTransport:
             _OWN_EVENTS[handle] = event
         else:
             entry[0].record(streams[0])
-        return PROOF.pack(os.getpid(), device, entry[1])
+        return PROOF.pack(PROOF_MAGIC, os.getpid(), device, entry[1])
 
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
         """Target side: wait for each sender's proof event; sender rank -> why it is not confirmed."""
@@ -146,7 +148,9 @@ class CudaIpcTransport:
         return failed
 
     def _proof_event(self, proof: bytes) -> torch.cuda.Event:
-        pid, _, handle = PROOF.unpack(proof)
+        magic, pid, _, handle = PROOF.unpack(proof)
+        if magic != PROOF_MAGIC:
+            raise KeyError(f"not a cuda_ipc proof (magic {magic!r})")
         if pid == os.getpid():
             return _OWN_EVENTS[handle]
         event = self.opened_events.get(handle)

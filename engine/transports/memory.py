@@ -29,12 +29,14 @@ from ..transport import SourceCounters, TransportOptions, wait_after
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
 _CONNECTIONS: dict[int, "MemoryConnection"] = {}  # id -> open connection (proofs name one)
 _NEXT = itertools.count(1)
-PROOF = struct.Struct("<QQ")  # connection id, writes issued on it
+PROOF = struct.Struct("<4sQQ")  # PROOF_MAGIC, connection id, writes issued on it
+PROOF_MAGIC = b"memo"
 PROOF_TAG = b"proofs:memory"
 
 
 class MemoryTransport:
     kind = "memory"
+    proof_magic = PROOF_MAGIC
     devices = frozenset({"cuda"})  # torch copies reach any device in this process
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
@@ -83,7 +85,9 @@ class MemoryTransport:
         failed = {}
         for src, proof in sorted(proofs.items()):
             try:
-                conn_id, issued = PROOF.unpack(proof)
+                magic, conn_id, issued = PROOF.unpack(proof)
+                if magic != PROOF_MAGIC:
+                    raise KeyError(f"not a memory proof (magic {magic!r})")
                 conn = _CONNECTIONS[conn_id]
             except (struct.error, KeyError) as exc:
                 failed[src] = f"unusable delivery proof ({exc!r})"
@@ -164,7 +168,7 @@ class MemoryConnection:
             await self._landed.wait_for(lambda: self.delivered >= issued)
 
     def seal(self) -> Optional[bytes]:
-        return PROOF.pack(self.id, self.sent_count) if self.proofs and not self.closed else None
+        return PROOF.pack(PROOF_MAGIC, self.id, self.sent_count) if self.proofs and not self.closed else None
 
     async def fence(self) -> None:
         if self.closed:
