@@ -222,7 +222,7 @@ def fp8_check(state: dict, want: dict) -> bool:
 
 
 def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "",
-                   budget_mib: int = 0, trace: str = "") -> None:
+                   budget_mib: int = 0, trace: str = "", spin: bool = False) -> None:
     from engine.pipeline import PipelineOptions
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
@@ -230,7 +230,8 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
     install_uvloop()
     torch.cuda.set_device(0)
     state = make_state("cuda:0")
-    opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp))
+    opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp),
+                         spin=spin)
     if budget_mib:
         opts = dataclasses.replace(opts, pipeline=PipelineOptions(max_inflight_bytes=budget_mib << 20))
 
@@ -273,7 +274,8 @@ def _profiled(main, path: str, trace: str = "") -> None:
     pathlib.Path(path).write_text(text.getvalue())
 
 
-def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False) -> None:
+def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,
+                     spin: bool = False) -> None:
     from engine.layouts import allocate
     from engine.transport import TransportOptions
     from roles import ReceiverOptions, WeightReceiver
@@ -281,7 +283,8 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
     install_uvloop()
     torch.cuda.set_device(1)
     state = allocate(fp8_layout(), "cuda:1")[0] if fp8 else make_state("cuda:1", seed=1)
-    opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device="cuda:1", uccl_tcp=uccl_tcp))
+    opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device="cuda:1", uccl_tcp=uccl_tcp),
+                           spin=spin)
 
     async def main():
         async with WeightReceiver(addr, state, rank=0, options=opts) as receiver:
@@ -293,19 +296,20 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
 
 
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
-                        profile: str = "", budget_mib: int = 0, trace: str = "") -> tuple[list, bool, list, list]:
+                        profile: str = "", budget_mib: int = 0, trace: str = "",
+                        spin: bool = False) -> tuple[list, bool, list, list]:
     from roles import Controller, ControllerOptions
     from roles.timeline import merge
 
     ctx = mp.get_context("spawn")
     total = rounds + 1
-    options = ControllerOptions(timeout_s=120.0, mapping="qwen2" if fp8 else "identity")
+    options = ControllerOptions(timeout_s=120.0, mapping="qwen2" if fp8 else "identity", spin=spin)
     async with Controller(senders=1, receivers=1, options=options) as ctl:
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
         procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile,
-                                                          budget_mib, trace)),
-                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8))]
+                                                          budget_mib, trace, spin)),
+                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8, spin))]
         for p in procs:
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
@@ -335,7 +339,7 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
         trace = f"{args.trace}/sender_{label.replace(' ', '_')}.json" if args.trace else ""
         reports, ok, pipeline_s, timelines = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8,
-                                                                       profile, args.budget_mib, trace))
+                                                                       profile, args.budget_mib, trace, args.spin))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -411,6 +415,8 @@ def main(argv=None) -> int:
                     help="the senders' max_inflight_bytes in MiB (default: the library's, 512)")
     ap.add_argument("--profile", default="", help="a folder: cProfile each engine sender, top functions there")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler Chrome trace of each engine sender")
+    ap.add_argument("--spin", action="store_true", help="controller, sender and receiver poll while a round runs "
+                                                        "(ControllerOptions.spin / WorkerOptions.spin)")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Awaitable, Coroutine, Generic, Iterable, TypeVar
+from typing import Any, Awaitable, Coroutine, Generic, Iterable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -179,6 +179,43 @@ class AsyncResource:
 
     async def _teardown(self) -> None:
         raise NotImplementedError
+
+
+class Spinner:
+    """Keeps the event loop polling instead of sleeping while someone holds it: a message or a
+    completion that arrives meanwhile is picked up at the next loop iteration, not after the
+    thread wakes from an idle ``epoll`` (hundreds of microseconds on the GPU machine,
+    docs/TRANSPORTS.md). Costs one busy core while held; ``hold``/``release`` nest."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.holders = 0
+        self.spins = 0
+        self._task: Optional[asyncio.Task] = None
+
+    def __repr__(self) -> str:
+        return f"<Spinner enabled={self.enabled} holders={self.holders} spins={self.spins}>"
+
+    def hold(self) -> None:
+        if not self.enabled:
+            return
+        self.holders += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._spin())
+
+    def release(self) -> None:
+        if self.enabled and self.holders > 0:
+            self.holders -= 1
+
+    def cancel(self) -> None:
+        self.holders = 0
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _spin(self) -> None:
+        while self.holders > 0:
+            self.spins += 1
+            await asyncio.sleep(0)
 
 
 def install_uvloop() -> bool:

@@ -15,7 +15,7 @@ import collections
 import ctypes
 import functools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -165,11 +165,13 @@ async def pause(since: float) -> None:
 
 
 class EventPoller:
-    """Completions of a connection's CUDA events, polled from the loop by one task, oldest first."""
+    """Completions of a connection's CUDA events, polled from the loop by one task, oldest first.
+    Events seen complete go back to ``recycle`` (if given) for reuse: no create/destroy per write."""
 
-    def __init__(self) -> None:
+    def __init__(self, recycle: Optional[Callable[[torch.cuda.Event], None]] = None) -> None:
         self.pending: collections.deque[tuple[torch.cuda.Event, asyncio.Future]] = collections.deque()
         self.completed = 0
+        self.recycle = recycle
         self._task: Optional[asyncio.Task] = None
 
     def __repr__(self) -> str:
@@ -186,11 +188,14 @@ class EventPoller:
         progress = time.perf_counter()
         while self.pending:
             event, fut = self.pending[0]
-            if fut.done() or event.query():  # a cancelled waiter's copy still ran: nothing to tell it
+            happened = event.query()
+            if happened or fut.done():  # a cancelled waiter's copy still runs: nothing to tell it
                 self.pending.popleft()
                 self.completed += 1
                 if not fut.done():
                     fut.set_result(None)
+                if happened and self.recycle is not None:
+                    self.recycle(event)
                 progress = time.perf_counter()
                 continue
             await pause(progress)

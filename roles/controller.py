@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.aio import AsyncResource
+from engine.aio import AsyncResource, Spinner
 from engine.errors import ConfigError, PlanError, RoundAborted
 from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
@@ -52,6 +52,7 @@ class ControllerOptions:
     peer_limits: PeerLimits = PeerLimits()
     mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
     one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
+    spin: bool = False  # keep the event loop polling while a round runs (engine.aio.Spinner): lower latency, one busy core
 
     def __post_init__(self) -> None:
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
@@ -106,6 +107,7 @@ class Controller(RoundRunner, AsyncResource):
         self._tasks: list[asyncio.Task] = []
         self._chan: Optional[ControlChannel] = None
         self.timeline = Timeline()  # per version: when each round message was sent / received
+        self.spinner = Spinner(options.spin)
 
     def __repr__(self) -> str:
         return (f"<Controller {self.address} peers={len(self.peers)} plan={self.plan.plan_id if self.plan else None} "
@@ -128,6 +130,7 @@ class Controller(RoundRunner, AsyncResource):
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
 
     async def _teardown(self) -> None:
+        self.spinner.cancel()
         if self.round is not None:
             self.round.abort(m.AbortReason.SHUTDOWN, "controller shutting down")
         for task in [*self._tasks, self._round_task, self._planning]:

@@ -149,6 +149,7 @@ class WeightReceiver(Worker):
     async def _on_begin(self, env: Envelope) -> None:
         self._pending = env.body.version  # writes may have started already: they count under this epoch
         self._algo = env.body.checksum
+        self._spin(True)
         if self.mode == "inplace":
             await call_hook(self.before_update, self._pending)
             self.dirty = True  # live bytes may change from now until commit
@@ -241,6 +242,7 @@ class WeightReceiver(Worker):
             if self.mode == "inplace":
                 await call_hook(self.after_update, version, True)
         finally:
+            self._spin(False)
             await self._send(m.CommitAck(version, True, ""), version=version)
 
     def _swap(self) -> None:
@@ -261,6 +263,7 @@ class WeightReceiver(Worker):
         body = env.body
         self.transport.close_epoch(body.version)
         self._pending = None
+        self._spin(False)
         self.rounds_aborted += 1
         aborted = RoundAborted(body.version, body.reason, body.text, body.culprit)
         log.warning("%s: %s", self.name, aborted)

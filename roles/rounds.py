@@ -172,6 +172,7 @@ class RoundRunner:
         receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
         self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)
         self.timeline.mark(version, "round:start", self.round.t0)
+        self.spinner.hold()
         self._round_task = asyncio.ensure_future(self._run_round(self.round))
 
     async def _run_round(self, rnd: RoundState) -> None:
@@ -230,6 +231,7 @@ class RoundRunner:
                 await self._send(peer, m.Abort(rnd.version, a.reason, a.text, a.culprit), version=rnd.version)
 
     def _finish_round(self, rnd: RoundState, report: RoundReport) -> None:
+        self.spinner.release()
         if report.ok:
             self.committed = rnd.version
         self.reports.append(report)

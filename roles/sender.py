@@ -128,6 +128,7 @@ class WeightSender(Worker):
                                f"{self._last_version})")
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
+        self._spin(True)  # until our writes are announced: begin comes sooner to a polling loop
         task = asyncio.ensure_future(self._push_when_ready(version))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
         return handle
@@ -192,6 +193,7 @@ class WeightSender(Worker):
                 version=version)))
 
         self.timeline.mark(version, "pipeline:start")
+        self._spin(True)
         try:
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
                                              on_sealed=announce)
@@ -211,8 +213,10 @@ class WeightSender(Worker):
         if not handle.released.done():
             handle.released.set_result(report)
         await asyncio.gather(*announced)
+        self._spin(False)
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
+        self._spin(False)
         field = getattr(exc, "param", None) or getattr(exc, "peer", None) or ""
         handle.fail(exc)
         await self._send_if_allowed(m.Error(code, str(exc), field, version), version=version)
@@ -228,6 +232,7 @@ class WeightSender(Worker):
             self._round.cancel()
             await asyncio.gather(self._round, return_exceptions=True)
         handle = self._handles.pop(body.version, None)
+        self._spin(False)
         if handle is not None:
             handle.fail(RoundAborted(body.version, body.reason, body.text, body.culprit))
 
@@ -236,6 +241,7 @@ class WeightSender(Worker):
         handle = self._handles.get(env.version) if env.version is not None else None
         if handle is not None and env.body.code == m.ErrorCode.BAD_REQUEST:
             self._handles.pop(env.version, None)
+            self._spin(False)
             handle.fail(VersionError(env.body.text))
 
     def _on_closed(self, exc: BaseException) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.aio import AsyncResource
+from engine.aio import AsyncResource, Spinner
 from engine.errors import ConfigError, ControllerLost, JoinRejected
 from engine.transport import Transport, TransportOptions, create_transport
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
@@ -42,6 +42,7 @@ class WorkerOptions:
     limits: Limits = DEFAULT_LIMITS
     capabilities: tuple[str, ...] = ("checksum",)
     auth_key: Optional[bytes] = None  # must match the controller's (wire.auth)
+    spin: bool = False  # keep the event loop polling while a round runs (engine.aio.Spinner): lower latency, one busy core
 
 
 async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:
@@ -72,6 +73,8 @@ class Worker(AsyncResource):
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
+        self.spinner = Spinner(options.spin)
+        self._spinning = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.session.state.value}>"
@@ -99,6 +102,7 @@ class Worker(AsyncResource):
                 await self._send(m.Leave("closing"))
             except (zmq.ZMQError, ProtocolError):
                 pass
+        self.spinner.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -213,6 +217,12 @@ class Worker(AsyncResource):
                 keep.append((states, fut))
         self._state_waiters = keep
 
+    def _spin(self, on: bool) -> None:
+        """Hold the spinner from a round's start to its end (once per round, however it ends)."""
+        if on != self._spinning:
+            self._spinning = on
+            self.spinner.hold() if on else self.spinner.release()
+
     async def _on_leave(self, env: Envelope) -> None:
         log.info("%s: controller asked us to leave: %s", self.name, env.body.reason)
 
@@ -231,6 +241,7 @@ class Worker(AsyncResource):
         """The session is over (controller lost or closing): fail whatever is waiting."""
         if self.lost is None:
             self.lost = exc
+        self._spin(False)
         self._state_moved()
 
     async def _close_data_plane(self) -> None:

@@ -116,3 +116,21 @@ async def test_a_proof_the_receiver_transport_cannot_check_is_a_named_failure():
         summary = m.WriteSummary(0, 1, 4, (), b"not a proof")
         problems = await receiver._await_proofs((summary,))
         assert "unusable delivery proof" in problems[0]
+
+
+async def test_spinning_roles_poll_only_while_a_round_runs():
+    opts = dict(heartbeat_s=0.05, timeout_s=2.0, spin=True)
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=ControllerOptions(**opts)) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0, options=SenderOptions(spin=True)) as sender, \
+            WeightReceiver(ctl.address, recv_t, rank=0, options=ReceiverOptions(spin=True)) as receiver:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        spinners = (ctl.spinner, sender.spinner, receiver.spinner)
+        for v in (1, 2):
+            update_in_place(send_t, v)
+            await asyncio.wait_for(await sender.push(v), WATCHDOG)
+            await asyncio.wait_for(receiver.wait_for(v), WATCHDOG)
+            await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
+        assert mismatches(recv_t, 2) == []
+        assert all(s.spins > 0 for s in spinners)  # each polled during the rounds ...
+        assert [s.holders for s in spinners] == [0, 0, 0]  # ... and let go when they ended

@@ -197,7 +197,9 @@ class CudaIpcConnection:
         self._issued = 0
         self._ordered: dict[int, int] = {}  # device -> the round (epoch) whose producer work we are after
         self._bases: dict[tuple[int, int], int] = {}  # (region, local device) -> mapped address of its byte 0
-        self.completions = cuda_rt.EventPoller()
+        self._events: list[torch.cuda.Event] = []  # completion events seen complete, for reuse
+        self._waited: dict[int, object] = {}  # id(copy stream) -> the last transform event it was made to wait for
+        self.completions = cuda_rt.EventPoller(self._events.append)
 
     def __repr__(self) -> str:
         return f"<CudaIpcConnection to {self.peer} sent={self.sent_count}/{self.sent_bytes} bytes>"
@@ -232,10 +234,11 @@ class CudaIpcConnection:
         stream = self.owner.stream(device, self._issued)
         self._issued += 1
         self._unsealed.add(device)
-        if after is not None:
+        if after is not None and self._waited.get(id(stream)) is not after:  # (a group's rows share one)
             stream.wait_event(after)  # on the device: the transform's output is complete first
+            self._waited[id(stream)] = after
         cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
-        done = torch.cuda.Event()
+        done = self._events.pop() if self._events else torch.cuda.Event()
         done.record(stream)
         return self.completions.wait(done)
 
