@@ -335,8 +335,8 @@ class TransformSet:
         launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``. A group is fixed for a plan
         (sources of one kind, transposes at most before the quantization), so its launch is reused."""
         group = self.groups.get(key)
-        if group is None:
-            results, keys = self.quantizer.many([x], block), [key]
+        if group is None:  # alone: its launch is still kept for the next rounds when the plan has it
+            results, keys = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None), [key]
         else:
             keys = [self._key(row) for row, _ in group]
             results = self.quantizer.many([self._head(row, view) for row, view in group], block,

@@ -128,7 +128,7 @@ class WeightSender(Worker):
                                f"{self._last_version})")
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
-        self._spin(True)  # until our writes are announced: begin comes sooner to a polling loop
+        self._spin(True)  # until our pipeline starts: begin comes sooner to a polling loop
         task = asyncio.ensure_future(self._push_when_ready(version))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
         return handle
@@ -193,7 +193,7 @@ class WeightSender(Worker):
                 version=version)))
 
         self.timeline.mark(version, "pipeline:start")
-        self._spin(True)
+        self._spin(False)  # from here the pipeline's completion polling keeps the loop awake
         try:
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
                                              on_sealed=announce)
@@ -213,7 +213,6 @@ class WeightSender(Worker):
         if not handle.released.done():
             handle.released.set_result(report)
         await asyncio.gather(*announced)
-        self._spin(False)
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
         self._spin(False)
