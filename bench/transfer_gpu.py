@@ -358,6 +358,8 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
 def _baseline_rows(rows: dict, nbytes: int, args) -> float:
     bound = statistics.median(_released(bound_seconds(nbytes, args.rounds)))
     rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
+    if args.bound_only:  # (a diagnostic run: a trace or a profile; no peers)
+        return bound
     rows["peer copy per tensor, one stream"] = {
         "seconds": statistics.median(_released(per_tensor_copy_seconds(args.rounds))), "ok": True}
     rows["pointer copies per tensor, 2 streams (engine floor)"] = {
@@ -415,6 +417,7 @@ def main(argv=None) -> int:
                     help="the senders' max_inflight_bytes in MiB (default: the library's, 512)")
     ap.add_argument("--profile", default="", help="a folder: cProfile each engine sender, top functions there")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler Chrome trace of each engine sender")
+    ap.add_argument("--bound-only", action="store_true", help="diagnostics: measure the bound but not the peers")
     ap.add_argument("--spin", action="store_true", help="controller, sender and receiver poll while a round runs "
                                                         "(ControllerOptions.spin / WorkerOptions.spin)")
     args = ap.parse_args(argv)

@@ -37,19 +37,27 @@ class _Link:
     """One connection's delivery: bytes land in the order they were sent, some time after sending."""
 
     def __init__(self) -> None:
-        self.queued: queue.Queue = queue.Queue()  # (dst, bytes) sent but not yet landed
+        self.queued: queue.Queue = queue.Queue()  # (dst, bytes) sent but not yet landed; None: stop
         self.in_flight = 0
         self.stopped = threading.Event()
-        threading.Thread(target=self._deliver, daemon=True, name="fake-uccl-delivery").start()
+        self.thread = threading.Thread(target=self._deliver, daemon=True, name="fake-uccl-delivery")
+        self.thread.start()
 
     def _deliver(self) -> None:
         """Land each write ``LATENCY_S`` after it was taken (the network's latency, emulated; nothing
         here synchronises a test), in order, until the link is stopped."""
-        while not self.stopped.is_set():
-            dst, data = self.queued.get()
-            if self.stopped.wait(LATENCY_S):
+        while True:
+            item = self.queued.get()
+            if item is None or self.stopped.wait(LATENCY_S):
                 return
-            ctypes.memmove(dst, data, len(data))
+            ctypes.memmove(item[0], item[1], len(item[1]))
+
+    def stop(self) -> None:
+        """No write lands after this returns (the target's memory may be freed next): the thread is
+        woken, drops what is still queued and is joined."""
+        self.stopped.set()
+        self.queued.put(None)
+        self.thread.join()
 
 
 class Endpoint:
@@ -135,6 +143,10 @@ class Endpoint:
     def outstanding(self) -> list[int]:
         return [tid for tid, entry in self.transfers.items() if not entry[2]]
 
+    def stop(self) -> None:
+        for link in self.conns.values():
+            link.stop()
+
 
 class _Module:
     Endpoint = Endpoint
@@ -145,3 +157,8 @@ class FakeUcclTransport(UcclTransport):
 
     def __init__(self, options) -> None:
         super().__init__(dataclasses.replace(options, uccl_tcp=True), p2p=_Module)
+
+    async def close(self) -> None:
+        await super().close()
+        if self.ep is not None:  # (a real endpoint's threads end with the process)
+            self.ep.stop()

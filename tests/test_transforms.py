@@ -349,3 +349,27 @@ class RecordingConnection:
 
     async def close(self) -> None:
         return None
+
+
+def test_every_planned_launch_is_prepared_once_and_reused_by_later_rounds(monkeypatch):
+    """Grouped or alone, a planned quantization asks the quantizer with a stable ``reuse`` key (on
+    CUDA its prepared launch table is kept; a new one per launch was the sender's main host cost)."""
+    from engine.transforms import Quantizer, TransformSet
+    from wire import Transfer
+
+    asked = []
+    real_many = Quantizer.many
+
+    def spy(self, xs, block, reuse=None):
+        asked.append(reuse)
+        return real_many(self, xs, block, reuse)
+
+    monkeypatch.setattr(Quantizer, "many", spy)
+    views = {"a": torch.randn(128, 128), "b": torch.randn(128, 128), "big": torch.randn(256, 256)}
+    rows = tuple(Transfer(i, n, None, 0, n, 0, 0, views[n].numel(), "fp8w:128") for i, n in enumerate(views))
+    transforms = TransformSet(group_devices=frozenset({"cpu"}), group_bytes=2 * 128 * 128)  # "big" is alone
+    for _ in range(2):
+        transforms.begin(rows, lambda t: views[t.name])
+        for t in rows:
+            transforms.apply(t, views[t.name])
+    assert len(asked) == 4 and None not in asked and asked[:2] == asked[2:] and asked[0] != asked[1]
