@@ -196,16 +196,18 @@ class Spinner:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.holders = 0
-        self.spins = 0
+        self.held = 0  # times held
+        self.spins = 0  # loop iterations spent polling
         self._task: Optional[asyncio.Task] = None
 
     def __repr__(self) -> str:
-        return f"<Spinner enabled={self.enabled} holders={self.holders} spins={self.spins}>"
+        return f"<Spinner enabled={self.enabled} holders={self.holders} held={self.held} spins={self.spins}>"
 
     def hold(self) -> None:
         if not self.enabled:
             return
         self.holders += 1
+        self.held += 1
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._spin())
 

@@ -189,7 +189,7 @@ class RoundRunner:
         deadline = self.options.round_timeout_s
         landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
                         for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
-        for key in sorted(self.plan_members, key=_senders_first):  # senders start the data moving
+        for key in self._begin_order(rnd):
             slots = landing if key[0] is Role.SENDER else ()
             await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
         await self._stage(rnd, "writes_done", deadline)
@@ -206,6 +206,13 @@ class RoundRunner:
                 await self._send_to(key, m.Commit(rnd.version), version=rnd.version)
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
+
+    def _begin_order(self, rnd: RoundState) -> list[tuple[Role, int]]:
+        """Senders first (they start the data moving), unless a receiver writes in place: it hears
+        ``begin`` first, so its ``before_update`` hook gets the head start it had before."""
+        in_place = any(key[0] is Role.RECEIVER and "slots:2" not in self.peers[self.by_rank[key]].hello.capabilities
+                       for key in self.plan_members if key in self.by_rank)
+        return sorted(self.plan_members, key=None if in_place else _senders_first)
 
     def _one_phase(self, rnd: RoundState) -> bool:
         """A round with a single receiver that can apply on its own verdict needs no second phase:

@@ -235,3 +235,12 @@ async def test_lost_receiver_aborts_round_and_replans():
 async def test_limits_reject_oversized_plan_message():
     with pytest.raises(Exception):
         encode(Envelope(m.Heartbeat(1), 1, "x"), Limits(max_frame_bytes=4, max_message_bytes=8))
+
+
+@pytest.mark.parametrize("mode,first", [("shadow", "sender/0"), ("inplace", "receiver/0")])
+async def test_begin_reaches_senders_first_unless_a_receiver_writes_in_place(mode, first):
+    async with cluster(mode=mode) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        marks = ctl.timeline.of(1)
+        sent = sorted((t, event.partition(">")[2]) for event, t in marks.items() if event.startswith("send:begin>"))
+        assert [who for _, who in sent][0] == first and len(sent) == 2

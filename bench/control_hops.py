@@ -1,0 +1,101 @@
+"""Control-message round trips between two processes: back to back, after idle gaps, and with the
+event loops kept polling (``engine.aio.Spinner``) or PM QoS held (``/dev/cpu_dma_latency`` = 0).
+
+Why: a round's control messages reach processes that have been idle for tens of milliseconds; this
+measures what such a hop costs on a machine, apart from the engine (pyzmq asyncio on uvloop, ROUTER <->
+DEALER, 100-byte messages, median of 110-380 round trips). Results: docs/results/control_hops_h200x2.txt.
+
+    python3 bench/control_hops.py [qos]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import struct
+import sys
+import time
+
+import zmq
+import zmq.asyncio
+
+
+async def _spinner(stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(0)
+
+
+def _echo(addr: str, spin: bool) -> None:
+    import uvloop
+
+    uvloop.install()
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        stop = asyncio.Event()
+        if spin:
+            asyncio.ensure_future(_spinner(stop))
+        await sock.send(b"hi")
+        while True:
+            frames = await sock.recv_multipart()
+            if frames[0] == b"q":
+                break
+            await sock.send_multipart(frames)
+        stop.set()
+        sock.close()
+        ctx.term()
+    asyncio.run(main())
+
+
+async def round_trips(gap_s: float, spin: bool) -> list[float]:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    proc = mp.get_context("spawn").Process(target=_echo, args=(sock.getsockopt_string(zmq.LAST_ENDPOINT), spin))
+    proc.start()
+    ident, _ = await sock.recv_multipart()
+    stop = asyncio.Event()
+    if spin:
+        asyncio.ensure_future(_spinner(stop))
+    times = []
+    for _ in range(120 if gap_s else 400):
+        if gap_s:
+            time.sleep(gap_s)  # this process idles (blocking), as a controller does between messages
+        t0 = time.perf_counter()
+        await sock.send_multipart([ident, b"x" * 100])
+        await sock.recv_multipart()
+        times.append(time.perf_counter() - t0)
+    await sock.send_multipart([ident, b"q"])
+    stop.set()
+    proc.join(30)
+    sock.close()
+    ctx.term()
+    return times[10:]
+
+
+def main() -> int:
+    import uvloop
+
+    uvloop.install()
+    if "qos" in sys.argv[1:]:  # PM QoS: no deep C-states on any CPU while this file stays open
+        try:
+            qos = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+            os.write(qos, struct.pack("i", 0))
+            print("cpu_dma_latency=0 held")
+        except OSError as exc:
+            print("no PM QoS:", exc)
+    for gap_s, spin in ((0.0, False), (0.02, False), (0.02, True)):
+        times = sorted(asyncio.run(round_trips(gap_s, spin)))
+        print(f"gap {gap_s * 1e3:.0f} ms spin {spin}: rtt median {statistics.median(times) * 1e6:.1f} us "
+              f"p90 {times[int(0.9 * len(times))] * 1e6:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
