@@ -87,7 +87,7 @@ class WeightSender(Worker):
         self.shards = {**shards, **dtensor_shards}
         self.gatherable = gatherable
         self.gathered = frozenset(dtensors)  # FSDP2 parameters: gathered per round (engine.gather)
-        gatherer = Gatherer(dtensors, options.gather_budget_bytes) if dtensors else None
+        gatherer = Gatherer(dtensors, options.gather_budget_bytes, dtensor_shards) if dtensors else None
         self.sources = SourceSet(self.tensors, self.shards, transforms, gatherer,
                                  group_bytes_for(options.pipeline.max_inflight_bytes))
         self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool(pin=torch.cuda.is_available()))

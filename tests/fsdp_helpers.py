@@ -56,3 +56,41 @@ async def _fsdp_sender(addr, rank, world, out, port, versions) -> None:
                 out.send(("committed", "sender", rank, (v, g.gathered, g.peak_bytes, handle.report.nbytes)))
     finally:
         dist.destroy_process_group()
+
+
+def gather_child_main(rank: int, world: int, port: int, out) -> None:
+    """Two ranks, three sharded parameters: "a" needed by rank 0 only, "b" by both, "c" by none.
+    Reports what each rank materialized and sent, and whether the full tensors it got are right."""
+    try:
+        asyncio.run(_gather_child(rank, world, port, out))
+    except BaseException:
+        out.send(("error", "gatherer", rank, traceback.format_exc()))
+
+
+async def _gather_child(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from engine.gather import Gatherer, split_dtensors
+    from wire import Transfer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = {n: torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + k * 1000
+                for k, (n, rows) in enumerate((("a", 5), ("b", 6), ("c", 7)))}  # 5 and 7 rows: uneven shards
+        dtensors = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+        _, shards, dts = split_dtensors(dtensors)
+        gatherer = Gatherer(dts, 1 << 20, shards)
+        wanted = ["a", "b"] if rank == 0 else ["b"]
+        gatherer.begin([Transfer(i, n, None, 0, n, 0, 0, full[n].numel() * 4, "") for i, n in enumerate(wanted)])
+        right = True
+        for n in wanted:
+            right &= torch.equal(await gatherer.full(n), full[n])
+            gatherer.release(n)
+        await gatherer.finish()
+        out.send(("gathered", "gatherer", rank, (right, gatherer.gathered, gatherer.sent, gatherer.skipped,
+                                                  gatherer.budget.in_use)))
+    finally:
+        dist.destroy_process_group()

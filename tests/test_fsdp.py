@@ -58,3 +58,19 @@ def _check_receivers(receivers, tp, want) -> None:
         assert torch.equal(got, expected_qwen2(want, name, tp)), name
     quantized = check_fp8_receiver(receivers[1].state_dict(), lambda n: expected_qwen2(want, n))
     assert quantized and not any("norm" in n or "embed" in n or "lm_head" in n for n in quantized)
+
+
+async def test_full_tensors_exist_only_on_the_ranks_whose_table_names_them():
+    from fsdp_helpers import gather_child_main
+
+    children = Children()
+    try:
+        port = free_port()
+        for rank in range(2):
+            children.start("gatherer", rank, gather_child_main, rank, 2, port)
+        reports = {rank: data for _, _, rank, data in await children.expect("gathered", 2)}
+    finally:
+        children.close()
+    # (right, materialized, shards sent, skipped, budget left in use)
+    assert reports[0] == (True, 2, 0, 1, 0)  # "a" gathered point-to-point, "b" all-gathered, "c" by nobody
+    assert reports[1] == (True, 1, 1, 1, 0)  # only "b" materialized here; its rows of "a" sent to rank 0
