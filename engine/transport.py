@@ -25,9 +25,11 @@ a machine that does not ask for them.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
-from typing import Optional, Protocol, runtime_checkable
+import struct
+from typing import Awaitable, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -73,6 +75,25 @@ class Connection(Protocol):
         """Return once every earlier write is visible at the target; raise if any failed."""
 
     async def close(self) -> None: ...
+
+
+async def await_each_proof(proofs: dict[int, bytes], timeout_s: float,
+                           waiter: Callable[[bytes], Awaitable[None]]) -> dict[int, str]:
+    """A target's ``await_proofs`` over its own ``waiter(proof)`` (an awaitable fulfilled with the
+    proof; raising ``ValueError``, ``KeyError``, ``struct.error`` or ``RuntimeError`` for one it cannot
+    use): source rank -> why it is not confirmed, for each proof unusable or not fulfilled in time."""
+    failed = {}
+    for src, proof in sorted(proofs.items()):
+        try:
+            fulfilled = waiter(proof)
+        except (ValueError, KeyError, struct.error, RuntimeError) as exc:
+            failed[src] = f"unusable delivery proof ({exc!r})"
+            continue
+        try:
+            await asyncio.wait_for(fulfilled, timeout_s)
+        except asyncio.TimeoutError:
+            failed[src] = f"writes not delivered within {timeout_s}s of the fence"
+    return failed
 
 
 async def wait_after(after: Optional[torch.cuda.Event]) -> None:

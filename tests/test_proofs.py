@@ -135,3 +135,28 @@ async def test_spinning_roles_poll_only_while_a_round_runs():
         assert [s.held for s in spinners] == [2, 2, 2]  # each held once per round ...
         assert [s.holders for s in spinners] == [0, 0, 0]  # ... and let go when it ended
         assert ctl.spinner.spins > 0 and receiver.spinner.spins > 0  # (they polled while waiting)
+
+
+async def test_auto_hands_each_proof_to_the_transport_that_made_it():
+    import torch
+
+    from engine.transports.auto import AutoTransport
+    from wire import PeerInfo
+
+    src, dst = MemoryTransport(), MemoryTransport()
+    info = await dst.start(0)
+    await src.start(0)
+    region = dst.register(0, torch.zeros(16, dtype=torch.uint8))
+    conn = await src.connect(PeerInfo(0, info, (region,)))
+    src.hold = asyncio.Event()
+    await conn.write(torch.full((4,), 7, dtype=torch.uint8), 0, 0, epoch=1)
+    auto = AutoTransport()
+    auto.children = {"memory": dst}  # (on this machine auto starts tcp only; the routing is what is tested)
+    waiting = asyncio.ensure_future(auto.await_proofs({0: conn.seal(), 1: b"xxxx-not-a-proof"}, 30))
+    src.hold.set()  # deliver: the memory proof is fulfilled, the other one is nobody's
+    failed = await asyncio.wait_for(waiting, WATCHDOG)
+    assert list(failed) == [1] and "of no transport here" in failed[1]
+    assert dst.regions[0][:4].tolist() == [7, 7, 7, 7]
+    await conn.close()
+    await src.close()
+    await dst.close()

@@ -35,7 +35,7 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
-from ..transport import SourceCounters, TransportOptions
+from ..transport import SourceCounters, TransportOptions, await_each_proof
 
 DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
 PROOF = struct.Struct("<4sII64s")  # PROOF_MAGIC, pid, device, interprocess event handle
@@ -134,18 +134,7 @@ class CudaIpcTransport:
 
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
         """Target side: wait for each sender's proof event; sender rank -> why it is not confirmed."""
-        failed = {}
-        for src, proof in sorted(proofs.items()):
-            try:
-                event = self._proof_event(proof)
-            except (struct.error, RuntimeError, KeyError) as exc:
-                failed[src] = f"unusable delivery proof ({exc!r})"
-                continue
-            try:
-                await asyncio.wait_for(cuda_rt.wait_event(event), timeout_s)
-            except asyncio.TimeoutError:
-                failed[src] = f"writes not delivered within {timeout_s}s of the fence"
-        return failed
+        return await await_each_proof(proofs, timeout_s, lambda proof: cuda_rt.wait_event(self._proof_event(proof)))
 
     def _proof_event(self, proof: bytes) -> torch.cuda.Event:
         magic, pid, _, handle = PROOF.unpack(proof)

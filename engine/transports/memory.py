@@ -24,7 +24,7 @@ import torch
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from ..errors import ConnectionClosed, RegistrationError, TransportError
-from ..transport import SourceCounters, TransportOptions, wait_after
+from ..transport import SourceCounters, TransportOptions, await_each_proof, wait_after
 
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
 _CONNECTIONS: dict[int, "MemoryConnection"] = {}  # id -> open connection (proofs name one)
@@ -82,24 +82,18 @@ class MemoryTransport:
         return None
 
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
-        failed = {}
-        for src, proof in sorted(proofs.items()):
-            try:
-                magic, conn_id, issued = PROOF.unpack(proof)
-                if magic != PROOF_MAGIC:
-                    raise KeyError(f"not a memory proof (magic {magic!r})")
-                conn = _CONNECTIONS[conn_id]
-            except (struct.error, KeyError) as exc:
-                failed[src] = f"unusable delivery proof ({exc!r})"
-                continue
-            try:
-                await asyncio.wait_for(conn.landed(issued), timeout_s)
-            except asyncio.TimeoutError:
-                failed[src] = f"writes not delivered within {timeout_s}s of the fence"
-        return failed
+        return await await_each_proof(proofs, timeout_s, _landed)
 
     async def close(self) -> None:
         _DIRECTORY.pop(self.address, None)
+
+
+def _landed(proof: bytes):
+    """The wait for a memory proof: until its connection has delivered the writes it counts."""
+    magic, conn_id, issued = PROOF.unpack(proof)
+    if magic != PROOF_MAGIC:
+        raise KeyError(f"not a memory proof (magic {magic!r})")
+    return _CONNECTIONS[conn_id].landed(issued)
 
 
 class MemoryConnection:
