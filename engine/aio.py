@@ -74,18 +74,12 @@ class Channel(Generic[T]):
         state = "broken" if self._error else "closed" if self._closed else "open"
         return f"<Channel {state} {self._queue.qsize()}/{self._queue.maxsize}>"
 
-    async def send(self, item: T, prompt: bool = False) -> None:
-        """Queue ``item`` (waiting while the channel is full). ``prompt``: if the receiver was waiting
-        for it, yield once so that it takes the item now, not when this sender next has to wait (a
-        producer that never blocks would otherwise run far ahead of its consumer)."""
+    async def send(self, item: T) -> None:
         if self._error is not None:
             raise self._error
         if self._closed:
             raise ChannelClosed("send on a closed channel")
-        idle = prompt and self._queue.empty()
         await self._queue.put(item)
-        if idle:
-            await asyncio.sleep(0)
 
     async def receive(self) -> T:
         while True:

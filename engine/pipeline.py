@@ -167,7 +167,7 @@ class Pipeline:
                     staged = await self.sources.stage(t, self.pool, algo, readable, view)
                     staged.charge = charge
                     report.stage_s += time.perf_counter() - t0
-                    await channel.send((t, staged))  # (not prompt=True: measured slower, docs/TRANSFORMS.md)
+                    await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
                     handed_over = True
                 finally:
                     if not handed_over:

@@ -404,24 +404,3 @@ async def test_tcp_settle_uploads_only_regions_tcp_wrote():
         await dst.settle()  # no mirrors on CPU: nothing to upload, and the dirty set is consumed
         assert dst._dirty == set()
 
-
-async def test_a_prompt_send_lets_a_waiting_receiver_take_the_item_at_once():
-    from engine.aio import Channel
-
-    for prompt, expected in ((True, ["got 0", "sent 0", "got 1", "sent 1"]),
-                             (False, ["sent 0", "sent 1", "got 0", "got 1"])):
-        channel: Channel = Channel(8)
-        log: list[str] = []
-
-        async def consume():
-            async for item in channel:
-                log.append(f"got {item}")
-
-        consumer = asyncio.ensure_future(consume())
-        await asyncio.sleep(0)  # one scheduling step (not a timed wait): the consumer now waits on the channel
-        for i in range(2):
-            await channel.send(i, prompt=prompt)
-            log.append(f"sent {i}")
-        channel.close()
-        await asyncio.wait_for(consumer, 5)
-        assert log == expected, prompt
