@@ -395,6 +395,11 @@ class Controller(RoundRunner, AsyncResource):
         rnd = self.round
         return rnd if rnd is not None and version == rnd.version else None
 
+    async def _on_begin_ack(self, peer: Peer, env: Envelope) -> None:
+        rnd = self._round_of(env.body.version)
+        if rnd is not None:
+            rnd.on_begin_ack(peer.hello.rank)
+
     async def _on_writes_done(self, peer: Peer, env: Envelope) -> None:
         rnd = self._round_of(env.body.version)
         if rnd is not None:

@@ -75,7 +75,7 @@ class WeightReceiver(Worker):
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # id(buffer) -> tensor views into it
-        extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit",)
+        extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
         self.cache = RegistrationCache()
         self.table: Optional[ReceiverTable] = None
@@ -153,6 +153,7 @@ class WeightReceiver(Worker):
         if self.mode == "inplace":
             await call_hook(self.before_update, self._pending)
             self.dirty = True  # live bytes may change from now until commit
+            await self._send(m.BeginAck(self._pending), version=self._pending)  # senders may start now
 
     async def _on_fence(self, env: Envelope) -> None:
         ack = await self._verdict(env.body)

@@ -23,7 +23,7 @@ from wire import messages as m
 
 log = logging.getLogger("weightsync")
 
-STAGES = ("writes_done", "fenced", "applied")
+STAGES = ("ready", "writes_done", "fenced", "applied")  # ready: the in-place receivers' begin_acks
 
 
 @dataclasses.dataclass
@@ -70,6 +70,8 @@ class RoundState:
         self.writes: dict[int, m.WritesDone] = {}
         self.fence_acks: dict[int, Optional[m.FenceAck]] = {}  # None: a one-phase commit_ack stood for it
         self.applied: set[int] = set()
+        self.gated: set[int] = set()  # in-place receivers whose begin_ack the senders' begin waits for
+        self.begin_acks: set[int] = set()
         self.stage = "writing"
         self.committed = False
         self.one_phase = False  # fence and commit in one exchange (a round with one capable receiver)
@@ -80,6 +82,15 @@ class RoundState:
     def __repr__(self) -> str:
         return (f"<Round v{self.version} {self.stage} writes={len(self.writes)}/{len(self.senders)} "
                 f"fenced={len(self.fence_acks)}/{len(self.receivers)} applied={len(self.applied)}/{len(self.receivers)}>")
+
+    def gate(self, receivers: set[int]) -> None:
+        """Senders begin once these receivers have acknowledged ``begin`` (none: at once)."""
+        self.gated = set(receivers)
+        self._maybe("ready", self.begin_acks >= self.gated)
+
+    def on_begin_ack(self, rank: int) -> None:
+        self.begin_acks.add(rank)
+        self._maybe("ready", self.begin_acks >= self.gated)
 
     def on_writes_done(self, rank: int, body: m.WritesDone) -> None:
         self.writes[rank] = body
@@ -108,7 +119,10 @@ class RoundState:
         """A participant is gone after commit: stop waiting for it."""
         group = self.senders if role is m.Role.SENDER else self.receivers
         group.discard(rank)
-        for stage, cond in (("writes_done", set(self.writes) >= self.senders),
+        if role is m.Role.RECEIVER:
+            self.gated.discard(rank)
+        for stage, cond in (("ready", self.begin_acks >= self.gated),
+                            ("writes_done", set(self.writes) >= self.senders),
                             ("fenced", set(self.fence_acks) >= self.receivers),
                             ("applied", self.applied >= self.receivers)):
             self._maybe(stage, cond)
@@ -189,9 +203,16 @@ class RoundRunner:
         deadline = self.options.round_timeout_s
         landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
                         for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
-        for key in self._begin_order(rnd):
-            slots = landing if key[0] is Role.SENDER else ()
-            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
+        receivers = [(Role.RECEIVER, r) for r in sorted(rnd.receivers)]
+        senders = [(Role.SENDER, r) for r in sorted(rnd.senders)]
+        gated = self._gated(rnd)
+        if gated:  # in-place receivers first: the senders begin once their hooks have run
+            await self._begin(rnd, receivers, landing)
+            rnd.gate(gated)
+            await self._stage(rnd, "ready", deadline)
+            await self._begin(rnd, senders, landing)
+        else:  # senders first: they start the data moving
+            await self._begin(rnd, senders + receivers, landing)
         await self._stage(rnd, "writes_done", deadline)
         rnd.stage = "fencing"
         rnd.one_phase = self._one_phase(rnd)
@@ -207,12 +228,16 @@ class RoundRunner:
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
 
-    def _begin_order(self, rnd: RoundState) -> list[tuple[Role, int]]:
-        """Senders first (they start the data moving), unless a receiver writes in place: it hears
-        ``begin`` first, so its ``before_update`` hook gets the head start it had before."""
-        in_place = any(key[0] is Role.RECEIVER and "slots:2" not in self.peers[self.by_rank[key]].hello.capabilities
-                       for key in self.plan_members if key in self.by_rank)
-        return sorted(self.plan_members, key=None if in_place else _senders_first)
+    async def _begin(self, rnd: RoundState, keys: list[tuple[Role, int]], landing: tuple[m.Slot, ...]) -> None:
+        for key in keys:
+            slots = landing if key[0] is Role.SENDER else ()
+            await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots), version=rnd.version)
+
+    def _gated(self, rnd: RoundState) -> set[int]:
+        """In-place receivers that acknowledge ``begin`` once their ``before_update`` hook has run
+        (capability ``begin_ack``): the senders begin after them, so no byte lands while serving runs."""
+        return {r for r in rnd.receivers if (Role.RECEIVER, r) in self.by_rank
+                and "begin_ack" in self.peers[self.by_rank[(Role.RECEIVER, r)]].hello.capabilities}
 
     def _one_phase(self, rnd: RoundState) -> bool:
         """A round with a single receiver that can apply on its own verdict needs no second phase:
@@ -256,6 +281,3 @@ class RoundRunner:
         self._maybe_start_rounds()
 
 
-
-def _senders_first(key: tuple[Role, int]) -> tuple[bool, int]:
-    return key[0] is not Role.SENDER, key[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -239,8 +240,15 @@ async def test_limits_reject_oversized_plan_message():
 
 @pytest.mark.parametrize("mode,first", [("shadow", "sender/0"), ("inplace", "receiver/0")])
 async def test_begin_reaches_senders_first_unless_a_receiver_writes_in_place(mode, first):
-    async with cluster(mode=mode) as (ctl, senders, senders_t, receivers, receivers_t):
+    hooked: list[float] = []  # when an in-place receiver's before_update finished
+    kw = {"before_update": lambda v: hooked.append(time.perf_counter())} if mode == "inplace" else {}
+    async with cluster(mode=mode, **kw) as (ctl, senders, senders_t, receivers, receivers_t):
         await asyncio.gather(*await push_all(senders, senders_t, 1))
         marks = ctl.timeline.of(1)
         sent = sorted((t, event.partition(">")[2]) for event, t in marks.items() if event.startswith("send:begin>"))
         assert [who for _, who in sent][0] == first and len(sent) == 2
+        if mode == "inplace":  # the senders' begin waited for the receiver's acknowledgement, after its hook
+            assert marks["recv:begin_ack<receiver/0"] < marks["send:begin>sender/0"]
+            assert hooked[0] < senders[0].timeline.of(1)["recv:begin"]
+        else:
+            assert not any(event.startswith("recv:begin_ack") for event in marks)

@@ -87,4 +87,5 @@ def samples() -> dict[str, Envelope]:
     out["writes_done_proof"] = Envelope(  # WriteSummary.proof (optional): absent above, present here
         m.WritesDone(3, 9, (dataclasses.replace(SUMMARY, proof=bytes(range(72))),), 0.25, 1.5),
         msg_id=202, sender="sender/0", parent_id=None, version=3)
+    out["begin_ack"] = Envelope(m.BeginAck(3), msg_id=203, sender="receiver/0", parent_id=None, version=3)
     return out

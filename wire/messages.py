@@ -154,6 +154,15 @@ class UpdateBegin(Message):
 
 
 @struct
+class BeginAck(Message):
+    """In-place receiver -> controller: its ``before_update`` hook has run; writes may start (receivers
+    that offered capability ``begin_ack``: the controller begins the senders only after these)."""
+
+    TYPE = "begin_ack"
+    version: U64
+
+
+@struct
 class Checksum:
     index: U32
     value: U64
@@ -309,6 +318,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         PlanAck,
         Push,
         UpdateBegin,
+        BeginAck,
         WritesDone,
         Fence,
         FenceCommit,

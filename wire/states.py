@@ -92,6 +92,7 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     t[S, State.WRITTEN, C, m.Commit.TYPE] = State.READY
     # a receiver's round
     t[R, State.READY, C, m.UpdateBegin.TYPE] = State.RECEIVING
+    t[R, State.RECEIVING, W, m.BeginAck.TYPE] = State.RECEIVING  # in place: serving paused, writes may start
     t[R, State.RECEIVING, C, m.Fence.TYPE] = State.FENCING
     t[R, State.FENCING, W, m.FenceAck.TYPE] = State.FENCED
     t[R, State.FENCED, C, m.Commit.TYPE] = State.APPLYING
