@@ -138,7 +138,8 @@ class Pipeline:
                     slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
         depth = self.options.depth or getattr(conn, "depth", DEFAULT_DEPTH)
         channel: Channel = Channel(depth)
-        seal = getattr(conn, "seal", None) if seal_early and hasattr(conn, "submit") else None  # (see below)
+        # (only a connection with submit seals: its writes are queued in the transport before the seal)
+        seal = getattr(conn, "seal", None) if seal_early and hasattr(conn, "submit") else None
         try:
             readable = getattr(conn, "devices", frozenset({"cpu"}))
             await run_all([self._stager(transfers, channel, report, readable),

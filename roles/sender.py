@@ -199,15 +199,11 @@ class WeightSender(Worker):
                                              on_sealed=announce)
         except asyncio.CancelledError:
             raise
-        except (TransportError, StagingError, WeightSyncError) as exc:
-            code = m.ErrorCode.STAGING if isinstance(exc, StagingError) else m.ErrorCode.TRANSPORT
+        except Exception as exc:  # reported, never left hanging; after writes_done if it went out already
             await asyncio.gather(*announced, return_exceptions=True)
-            await self._fail_round(version, handle, exc, code)
-            return
-        except Exception as exc:  # a bug or a torch error: report it, never leave the round hanging
-            log.exception("%s: round %s failed", self.name, version)
-            await asyncio.gather(*announced, return_exceptions=True)
-            await self._fail_round(version, handle, exc, m.ErrorCode.INTERNAL)
+            await self._fail_round(version, handle, exc, _error_code(exc))
+            if not isinstance(exc, (TransportError, StagingError, WeightSyncError)):
+                log.exception("%s: round %s failed", self.name, version)  # a bug or a torch error
             return
         self.timeline.mark(version, "pipeline:end")
         if not handle.released.done():
@@ -256,3 +252,11 @@ class WeightSender(Worker):
         for conn in self.conns.values():
             await conn.close()
         self.conns.clear()
+
+
+def _error_code(exc: Exception) -> m.ErrorCode:
+    if isinstance(exc, StagingError):
+        return m.ErrorCode.STAGING
+    if isinstance(exc, (TransportError, WeightSyncError)):
+        return m.ErrorCode.TRANSPORT
+    return m.ErrorCode.INTERNAL
