@@ -242,10 +242,12 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
                 await handle
                 pipeline_s.append(handle.report.seconds)
             timelines.update({v: sender.timeline.of(v) for v in range(2, rounds + 1)})
+            written.append(sender.sources.transforms.written / rounds)
     pipeline_s: list[float] = []
     timelines: dict[int, dict] = {}
+    written: list[float] = []  # rows a quantization stored straight into the receiver, per round
     _profiled(main, profile, trace)
-    conn.send((pipeline_s[1:], timelines))
+    conn.send((pipeline_s[1:], timelines, written[0] if written else 0))
 
 
 def _profiled(main, path: str, trace: str = "") -> None:
@@ -297,7 +299,7 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
 
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
                         profile: str = "", budget_mib: int = 0, trace: str = "",
-                        spin: bool = False) -> tuple[list, bool, list, list]:
+                        spin: bool = False) -> tuple[list, bool, list, list, float]:
     from roles import Controller, ControllerOptions
     from roles.timeline import merge
 
@@ -314,7 +316,7 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
         ok, r_marks = await asyncio.get_running_loop().run_in_executor(None, r_in.recv)
-        pipeline_s, s_marks = await asyncio.get_running_loop().run_in_executor(None, s_in.recv)
+        pipeline_s, s_marks, written = await asyncio.get_running_loop().run_in_executor(None, s_in.recv)
         for p in procs:
             p.join(120)
         timelines = []  # per measured round: [(ms since the controller started it, "role event")]
@@ -322,7 +324,7 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
             marks = ctl.timeline.of(v)
             timelines.append(merge(marks["round:start"], {"controller": marks, "sender": s_marks.get(v, {}),
                                                           "receiver": r_marks.get(v, {})}))
-    return reports[1:], ok, pipeline_s, timelines
+    return reports[1:], ok, pipeline_s, timelines, written
 
 
 def _median_timeline(timelines: list) -> list[tuple[str, float]]:
@@ -338,7 +340,7 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
     try:
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
         trace = f"{args.trace}/sender_{label.replace(' ', '_')}.json" if args.trace else ""
-        reports, ok, pipeline_s, timelines = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8,
+        reports, ok, pipeline_s, timelines, written = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8,
                                                                        profile, args.budget_mib, trace, args.spin))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
@@ -353,6 +355,7 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
                                                                      "stage": True}
     rows[f"{label}: full round"]["timeline_ms"] = _median_timeline(timelines)
     rows[f"{label}: full round"]["rounds_s"] = [r.seconds for r in reports]
+    rows[f"{label}: full round"]["rows_written_in_place"] = written
 
 
 def _baseline_rows(rows: dict, nbytes: int, args) -> float:
@@ -398,6 +401,8 @@ def _print(rows: dict, nbytes: int, bound: float, rounds: int) -> None:
     for name, row in rows.items():
         if nccl and row.get("seconds") and name.endswith("full round"):
             print(f"  {name}: {row['seconds'] / nccl:.3f} x NCCL per-tensor bf16 broadcast")
+        if row.get("rows_written_in_place"):
+            print(f"  {name}: {row['rows_written_in_place']:.0f} rows per round stored in place by the quantization")
     for name, row in rows.items():
         if row.get("timeline_ms"):
             print(f"  {name}, median timeline (ms since the controller started the round):")

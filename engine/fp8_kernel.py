@@ -15,10 +15,17 @@ or three kernel launches and a Python wrapper per tensor: the host cost of FP8 r
 launches (docs/TRANSFORMS.md). Addresses are offsets from the first tensor of each kind, so the
 compiler knows their alignment (a pointer loaded from memory would defeat vector loads).
 
+Written in place: a ``Batch`` made with ``dests`` (per tensor, the addresses of its FP8 weight and of its
+scales, e.g. a receiver's tensors mapped over CUDA IPC) stores there instead of into fresh buffers: the
+same kernel, with the output offsets taken from the lowest destination of each kind (``_Address``
+stands for it as a kernel argument), and the aligned class only for 16-byte aligned destinations.
+
 The module imports Triton at import time: import it only where CUDA is.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -80,15 +87,18 @@ class Batch:
     then allocates the two buffers and launches once per class: no per-tensor allocation, no table
     upload. ``matches`` says whether a list of tensors is still the one it was made for."""
 
-    def __init__(self, xs: list[torch.Tensor], block: int) -> None:
+    def __init__(self, xs: list[torch.Tensor], block: int, dests: Optional[list[tuple[int, int]]] = None) -> None:
         if not xs:
             raise ValueError("a quantization batch needs at least one tensor")
-        self.xs, self.block = list(xs), block
+        if dests is not None and (len(dests) != len(xs) or any(s_at % 4 for _, s_at in dests)):
+            raise ValueError("a quantization batch needs one (weight, 4-aligned scales) address per tensor")
+        self.xs, self.block, self.dests = list(xs), block, dests
         self.device, self.dtype = xs[0].device, xs[0].dtype
         if self.dtype not in _IN_TYPES:
             raise ValueError(f"block FP8 quantizes bfloat16, float16 or float32 tensors, got {self.dtype}")
         self.layout: list[tuple[int, int, int, int, tuple[int, int]]] = []  # q at, rows, cols, scales at, grid
         q_at = s_at = 0
+        self.bases = (min(q for q, _ in dests), min(s for _, s in dests)) if dests else (0, 0)
         classes: dict[tuple[bool, bool], list[int]] = {}
         for i, x in enumerate(self.xs):
             if x.dim() != 2 or x.device != self.device or x.dtype != self.dtype:
@@ -96,12 +106,16 @@ class Batch:
                                  f"{x.dtype} {list(x.shape)} on {x.device}")
             rows, cols = x.shape
             grid = (-(-rows // block), -(-cols // block))
+            if dests:  # offsets from the lowest destination (elements: FP8 is one byte, scales four)
+                q_at, s_at = dests[i][0] - self.bases[0], (dests[i][1] - self.bases[1]) // 4
             self.layout.append((q_at, rows, cols, s_at, grid))
-            q_at += -(-rows * cols // ALIGN) * ALIGN
-            s_at += grid[0] * grid[1]
             if x.numel():
-                classes.setdefault(_class_of(x), []).append(i)
-        self.q_total, self.s_total = q_at, s_at
+                inner, aligned = _class_of(x)
+                classes.setdefault((inner, aligned and q_at % ALIGN == 0), []).append(i)
+            if not dests:
+                q_at += -(-rows * cols // ALIGN) * ALIGN
+                s_at += grid[0] * grid[1]
+        self.q_total, self.s_total = (0, 0) if dests else (q_at, s_at)
         self.launches = []
         for (inner, aligned), members in classes.items():
             for start in range(0, len(members), MAX_TENSORS):
@@ -120,15 +134,21 @@ class Batch:
             for a, b in zip(xs, self.xs))
 
     def run(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(fp8, scale_inv) per tensor, queued on the current stream."""
+        """(fp8, scale_inv) per tensor, queued on the current stream; nothing when written in place."""
         if self.tables_ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.tables_ready)
-        qbuf = torch.empty(self.q_total, dtype=torch.float8_e4m3fn, device=self.device)
-        sbuf = torch.empty(self.s_total, dtype=torch.float32, device=self.device)
+        if self.dests:
+            qbuf = _Address(self.bases[0], torch.float8_e4m3fn, self.device)
+            sbuf = _Address(self.bases[1], torch.float32, self.device)
+        else:
+            qbuf = torch.empty(self.q_total, dtype=torch.float8_e4m3fn, device=self.device)
+            sbuf = torch.empty(self.s_total, dtype=torch.float32, device=self.device)
         for table, count, first, blocks, inner, aligned in self.launches:
             _quantize_blocks_kernel[(blocks,)](table, count, first, qbuf, sbuf, BLOCK=self.block, MAXN=MAX_TENSORS,
                                                INNER_CONTIGUOUS=inner, ALIGNED=aligned,
                                                num_warps=8 if self.block >= 128 else 4)
+        if self.dests:
+            return []
         return [(qbuf[q_at:q_at + rows * cols].view(rows, cols), sbuf[s_at:s_at + grid[0] * grid[1]].view(grid))
                 for q_at, rows, cols, s_at, grid in self.layout]
 
@@ -143,6 +163,16 @@ class Batch:
                             q_at, s_at, blocks))
             blocks += grid[0] * grid[1]
         return _table(entries, self.device), len(members), first, blocks, inner, aligned
+
+
+class _Address:
+    """A raw device address as a Triton pointer argument (Triton reads ``data_ptr()`` and ``dtype``)."""
+
+    def __init__(self, address: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.address, self.dtype, self.device = address, dtype, device
+
+    def data_ptr(self) -> int:
+        return self.address
 
 
 def _class_of(x: torch.Tensor) -> tuple[bool, bool]:

@@ -19,6 +19,12 @@ every lane is sealed, ``on_sealed`` gets the report (counts, bytes and checksums
 issue): the sender announces ``writes_done`` then, while the last copies are still in flight, so the
 control messages of the round overlap the data. ``run`` itself still returns only once every write
 has completed (the sender's tensors may be reused from then on).
+
+Written in place. A connection with ``address`` and ``submit_written`` (cuda_ipc) can name its target's
+memory; without checksums (they need the bytes on the sender) the pipeline lets quantizations write
+their outputs there (``engine.transforms``). Such a row stages as already ``written``: the writer
+hands the connection its launch's event (``submit_written``: counted, sealed and completed like a
+copy) and the budget is not charged for it (it allocates nothing).
 """
 
 from __future__ import annotations
@@ -116,7 +122,8 @@ class Pipeline:
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
         lanes: dict[int, list[Transfer]] = defaultdict(list)
-        for t in self.sources.begin(transfers):
+        resolve, token = self._resolver(conns, slots)
+        for t in self.sources.begin(transfers, resolve, token):
             lanes[t.dst_rank].append(t)
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
@@ -133,6 +140,20 @@ class Pipeline:
         seals.all()  # (no lanes at all: nothing to wait for)
         self.runs += 1
         return PushReport(reports, time.perf_counter() - start)
+
+    def _resolver(self, conns: Mapping[int, Connection], slots: Mapping[int, int]):
+        """(row, device) -> the address its bytes go to, for rows that may be written in place; and a
+        token that changes when the answers may (landing slots, connections). (None, None): no row may."""
+        direct = {rank: conn.address for rank, conn in conns.items()
+                  if hasattr(conn, "address") and hasattr(conn, "submit_written")}
+        if self.options.checksum or not direct:
+            return None, None
+
+        def resolve(t: Transfer, device) -> Optional[int]:
+            address = direct.get(t.dst_rank)
+            slot = slots.get(t.dst_rank, 0)
+            return None if address is None else address(t.dst_region + slot, t.dst_offset, t.nbytes, device)
+        return resolve, (tuple(sorted(slots.items())), tuple(sorted((r, id(c)) for r, c in direct.items())))
 
     async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int,
                     slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
@@ -191,7 +212,10 @@ class Pipeline:
             async for t, staged in channel:
                 t0 = time.perf_counter()
                 try:
-                    if submit is not None:
+                    if staged.written is not None:  # (only on a connection that has it: ``_resolver``)
+                        op = conn.submit_written(staged.written, t.dst_region + slot, t.dst_offset, t.nbytes, epoch,
+                                                 staged.event)
+                    elif submit is not None:
                         op = submit(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, staged.event)
                     else:
                         op = asyncio.ensure_future(self._write(conn, t, staged, epoch, slot))

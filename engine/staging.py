@@ -6,13 +6,15 @@ FP8, on a side stream for CUDA sources), and writes the result in place when it 
 on a device the connection reads, else copies it into a staging buffer (non-contiguous views, a slice
 along another dim, a CUDA source over a host-only transport); large copies run in a worker thread so
 the event loop keeps serving other connections. Staging buffers come from a ``StagingPool`` and go back after the write.
+A row whose quantization writes straight into the receiver (``TransformSet.writes_directly``) stages to
+a ``Staged`` that is already ``written``: no tensor, only the launch's event and its device.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -35,6 +37,7 @@ class Staged:
     checksum: Optional[int] = None
     charge: int = 0  # bytes of the pipeline's budget this holds until written
     event: Optional[torch.cuda.Event] = None  # on CUDA: the tensor is complete once this has happened
+    written: Optional[torch.device] = None  # the bytes are in the receiver already, put there from this device
 
     async def wait(self) -> None:
         """Until the bytes exist (a transform queued on a side stream may still be running)."""
@@ -88,13 +91,15 @@ class SourceSet:
         self._table: object = None  # the last plan's table (a tuple, the same every round) ...
         self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once
 
-    def begin(self, transfers: Sequence[Transfer]) -> list[Transfer]:
+    def begin(self, transfers: Sequence[Transfer],
+              resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None,
+              token: object = None) -> list[Transfer]:
         """A round over ``transfers`` starts: check transforms, plan shared (and grouped) quantizations,
         start gathers. Returns the transfers in the order to stage them (rows of gathered parameters in
-        gather order)."""
+        gather order). ``resolve``/``token``: where rows may be written in place (``TransformSet.begin``)."""
         if transfers is not self._table:
             self._plan_views(transfers)
-        self.transforms.begin(transfers, self._known_view)
+        self.transforms.begin(transfers, self._known_view, resolve, token)
         if self.gatherer is None:
             return list(transfers)
         self.gatherer.begin(transfers)
@@ -177,7 +182,9 @@ class SourceSet:
 
     def makes_copy(self, t: Transfer, view: torch.Tensor, readable: frozenset) -> bool:
         """Whether staging ``t`` (source ``view``) allocates (a transform output or a staging copy)."""
-        return bool(t.transform) or not view.is_contiguous() or view.device.type not in readable
+        if t.transform:
+            return not self.transforms.writes_directly(t)
+        return not view.is_contiguous() or view.device.type not in readable
 
     def upfront_bytes(self, t: Transfer, charge: int) -> int:
         """What staging ``t`` allocates now, of a pipeline that charges ``charge`` bytes for it until it
@@ -195,7 +202,10 @@ class SourceSet:
         view = self.view(t) if view is None else view
         event = None
         if t.transform:
+            device = view.device
             view, event = await self.transforms.run(t, view)
+            if view is None:  # written into the receiver by the launch (never with checksums: see Pipeline)
+                return Staged(None, event=event, written=device)
         nbytes = view.numel() * view.element_size()
         if nbytes != t.nbytes:
             raise StagingError(t.name, f"source gives {nbytes} bytes, the table says {t.nbytes}")

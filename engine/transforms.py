@@ -17,11 +17,19 @@ and ``run`` returns the output with an event at once: the transport orders the w
 on the device (or waits for it on the host), while the stager queues the transforms of the next
 parameters, so quantization of later parameters overlaps the copies of earlier ones. Users may add their
 own named transforms (``custom``): a function from a source view to a tensor.
+
+Writing in place. Where the pipeline can name the receiver's memory for a row (``begin``'s ``resolve``:
+a connection whose target is addressable from the source's device, cuda_ipc, and no checksums), a
+quantization whose outputs go to exactly one weight row and one scale row is *written directly*: the
+launch stores the FP8 weight and its scales straight into the receiver's tensors (over NVLink on
+another GPU) instead of into a buffer that is then copied, so those rows cost no copy and no memory
+(``written`` rows; ``run`` returns ``None`` with the launch's event). A group goes direct only whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import logging
 from collections import Counter
@@ -84,25 +92,39 @@ class Quantizer:
         mode = "eager" if not self.use_kernel or self.fallback else "kernel"
         return f"<Quantizer {mode} launches={self.launches}>"
 
-    def many(self, xs: list[torch.Tensor], block: int, reuse=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def many(self, xs: list[torch.Tensor], block: int, reuse=None,
+             dests: Optional[list[tuple[int, int]]] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device). ``reuse``: a key under
-        which the same list comes back (every round): its launch is prepared once and kept."""
+        which the same list comes back (every round): its launch is prepared once and kept. ``dests``:
+        per tensor, the addresses (reachable from its device) where its FP8 weight and scales are to be
+        written instead; then nothing is returned."""
         if xs and self._kernel_for(xs[0].device):
             try:
                 from . import fp8_kernel
 
-                batch = self._batches.get(reuse) if reuse is not None else None
+                key = reuse if dests is None or reuse is None else (reuse, tuple(dests))
+                batch = self._batches.get(key) if key is not None else None
                 if batch is None or batch.block != block or not batch.matches(xs):
-                    batch = fp8_kernel.Batch(xs, block)
-                    if reuse is not None:
-                        self._batches[reuse] = batch
+                    batch = fp8_kernel.Batch(xs, block, dests)
+                    if key is not None:
+                        self._batches[key] = batch
                 out = batch.run()
                 self.launches += 1
                 return out
             except Exception as exc:  # no Triton or a Triton problem on this machine: eager is correct
                 self._give_up(exc)
         self.launches += len(xs)
-        return [quantize_blocks(x, block) for x in xs]
+        out = [quantize_blocks(x, block) for x in xs]
+        if dests is None:
+            return out
+        for (q, s), (q_at, s_at) in zip(out, dests):
+            _copy_to_address(q, q_at)
+            _copy_to_address(s, s_at)
+        return []
+
+    def writes_to(self, device: torch.device) -> bool:
+        """Whether ``many`` can write outputs to addresses for sources on ``device``."""
+        return device.type == "cpu" or self._kernel_for(device)
 
     def warm(self, device: torch.device, dtype: torch.dtype, block: int) -> None:
         """Compile the kernel for ``dtype`` now (blocking: run it in a worker thread)."""
@@ -124,6 +146,18 @@ class Quantizer:
 
     def _kernel_for(self, device: torch.device) -> bool:
         return self.use_kernel and self.fallback is None and device.type == "cuda"
+
+
+def _copy_to_address(x: torch.Tensor, address: int) -> None:
+    """The bytes of contiguous ``x`` to ``address`` (host memory for a CPU tensor, else memory reachable
+    from ``x``'s device, queued on its current stream)."""
+    nbytes = x.numel() * x.element_size()
+    if x.device.type == "cpu":
+        ctypes.memmove(address, x.data_ptr(), nbytes)
+    else:
+        from . import cuda_rt
+
+        cuda_rt.memcpy_async(address, x.data_ptr(), nbytes, torch.cuda.current_stream(x.device))
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -177,10 +211,16 @@ class TransformSet:
         self._cost: dict[int, int] = {}  # quantization key -> output bytes its launch makes (its whole group's)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._ordered: dict[int, int] = {}  # side stream's device -> the round it was last ordered after the producer
+        self._rows_of: dict[int, list[Transfer]] = {}  # quantization key -> the rows of ``_table`` asking for it
+        self._view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None
+        self._resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None
+        self._token: object = None  # what the resolver's answers depend on (landing slots, connections)
+        self._dests: dict[int, Optional[tuple[int, int]]] = {}  # key -> where its launch writes (None: a buffer)
+        self.written = 0  # rows whose bytes a launch wrote straight into the receiver
 
     def __repr__(self) -> str:
-        return (f"<TransformSet quantized={self.quantized} kept={len(self.kept)} groups={len(self.groups)} "
-                f"{self.quantizer!r} custom={sorted(self.custom)}>")
+        return (f"<TransformSet quantized={self.quantized} written={self.written} kept={len(self.kept)} "
+                f"groups={len(self.groups)} {self.quantizer!r} custom={sorted(self.custom)}>")
 
     def check(self, name: str, transform: str) -> None:
         """Raise ``StagingError`` for a transform this sender cannot run (before the round starts)."""
@@ -195,13 +235,20 @@ class TransformSet:
             if op in ("fp8w", "fp8s") and i != len(steps) - 1:
                 raise StagingError(name, f"transform {transform!r}: a quantization must be the last step")
 
-    def begin(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None) -> None:
+    def begin(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None,
+              resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None,
+              token: object = None) -> None:
         """A new round: count who will ask for each quantization, group the quantizations of CUDA sources
-        (``view_of``: a row's source view, None where it is not known yet); forget what was kept."""
+        (``view_of``: a row's source view, None where it is not known yet); forget what was kept.
+        ``resolve``: a row's destination address, reachable from a device, or None (see the header);
+        its answers are kept while ``token`` stays the same."""
         self.kept.clear()
         self.rounds += 1
         if transfers is not self._table or not isinstance(transfers, tuple):  # a new table (a plan's is
             self._plan_table(transfers, view_of)  # one tuple, every round): check it, plan its quantizations
+        if resolve is None or token != self._token:
+            self._dests = {}
+        self._view_of, self._resolve, self._token = view_of, resolve, token
         self.pending = self._wanted.copy()
 
     def _plan_table(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]]) -> None:
@@ -216,6 +263,11 @@ class TransformSet:
         self._key_of = {id(t): numbers.setdefault(_quant_key(t), len(numbers))
                         for t in transfers if "fp8" in t.transform}
         self._wanted = Counter(self._key_of.values())
+        self._rows_of = {}
+        for t in transfers:
+            if "fp8" in t.transform:
+                self._rows_of.setdefault(self._key_of[id(t)], []).append(t)
+        self._dests = {}
         groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices, self.group_bytes)
         self.groups = {numbers[key]: group for key, group in groups.items()}
         rows_bytes: Counter = Counter()  # key -> bytes of all its rows (weight and scales)
@@ -251,9 +303,47 @@ class TransformSet:
         if "fp8" not in t.transform or t.transform in self.custom:
             return t.nbytes
         key = self._key(t)
-        if key in self.kept:
+        if key in self.kept or self._direct(key) is not None:
             return 0
         return self._cost.get(key)
+
+    def writes_directly(self, t: Transfer) -> bool:
+        """Whether row ``t``'s bytes are written into the receiver by its quantization's launch."""
+        return "fp8" in t.transform and t.transform not in self.custom and self._direct(self._key(t)) is not None
+
+    def _direct(self, key) -> Optional[tuple[int, int]]:
+        """(weight address, scales address) where quantization ``key`` is written this round, or None.
+        Decided for its whole group at once: a launch writes all its outputs one way."""
+        if self._resolve is None or not isinstance(key, int):
+            return None
+        if key not in self._dests:
+            group = self.groups.get(key)
+            keys = [self._key(row) for row, _ in group] if group is not None else [key]
+            dests = [self._key_dests(k) for k in keys]
+            if None in dests:
+                dests = [None] * len(keys)
+            self._dests.update(zip(keys, dests))
+        return self._dests[key]
+
+    def _key_dests(self, key: int) -> Optional[tuple[int, int]]:
+        """Where quantization ``key`` can be written: it has one weight row and one scale row, both of
+        the sizes its source makes, both addressable from the source's device."""
+        rows = self._rows_of.get(key, [])
+        ops = [parse(r.transform)[-1][0] for r in rows]
+        if sorted(ops) != ["fp8s", "fp8w"]:
+            return None  # (two receivers want it, or only one of its outputs is wanted: a buffer it is)
+        weight, scales = (rows[0], rows[1]) if ops[0] == "fp8w" else (rows[1], rows[0])
+        view = self._view_of(weight)
+        if view is None or view.dim() != 2 or not self.quantizer.writes_to(view.device):
+            return None
+        rows_, cols = view.shape
+        if sum(op == "t" for op, _ in parse(weight.transform)) % 2:
+            rows_, cols = cols, rows_
+        block = int(parse(weight.transform)[-1][1])
+        if weight.nbytes != rows_ * cols or scales.nbytes != 4 * -(-rows_ // block) * -(-cols // block):
+            return None  # (the round raises a typed error for it on the buffered path)
+        q_at, s_at = self._resolve(weight, view.device), self._resolve(scales, view.device)
+        return None if q_at is None or s_at is None else (q_at, s_at)
 
     async def run(self, t: Transfer, view: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
         """The transformed, contiguous tensor for row ``t`` (on the source's device), and for CUDA the
@@ -298,7 +388,7 @@ class TransformSet:
         for op, arg in parse(t.transform):
             if op in ("fp8w", "fp8s"):
                 x = self._quantized(t, x, op, int(arg))
-        return x.contiguous()
+        return None if x is None else x.contiguous()  # (None: written into the receiver already)
 
     def _head(self, t: Transfer, view: torch.Tensor) -> torch.Tensor:
         """``view`` after the row's steps that come before a quantization (all of them if none)."""
@@ -335,12 +425,17 @@ class TransformSet:
         launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``. A group is fixed for a plan
         (sources of one kind, transposes at most before the quantization), so its launch is reused."""
         group = self.groups.get(key)
+        keys = [self._key(row) for row, _ in group] if group is not None else [key]
+        dests = [self._dests[k] for k in keys] if self._direct(key) is not None else None
         if group is None:  # alone: its launch is still kept for the next rounds when the plan has it
-            results, keys = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None), [key]
+            results = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None,
+                                          dests=dests)
         else:
-            keys = [self._key(row) for row, _ in group]
             results = self.quantizer.many([self._head(row, view) for row, view in group], block,
-                                          reuse=id(group))
+                                          reuse=id(group), dests=dests)
+        if dests is not None:
+            results = [(None, None)] * len(keys)  # in the receiver's memory: nothing to hand to the rows
+            self.written += 2 * len(keys)
         self.quantized += len(results)
         done = None
         if x.device.type == "cuda":  # (we are on the side stream: ``_launch``)

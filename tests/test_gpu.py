@@ -116,6 +116,28 @@ def test_fp8_kernel_quantizes_many_strided_tensors_in_one_launch():
     assert len(quantizer._batches) == 1 and quantizer.launches == 3 and quantizer.fallback is None
 
 
+@pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
+def test_fp8_kernel_writes_its_outputs_to_given_addresses(dst):
+    """A batch made with destinations stores there (here a peer GPU's tensors when there are two):
+    the same bytes as the buffered batch, nothing returned."""
+    from engine import cuda_rt
+    from engine.fp8_kernel import Batch
+
+    g = torch.Generator(device="cuda:0").manual_seed(5)
+    base = (torch.randn(700, 390, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
+    xs = [base, base.t(), base[100:356, 7:300], torch.randn(256, 512, generator=g, device="cuda:0").to(torch.bfloat16)]
+    want = Batch(xs, 128).run()
+    if dst != "cuda:0":
+        assert cuda_rt.enable_peer_access(0, torch.device(dst).index)
+    qs = [torch.full(q.shape, 7, dtype=torch.uint8, device=dst) for q, _ in want]
+    ss = [torch.full(s.shape, -1.0, dtype=torch.float32, device=dst) for _, s in want]
+    batch = Batch(xs, 128, [(q.data_ptr(), s.data_ptr()) for q, s in zip(qs, ss)])
+    assert batch.run() == [] and batch.q_total == 0
+    torch.cuda.synchronize(0)
+    for (q_want, s_want), q, s in zip(want, qs, ss):
+        assert torch.equal(q.cpu(), q_want.view(torch.uint8).cpu()) and torch.equal(s.cpu(), s_want.cpu())
+
+
 @pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
@@ -135,11 +157,17 @@ async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
                                     options=ReceiverOptions(transport="cuda_ipc")) for r, lay in enumerate(layouts)]
         async with sender, receivers[0], receivers[1]:
             await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
-            await asyncio.wait_for(await sender.push(1), WATCHDOG)
-            for r in receivers:
-                await asyncio.wait_for(r.wait_for(1), WATCHDOG)
-            cpu_src = {k: v.cpu() for k, v in src.items()}
-            for name, got in receivers[0].state_dict().items():
-                assert torch.equal(got.cpu(), expected_qwen2(cpu_src, name, tp)), name
-            state = {k: v.cpu() for k, v in receivers[1].state_dict().items()}
-            assert check_fp8_receiver(state, lambda n: expected_qwen2(cpu_src, n))
+            for version in (1, 2):  # the second round reuses the prepared launches (written in place too)
+                if version == 2:
+                    for v in src.values():
+                        v.mul_(-1.5)
+                await asyncio.wait_for(await sender.push(version), WATCHDOG)
+                for r in receivers:
+                    await asyncio.wait_for(r.wait_for(version), WATCHDOG)
+                cpu_src = {k: v.cpu() for k, v in src.items()}
+                for name, got in receivers[0].state_dict().items():
+                    assert torch.equal(got.cpu(), expected_qwen2(cpu_src, name, tp)), name
+                state = {k: v.cpu() for k, v in receivers[1].state_dict().items()}
+                assert check_fp8_receiver(state, lambda n: expected_qwen2(cpu_src, n))
+            written = sender.sources.transforms.written
+            assert (written > 0) == (not checksum), written  # without checksums: stored in the receiver

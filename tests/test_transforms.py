@@ -19,7 +19,7 @@ from engine.tensors import dtype_name
 from engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
 from layout_oracle import check_fp8_receiver, expected_gpt2, expected_qwen2, qwen2_state
 from plan_helpers import participant, tensor
-from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
 WATCHDOG = 60
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32")
@@ -114,16 +114,17 @@ def _gpt2_state(seed=0):
 
 
 @contextlib.asynccontextmanager
-async def _cluster(src: dict, layouts: list, mapping: str):
+async def _cluster(src: dict, layouts: list, mapping: str, checksum: str = "crc32", transport: str = "auto"):
     async with contextlib.AsyncExitStack() as stack:
-        options = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32", mapping=mapping)
+        options = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum=checksum, mapping=mapping)
         ctl = await stack.enter_async_context(Controller(senders=1, receivers=len(layouts), options=options))
-        sender = await stack.enter_async_context(WeightSender(ctl.address, src, rank=0))
+        sender = await stack.enter_async_context(
+            WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport=transport)))
         receivers = []
         for r, layout in enumerate(layouts):
             tensors, shards = allocate(layout)
-            receivers.append(await stack.enter_async_context(
-                WeightReceiver(ctl.address, tensors, rank=r, shards=shards)))
+            receivers.append(await stack.enter_async_context(WeightReceiver(
+                ctl.address, tensors, rank=r, shards=shards, options=ReceiverOptions(transport=transport))))
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         yield ctl, sender, receivers
 
@@ -190,6 +191,51 @@ async def test_bf16_to_block_fp8_receivers(grouped):
             fp8 = check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
             assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
             assert not any("norm" in n or "embed" in n for n in fp8)
+
+
+async def _fp8_states(src, tps, checksum, grouped):
+    """Two rounds into FP8 receivers over the memory transport (its targets are addressable):
+    (each receiver's state dict, rows written straight into the receivers per FP8 row of the table)."""
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp, fp8=policy) for tp in tps]
+    async with _cluster(src, layouts, "qwen2", checksum=checksum, transport="memory") as (ctl, sender, receivers):
+        transforms = sender.sources.transforms
+        if grouped:
+            transforms.group_devices = frozenset({"cpu"})
+        for version in (1, 2):  # the second round reuses the first one's decisions (same slots)
+            await _one_round(sender, receivers, version)
+            for tp, r in zip(tps, receivers):
+                check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
+        assert transforms.kept == {}
+        fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
+        assert fp8_rows > 0
+        return [{k: v.clone() for k, v in r.state_dict().items()} for r in receivers], transforms.written / fp8_rows
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_quantizations_are_written_straight_into_an_addressable_receiver(grouped):
+    """Without checksums, a quantization whose two outputs go to one receiver whose memory the
+    connection can address is stored there by the quantizing code itself (no buffer, no copy): the
+    same bytes as the buffered path, which checksums force."""
+    src = qwen2_state(seed=2)
+    tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
+    direct, written = await _fp8_states(src, tps, "", grouped)
+    buffered, none_written = await _fp8_states(src, tps, "crc32", grouped)
+    assert written == 2 and none_written == 0  # every FP8 row of the table in both rounds; none with checksums
+    for a, b in zip(direct, buffered):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+async def test_a_quantization_two_receivers_want_is_buffered_with_its_whole_group():
+    """Replicas want the same quantization: one launch cannot store it twice, so it (and every
+    quantization of its group) goes through a buffer and is copied to each."""
+    src = qwen2_state(seed=3)
+    states, written = await _fp8_states(src, [TensorParallel(0, 1), TensorParallel(0, 1)], "", grouped=True)
+    assert written == 0
+    assert all(torch.equal(states[0][n].view(torch.uint8), states[1][n].view(torch.uint8)) for n in states[0])
 
 
 def test_layout_tp_rules_and_refusals():
@@ -360,9 +406,9 @@ def test_every_planned_launch_is_prepared_once_and_reused_by_later_rounds(monkey
     asked = []
     real_many = Quantizer.many
 
-    def spy(self, xs, block, reuse=None):
+    def spy(self, xs, block, reuse=None, dests=None):
         asked.append(reuse)
-        return real_many(self, xs, block, reuse)
+        return real_many(self, xs, block, reuse, dests)
 
     monkeypatch.setattr(Quantizer, "many", spy)
     views = {"a": torch.randn(128, 128), "b": torch.randn(128, 128), "big": torch.randn(256, 256)}

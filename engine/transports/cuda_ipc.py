@@ -13,6 +13,12 @@ per connection queries from the event loop, oldest first (``cuda_rt.EventPoller`
 nothing left to wait for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
 Writes are not observable by the target (``counters`` is empty); senders report them instead.
 
+Addressable targets. ``address`` gives the mapped address of a target byte range as the sender's device
+sees it (peer access on), so a kernel on the sender can store there itself (the FP8 quantization writes
+its outputs into the receiver's tensors); ``submit_written`` then accounts for such bytes: a stream of
+their own waits for the kernel's event (not a copy stream: later copies must not queue behind the
+kernels), a seal covers that stream too, and its completion is polled like a copy's.
+
 Delivery proofs. A target advertises ``PROOF_TAG``; a connection to it can ``seal`` a round as soon as
 its last copy is *queued*: the first copy stream waits for the others and an interprocess CUDA event
 (one per sender device, re-recorded by each seal) is recorded behind them; the proof is (pid, device,
@@ -105,10 +111,12 @@ class CudaIpcTransport:
         return base
 
     def stream(self, device: int, index: int) -> torch.cuda.Stream:
+        """Copy stream ``index`` (round robin over two) of ``device``; index -1: the stream that tracks
+        bytes stored by kernels (``submit_written``)."""
         streams = self.streams.get(device)
         if streams is None:
-            streams = self.streams[device] = [torch.cuda.Stream(device=device) for _ in range(2)]
-        return streams[index % len(streams)]
+            streams = self.streams[device] = [torch.cuda.Stream(device=device) for _ in range(3)]
+        return streams[-1] if index < 0 else streams[index % (len(streams) - 1)]
 
     def order_after_producer(self, device: int) -> None:
         """Every copy stream of ``device`` waits for the work queued so far on its current stream."""
@@ -227,6 +235,35 @@ class CudaIpcConnection:
             stream.wait_event(after)  # on the device: the transform's output is complete first
             self._waited[id(stream)] = after
         cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
+        done = self._events.pop() if self._events else torch.cuda.Event()
+        done.record(stream)
+        return self.completions.wait(done)
+
+    def address(self, dst_region: int, dst_offset: int, nbytes: int, device: torch.device) -> Optional[int]:
+        """Where ``nbytes`` at ``dst_offset`` of the target's region are, for work on ``device`` (a CUDA
+        device with peer access to the target's); None where they cannot be reached or are out of bounds."""
+        desc = self.regions.get(dst_region)
+        if self.closed or desc is None or device.type != "cuda" or dst_offset + nbytes > desc[4]:
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not cuda_rt.enable_peer_access(index, desc[1]):
+            return None
+        return self._base(dst_region, desc, index) + dst_offset
+
+    def submit_written(self, device: torch.device, dst_region: int, dst_offset: int, nbytes: int, epoch: int,
+                       after: Optional[torch.cuda.Event]) -> asyncio.Future:
+        """Bytes that device work (marked complete by ``after``) stored at ``address(...)``: counted and
+        sealed as a write; the future completes once that work has."""
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        self.sent_count += 1
+        self.sent_bytes += nbytes
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self.owner.stream(index, -1)
+        self._unsealed.add(index)
+        if after is not None and self._waited.get(id(stream)) is not after:
+            stream.wait_event(after)
+            self._waited[id(stream)] = after
         done = self._events.pop() if self._events else torch.cuda.Event()
         done.record(stream)
         return self.completions.wait(done)

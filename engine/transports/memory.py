@@ -9,6 +9,9 @@ transport, a write completes once its bytes are copied aside and lands in the ta
 ``hold`` is set, as a one-sided write whose completion precedes delivery. ``seal`` then returns a proof
 (the connection's id and its count of issued writes) that the target's ``await_proofs`` waits on;
 ``fence`` waits for delivery itself.
+
+Addressable targets (as cuda_ipc's): ``address`` gives a CPU region's host address, and
+``submit_written`` counts bytes that the sender stored there itself as one delivered write.
 """
 
 from __future__ import annotations
@@ -130,6 +133,28 @@ class MemoryConnection:
         self.sent_bytes += n
         return asyncio.ensure_future(self._copy(src, region, dst_offset, epoch, after))
 
+    def address(self, dst_region: int, dst_offset: int, nbytes: int, device: torch.device) -> Optional[int]:
+        """The host address of a CPU region's bytes, for work on the CPU; None otherwise."""
+        region = self.target.regions.get(dst_region)
+        if self.closed or region is None or region.device.type != "cpu" or device.type != "cpu":
+            return None
+        return region.data_ptr() + dst_offset if dst_offset + nbytes <= region.numel() else None
+
+    def submit_written(self, device: torch.device, dst_region: int, dst_offset: int, nbytes: int, epoch: int,
+                       after: Optional[torch.cuda.Event]) -> asyncio.Future:
+        """Bytes the sender stored at ``address(...)``: counted on both sides as one write."""
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        if self.local.fail_writes:
+            raise TransportError(self.local.fail_writes, peer=self.peer)
+        self.sent_count += 1
+        self.sent_bytes += nbytes
+        return asyncio.ensure_future(self._count_written(nbytes, epoch, after))
+
+    async def _count_written(self, nbytes: int, epoch: int, after: Optional[torch.cuda.Event]) -> None:
+        await wait_after(after)
+        await self._land(None, 0, nbytes, epoch)
+
     async def _copy(self, src: torch.Tensor, region: torch.Tensor, offset: int, epoch: int,
                     after: Optional[torch.cuda.Event]) -> None:
         await wait_after(after)
@@ -145,13 +170,15 @@ class MemoryConnection:
         await hold.wait()
         await self._land(region, offset, data, epoch)
 
-    async def _land(self, region: torch.Tensor, offset: int, data: torch.Tensor, epoch: int) -> None:
+    async def _land(self, region: Optional[torch.Tensor], offset: int, data, epoch: int) -> None:
+        """``data``: bytes to put at ``region[offset:]``, or (no region) the count of bytes already there."""
         if epoch > self.target.closed_epoch:  # a late write of a closed round is dropped, as TCP's agent does
-            if data.numel():
-                region[offset:offset + data.numel()].copy_(data)
+            nbytes = data if region is None else data.numel()
+            if region is not None and nbytes:
+                region[offset:offset + nbytes].copy_(data)
             c = self.target._counters.setdefault((self.local.rank, epoch), SourceCounters())
             c.count += 1
-            c.nbytes += data.numel()
+            c.nbytes += nbytes
         async with self._landed:
             self.delivered += 1
             self._landed.notify_all()
