@@ -142,14 +142,16 @@ SPIN_S = 0.002  # after a wait starts, yield to the loop without sleeping this l
 NAP_S = 0.0005
 
 
-async def wait_event(event: torch.cuda.Event) -> None:
-    """Poll ``event`` from the event loop: yield for the first ``SPIN_S``, then nap between polls.
+async def wait_event(event: torch.cuda.Event, spin_s: float = SPIN_S) -> None:
+    """Poll ``event`` from the event loop: yield for the first ``spin_s``, then nap between polls.
 
     asyncio's sleeps shorter than a millisecond still block in epoll for one, so a plain backoff
-    leaves the copy engines idle between short copies; yielding keeps every other task running."""
+    leaves the copy engines idle between short copies; yielding keeps every other task running.
+    ``spin_s=math.inf`` never naps (``TransportOptions.busy_poll``: the wait ends within a loop
+    iteration of the event, not up to a millisecond and an idle thread's wake-up later)."""
     start = time.perf_counter()
     while not event.query():
-        await pause(start)
+        await pause(start, spin_s)
 
 
 async def stream_done(device: torch.device) -> None:
@@ -159,19 +161,20 @@ async def stream_done(device: torch.device) -> None:
     await wait_event(event)
 
 
-async def pause(since: float) -> None:
-    """One step of a poll loop that began at ``since``: yield for ``SPIN_S``, then nap ``NAP_S``."""
-    await asyncio.sleep(0 if time.perf_counter() - since < SPIN_S else NAP_S)
+async def pause(since: float, spin_s: float = SPIN_S) -> None:
+    """One step of a poll loop that began at ``since``: yield for ``spin_s``, then nap ``NAP_S``."""
+    await asyncio.sleep(0 if time.perf_counter() - since < spin_s else NAP_S)
 
 
 class EventPoller:
     """Completions of a connection's CUDA events, polled from the loop by one task, oldest first.
     Events seen complete go back to ``recycle`` (if given) for reuse: no create/destroy per write."""
 
-    def __init__(self, recycle: Optional[Callable[[torch.cuda.Event], None]] = None) -> None:
+    def __init__(self, recycle: Optional[Callable[[torch.cuda.Event], None]] = None, spin_s: float = SPIN_S) -> None:
         self.pending: collections.deque[tuple[torch.cuda.Event, asyncio.Future]] = collections.deque()
         self.completed = 0
         self.recycle = recycle
+        self.spin_s = spin_s  # (``wait_event``)
         self._task: Optional[asyncio.Task] = None
 
     def __repr__(self) -> str:
@@ -198,7 +201,7 @@ class EventPoller:
                     self.recycle(event)
                 progress = time.perf_counter()
                 continue
-            await pause(progress)
+            await pause(progress, self.spin_s)
 
     def cancel(self) -> None:
         if self._task is not None:

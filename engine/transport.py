@@ -48,6 +48,7 @@ class TransportOptions:
     host_id: Optional[str] = None  # host identity for locality (defaults to the machine's hostname)
     device: str = "cpu"
     uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
+    busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
 
 
 @dataclasses.dataclass

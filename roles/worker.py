@@ -83,7 +83,10 @@ class Worker(AsyncResource):
 
     async def start(self) -> None:
         try:
-            self.transport = create_transport(self.options.transport, self.options.transport_options)
+            transport_options = self.options.transport_options
+            if self.options.spin:  # (its completion and proof polls keep polling too)
+                transport_options = dataclasses.replace(transport_options, busy_poll=True)
+            self.transport = create_transport(self.options.transport, transport_options)
             self.transport_info = await self.transport.start(self.rank)
             self._on_transport(self.transport)
             manifest = self._manifest()

@@ -135,6 +135,41 @@ async def test_spinning_roles_poll_only_while_a_round_runs():
         assert [s.held for s in spinners] == [2, 2, 2]  # each held once per round ...
         assert [s.holders for s in spinners] == [0, 0, 0]  # ... and let go when it ended
         assert ctl.spinner.spins > 0 and receiver.spinner.spins > 0  # (they polled while waiting)
+        assert sender.transport.options.busy_poll and receiver.transport.options.busy_poll  # device polls too
+
+
+async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch):
+    """A device completion is polled from the loop: normally it yields for a while and then naps
+    between polls; with ``busy_poll`` (``spin_s=inf``) it never naps."""
+    import math
+
+    from engine import cuda_rt
+
+    class LateEvent:  # happens at the sixth query
+        def __init__(self) -> None:
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > 5
+
+    delays = []
+    real_sleep = asyncio.sleep
+
+    async def recorded_sleep(delay):
+        delays.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(cuda_rt.asyncio, "sleep", recorded_sleep)
+    await cuda_rt.wait_event(LateEvent(), spin_s=0.0)  # past the spin at once: naps
+    assert delays == [cuda_rt.NAP_S] * 5
+    delays.clear()
+    await cuda_rt.wait_event(LateEvent(), spin_s=math.inf)
+    assert delays == [0] * 5
+    delays.clear()
+    poller = cuda_rt.EventPoller(spin_s=math.inf)
+    await asyncio.wait_for(poller.wait(LateEvent()), WATCHDOG)
+    assert delays == [0] * 5 and poller.completed == 1
 
 
 async def test_auto_hands_each_proof_to_the_transport_that_made_it():

@@ -30,6 +30,7 @@ carries the proof, so the target never sees an older record of the event.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import struct
@@ -65,6 +66,7 @@ class CudaIpcTransport:
         self.streams: dict[int, list[torch.cuda.Stream]] = {}
         self.proof_events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # device -> (event, its IPC handle)
         self.opened_events: dict[bytes, torch.cuda.Event] = {}  # target side: senders' proof events
+        self.spin_s = math.inf if options.busy_poll else cuda_rt.SPIN_S  # completion and proof polling
 
     def __repr__(self) -> str:
         return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)}>"
@@ -142,7 +144,8 @@ class CudaIpcTransport:
 
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
         """Target side: wait for each sender's proof event; sender rank -> why it is not confirmed."""
-        return await await_each_proof(proofs, timeout_s, lambda proof: cuda_rt.wait_event(self._proof_event(proof)))
+        return await await_each_proof(proofs, timeout_s,
+                                      lambda proof: cuda_rt.wait_event(self._proof_event(proof), self.spin_s))
 
     def _proof_event(self, proof: bytes) -> torch.cuda.Event:
         magic, pid, _, handle = PROOF.unpack(proof)
@@ -196,7 +199,7 @@ class CudaIpcConnection:
         self._bases: dict[tuple[int, int], int] = {}  # (region, local device) -> mapped address of its byte 0
         self._events: list[torch.cuda.Event] = []  # completion events seen complete, for reuse
         self._waited: dict[int, object] = {}  # id(copy stream) -> the last transform event it was made to wait for
-        self.completions = cuda_rt.EventPoller(self._events.append)
+        self.completions = cuda_rt.EventPoller(self._events.append, owner.spin_s)
 
     def __repr__(self) -> str:
         return f"<CudaIpcConnection to {self.peer} sent={self.sent_count}/{self.sent_bytes} bytes>"
