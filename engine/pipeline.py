@@ -179,8 +179,10 @@ class Pipeline:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
                 view = self.sources.view(t)
+                moved = self.sources.moved_bytes(t, view)  # a CPU source copied to the GPU to be quantized
                 charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0  # freed once written
-                upfront = self.sources.upfront_bytes(t, charge)  # taken now (a quantization group: all of it)
+                upfront = self.sources.upfront_bytes(t, charge) + moved  # taken now (a group: all of it)
+                charge += moved
                 if upfront:
                     await self.budget.acquire(upfront)
                 handed_over = False

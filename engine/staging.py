@@ -83,10 +83,10 @@ class SourceSet:
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] = {},
                  transforms: Mapping[str, Transform] = {}, gatherer: Optional[Gatherer] = None,
-                 group_bytes: int = GROUP_BYTES) -> None:
+                 group_bytes: int = GROUP_BYTES, quantize_on: Optional[torch.device] = None) -> None:
         self.tensors = {name: t.detach() for name, t in tensors.items()}  # same storage, no autograd
         self.shards = dict(shards)
-        self.transforms = TransformSet(transforms, group_bytes=group_bytes)
+        self.transforms = TransformSet(transforms, group_bytes=group_bytes, quantize_on=quantize_on)
         self.gatherer = gatherer
         self._table: object = None  # the last plan's table (a tuple, the same every round) ...
         self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once
@@ -185,6 +185,13 @@ class SourceSet:
         if t.transform:
             return not self.transforms.writes_directly(t)
         return not view.is_contiguous() or view.device.type not in readable
+
+    def moved_bytes(self, t: Transfer, view: torch.Tensor) -> int:
+        """Bytes of the host-to-device copy that staging ``t`` makes (``TransformSet.quantize_on``): the
+        source slice, for the row that launches its quantization; 0 for every other row."""
+        if not t.transform or not self.transforms.moves_to_device(t, view) or self.transforms.fresh_bytes(t) == 0:
+            return 0
+        return view.numel() * view.element_size()
 
     def upfront_bytes(self, t: Transfer, charge: int) -> int:
         """What staging ``t`` allocates now, of a pipeline that charges ``charge`` bytes for it until it

@@ -24,6 +24,11 @@ quantization whose outputs go to exactly one weight row and one scale row is *wr
 launch stores the FP8 weight and its scales straight into the receiver's tensors (over NVLink on
 another GPU) instead of into a buffer that is then copied, so those rows cost no copy and no memory
 (``written`` rows; ``run`` returns ``None`` with the launch's event). A group goes direct only whole.
+
+Host sources. With ``quantize_on`` (a CUDA device), a quantization of a CPU-held source (CPU offload)
+first copies the source slice to that device (in a worker thread; the side stream waits for the copy's
+event) and quantizes it there with the kernel, instead of eagerly on the CPU; the pipeline charges the
+copy to its budget (``SourceSet.moved_bytes``).
 """
 
 from __future__ import annotations
@@ -148,6 +153,15 @@ class Quantizer:
         return self.use_kernel and self.fallback is None and device.type == "cuda"
 
 
+def _copy_to_device(view: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A CPU tensor copied to ``device`` (blocking this thread), and an event after the copy."""
+    with torch.cuda.device(device):
+        moved = view.to(device)
+        copied = torch.cuda.Event()
+        copied.record()
+    return moved, copied
+
+
 def _copy_to_address(x: torch.Tensor, address: int) -> None:
     """The bytes of contiguous ``x`` to ``address`` (host memory for a CPU tensor, else memory reachable
     from ``x``'s device, queued on its current stream)."""
@@ -195,8 +209,10 @@ class TransformSet:
     BUILTIN = frozenset({"t", "cast", "fp8w", "fp8s"})
 
     def __init__(self, custom: Mapping[str, Transform] = {}, use_kernel: bool = True,
-                 group_devices: frozenset = frozenset({"cuda"}), group_bytes: int = GROUP_BYTES) -> None:
+                 group_devices: frozenset = frozenset({"cuda"}), group_bytes: int = GROUP_BYTES,
+                 quantize_on: Optional[torch.device] = None) -> None:
         self.custom = dict(custom)
+        self.quantize_on = quantize_on  # where CPU-held sources are quantized (None: on the CPU)
         self.group_devices = group_devices  # where quantizations are batched (one launch per group)
         self.group_bytes = group_bytes  # FP8 output bytes of one group (``group_bytes_for`` a budget)
         self.quantizer = Quantizer(use_kernel)
@@ -289,10 +305,11 @@ class TransformSet:
         kinds = set()
         for t in transfers:
             view = view_of(t) if "fp8" in t.transform else None
-            if view is not None and view.device.type == "cuda":  # (the input dtype: a cast's, else the source's)
+            device = None if view is None else self.quantize_on if self.moves_to_device(t, view) else view.device
+            if device is not None and device.type == "cuda":  # (the input dtype: a cast's, else the source's)
                 casts = [arg for op, arg in parse(t.transform) if op == "cast"]
                 dtype = dtype_from_name(casts[-1]) if casts else view.dtype
-                kinds.add((view.device, dtype, int(t.transform.rpartition(":")[2])))
+                kinds.add((device, dtype, int(t.transform.rpartition(":")[2])))
         for device, dtype, block in sorted(kinds, key=str):
             self.quantizer.warm(device, dtype, block)
 
@@ -336,6 +353,8 @@ class TransformSet:
         view = self._view_of(weight)
         if view is None or view.dim() != 2 or not self.quantizer.writes_to(view.device):
             return None
+        if self.moves_to_device(weight, view):
+            return None  # (quantized on another device than the source's: through a buffer)
         rows_, cols = view.shape
         if sum(op == "t" for op, _ in parse(weight.transform)) % 2:
             rows_, cols = cols, rows_
@@ -352,11 +371,27 @@ class TransformSet:
         cached = self._cached(t)
         if cached is not None:  # a quantization that already ran this round (the other output of a pair,
             return cached       # or a member of a group): no new work, its launch's event
+        if self.moves_to_device(t, view):
+            view = await self._to_device(view)
         if view.device.type == "cuda":
             return self._launch(t, view, self._side_stream(view.device))
         if view.numel() * view.element_size() > THREAD_BYTES:
             return await asyncio.to_thread(self.apply, t, view), None
         return self.apply(t, view), None
+
+    def moves_to_device(self, t: Transfer, view: torch.Tensor) -> bool:
+        """Whether row ``t``'s quantization copies its CPU source to ``quantize_on`` first."""
+        return (self.quantize_on is not None and view.device.type == "cpu" and "fp8" in t.transform
+                and t.transform not in self.custom)
+
+    async def _to_device(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` on ``quantize_on``: copied in a worker thread (a pageable source blocks the copying
+        thread), then ordered before the side stream's work by the copy's event."""
+        side = self._side_stream(self.quantize_on)
+        moved, copied = await asyncio.to_thread(_copy_to_device, view, self.quantize_on)
+        side.wait_event(copied)
+        moved.record_stream(side)  # (allocated on the copying thread's stream, used on the side stream)
+        return moved
 
     def _launch(self, t: Transfer, view: torch.Tensor, stream: torch.cuda.Stream):
         """Queue the work on the side stream, from the loop's thread (a worker thread would fight the

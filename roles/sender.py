@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from engine.errors import RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
+from engine.errors import ConfigError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
 from engine.pipeline import Pipeline, PipelineOptions, PushReport
 from engine.gather import Gatherer, split_dtensors
 from engine.staging import SourceSet, StagingPool, Transform
@@ -72,6 +72,11 @@ class PushHandle:
 class SenderOptions(WorkerOptions):
     pipeline: PipelineOptions = PipelineOptions()
     gather_budget_bytes: int = 2 << 30  # FSDP2: bytes of gathered full tensors alive at once on this rank
+    quantize_on: str = ""  # a CUDA device ("cuda:0") where CPU-held sources are quantized; "": on the CPU
+
+    def __post_init__(self) -> None:
+        if self.quantize_on and not self.quantize_on.startswith("cuda"):
+            raise ConfigError("quantize_on", f"must name a CUDA device (\"cuda:0\") or be empty, got {self.quantize_on!r}")
 
 
 class WeightSender(Worker):
@@ -89,7 +94,8 @@ class WeightSender(Worker):
         self.gathered = frozenset(dtensors)  # FSDP2 parameters: gathered per round (engine.gather)
         gatherer = Gatherer(dtensors, options.gather_budget_bytes, dtensor_shards) if dtensors else None
         self.sources = SourceSet(self.tensors, self.shards, transforms, gatherer,
-                                 group_bytes_for(options.pipeline.max_inflight_bytes))
+                                 group_bytes_for(options.pipeline.max_inflight_bytes),
+                                 torch.device(options.quantize_on) if options.quantize_on else None)
         self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool(pin=torch.cuda.is_available()))
         self.table: Optional[SenderTable] = None
         self.plan_id: Optional[int] = None

@@ -138,6 +138,36 @@ def test_fp8_kernel_writes_its_outputs_to_given_addresses(dst):
         assert torch.equal(q.cpu(), q_want.view(torch.uint8).cpu()) and torch.equal(s.cpu(), s_want.cpu())
 
 
+async def test_cpu_held_sources_are_quantized_on_the_gpu():
+    """CPU-offloaded trainer weights with ``quantize_on``: each source slice is copied to the GPU and
+    quantized there by the kernel (not eagerly on the CPU), within the FP8 bound at the receiver."""
+    from engine.layouts import FP8Policy, allocate, receiver_layout
+    from engine.tensors import dtype_name
+    from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
+    from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+    src = {k: v.to(torch.bfloat16) for k, v in qwen2_state().items()}  # on the CPU
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    layout = receiver_layout(shapes, "qwen2", fp8=FP8Policy())
+    dst = "cuda:1" if TWO_GPUS else "cuda:0"
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, mapping="qwen2")
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        sender = WeightSender(ctl.address, src, rank=0,
+                              options=SenderOptions(transport="cuda_ipc", quantize_on="cuda:0"))
+        receiver = WeightReceiver(ctl.address, allocate(layout, dst)[0], rank=0,
+                                  options=ReceiverOptions(transport="cuda_ipc"))
+        async with sender, receiver:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            await asyncio.wait_for(await sender.push(1), WATCHDOG)
+            await asyncio.wait_for(receiver.wait_for(1), WATCHDOG)
+            state = {k: v.cpu() for k, v in receiver.state_dict().items()}
+            assert check_fp8_receiver(state, lambda n: expected_qwen2(src, n))
+            quantizer = sender.sources.transforms.quantizer
+            assert quantizer.fallback is None and quantizer.launches > 0  # the kernel ran: on the GPU
+            assert all(v.device.type == "cpu" for v in sender.tensors.values())
+            assert sender.pipeline.budget.in_use == 0  # the copies to the GPU were charged and given back
+
+
 @pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):

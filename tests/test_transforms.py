@@ -238,6 +238,14 @@ async def test_a_quantization_two_receivers_want_is_buffered_with_its_whole_grou
     assert all(torch.equal(states[0][n].view(torch.uint8), states[1][n].view(torch.uint8)) for n in states[0])
 
 
+def test_quantize_on_must_name_a_cuda_device():
+    from roles import SenderOptions
+
+    with pytest.raises(ConfigError, match="quantize_on"):
+        SenderOptions(quantize_on="cpu")
+    assert SenderOptions(quantize_on="cuda:1").quantize_on == "cuda:1"
+
+
 def test_layout_tp_rules_and_refusals():
     shapes = {"wte.weight": ("float32", (11, 4)), "h.0.mlp.c_fc.weight": ("float32", (4, 6)),
               "h.0.mlp.c_proj.weight": ("float32", (6, 4)), "ln_f.weight": ("float32", (4,))}

@@ -197,9 +197,10 @@ class CudaIpcConnection:
         self._issued = 0
         self._ordered: dict[int, int] = {}  # device -> the round (epoch) whose producer work we are after
         self._bases: dict[tuple[int, int], int] = {}  # (region, local device) -> mapped address of its byte 0
-        self._events: list[torch.cuda.Event] = []  # completion events seen complete, for reuse
+        self._events: dict[int, list[torch.cuda.Event]] = {}  # device -> its completion events seen complete
+        self._event_device: dict[int, int] = {}  # id(completion event) -> the device it belongs to
         self._waited: dict[int, object] = {}  # id(copy stream) -> the last transform event it was made to wait for
-        self.completions = cuda_rt.EventPoller(self._events.append, owner.spin_s)
+        self.completions = cuda_rt.EventPoller(self._recycle, owner.spin_s)
 
     def __repr__(self) -> str:
         return f"<CudaIpcConnection to {self.peer} sent={self.sent_count}/{self.sent_bytes} bytes>"
@@ -238,9 +239,7 @@ class CudaIpcConnection:
             stream.wait_event(after)  # on the device: the transform's output is complete first
             self._waited[id(stream)] = after
         cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
-        done = self._events.pop() if self._events else torch.cuda.Event()
-        done.record(stream)
-        return self.completions.wait(done)
+        return self._completion(device, stream)
 
     def address(self, dst_region: int, dst_offset: int, nbytes: int, device: torch.device) -> Optional[int]:
         """Where ``nbytes`` at ``dst_offset`` of the target's region are, for work on ``device`` (a CUDA
@@ -267,9 +266,22 @@ class CudaIpcConnection:
         if after is not None and self._waited.get(id(stream)) is not after:
             stream.wait_event(after)
             self._waited[id(stream)] = after
-        done = self._events.pop() if self._events else torch.cuda.Event()
+        return self._completion(index, stream)
+
+    def _completion(self, device: int, stream: torch.cuda.Stream) -> asyncio.Future:
+        """A future for the work queued so far on ``stream`` (an event of ``device``: events are bound to
+        the device they were first recorded on, so the pool keeps them per device)."""
+        pool = self._events.get(device)
+        if pool:
+            done = pool.pop()
+        else:
+            done = torch.cuda.Event()
+            self._event_device[id(done)] = device  # (pooled events live as long as the connection)
         done.record(stream)
         return self.completions.wait(done)
+
+    def _recycle(self, event: torch.cuda.Event) -> None:
+        self._events.setdefault(self._event_device[id(event)], []).append(event)
 
     def _base(self, region: int, desc: tuple, device: int) -> int:
         base = self._bases.get((region, device))
