@@ -2,7 +2,7 @@
 
 How this works. ``quantize_many(xs, block)`` takes 2-D tensors of one float dtype on one GPU, any
 strides (a transposed or TP-sliced view is read in place), and returns ``(fp8, scale_inv)`` per tensor,
-exactly the layout of ``engine.transforms.quantize_blocks``; a ``Batch`` does the same for a list
+exactly the layout of ``engine.fp8.quantize_blocks``; a ``Batch`` does the same for a list
 quantized every round (a plan's group), with everything but the launch made once. Tensors are
 launched in classes (inner dimension contiguous or not; every row start 16-element aligned or not:
 the kernel is specialised for each, so the common case loads and stores whole vectors). A launch
@@ -67,8 +67,8 @@ def _quantize_blocks_kernel(table, n, src, out, scales, BLOCK: tl.constexpr, MAX
     else:
         at = r[:, None] * row_stride + c[None, :] * col_stride
     x = tl.load(src + src_at + at, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12)  # transforms.MIN_AMAX
-    scale_inv = amax / 448.0  # transforms.FP8_MAX
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12)  # fp8.MIN_AMAX
+    scale_inv = amax / 448.0  # fp8.FP8_MAX
     q = x * (1.0 / scale_inv)
     tl.store(out + out_at + r[:, None] * cols + c[None, :], q.to(tl.float8e4nv), mask=mask)
     tl.store(scales + scale_at + blk, scale_inv)
