@@ -32,7 +32,7 @@ THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off t
 class Staged:
     """A ready-to-write source: ``tensor`` is contiguous; ``buffer`` is the pool's, to give back after."""
 
-    tensor: torch.Tensor
+    tensor: Optional[torch.Tensor]  # None when ``written``
     buffer: Optional[torch.Tensor] = None
     checksum: Optional[int] = None
     charge: int = 0  # bytes of the pipeline's budget this holds until written
