@@ -131,6 +131,11 @@ def enable_peer_access(device: int, peer: int) -> bool:
     return True
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
     """A pointer-to-pointer copy (any direction, peers included) queued on ``stream``."""
     with on_device(stream.device.index):

@@ -356,7 +356,9 @@ class TransformSet:
         return mine
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        from . import cuda_rt
+
+        index = cuda_rt.device_index(device)
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = torch.cuda.Stream(device=index)

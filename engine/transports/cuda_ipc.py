@@ -235,9 +235,7 @@ class CudaIpcConnection:
         stream = self.owner.stream(device, self._issued)
         self._issued += 1
         self._unsealed.add(device)
-        if after is not None and self._waited.get(id(stream)) is not after:  # (a group's rows share one)
-            stream.wait_event(after)  # on the device: the transform's output is complete first
-            self._waited[id(stream)] = after
+        self._wait_for(stream, after)
         cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
         return self._completion(device, stream)
 
@@ -247,7 +245,7 @@ class CudaIpcConnection:
         desc = self.regions.get(dst_region)
         if self.closed or desc is None or device.type != "cuda" or dst_offset + nbytes > desc[4]:
             return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = cuda_rt.device_index(device)
         if not cuda_rt.enable_peer_access(index, desc[1]):
             return None
         return self._base(dst_region, desc, index) + dst_offset
@@ -260,13 +258,18 @@ class CudaIpcConnection:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         self.sent_count += 1
         self.sent_bytes += nbytes
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = cuda_rt.device_index(device)
         stream = self.owner.stream(index, -1)
         self._unsealed.add(index)
+        self._wait_for(stream, after)
+        return self._completion(index, stream)
+
+    def _wait_for(self, stream: torch.cuda.Stream, after: Optional[torch.cuda.Event]) -> None:
+        """``stream`` waits on the device for ``after`` (a transform's or kernel's event), once per event
+        per stream (a group's rows share one)."""
         if after is not None and self._waited.get(id(stream)) is not after:
             stream.wait_event(after)
             self._waited[id(stream)] = after
-        return self._completion(index, stream)
 
     def _completion(self, device: int, stream: torch.cuda.Stream) -> asyncio.Future:
         """A future for the work queued so far on ``stream`` (an event of ``device``: events are bound to

@@ -120,10 +120,7 @@ class MemoryConnection:
     def submit(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                after: Optional[torch.cuda.Event] = None) -> asyncio.Future:
         """Check and count the write now (a seal covers it from here); copy in a task."""
-        if self.closed:
-            raise ConnectionClosed("write on a closed connection", peer=self.peer)
-        if self.local.fail_writes:
-            raise TransportError(self.local.fail_writes, peer=self.peer)
+        self._check_writable()
         region = self.target.regions.get(dst_region)
         n = src.numel() * src.element_size()
         if region is None or dst_offset + n > region.numel():
@@ -132,6 +129,12 @@ class MemoryConnection:
         self.sent_count += 1
         self.sent_bytes += n
         return asyncio.ensure_future(self._copy(src, region, dst_offset, epoch, after))
+
+    def _check_writable(self) -> None:
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        if self.local.fail_writes:
+            raise TransportError(self.local.fail_writes, peer=self.peer)
 
     def address(self, dst_region: int, dst_offset: int, nbytes: int, device: torch.device) -> Optional[int]:
         """The host address of a CPU region's bytes, for work on the CPU; None otherwise."""
@@ -143,10 +146,7 @@ class MemoryConnection:
     def submit_written(self, device: torch.device, dst_region: int, dst_offset: int, nbytes: int, epoch: int,
                        after: Optional[torch.cuda.Event]) -> asyncio.Future:
         """Bytes the sender stored at ``address(...)``: counted on both sides as one write."""
-        if self.closed:
-            raise ConnectionClosed("write on a closed connection", peer=self.peer)
-        if self.local.fail_writes:
-            raise TransportError(self.local.fail_writes, peer=self.peer)
+        self._check_writable()
         self.sent_count += 1
         self.sent_bytes += nbytes
         return asyncio.ensure_future(self._count_written(nbytes, epoch, after))
