@@ -85,9 +85,10 @@ def per_tensor_copy_seconds(rounds: int) -> list[float]:
     return _timed(copy_all, rounds)
 
 
-def pointer_copy_seconds(rounds: int, streams: int = 2) -> list[float]:
+def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1) -> list[float]:
     """The same tensors as raw pointer copies issued from GPU 0 on ``streams`` streams, round robin:
-    the copy pattern of the engine's cuda_ipc writes, without the engine (its floor)."""
+    one call per tensor, or (``batch`` > 1) ``batch`` tensors per ``cudaMemcpyBatchAsync`` call, a
+    stream per call: the copy patterns of the engine's cuda_ipc writes without the engine (floors)."""
     from engine import cuda_rt
 
     src = make_state("cuda:0")
@@ -95,10 +96,11 @@ def pointer_copy_seconds(rounds: int, streams: int = 2) -> list[float]:
     cuda_rt.enable_peer_access(0, 1)
     pool = [torch.cuda.Stream(device=0) for _ in range(streams)]
     pairs = [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
+    calls = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
 
     def copy_all():
-        for i, (d, s, n) in enumerate(pairs):
-            cuda_rt.memcpy_async(d, s, n, pool[i % streams])
+        for i, copies in enumerate(calls):
+            cuda_rt.memcpy_batch_async(copies, pool[i % streams], 0, 1)
     return _timed(copy_all, rounds)
 
 
@@ -222,8 +224,7 @@ def fp8_check(state: dict, want: dict) -> bool:
 
 
 def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "",
-                   budget_mib: int = 0, trace: str = "", spin: bool = False) -> None:
-    from engine.pipeline import PipelineOptions
+                   pipeline=None, trace: str = "", spin: bool = False) -> None:
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
 
@@ -232,8 +233,8 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
     state = make_state("cuda:0")
     opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp),
                          spin=spin)
-    if budget_mib:
-        opts = dataclasses.replace(opts, pipeline=PipelineOptions(max_inflight_bytes=budget_mib << 20))
+    if pipeline is not None:
+        opts = dataclasses.replace(opts, pipeline=pipeline)
 
     async def main():
         async with WeightSender(addr, state, rank=0, options=opts) as sender:
@@ -298,7 +299,7 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
 
 
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
-                        profile: str = "", budget_mib: int = 0, trace: str = "",
+                        profile: str = "", pipeline=None, trace: str = "",
                         spin: bool = False) -> tuple[list, bool, list, list, float]:
     from roles import Controller, ControllerOptions
     from roles.timeline import merge
@@ -310,7 +311,7 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
         procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile,
-                                                          budget_mib, trace, spin)),
+                                                          pipeline, trace, spin)),
                  ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8, spin))]
         for p in procs:
             p.start()
@@ -336,12 +337,22 @@ def _median_timeline(timelines: list) -> list[tuple[str, float]]:
     return sorted(((event, statistics.median(v)) for event, v in at.items()), key=lambda x: x[1])
 
 
+def _pipeline(args):
+    """The senders' PipelineOptions from the command line (None: the library's defaults)."""
+    from engine.pipeline import PipelineOptions
+
+    if not args.budget_mib and not args.batch and not args.depth:
+        return None
+    return PipelineOptions(max_inflight_bytes=(args.budget_mib or 512) << 20, batch=args.batch or None,
+                           depth=args.depth or None)
+
+
 def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False) -> None:
     try:
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
         trace = f"{args.trace}/sender_{label.replace(' ', '_')}.json" if args.trace else ""
         reports, ok, pipeline_s, timelines, written = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8,
-                                                                       profile, args.budget_mib, trace, args.spin))
+                                                                       profile, _pipeline(args), trace, args.spin))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -365,8 +376,15 @@ def _baseline_rows(rows: dict, nbytes: int, args) -> float:
         return bound
     rows["peer copy per tensor, one stream"] = {
         "seconds": statistics.median(_released(per_tensor_copy_seconds(args.rounds))), "ok": True}
-    rows["pointer copies per tensor, 2 streams (engine floor)"] = {
+    rows["pointer copies per tensor, 2 streams"] = {
         "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds))), "ok": True}
+    from engine import cuda_rt
+    from engine.transports.cuda_ipc import CudaIpcConnection
+
+    batch = args.batch or CudaIpcConnection.batch
+    if cuda_rt.batch_copies() and batch > 1:
+        rows[f"pointer copies, {batch} per batch call, 2 streams (engine floor)"] = {
+            "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds, batch=batch))), "ok": True}
     nccl, nccl_ok = nccl_baselines(args.rounds)
     for name, times in nccl.items():
         rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}
@@ -420,6 +438,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-mib", type=int, default=0,
                     help="the senders' max_inflight_bytes in MiB (default: the library's, 512)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="rows per batch of copies (PipelineOptions.batch; default: the transport's own)")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="writes in flight per connection (PipelineOptions.depth; default: the transport's own)")
     ap.add_argument("--profile", default="", help="a folder: cProfile each engine sender, top functions there")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler Chrome trace of each engine sender")
     ap.add_argument("--bound-only", action="store_true", help="diagnostics: measure the bound but not the peers")

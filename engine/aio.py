@@ -92,6 +92,16 @@ class Channel(Generic[T]):
                 continue
             return item
 
+    def receive_nowait(self) -> Optional[T]:
+        """The next item if one is queued now, else None (closed or not); raises if the channel is broken."""
+        if self._error is not None:
+            raise self._error
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is not _WAKE:
+                return item
+        return None
+
     def close(self) -> None:
         self._closed = True
         self._wake()

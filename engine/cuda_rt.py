@@ -15,7 +15,7 @@ import collections
 import ctypes
 import functools
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -141,6 +141,63 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> 
     with on_device(stream.device.index):
         _check(_lib().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes, CUDA_MEMCPY_DEFAULT,
                                       ctypes.c_void_p(stream.cuda_stream)), "cudaMemcpyAsync")
+
+
+MEMCPY_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources are read in stream order
+MEM_LOCATION_TYPE_DEVICE = 1
+ERROR_REQUIRES_NEWER_DRIVER = 36
+ERROR_NOT_SUPPORTED = 801
+_batch_refused = False  # the driver turned cudaMemcpyBatchAsync down once: copy one by one from then on
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", _MemLocation),
+                ("dst_loc_hint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_version() -> int:
+    """The CUDA runtime's version, e.g. 12090 for 12.9."""
+    version = ctypes.c_int(0)
+    _check(_lib().cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
+    return version.value
+
+
+def batch_copies() -> bool:
+    """Whether ``memcpy_batch_async`` makes one runtime call for many copies (CUDA 12.8 and later)."""
+    return not _batch_refused and runtime_version() >= 12080 and hasattr(_lib(), "cudaMemcpyBatchAsync")
+
+
+def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: torch.cuda.Stream,
+                       src_device: int, dst_device: int) -> None:
+    """Pointer copies ``(dst, src, nbytes)`` from ``src_device``'s memory to ``dst_device``'s, queued on
+    ``stream`` in order, in one ``cudaMemcpyBatchAsync`` (the driver schedules the whole list: measured
+    0.45 ms faster than one call per tensor for a 7B model's 339 tensors, docs/TRANSPORTS.md); one
+    ``cudaMemcpyAsync`` each where the runtime or driver lacks it."""
+    global _batch_refused
+    count = len(copies)
+    if count > 1 and batch_copies():
+        dsts = (ctypes.c_void_p * count)(*(c[0] for c in copies))
+        srcs = (ctypes.c_void_p * count)(*(c[1] for c in copies))
+        sizes = (ctypes.c_size_t * count)(*(c[2] for c in copies))
+        attrs = _MemcpyAttributes(MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLocation(MEM_LOCATION_TYPE_DEVICE, src_device),
+                                  _MemLocation(MEM_LOCATION_TYPE_DEVICE, dst_device), 0)
+        first = (ctypes.c_size_t * 1)(0)
+        tail: tuple = () if runtime_version() >= 13000 else (ctypes.byref(ctypes.c_size_t(0)),)  # failIdx until 13
+        with on_device(stream.device.index):
+            code = _lib().cudaMemcpyBatchAsync(dsts, srcs, sizes, ctypes.c_size_t(count), ctypes.byref(attrs), first,
+                                               ctypes.c_size_t(1), *tail, ctypes.c_void_p(stream.cuda_stream))
+        if code not in (ERROR_REQUIRES_NEWER_DRIVER, ERROR_NOT_SUPPORTED):
+            _check(code, "cudaMemcpyBatchAsync")
+            return
+        _lib().cudaGetLastError()
+        _batch_refused = True
+    for dst, src, nbytes in copies:
+        memcpy_async(dst, src, nbytes, stream)
 
 
 SPIN_S = 0.002  # after a wait starts, yield to the loop without sleeping this long (epoll sleeps >= 1 ms)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.aio import ByteBudget, Channel, ChannelClosed, run_all
-from engine.errors import ConfigError, ConnectionClosed, StagingError, TransportError
+from engine.errors import ConfigError, ConnectionClosed, RegistrationError, StagingError, TransportError
 from engine.pipeline import Pipeline, PipelineOptions
 from engine.registry import Deregister, Register, RegistrationCache
 from engine.staging import SourceSet, StagingPool
@@ -69,6 +69,22 @@ async def test_channel_close_drains_then_ends_and_fail_breaks_both_ends():
         await broken.receive()
     with pytest.raises(ValueError):
         await broken.send(1)
+
+
+async def test_channel_receive_nowait_takes_only_what_is_queued():
+    ch: Channel = Channel(3)
+    assert ch.receive_nowait() is None
+    await ch.send(1)
+    await ch.send(2)
+    assert [ch.receive_nowait(), ch.receive_nowait(), ch.receive_nowait()] == [1, 2, None]
+    ch.close()  # (queues a wake-up marker: never handed out as an item)
+    assert ch.receive_nowait() is None
+    with pytest.raises(ChannelClosed):
+        await ch.receive()
+    broken: Channel = Channel(1)
+    broken.fail(ValueError("boom"))
+    with pytest.raises(ValueError):
+        broken.receive_nowait()
 
 
 async def test_run_all_cancels_siblings_on_first_error():
@@ -185,6 +201,26 @@ async def test_writes_land_bit_exact_and_counted_per_epoch(pair):
     assert torch.equal(region[100:1100], data)
     c = dst.counters(7)[0]
     assert (c.count, c.nbytes) == (3, 1000) and dst.counters(8) == {}
+
+
+async def test_submit_many_lands_rows_in_order_and_checks_them_all_first():
+    src, dst = create_transport("memory"), create_transport("memory")
+    info = await dst.start(1)
+    await src.start(0)
+    region = torch.zeros(256, dtype=torch.uint8)
+    conn = await src.connect(PeerInfo(1, info, (dst.register(0, region),)))
+    rows = [torch.full((n,), n, dtype=torch.uint8) for n in (10, 20, 30)]
+    with pytest.raises(RegistrationError, match=r"region 0\+240"):  # the last row does not fit: none is queued
+        conn.submit_many([(rows[0], 0, 0, None), (rows[1], 0, 10, None), (rows[2], 0, 240, None)], 5)
+    assert conn.sent_count == 0
+    ops = conn.submit_many([(r, 0, off, None) for r, off in zip(rows, (0, 10, 30))], 5)
+    await asyncio.wait_for(asyncio.gather(*ops), WATCHDOG)
+    await conn.fence()
+    assert torch.equal(region[:60], torch.cat(rows)) and int(region[60:].sum()) == 0
+    assert (dst.counters(5)[0].count, dst.counters(5)[0].nbytes, conn.sent_count) == (3, 60, 3)
+    await conn.close()
+    await src.close()
+    await dst.close()
 
 
 async def test_late_writes_of_closed_rounds_are_dropped(pair):
@@ -366,9 +402,61 @@ async def test_pipeline_drives_submitting_connections_at_their_depth(fail):
     assert pipe.budget.in_use == 0  # every completion (and the failed one) gave its staging bytes back
 
 
+class BatchingConnection(SubmittingConnection):
+    """Takes rows ``submit_many`` at a time: records each call's size; a call completes as one."""
+
+    depth = 4
+    batch = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def submit_many(self, rows, epoch) -> list:
+        self.calls.append(len(rows))
+        futs = [self.submit(src, region, offset, epoch, after) for src, region, offset, after in rows]
+        return [futs[-1]] * len(rows)  # one completion for the batch, as cuda_ipc's
+
+    def submit(self, src, dst_region, dst_offset, epoch, after=None) -> asyncio.Future:
+        if not self.calls:
+            raise AssertionError("the pipeline drives a batching connection through submit_many")
+        return super().submit(src, dst_region, dst_offset, epoch, after)
+
+
+@pytest.mark.parametrize("batch", [None, 1, 8])
+async def test_pipeline_hands_batching_connections_the_rows_staged_meanwhile(batch):
+    sources = SourceSet({f"p0_{k}": torch.full((64,), k, dtype=torch.uint8) for k in range(11)})  # views
+    conn = BatchingConnection()
+    pipe = Pipeline(sources, PipelineOptions(batch=batch))
+    report = await asyncio.wait_for(pipe.run(_table(1, 11, 64), {0: conn}, epoch=1), WATCHDOG)
+    limit = batch or conn.batch
+    assert sum(conn.calls) == 11 and max(conn.calls) <= limit and (max(conn.calls) > 1) == (limit > 1)
+    assert conn.calls[0] == 1  # the first row goes at once, not when the channel is full
+    assert [o for o, _ in conn.queued] == [k * 64 for k in range(11)]  # lane order kept across batches
+    assert conn.most_queued <= conn.depth + limit - 1  # a batch may overshoot depth until it completes
+    assert (report.lanes[0].count, report.nbytes, conn.fenced) == (11, 11 * 64, 1) and pipe.budget.in_use == 0
+
+
+async def test_pipeline_gives_back_a_batch_that_cannot_be_queued():
+    sources = SourceSet({f"p0_{k}": torch.zeros(8, 8, dtype=torch.uint8).t() for k in range(6)})  # staged copies
+    src, dst = create_transport("memory"), create_transport("memory")
+    info = await dst.start(1)
+    await src.start(0)
+    conn = await src.connect(PeerInfo(1, info, (dst.register(0, torch.zeros(4 * 64, dtype=torch.uint8)),)))
+    pipe = Pipeline(sources, PipelineOptions(max_inflight_bytes=1 << 20))
+    with pytest.raises(RegistrationError, match="out of bounds"):  # rows 4 and 5 lie past the region
+        await asyncio.wait_for(pipe.run(_table(1, 6, 64), {0: conn}, epoch=1), WATCHDOG)
+    assert pipe.budget.in_use == 0 and conn.sent_count < 6  # the refused batch holds nothing
+    await conn.close()
+    await src.close()
+    await dst.close()
+
+
 async def test_pipeline_options_are_validated():
     with pytest.raises(ConfigError, match="depth"):
         PipelineOptions(depth=0)
+    with pytest.raises(ConfigError, match="batch"):
+        PipelineOptions(batch=0)
     with pytest.raises(ConfigError, match="checksum"):
         PipelineOptions(checksum="md5")
     with pytest.raises(ConfigError, match="no connection"):

@@ -81,6 +81,39 @@ async def test_ipc_write_in_process_and_out_of_bounds():
     await tgt.close()
 
 
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+@pytest.mark.parametrize("one_call", [True, False], ids=["cudaMemcpyBatchAsync", "one-by-one"])
+async def test_ipc_batch_of_rows_lands_bit_exact(monkeypatch, one_call):
+    from engine import cuda_rt
+    from wire import PeerInfo
+
+    if one_call and not cuda_rt.batch_copies():
+        pytest.skip(f"CUDA runtime {cuda_rt.runtime_version()} has no cudaMemcpyBatchAsync")
+    monkeypatch.setattr(cuda_rt, "_batch_refused", not one_call)
+    tgt, src = create_transport("cuda_ipc", TransportOptions(device="cuda:1")), create_transport("cuda_ipc")
+    info = await tgt.start(1)
+    await src.start(0)
+    region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:1")
+    conn = await src.connect(PeerInfo(1, info, (tgt.register(0, region),)))
+    gen = torch.Generator(device="cuda:0").manual_seed(3)
+    sizes, offsets, at = (1, 7, 4096, 0, 300_001, 513), [], 3
+    for n in sizes:  # odd sizes at odd offsets, a zero-byte row among them
+        offsets.append(at)
+        at += n + 5
+    rows = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0", generator=gen) for n in sizes]
+    with pytest.raises(Exception, match="out of bounds"):  # checked before anything is queued
+        conn.submit_many([(rows[0], 0, 0, None), (rows[1], 0, (1 << 20) - 3, None)], 1)
+    assert conn.sent_count == 0
+    ops = conn.submit_many([(r, 0, off, None) for r, off in zip(rows, offsets)], 1)
+    await asyncio.wait_for(asyncio.gather(*ops), WATCHDOG)
+    got = region.cpu()
+    assert all(torch.equal(got[off:off + r.numel()], r.cpu()) for r, off in zip(rows, offsets))
+    assert int(got[:3].sum()) == 0 and (conn.sent_count, conn.sent_bytes) == (len(rows), sum(sizes))
+    await conn.close()
+    await src.close()
+    await tgt.close()
+
+
 def test_fp8_quantization_on_gpu_within_the_reference_bound():
     from engine.transforms import quantize_blocks, within_fp8_bound
 

@@ -34,7 +34,7 @@ import math
 import os
 import socket
 import struct
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -48,6 +48,7 @@ DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block,
 PROOF = struct.Struct("<4sII64s")  # PROOF_MAGIC, pid, device, interprocess event handle
 PROOF_MAGIC = b"cipc"
 PROOF_TAG = b"proofs:ipc_event"  # in a target's TransportInfo.data: it checks delivery proofs
+Row = tuple[torch.Tensor, int, int, Optional[torch.cuda.Event]]  # source, region, offset, after (``submit_many``)
 _OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # handle -> our own proof events (CUDA will not reopen them here)
 
 
@@ -184,6 +185,7 @@ class CudaIpcTransport:
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
+    batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
 
     def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str, proofs: bool = False) -> None:
         self.owner = owner
@@ -215,12 +217,7 @@ class CudaIpcConnection:
         pipeline drives many writes this way without a task each)."""
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
-        desc = self.regions.get(dst_region)
-        nbytes = src.numel() * src.element_size()
-        if desc is None or dst_offset + nbytes > desc[4]:
-            size = "missing" if desc is None else f"{desc[4]} bytes"
-            raise RegistrationError(f"write of {nbytes} bytes at region {dst_region}+{dst_offset} is out of bounds "
-                                    f"(region {size})", peer=self.peer)
+        desc, nbytes = self._bounds(src, dst_region, dst_offset)
         self.sent_count += 1
         self.sent_bytes += nbytes
         if not nbytes:
@@ -229,15 +226,56 @@ class CudaIpcConnection:
             return done
         device = src.device.index if src.device.type == "cuda" else desc[1]
         dst = self._base(dst_region, desc, device) + dst_offset
-        if src.device.type == "cuda" and self._ordered.get(device) != epoch:
-            self.owner.order_after_producer(device)  # once per round: the weights are final by then
-            self._ordered[device] = epoch
+        if src.device.type == "cuda":
+            self._after_producer(device, epoch)
         stream = self.owner.stream(device, self._issued)
         self._issued += 1
         self._unsealed.add(device)
         self._wait_for(stream, after)
         cuda_rt.memcpy_async(dst, src.data_ptr(), nbytes, stream)
         return self._completion(device, stream)
+
+    def submit_many(self, rows: Sequence[Row], epoch: int) -> list[asyncio.Future]:
+        """``submit`` for many rows at once, a future per row: rows of one GPU's memory go as one batch
+        of copies (``cuda_rt.memcpy_batch_async``) on one copy stream, behind each row's ``after``, with
+        one completion for all of them; anything else (host sources, a mix of devices) row by row.
+        Every row is checked before any is queued: a bad one queues none."""
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        checked = [self._bounds(src, region, offset) for src, region, offset, _ in rows]
+        devices = {src.device.index if src.device.type == "cuda" else None for src, *_ in rows}
+        if len(rows) < 2 or len(devices) != 1 or None in devices:
+            return [self.submit(src, region, offset, epoch, after) for src, region, offset, after in rows]
+        device = devices.pop()
+        self._after_producer(device, epoch)
+        stream = self.owner.stream(device, self._issued)
+        self._issued += 1
+        self._unsealed.add(device)
+        for *_, after in rows:
+            self._wait_for(stream, after)
+        copies = [(self._base(region, desc, device) + offset, src.data_ptr(), nbytes)
+                  for (src, region, offset, _), (desc, nbytes) in zip(rows, checked) if nbytes]
+        cuda_rt.memcpy_batch_async(copies, stream, device, checked[0][0][1])
+        self.sent_count += len(rows)
+        self.sent_bytes += sum(nbytes for _, nbytes in checked)
+        return [self._completion(device, stream)] * len(rows)
+
+    def _bounds(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> tuple[tuple, int]:
+        """(the target region's descriptor, byte count) of a write of ``src`` at region+offset; raises
+        ``RegistrationError`` where it does not fit."""
+        desc = self.regions.get(dst_region)
+        nbytes = src.numel() * src.element_size()
+        if desc is None or dst_offset + nbytes > desc[4]:
+            size = "missing" if desc is None else f"{desc[4]} bytes"
+            raise RegistrationError(f"write of {nbytes} bytes at region {dst_region}+{dst_offset} is out of bounds "
+                                    f"(region {size})", peer=self.peer)
+        return desc, nbytes
+
+    def _after_producer(self, device: int, epoch: int) -> None:
+        """Copy streams follow the producer's stream, once per round: the weights are final by then."""
+        if self._ordered.get(device) != epoch:
+            self.owner.order_after_producer(device)
+            self._ordered[device] = epoch
 
     def address(self, dst_region: int, dst_offset: int, nbytes: int, device: torch.device) -> Optional[int]:
         """Where ``nbytes`` at ``dst_offset`` of the target's region are, for work on ``device`` (a CUDA

@@ -101,6 +101,7 @@ def _landed(proof: bytes):
 
 class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
+    batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 
     def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str, proofs: bool = False) -> None:
         self.local, self.target, self.peer = local, target, peer
@@ -121,14 +122,34 @@ class MemoryConnection:
                after: Optional[torch.cuda.Event] = None) -> asyncio.Future:
         """Check and count the write now (a seal covers it from here); copy in a task."""
         self._check_writable()
+        region = self._target(src, dst_region, dst_offset)
+        self.sent_count += 1
+        self.sent_bytes += src.numel() * src.element_size()
+        return asyncio.ensure_future(self._copy(src, region, dst_offset, epoch, after))
+
+    def submit_many(self, rows, epoch: int) -> list[asyncio.Future]:
+        """``submit`` for many rows (source, region, offset, after), as cuda_ipc's: every row checked
+        before any is counted, then copied in order by one task whose future stands for them all."""
+        self._check_writable()
+        targets = [self._target(src, region, offset) for src, region, offset, _ in rows]
+        self.sent_count += len(rows)
+        self.sent_bytes += sum(src.numel() * src.element_size() for src, *_ in rows)
+        done = asyncio.ensure_future(self._copy_all([(src, target, offset, after) for (src, _, offset, after), target
+                                                     in zip(rows, targets)], epoch))
+        return [done] * len(rows)
+
+    async def _copy_all(self, rows: list, epoch: int) -> None:
+        for src, region, offset, after in rows:
+            await self._copy(src, region, offset, epoch, after)
+
+    def _target(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> torch.Tensor:
+        """The target's region a write of ``src`` at region+offset goes to; raises where it does not fit."""
         region = self.target.regions.get(dst_region)
         n = src.numel() * src.element_size()
         if region is None or dst_offset + n > region.numel():
             raise RegistrationError(f"write of {n} bytes at region {dst_region}+{dst_offset} is out of bounds",
                                     peer=self.peer)
-        self.sent_count += 1
-        self.sent_bytes += n
-        return asyncio.ensure_future(self._copy(src, region, dst_offset, epoch, after))
+        return region
 
     def _check_writable(self) -> None:
         if self.closed:
