@@ -37,13 +37,14 @@ fi
 if [ "$part" = all ]; then
 timeout 300 python3 bench/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
+timeout 200 python3 bench/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
 fi
 if [ "$part" != tests ]; then
 timeout 540 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --fp8 --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
 echo "transfer_gpu exit: $?" >> "$out/transfer_gpu.txt"
 fi
 # one log (the device returns at most 8 files): every text output, in order
-for f in env topo uccl_api gpu_tests ipc_direction transfer_gpu pipeline_depth; do
+for f in env topo uccl_api gpu_tests ipc_direction copy_batches transfer_gpu pipeline_depth; do
   echo "===== $f"; cat "$out/$f.txt" 2>/dev/null; rm -f "$out/$f.txt"
 done > "$out/suite.log"
 grep -E "passed|failed|GB/s|exit" "$out/suite.log" | tail -n 40

@@ -1,8 +1,9 @@
 """A small ctypes binding to the CUDA runtime that torch has already loaded, and event polling.
 
 How this works: torch does not expose opening an IPC handle in a chosen device's context, nor a raw
-pointer-to-pointer async copy, and both decide how fast a same-host push is (see docs/TRANSPORTS.md,
-"CUDA IPC: push or pull"). So this module finds the ``libcudart`` mapped into the process after torch
+pointer-to-pointer async copy (one, or many in one ``cudaMemcpyBatchAsync`` where the runtime has it),
+and these decide how fast a same-host push is (see docs/TRANSPORTS.md, "Push or pull" and "Batches of
+copies"). So this module finds the ``libcudart`` mapped into the process after torch
 initialised CUDA (``/proc/self/maps``), binds the handful of calls needed, and raises
 ``TransportError`` with CUDA's own error string on failure. ``wait_event`` polls a CUDA event from the
 event loop, never blocking it.

@@ -4,7 +4,10 @@ How this works: a sender's routing table is split into one lane per receiver, ke
 inside each lane. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
 stager prepares sources (views or staging copies, optional checksums) and the writer issues
 one-sided writes (ordered after the source's transform event, if any) and waits for their completion,
-then fences the connection. ``depth`` is the connection's own unless the options name one. All lanes share one
+then fences the connection. ``depth`` is the connection's own unless the options name one. A
+connection with ``submit_many`` gets the rows staged meanwhile (up to ``batch``) in one call: cuda_ipc
+makes them one batch of copies, faster than a call per row (docs/TRANSPORTS.md). A lane's first row
+goes to the writer at once (lanes without transforms), not once the channel is full. All lanes share one
 ``ByteBudget`` for temporary memory: a transfer that needs a staging copy or a transform output holds
 its bytes from staging until its write completes; a zero-copy write (a view of the source) holds
 none and is bounded by ``depth`` alone, so large direct GPU copies queue deep enough to keep the
@@ -178,6 +181,8 @@ class Pipeline:
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport,
                       readable: frozenset) -> None:
         algo = self.options.checksum
+        # (not in lanes with transforms: their launches must keep ahead of the writes, docs/TRANSFORMS.md)
+        prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
         try:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
@@ -196,8 +201,8 @@ class Pipeline:
                     report.stage_s += time.perf_counter() - t0
                     await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
                     handed_over = True
-                    if t is transfers[0]:  # the lane's first row: let the writer issue it now, not once
-                        await asyncio.sleep(0)  # the channel is full (0.3 ms later on a 7B model: docs/TRANSPORTS.md)
+                    if t is prompt:  # the lane's first row: the writer issues it now, not once the channel
+                        await asyncio.sleep(0)  # is full (docs/TRANSPORTS.md, "Batches of copies")
                 finally:
                     if not handed_over:
                         self.budget.release(upfront)
@@ -237,38 +242,46 @@ class Pipeline:
 
     def _issue(self, conn: Connection, items: list[tuple[Transfer, Staged]], inflight: "_Inflight",
                report: LaneReport, epoch: int, slot: int) -> None:
-        """Queue ``items`` on ``conn`` in order: runs of plain rows through ``submit_many`` (where the
-        connection has it), rows written in place through ``submit_written``, others one by one. Rows
-        not queued when something raises are given back (budget, source, buffer)."""
+        """Queue ``items`` on ``conn`` in order: rows written in place through ``submit_written``, runs
+        of two or more other rows through ``submit_many`` (where the connection has it), single rows
+        through ``submit`` (or a task around ``write``). Rows not queued when something raises are
+        given back (budget, source, buffer)."""
         t0 = time.perf_counter()
-        queued = 0
+        queued, count = 0, len(items)
         try:
-            while queued < len(items):
+            while queued < count:
+                end = queued + 1
                 t, staged = items[queued]
                 if staged.written is not None:  # (only on a connection that has it: ``_resolver``)
-                    run, ops = items[queued:queued + 1], [conn.submit_written(
-                        staged.written, t.dst_region + slot, t.dst_offset, t.nbytes, epoch, staged.event)]
-                elif hasattr(conn, "submit_many"):
-                    end = next((i for i in range(queued, len(items)) if items[i][1].written is not None), len(items))
-                    run = items[queued:end]
-                    ops = conn.submit_many([(s.tensor, r.dst_region + slot, r.dst_offset, s.event) for r, s in run],
-                                           epoch)
-                elif hasattr(conn, "submit"):
-                    run, ops = items[queued:queued + 1], [conn.submit(staged.tensor, t.dst_region + slot, t.dst_offset,
-                                                                      epoch, staged.event)]
+                    ops = (conn.submit_written(staged.written, t.dst_region + slot, t.dst_offset, t.nbytes, epoch,
+                                               staged.event),)
                 else:
-                    run, ops = items[queued:queued + 1], [asyncio.ensure_future(self._write(conn, t, staged, epoch,
-                                                                                            slot))]
-                for (t, staged), op in zip(run, ops):
+                    while end < count and items[end][1].written is None:
+                        end += 1
+                    ops = self._submit(conn, items, queued, end, epoch, slot)
+                for i, op in enumerate(ops, queued):
+                    t, staged = items[i]
                     # what it holds goes back the moment it completes (or is cancelled), not when we look
                     op.add_done_callback(functools.partial(self._written, t, staged))
                     inflight.append((op, t, staged, t0))
                     _issued(report, t, staged)
-                queued += len(run)
+                queued = end
         except BaseException:
             for t, staged in items[queued:]:
                 self._give_back(t, staged)
             raise
+
+    def _submit(self, conn: Connection, items: list[tuple[Transfer, Staged]], start: int, end: int, epoch: int,
+                slot: int) -> Sequence[asyncio.Future]:
+        """Completion futures of the copy rows ``items[start:end]``, queued in one call where the
+        connection batches."""
+        if end - start == 1:
+            t, s = items[start]
+            if hasattr(conn, "submit"):
+                return (conn.submit(s.tensor, t.dst_region + slot, t.dst_offset, epoch, s.event),)
+            return (asyncio.ensure_future(self._write(conn, t, s, epoch, slot)),)
+        return conn.submit_many([(s.tensor, t.dst_region + slot, t.dst_offset, s.event) for t, s in items[start:end]],
+                                epoch)  # (only where the connection has it: ``batch`` > 1)
 
     @staticmethod
     async def _write(conn: Connection, t: Transfer, staged: Staged, epoch: int, slot: int) -> None:

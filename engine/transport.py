@@ -10,8 +10,10 @@ completes only once every earlier write on that connection is visible at the tar
 target's byte counts against ours. Writes carry their round (``epoch``): a target counts per (source,
 epoch), because a sender may start writing before the receiver has even seen the round begin, and
 drops late writes of rounds it has closed. Everything is awaitable; nothing blocks the event loop.
-Optional on a connection: ``depth`` (writes in flight it wants) and ``submit`` (``write`` in two
-halves: queue now, return a future for the completion), which the pipeline uses where present.
+Optional on a connection: ``depth`` (writes in flight it wants), ``submit`` (``write`` in two
+halves: queue now, return a future for the completion) and, with it, ``submit_many(rows, epoch)`` with
+``batch`` (several rows ``(source, region, offset, after)`` queued in one call, every row checked before
+any is queued; a future per row, possibly one shared by all), which the pipeline uses where present.
 Optional delivery proofs: a connection's ``seal()`` returns a token (bytes) that proves, once the
 target sees it fulfilled, delivery of every write issued so far, or ``None`` where it cannot; the
 target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for them and returns

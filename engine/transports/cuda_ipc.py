@@ -6,7 +6,8 @@ carries that handle, offset, size, device, owner pid and raw pointer. Initiator:
 peer handle once per local device, in the *sender's* device context, with peer access enabled, and
 caches the mapping (a block shared by several regions is opened once). The first ``write`` of a round
 orders the copy streams after the producer's stream; each write queues a pointer-to-pointer
-``cudaMemcpyAsync`` on a dedicated stream of the sender's device (the copy engine pushes over
+``cudaMemcpyAsync`` (``submit_many``: many rows in one ``cudaMemcpyBatchAsync``, one completion for them)
+on a dedicated stream of the sender's device (the copy engine pushes over
 NVLink/PCIe; the same GPU is a local device copy), behind the source's transform event if it has
 one (``stream.wait_event``: no host round trip), and waits for its CUDA event, which one poller task
 per connection queries from the event loop, oldest first (``cuda_rt.EventPoller``). So ``fence`` has
