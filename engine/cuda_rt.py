@@ -176,9 +176,9 @@ def batch_copies() -> bool:
 def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: torch.cuda.Stream,
                        src_device: int, dst_device: int) -> None:
     """Pointer copies ``(dst, src, nbytes)`` from ``src_device``'s memory to ``dst_device``'s, queued on
-    ``stream`` in order, in one ``cudaMemcpyBatchAsync`` (the driver schedules the whole list: measured
-    0.45 ms faster than one call per tensor for a 7B model's 339 tensors, docs/TRANSPORTS.md); one
-    ``cudaMemcpyAsync`` each where the runtime or driver lacks it."""
+    ``stream`` in order, in one ``cudaMemcpyBatchAsync`` (the driver schedules the whole list: a 7B
+    model's 339 tensors in calls of 16 copy about 1 ms faster than one call each, docs/TRANSPORTS.md);
+    one ``cudaMemcpyAsync`` each where the runtime or driver lacks it."""
     global _batch_refused
     count = len(copies)
     if count > 1 and batch_copies():
