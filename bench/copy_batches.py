@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from transfer_gpu import _timed, make_state  # noqa: E402
+from transfer_gpu import _timed, make_state, peer_copies, pointer_copies  # noqa: E402
 
 SMALL = 1 << 20  # "small" tensors: under 1 MiB (norms and biases)
 
@@ -32,26 +32,19 @@ def patterns(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream]
     """name -> a function issuing the copies ``(dst, src, nbytes)`` in that pattern."""
     from engine import cuda_rt
 
-    def per_tensor(rows, n):
-        return lambda: [cuda_rt.memcpy_async(d, s, k, streams[i % n]) for i, (d, s, k) in enumerate(rows)]
-
-    def batches(rows, size, n):
-        calls = [rows[i:i + size] for i in range(0, len(rows), size)]
-        return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % n], 0, 1) for i, c in enumerate(calls)]
-
     small = [p for p in pairs if p[2] < SMALL]
     out = {
-        "per tensor, 2 streams round robin": per_tensor(pairs, 2),
-        f"only the {len(pairs) - len(small)} tensors >= 1 MiB, per tensor, 2 streams": per_tensor(
-            [p for p in pairs if p[2] >= SMALL], 2),
-        f"only the {len(small)} tensors < 1 MiB, per tensor, 1 stream": per_tensor(small, 1),
+        "per tensor, 2 streams round robin": pointer_copies(pairs, streams[:2]),
+        f"only the {len(pairs) - len(small)} tensors >= 1 MiB, per tensor, 2 streams": pointer_copies(
+            [p for p in pairs if p[2] >= SMALL], streams[:2]),
+        f"only the {len(small)} tensors < 1 MiB, per tensor, 1 stream": pointer_copies(small, streams[:1]),
     }
     if cuda_rt.batch_copies():
-        out[f"only the {len(small)} tensors < 1 MiB, one batch call"] = batches(small, len(small), 1)
-        out["all in one batch call"] = batches(pairs, len(pairs), 1)
+        out[f"only the {len(small)} tensors < 1 MiB, one batch call"] = pointer_copies(small, streams[:1], len(small))
+        out["all in one batch call"] = pointer_copies(pairs, streams[:1], len(pairs))
         for size in (4, 8, 16, 32, 64):
             for n in (1, 2):
-                out[f"batches of {size}, {n} stream{'s' if n > 1 else ''}"] = batches(pairs, size, n)
+                out[f"batches of {size}, {n} stream{'s' if n > 1 else ''}"] = pointer_copies(pairs, streams[:n], size)
     return out
 
 
@@ -66,9 +59,7 @@ def main(argv=None) -> int:
     from engine import cuda_rt
 
     src = make_state("cuda:0")
-    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
-    cuda_rt.enable_peer_access(0, 1)
-    pairs = [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
+    dst, pairs = peer_copies(src)
     nbytes = sum(p[2] for p in pairs)
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")

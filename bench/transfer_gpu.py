@@ -85,23 +85,32 @@ def per_tensor_copy_seconds(rounds: int) -> list[float]:
     return _timed(copy_all, rounds)
 
 
+def peer_copies(src: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
+    """Destinations on GPU 1 for ``src`` (on GPU 0), peer access on, and the pointer copies
+    ``(dst, src, nbytes)`` that fill them, in state-dict order."""
+    from engine import cuda_rt
+
+    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
+    cuda_rt.enable_peer_access(0, 1)
+    return dst, [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
+
+
+def pointer_copies(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream], batch: int = 1):
+    """A function issuing ``pairs`` from GPU 0 to GPU 1, ``batch`` per call (one ``cudaMemcpyAsync`` each
+    at 1, else ``cudaMemcpyBatchAsync``), the calls taking ``streams`` in turn."""
+    from engine import cuda_rt
+
+    calls = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
+    return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % len(streams)], 0, 1) for i, c in enumerate(calls)]
+
+
 def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1) -> list[float]:
     """The same tensors as raw pointer copies issued from GPU 0 on ``streams`` streams, round robin:
     one call per tensor, or (``batch`` > 1) ``batch`` tensors per ``cudaMemcpyBatchAsync`` call, a
     stream per call: the copy patterns of the engine's cuda_ipc writes without the engine (floors)."""
-    from engine import cuda_rt
-
     src = make_state("cuda:0")
-    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
-    cuda_rt.enable_peer_access(0, 1)
-    pool = [torch.cuda.Stream(device=0) for _ in range(streams)]
-    pairs = [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
-    calls = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
-
-    def copy_all():
-        for i, copies in enumerate(calls):
-            cuda_rt.memcpy_batch_async(copies, pool[i % streams], 0, 1)
-    return _timed(copy_all, rounds)
+    dst, pairs = peer_copies(src)  # (dst lives as long as the copies are timed)
+    return _timed(pointer_copies(pairs, [torch.cuda.Stream(device=0) for _ in range(streams)], batch), rounds)
 
 
 def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
