@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from engine.pipeline import Pipeline, PipelineOptions  # noqa: E402
 from engine.staging import SourceSet  # noqa: E402
-from engine.transport import TransportOptions, create_transport  # noqa: E402
+from engine.transport import TransportOptions, connect_authorized, create_transport  # noqa: E402
 from wire import PeerInfo, Transfer  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -50,7 +50,7 @@ async def one_point(kind: str, src_dev: str, dst_dev: str, sizes: list[int], dep
     total = sum(sizes)
     region = torch.empty(total, dtype=torch.uint8, device=dst_dev)
     rinfo = dst_t.register(0, region)
-    conn = await src_t.connect(PeerInfo(1, info, (rinfo,)))
+    conn = await connect_authorized(src_t, dst_t, PeerInfo(1, info, (rinfo,)))
     source = torch.empty(total, dtype=torch.uint8, device=src_dev)
     tensors, transfers, at = {}, [], 0
     for i, n in enumerate(sizes):

@@ -21,13 +21,16 @@ SIZES = [8, 88, 524288, 4 << 20, 256, 600000]
 def target(q_info, q_go, q_out):
     import torch
     from engine.transport import TransportOptions
+    from engine import dataauth
     from engine.transports.uccl import UcclTransport
     async def main():
         t = UcclTransport(TransportOptions(device="cuda:1", uccl_tcp=True))
         info = await t.start(1)
         region = torch.zeros(16 << 20, dtype=torch.uint8, device="cuda:1")
         rinfo = t.register(0, region)
-        q_info.put((info, rinfo))
+        key = dataauth.new_secret()
+        t.guard.authorize({0: key})  # the initiator (rank 0) proves this key on its side channel
+        q_info.put((info, rinfo, key))
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(None, q_go.get)
@@ -57,10 +60,10 @@ def initiator(q_info, q_go, q_done):
     from engine.transports.uccl import UcclTransport
     from wire import PeerInfo
     async def main():
-        info, rinfo = q_info.get()
+        info, rinfo, key = q_info.get()
         t = UcclTransport(TransportOptions(device="cuda:0", uccl_tcp=True))
         await t.start(0)
-        conn = await t.connect(PeerInfo(1, info, (rinfo,)))
+        conn = await t.connect(PeerInfo(1, info, (rinfo,)), key)
         srcs = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for n in SIZES]
         for r, variant in [(1, "plain"), (2, "plain"), (3, "plain"), (4, "sync-each"), (5, "sync-each"), (6, "fresh-src")]:
             if variant == "fresh-src":

@@ -21,6 +21,11 @@ target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for t
 ``proof_magic`` (so ``auto`` hands it to the right child). With them a sender announces its writes
 before they complete and the round's control messages overlap the last copies (``engine.pipeline``).
 
+Data-plane authentication (``engine.dataauth``): every target transport has a ``guard``; the receiver
+``authorize`` s the senders its plan names (their pair keys) and opens the regions writable now. An
+initiator's ``connect(peer, key)`` proves its pair key to the target where the transport has a
+handshake (tcp, uccl, memory); a connection or write the guard refuses is counted and never applied.
+
 Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on
 a machine that does not ask for them.
 """
@@ -37,6 +42,7 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
+from . import dataauth
 from .errors import ConfigError, TransportUnavailable
 
 
@@ -119,7 +125,10 @@ class Transport(Protocol):
 
     def deregister(self, region_id: int) -> None: ...
 
-    async def connect(self, peer: PeerInfo) -> Connection: ...
+    guard: dataauth.DataGuard
+
+    async def connect(self, peer: PeerInfo, key: bytes = b"") -> Connection:
+        """A connection to ``peer`` that proves ``key`` (the pair key the plan gave us for it)."""
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         """Target side: what each source rank delivered for round ``epoch`` (empty where the transport
@@ -132,6 +141,14 @@ class Transport(Protocol):
         """Target side: round ``epoch`` and every earlier one are over: drop their late writes, forget them."""
 
     async def close(self) -> None: ...
+
+
+async def connect_authorized(src: Transport, dst: Transport, peer: PeerInfo) -> Connection:
+    """For programs that own both ends (tests, benches): ``dst`` accepts a fresh pair key for ``src``'s
+    rank, and ``src`` connects with it."""
+    key = dataauth.new_secret()
+    dst.guard.authorize({**dst.guard.keys, src.rank: key})
+    return await src.connect(peer, key)
 
 
 BACKENDS: dict[str, str] = {

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from engine import dataauth
 from engine.aio import AsyncResource, Spinner
 from engine.errors import ConfigError, PlanError, RoundAborted
 from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping, plan
@@ -98,9 +99,12 @@ class Controller(RoundRunner, AsyncResource):
         self.round: Optional[RoundState] = None
         self._plan_ids = 0
         self._acks_pending: set[tuple[Role, int]] = set()
+        self._sender_plans: dict[bytes, m.Plan] = {}  # held back until the receivers have acknowledged theirs
         self._planning: Optional[asyncio.Task] = None
         self._round_task: Optional[asyncio.Task] = None
-        self._pushes: dict[int, set[int]] = {}
+        self._pushes: dict[int, set[bytes]] = {}  # version -> the sessions (identities) that pushed it
+        self._push_since: dict[int, float] = {}  # version -> when its first push arrived
+        self._newest_push: dict[bytes, int] = {}  # session -> the newest version it pushed
         self._ready = asyncio.Event()
         self._round_waiters: dict[int, asyncio.Future] = {}
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
@@ -237,7 +241,8 @@ class Controller(RoundRunner, AsyncResource):
             await self._admit(identity, env)
             return
         if peer is None:
-            await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, f"{env.type} before hello", "", env.version),
+            # field "hello": this identity has no session here (a restarted controller): join again
+            await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, f"{env.type} before hello", "hello", env.version),
                                   to=identity, parent_id=env.msg_id)
             return
         peer.last_seen = time.monotonic()
@@ -279,11 +284,17 @@ class Controller(RoundRunner, AsyncResource):
             body = m.Reject(code, text, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1], hello.proto_major, hello.proto_minor)
             await self._chan.send(body, to=identity, parent_id=env.msg_id)
             return
-        peer = Peer(identity, hello, session, time.monotonic(), slot=1 if "slots:2" in hello.capabilities else 0)
+        slot = (1 if hello.landing is None else hello.landing) if "slots:2" in hello.capabilities else 0
+        peer = Peer(identity, hello, session, time.monotonic(), slot=slot)
         self.peers[identity] = peer
         self.by_rank[peer.key] = identity
+        if hello.committed is not None and (self.committed is None or hello.committed > self.committed):
+            # a restarted controller learns how far the workers got: no round may go back behind it
+            log.info("controller: %s reports v%d committed", peer.name, hello.committed)
+            self.committed = hello.committed
         welcome = m.Welcome(f"{peer.name}@{self.address}", PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum",))
+                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum",),
+                            self.committed)
         await self._send(peer, welcome, parent_id=env.msg_id)
         log.info("controller: %s joined from %s (%s)", peer.name, hello.host, hello.transport.address)
         self._maybe_plan()
@@ -332,15 +343,33 @@ class Controller(RoundRunner, AsyncResource):
         self.plan, self.plan_error, self.planned_once = routing, None, True
         self.plan_members, self.plan_sessions = members, sessions
         self._acks_pending = set()
+        secret = dataauth.new_secret()  # this plan's data-plane keys: one per (sender, receiver) pair it routes
+        self._sender_plans = {}
         for peer in list(self.peers.values()):
-            if peer.hello.role is Role.SENDER:
-                body = m.Plan(plan_id, routing.senders[peer.hello.rank], None)
-            else:
-                body = m.Plan(plan_id, None, routing.receivers[peer.hello.rank])
+            rank = peer.hello.rank
             self._acks_pending.add(peer.key)
-            await self._send(peer, body)
+            if peer.hello.role is Role.SENDER:
+                table = routing.senders[rank]
+                keys = tuple(m.DataKey(p.rank, dataauth.pair_key(secret, rank, p.rank)) for p in table.peers)
+                self._sender_plans[peer.identity] = m.Plan(plan_id, table, None, keys)
+            else:
+                table = routing.receivers[rank]
+                srcs = sorted({e.src_rank for e in table.entries})
+                keys = tuple(m.DataKey(s, dataauth.pair_key(secret, s, rank)) for s in srcs)
+                await self._send(peer, m.Plan(plan_id, None, table, keys))
+        await self._send_sender_plans()
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
+
+    async def _send_sender_plans(self) -> None:
+        """Senders get their tables (and connect) only once every receiver has acknowledged its own:
+        by then each receiver's transport accepts exactly the keys of this plan."""
+        if any(role is Role.RECEIVER for role, _ in self._acks_pending):
+            return
+        plans, self._sender_plans = self._sender_plans, {}
+        for identity, body in plans.items():
+            if identity in self.peers:
+                await self._send(self.peers[identity], body)
 
     async def _on_plan_ack(self, peer: Peer, env: Envelope) -> None:
         current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
@@ -349,6 +378,7 @@ class Controller(RoundRunner, AsyncResource):
             if not env.body.ok:
                 log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
                 self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
+            await self._send_sender_plans()
             if not self._acks_pending and self.plan_error is None:
                 self._ready.set()
                 self._wake()
@@ -370,18 +400,55 @@ class Controller(RoundRunner, AsyncResource):
         except ConfigError as exc:
             await self._send(peer, m.Error(m.ErrorCode.BAD_REQUEST, str(exc), "version", version), version=version)
             return
-        self._pushes.setdefault(version, set()).add(peer.hello.rank)
+        self._pushes.setdefault(version, set()).add(peer.identity)
+        self._push_since.setdefault(version, time.monotonic())
+        self._newest_push[peer.identity] = max(version, self._newest_push.get(peer.identity, -1))
+        await self._refuse_dead_pushes()
         self._maybe_start_rounds()
+
+    def _planned_senders(self) -> set[bytes]:
+        """The sessions of the current plan's senders: a push counts only from the session that made it."""
+        return {i for i in self.plan_sessions if i in self.peers and self.peers[i].hello.role is Role.SENDER}
 
     def _maybe_start_rounds(self) -> None:
         if self._round_task is not None or not self._ready.is_set() or self.plan is None:
             return
-        planned = {r for role, r in self.plan_members if role is Role.SENDER}
+        planned = self._planned_senders()
         for version in sorted(self._pushes):
             if self._pushes[version] >= planned:
-                del self._pushes[version]
+                self._forget_push(version)
+                if self.committed is not None and version <= self.committed:
+                    continue  # (refused at push time; a restarted controller may have learned more since)
                 self._start_round(version)
                 return
+
+    def _forget_push(self, version: int) -> set[bytes]:
+        self._push_since.pop(version, None)
+        return self._pushes.pop(version, set())
+
+    async def _refuse_dead_pushes(self, now: Optional[float] = None) -> None:
+        """Fail pushes that can never start a round, each with a typed error to its sender: a version a
+        planned sender has passed (versions only move forward, so it will never push it), one at or
+        below the committed version, or (with ``round_timeout_s``) one that waited longer than that."""
+        planned = self._planned_senders()
+        limit = self.options.round_timeout_s
+        for version in sorted(self._pushes):
+            passed = sorted(self.peers[i].name for i in planned
+                            if i not in self._pushes[version] and self._newest_push.get(i, -1) > version)
+            if passed:
+                why = f"push of v{version} can never start: {', '.join(passed)} pushed a newer version instead"
+            elif self.committed is not None and version <= self.committed:
+                why = f"push of v{version} is not newer than the committed v{self.committed}"
+            elif now is not None and limit is not None and now - self._push_since[version] > limit:
+                waiting = sorted(self.peers[i].name for i in planned if i not in self._pushes[version])
+                why = f"push of v{version} waited {limit}s for {', '.join(waiting) or 'a plan'}"
+            else:
+                continue
+            log.warning("controller: %s", why)
+            for identity in self._forget_push(version):
+                if identity in self.peers:
+                    await self._send(self.peers[identity], m.Error(m.ErrorCode.BAD_REQUEST, why, "version", version),
+                                     version=version)
 
     @staticmethod
     def _report_or_raise(report: RoundReport) -> RoundReport:
@@ -421,7 +488,15 @@ class Controller(RoundRunner, AsyncResource):
         log.warning("controller: %s reports %s: %s", peer.name, env.body.code.name, env.body.text)
         rnd = self._round_of(env.body.version)
         if rnd is not None and peer.key in self.plan_members:
-            rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {env.body.text}", peer.name)
+            rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {env.body.text}", self._culprit(peer, env.body))
+
+    def _culprit(self, peer: Peer, error: m.Error) -> str:
+        """Who failed: a data-plane error names the planned peer whose end failed (``field``:
+        "receiver/3" when the connection to it broke or it refused our writes); otherwise the reporter."""
+        role, _, rank = error.field.partition("/")
+        if error.code == m.ErrorCode.TRANSPORT and role in ("sender", "receiver") and rank.isdigit() and (Role(role), int(rank)) in self.plan_members:
+            return error.field
+        return peer.name
 
     async def _on_leave(self, peer: Peer, env: Envelope) -> None:
         self._drop(peer, f"left: {env.body.reason}")
@@ -439,13 +514,19 @@ class Controller(RoundRunner, AsyncResource):
                     self._drop(peer, f"silent for more than {self.options.timeout_s}s")
                 elif peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):
                     await self._send(peer, m.Heartbeat(seq))
+            if self._pushes:
+                await self._refuse_dead_pushes(now)
 
     def _drop(self, peer: Peer, why: str) -> None:
         if self.peers.pop(peer.identity, None) is None:
             return
         self.by_rank.pop(peer.key, None)
+        self._newest_push.pop(peer.identity, None)
+        for pushed in self._pushes.values():  # a departed session's pending pushes go with it
+            pushed.discard(peer.identity)
         if peer.key in self._acks_pending:  # the plan can never be complete: void it, plan again
             self._acks_pending.clear()
+            self._sender_plans.clear()
         (log.info if why.startswith("left") else log.warning)("controller: %s dropped: %s", peer.name, why)
         rnd = self.round
         if rnd is not None and peer.key in self.plan_members:

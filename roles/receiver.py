@@ -115,12 +115,29 @@ class WeightReceiver(Worker):
         """Region 0 (and 1 in shadow mode) are the buffers; senders add the round's slot to region 0."""
         wanted = {REGION + i: buf.storage for i, buf in enumerate(self.buffers)}
         infos = self.cache.apply(self.cache.plan(wanted), self.transport)
+        self._open_regions(False)
         specs = tuple(
             spec_for(name, t, region=REGION, offset=self.offsets[name], tied_to=self.ties.get(name),
                      shard=self.shards.get(name))
             for name, t in self.tensors.items()
         )
         return Manifest(specs, tuple(infos[r] for r in sorted(wanted)))
+
+    @property
+    def landing_slot(self) -> int:
+        """The region (0 or 1) the next round lands in: the one that is not live."""
+        return next(i for i, buf in enumerate(self.buffers) if buf is self.landing)
+
+    def _open_regions(self, round_open: bool) -> None:
+        """What senders may write into now (``engine.dataauth``): a shadow receiver's landing slot and
+        never its live one; an in-place receiver's live region only while a round it began is open."""
+        if self.mode == "shadow":
+            self.transport.guard.open_regions({REGION + self.landing_slot})
+        else:
+            self.transport.guard.open_regions({REGION} if round_open else ())
+
+    def _hello_fields(self) -> dict:
+        return {"committed": self.version, "landing": self.landing_slot if self.mode == "shadow" else None}
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -144,6 +161,7 @@ class WeightReceiver(Worker):
         for e in self.table.entries:
             count, nbytes = self._expected.get(e.src_rank, (0, 0))
             self._expected[e.src_rank] = (count + 1, nbytes + e.nbytes)
+        self.transport.guard.authorize({k.rank: k.key for k in env.body.keys})  # the plan's senders, no one else
         await self._send(m.PlanAck(env.body.plan_id, True, ""))
 
     async def _on_begin(self, env: Envelope) -> None:
@@ -153,6 +171,7 @@ class WeightReceiver(Worker):
         if self.mode == "inplace":
             await call_hook(self.before_update, self._pending)
             self.dirty = True  # live bytes may change from now until commit
+            self._open_regions(True)
             await self._send(m.BeginAck(self._pending), version=self._pending)  # senders may start now
 
     async def _on_fence(self, env: Envelope) -> None:
@@ -232,6 +251,7 @@ class WeightReceiver(Worker):
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
+        self._open_regions(False)
         self.timeline.mark(version, "applied")
         self.dirty = False
         self.version = version
@@ -263,6 +283,7 @@ class WeightReceiver(Worker):
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
         self.transport.close_epoch(body.version)
+        self._open_regions(False)
         self._pending = None
         self._spin(False)
         self.rounds_aborted += 1
@@ -275,3 +296,14 @@ class WeightReceiver(Worker):
     def _on_closed(self, exc: BaseException) -> None:
         super()._on_closed(exc)
         self._version_changed.set()
+
+    def _on_session_lost(self, exc: BaseException) -> None:
+        """A round in flight is over without a commit: nothing of it becomes visible (in place: the
+        receiver stays ``dirty`` until a later round repairs it)."""
+        if self._pending is not None:
+            self.transport.close_epoch(self._pending)
+            if self.mode == "inplace":  # serving paused at begin: let it resume
+                asyncio.ensure_future(call_hook(self.after_update, self._pending, False))
+            self._pending = None
+            self.rounds_aborted += 1
+        self._open_regions(False)

@@ -182,6 +182,7 @@ class RoundRunner:
     def _start_round(self, version: int) -> None:
         if self.plan is None or not self._ready.is_set() or self._round_task is not None:
             raise ConfigError("round", "no acknowledged plan yet, or a round is already running")
+        self._check_version(version)  # never a round that is not newer than the committed version
         senders = {r for role, r in self.plan_members if role is Role.SENDER}
         receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
         self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)

@@ -47,6 +47,7 @@ class PushHandle:
         self.committed: asyncio.Future[int] = loop.create_future()
         self.released.add_done_callback(_quiet)
         self.committed.add_done_callback(_quiet)
+        self.cause: Optional[BaseException] = None  # this rank's own failure, while the verdict is awaited
 
     def __repr__(self) -> str:
         state = "committed" if self.committed.done() and not self.committed.exception() else (
@@ -100,10 +101,11 @@ class WeightSender(Worker):
         self.table: Optional[SenderTable] = None
         self.plan_id: Optional[int] = None
         self.conns: dict[int, Connection] = {}
-        self._conn_addr: dict[int, str] = {}
+        self._conn_keys: dict[int, tuple[str, bytes]] = {}  # receiver -> (address, pair key) of its connection
         self._handles: dict[int, PushHandle] = {}
         self._round: Optional[asyncio.Task] = None
         self._last_version = -1
+        self.committed: Optional[int] = None  # the newest version this sender saw committed
 
     def __repr__(self) -> str:
         return (f"<WeightSender {self.name} {self.session.state.value} plan={self.plan_id} "
@@ -118,6 +120,21 @@ class WeightSender(Worker):
         )
         return Manifest(specs, ())
 
+    def _hello_fields(self) -> dict:
+        return {"committed": self.committed}
+
+    def _on_welcome(self, welcome: m.Welcome) -> None:
+        if welcome.committed is not None:  # a fresh process resumes above what was committed before it
+            self.committed = max(welcome.committed, -1 if self.committed is None else self.committed)
+            self._last_version = max(self._last_version, welcome.committed)
+
+    def _on_session_lost(self, exc: BaseException) -> None:
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+        for handle in self._handles.values():
+            handle.fail(exc)
+        self._handles.clear()
+
     # --- public API -------------------------------------------------------------------------------
 
     async def push(self, version: int) -> PushHandle:
@@ -130,8 +147,8 @@ class WeightSender(Worker):
         if self.lost is not None:
             raise self.lost
         if version <= self._last_version:
-            raise VersionError(f"push of version {version}: versions only move forward (last pushed "
-                               f"{self._last_version})")
+            raise VersionError(f"push of version {version}: versions only move forward (last pushed or "
+                               f"committed {self._last_version})")
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
         self._spin(True)  # until our pipeline starts: begin comes sooner to a polling loop
@@ -150,22 +167,30 @@ class WeightSender(Worker):
         self.table = env.body.sender
         self.plan_id = env.body.plan_id
         try:
-            await self._connect_peers(self.table.peers)
+            await self._connect_peers(self.table.peers, {k.rank: k.key for k in env.body.keys})
             await asyncio.to_thread(self.sources.prepare, self.table.transfers)
         except WeightSyncError as exc:
             await self._send(m.PlanAck(self.plan_id, False, str(exc)))
             return
         await self._send(m.PlanAck(self.plan_id, True, ""))
 
-    async def _connect_peers(self, peers: tuple[PeerInfo, ...]) -> None:
+    async def _connect_peers(self, peers: tuple[PeerInfo, ...], keys: Mapping[int, bytes]) -> None:
+        """One connection per receiver of the table, proving the plan's key for the pair. A connection
+        is kept while the plan keeps the receiver's address and key; a new plan (a member left, joined
+        or restarted) brings new keys, so every connection is remade and a dead peer's is dropped."""
+        named = {p.rank for p in peers}
+        for rank in [r for r in self.conns if r not in named]:
+            await self.conns.pop(rank).close()
+            self._conn_keys.pop(rank, None)
         for peer in peers:
-            if self._conn_addr.get(peer.rank) == peer.transport.address:
-                continue  # connected once, kept across rounds and plans
+            key = keys.get(peer.rank, b"")
+            if self._conn_keys.get(peer.rank) == (peer.transport.address, key):
+                continue
             old = self.conns.pop(peer.rank, None)
             if old is not None:
                 await old.close()
-            self.conns[peer.rank] = await self.transport.connect(peer)
-            self._conn_addr[peer.rank] = peer.transport.address
+            self.conns[peer.rank] = await self.transport.connect(peer, key)
+            self._conn_keys[peer.rank] = (peer.transport.address, key)
 
     async def _on_begin(self, env: Envelope) -> None:
         version = env.body.version
@@ -217,12 +242,16 @@ class WeightSender(Worker):
         await asyncio.gather(*announced)
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
+        """Report a local failure; the handle fails with the controller's verdict (its ``abort``, whose
+        ``RoundAborted`` names the culprit and has ``exc`` as its cause), the one every rank sees."""
         self._spin(False)
-        field = getattr(exc, "param", None) or getattr(exc, "peer", None) or ""
-        handle.fail(exc)
-        await self._send_if_allowed(m.Error(code, str(exc), field, version), version=version)
+        field = getattr(exc, "peer", None) or getattr(exc, "param", None) or ""
+        handle.cause = exc
+        if not await self._send_if_allowed(m.Error(code, str(exc), field, version), version=version):
+            handle.fail(exc)
 
     async def _on_commit(self, env: Envelope) -> None:
+        self.committed = env.body.version
         handle = self._handles.pop(env.body.version, None)
         if handle is not None and not handle.committed.done():
             handle.committed.set_result(env.body.version)
@@ -235,7 +264,9 @@ class WeightSender(Worker):
         handle = self._handles.pop(body.version, None)
         self._spin(False)
         if handle is not None:
-            handle.fail(RoundAborted(body.version, body.reason, body.text, body.culprit))
+            aborted = RoundAborted(body.version, body.reason, body.text, body.culprit)
+            aborted.__cause__ = handle.cause
+            handle.fail(aborted)
 
     async def _on_error(self, env: Envelope) -> None:
         await super()._on_error(env)
@@ -258,6 +289,7 @@ class WeightSender(Worker):
         for conn in self.conns.values():
             await conn.close()
         self.conns.clear()
+        self._conn_keys.clear()
 
 
 def _error_code(exc: Exception) -> m.ErrorCode:

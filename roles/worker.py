@@ -7,6 +7,13 @@ the session state machine (an illegal one is answered with ``error`` and ignored
 ``_on_<type>``; the heartbeat loop sends ``heartbeat`` and declares the controller lost when nothing
 was heard for the timeout. ``close`` says ``leave`` and tears down sockets, tasks and transport,
 shielded from cancellation.
+
+Self-healing: a join refused because this rank's previous session is still known (the process was
+restarted before the controller noticed) is retried until ``join_timeout_s``. When the session is
+lost later (the controller went silent, said ``leave``, or answers as if it never heard of us: it
+restarted), a worker with ``rejoin`` on fails only what the session had in flight and joins again
+with a fresh identity, backing off, until ``rejoin_deadline_s``; its data plane, tensors and versions
+stay as they are, and its hello tells the new controller the newest version it saw committed.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ class WorkerOptions:
     limits: Limits = DEFAULT_LIMITS
     capabilities: tuple[str, ...] = ("checksum",)
     auth_key: Optional[bytes] = None  # must match the controller's (wire.auth)
+    rejoin: bool = True  # join again by ourselves when the session is lost (the controller restarted)
+    rejoin_deadline_s: float = 60.0  # give up (ControllerLost) after trying this long
+    rejoin_backoff_s: float = 0.05  # first pause between tries; doubles up to 1 s
+    rank_wait_s: float = 30.0  # a join refused for a duplicate rank is tried again this long (a restarted
+    #                            process waits for the controller to time out its previous session)
     spin: bool = False  # keep the event loop polling while a round runs (engine.aio.Spinner): lower latency, one busy core
 
 
@@ -70,6 +82,9 @@ class Worker(AsyncResource):
         self.lost: Optional[BaseException] = None
         self._channel: Optional[ControlChannel] = None
         self._tasks: list[asyncio.Task] = []
+        self._rejoining: Optional[asyncio.Task] = None
+        self._hello_manifest: Optional[Manifest] = None
+        self.sessions = 0  # sessions joined so far (1 + rejoins)
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
@@ -89,14 +104,15 @@ class Worker(AsyncResource):
             self.transport = create_transport(self.options.transport, transport_options)
             self.transport_info = await self.transport.start(self.rank)
             self._on_transport(self.transport)
-            manifest = self._manifest()
-            self._channel = ControlChannel(zmq.DEALER, self.name, limits=self.options.limits,
-                                           identity=random_identity(self.name), auth_key=self.options.auth_key)
-            self._channel.connect(self.controller_addr)
-            await self._join(manifest)
+            self._hello_manifest = self._manifest()
+            await self._join_retrying(time.monotonic() + self.options.join_timeout_s)
         except BaseException:
             await self.close()
             raise
+        self._start_loops()
+
+    def _start_loops(self) -> None:
+        self.sessions += 1
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
 
     async def _teardown(self) -> None:
@@ -106,9 +122,10 @@ class Worker(AsyncResource):
             except (zmq.ZMQError, ProtocolError):
                 pass
         self.spinner.cancel()
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._rejoining] if self._rejoining is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._on_closed(ControllerLost("worker closed"))
         await self._close_data_plane()
         if self.transport is not None:
@@ -118,16 +135,38 @@ class Worker(AsyncResource):
 
     # --- the handshake ----------------------------------------------------------------------------
 
-    async def _join(self, manifest: Manifest) -> None:
+    async def _join_retrying(self, deadline: float) -> None:
+        """Join on a fresh channel; a refusal for a duplicate rank (our own previous session, not yet
+        timed out) is tried again with backoff until ``deadline``."""
+        pause = self.options.rejoin_backoff_s
+        rank_deadline = time.monotonic() + self.options.rank_wait_s
+        while True:
+            if self._channel is not None:
+                self._channel.close()
+            self.session = Session(self.role, Origin.WORKER)
+            self._channel = ControlChannel(zmq.DEALER, self.name, limits=self.options.limits,
+                                           identity=random_identity(self.name), auth_key=self.options.auth_key)
+            self._channel.connect(self.controller_addr)
+            try:
+                await self._join(self._hello_manifest, max(0.01, deadline - time.monotonic()))
+                return
+            except JoinRejected as exc:
+                if exc.code != m.RejectCode.DUPLICATE_RANK or time.monotonic() + pause > min(deadline, rank_deadline):
+                    raise
+                log.info("%s: %s; trying again", self.name, exc)
+            await asyncio.sleep(pause)  # backoff between tries, not synchronisation
+            pause = min(1.0, pause * 2)
+
+    async def _join(self, manifest: Manifest, timeout: float) -> None:
         hello = m.Hello(self.role, self.rank, self.transport_info.host, self.transport_info.device,
                         os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                        self.options.capabilities, manifest, self.transport_info)
+                        self.options.capabilities, manifest, self.transport_info, **self._hello_fields())
         await self._send(hello)
         try:
-            _, env = await asyncio.wait_for(self._channel.recv(), self.options.join_timeout_s)
+            _, env = await asyncio.wait_for(self._channel.recv(), timeout)
         except asyncio.TimeoutError:
             raise ControllerLost(f"no answer to hello from {self.controller_addr} within "
-                                 f"{self.options.join_timeout_s}s (is it running? same auth key?)") from None
+                                 f"{timeout:.1f}s (is it running? same auth key?)") from None
         self.session.receive(env.type)
         if isinstance(env.body, m.Reject):
             raise JoinRejected(env.body.code, env.body.text)
@@ -135,6 +174,7 @@ class Worker(AsyncResource):
             raise ControllerLost(f"expected welcome, got {env.type}")
         self.welcome = env.body
         self._last_heard = time.monotonic()
+        self._on_welcome(env.body)
 
     # --- loops ------------------------------------------------------------------------------------
 
@@ -165,7 +205,10 @@ class Worker(AsyncResource):
                         await self._send(m.Error(m.ErrorCode.INTERNAL, f"{env.type}: {exc!r}", "", env.version),
                                          version=env.version)
             if self.session.state is State.CLOSED:
-                self._on_closed(ControllerLost(f"controller closed the session ({env.type})"))
+                self._session_lost(ControllerLost(f"controller closed the session ({env.type})"))
+                return
+            if isinstance(env.body, m.Error) and env.body.field == "hello":  # it knows no session of ours
+                self._session_lost(ControllerLost(f"controller no longer knows this session: {env.body.text}"))
                 return
 
     async def _heartbeat_loop(self) -> None:
@@ -180,7 +223,7 @@ class Worker(AsyncResource):
                 log.warning("%s: event loop stalled for %.1fs (a blocking call on the loop?)", self.name, stalled)
                 self._last_heard = time.monotonic()
             if time.monotonic() - self._last_heard > timeout:
-                self._on_closed(ControllerLost(f"controller silent for more than {timeout:.1f}s"))
+                self._session_lost(ControllerLost(f"controller silent for more than {timeout:.1f}s"))
                 return
             seq += 1
             await self._send(m.Heartbeat(seq))
@@ -226,6 +269,32 @@ class Worker(AsyncResource):
             self._spinning = on
             self.spinner.hold() if on else self.spinner.release()
 
+    def _session_lost(self, exc: ControllerLost) -> None:
+        """This session is over; join a new one (``rejoin``) or give up."""
+        if not self.options.rejoin or self._closed:
+            self._on_closed(exc)
+            return
+        log.warning("%s: %s; joining again", self.name, exc)
+        self._spin(False)
+        self._on_session_lost(exc)
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._rejoining = asyncio.ensure_future(self._rejoin(exc))
+
+    async def _rejoin(self, cause: ControllerLost) -> None:
+        deadline = time.monotonic() + self.options.rejoin_deadline_s
+        try:  # the hello waits in the socket until a controller is back at the address (zmq reconnects)
+            await self._join_retrying(deadline)
+        except (ControllerLost, JoinRejected) as exc:
+            self._on_closed(ControllerLost(f"could not join again within {self.options.rejoin_deadline_s}s "
+                                           f"after: {cause} (last: {exc})"))
+            return
+        log.info("%s: joined again (session %d)", self.name, self.sessions + 1)
+        self._start_loops()
+        self._rejoining = None
+
     async def _on_leave(self, env: Envelope) -> None:
         log.info("%s: controller asked us to leave: %s", self.name, env.body.reason)
 
@@ -236,6 +305,16 @@ class Worker(AsyncResource):
 
     def _manifest(self) -> Manifest:
         raise NotImplementedError
+
+    def _hello_fields(self) -> dict:
+        """Optional hello fields (``committed``, ``landing``) this worker fills in."""
+        return {}
+
+    def _on_welcome(self, welcome: m.Welcome) -> None:
+        """A session began (the first, or a rejoin)."""
+
+    def _on_session_lost(self, exc: BaseException) -> None:
+        """A session ended and another will be joined: fail what it had in flight."""
 
     def _on_transport(self, transport: Transport) -> None:
         """The transport is up (before the manifest is built)."""

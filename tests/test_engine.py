@@ -14,7 +14,7 @@ from engine.pipeline import Pipeline, PipelineOptions
 from engine.registry import Deregister, Register, RegistrationCache
 from engine.staging import SourceSet, StagingPool
 from engine.tensors import FlatBuffer, aligned_layout, byte_view, find_ties, named_tensors
-from engine.transport import create_transport
+from engine.transport import connect_authorized, create_transport
 from wire import PeerInfo, Slice, Transfer
 
 WATCHDOG = 20
@@ -184,7 +184,7 @@ async def pair(request):
     await src.start(0)
     region = torch.zeros(4096, dtype=torch.uint8)
     rinfo = dst.register(0, region)
-    conn = await src.connect(PeerInfo(1, info, (rinfo,)))
+    conn = await connect_authorized(src, dst, PeerInfo(1, info, (rinfo,)))
     yield src, dst, conn, region
     await conn.close()
     await src.close()
@@ -208,7 +208,7 @@ async def test_submit_many_lands_rows_in_order_and_checks_them_all_first():
     info = await dst.start(1)
     await src.start(0)
     region = torch.zeros(256, dtype=torch.uint8)
-    conn = await src.connect(PeerInfo(1, info, (dst.register(0, region),)))
+    conn = await connect_authorized(src, dst, PeerInfo(1, info, (dst.register(0, region),)))
     rows = [torch.full((n,), n, dtype=torch.uint8) for n in (10, 20, 30)]
     with pytest.raises(RegistrationError, match=r"region 0\+240"):  # the last row does not fit: none is queued
         conn.submit_many([(rows[0], 0, 0, None), (rows[1], 0, 10, None), (rows[2], 0, 240, None)], 5)
@@ -238,7 +238,7 @@ async def tcp_pair(nbytes: int = 64):
     info = await dst.start(1)
     await src.start(0)
     rinfo = dst.register(0, torch.zeros(nbytes, dtype=torch.uint8))
-    conn = await src.connect(PeerInfo(1, info, (rinfo,)))
+    conn = await connect_authorized(src, dst, PeerInfo(1, info, (rinfo,)))
     try:
         yield src, dst, conn
     finally:
@@ -443,7 +443,7 @@ async def test_pipeline_gives_back_a_batch_that_cannot_be_queued():
     src, dst = create_transport("memory"), create_transport("memory")
     info = await dst.start(1)
     await src.start(0)
-    conn = await src.connect(PeerInfo(1, info, (dst.register(0, torch.zeros(4 * 64, dtype=torch.uint8)),)))
+    conn = await connect_authorized(src, dst, PeerInfo(1, info, (dst.register(0, torch.zeros(4 * 64, dtype=torch.uint8)),)))
     pipe = Pipeline(sources, PipelineOptions(max_inflight_bytes=1 << 20))
     with pytest.raises(RegistrationError, match="out of bounds"):  # rows 4 and 5 lie past the region
         await asyncio.wait_for(pipe.run(_table(1, 6, 64), {0: conn}, epoch=1), WATCHDOG)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from children import Children
-from engine.transport import TransportOptions, create_transport
+from engine.transport import TransportOptions, connect_authorized, create_transport
 from engine.transports.uccl import uccl_unavailable_reason
 from proc_helpers import receiver_main, sender_main
 from roles import Controller, ControllerOptions
@@ -69,7 +69,7 @@ async def test_ipc_write_in_process_and_out_of_bounds():
     await src.start(0)
     region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:1")
     rinfo = tgt.register(0, region)
-    conn = await src.connect(PeerInfo(1, info, (rinfo,)))
+    conn = await connect_authorized(src, tgt, PeerInfo(1, info, (rinfo,)))
     data = torch.randint(0, 255, (4096,), dtype=torch.uint8, device="cuda:0")
     await conn.write(data, 0, 512, 1)
     await conn.fence()
@@ -94,7 +94,7 @@ async def test_ipc_batch_of_rows_lands_bit_exact(monkeypatch, one_call):
     info = await tgt.start(1)
     await src.start(0)
     region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:1")
-    conn = await src.connect(PeerInfo(1, info, (tgt.register(0, region),)))
+    conn = await connect_authorized(src, tgt, PeerInfo(1, info, (tgt.register(0, region),)))
     gen = torch.Generator(device="cuda:0").manual_seed(3)
     sizes, offsets, at = (1, 7, 4096, 0, 300_001, 513), [], 3
     for n in sizes:  # odd sizes at odd offsets, a zero-byte row among them

@@ -175,6 +175,7 @@ async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch
 async def test_auto_hands_each_proof_to_the_transport_that_made_it():
     import torch
 
+    from engine.transport import connect_authorized
     from engine.transports.auto import AutoTransport
     from wire import PeerInfo
 
@@ -182,7 +183,7 @@ async def test_auto_hands_each_proof_to_the_transport_that_made_it():
     info = await dst.start(0)
     await src.start(0)
     region = dst.register(0, torch.zeros(16, dtype=torch.uint8))
-    conn = await src.connect(PeerInfo(0, info, (region,)))
+    conn = await connect_authorized(src, dst, PeerInfo(0, info, (region,)))
     src.hold = asyncio.Event()
     await conn.write(torch.full((4,), 7, dtype=torch.uint8), 0, 0, epoch=1)
     auto = AutoTransport()

@@ -13,7 +13,7 @@ import zmq
 
 from engine.errors import ConfigError, JoinRejected, RoundAborted, StagingError, VersionError
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+from roles import Controller, ControllerOptions, SenderOptions, WeightReceiver, WeightSender
 from roles.channel import ControlChannel
 from wire import Envelope, Limits, decode, encode
 from wire import messages as m
@@ -83,11 +83,12 @@ async def test_failed_round_leaves_last_good_version_in_shadow_mode():
 
         senders[0].sources.stage = failing_stage
         update_in_place(senders_t[0], 2)
-        with pytest.raises(StagingError, match="injected"):
+        with pytest.raises(RoundAborted, match="injected") as pushed:  # the verdict, with our own failure as cause
             await asyncio.wait_for(senders[0].push(2), WATCHDOG)
+        assert isinstance(pushed.value.__cause__, StagingError)
         with pytest.raises(RoundAborted) as e:
             await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
-        assert e.value.culprit == "sender/0"
+        assert e.value.culprit == "sender/0" == pushed.value.culprit
         assert receivers[0].version == 1 and mismatches(receivers_t[0], 1) == []
         senders[0].sources.stage = real
         await asyncio.gather(*await push_all(senders, senders_t, 3))
@@ -112,7 +113,7 @@ async def test_inplace_hooks_dirty_and_repair():
 
         senders[0].sources.stage = fail_late
         update_in_place(senders_t[0], 2)
-        with pytest.raises(StagingError):
+        with pytest.raises(RoundAborted, match="injected"):
             await asyncio.wait_for(senders[0].push(2), WATCHDOG)
         with pytest.raises(RoundAborted):
             await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
@@ -172,7 +173,7 @@ async def test_duplicate_and_out_of_range_ranks():
     async with Controller(senders=1, receivers=1, options=FAST) as ctl:
         async with WeightSender(ctl.address, sender_tensors(0), rank=0):
             with pytest.raises(JoinRejected) as e:
-                async with WeightSender(ctl.address, sender_tensors(0), rank=0):
+                async with WeightSender(ctl.address, sender_tensors(0), rank=0, options=SenderOptions(rank_wait_s=0)):
                     pass
             assert e.value.code == m.RejectCode.DUPLICATE_RANK
             with pytest.raises(JoinRejected) as e:

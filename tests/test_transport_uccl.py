@@ -11,7 +11,7 @@ import torch
 
 import fake_uccl
 from engine.errors import RegistrationError
-from engine.transport import BACKENDS, TransportOptions, register_backend
+from engine.transport import BACKENDS, TransportOptions, connect_authorized, register_backend
 from engine.transports import uccl
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
@@ -36,15 +36,15 @@ async def _target(nbytes: int = 4096):
     return dst, info, region, dst.register(0, region)
 
 
-async def _initiator(rank: int, info, rinfo):
+async def _initiator(rank: int, info, rinfo, dst):
     src = fake_uccl.FakeUcclTransport(TransportOptions())
     await src.start(rank)
-    return src, await asyncio.wait_for(src.connect(PeerInfo(1, info, (rinfo,))), WATCHDOG)
+    return src, await asyncio.wait_for(connect_authorized(src, dst, PeerInfo(1, info, (rinfo,))), WATCHDOG)
 
 
 async def test_writes_land_only_through_the_fence_and_are_counted_per_round():
     dst, info, region, rinfo = await _target()
-    src, conn = await _initiator(0, info, rinfo)
+    src, conn = await _initiator(0, info, rinfo, dst)
     data = torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     await conn.write(data[:600], 0, 100, 7)
     await conn.write(data[600:], 0, 700, 7)
@@ -65,7 +65,7 @@ async def test_writes_land_only_through_the_fence_and_are_counted_per_round():
 
 async def test_out_of_bounds_destination_is_refused_by_the_target(monkeypatch):
     dst, info, region, rinfo = await _target(64)
-    src, conn = await _initiator(0, info, rinfo)
+    src, conn = await _initiator(0, info, rinfo, dst)
     with pytest.raises(RegistrationError, match="refused region 0 bytes 60.*receiver/1"):
         await conn.write(torch.ones(10, dtype=torch.uint8), 0, 60, 1)
     monkeypatch.setattr(uccl, "CHUNK", 16)  # large writes go in pieces (UCCL sizes are u32)
@@ -78,7 +78,7 @@ async def test_out_of_bounds_destination_is_refused_by_the_target(monkeypatch):
 
 async def test_concurrent_initiators_are_paired_by_handshake_not_timing():
     dst, info, region, rinfo = await _target()
-    pairs = await asyncio.gather(*(_initiator(rank, info, rinfo) for rank in (3, 5, 9)))
+    pairs = await asyncio.gather(*(_initiator(rank, info, rinfo, dst) for rank in (3, 5, 9)))
     for rank, (_, conn) in zip((3, 5, 9), pairs):
         await conn.write(torch.full((rank,), rank, dtype=torch.uint8), 0, rank * 100, 1)
         await conn.fence()
@@ -92,7 +92,7 @@ async def test_concurrent_initiators_are_paired_by_handshake_not_timing():
 
 async def test_a_cancelled_write_is_still_polled_to_the_end():
     dst, info, region, rinfo = await _target()
-    src, conn = await _initiator(0, info, rinfo)
+    src, conn = await _initiator(0, info, rinfo, dst)
     polled, real_poll = asyncio.Event(), src.ep.poll_async
 
     def poll(tid):

@@ -74,6 +74,9 @@ class Hello(Message):
     capabilities: tuple[str, ...]
     manifest: Manifest
     transport: TransportInfo
+    committed: Optional[U64] = None  # the newest version this worker saw committed (a controller restarted
+    #                                  after it learns the committed version from these before any round)
+    landing: Optional[U32] = None  # a two-slot receiver: which slot takes the next round (None: slot 1)
 
 
 @struct
@@ -85,6 +88,7 @@ class Welcome(Message):
     heartbeat_ms: U32
     timeout_ms: U32
     capabilities: tuple[str, ...]
+    committed: Optional[U64] = None  # the controller's last committed version: a (re)joining sender resumes above it
 
 
 @struct
@@ -103,14 +107,32 @@ class Reject(Message):
 # --- plan ----------------------------------------------------------------------------------------
 
 
+DATA_KEY_BYTES = 32
+
+
+@struct
+class DataKey:
+    """The data-plane key of one (sender, receiver) pair of a plan; ``rank`` is the other end of the pair."""
+
+    rank: U32
+    key: bytes
+
+    def _check(self) -> None:
+        if len(self.key) != DATA_KEY_BYTES:
+            raise Violation("value", "key", f"{len(self.key)} bytes, need {DATA_KEY_BYTES}")
+
+
 @struct
 class Plan(Message):
-    """A routing table: ``sender`` for a sender, ``receiver`` for a receiver (exactly one is set)."""
+    """A routing table: ``sender`` for a sender, ``receiver`` for a receiver (exactly one is set).
+    ``keys`` (optional): one data-plane key per peer the table names (a sender: its receivers; a
+    receiver: its senders); every data-plane connection of the plan proves the key of its pair."""
 
     TYPE = "plan"
     plan_id: U64
     sender: Optional[SenderTable]
     receiver: Optional[ReceiverTable]
+    keys: tuple[DataKey, ...] = ()
 
     def _check(self) -> None:
         if (self.sender is None) == (self.receiver is None):
@@ -339,7 +361,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 SESSIONLESS = frozenset({StatusRequest, StatusReply, CommandRequest, CommandReply})
 
 __all__ = [
-    "Role", "RejectCode", "AbortReason", "ErrorCode", "Message", "Checksum", "WriteSummary", "Slot",
+    "Role", "RejectCode", "AbortReason", "ErrorCode", "Message", "Checksum", "WriteSummary", "Slot", "DataKey",
+    "DATA_KEY_BYTES",
     "MESSAGE_TYPES", "SESSIONLESS",
     *(cls.__name__ for cls in MESSAGE_TYPES.values()),
 ]

@@ -19,6 +19,7 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
+from .. import dataauth
 from ..errors import TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, create_transport
 
@@ -58,6 +59,7 @@ class AutoTransport:
         self.children: dict[str, Any] = {}
         self.infos: dict[str, TransportInfo] = {}
         self.host = options.host_id or socket.gethostname()
+        self.guard = dataauth.DataGuard()  # one for all children: a receiver authorizes and opens once
         self.chosen: dict[int, str] = {}
 
     def __repr__(self) -> str:
@@ -67,6 +69,7 @@ class AutoTransport:
         for kind in available_kinds(self.options):
             try:
                 child = create_transport(kind, self.options)
+                child.guard = self.guard
                 self.infos[kind] = await child.start(rank)
                 self.children[kind] = child
             except TransportUnavailable as exc:
@@ -83,14 +86,14 @@ class AutoTransport:
         for child in self.children.values():
             child.deregister(region_id)
 
-    async def connect(self, peer: PeerInfo):
+    async def connect(self, peer: PeerInfo, key: bytes = b""):
         name = f"receiver/{peer.rank}"
         if peer.transport.kind != self.kind:
             child = self.children.get(peer.transport.kind)
             if child is None:
                 raise TransportUnavailable(f"peer uses {peer.transport.kind!r}, which is not available here "
                                            f"(have {sorted(self.children)})")
-            return await child.connect(peer)
+            return await child.connect(peer, key)
         try:
             offered = msgpack.unpackb(peer.transport.data, raw=False)
             descs = [msgpack.unpackb(r.descriptor, raw=False) for r in peer.regions]
@@ -102,7 +105,7 @@ class AutoTransport:
         regions = tuple(RegionInfo(r.region_id, r.nbytes, r.device, d[kind]) for r, d in zip(peer.regions, descs))
         self.chosen[peer.rank] = kind
         log.info("auto transport: %s via %s", name, kind)
-        return await self.children[kind].connect(PeerInfo(peer.rank, info, regions))
+        return await self.children[kind].connect(PeerInfo(peer.rank, info, regions), key)
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         out: dict[int, SourceCounters] = {}

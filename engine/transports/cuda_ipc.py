@@ -41,7 +41,7 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
-from .. import cuda_rt
+from .. import cuda_rt, dataauth
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, await_each_proof
 
@@ -69,6 +69,7 @@ class CudaIpcTransport:
         self.proof_events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # device -> (event, its IPC handle)
         self.opened_events: dict[bytes, torch.cuda.Event] = {}  # target side: senders' proof events
         self.spin_s = math.inf if options.busy_poll else cuda_rt.SPIN_S  # completion and proof polling
+        self.guard = dataauth.DataGuard()  # kept for the contract: IPC writes are one-sided (engine.dataauth)
 
     def __repr__(self) -> str:
         return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)}>"
@@ -94,7 +95,9 @@ class CudaIpcTransport:
     def deregister(self, region_id: int) -> None:
         self.regions.pop(region_id, None)
 
-    async def connect(self, peer: PeerInfo) -> "CudaIpcConnection":
+    async def connect(self, peer: PeerInfo, key: bytes = b"") -> "CudaIpcConnection":
+        """One-sided: the descriptors are the capability (the controller hands them only to the senders a
+        plan names); ``key`` is not checked here."""
         regions = {}
         for info in peer.regions:
             try:

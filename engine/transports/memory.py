@@ -26,6 +26,7 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
+from .. import dataauth
 from ..errors import ConnectionClosed, RegistrationError, TransportError
 from ..transport import SourceCounters, TransportOptions, await_each_proof, wait_after
 
@@ -51,6 +52,7 @@ class MemoryTransport:
         self.closed_epoch = -1
         self.fail_writes: Optional[str] = None  # a test sets this to make every write fail
         self.hold: Optional[asyncio.Event] = None  # a test sets this: writes land once it is set
+        self.guard = dataauth.DataGuard()
 
     def __repr__(self) -> str:
         return f"<MemoryTransport {self.address} regions={len(self.regions)}>"
@@ -68,11 +70,16 @@ class MemoryTransport:
     def deregister(self, region_id: int) -> None:
         self.regions.pop(region_id, None)
 
-    async def connect(self, peer: PeerInfo) -> "MemoryConnection":
+    async def connect(self, peer: PeerInfo, key: bytes = b"") -> "MemoryConnection":
+        name = f"receiver/{peer.rank}"
         target = _DIRECTORY.get(peer.transport.address)
         if target is None:
-            raise TransportError(f"no memory transport at {peer.transport.address}", peer=f"receiver/{peer.rank}")
-        return MemoryConnection(self, target, f"receiver/{peer.rank}", peer.transport.data == PROOF_TAG)
+            raise TransportError(f"no memory transport at {peer.transport.address}", peer=name)
+        nonce = dataauth.new_nonce()  # the same challenge as over a socket, answered in-process
+        proof = dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES)
+        if target.guard.admit(self.rank, nonce, proof, f"memory:{self.address}") is None:
+            raise ConnectionClosed("the target refused the connection (not authenticated)", peer=name)
+        return MemoryConnection(self, target, name, peer.transport.data == PROOF_TAG, key)
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {src: c for (src, e), c in self._counters.items() if e == epoch}
@@ -103,8 +110,10 @@ class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
     batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 
-    def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str, proofs: bool = False) -> None:
+    def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str, proofs: bool = False,
+                 key: bytes = b"") -> None:
         self.local, self.target, self.peer = local, target, peer
+        self.key = key
         self.proofs = proofs
         self.id = next(_NEXT)
         self.sent_count = 0
@@ -195,9 +204,15 @@ class MemoryConnection:
         """``data``: bytes to put at ``region[offset:]``, or (no region) the count of bytes already there."""
         if epoch > self.target.closed_epoch:  # a late write of a closed round is dropped, as TCP's agent does
             nbytes = data if region is None else data.numel()
-            if region is not None and nbytes:
-                region[offset:offset + nbytes].copy_(data)
             c = self.target._counters.setdefault((self.local.rank, epoch), SourceCounters())
+            region_id = next((i for i, r in self.target.regions.items() if r is region), None)
+            problem = self.target.guard.write_problem(self.local.rank, self.key, region_id) if region_id is not None \
+                else None
+            if problem is not None:  # refused as TCP's agent refuses: reported at the fence, never applied
+                self.target.guard.refuse(f"memory:{self.local.address}", f"write to region {region_id}: {problem}")
+                c.errors.append(f"refused: {problem}")
+            elif region is not None and nbytes:
+                region[offset:offset + nbytes].copy_(data)
             c.count += 1
             c.nbytes += nbytes
         async with self._landed:

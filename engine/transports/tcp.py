@@ -13,7 +13,14 @@ completes when the kernel has taken every byte (the source may then be reused). 
 connection are serialised by a FIFO lock; several connections progress at once. ``fence`` sends a
 FENCE, awaits the matching ACK and compares the target's counts with ours.
 
-Frame (little-endian): op u8, a u32, b u64, c u64, epoch u64. HELLO: a=source rank, b=magic|version.
+Authentication (``engine.dataauth``): on accept the target sends CHALLENGE (a 16-byte nonce); the
+initiator answers HELLO followed by a 32-byte proof of its pair key. Until a HELLO verifies, any other
+frame closes the connection; a refused HELLO is counted, logged with the peer's address, and closes
+it. Every WRITE is checked against the guard (the sender still named by the current plan, the region
+open), else drained and reported at the fence, never applied.
+
+Frame (little-endian): op u8, a u32, b u64, c u64, epoch u64. CHALLENGE (target -> initiator): b, c =
+the nonce's two halves. HELLO: a=source rank, b=magic|version, then 32 bytes of proof.
 WRITE: a=region, b=offset, c=nbytes, epoch=round, then nbytes of payload. FENCE: b=sequence number.
 A WRITE whose epoch the target has closed (a late write of an aborted round) is drained, not applied.
 ACK (target -> initiator): op u8, seq u64, count u64, nbytes u64, error-text length u16, error text.
@@ -31,14 +38,15 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
+from .. import dataauth
 from ..errors import ConnectionClosed, TransportError
 from ..tensors import byte_view
 from ..transport import SourceCounters, TransportOptions, wait_after
 
 HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
-OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK = 0, 1, 2, 3
-MAGIC = 0x57535443_0001  # "WSTC", version 1
+OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE = 0, 1, 2, 3, 4
+MAGIC = 0x57535443_0002  # "WSTC", version 2 (authenticated hello)
 SCRATCH = 1 << 20
 
 
@@ -58,9 +66,11 @@ class TcpTransport:
         self._agents: set[_AgentProtocol] = set()
         self.closing = False
         self.address = ""
+        self.guard = dataauth.DataGuard()
 
     def __repr__(self) -> str:
-        return f"<TcpTransport {self.address or 'not started'} regions={len(self.regions)} agents={len(self._agents)}>"
+        return (f"<TcpTransport {self.address or 'not started'} regions={len(self.regions)} agents={len(self._agents)} "
+                f"refused={self.guard.refused}>")
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
@@ -99,7 +109,7 @@ class TcpTransport:
             if mirror is not None:
                 await asyncio.to_thread(_upload, *mirror)
 
-    async def connect(self, peer: PeerInfo) -> "TcpConnection":
+    async def connect(self, peer: PeerInfo, key: bytes = b"") -> "TcpConnection":
         host, _, port = peer.transport.address.rpartition(":")
         name = f"receiver/{peer.rank}"
         loop = asyncio.get_running_loop()
@@ -111,8 +121,13 @@ class TcpTransport:
         except OSError as exc:
             sock.close()
             raise TransportError(f"cannot connect to {peer.transport.address}: {exc}", peer=name) from exc
+        try:
+            nonce = await _read_challenge(loop, sock, name)
+        except BaseException:
+            sock.close()
+            raise
         conn = TcpConnection(sock, name)
-        await conn.hello(self.rank)
+        await conn.hello(self.rank, dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES))
         return conn
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
@@ -138,6 +153,22 @@ class TcpTransport:
             self._server = None
 
 
+async def _read_challenge(loop, sock: socket.socket, peer: str) -> bytes:
+    frame = b""
+    while len(frame) < HEADER.size:
+        try:
+            chunk = await loop.sock_recv(sock, HEADER.size - len(frame))
+        except OSError as exc:
+            raise ConnectionClosed(f"no challenge from the target: {exc}", peer=peer) from exc
+        if not chunk:
+            raise ConnectionClosed("the target closed before its challenge", peer=peer)
+        frame += chunk
+    op, _, lo, hi, _ = HEADER.unpack(frame)
+    if op != OP_CHALLENGE:
+        raise TransportError(f"the target sent op {op} instead of a challenge (another version?)", peer=peer)
+    return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+
+
 def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
     device_buffer.copy_(host, non_blocking=True)
     torch.cuda.current_stream(device_buffer.device).synchronize()
@@ -155,6 +186,10 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.state = "header"
         self.drain_left = 0
         self.source = -1
+        self.key: Optional[bytes] = None  # the pair key this connection proved (None: not authenticated)
+        self.nonce = dataauth.new_nonce()
+        self.proof = bytearray(dataauth.PROOF_BYTES)
+        self.peer = "?"
         self.epoch = 0
         self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
         self.landed_bytes = 0
@@ -166,7 +201,10 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         if self.owner.closing:  # accepted just as the transport closed
             transport.close()
             return
+        self.peer = "%s:%s" % tuple(transport.get_extra_info("peername") or ("?", "?"))[:2]
         self.owner._agents.add(self)
+        lo, hi = int.from_bytes(self.nonce[:8], "little"), int.from_bytes(self.nonce[8:], "little")
+        transport.write(HEADER.pack(OP_CHALLENGE, 0, lo, hi, 0))
 
     def connection_lost(self, exc) -> None:
         self.owner._agents.discard(self)
@@ -187,6 +225,8 @@ class _AgentProtocol(asyncio.BufferedProtocol):
             return
         if self.state == "header":
             self._on_header(*HEADER.unpack(self.header))
+        elif self.state == "proof":
+            self._on_proof()
         else:  # payload complete
             self._landed(len(self.target))
             self._expect_header()
@@ -204,9 +244,23 @@ class _AgentProtocol(asyncio.BufferedProtocol):
 
     def _on_header(self, op: int, a: int, b: int, c: int, epoch: int) -> None:
         self.pos = 0
+        if self.key is None:  # nothing but an authenticated hello before anything else
+            if op == OP_HELLO and b == MAGIC and self.source < 0:
+                self.source = a
+                self.state, self.target = "proof", memoryview(self.proof)
+                return
+            self.owner.guard.refuse(self.peer, f"op {op} before an authenticated hello (magic {b:#x})")
+            self.transport.close()
+            return
         if op == OP_WRITE:
             self.epoch = epoch
             if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
+                self._drain(c)
+                return
+            problem = self.owner.guard.write_problem(self.source, self.key, a)
+            if problem is not None:
+                self.owner.guard.refuse(self.peer, f"write of {c} bytes to region {a}: {problem}")
+                self._error(f"refused: {problem}")
                 self._drain(c)
                 return
             region = self.owner.regions.get(a)
@@ -224,10 +278,14 @@ class _AgentProtocol(asyncio.BufferedProtocol):
             text = "; ".join(self.errors)[:1000].encode()
             self.errors = []
             self.transport.write(ACK.pack(OP_ACK, b, self.landed_count, self.landed_bytes, len(text)) + text)
-        elif op == OP_HELLO and b == MAGIC:
-            self.source = a
         else:
             self._error(f"unknown frame op={op} (or bad hello); closing")
+            self.transport.close()
+
+    def _on_proof(self) -> None:
+        self._expect_header()
+        self.key = self.owner.guard.admit(self.source, self.nonce, bytes(self.proof), self.peer)
+        if self.key is None:
             self.transport.close()
 
     def _drain(self, nbytes: int) -> None:
@@ -262,9 +320,9 @@ class TcpConnection:
     def __repr__(self) -> str:
         return f"<TcpConnection to {self.peer} sent={self.sent_count} writes/{self.sent_bytes} bytes>"
 
-    async def hello(self, rank: int) -> None:
+    async def hello(self, rank: int, proof: bytes) -> None:
         async with self.lock:
-            await self._send([HEADER.pack(OP_HELLO, rank, MAGIC, 0, 0)])
+            await self._send([HEADER.pack(OP_HELLO, rank, MAGIC, 0, 0), proof])
 
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:

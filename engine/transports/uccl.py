@@ -48,15 +48,15 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
-from .. import cuda_rt
+from .. import cuda_rt, dataauth
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, wait_after
 
 log = logging.getLogger("weightsync")
 
 FRAME = struct.Struct("<B3xIQQQQ")  # op, a, b, c, d, e
-OP_HELLO, OP_ADVERTISE, OP_FENCE, OP_ACCEPTED = 1, 2, 3, 4
-MAGIC = 0x5753_5543_0002  # "WSUC", version 2
+OP_HELLO, OP_ADVERTISE, OP_FENCE, OP_ACCEPTED, OP_CHALLENGE = 1, 2, 3, 4, 5
+MAGIC = 0x5753_5543_0003  # "WSUC", version 3 (a challenge first, the hello proves the pair key)
 BLOB = 64
 REFUSED = b"\0" * BLOB
 MAILBOX = 0xFFFFFFFF  # the region id that names a session's fence mailbox (one int64 at the target)
@@ -137,6 +137,10 @@ def _memory_block(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+def _peername(writer: asyncio.StreamWriter) -> str:
+    return "%s:%s" % tuple(writer.get_extra_info("peername") or ("?", "?"))[:2]
+
+
 async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, ...]:
     return FRAME.unpack(await reader.readexactly(FRAME.size))
 
@@ -192,6 +196,7 @@ class UcclTransport:
         self._sessions: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self._pairing = asyncio.Lock()
         self._stalled: Optional[str] = None
+        self.guard = dataauth.DataGuard()  # the side channel's hello proves the pair key (engine.dataauth)
 
     def __repr__(self) -> str:
         return (f"<UcclTransport gpu={self.gpu} regions={len(self.regions)} source_blocks={len(self.blocks)} "
@@ -246,10 +251,16 @@ class UcclTransport:
         self._sessions[writer] = asyncio.current_task()
         source = -1
         try:
+            nonce = dataauth.new_nonce()
+            writer.write(FRAME.pack(OP_CHALLENGE, 0, int.from_bytes(nonce[:8], "little"),
+                                    int.from_bytes(nonce[8:], "little"), 0, 0))
             op, source, magic, *_ = await _read_frame(reader)
             if op != OP_HELLO or magic != MAGIC:
-                log.error("uccl side channel: bad hello (op %d, magic %#x): closing", op, magic)
+                self.guard.refuse(_peername(writer), f"bad hello (op {op}, magic {magic:#x})")
                 return
+            proof = await reader.readexactly(dataauth.PROOF_BYTES)
+            if self.guard.admit(source, nonce, proof, _peername(writer)) is None:
+                return  # refused before any RDMA pairing: no descriptor reaches it
             conn_id = await self._pair(writer, source)
             mailbox = _Mailbox(self.options.device, self._reg)
             blob = self._advertise(conn_id, MAILBOX, 0, 8, mailbox.entry)
@@ -303,7 +314,7 @@ class UcclTransport:
 
     # --- initiator side -------------------------------------------------------------------------
 
-    async def connect(self, peer: PeerInfo) -> "UcclConnection":
+    async def connect(self, peer: PeerInfo, key: bytes = b"") -> "UcclConnection":
         name = f"receiver/{peer.rank}"
         try:
             ip, port, bdf = self.p2p.Endpoint.parse_metadata(peer.transport.data)  # 0.1.1: (ip, port, gpu bdf)
@@ -315,13 +326,22 @@ class UcclTransport:
         except Exception as exc:  # whatever parse_metadata raises on a bad blob
             raise TransportError(f"cannot parse the peer's uccl metadata: {exc!r}", peer=name) from exc
         try:
-            writer.write(FRAME.pack(OP_HELLO, self.rank, MAGIC, 0, 0, 0))
+            op, _, lo, hi, *_ = await _read_frame(reader)
+            if op != OP_CHALLENGE:
+                raise TransportError(f"the peer's uccl side channel sent op {op}, not a challenge", peer=name)
+            nonce = lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+            proof = dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES)
+            writer.write(FRAME.pack(OP_HELLO, self.rank, MAGIC, 0, 0, 0) + proof)
             op, _, magic, *_ = await _read_frame(reader)
             if op != OP_HELLO or magic != MAGIC:
                 raise TransportError(f"the peer's uccl side channel speaks another version ({magic:#x})", peer=name)
             conn_id = _ok(await _off_loop(lambda: self.ep.connect(ip, bdf, remote_port=port)), "connect", name)
             op, *_ = await _read_frame(reader)
             mailbox = await reader.readexactly(BLOB)
+        except asyncio.IncompleteReadError as exc:
+            writer.close()
+            raise ConnectionClosed("the peer closed its uccl side channel during the handshake (our pair key "
+                                   "refused?)", peer=name) from exc
         except BaseException:
             writer.close()
             raise

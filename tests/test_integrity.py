@@ -1,0 +1,222 @@
+"""Round integrity across departures and restarts, and the authenticated data plane (one event loop,
+real TCP and ZeroMQ on loopback). Each test is one defect an operator hit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+import torch
+
+from children import free_port
+from engine import dataauth
+from engine.errors import TransportError, VersionError
+from engine.transports import tcp
+from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
+from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5, checksum="crc32")
+WATCHDOG = 30
+
+
+async def push(sender, tensors, version):
+    update_in_place(tensors, version)
+    handle = await asyncio.wait_for(sender.push(version), WATCHDOG)
+    return await asyncio.wait_for(handle, WATCHDOG)
+
+
+async def test_a_departed_senders_pending_push_never_starts_a_round():
+    a_t, b_t, a2_t, recv_t = sender_tensors(0), sender_tensors(0), sender_tensors(0), receiver_tensors()
+    async with Controller(senders=2, receivers=1, options=FAST) as ctl, \
+            WeightReceiver(ctl.address, recv_t, rank=0) as receiver:
+        a = await WeightSender(ctl.address, a_t, rank=0).__aenter__()
+        async with WeightSender(ctl.address, b_t, rank=1) as b:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            await a._push_when_ready(50)  # pending: sender/1 has not pushed 50
+            await a.close()  # sender/0 goes away with its push pending (its leave follows the push)
+            for v in (1, 2, 3):  # sender/1 alone goes on
+                await push(b, b_t, v)
+        async with WeightSender(ctl.address, a2_t, rank=0) as a2:  # a fresh sender/0, alone
+            assert a2.committed == 3  # told at join what was committed before it
+            with pytest.raises(VersionError):
+                a2.push_nowait(2)
+            await push(a2, a2_t, 4)
+        assert [r.version for r in ctl.reports] == [1, 2, 3, 4]  # never a round 50 from the stale push
+        assert receiver.version == 4 and mismatches(recv_t, 4) == []
+
+
+async def test_mismatched_pushes_end_in_a_typed_error_and_can_resync():
+    ts = [sender_tensors(0), sender_tensors(0)]
+    opts = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, round_timeout_s=0.5)
+    async with Controller(senders=2, receivers=1, options=opts) as ctl, \
+            WeightSender(ctl.address, ts[0], rank=0) as a, WeightSender(ctl.address, ts[1], rank=1) as b, \
+            WeightReceiver(ctl.address, receiver_tensors(), rank=0) as receiver:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        stale = a.push_nowait(5)
+        newer = b.push_nowait(6)
+        with pytest.raises(VersionError, match="sender/1 pushed a newer version"):
+            await asyncio.wait_for(stale, WATCHDOG)  # v5 can never start: sender/1 passed it
+        update_in_place(ts[0], 6)
+        await asyncio.wait_for(a.push_nowait(6), WATCHDOG)  # sender/0 catches up: round 6 runs
+        await asyncio.wait_for(newer, WATCHDOG)
+        lonely = a.push_nowait(7)  # sender/1 never pushes 7: the round timeout ends the wait
+        with pytest.raises(VersionError, match="waited 0.5s for sender/1"):
+            await asyncio.wait_for(lonely, WATCHDOG)
+        assert receiver.version == 6
+
+
+def _stranger(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=WATCHDOG)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    return sock
+
+
+def _challenge(sock: socket.socket) -> bytes:
+    frame = b""
+    while len(frame) < tcp.HEADER.size:
+        frame += sock.recv(tcp.HEADER.size - len(frame))
+    op, _, lo, hi, _ = tcp.HEADER.unpack(frame)
+    assert op == tcp.OP_CHALLENGE
+    return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+
+
+def _attack(address: str, make_hello, epoch: int, region: int, nbytes: int) -> bytes:
+    """A hello and a write of NaNs, as a stranger on the data port would; returns what the target
+    sent back before closing (b"": it closed without answering)."""
+    with _stranger(address) as sock:
+        hello = make_hello(_challenge(sock))
+        nan = torch.full((nbytes // 4,), float("nan")).view(torch.uint8).numpy().tobytes()
+        try:
+            sock.sendall(hello + tcp.HEADER.pack(tcp.OP_WRITE, region, 0, len(nan), epoch) + nan)
+            sock.sendall(tcp.HEADER.pack(tcp.OP_FENCE, 0, 1, 0, 0))
+        except OSError:
+            return b""  # the target closed while we were still sending
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(4096):
+                out += chunk
+        return out
+
+
+@pytest.mark.parametrize("mode", ["shadow", "inplace"])
+async def test_strangers_on_the_data_port_cannot_touch_weights(mode):
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0) as sender, \
+            WeightReceiver(ctl.address, recv_t, rank=0, mode=mode) as receiver:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        address, guard = receiver.transport.address, receiver.transport.guard
+        hello = tcp.HEADER.pack(tcp.OP_HELLO, 0, tcp.MAGIC, 0, 0)
+        ours = dataauth.new_secret()
+        attempts = {
+            "old public hello": lambda nonce: tcp.HEADER.pack(tcp.OP_HELLO, 0, 0x57535443_0001, 0, 0),
+            "no proof": lambda nonce: hello + bytes(32),
+            "wrong secret": lambda nonce: hello + dataauth.prove(ours, nonce, 0),  # the real nonce, our own key
+            "a write before any hello": lambda nonce: b"",
+        }
+        loop = asyncio.get_running_loop()
+        for what, make_hello in attempts.items():
+            before = guard.refused
+            for region in (0, 1) if mode == "shadow" else (0,):
+                answer = await loop.run_in_executor(None, _attack, address, make_hello, 2, region, 4096)
+                assert answer == b"", what  # closed, no fence acknowledged
+            assert guard.refused > before, what
+            assert receiver.version == 1 and mismatches(recv_t, 1) == [], what
+        # a planned, authenticated sender cannot write where the round did not open: the live slot
+        conn = sender.conns[0]
+        live = 1 - receiver.landing_slot if mode == "shadow" else 0
+        await conn.write(torch.full((64,), float("nan")), live, 0, 9)
+        with pytest.raises(TransportError, match="not open for writing"):
+            await asyncio.wait_for(conn.fence(), WATCHDOG)
+        assert receiver.version == 1 and mismatches(recv_t, 1) == []
+        assert "refused=" in repr(receiver.transport)
+        await push(sender, send_t, 2)  # the real round still goes through
+        assert receiver.version == 2 and mismatches(recv_t, 2) == []
+
+
+def test_a_proof_is_bound_to_the_key_the_nonce_and_the_rank():
+    guard = dataauth.DataGuard()
+    key = dataauth.new_secret()
+    guard.authorize({3: key})
+    nonce = dataauth.new_nonce()
+    assert guard.admit(3, nonce, dataauth.prove(key, nonce, 3), "peer") == key
+    assert guard.admit(3, dataauth.new_nonce(), dataauth.prove(key, nonce, 3), "peer") is None  # replayed
+    assert guard.admit(4, nonce, dataauth.prove(key, nonce, 4), "peer") is None  # a rank the plan does not name
+    guard.authorize({3: dataauth.new_secret()})  # a new plan: the old key no longer writes
+    assert guard.write_problem(3, key, 0) is not None and guard.refused == 2
+
+
+async def _crash(worker) -> None:
+    """As a SIGKILL would leave it: no leave, no goodbye, sockets gone."""
+    for task in worker._tasks:
+        task.cancel()
+    await asyncio.gather(*worker._tasks, return_exceptions=True)
+    await worker.transport.close()
+    worker._channel.close()
+    worker._closed = True
+
+
+async def test_a_restarted_receiver_rejoins_and_rounds_resume():
+    send_t, recv_t, recv2_t = sender_tensors(0), receiver_tensors(), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0) as sender:
+        receiver = await WeightReceiver(ctl.address, recv_t, rank=0).__aenter__()
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        plan = ctl.plan.plan_id
+        await _crash(receiver)
+        # the new process joins while its old session is still known: refused as a duplicate, retried
+        async with WeightReceiver(ctl.address, recv2_t, rank=0) as again:
+            await asyncio.wait_for(ctl.wait_plan(after=plan), WATCHDOG)
+            await push(sender, send_t, 2)  # the sender reconnected with the new plan's key
+            assert again.version == 2 and mismatches(recv2_t, 2) == []
+
+
+@pytest.mark.parametrize("how", ["closed", "crashed"])
+async def test_workers_rejoin_a_restarted_controller_and_continue(how):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    ctl = await Controller(addr, senders=1, receivers=1, options=FAST).__aenter__()
+    async with WeightSender(addr, send_t, rank=0) as sender, \
+            WeightReceiver(addr, recv_t, rank=0) as receiver:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        for v in (1, 2, 3):  # an odd number of swaps: the receiver's landing slot is now 0
+            await push(sender, send_t, v)
+        if how == "closed":
+            await ctl.close()
+        else:
+            for task in ctl._tasks:
+                task.cancel()
+            await asyncio.gather(*ctl._tasks, return_exceptions=True)
+            ctl._chan.close()
+        async with Controller(addr, senders=1, receivers=1, options=FAST) as ctl2:
+            await asyncio.wait_for(ctl2.wait_ready(), WATCHDOG)
+            assert ctl2.committed == 3  # learned from the workers' hellos before any round
+            assert sender.sessions == receiver.sessions == 2 and sender.lost is None
+            await push(sender, send_t, 4)
+            assert receiver.version == 4 and mismatches(recv_t, 4) == []
+            with pytest.raises(Exception):
+                ctl2.update(3)
+
+
+async def test_rejoin_gives_up_at_its_deadline():
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ctl = await Controller(addr, senders=1, receivers=1, options=FAST).__aenter__()
+    sender = await WeightSender(addr, sender_tensors(0), rank=0,
+                                options=SenderOptions(rejoin_deadline_s=0.3)).__aenter__()
+    receiver = await WeightReceiver(addr, receiver_tensors(), rank=0,
+                                    options=ReceiverOptions(rejoin=False)).__aenter__()
+    try:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await ctl.close()  # gone for good: no controller comes back
+        for worker in (receiver, sender):  # rejoin off: lost at once; on: at its deadline
+            with pytest.raises(Exception):
+                await asyncio.wait_for(worker._wait_state(), WATCHDOG)
+        assert receiver.lost is not None and "could not join again" in str(sender.lost)
+    finally:
+        await sender.close()
+        await receiver.close()
