@@ -27,7 +27,7 @@ from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPla
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from wire import messages as m
 from wire.auth import Replayed, Unauthenticated
-from wire.errors import ProtocolError, VersionMismatch
+from wire.errors import FieldError, ProtocolError, VersionMismatch
 
 from .admission import admission_problem, participants
 from .channel import ControlChannel
@@ -210,12 +210,16 @@ class Controller(RoundRunner, AsyncResource):
             except VersionMismatch as exc:
                 await self._reject_version(exc)
                 continue
+            except FieldError as exc:
+                if exc.field.startswith("hello.manifest") and getattr(exc, "peer", None) is not None:
+                    log.warning("controller: malformed manifest from %r: %s", exc.peer, exc)  # a join refused
+                    await self._chan.send(m.Reject(m.RejectCode.MANIFEST_MISMATCH, f"malformed manifest: {exc}",
+                                                   PROTOCOL_VERSION[0], PROTOCOL_VERSION[1], 0, 0), to=exc.peer)
+                else:
+                    await self._bad_message(exc)
+                continue
             except ProtocolError as exc:
-                log.warning("controller: bad message from %r: %s", getattr(exc, "peer", None), exc)
-                peer_id = getattr(exc, "peer", None)
-                if peer_id is not None:
-                    await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, str(exc), getattr(exc, "field", ""), None),
-                                          to=peer_id)
+                await self._bad_message(exc)
                 continue
             if not self._rates.allow(identity, time.monotonic()):
                 self.dropped += 1
@@ -227,6 +231,13 @@ class Controller(RoundRunner, AsyncResource):
                 raise
             except Exception:  # one bad message must not take the controller down
                 log.exception("controller: failed to handle %s from %r", env.type, identity)
+
+    async def _bad_message(self, exc: ProtocolError) -> None:
+        log.warning("controller: bad message from %r: %s", getattr(exc, "peer", None), exc)
+        peer_id = getattr(exc, "peer", None)
+        if peer_id is not None:
+            await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, str(exc), getattr(exc, "field", ""), None),
+                                  to=peer_id)
 
     async def _dispatch(self, identity: bytes, env: Envelope) -> None:
         body = env.body

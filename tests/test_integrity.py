@@ -220,3 +220,31 @@ async def test_rejoin_gives_up_at_its_deadline():
     finally:
         await sender.close()
         await receiver.close()
+
+
+async def test_a_malformed_manifest_is_a_reject_naming_the_field():
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from wire import Envelope, decode, encode
+    from wire import messages as m
+    from wire_samples import BODIES
+
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl:
+        header, body = encode(Envelope(BODIES["hello"], msg_id=1, sender="sender/0", parent_id=None, version=None))
+        raw = msgpack.unpackb(body)
+        raw["manifest"]["tensors"][0]["nbytes"] += 1  # does not match shape x dtype
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(ctl.address)
+            await sock.send_multipart([header, msgpack.packb(raw)])
+            reply = decode(await asyncio.wait_for(sock.recv_multipart(), WATCHDOG))
+        finally:
+            sock.close()
+            ctx.term()
+        assert isinstance(reply.body, m.Reject) and reply.body.code == m.RejectCode.MANIFEST_MISMATCH
+        assert "hello.manifest.tensors" in reply.body.text and "nbytes" in reply.body.text
+        assert not ctl.peers

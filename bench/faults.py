@@ -1,0 +1,301 @@
+"""Fault matrix: SIGKILL a random role at a random moment, restart it, and check that no receiver ever
+serves a half-applied or an older version, and that rounds resume.
+
+    .venv/bin/python bench/faults.py --trials 300            # the target run (docs/OPERATIONS.md)
+    .venv/bin/python bench/faults.py --trials 10 --json      # figures as one JSON object on the last line
+
+How this works: a controller, S senders and R shadow receivers run as separate processes over TCP on
+loopback (this file, ``child`` verb). Senders push version after version, every tensor a pure function
+of (name, version); receivers check their live tensors against the expected bytes of the version they
+report, after every commit and between commits (continuously), and report each check. Each trial waits
+until every receiver has moved past the last trial's versions, kills one random process (controller,
+a sender or a receiver) after a random delay (so often mid-round), restarts it at once, and measures
+how long until every receiver serves a version newer than any seen at the kill, with the restarted
+process taking part (a restarted sender in a committed round). Resume times count from the moment
+the restarted process has joined (its imports take about 2.5 s here, and are not the engine's). Half the trials run
+with crc32 checksums, half without (``--checksum``). Exit status 1 on any half-applied version,
+rollback or unresumed trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {f"layer{i}.w": (64 * (i + 1), 96) for i in range(6)} | {"norm": (96,), "step": ()}
+
+
+def expected(name: str, version: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(sum(map(ord, name)) * 1_000_003 + version)
+    return torch.randn(SHAPES[name], generator=gen)
+
+
+def say(**event) -> None:
+    print(json.dumps({"t": time.monotonic(), **event}), flush=True)
+
+
+# --- the children ---------------------------------------------------------------------------------
+
+
+async def controller_child(args) -> None:
+    from roles import Controller, ControllerOptions
+
+    opts = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum)
+    async with Controller(args.addr, senders=args.senders, receivers=args.receivers, options=opts):
+        say(event="ready")
+        await asyncio.Event().wait()
+
+
+async def sender_child(args) -> None:
+    from roles import SenderOptions, WeightSender
+
+    tensors = {name: expected(name, 0) for name in SHAPES}
+    async with WeightSender(args.addr, tensors, rank=args.rank, options=SenderOptions(rejoin_deadline_s=120)) as sender:
+        say(event="ready")
+        while True:
+            version = max(sender.committed or 0, sender._last_version) + 1
+            for name, t in tensors.items():
+                t.copy_(expected(name, version))
+            try:
+                await (await sender.push(version))
+                say(event="committed", version=version)
+            except Exception as exc:  # every failure is surfaced to this process: report it, go on
+                say(event="failed", version=version, error=type(exc).__name__)
+                if sender.lost is not None:
+                    return
+
+
+async def receiver_child(args) -> None:
+    import torch
+
+    from roles import WeightReceiver
+
+    tensors = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+
+    def check(version) -> None:
+        ok = version is None or all(torch.equal(t, expected(n, version)) for n, t in tensors.items())
+        say(event="check", version=version, ok=ok)
+
+    async with WeightReceiver(args.addr, tensors, rank=args.rank, on_update=check) as receiver:
+        say(event="ready")
+        while True:  # between commits too: serving must never see anything but a whole version
+            check(receiver.version)
+            await asyncio.sleep(0.02)  # a sampling period, not synchronisation
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+
+class Cluster:
+    """The child processes, their reports, and what the reports add up to."""
+
+    def __init__(self, args, checksum: str) -> None:
+        self.args, self.checksum = args, checksum
+        self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
+        self.readers: dict[tuple[str, int], asyncio.Task] = {}
+        self.version: dict[int, int] = {}  # receiver -> version it serves now
+        self.pushed: dict[int, int] = {}  # sender -> newest version it saw committed
+        self.ready: dict[tuple[str, int], asyncio.Event] = {}
+        self.failures: list[float] = []  # when senders saw a failed push
+        self.half_applied: list[str] = []
+        self.rollbacks: list[str] = []
+        self.changed = asyncio.Event()
+        port = _free_port()
+        self.addr = f"tcp://127.0.0.1:{port}"
+
+    def roles(self) -> list[tuple[str, int]]:
+        return [("controller", 0), *(("sender", r) for r in range(self.args.senders)),
+                *(("receiver", r) for r in range(self.args.receivers))]
+
+    async def start(self, role: str, rank: int) -> None:
+        a = self.args
+        cmd = [sys.executable, __file__, "child", role, "--rank", str(rank), "--addr", self.addr,
+               "--senders", str(a.senders), "--receivers", str(a.receivers), "--checksum", self.checksum,
+               "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout)]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env={
+            **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        key = (role, rank)
+        self.procs[key] = proc
+        self.ready[key] = asyncio.Event()
+        self.readers[key] = asyncio.ensure_future(self._read(key, proc))
+
+    async def _read(self, key, proc) -> None:
+        last = None
+        async for line in proc.stdout:
+            e = json.loads(line)
+            if e["event"] == "ready":
+                self.ready[key].set()
+            elif e["event"] == "failed":
+                self.failures.append(e["t"])
+            elif e["event"] == "committed":
+                self.pushed[key[1]] = e["version"]
+                self.changed.set()
+            elif e["event"] == "check":
+                v = e["version"]
+                if not e["ok"]:
+                    self.half_applied.append(f"{key} serves v{v} with other bytes")
+                if last is not None and v is not None and v < last or last is not None and v is None:
+                    self.rollbacks.append(f"{key} went from v{last} to v{v}")
+                if v is not None:
+                    last = v
+                    self.version[key[1]] = v
+                    self.changed.set()
+
+    async def kill_and_restart(self, role: str, rank: int) -> float:
+        proc = self.procs[(role, rank)]
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        await self.readers[(role, rank)]
+        (self.version if role == "receiver" else self.pushed).pop(rank, None)  # a new process starts with none
+        await self.start(role, rank)
+        await self.ready[(role, rank)].wait()
+        return time.monotonic()
+
+    async def until(self, predicate, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return predicate()
+        return True
+
+    def all_past(self, floor: int, sender: int | None = None) -> bool:
+        """Every receiver serves a version newer than ``floor`` (and ``sender`` took part in one)."""
+        if sender is not None and self.pushed.get(sender, -1) <= floor:
+            return False
+        return len(self.version) == self.args.receivers and min(self.version.values()) > floor
+
+    async def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+        await asyncio.gather(*self.readers.values(), return_exceptions=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows: list) -> None:
+    cluster = Cluster(args, checksum)
+    try:
+        for role, rank in cluster.roles():
+            await cluster.start(role, rank)
+        if not await cluster.until(lambda: cluster.all_past(0), args.resume_limit * 4):
+            rows.append({"checksum": checksum, "victim": "start", "resumed": False})
+            return
+        for _ in range(trials):
+            floor = max(cluster.version.values())
+            role, rank = rng.choice(cluster.roles())
+            await asyncio.sleep(rng.uniform(0, args.max_delay))  # a random moment, often mid-round
+            t_kill = time.monotonic()
+            before = len(cluster.failures)
+            t_ready = await cluster.kill_and_restart(role, rank)
+            victim = rank if role == "sender" else None
+            resumed = await cluster.until(lambda: cluster.all_past(floor, victim), args.resume_limit)
+            t_resumed = time.monotonic()
+            surfaced = [t - t_kill for t in cluster.failures[before:] if t >= t_kill]
+            rows.append({"checksum": checksum, "victim": f"{role}/{rank}", "resumed": resumed,
+                         "restart_s": t_ready - t_kill, "resume_after_restart_s": t_resumed - t_ready,
+                         "resume_after_kill_s": t_resumed - t_kill,
+                         "failure_surfaced_s": min(surfaced) if surfaced else None})
+            if not resumed:
+                break  # the cluster is stuck: the remaining trials would measure nothing
+    finally:
+        rows.extend({"half_applied": h} for h in cluster.half_applied)
+        rows.extend({"rollback": r} for r in cluster.rollbacks)
+        await cluster.close()
+
+
+def summarize(rows: list, args) -> dict:
+    trials = [r for r in rows if "victim" in r]
+    resumed = [r for r in trials if r["resumed"]]
+    after = [r["resume_after_restart_s"] for r in resumed]
+    surfaced = [r["failure_surfaced_s"] for r in trials if r.get("failure_surfaced_s") is not None]
+    limit = 2 * args.timeout + args.round_allowance
+    return {
+        "trials": len(trials),
+        "half_applied": sum(1 for r in rows if "half_applied" in r),
+        "rollbacks": sum(1 for r in rows if "rollback" in r),
+        "resumed": len(resumed),
+        "resumed_ratio": len(resumed) / len(trials) if trials else 0.0,
+        "resumed_within_limit": sum(1 for s in after if s <= limit),
+        "limit_s": limit,
+        "resume_after_restart_median_s": statistics.median(after) if after else None,
+        "resume_after_restart_max_s": max(after) if after else None,
+        "resume_after_kill_median_s": statistics.median([r["resume_after_kill_s"] for r in resumed]) if resumed else None,
+        "restart_median_s": statistics.median([r["restart_s"] for r in trials]) if trials else None,
+        "failures_surfaced": len(surfaced),
+        "failure_surfaced_median_s": statistics.median(surfaced) if surfaced else None,
+        "victims": {v: sum(1 for r in trials if r["victim"] == v) for v in sorted({r["victim"] for r in trials})},
+        "problems": [r.get("half_applied") or r.get("rollback") for r in rows
+                     if "half_applied" in r or "rollback" in r][:10],
+    }
+
+
+def ok(summary: dict) -> bool:
+    return (summary["half_applied"] == 0 and summary["rollbacks"] == 0 and summary["trials"] > 0
+            and summary["resumed_within_limit"] == summary["trials"])
+
+
+async def drive(args) -> dict:
+    rng = random.Random(args.seed)
+    rows: list = []
+    modes = ["crc32", ""] if args.checksum == "both" else [args.checksum]
+    for i, checksum in enumerate(modes):
+        share = args.trials // len(modes) + (1 if i < args.trials % len(modes) else 0)
+        await run_matrix(args, checksum, share, rng, rows)
+    return summarize(rows, args)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("verb", nargs="?", default="drive", choices=["drive", "child"])
+    ap.add_argument("role", nargs="?", help="child only: controller, sender or receiver")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--senders", type=int, default=2)
+    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--checksum", default="both", help="crc32, '' (none) or both (half the trials each)")
+    ap.add_argument("--heartbeat", type=float, default=0.1, help="controller heartbeat period (s)")
+    ap.add_argument("--timeout", type=float, default=1.0, help="heartbeat timeout (s)")
+    ap.add_argument("--round-allowance", type=float, default=0.5, help="one round and its plan, in the limit (s)")
+    ap.add_argument("--resume-limit", type=float, default=20.0, help="give a trial up after this (s)")
+    ap.add_argument("--max-delay", type=float, default=0.3, help="kill after a random delay up to this (s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--addr", default="")
+    args = ap.parse_args(argv)
+    if args.verb == "child":
+        child = {"controller": controller_child, "sender": sender_child, "receiver": receiver_child}[args.role]
+        asyncio.run(child(args))
+        return 0
+    summary = asyncio.run(drive(args))
+    if not args.json:
+        for key, value in summary.items():
+            print(f"{key:32} {value}")
+    print(json.dumps(summary) if args.json else ("PASS" if ok(summary) else "FAIL"))
+    return 0 if ok(summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
