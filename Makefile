@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.weightsync-installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench-cpu bench-planner bench-gpu clean venv
+.PHONY: demo test bench-cpu bench-planner bench-faults bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ test: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/transfer_cpu.py
+
+# SIGKILL a random role 300 times, restart it; exits non-zero on a half-applied version, rollback or stall
+bench-faults: $(STAMP)
+	$(BIN)/python bench/faults.py --trials 300 --out docs/results/faults_cpu.json
 
 bench-planner: $(STAMP)
 	$(BIN)/python bench/planner_scale.py

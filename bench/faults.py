@@ -282,6 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-delay", type=float, default=0.3, help="kill after a random delay up to this (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    ap.add_argument("--out", default="", help="also write the figures (JSON) to this file")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--addr", default="")
     args = ap.parse_args(argv)
@@ -290,6 +291,10 @@ def main(argv=None) -> int:
         asyncio.run(child(args))
         return 0
     summary = asyncio.run(drive(args))
+    summary["command"] = (f"bench/faults.py --trials {args.trials} --senders {args.senders} --receivers "
+                          f"{args.receivers} --checksum '{args.checksum}' --timeout {args.timeout} --seed {args.seed}")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     if not args.json:
         for key, value in summary.items():
             print(f"{key:32} {value}")
