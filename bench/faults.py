@@ -60,11 +60,22 @@ async def controller_child(args) -> None:
         await asyncio.Event().wait()
 
 
+def _diagnosable(worker) -> None:
+    """SIGUSR1: print the worker's state; SIGUSR2: dump every thread's stack (even with the loop stuck)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR2)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: say(
+        event="state", repr=repr(worker), lost=repr(worker.lost), rejoining=repr(worker._rejoining),
+        tasks=[repr(t.get_coro()) for t in asyncio.all_tasks()][:20]))
+
+
 async def sender_child(args) -> None:
     from roles import SenderOptions, WeightSender
 
     tensors = {name: expected(name, 0) for name in SHAPES}
     async with WeightSender(args.addr, tensors, rank=args.rank, options=SenderOptions(rejoin_deadline_s=120)) as sender:
+        _diagnosable(sender)
         say(event="ready")
         while True:
             version = max(sender.committed or 0, sender._last_version) + 1
@@ -91,6 +102,7 @@ async def receiver_child(args) -> None:
         say(event="check", version=version, ok=ok)
 
     async with WeightReceiver(args.addr, tensors, rank=args.rank, on_update=check) as receiver:
+        _diagnosable(receiver)
         say(event="ready")
         while True:  # between commits too: serving must never see anything but a whole version
             check(receiver.version)
@@ -109,6 +121,7 @@ class Cluster:
         self.readers: dict[tuple[str, int], asyncio.Task] = {}
         self.version: dict[int, int] = {}  # receiver -> version it serves now
         self.pushed: dict[int, int] = {}  # sender -> newest version it saw committed
+        self.states: dict[str, dict] = {}  # a stuck cluster's workers, as they describe themselves
         self.ready: dict[tuple[str, int], asyncio.Event] = {}
         self.failures: list[float] = []  # when senders saw a failed push
         self.half_applied: list[str] = []
@@ -141,6 +154,9 @@ class Cluster:
                 self.ready[key].set()
             elif e["event"] == "failed":
                 self.failures.append(e["t"])
+            elif e["event"] == "state":
+                self.states[f"{key[0]}/{key[1]}"] = e
+                self.changed.set()
             elif e["event"] == "committed":
                 self.pushed[key[1]] = e["version"]
                 self.changed.set()
@@ -181,6 +197,26 @@ class Cluster:
             return False
         return len(self.version) == self.args.receivers and min(self.version.values()) > floor
 
+    async def diagnose(self) -> dict:
+        """What a stuck cluster looks like: the controller's status and what the children last said."""
+        from roles.daemon import request
+        from wire import messages as m
+
+        try:
+            status = (await request(self.addr, m.StatusRequest(True), timeout_s=5.0)).body.status
+            status = {k: status.get(k) for k in ("peers", "plan", "plan_error", "committed_version", "round",
+                                                 "pending_pushes")} | {
+                "last_rounds": [(r["version"], r["reason"]) for r in status.get("rounds", [])[-3:]]}
+        except Exception as exc:  # the controller itself may be what is stuck
+            status = {"unreachable": repr(exc)}
+        for (role, _), proc in self.procs.items():
+            if role != "controller" and proc.returncode is None:
+                proc.send_signal(signal.SIGUSR1)
+                proc.send_signal(signal.SIGUSR2)  # stacks go to stderr
+        await self.until(lambda: len(self.states) >= self.args.senders + self.args.receivers, 5.0)
+        return {"controller": status, "receivers": dict(self.version), "senders": dict(self.pushed),
+                "workers": self.states}
+
     async def close(self) -> None:
         for proc in self.procs.values():
             if proc.returncode is None:
@@ -219,6 +255,7 @@ async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows:
                          "resume_after_kill_s": t_resumed - t_kill,
                          "failure_surfaced_s": min(surfaced) if surfaced else None})
             if not resumed:
+                rows[-1]["stuck"] = await cluster.diagnose()
                 break  # the cluster is stuck: the remaining trials would measure nothing
     finally:
         rows.extend({"half_applied": h} for h in cluster.half_applied)
@@ -249,6 +286,7 @@ def summarize(rows: list, args) -> dict:
         "victims": {v: sum(1 for r in trials if r["victim"] == v) for v in sorted({r["victim"] for r in trials})},
         "problems": [r.get("half_applied") or r.get("rollback") for r in rows
                      if "half_applied" in r or "rollback" in r][:10],
+        "stuck": [{"victim": r["victim"], "checksum": r["checksum"], **r["stuck"]} for r in trials if "stuck" in r],
     }
 
 

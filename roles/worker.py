@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -135,9 +136,10 @@ class Worker(AsyncResource):
 
     # --- the handshake ----------------------------------------------------------------------------
 
-    async def _join_retrying(self, deadline: float) -> None:
+    async def _join_retrying(self, deadline: float, attempt_s: float = math.inf) -> None:
         """Join on a fresh channel; a refusal for a duplicate rank (our own previous session, not yet
-        timed out) is tried again with backoff until ``deadline``."""
+        timed out) is tried again with backoff until ``deadline``, and so is a hello unanswered for
+        ``attempt_s`` (on a fresh channel: whatever became of the last one)."""
         pause = self.options.rejoin_backoff_s
         rank_deadline = time.monotonic() + self.options.rank_wait_s
         while True:
@@ -148,12 +150,20 @@ class Worker(AsyncResource):
                                            identity=random_identity(self.name), auth_key=self.options.auth_key)
             self._channel.connect(self.controller_addr)
             try:
-                await self._join(self._hello_manifest, max(0.01, deadline - time.monotonic()))
+                await self._join(self._hello_manifest, max(0.01, min(attempt_s, deadline - time.monotonic())))
                 return
+            except ControllerLost:
+                if time.monotonic() >= deadline:
+                    raise
+                continue  # unanswered: a fresh channel and hello at once
             except JoinRejected as exc:
                 if exc.code != m.RejectCode.DUPLICATE_RANK or time.monotonic() + pause > min(deadline, rank_deadline):
                     raise
                 log.info("%s: %s; trying again", self.name, exc)
+            except (ProtocolError, zmq.ZMQError) as exc:  # a garbled or unexpected answer: a new channel, again
+                if time.monotonic() + pause > deadline:
+                    raise ControllerLost(f"no usable answer to hello: {exc}") from exc
+                log.warning("%s: join failed (%r); trying again", self.name, exc)
             await asyncio.sleep(pause)  # backoff between tries, not synchronisation
             pause = min(1.0, pause * 2)
 
@@ -285,9 +295,14 @@ class Worker(AsyncResource):
 
     async def _rejoin(self, cause: ControllerLost) -> None:
         deadline = time.monotonic() + self.options.rejoin_deadline_s
+        attempt_s = 2 * self.welcome.timeout_ms / 1000 if self.welcome is not None else math.inf
         try:  # the hello waits in the socket until a controller is back at the address (zmq reconnects)
-            await self._join_retrying(deadline)
-        except (ControllerLost, JoinRejected) as exc:
+            await self._join_retrying(deadline, attempt_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # whatever it was, the worker must not be left half-joined and silent
+            if not isinstance(exc, (ControllerLost, JoinRejected)):
+                log.exception("%s: joining again failed", self.name)
             self._on_closed(ControllerLost(f"could not join again within {self.options.rejoin_deadline_s}s "
                                            f"after: {cause} (last: {exc})"))
             return

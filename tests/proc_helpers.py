@@ -90,7 +90,8 @@ def _options(cls, transport: str, uccl_tcp: bool):
 
     if uccl_tcp:
         os.environ.setdefault("UCCL_P2P_TRANSPORT", "tcp")  # a test child: UCCL reads it at import
-    return cls(transport=transport, transport_options=TransportOptions(uccl_tcp=uccl_tcp))
+    # a short rejoin deadline: when a test's controller goes away for good, its children end soon after
+    return cls(transport=transport, transport_options=TransportOptions(uccl_tcp=uccl_tcp), rejoin_deadline_s=2.0)
 
 
 def sender_main(addr: str, rank: int, versions: list[int], out, block_at: int = -1,

@@ -90,6 +90,7 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     t[S, State.READY, C, m.UpdateBegin.TYPE] = State.WRITING
     t[S, State.WRITING, W, m.WritesDone.TYPE] = State.WRITTEN
     t[S, State.WRITTEN, C, m.Commit.TYPE] = State.READY
+    t[S, State.READY, W, m.WritesDone.TYPE] = State.READY  # crossed the controller's abort: ignored
     # a receiver's round
     t[R, State.READY, C, m.UpdateBegin.TYPE] = State.RECEIVING
     t[R, State.RECEIVING, W, m.BeginAck.TYPE] = State.RECEIVING  # in place: serving paused, writes may start
