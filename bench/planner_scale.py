@@ -33,6 +33,7 @@ from engine.plan import (  # noqa: E402
     seed_greedy_assignment,
     tables_from_assignment,
 )
+from engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
 from engine.shapes import state_dict_shapes, tp_slice  # noqa: E402
 from wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
 
@@ -56,20 +57,9 @@ def _transport(role, rank):
     return TransportInfo("uccl", f"{role}-host-{rank // 8}", f"10.0.{rank // 8}.{rank % 8}:9000", f"cuda:{rank % 8}", b"")
 
 
-def sender_manifest(params, rank, world, layout):
-    out = []
-    for p in params:
-        expert = "experts." in p.name and p.name.endswith("_proj") and len(p.shape) == 3
-        if layout == "dp" or not p.shape:
-            out.append(_spec(p.name, p.shape, p.dtype))
-        elif layout == "fsdp+ep" and expert:
-            step = p.shape[0] // world
-            out.append(_spec(p.name, p.shape, p.dtype, ShardSpec(p.shape, 0, rank * step, (rank + 1) * step)))
-        else:  # FSDP: a dim-0 shard whose group can gather the full tensor
-            chunk = -(-p.shape[0] // world)
-            a = min(rank * chunk, p.shape[0])
-            out.append(_spec(p.name, p.shape, p.dtype, ShardSpec(p.shape, 0, a, min(a + chunk, p.shape[0])), True))
-    return _manifest(out)
+def sender_manifest(params, rank, layout: TrainerLayout):
+    return _manifest([_spec(p.name, p.shape, p.dtype, shard, gatherable)
+                      for p, shard, gatherable in holdings(params, rank, layout)])
 
 
 def receiver_manifest(params, rank, tp, ep):
@@ -82,20 +72,25 @@ def receiver_manifest(params, rank, tp, ep):
 
 
 SCENARIOS = [
-    # name, arch, senders, sender layout, receivers, inference TP, inference EP, colocated on the same GPUs
-    ("qwen2.5-7b 1->1", "qwen2.5-7b", 1, "dp", 1, 1, 1, False),
-    ("qwen2.5-7b 8->8", "qwen2.5-7b", 8, "dp", 8, 1, 1, False),
-    ("qwen2.5-7b 16->16 colocated", "qwen2.5-7b", 16, "fsdp", 16, 1, 1, True),
-    ("qwen3-235b 128->32 tp8+ep8", "qwen3-235b-a22b", 128, "fsdp+ep", 32, 8, 8, False),
-    ("qwen3-235b 128->32 tp4+ep4", "qwen3-235b-a22b", 128, "fsdp+ep", 32, 4, 4, False),
-    ("kimi-k2 256->128 tp8+ep128", "kimi-k2", 256, "fsdp", 128, 8, 128, False),
-    ("kimi-k2 256->128 tp8", "kimi-k2", 256, "fsdp", 128, 8, 1, False),
+    # name, arch, trainer layout, receivers, inference TP, inference EP, colocated on the same GPUs
+    ("qwen2.5-7b 1->1", "qwen2.5-7b", TrainerLayout(1, fsdp=False), 1, 1, 1, False),
+    ("qwen2.5-7b 8->8", "qwen2.5-7b", TrainerLayout(8, fsdp=False), 8, 1, 1, False),
+    ("qwen2.5-7b 16->16 colocated", "qwen2.5-7b", TrainerLayout(16), 16, 1, 1, True),
+    ("qwen3-235b 128->32 tp8+ep8", "qwen3-235b-a22b", TrainerLayout(128, ep=128), 32, 8, 8, False),
+    ("qwen3-235b 128->32 tp4+ep4", "qwen3-235b-a22b", TrainerLayout(128, ep=128), 32, 4, 4, False),
+    ("qwen3-235b 96->32 ep96 (uneven) tp8+ep8", "qwen3-235b-a22b", TrainerLayout(96, ep=96), 32, 8, 8, False),
+    ("qwen3-235b 128->32 pp4+ep32 tp8+ep8", "qwen3-235b-a22b", TrainerLayout(128, pp=4, ep=32), 32, 8, 8, False),
+    ("kimi-k2 256->128 tp8+ep128", "kimi-k2", TrainerLayout(256), 128, 8, 128, False),
+    ("kimi-k2 256->128 tp8", "kimi-k2", TrainerLayout(256), 128, 8, 1, False),
+    ("kimi-k2 256->128 ep256 (uneven) tp8+ep128", "kimi-k2", TrainerLayout(256, ep=256), 128, 8, 128, False),
+    ("kimi-k2 128->128 fsdp+ep64 tp8+ep128", "kimi-k2", TrainerLayout(128, ep=64), 128, 8, 128, False),
 ]
 
 
-def run(name, arch, n_send, layout, n_recv, tp, ep, colocated, link):
+def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     params = state_dict_shapes(arch)
-    senders = [Participant(r, sender_manifest(params, r, n_send, layout), _transport("train", r)) for r in range(n_send)]
+    n_send = layout.world
+    senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(n_send)]
     where = "train" if colocated else "infer"  # colocated: inference rank r shares trainer r's GPU
     receivers = [Participant(r, receiver_manifest(params, r, tp, ep), _transport(where, r)) for r in range(n_recv)]
     t0 = time.process_time()
@@ -110,6 +105,8 @@ def run(name, arch, n_send, layout, n_recv, tp, ep, colocated, link):
     bcast_s = makespan(bcast.senders, senders, receivers, link)
     return {
         "scenario": name,
+        "trainers": layout.describe(),
+        "inference": f"tp{tp}" + (f"+ep{ep}" if ep > 1 else "") + (" colocated" if colocated else ""),
         "senders": n_send,
         "receivers": n_recv,
         "tensors": len(params),

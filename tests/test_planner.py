@@ -234,3 +234,54 @@ def test_random_manifests_plan_fully_or_raise_plan_error(scenario, min_chunk):
     check_coverage(routing, receivers)
     again = plan(senders, receivers, options=PlanOptions(min_chunk_bytes=min_chunk, chunks_per_receiver=3))
     assert again == routing
+
+
+# --- property: the lower bound is one, for every table the model replays ---------------------------
+
+
+@st.composite
+def mixed_locality(draw):
+    """Replicas and shards spread over hosts and GPUs, so pieces can arrive over several link classes."""
+    names = {f"p{i}": (draw(st.integers(1, 64)), 16) for i in range(draw(st.integers(1, 5)))}
+    place = st.tuples(st.sampled_from(["h0", "h1", "h2"]), st.sampled_from(["cuda:0", "cuda:1"]))
+    senders = []
+    n_send = draw(st.integers(1, 5))
+    for r in range(n_send):
+        host, device = draw(place)
+        specs = []
+        for n, shape in names.items():
+            if r == 0 or draw(st.booleans()):  # sender 0 holds everything: every need has a supplier
+                specs.append(tensor(n, shape))
+        senders.append(participant(r, specs, host=host, device=device))
+    receivers = []
+    for r in range(draw(st.integers(1, 4))):
+        host, device = draw(place)
+        receivers.append(participant(r, [tensor(n, s) for n, s in names.items()], host=host, device=device))
+    link = LinkModel(net_bw=draw(st.sampled_from([1e9, 5e9])), host_bw=draw(st.sampled_from([2e9, 8e9])),
+                     local_bw=draw(st.sampled_from([4e9, 3e10])), per_transfer_s=0.0)
+    return senders, receivers, link
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixed_locality(), st.booleans())
+def test_makespan_is_never_below_the_bound_with_mixed_locality(scenario, prefer_locality):
+    senders, receivers, link = scenario
+    pieces, _ = build_pieces(senders, receivers)
+    bound = lower_bound(pieces, senders, receivers, link)
+    options = PlanOptions(min_chunk_bytes=256, chunks_per_receiver=4, prefer_locality=prefer_locality)
+    tables = [plan(senders, receivers, link, options),
+              tables_from_assignment(seed_greedy_assignment(pieces, senders), senders, receivers),
+              tables_from_assignment(broadcast_assignment(pieces, senders), senders, receivers)]
+    for routing in tables:
+        assert makespan(routing.senders, senders, receivers, link) >= bound * (1 - 1e-9)
+
+
+def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
+    """A receiver on a sender's GPU, with a second sender on another GPU of its host: both ports can
+    work at once, so the bound is the bytes over both bandwidths, not over the faster one alone."""
+    link = LinkModel(host_bw=1e9, local_bw=3e9, per_transfer_s=0.0)
+    senders = [participant(0, [tensor("w", (4096, 64))], host="h", device="cuda:0"),
+               participant(1, [tensor("w", (4096, 64))], host="h", device="cuda:1")]
+    receivers = [participant(0, [tensor("w", (4096, 64))], host="h", device="cuda:0")]
+    pieces, _ = build_pieces(senders, receivers)
+    assert lower_bound(pieces, senders, receivers, link) == pytest.approx(4096 * 64 * 4 / 4e9)

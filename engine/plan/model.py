@@ -6,9 +6,14 @@ already moving, as with queued copies or RDMA work requests). A transfer's data 
 port and the receiver's port of its link class (``links.LinkClass``) for bytes / bandwidth, starting
 once it is posted and both ports are free. The makespan is when the last byte lands.
 
-``lower_bound`` ignores ordering and issue overhead: the slowest of (a) each receiver's bytes over
-its best port, (b) each sender's bytes that only it can supply, (c) all network bytes over all
-senders' network ports together. No table can beat it under this model.
+``lower_bound`` ignores ordering and issue overhead, and is a lower bound for *any* tables under this
+model (docs/PLANNER.md has the proof): the slowest of
+(a) each receiver, whose ports of different classes run concurrently: a piece may arrive through any
+    class one of its candidates reaches the receiver by, so for every set S of classes, the pieces
+    that can only use classes in S need at least bytes / (sum of the receiver's port bandwidths over
+    S) (the tightest S is the receiver's time; with one class it is bytes over that port);
+(b) each sender's bytes that only it can supply, over its port of their class;
+(c) the bytes that can only travel over the network, over all senders' network ports together.
 
 Baselines, planned from the same pieces and replayed by the same model: ``broadcast_assignment``
 (rank 0 feeds every receiver, parameter by parameter; it is even allowed to send what it would first
@@ -73,22 +78,37 @@ def lower_bound(
 ) -> float:
     s_by_rank = {p.rank: p for p in senders}
     r_by_rank = {p.rank: p for p in receivers}
-    recv_time: dict[int, float] = defaultdict(float)
+    by_classes: dict[int, dict[frozenset, int]] = defaultdict(lambda: defaultdict(int))  # receiver -> usable classes -> bytes
     forced: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    net_bytes = 0
-    best_cls: dict[tuple[int, tuple[int, ...]], LinkClass] = {}
+    net_only = 0
+    usable: dict[tuple[int, tuple[int, ...]], frozenset] = {}
     for p in pieces:
         key = (p.receiver, p.cands)
-        c = best_cls.get(key)
-        if c is None:
-            c = best_cls[key] = min(link_class(s_by_rank[s], r_by_rank[p.receiver]) for s in p.cands)
-        recv_time[p.receiver] += p.nbytes / link.port_bw(c, "receiver", p.receiver)
+        classes = usable.get(key)
+        if classes is None:
+            classes = usable[key] = frozenset(link_class(s_by_rank[s], r_by_rank[p.receiver]) for s in p.cands)
+        by_classes[p.receiver][classes] += p.nbytes
         if len(p.cands) == 1:
+            (c,) = classes
             forced[p.cands[0], c] += p.nbytes / link.port_bw(c, "sender", p.cands[0])
-        if c is LinkClass.NET:
-            net_bytes += p.nbytes
-    aggregate = net_bytes / sum(link.port_bw(LinkClass.NET, "sender", s.rank) for s in senders)
-    return max([aggregate, *recv_time.values(), *forced.values()])
+        if classes == {LinkClass.NET}:
+            net_only += p.nbytes
+    aggregate = net_only / sum(link.port_bw(LinkClass.NET, "sender", s.rank) for s in senders)
+    receiving = [receiver_bound(r, groups, link) for r, groups in by_classes.items()]
+    return max([aggregate, *receiving, *forced.values()])
+
+
+def receiver_bound(rank: int, groups: Mapping[frozenset, int], link: LinkModel) -> float:
+    """The least time receiver ``rank`` needs when its ports of all classes run at once: the bytes of
+    pieces confined to classes S, over S's summed port bandwidth, maximised over S (Hall's condition:
+    a fractional split of the pieces over the classes finishing by T exists iff no S needs longer)."""
+    present = sorted({c for classes in groups for c in classes})
+    worst = 0.0
+    for mask in range(1, 1 << len(present)):
+        subset = {c for i, c in enumerate(present) if mask >> i & 1}
+        nbytes = sum(n for classes, n in groups.items() if classes <= subset)
+        worst = max(worst, nbytes / sum(link.port_bw(c, "receiver", rank) for c in subset))
+    return worst
 
 
 def _param_order(senders: Sequence[Participant]) -> dict[str, int]:

@@ -2,8 +2,11 @@
 
 How this works, in four steps:
 1. ``build_pieces`` lists every (parameter slice, receiver) that must move and its candidate senders.
-2. Locality: each piece keeps only its best-placed candidates (same GPU, else same host, else any).
-   Pieces are grouped by (receiver, link class, candidates); a group is a byte stream for one receiver.
+2. Locality: a receiver's ports of different classes (same GPU, same host, network) work at once, so
+   its bytes are spread over the classes its candidates reach it by, in proportion to their bandwidth
+   (water-filling to the receiver's lower bound, ``model.receiver_bound``): a piece goes to its fastest
+   class with room left, cut at a row boundary where it straddles; it keeps only the candidates of
+   that class. Pieces are grouped by (receiver, link class, candidates); a group is a byte stream.
 3. Assignment: groups are cut into segments of about equal bytes (at dim-0 row boundaries where a
    tensor is larger than a segment) so that each receiver is fed by several senders at once, and each
    segment goes to the least-loaded candidate (load = busy seconds of its port), largest groups first.
@@ -30,6 +33,7 @@ from wire.schema import trusted
 from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, link_class
 from .mapping import Mapping as NameMapping
+from .model import receiver_bound
 from .needs import Piece, build_pieces
 
 MiB = 1 << 20
@@ -114,32 +118,76 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping) -> Ro
     senders = sorted(senders, key=lambda p: p.rank)
     receivers = sorted(receivers, key=lambda p: p.rank)
     pieces, _ = build_pieces(senders, receivers, transforms, mapping)
-    groups = group_by_locality(pieces, senders, receivers, options.prefer_locality)
+    groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link)
     segments = schedule(groups, link, options)
     return build_tables(segments, senders, receivers, plan_id)
 
 
 def group_by_locality(
-    pieces: Iterable[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool
+    pieces: Iterable[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool,
+    link: LinkModel = LinkModel(),
 ) -> dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]]:
+    groups: dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]] = defaultdict(list)
+    if not prefer:
+        for piece in pieces:
+            groups[(piece.receiver, LinkClass.NET, piece.cands)].append(piece)
+        return dict(groups)
     s_by_rank = {p.rank: p for p in senders}
     r_by_rank = {p.rank: p for p in receivers}
-    best: dict[tuple[int, int], tuple[LinkClass, tuple[int, ...]]] = {}
-    groups: dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]] = defaultdict(list)
+    by_class: dict[tuple[int, int], dict[LinkClass, tuple[int, ...]]] = {}  # (receiver, id(cands)) -> class -> cands
+    per_receiver: dict[int, list[Piece]] = defaultdict(list)
     for piece in pieces:
         key = (piece.receiver, id(piece.cands))  # candidate tuples are interned by build_pieces
-        choice = best.get(key)
-        if choice is None:
+        if key not in by_class:
             rp = r_by_rank[piece.receiver]
-            classes = [(link_class(s_by_rank[s], rp), s) for s in piece.cands]
-            if prefer:
-                top = min(c for c, _ in classes)
-                choice = (top, tuple(s for c, s in classes if c == top))
-            else:
-                choice = (LinkClass.NET, piece.cands)
-            best[key] = choice
-        groups[(piece.receiver, choice[0], choice[1])].append(piece)
+            split: dict[LinkClass, list[int]] = defaultdict(list)
+            for s in piece.cands:
+                split[link_class(s_by_rank[s], rp)].append(s)
+            by_class[key] = {c: tuple(ss) for c, ss in sorted(split.items())}
+        per_receiver[piece.receiver].append(piece)
+    for r, rpieces in per_receiver.items():
+        for piece, cls in _spread(r, rpieces, by_class, link):
+            groups[(r, cls, by_class[(r, id(piece.cands))][cls])].append(piece)
     return dict(groups)
+
+
+def _spread(r: int, pieces: list[Piece], by_class, link: LinkModel) -> list[tuple[Piece, LinkClass]]:
+    """Each piece of receiver ``r`` with the class it arrives by: every class gets about its share
+    (bound x port bandwidth), the fastest first; single-class pieces are placed before the others."""
+    classes_of = [by_class[(r, id(p.cands))] for p in pieces]
+    if all(len(c) == 1 for c in classes_of):  # the common case: nothing to choose
+        return [(p, next(iter(c))) for p, c in zip(pieces, classes_of)]
+    demand: dict[frozenset, int] = defaultdict(int)
+    for p, c in zip(pieces, classes_of):
+        demand[frozenset(c)] += p.nbytes
+    bound = receiver_bound(r, demand, link)
+    room = {c: bound * link.port_bw(c, "receiver", r) for cs in demand for c in cs}
+    out: list[tuple[Piece, LinkClass]] = []
+    for p, c in zip(pieces, classes_of):
+        if len(c) == 1:
+            cls = next(iter(c))
+            room[cls] -= p.nbytes
+            out.append((p, cls))
+    for p, c in zip(pieces, classes_of):
+        if len(c) > 1:
+            out.extend(_fill(p, sorted(c), room))
+    return out
+
+
+def _fill(piece: Piece, classes: list[LinkClass], room: dict[LinkClass, float]) -> list[tuple[Piece, LinkClass]]:
+    out = []
+    for cls in classes:
+        if piece.nbytes <= room[cls] + 1e-6:
+            room[cls] -= piece.nbytes
+            return [*out, (piece, cls)]
+        rows = int(max(room[cls], 0) // piece.row_bytes) if piece.row_bytes and piece.slice is not None else 0
+        if 0 < rows * piece.row_bytes < piece.nbytes:  # straddles: the head fills this class
+            head, piece = piece.split(rows * piece.row_bytes)
+            room[cls] -= head.nbytes
+            out.append((head, cls))
+    cls = max(classes, key=lambda c: (room[c], -c))  # no room anywhere: where most is left
+    room[cls] -= piece.nbytes
+    return [*out, (piece, cls)]
 
 
 class _Stream:
