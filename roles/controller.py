@@ -287,6 +287,10 @@ class Controller(RoundRunner, AsyncResource):
 
     async def _admit(self, identity: bytes, env: Envelope) -> None:
         hello: m.Hello = env.body
+        held = self.peers.get(self.by_rank.get((hello.role, hello.rank), b""))
+        if held is not None and hello.incarnation and held.hello.incarnation == hello.incarnation:
+            # the same worker joining on a new channel: its old session is abandoned, not a rival
+            self._drop(held, "replaced by a new session of the same process")
         code, text = self._admission_problem(hello)
         session = Session(hello.role, Origin.CONTROLLER)
         session.receive(m.Hello.TYPE)

@@ -24,6 +24,7 @@ import inspect
 import logging
 import math
 import os
+import secrets
 import time
 from typing import Any, Callable, Optional
 
@@ -86,6 +87,7 @@ class Worker(AsyncResource):
         self._rejoining: Optional[asyncio.Task] = None
         self._hello_manifest: Optional[Manifest] = None
         self.sessions = 0  # sessions joined so far (1 + rejoins)
+        self.incarnation = secrets.token_bytes(8)  # names this worker in every hello it sends
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
@@ -170,7 +172,8 @@ class Worker(AsyncResource):
     async def _join(self, manifest: Manifest, timeout: float) -> None:
         hello = m.Hello(self.role, self.rank, self.transport_info.host, self.transport_info.device,
                         os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                        self.options.capabilities, manifest, self.transport_info, **self._hello_fields())
+                        self.options.capabilities, manifest, self.transport_info, incarnation=self.incarnation,
+                        **self._hello_fields())
         await self._send(hello)
         try:
             _, env = await asyncio.wait_for(self._channel.recv(), timeout)

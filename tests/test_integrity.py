@@ -248,3 +248,31 @@ async def test_a_malformed_manifest_is_a_reject_naming_the_field():
         assert isinstance(reply.body, m.Reject) and reply.body.code == m.RejectCode.MANIFEST_MISMATCH
         assert "hello.manifest.tensors" in reply.body.text and "nbytes" in reply.body.text
         assert not ctl.peers
+
+
+async def test_the_same_process_on_a_new_channel_replaces_its_abandoned_session():
+    from roles.channel import ControlChannel
+    from wire import messages as m
+    import zmq
+
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightSender(ctl.address, sender_tensors(0), rank=0):
+        (old,) = [p for p in ctl.peers.values() if p.hello.role is m.Role.SENDER]
+        chan = ControlChannel(zmq.DEALER, "sender/0")
+        try:
+            chan.connect(ctl.address)
+            await chan.send(old.hello)  # the same worker: its welcome went to a channel it gave up
+            _, env = await asyncio.wait_for(chan.recv(), WATCHDOG)
+            assert isinstance(env.body, m.Welcome)
+            assert old.identity not in ctl.peers and ctl.by_rank[(m.Role.SENDER, 0)] != old.identity
+            other = __import__("dataclasses").replace(old.hello, incarnation=b"another")  # another worker
+            chan2 = ControlChannel(zmq.DEALER, "sender/0")
+            try:
+                chan2.connect(ctl.address)
+                await chan2.send(other)
+                _, env = await asyncio.wait_for(chan2.recv(), WATCHDOG)
+                assert isinstance(env.body, m.Reject) and env.body.code == m.RejectCode.DUPLICATE_RANK
+            finally:
+                chan2.close()
+        finally:
+            chan.close()

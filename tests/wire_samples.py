@@ -89,7 +89,7 @@ def samples() -> dict[str, Envelope]:
         msg_id=202, sender="sender/0", parent_id=None, version=3)
     out["begin_ack"] = Envelope(m.BeginAck(3), msg_id=203, sender="receiver/0", parent_id=None, version=3)
     out["hello_rejoin"] = Envelope(  # Hello.committed and .landing (optional): a worker that saw v41 committed
-        dataclasses.replace(BODIES["hello"], committed=41, landing=0), msg_id=204, sender="receiver/0",
+        dataclasses.replace(BODIES["hello"], committed=41, landing=0, incarnation=bytes(range(8))), msg_id=204, sender="receiver/0",
         parent_id=None, version=None)
     out["welcome_committed"] = Envelope(dataclasses.replace(BODIES["welcome"], committed=41), msg_id=205,
                                         sender="controller", parent_id=None, version=None)

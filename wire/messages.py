@@ -77,6 +77,11 @@ class Hello(Message):
     committed: Optional[U64] = None  # the newest version this worker saw committed (a controller restarted
     #                                  after it learns the committed version from these before any round)
     landing: Optional[U32] = None  # a two-slot receiver: which slot takes the next round (None: slot 1)
+    incarnation: bytes = b""  # random per worker object, the same on each of its channels (at most 16 bytes)
+
+    def _check(self) -> None:
+        if len(self.incarnation) > 16:
+            raise Violation("value", "incarnation", f"{len(self.incarnation)} bytes, at most 16")
 
 
 @struct
