@@ -276,3 +276,21 @@ async def test_the_same_process_on_a_new_channel_replaces_its_abandoned_session(
                 chan2.close()
         finally:
             chan.close()
+
+
+async def test_descriptors_and_keys_go_only_to_the_senders_a_plan_names():
+    """Two replicas, two receivers, one small tensor each: every receiver is fed by one sender, and a
+    sender learns the regions (descriptors) and the pair key of its own receivers only."""
+    spec = {"w": ((64,), torch.float32, "plain")}
+    from proc_helpers import sender_tensors as st_, receiver_tensors as rt_
+
+    async with Controller(senders=2, receivers=2, options=FAST) as ctl, \
+            WeightSender(ctl.address, st_(0, spec), rank=0) as s0, WeightSender(ctl.address, st_(0, spec), rank=1) as s1, \
+            WeightReceiver(ctl.address, rt_(spec), rank=0) as r0, WeightReceiver(ctl.address, rt_(spec), rank=1) as r1:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        for sender in (s0, s1):
+            writes_to = {t.dst_rank for t in sender.table.transfers}
+            assert {p.rank for p in sender.table.peers} == writes_to == set(sender._conn_keys)
+        for receiver in (r0, r1):
+            assert set(receiver.transport.guard.keys) == {e.src_rank for e in receiver.table.entries}
+        assert {t.dst_rank for t in s0.table.transfers}.isdisjoint({t.dst_rank for t in s1.table.transfers})
