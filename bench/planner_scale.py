@@ -97,7 +97,8 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     routing = plan(senders, receivers, link, PlanOptions())
     plan_s = time.process_time() - t0
     pieces, _ = build_pieces(senders, receivers)
-    ours = makespan(routing.senders, senders, receivers, link)
+    stats: dict = {}
+    ours = makespan(routing.senders, senders, receivers, link, stats)
     bound = lower_bound(pieces, senders, receivers, link)
     greedy = tables_from_assignment(seed_greedy_assignment(pieces, senders), senders, receivers)
     bcast = tables_from_assignment(broadcast_assignment(pieces, senders), senders, receivers)
@@ -114,6 +115,8 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "transfers": routing.transfer_count,
         "plan_seconds": round(plan_s, 3),
         "makespan_s": round(ours, 5),
+        "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
+        "gather_s": round(stats["gather_s"], 4),
         "lower_bound_s": round(bound, 5),
         "makespan_over_bound": round(ours / bound, 4),
         "seed_greedy_makespan_s": round(greedy_s, 5),

@@ -102,8 +102,8 @@ class SourceSet:
         self.transforms.begin(transfers, self._known_view, resolve, token)
         if self.gatherer is None:
             return list(transfers)
-        self.gatherer.begin(transfers)
-        return _gather_order(transfers, self.gatherer)
+        self.gatherer.begin([t for t in transfers if self.gathered(t)])  # rows in our own shard need none
+        return _gather_order(transfers, self.gatherer, self.gathered)
 
     def prepare(self, transfers: Sequence[Transfer]) -> None:
         """Once per plan, blocking (run it in a thread): compile the GPU quantization kernel for what
@@ -134,7 +134,14 @@ class SourceSet:
             return None  # raised again, to the round, when the row is staged
 
     def gathered(self, t: Transfer) -> bool:
-        return self.gatherer is not None and t.name in self.gatherer.dtensors
+        """Whether ``t`` reads a full tensor gathered this round: a sharded parameter's rows outside
+        this rank's own shard (rows inside it are read from the shard, shard-to-shard)."""
+        return self.gatherer is not None and t.name in self.gatherer.dtensors and not self._in_shard(t)
+
+    def _in_shard(self, t: Transfer) -> bool:
+        shard = self.shards.get(t.name)
+        return (shard is not None and t.slice is not None and t.slice.dim == shard.dim
+                and shard.start <= t.slice.start and t.slice.stop <= shard.stop)
 
     async def ready(self, t: Transfer) -> None:
         """Wait until ``t``'s source exists (its full tensor gathered, for a sharded parameter)."""
@@ -254,10 +261,10 @@ async def _dense_copy(t: Transfer, view: torch.Tensor, nbytes: int, pool: Stagin
     return Staged(dst, buf)
 
 
-def _gather_order(transfers: Sequence[Transfer], gatherer: Gatherer) -> list[Transfer]:
+def _gather_order(transfers: Sequence[Transfer], gatherer: Gatherer, gathered) -> list[Transfer]:
     """Keep the table's order, except that rows of gathered parameters follow the gather order."""
     out = list(transfers)
-    slots = [i for i, t in enumerate(out) if t.name in gatherer.dtensors]
+    slots = [i for i, t in enumerate(out) if gathered(t)]
     rows = sorted((out[i] for i in slots), key=gatherer.sort_key)
     for i, t in zip(slots, rows):
         out[i] = t

@@ -6,6 +6,13 @@ already moving, as with queued copies or RDMA work requests). A transfer's data 
 port and the receiver's port of its link class (``links.LinkClass``) for bytes / bandwidth, starting
 once it is posted and both ports are free. The makespan is when the last byte lands.
 
+Gathers (FSDP): a sender whose table reads rows of a gatherable parameter outside its own shard first
+pulls the rest of that full tensor, once per round (as ``engine.gather`` does), over its inbound port
+of the class that reaches the parameter's other holders (the network when they span hosts), in table
+order; a transfer starts only once its gather is done. The holders serve those rows from their
+outbound ports: the makespan is also at least any sender's outbound bytes (sends and served rows) over
+its port. Rows inside the sender's own shard need no gather (shard-to-shard).
+
 ``lower_bound`` ignores ordering and issue overhead, and is a lower bound for *any* tables under this
 model (docs/PLANNER.md has the proof): the slowest of
 (a) each receiver, whose ports of different classes run concurrently: a piece may arrive through any
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from wire import SenderTable
 
@@ -38,7 +45,10 @@ def makespan(
     senders: Sequence[Participant],
     receivers: Sequence[Participant],
     link: LinkModel,
+    stats: Optional[dict] = None,
 ) -> float:
+    """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes`` and ``gather_s`` (the
+    busiest sender's inbound gather time)."""
     s_by_rank = {p.rank: p for p in senders}
     r_by_rank = {p.rank: p for p in receivers}
     cls_cache: dict[tuple[int, int], LinkClass] = {}
@@ -49,6 +59,8 @@ def makespan(
             c = cls_cache[s, r] = link_class(s_by_rank[s], r_by_rank[r])
         return c
 
+    gathers = _Gathers(senders, link)
+    sending: dict[tuple[int, LinkClass], float] = defaultdict(float)  # each sender port's busy time
     sfree: dict[tuple[int, LinkClass], float] = defaultdict(float)
     rfree: dict[tuple[int, LinkClass], float] = defaultdict(float)
     issued = {s: 0.0 for s in tables}
@@ -62,15 +74,74 @@ def makespan(
         tr = transfers[pos[s]]
         c = cls_of(s, tr.dst_rank)
         posted = issued[s] = issued[s] + overhead
-        start = max(posted, sfree[s, c], rfree[tr.dst_rank, c])
-        end = start + tr.nbytes / link.bandwidth(c, s, tr.dst_rank)
+        start = max(posted, sfree[s, c], rfree[tr.dst_rank, c], gathers.ready(s, tr))
+        busy = tr.nbytes / link.bandwidth(c, s, tr.dst_rank)
+        end = start + busy
         sfree[s, c] = rfree[tr.dst_rank, c] = end
+        sending[s, c] += busy
         end_all = max(end_all, end)
         pos[s] += 1
         if pos[s] < len(transfers):
             nxt = transfers[pos[s]]
             heapq.heappush(heap, (max(posted + overhead, sfree[s, cls_of(s, nxt.dst_rank)]), s))
-    return end_all
+    if stats is not None:
+        stats["gathered_bytes"] = gathers.gathered_bytes
+        stats["gather_s"] = max(gathers.free.values(), default=0.0)
+    return max(end_all, gathers.serving_bound(sending))
+
+
+class _Gathers:
+    """The gathers a set of tables implies, per sender and parameter (see the module's header)."""
+
+    def __init__(self, senders: Sequence[Participant], link: LinkModel) -> None:
+        self.link = link
+        self.shards: dict[int, dict[str, object]] = {}  # sender -> name -> its gatherable TensorSpec
+        holders: dict[str, list[Participant]] = defaultdict(list)
+        for sp in senders:
+            mine = {t.name: t for t in sp.manifest.tensors if t.gatherable and t.shard is not None}
+            self.shards[sp.rank] = mine
+            for name in mine:
+                holders[name].append(sp)
+        self.holders = holders
+        self.hosts = {name: {p.host for p in ps} for name, ps in holders.items()}
+        self.free: dict[int, float] = defaultdict(float)  # sender -> when its inbound gather port frees
+        self.done: dict[tuple[int, str], float] = {}  # (sender, name) -> when its full tensor is there
+        self.gathered_bytes = 0
+
+    def ready(self, s: int, tr) -> float:
+        spec = self.shards.get(s, {}).get(tr.name)
+        if spec is None or _inside(spec.shard, tr.slice):
+            return 0.0
+        key = (s, tr.name)
+        at = self.done.get(key)
+        if at is None:
+            shard = spec.shard
+            full = spec.nbytes // max(1, shard.stop - shard.start) * shard.full_shape[shard.dim] if shard.stop > shard.start else 0
+            pull = max(0, full - spec.nbytes)
+            cls = LinkClass.NET if len(self.hosts[tr.name]) > 1 else LinkClass.HOST
+            at = self.free[s] = self.free[s] + pull / self.link.port_bw(cls, "receiver", s)
+            self.done[key] = at
+            self.gathered_bytes += pull
+        return at
+
+    def serving_bound(self, sending: Mapping[tuple[int, LinkClass], float]) -> float:
+        """Every sender port's busy time: its sends, plus the rows it serves to gatherers."""
+        gatherers: dict[str, int] = defaultdict(int)
+        for _, name in self.done:
+            gatherers[name] += 1
+        if not gatherers:
+            return 0.0
+        out = defaultdict(float, sending)
+        for name, n in gatherers.items():
+            cls = LinkClass.NET if len(self.hosts[name]) > 1 else LinkClass.HOST
+            for sp in self.holders[name]:
+                mine = (sp.rank, name) in self.done
+                out[sp.rank, cls] += self.shards[sp.rank][name].nbytes * (n - mine) / self.link.port_bw(cls, "sender", sp.rank)
+        return max(out.values())
+
+
+def _inside(shard, sl) -> bool:
+    return sl is not None and sl.dim == shard.dim and shard.start <= sl.start and sl.stop <= shard.stop
 
 
 def lower_bound(

@@ -1,24 +1,36 @@
 """From manifests to pieces: every (parameter slice, receiver) that must move, and who can supply it.
 
 How this works: ``index_sources`` checks that all senders agree on each parameter (dtype, full shape)
-and that non-gatherable shards tile cleanly. ``build_pieces`` walks each receiver's manifest (skipping
+and that shards tile cleanly. ``build_pieces`` walks each receiver's manifest (skipping
 names the receiver ties to another: one storage moves once), resolves each tensor through the name
 mapping into parts (``mapping.py``: fused components, transposes, TP shards, casts, FP8 weight and
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
 covers it. A piece
-lists its candidate senders. Every failure is a ``PlanError`` naming the parameter and ranks.
+lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that FSDP ranks hold as
+gatherable shards is cut at their shard boundaries and each part sent by the ranks whose own shard holds
+it (no gather; ``STITCH_MIN_BYTES`` per part at least, else one gathering rank sends it whole).
+Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
+holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
+bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
+share, so a small tensor keeps every holder as a candidate and a large one is gathered a few times,
+not by every sender that sends a slice of it.
+Every failure is a ``PlanError`` naming the parameter and ranks.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from wire import Slice, TensorSpec
+from math import prod
+
+from wire import Slice, TensorSpec, dtype_size
 
 from ..errors import BadTiling, ManifestMismatch, Unsuppliable
 from .links import Participant
 from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, Part, SourceShape, components, dtype_transform
 from .mapping import get_mapping, parts_for
+
+STITCH_MIN_BYTES = 1 << 20  # a shard-to-shard part smaller than this is not worth its own write
 
 
 class Piece:
@@ -57,7 +69,7 @@ class Piece:
 class Source:
     """What the senders hold of one parameter."""
 
-    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "_full_cands")
+    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "gshards", "_full_cands")
 
     def __init__(self, name: str, dtype: str, full_shape: tuple[int, ...]) -> None:
         self.name = name
@@ -65,6 +77,7 @@ class Source:
         self.full_shape = full_shape
         self.full: list[int] = []  # senders that hold or can gather the full tensor
         self.shards: dict[tuple[int, int, int], list[int]] = {}  # (dim, start, stop) -> senders
+        self.gshards: dict[tuple[int, int, int], list[int]] = {}  # the same, for gatherable (FSDP) shards
         self._full_cands: tuple[int, ...] | None = None
 
     def full_cands(self, intern: dict) -> tuple[int, ...]:
@@ -91,8 +104,9 @@ def index_sources(senders: Sequence[Participant]) -> dict[str, Source]:
                 )
             if t.shard is None or t.gatherable:
                 src.full.append(p.rank)
-            else:
-                src.shards.setdefault((t.shard.dim, t.shard.start, t.shard.stop), []).append(p.rank)
+            if t.shard is not None:
+                where = src.gshards if t.gatherable else src.shards
+                where.setdefault((t.shard.dim, t.shard.start, t.shard.stop), []).append(p.rank)
     for src in sources.values():
         _check_tiling(src)
     return sources
@@ -140,7 +154,40 @@ def build_pieces(
                 parts = recipes[key] = parts_for(t, comps, step, where, scale_of)
             for part in parts:
                 pieces.extend(_pieces_for(sources[part.src], t, rp.rank, part, intern))
+    _designate_gatherers(pieces, sources, len(senders), intern)
     return pieces, sources
+
+
+def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_senders: int, intern: dict) -> None:
+    """Give each gather-only piece one sender: per parameter, k holders (k = its bytes to send over a
+    fair share of all bytes, at least 1), chosen least-loaded first; its receivers dealt out among them."""
+    gather_only = {name for name, s in sources.items() if s.gshards and s.full and s.full_cands(intern) == tuple(
+        sorted({r for rs in s.gshards.values() for r in rs}))}
+    by_name: dict[str, list[Piece]] = {}
+    load: dict[int, int] = {}
+    for p in pieces:
+        if p.src_name in gather_only and p.cands is sources[p.src_name].full_cands(intern):
+            by_name.setdefault(p.src_name, []).append(p)
+        elif len(p.cands) == 1:
+            load[p.cands[0]] = load.get(p.cands[0], 0) + p.nbytes
+    if not by_name:
+        return
+    fair = max(1, sum(p.nbytes for p in pieces) // max(1, n_senders))
+    for name in sorted(by_name, key=lambda n: -sum(p.nbytes for p in by_name[n])):
+        group = by_name[name]
+        holders = sources[name].full_cands(intern)
+        total = sum(p.nbytes for p in group)
+        src = sources[name]
+        full = prod(src.full_shape) * dtype_size(src.dtype)
+        k = min(len(holders), max(1, -(-total // fair), fair // max(1, full)))
+        if k == len(holders):
+            continue  # small enough: every holder stays a candidate
+        chosen = tuple(sorted(sorted(holders, key=lambda s: (load.get(s, 0), s))[:k]))
+        chosen = intern.setdefault(chosen, chosen)
+        for p in group:
+            p.cands = chosen
+        for s in chosen:
+            load[s] = load.get(s, 0) + total // k
 
 
 def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optional[TensorSpec]:
@@ -155,6 +202,10 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
     need = part.slice
     region = t.region if t.region is not None else 0
     offset = t.offset + part.offset
+    if src.gshards and part.row_bytes and need is not None and need.dim == 0:
+        stitched = _stitch(src, t, rank, need, region, offset, part.row_bytes, intern)
+        if stitched is not None:
+            return stitched
     if not src.shards and src.full:
         cands = src.full_cands(intern)
     else:
@@ -168,6 +219,27 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
         return [Piece(rank, t.name, src.name, need, part.nbytes, region, offset, part.row_bytes, part.transform,
                       cands)]
     return _cover_with_shards(src, t, rank, need, region, offset, part.row_bytes, part.transform)
+
+
+def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, row_bytes: int,
+            intern: dict) -> Optional[list[Piece]]:
+    """Rows ``need`` of a plain dim-0 part, each run sent by the FSDP ranks whose own shard holds it;
+    None where the shards are not cut along dim 0, leave a gap, or would make a part too small."""
+    spans = sorted((a, b, holders) for (dim, a, b), holders in src.gshards.items() if dim == 0)
+    out: list[Piece] = []
+    at = need.start
+    for a, b, holders in spans:
+        if b <= at or a >= need.stop:
+            continue
+        stop = min(b, need.stop)
+        nbytes = (stop - at) * row_bytes
+        if a > at or nbytes < STITCH_MIN_BYTES and not (at == need.start and stop == need.stop):
+            return None
+        key = tuple(sorted(holders))
+        out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
+                         offset + (at - need.start) * row_bytes, row_bytes, "", intern.setdefault(key, key)))
+        at = stop
+    return out if at == need.stop and out else None
 
 
 def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform) -> list[Piece]:
