@@ -493,3 +493,28 @@ async def test_tcp_settle_uploads_only_regions_tcp_wrote():
         await dst.settle()  # no mirrors on CPU: nothing to upload, and the dirty set is consumed
         assert dst._dirty == set()
 
+
+
+async def test_a_write_cancelled_mid_frame_leaves_the_stream_whole():
+    """An aborted round cancels its writes; a frame already half on the wire must still be finished,
+    or the target would read the next frame as the rest of this payload (and land garbage)."""
+    big = 64 << 20
+    async with tcp_pair(big + 64) as (src, dst, conn):
+        on_the_wire = asyncio.Event()
+        real = conn._writable
+
+        async def writable():
+            on_the_wire.set()  # part of the frame is sent; the socket is full
+            await real()
+
+        conn._writable = writable
+        first = torch.full((big,), 3, dtype=torch.uint8)
+        task = asyncio.ensure_future(conn.write(first, 0, 0, 1))
+        await asyncio.wait_for(on_the_wire.wait(), WATCHDOG)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await conn.write(torch.full((64,), 9, dtype=torch.uint8), 0, big, 1)
+        await asyncio.wait_for(conn.fence(), WATCHDOG)  # both frames whole: counts agree
+        region = dst.regions[0]
+        assert bytes(region[big:big + 64]) == bytes([9]) * 64 and region[big - 1] == 3

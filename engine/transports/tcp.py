@@ -330,7 +330,12 @@ class TcpConnection:
         payload = byte_view(src)
         header = HEADER.pack(OP_WRITE, dst_region, dst_offset, len(payload), epoch)
         async with self.lock:
-            await self._send([header, payload])
+            try:
+                await self._send([header, payload])
+            except asyncio.CancelledError:  # (the frame was finished first: it counts)
+                self.sent_count += 1
+                self.sent_bytes += len(payload)
+                raise
             self.sent_count += 1
             self.sent_bytes += len(payload)
 
@@ -350,16 +355,33 @@ class TcpConnection:
                                  peer=self.peer)
 
     async def _send(self, buffers: list) -> None:
+        """Send one frame. Once any of it is on the wire the frame is finished even if the caller is
+        cancelled (an aborted round): half a frame would make the target read the next frame as the
+        rest of this payload. The caller's cancellation is raised after that."""
         if self._closed:
             raise ConnectionClosed("connection is closed", peer=self.peer)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        if self._push(views) or not views:  # the common case: the kernel took it all at once
+            return
+        rest = asyncio.ensure_future(self._drain(views))
+        cancelled = False
+        while not rest.done():
+            try:
+                await asyncio.shield(rest)
+            except asyncio.CancelledError:
+                cancelled = True
+        rest.result()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _push(self, views: list) -> bool:
+        """Send what the socket takes now, trimming ``views``; True when all of it went."""
         try:
             while views:
                 try:
                     sent = self.sock.sendmsg(views)
                 except (BlockingIOError, InterruptedError):
-                    await self._writable()
-                    continue
+                    return False
                 while sent:
                     if sent >= len(views[0]):
                         sent -= len(views[0])
@@ -370,6 +392,13 @@ class TcpConnection:
         except OSError as exc:
             self._fail(ConnectionClosed(f"send failed: {exc}", peer=self.peer))
             raise ConnectionClosed(f"send failed: {exc}", peer=self.peer) from exc
+        return True
+
+    async def _drain(self, views: list) -> None:
+        while not self._push(views):
+            if self._closed:
+                raise ConnectionClosed("connection closed while sending", peer=self.peer)
+            await self._writable()
 
     async def _writable(self) -> None:
         fut = self.loop.create_future()
