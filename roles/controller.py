@@ -32,6 +32,7 @@ from wire.errors import FieldError, ProtocolError, VersionMismatch
 from .admission import admission_problem, participants
 from .channel import ControlChannel
 from .limits import JoinLimiter, PeerLimits, RateLimiter
+from .pushes import PushBook
 from .rounds import RoundReport, RoundRunner, RoundState
 from .status import controller_status
 from .timeline import Timeline
@@ -102,9 +103,7 @@ class Controller(RoundRunner, AsyncResource):
         self._sender_plans: dict[bytes, m.Plan] = {}  # held back until the receivers have acknowledged theirs
         self._planning: Optional[asyncio.Task] = None
         self._round_task: Optional[asyncio.Task] = None
-        self._pushes: dict[int, set[bytes]] = {}  # version -> the sessions (identities) that pushed it
-        self._push_since: dict[int, float] = {}  # version -> when its first push arrived
-        self._newest_push: dict[bytes, int] = {}  # session -> the newest version it pushed
+        self.pushes = PushBook()  # pending pushes, by the session that made them
         self._ready = asyncio.Event()
         self._round_waiters: dict[int, asyncio.Future] = {}
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
@@ -415,9 +414,7 @@ class Controller(RoundRunner, AsyncResource):
         except ConfigError as exc:
             await self._send(peer, m.Error(m.ErrorCode.BAD_REQUEST, str(exc), "version", version), version=version)
             return
-        self._pushes.setdefault(version, set()).add(peer.identity)
-        self._push_since.setdefault(version, time.monotonic())
-        self._newest_push[peer.identity] = max(version, self._newest_push.get(peer.identity, -1))
+        self.pushes.add(peer.identity, version, time.monotonic())
         await self._refuse_dead_pushes()
         self._maybe_start_rounds()
 
@@ -428,39 +425,19 @@ class Controller(RoundRunner, AsyncResource):
     def _maybe_start_rounds(self) -> None:
         if self._round_task is not None or not self._ready.is_set() or self.plan is None:
             return
-        planned = self._planned_senders()
-        for version in sorted(self._pushes):
-            if self._pushes[version] >= planned:
-                self._forget_push(version)
-                if self.committed is not None and version <= self.committed:
-                    continue  # (refused at push time; a restarted controller may have learned more since)
-                self._start_round(version)
+        while (version := self.pushes.complete(self._planned_senders())) is not None:
+            self.pushes.forget(version)
+            if self.committed is None or version > self.committed:  # (a restarted controller may have
+                self._start_round(version)                          #  learned more since the push)
                 return
 
-    def _forget_push(self, version: int) -> set[bytes]:
-        self._push_since.pop(version, None)
-        return self._pushes.pop(version, set())
-
     async def _refuse_dead_pushes(self, now: Optional[float] = None) -> None:
-        """Fail pushes that can never start a round, each with a typed error to its sender: a version a
-        planned sender has passed (versions only move forward, so it will never push it), one at or
-        below the committed version, or (with ``round_timeout_s``) one that waited longer than that."""
-        planned = self._planned_senders()
-        limit = self.options.round_timeout_s
-        for version in sorted(self._pushes):
-            passed = sorted(self.peers[i].name for i in planned
-                            if i not in self._pushes[version] and self._newest_push.get(i, -1) > version)
-            if passed:
-                why = f"push of v{version} can never start: {', '.join(passed)} pushed a newer version instead"
-            elif self.committed is not None and version <= self.committed:
-                why = f"push of v{version} is not newer than the committed v{self.committed}"
-            elif now is not None and limit is not None and now - self._push_since[version] > limit:
-                waiting = sorted(self.peers[i].name for i in planned if i not in self._pushes[version])
-                why = f"push of v{version} waited {limit}s for {', '.join(waiting) or 'a plan'}"
-            else:
-                continue
+        """Fail each pending push that can never start a round (``PushBook.dead``) with a typed error."""
+        dead = list(self.pushes.dead(self._planned_senders(), lambda i: self.peers[i].name, self.committed,
+                                     now, self.options.round_timeout_s))
+        for version, why in dead:
             log.warning("controller: %s", why)
-            for identity in self._forget_push(version):
+            for identity in self.pushes.forget(version):
                 if identity in self.peers:
                     await self._send(self.peers[identity], m.Error(m.ErrorCode.BAD_REQUEST, why, "version", version),
                                      version=version)
@@ -529,16 +506,14 @@ class Controller(RoundRunner, AsyncResource):
                     self._drop(peer, f"silent for more than {self.options.timeout_s}s")
                 elif peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):
                     await self._send(peer, m.Heartbeat(seq))
-            if self._pushes:
+            if self.pushes:
                 await self._refuse_dead_pushes(now)
 
     def _drop(self, peer: Peer, why: str) -> None:
         if self.peers.pop(peer.identity, None) is None:
             return
         self.by_rank.pop(peer.key, None)
-        self._newest_push.pop(peer.identity, None)
-        for pushed in self._pushes.values():  # a departed session's pending pushes go with it
-            pushed.discard(peer.identity)
+        self.pushes.forget_session(peer.identity)  # a departed session's pending pushes go with it
         if peer.key in self._acks_pending:  # the plan can never be complete: void it, plan again
             self._acks_pending.clear()
             self._sender_plans.clear()

@@ -38,6 +38,6 @@ def controller_status(c: "Controller") -> dict:
         "plan_error": str(c.plan_error) if c.plan_error else None,
         "committed_version": c.committed,
         "round": None if c.round is None else {"version": c.round.version, "stage": c.round.stage},
-        "pending_pushes": {str(v): sorted(c.peers[i].name for i in ids if i in c.peers) for v, ids in sorted(c._pushes.items())},
+        "pending_pushes": {str(v): sorted(c.peers[i].name for i in ids if i in c.peers) for v, ids in sorted(c.pushes.pushes.items())},
         "rounds": [r.to_json() for r in c.reports[-10:]],
     }

@@ -294,3 +294,22 @@ async def test_descriptors_and_keys_go_only_to_the_senders_a_plan_names():
         for receiver in (r0, r1):
             assert set(receiver.transport.guard.keys) == {e.src_rank for e in receiver.table.entries}
         assert {t.dst_rank for t in s0.table.transfers}.isdisjoint({t.dst_rank for t in s1.table.transfers})
+
+
+def test_pushbook_names_pushes_that_can_never_start():
+    from roles.pushes import PushBook
+
+    book, name = PushBook(), {b"a": "sender/0", b"b": "sender/1"}.__getitem__
+    book.add(b"a", 5, now=0.0)
+    book.add(b"b", 6, now=0.0)
+    assert book.complete({b"a", b"b"}) is None
+    assert [v for v, _ in book.dead({b"a", b"b"}, name, committed=None)] == [5]  # sender/1 passed v5
+    assert "sender/1 pushed a newer version" in next(book.dead({b"a", b"b"}, name, None))[1]
+    book.forget(5)
+    assert list(book.dead({b"a", b"b"}, name, None, now=1.0, limit=2.0)) == []  # v6 may still come
+    assert "waited 2.0s for sender/0" in next(book.dead({b"a", b"b"}, name, None, now=3.0, limit=2.0))[1]
+    assert "not newer than the committed v6" in next(book.dead({b"a", b"b"}, name, committed=6))[1]
+    book.add(b"a", 6, now=4.0)
+    assert book.complete({b"a", b"b"}) == 6
+    book.forget_session(b"b")  # sender/1 left: its push goes with it
+    assert book.pushes[6] == {b"a"}
