@@ -10,7 +10,9 @@ bytes it has landed from that connection, and any errors.
 Initiator side: ``TcpConnection.write`` sends a 21-byte header and the payload with ``sendmsg``
 straight from the tensor's memory (no copy), waiting for writability when the socket is full; it
 completes when the kernel has taken every byte (the source may then be reused). Writes on one
-connection are serialised by a FIFO lock; several connections progress at once. ``fence`` sends a
+connection are serialised by a FIFO lock; several connections progress at once. A frame that has
+started is always finished, even when its writer is cancelled (half a frame would desynchronise the
+stream). ``fence`` sends a
 FENCE, awaits the matching ACK and compares the target's counts with ours.
 
 Authentication (``engine.dataauth``): on accept the target sends CHALLENGE (a 16-byte nonce); the
