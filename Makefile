@@ -35,7 +35,7 @@ bench-faults: $(STAMP)
 	$(BIN)/python bench/faults.py --trials 300 --out docs/results/faults_cpu.json
 
 bench-planner: $(STAMP)
-	$(BIN)/python bench/planner_scale.py
+	$(BIN)/python bench/planner_scale.py | tee docs/results/planner_scale.jsonl
 
 # on a 2-GPU machine, from the project root (see docs/TRANSPORTS.md): wheels in .whl, scripts in .gpu
 bench-gpu:
