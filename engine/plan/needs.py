@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
+import bisect
 from math import prod
 
 from wire import Slice, TensorSpec, dtype_size
@@ -69,7 +70,7 @@ class Piece:
 class Source:
     """What the senders hold of one parameter."""
 
-    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "gshards", "_full_cands")
+    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "gshards", "_full_cands", "_spans")
 
     def __init__(self, name: str, dtype: str, full_shape: tuple[int, ...]) -> None:
         self.name = name
@@ -79,6 +80,15 @@ class Source:
         self.shards: dict[tuple[int, int, int], list[int]] = {}  # (dim, start, stop) -> senders
         self.gshards: dict[tuple[int, int, int], list[int]] = {}  # the same, for gatherable (FSDP) shards
         self._full_cands: tuple[int, ...] | None = None
+        self._spans: Optional[tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]] = None
+
+    def spans(self, intern: dict) -> tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]:
+        """The gatherable dim-0 shards as sorted (start, stop, holders), with their starts (for bisect)."""
+        if self._spans is None:
+            rows = sorted((a, b, tuple(sorted(h))) for (dim, a, b), h in self.gshards.items() if dim == 0)
+            rows = [(a, b, intern.setdefault(h, h)) for a, b, h in rows]
+            self._spans = ([a for a, _, _ in rows], rows)
+        return self._spans
 
     def full_cands(self, intern: dict) -> tuple[int, ...]:
         """The full holders as one shared (interned) tuple: pieces compare and hash it cheaply."""
@@ -225,19 +235,20 @@ def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
             intern: dict) -> Optional[list[Piece]]:
     """Rows ``need`` of a plain dim-0 part, each run sent by the FSDP ranks whose own shard holds it;
     None where the shards are not cut along dim 0, leave a gap, or would make a part too small."""
-    spans = sorted((a, b, holders) for (dim, a, b), holders in src.gshards.items() if dim == 0)
+    starts, spans = src.spans(intern)
     out: list[Piece] = []
     at = need.start
-    for a, b, holders in spans:
-        if b <= at or a >= need.stop:
+    for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:
+        if b <= at:
             continue
+        if a >= need.stop:
+            break
         stop = min(b, need.stop)
         nbytes = (stop - at) * row_bytes
         if a > at or nbytes < STITCH_MIN_BYTES and not (at == need.start and stop == need.stop):
             return None
-        key = tuple(sorted(holders))
         out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
-                         offset + (at - need.start) * row_bytes, row_bytes, "", intern.setdefault(key, key)))
+                         offset + (at - need.start) * row_bytes, row_bytes, "", holders))
         at = stop
     return out if at == need.stop and out else None
 
