@@ -59,6 +59,7 @@ class DataGuard:
         self.open: Optional[frozenset[int]] = None  # writable region ids; None: not restricted yet
         self.refused = 0
         self.recent: collections.deque[str] = collections.deque(maxlen=16)
+        self.listeners: list = []  # called when the open regions change (a transport stops writes in progress)
 
     def __repr__(self) -> str:
         return f"<DataGuard senders={sorted(self.keys)} open={sorted(self.open or ())} refused={self.refused}>"
@@ -69,6 +70,8 @@ class DataGuard:
 
     def open_regions(self, regions: Iterable[int]) -> None:
         self.open = frozenset(regions)
+        for listener in self.listeners:
+            listener()
 
     def admit(self, sender: int, nonce: bytes, proof: bytes, peer: str) -> Optional[bytes]:
         """The key a connection authenticated with, or None (refused, counted, logged)."""

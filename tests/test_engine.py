@@ -518,3 +518,30 @@ async def test_a_write_cancelled_mid_frame_leaves_the_stream_whole():
         await asyncio.wait_for(conn.fence(), WATCHDOG)  # both frames whole: counts agree
         region = dst.regions[0]
         assert bytes(region[big:big + 64]) == bytes([9]) * 64 and region[big - 1] == 3
+
+
+async def test_a_payload_still_arriving_when_its_region_closes_is_drained_not_landed():
+    """A shadow buffer becomes live at commit: the rest of a write already under way into it must not
+    land there (its target was fixed when its header arrived)."""
+    big = 32 << 20
+    async with tcp_pair(big) as (src, dst, conn):
+        (agent,) = dst._agents
+        arriving = asyncio.Event()
+        real = agent.buffer_updated
+
+        def updated(n):
+            real(n)
+            if agent.state == "payload" and agent.pos > 0:
+                arriving.set()
+
+        agent.buffer_updated = updated
+        write = asyncio.ensure_future(conn.write(torch.full((big,), 5, dtype=torch.uint8), 0, 0, 1))
+        await asyncio.wait_for(arriving.wait(), WATCHDOG)
+        landed_before = agent.pos
+        dst.guard.open_regions(())  # the region stops being writable mid-payload
+        await asyncio.wait_for(write, WATCHDOG)
+        with pytest.raises(TransportError, match="stopped mid-payload"):
+            await asyncio.wait_for(conn.fence(), WATCHDOG)
+        region = dst.regions[0]
+        assert landed_before < big and region[big - 1] == 0  # the rest never landed
+        assert bytes(region[landed_before:]).count(0) == big - landed_before

@@ -76,6 +76,7 @@ class TcpTransport:
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
+        self.guard.listeners.append(self._stop_closed_writes)  # (the guard may be auto's, shared)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _AgentProtocol(self), self.options.bind_host,
                                                 self.options.port, reuse_address=True)
@@ -138,6 +139,13 @@ class TcpTransport:
     def close_epoch(self, epoch: int) -> None:
         self.closed_epoch = max(self.closed_epoch, epoch)
         self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
+        self._stop_closed_writes()
+
+    def _stop_closed_writes(self) -> None:
+        """A write whose payload is still arriving lands nowhere once its round closed or its region
+        stopped being open (a shadow buffer that just became live): the rest of it is drained."""
+        for agent in self._agents:
+            agent.stop_if_closed()
 
     def _count(self, source: int, epoch: int) -> SourceCounters:
         c = self._counters.get((source, epoch))
@@ -192,6 +200,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.nonce = dataauth.new_nonce()
         self.proof = bytearray(dataauth.PROOF_BYTES)
         self.peer = "?"
+        self.region = -1  # the region the payload in progress lands in
         self.epoch = 0
         self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
         self.landed_bytes = 0
@@ -275,7 +284,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
                 self._landed(0)
                 return
             self.owner._dirty.add(a)
-            self.state, self.target = "payload", region[b:b + c]
+            self.state, self.target, self.region = "payload", region[b:b + c], a
         elif op == OP_FENCE:
             text = "; ".join(self.errors)[:1000].encode()
             self.errors = []
@@ -283,6 +292,22 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         else:
             self._error(f"unknown frame op={op} (or bad hello); closing")
             self.transport.close()
+
+    def stop_if_closed(self) -> None:
+        if self.state != "payload":
+            return
+        guard = self.owner.guard
+        if self.epoch > self.owner.closed_epoch and (guard.open is None or self.region in guard.open):
+            return
+        left = len(self.target) - self.pos
+        self.landed_count += 1  # consumed (the initiator counts it), never completed
+        self.landed_bytes += len(self.target)
+        self._error(f"write into region {self.region} stopped mid-payload: its round or region closed")
+        self.pos = 0
+        if left:
+            self.state, self.drain_left = "drain", left
+        else:
+            self._expect_header()
 
     def _on_proof(self) -> None:
         self._expect_header()
