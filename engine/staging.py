@@ -140,8 +140,7 @@ class SourceSet:
 
     def _in_shard(self, t: Transfer) -> bool:
         shard = self.shards.get(t.name)
-        return (shard is not None and t.slice is not None and t.slice.dim == shard.dim
-                and shard.start <= t.slice.start and t.slice.stop <= shard.stop)
+        return shard is not None and shard.covers(t.slice)
 
     async def ready(self, t: Transfer) -> None:
         """Wait until ``t``'s source exists (its full tensor gathered, for a sharded parameter)."""

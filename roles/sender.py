@@ -131,9 +131,7 @@ class WeightSender(Worker):
     def _on_session_lost(self, exc: BaseException) -> None:
         if self._round is not None and not self._round.done():
             self._round.cancel()
-        for handle in self._handles.values():
-            handle.fail(exc)
-        self._handles.clear()
+        self._fail_handles(exc)
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -278,6 +276,9 @@ class WeightSender(Worker):
 
     def _on_closed(self, exc: BaseException) -> None:
         super()._on_closed(exc)
+        self._fail_handles(exc)
+
+    def _fail_handles(self, exc: BaseException) -> None:
         for handle in self._handles.values():
             handle.fail(exc)
         self._handles.clear()

@@ -67,8 +67,7 @@ def _gathers_per_round(ctl) -> dict[int, int]:
         shards = {t.name: t.shard for t in peer.hello.manifest.tensors}
         rank = peer.hello.rank
         outside = {t.name for t in ctl.plan.senders[rank].transfers
-                   if not (shards[t.name] is not None and t.slice is not None and t.slice.dim == shards[t.name].dim
-                           and shards[t.name].start <= t.slice.start and t.slice.stop <= shards[t.name].stop)}
+                   if shards[t.name] is None or not shards[t.name].covers(t.slice)}
         out[rank] = len(outside)
     return out
 

@@ -81,6 +81,13 @@ class ShardSpec:
     def slice(self) -> Slice:
         return trusted(Slice, self.dim, self.start, self.stop)  # a valid shard is a valid slice
 
+    def covers(self, sl: "Optional[Slice]") -> bool:
+        """Whether rows ``sl`` of the full tensor lie inside this shard (nil: the whole tensor, which a
+        shard covers only when it is all of it along its dim)."""
+        if sl is None:
+            return self.start == 0 and self.stop == self.full_shape[self.dim]
+        return sl.dim == self.dim and self.start <= sl.start and sl.stop <= self.stop
+
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)
         shape[self.dim] = self.stop - self.start

@@ -110,7 +110,7 @@ class _Gathers:
 
     def ready(self, s: int, tr) -> float:
         spec = self.shards.get(s, {}).get(tr.name)
-        if spec is None or _inside(spec.shard, tr.slice):
+        if spec is None or spec.shard.covers(tr.slice):
             return 0.0
         key = (s, tr.name)
         at = self.done.get(key)
@@ -139,9 +139,6 @@ class _Gathers:
                 out[sp.rank, cls] += self.shards[sp.rank][name].nbytes * (n - mine) / self.link.port_bw(cls, "sender", sp.rank)
         return max(out.values())
 
-
-def _inside(shard, sl) -> bool:
-    return sl is not None and sl.dim == shard.dim and shard.start <= sl.start and sl.stop <= shard.stop
 
 
 def lower_bound(
