@@ -36,12 +36,12 @@ from engine.aio import install_uvloop  # noqa: E402  (the engine processes run o
 BUCKET = 512 << 20
 
 
-def make_state(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    from engine.shapes import state_dict_shapes
+def make_state(device: str, seed: int = 0, model: str = "qwen2.5-7b") -> dict[str, torch.Tensor]:
+    from engine.shapes import bench_model
 
     gen = torch.Generator(device=device).manual_seed(seed)
     return {p.name: torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16)
-            for p in state_dict_shapes("qwen2.5-7b")}
+            for p in bench_model(model)}
 
 
 # --- the bound -----------------------------------------------------------------------------------
@@ -85,23 +85,25 @@ def per_tensor_copy_seconds(rounds: int) -> list[float]:
     return _timed(copy_all, rounds)
 
 
-def peer_copies(src: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
-    """Destinations on GPU 1 for ``src`` (on GPU 0), peer access on, and the pointer copies
+def peer_copies(src: dict[str, torch.Tensor], dst_device: int = 1) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
+    """Destinations on GPU ``dst_device`` for ``src`` (on GPU 0), peer access on, and the pointer copies
     ``(dst, src, nbytes)`` that fill them, in state-dict order."""
     from engine import cuda_rt
 
-    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
-    cuda_rt.enable_peer_access(0, 1)
+    dst = {k: torch.empty_like(v, device=f"cuda:{dst_device}") for k, v in src.items()}
+    if dst_device != 0:
+        cuda_rt.enable_peer_access(0, dst_device)
     return dst, [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
 
 
-def pointer_copies(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream], batch: int = 1):
-    """A function issuing ``pairs`` from GPU 0 to GPU 1, ``batch`` per call (one ``cudaMemcpyAsync`` each
-    at 1, else ``cudaMemcpyBatchAsync``), the calls taking ``streams`` in turn."""
+def pointer_copies(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream], batch: int = 1,
+                   dst_device: int = 1):
+    """A function issuing ``pairs`` from GPU 0 to GPU ``dst_device``, ``batch`` per call (one
+    ``cudaMemcpyAsync`` each at 1, else ``cudaMemcpyBatchAsync``), the calls taking ``streams`` in turn."""
     from engine import cuda_rt
 
     calls = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
-    return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % len(streams)], 0, 1) for i, c in enumerate(calls)]
+    return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % len(streams)], 0, dst_device) for i, c in enumerate(calls)]
 
 
 def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1) -> list[float]:

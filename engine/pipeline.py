@@ -1,7 +1,10 @@
 """The per-parameter pipeline: stage -> write -> complete, across many connections at once.
 
 How this works: a sender's routing table is split into one lane per receiver, keeping table order
-inside each lane. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
+inside each lane. Rows that need no work on the sender (no transform, gather or checksum; a dense
+source the connection reads where it is) are *compiled* once per plan (``engine.compiled``) and each
+round *replays* them: one ``Connection.replay`` call issues the whole table in a few host calls per
+chunk. The other rows (staged rows) go through the stages below. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
 stager prepares sources (views or staging copies, optional checksums) and the writer issues
 one-sided writes (ordered after the source's transform event, if any) and waits for their completion,
 then fences the connection. ``depth`` is the connection's own unless the options name one. A
@@ -37,7 +40,6 @@ import collections
 import dataclasses
 import functools
 import time
-from collections import defaultdict
 from typing import Callable, Mapping, Optional, Sequence
 
 from wire import Transfer
@@ -45,6 +47,7 @@ from wire.messages import Checksum, WriteSummary
 
 from .aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
+from .compiled import CompiledLane, RoundCompiler
 from .errors import ConfigError
 from .staging import SourceSet, Staged, StagingPool
 from .transport import Connection
@@ -111,10 +114,11 @@ class Pipeline:
         self.options = options
         self.pool = pool or StagingPool()
         self.budget = ByteBudget(options.max_inflight_bytes)  # replaced per run: a failed run leaks nothing
+        self.compiler = RoundCompiler()
         self.runs = 0
 
     def __repr__(self) -> str:
-        return f"<Pipeline runs={self.runs} {self.budget!r} {self.pool!r}>"
+        return f"<Pipeline runs={self.runs} {self.compiler!r} {self.budget!r} {self.pool!r}>"
 
     async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int,
                   slots: Mapping[int, int] = {},
@@ -127,18 +131,17 @@ class Pipeline:
         missing = sorted({t.dst_rank for t in transfers} - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
-        lanes: dict[int, list[Transfer]] = defaultdict(list)
         resolve, token = self._resolver(conns, slots)
-        for t in self.sources.begin(transfers, resolve, token):
-            lanes[t.dst_rank].append(t)
+        ordered = self.sources.begin(transfers, resolve, token)
+        lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum)
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
         seals = _Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
                        if on_sealed is not None else None)
         try:
-            await run_all(self._lane(conns[r], ts, reports[r], epoch, slots.get(r, 0), on_sealed is not None,
-                                     seals.one) for r, ts in sorted(lanes.items()))
+            await run_all(self._lane(conns[r], lane, lane.staged_rows(ordered, r), reports[r], epoch, slots.get(r, 0),
+                                     on_sealed is not None, seals.one) for r, lane in lanes.items())
         except BaseException:
             self.sources.abort()
             raise
@@ -161,19 +164,29 @@ class Pipeline:
             return None if address is None else address(t.dst_region + slot, t.dst_offset, t.nbytes, device)
         return resolve, (tuple(sorted(slots.items())), tuple(sorted((r, id(c)) for r, c in direct.items())))
 
-    async def _lane(self, conn: Connection, transfers: list[Transfer], report: LaneReport, epoch: int,
-                    slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
+    async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
+                    epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
+        """Replay the lane's compiled table (its direct rows), stage and write the rest, fence."""
         depth = self.options.depth or getattr(conn, "depth", DEFAULT_DEPTH)
         channel: Channel = Channel(depth)
         # (only a connection with submit seals: its writes are queued in the transport before the seal)
         seal = getattr(conn, "seal", None) if seal_early and hasattr(conn, "submit") else None
+        t0 = time.perf_counter()
+        replayed = _replay(conn, lane, report, epoch)
         try:
             readable = getattr(conn, "devices", frozenset({"cpu"}))
             await run_all([self._stager(transfers, channel, report, readable),
                            self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
+            if replayed:
+                await asyncio.gather(*replayed)
+                report.write_s += time.perf_counter() - t0
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
                 self._give_back(t, staged)
+            if replayed and not all(op.done() for op in replayed):  # (failed or cancelled elsewhere)
+                for op in replayed:
+                    op.cancel()
+                await asyncio.gather(*replayed, return_exceptions=True)
         await conn.fence()
         if not report.proof:
             sealed()
@@ -304,6 +317,16 @@ class Pipeline:
         self.sources.release(t)
         if staged.pooled:
             self.pool.give(staged.buffer)
+
+
+def _replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:
+    """Issue the lane's compiled table on ``conn`` (one or a few host calls); its completions."""
+    if lane.table is None:
+        return []
+    ops = list(conn.replay(lane.table, epoch))
+    report.count += len(lane.rows)
+    report.nbytes += lane.nbytes
+    return ops
 
 
 def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:

@@ -39,6 +39,14 @@ def _qwen3_235b():
                           num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)
 
 
+def _qwen3_30b_a3b():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)
+
+
 def _kimi_k2():
     from transformers import DeepseekV3Config
 
@@ -62,13 +70,15 @@ def gpt2_config(size: str = "small"):
 ARCHITECTURES: dict[str, Callable[[], object]] = {
     "qwen2.5-7b": _qwen25_7b,
     "qwen3-235b-a22b": _qwen3_235b,
+    "qwen3-30b-a3b": _qwen3_30b_a3b,
     "kimi-k2": _kimi_k2,
 }
 
 
 @functools.lru_cache(maxsize=None)
-def state_dict_shapes(arch: str, dtype: str = "bfloat16") -> tuple[ParamShape, ...]:
-    """The parameter names and shapes of ``arch`` (a key of ARCHITECTURES or ``gpt2-<size>``)."""
+def state_dict_shapes(arch: str, dtype: str = "bfloat16", layers: Optional[int] = None) -> tuple[ParamShape, ...]:
+    """The parameter names and shapes of ``arch`` (a key of ARCHITECTURES or ``gpt2-<size>``); ``layers``:
+    only that many decoder layers (a slice of a big model that fits a benchmark's GPUs)."""
     from transformers import AutoModelForCausalLM
 
     if arch.startswith("gpt2-"):
@@ -77,9 +87,31 @@ def state_dict_shapes(arch: str, dtype: str = "bfloat16") -> tuple[ParamShape, .
         config = ARCHITECTURES[arch]()
     else:
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCHITECTURES)} or gpt2-<size>")
+    if layers is not None:
+        config.num_hidden_layers = layers
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return tuple(ParamShape(n, tuple(t.shape), dtype) for n, t in model.state_dict().items())
+
+
+def per_expert(shapes: tuple[ParamShape, ...]) -> tuple[ParamShape, ...]:
+    """``shapes`` with each fused expert tensor (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+    [E, H, I]) split into per-expert ``experts.{e}.gate_proj/up_proj/down_proj.weight``: how most training
+    checkpoints (and the trainers of RL frameworks) hold a MoE model, thousands of tensors."""
+    out = []
+    for p in shapes:
+        fused = _EXPERTS.search(p.name)
+        if not fused:
+            out.append(p)
+            continue
+        prefix = p.name[:fused.start()] + "experts"
+        experts, rows, cols = p.shape
+        for e in range(experts):
+            if fused.group(1) == "gate_up_proj":
+                out += [ParamShape(f"{prefix}.{e}.{proj}.weight", (rows // 2, cols), p.dtype) for proj in ("gate_proj", "up_proj")]
+            else:
+                out.append(ParamShape(f"{prefix}.{e}.down_proj.weight", (rows, cols), p.dtype))
+    return tuple(out)
 
 
 _COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj|embed_tokens|lm_head)\.weight$")
@@ -110,3 +142,11 @@ def tp_slice(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int,
         return None  # not divisible (e.g. fewer KV heads than ranks): vLLM replicates these
     step = size // part
     return dim, idx * step, (idx + 1) * step
+
+
+def bench_model(name: str) -> tuple[ParamShape, ...]:
+    """The state dicts the transfer benchmarks move: ``qwen2.5-7b`` (dense, 339 tensors, 15.2 GB) and
+    ``qwen3-30b-a3b`` (12 of its 48 layers, per-expert tensors: 4,719 tensors, 16.2 GB)."""
+    if name == "qwen3-30b-a3b":
+        return per_expert(state_dict_shapes(name, layers=12))
+    return state_dict_shapes(name)

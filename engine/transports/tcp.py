@@ -34,22 +34,29 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
-from ..errors import ConnectionClosed, TransportError
+from ..errors import ConnectionClosed, StagingError, TransportError
 from ..tensors import byte_view
 from ..transport import SourceCounters, TransportOptions, wait_after
+
+if TYPE_CHECKING:
+    from ..compiled import CopyRow
 
 HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
 OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE = 0, 1, 2, 3, 4
 MAGIC = 0x57535443_0002  # "WSTC", version 2 (authenticated hello)
 SCRATCH = 1 << 20
+INTAKE = 256 << 10  # the target reads frames into this, many small ones per recv ...
+DIRECT_MIN = 64 << 10  # ... and a payload with this much left straight into its region (recv_into)
+CHUNK_IOVECS = 512  # a replay's sendmsg takes at most this many buffers (Linux IOV_MAX is 1024) ...
+CHUNK_BYTES = 16 << 20  # ... and frames of at most about this many bytes (a bigger frame goes alone)
 
 
 class TcpTransport:
@@ -129,7 +136,7 @@ class TcpTransport:
         except BaseException:
             sock.close()
             raise
-        conn = TcpConnection(sock, name)
+        conn = TcpConnection(sock, name, {r.region_id: r.nbytes for r in peer.regions})
         await conn.hello(self.rank, dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES))
         return conn
 
@@ -191,6 +198,9 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.owner = owner
         self.header = bytearray(HEADER.size)
         self.scratch = bytearray(SCRATCH)
+        self.intake = memoryview(bytearray(INTAKE))
+        self.direct = False  # the last buffer handed out was the target itself (or scratch), not the intake
+        self.dead = False
         self.target: memoryview = memoryview(self.header)
         self.pos = 0
         self.state = "header"
@@ -221,26 +231,59 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.owner._agents.discard(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.state == "drain":
+        """A large payload (or drain) is received in place; headers and small payloads, many per recv,
+        into the intake, and copied from there (``_feed``)."""
+        self.direct = True
+        if self.state == "drain" and self.drain_left >= DIRECT_MIN:
             return memoryview(self.scratch)[: min(SCRATCH, self.drain_left)]
-        return self.target[self.pos:]
+        if self.state == "payload" and len(self.target) - self.pos >= DIRECT_MIN:
+            return self.target[self.pos:]
+        self.direct = False
+        return self.intake
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.state == "drain":
+        if not self.direct:
+            self._feed(nbytes)
+        elif self.state == "drain":
             self.drain_left -= nbytes
             if self.drain_left == 0:
                 self._expect_header()
-            return
-        self.pos += nbytes
-        if self.pos < len(self.target):
-            return
+        else:
+            self.pos += nbytes
+            if self.pos == len(self.target):
+                self._complete()
+
+    def _feed(self, nbytes: int) -> None:
+        """Consume ``nbytes`` of the intake: each state takes what it needs, in order."""
+        data, at = self.intake, 0
+        while at < nbytes and not self.dead:
+            if self.state == "drain":
+                take = min(self.drain_left, nbytes - at)
+                self.drain_left -= take
+                at += take
+                if self.drain_left == 0:
+                    self._expect_header()
+                continue
+            take = min(len(self.target) - self.pos, nbytes - at)
+            self.target[self.pos:self.pos + take] = data[at:at + take]
+            self.pos += take
+            at += take
+            if self.pos == len(self.target):
+                self._complete()
+
+    def _complete(self) -> None:
+        """The buffer of the current state is full: a header, a proof or a payload."""
         if self.state == "header":
             self._on_header(*HEADER.unpack(self.header))
         elif self.state == "proof":
             self._on_proof()
-        else:  # payload complete
+        else:
             self._landed(len(self.target))
             self._expect_header()
+
+    def _close(self) -> None:
+        self.dead = True
+        self.transport.close()
 
     def _expect_header(self) -> None:
         self.state, self.target, self.pos = "header", memoryview(self.header), 0
@@ -261,7 +304,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
                 self.state, self.target = "proof", memoryview(self.proof)
                 return
             self.owner.guard.refuse(self.peer, f"op {op} before an authenticated hello (magic {b:#x})")
-            self.transport.close()
+            self._close()
             return
         if op == OP_WRITE:
             self.epoch = epoch
@@ -291,7 +334,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
             self.transport.write(ACK.pack(OP_ACK, b, self.landed_count, self.landed_bytes, len(text)) + text)
         else:
             self._error(f"unknown frame op={op} (or bad hello); closing")
-            self.transport.close()
+            self._close()
 
     def stop_if_closed(self) -> None:
         if self.state != "payload":
@@ -313,7 +356,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self._expect_header()
         self.key = self.owner.guard.admit(self.source, self.nonce, bytes(self.proof), self.peer)
         if self.key is None:
-            self.transport.close()
+            self._close()
 
     def _drain(self, nbytes: int) -> None:
         """Consume a write without applying it; it still counts as delivered for the fence."""
@@ -331,10 +374,13 @@ class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
 
     devices: frozenset = frozenset({"cpu"})  # GPU sources are staged through pinned host memory
+    direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``engine.compiled``)
+    generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, sizes: Optional[dict[int, int]] = None) -> None:
         self.sock = sock
         self.peer = peer
+        self.sizes = sizes  # region -> bytes, as the target registered them (None: unknown, no checks here)
         self.loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
         self.sent_count = 0
@@ -366,6 +412,32 @@ class TcpConnection:
             self.sent_count += 1
             self.sent_bytes += len(payload)
 
+    def compile(self, rows: Sequence[CopyRow]) -> "_Frames":
+        """A plan's direct rows as ready-made frames (``engine.compiled``): bounds checked here, once."""
+        for row in rows:
+            size = None if self.sizes is None else self.sizes.get(row.region)
+            if self.sizes is not None and (size is None or row.offset + row.nbytes > size):
+                where = "no such region" if size is None else f"region of {size} bytes"
+                raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
+                                             f"the target ({where}, {self.peer})")
+        return _Frames(rows)
+
+    def replay(self, frames: "_Frames", epoch: int) -> list[asyncio.Future]:
+        """Send every frame of a compiled table for round ``epoch``, many per ``sendmsg``; one future."""
+        if self._closed:
+            raise ConnectionClosed("connection is closed", peer=self.peer)
+        return [asyncio.ensure_future(self._replay(frames, epoch))]
+
+    async def _replay(self, frames: "_Frames", epoch: int) -> None:
+        async with self.lock:
+            frames.stamp(epoch)
+            for views, count, nbytes in frames.chunks:
+                try:
+                    await self._send_views(list(views))
+                finally:  # a chunk that started is finished (``_send_views``), even when cancelled: it counts
+                    self.sent_count += count
+                    self.sent_bytes += nbytes
+
     async def fence(self) -> None:
         self._seq += 1
         seq = self._seq
@@ -385,9 +457,12 @@ class TcpConnection:
         """Send one frame. Once any of it is on the wire the frame is finished even if the caller is
         cancelled (an aborted round): half a frame would make the target read the next frame as the
         rest of this payload. The caller's cancellation is raised after that."""
+        await self._send_views([memoryview(b).cast("B") for b in buffers if len(b)])
+
+    async def _send_views(self, views: list) -> None:
+        """``_send`` of byte memoryviews (consumed)."""
         if self._closed:
             raise ConnectionClosed("connection is closed", peer=self.peer)
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
         if self._push(views) or not views:  # the common case: the kernel took it all at once
             return
         rest = asyncio.ensure_future(self._drain(views))
@@ -472,3 +547,38 @@ class TcpConnection:
             await asyncio.gather(self._reader, return_exceptions=True)
         self._fail(ConnectionClosed("connection closed", peer=self.peer))
         self.sock.close()
+
+
+class _Frames:
+    """A compiled table for TCP: every row's WRITE header (one buffer, the epoch stamped per round) and
+    payload memoryview, grouped into chunks of whole frames of at most ``CHUNK_IOVECS`` buffers and about
+    ``CHUNK_BYTES`` bytes: each chunk is one ``sendmsg`` when the socket takes it."""
+
+    def __init__(self, rows: Sequence[CopyRow]) -> None:
+        self.headers = torch.zeros((len(rows), HEADER.size), dtype=torch.uint8)
+        raw = byte_view(self.headers)
+        for i, row in enumerate(rows):
+            HEADER.pack_into(raw, i * HEADER.size, OP_WRITE, row.region, row.offset, row.nbytes, 0)
+        self.chunks: list[tuple[list, int, int]] = []  # (buffers, frames, payload bytes)
+        views: list = []
+        count = nbytes = 0
+        for i, row in enumerate(rows):
+            frame = [raw[i * HEADER.size:(i + 1) * HEADER.size]] + ([byte_view(row.src)] if row.nbytes else [])
+            if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + row.nbytes > CHUNK_BYTES):
+                self.chunks.append((views, count, nbytes))
+                views, count, nbytes = [], 0, 0
+            views += frame
+            count += 1
+            nbytes += row.nbytes
+        if views:
+            self.chunks.append((views, count, nbytes))
+        self.epoch = 0
+
+    def __repr__(self) -> str:
+        return f"<TCP frames {len(self.headers)} in {len(self.chunks)} chunks>"
+
+    def stamp(self, epoch: int) -> None:
+        """Write ``epoch`` into every header (one tensor operation)."""
+        if epoch != self.epoch:
+            self.headers[:, HEADER.size - 8:] = torch.tensor(list(epoch.to_bytes(8, "little")), dtype=torch.uint8)
+            self.epoch = epoch
