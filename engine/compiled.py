@@ -28,7 +28,7 @@ import torch
 
 from wire import Transfer
 
-from .errors import StagingError
+from .errors import ConfigError, StagingError
 from .staging import SourceSet
 
 
@@ -89,34 +89,44 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
 
 
 class RoundCompiler:
-    """Compiled lanes of the last round's shape, rebuilt when what they depend on changes."""
+    """Compiled lanes by (receiver, landing slot, checksum, connection and its generation), for the
+    current table; a new table forgets them all."""
 
     def __init__(self) -> None:
-        self.compiles = 0  # how many times a round was compiled (a replay does not count)
-        self._key: object = None
-        self._table: object = None  # the transfers the cached lanes come from (kept: the key holds its id)
-        self._lanes: dict[int, CompiledLane] = {}
+        self.compiles = 0  # lanes compiled so far (a replay does not count)
+        self._table: object = None  # the transfers the cached lanes come from
+        self._by_rank: dict[int, list[Transfer]] = {}
+        self._cache: dict[tuple, tuple[object, CompiledLane]] = {}  # key -> (its connection, lane)
 
     def __repr__(self) -> str:
-        return f"<RoundCompiler compiles={self.compiles} lanes={len(self._lanes)}>"
+        return f"<RoundCompiler compiles={self.compiles} cached={len(self._cache)}>"
 
     def lanes(self, transfers: Sequence[Transfer], sources: SourceSet, conns: Mapping[int, object],
               slots: Mapping[int, int], checksum: str) -> dict[int, CompiledLane]:
         """Receiver rank -> its compiled lane, for every receiver ``transfers`` names."""
-        key = (id(transfers), checksum, tuple(sorted(slots.items())),
-               tuple((r, id(c), getattr(c, "generation", 0)) for r, c in sorted(conns.items())))
-        if key == self._key and transfers is self._table and isinstance(transfers, tuple):
-            return self._lanes
-        by_rank: dict[int, list[Transfer]] = {}
-        for t in transfers:
-            by_rank.setdefault(t.dst_rank, []).append(t)
+        if transfers is not self._table or not isinstance(transfers, tuple):
+            self._cache.clear()
+            self._by_rank = {}
+            for t in transfers:
+                self._by_rank.setdefault(t.dst_rank, []).append(t)
+            self._table = transfers if isinstance(transfers, tuple) else None  # (a list may change: never cached)
+        missing = sorted(set(self._by_rank) - set(conns))
+        if missing:
+            raise ConfigError("connections", f"no connection to receivers {missing}")
         stable = sources.gatherer is None
-        lanes = {rank: compile_lane(rows, sources, conns[rank], slots.get(rank, 0), checksum, stable)
-                 for rank, rows in sorted(by_rank.items())}
-        self.compiles += 1
-        self._key, self._table, self._lanes = key, transfers, lanes
-        return lanes
+        out = {}
+        for rank, rows in sorted(self._by_rank.items()):
+            conn, slot = conns[rank], slots.get(rank, 0)
+            key = (rank, slot, checksum, getattr(conn, "generation", 0))
+            entry = self._cache.get(key)
+            if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, stable))
+                self.compiles += 1
+            out[rank] = entry[1]
+        if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables
+            current = {id(c) for c in conns.values()}
+            self._cache = {k: e for k, e in self._cache.items() if id(e[0]) in current}
+        return out
 
     def forget(self) -> None:
-        self._key, self._table, self._lanes = None, None, {}
-
+        self._table, self._by_rank, self._cache = None, {}, {}

@@ -173,32 +173,44 @@ def batch_copies() -> bool:
     return not _batch_refused and runtime_version() >= 12080 and hasattr(_lib(), "cudaMemcpyBatchAsync")
 
 
+class BatchCopies:
+    """Pointer copies ``(dst, src, nbytes)`` from ``src_device``'s memory to ``dst_device``'s with their
+    argument arrays built once: ``launch(stream)`` queues them all in one ``cudaMemcpyBatchAsync`` (the
+    driver schedules the whole list), or one ``cudaMemcpyAsync`` each where the runtime or driver lacks
+    it. A compiled round keeps these across rounds (``engine.transports.cuda_ipc``)."""
+
+    def __init__(self, copies: Sequence[tuple[int, int, int]], src_device: int, dst_device: int) -> None:
+        self.copies = [c for c in copies if c[2]]
+        count = self.count = len(self.copies)
+        self.dsts = (ctypes.c_void_p * count)(*(c[0] for c in self.copies))
+        self.srcs = (ctypes.c_void_p * count)(*(c[1] for c in self.copies))
+        self.sizes = (ctypes.c_size_t * count)(*(c[2] for c in self.copies))
+        self.attrs = _MemcpyAttributes(MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLocation(MEM_LOCATION_TYPE_DEVICE, src_device),
+                                       _MemLocation(MEM_LOCATION_TYPE_DEVICE, dst_device), 0)
+        self.first = (ctypes.c_size_t * 1)(0)
+
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        global _batch_refused
+        if self.count > 1 and batch_copies():
+            tail: tuple = () if runtime_version() >= 13000 else (ctypes.byref(ctypes.c_size_t(0)),)  # failIdx until 13
+            with on_device(stream.device.index):
+                code = _lib().cudaMemcpyBatchAsync(self.dsts, self.srcs, self.sizes, ctypes.c_size_t(self.count),
+                                                   ctypes.byref(self.attrs), self.first, ctypes.c_size_t(1), *tail,
+                                                   ctypes.c_void_p(stream.cuda_stream))
+            if code not in (ERROR_REQUIRES_NEWER_DRIVER, ERROR_NOT_SUPPORTED):
+                _check(code, "cudaMemcpyBatchAsync")
+                return
+            _lib().cudaGetLastError()
+            _batch_refused = True
+        for dst, src, nbytes in self.copies:
+            memcpy_async(dst, src, nbytes, stream)
+
+
 def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: torch.cuda.Stream,
                        src_device: int, dst_device: int) -> None:
-    """Pointer copies ``(dst, src, nbytes)`` from ``src_device``'s memory to ``dst_device``'s, queued on
-    ``stream`` in order, in one ``cudaMemcpyBatchAsync`` (the driver schedules the whole list: a 7B
-    model's 339 tensors in calls of 16 copy about 1 ms faster than one call each, docs/TRANSPORTS.md);
-    one ``cudaMemcpyAsync`` each where the runtime or driver lacks it."""
-    global _batch_refused
-    count = len(copies)
-    if count > 1 and batch_copies():
-        dsts = (ctypes.c_void_p * count)(*(c[0] for c in copies))
-        srcs = (ctypes.c_void_p * count)(*(c[1] for c in copies))
-        sizes = (ctypes.c_size_t * count)(*(c[2] for c in copies))
-        attrs = _MemcpyAttributes(MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLocation(MEM_LOCATION_TYPE_DEVICE, src_device),
-                                  _MemLocation(MEM_LOCATION_TYPE_DEVICE, dst_device), 0)
-        first = (ctypes.c_size_t * 1)(0)
-        tail: tuple = () if runtime_version() >= 13000 else (ctypes.byref(ctypes.c_size_t(0)),)  # failIdx until 13
-        with on_device(stream.device.index):
-            code = _lib().cudaMemcpyBatchAsync(dsts, srcs, sizes, ctypes.c_size_t(count), ctypes.byref(attrs), first,
-                                               ctypes.c_size_t(1), *tail, ctypes.c_void_p(stream.cuda_stream))
-        if code not in (ERROR_REQUIRES_NEWER_DRIVER, ERROR_NOT_SUPPORTED):
-            _check(code, "cudaMemcpyBatchAsync")
-            return
-        _lib().cudaGetLastError()
-        _batch_refused = True
-    for dst, src, nbytes in copies:
-        memcpy_async(dst, src, nbytes, stream)
+    """``BatchCopies(copies, src_device, dst_device).launch(stream)``: a 7B model's 339 tensors in calls of
+    16 copy about 1 ms faster than one call each (docs/TRANSPORTS.md)."""
+    BatchCopies(copies, src_device, dst_device).launch(stream)
 
 
 SPIN_S = 0.002  # after a wait starts, yield to the loop without sleeping this long (epoll sleeps >= 1 ms)

@@ -232,7 +232,7 @@ class WeightReceiver(Worker):
                 problems.append(f"from sender/{src} landed {c.count} writes/{c.nbytes} bytes, expected "
                                 f"{count}/{nbytes} {'; '.join(c.errors[:3])}")
                 bad_src.add(src)
-        names = sorted({e.name for e in self.table.entries if e.src_rank in bad_src})
+        names = sorted({e.name for e in self.table.entries if e.src_rank in bad_src}) if bad_src else []
         return problems, names
 
     def _check_checksums(self, summaries: tuple[m.WriteSummary, ...]) -> list[str]:

@@ -31,19 +31,23 @@ carries the proof, so the target never sees an older record of the event.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import socket
 import struct
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import cuda_rt, dataauth
-from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
+from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, await_each_proof
+
+if TYPE_CHECKING:
+    from ..compiled import CopyRow
 
 DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
 PROOF = struct.Struct("<4sII64s")  # PROOF_MAGIC, pid, device, interprocess event handle
@@ -188,8 +192,11 @@ class CudaIpcTransport:
 
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
+    direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``engine.compiled``)
+    generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
     batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
+    chunk_rows = 256  # rows per batch call of a compiled replay to another GPU (bench/copy_batches.py)
 
     def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str, proofs: bool = False) -> None:
         self.owner = owner
@@ -263,6 +270,46 @@ class CudaIpcConnection:
         self.sent_count += len(rows)
         self.sent_bytes += sum(nbytes for _, nbytes in checked)
         return [self._completion(device, stream)] * len(rows)
+
+    def compile(self, rows: Sequence[CopyRow]) -> "_IpcTable":
+        """A plan's direct rows (``engine.compiled``) as launches made once: to another GPU, batch calls
+        of ``chunk_rows`` copies with their pointer arrays built; on the same GPU (colocated), one copy
+        kernel launch (``engine.copy_kernel``). A row that does not fit its region raises
+        ``StagingError`` naming the parameter."""
+        by_device: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for row in rows:
+            desc = self.regions.get(row.region)
+            if desc is None or row.offset + row.nbytes > desc[4]:
+                where = "no such region" if desc is None else f"region of {desc[4]} bytes"
+                raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
+                                             f"the target ({where}, {self.peer})")
+            device = row.src.device.index
+            copy = (self._base(row.region, desc, device) + row.offset, row.src.data_ptr(), row.nbytes)
+            by_device.setdefault((device, desc[1]), []).append(copy)
+        launches = []
+        for (device, target), copies in sorted(by_device.items()):
+            if device == target and copy_kernel() is not None:
+                launches.append((device, copy_kernel().CopyKernel(copies, device)))
+                continue
+            launches += [(device, cuda_rt.BatchCopies(copies[i:i + self.chunk_rows], device, target))
+                         for i in range(0, len(copies), self.chunk_rows)]
+        return _IpcTable(launches, len(rows), sum(row.nbytes for row in rows))
+
+    def replay(self, table: "_IpcTable", epoch: int) -> list[asyncio.Future]:
+        """Queue a compiled table's launches on the copy streams, in turn; a completion per launch."""
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        done = []
+        for device, launch in table.launches:
+            self._after_producer(device, epoch)
+            stream = self.owner.stream(device, self._issued)
+            self._issued += 1
+            self._unsealed.add(device)
+            launch.launch(stream)
+            done.append(self._completion(device, stream))
+        self.sent_count += table.count
+        self.sent_bytes += table.nbytes
+        return done
 
     def _bounds(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> tuple[tuple, int]:
         """(the target region's descriptor, byte count) of a write of ``src`` at region+offset; raises
@@ -350,4 +397,24 @@ class CudaIpcConnection:
     async def close(self) -> None:
         self.closed = True
         self.completions.cancel()
+
+
+class _IpcTable:
+    """A compiled table for cuda_ipc: (sender device, a launch with ``launch(stream)``) in order."""
+
+    def __init__(self, launches: list, count: int, nbytes: int) -> None:
+        self.launches, self.count, self.nbytes = launches, count, nbytes
+
+    def __repr__(self) -> str:
+        return f"<cuda_ipc table {self.count} rows in {len(self.launches)} launches>"
+
+
+@functools.lru_cache(maxsize=1)
+def copy_kernel():
+    """``engine.copy_kernel`` where Triton imports, else None (same-GPU rows then go as batch calls)."""
+    try:
+        from .. import copy_kernel as module
+    except ImportError:
+        return None
+    return module
 

@@ -27,7 +27,7 @@ import torch
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
-from ..errors import ConnectionClosed, RegistrationError, TransportError
+from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError
 from ..transport import SourceCounters, TransportOptions, await_each_proof, wait_after
 
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
@@ -108,6 +108,8 @@ def _landed(proof: bytes):
 
 class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
+    direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``engine.compiled``)
+    generation = 0  # bumped by ``reregistered`` (tests of recompiling)
     batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 
     def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str, proofs: bool = False,
@@ -146,6 +148,29 @@ class MemoryConnection:
         done = asyncio.ensure_future(self._copy_all([(src, target, offset, after) for (src, _, offset, after), target
                                                      in zip(rows, targets)], epoch))
         return [done] * len(rows)
+
+    def compile(self, rows) -> list:
+        """A plan's direct rows (``engine.compiled``) as (source, target region, offset, None), checked once."""
+        out = []
+        for row in rows:
+            region = self.target.regions.get(row.region)
+            if region is None or row.offset + row.nbytes > region.numel():
+                where = "no such region" if region is None else f"region of {region.numel()} bytes"
+                raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
+                                             f"the target ({where}, {self.peer})")
+            out.append((row.src, region, row.offset, None))
+        return out
+
+    def replay(self, table: list, epoch: int) -> list[asyncio.Future]:
+        """Count a compiled table's rows now (a seal covers them from here); copy them in order in a task."""
+        self._check_writable()
+        self.sent_count += len(table)
+        self.sent_bytes += sum(src.numel() * src.element_size() for src, *_ in table)
+        return [asyncio.ensure_future(self._copy_all(table, epoch))]
+
+    def reregistered(self) -> None:
+        """The target's regions changed (a test stands for a new plan): compiled tables are stale."""
+        self.generation += 1
 
     async def _copy_all(self, rows: list, epoch: int) -> None:
         for src, region, offset, after in rows:

@@ -32,6 +32,8 @@ docs/TRANSPORTS.md has the full description.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import socket
 import struct
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -50,8 +52,11 @@ if TYPE_CHECKING:
 
 HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
-OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE = 0, 1, 2, 3, 4
-MAGIC = 0x57535443_0002  # "WSTC", version 2 (authenticated hello)
+OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE, OP_WRITE_RUN = 0, 1, 2, 3, 4, 5
+MAGIC = 0x57535443_0003  # "WSTC", version 3 (authenticated hello, runs of writes)
+RUN_SHIFT = 48  # WRITE_RUN: b = offset | rows << RUN_SHIFT
+OFFSET_MASK = (1 << RUN_SHIFT) - 1
+MAX_RUN_ROWS = (1 << (64 - RUN_SHIFT)) - 1
 SCRATCH = 1 << 20
 INTAKE = 256 << 10  # the target reads frames into this, many small ones per recv ...
 DIRECT_MIN = 64 << 10  # ... and a payload with this much left straight into its region (recv_into)
@@ -211,6 +216,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.proof = bytearray(dataauth.PROOF_BYTES)
         self.peer = "?"
         self.region = -1  # the region the payload in progress lands in
+        self.rows = 1  # writes the frame in progress stands for (a WRITE_RUN: several rows back to back)
         self.epoch = 0
         self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
         self.landed_bytes = 0
@@ -257,6 +263,10 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         """Consume ``nbytes`` of the intake: each state takes what it needs, in order."""
         data, at = self.intake, 0
         while at < nbytes and not self.dead:
+            if self.state == "header" and self.pos == 0 and self.key is not None:
+                at = self._writes(at, nbytes)  # the common case, whole small WRITEs, in one tight loop
+                if at >= nbytes:
+                    break
             if self.state == "drain":
                 take = min(self.drain_left, nbytes - at)
                 self.drain_left -= take
@@ -270,6 +280,46 @@ class _AgentProtocol(asyncio.BufferedProtocol):
             at += take
             if self.pos == len(self.target):
                 self._complete()
+
+    def _writes(self, at: int, end: int) -> int:
+        """Land the whole, small, acceptable WRITE frames at ``intake[at:end]`` in a row; return where
+        the first other thing starts (a partial frame, a large payload, another op, anything refused:
+        the general path takes it from there)."""
+        data, owner, size = self.intake, self.owner, HEADER.size
+        unpack, regions = HEADER.unpack_from, owner.regions
+        accepted: set = set()  # regions this call found open (the guard's verdict holds within one call)
+        counter, counted_epoch = None, -1
+        count = nbytes = 0
+        while end - at >= size:
+            op, region_id, offset, length, epoch = unpack(data, at)
+            if length >= DIRECT_MIN or end - at - size < length or epoch <= owner.closed_epoch:
+                break
+            rows = 1
+            if op == OP_WRITE_RUN:
+                rows, offset = offset >> RUN_SHIFT, offset & OFFSET_MASK
+            elif op != OP_WRITE:
+                break
+            if region_id not in accepted:
+                region = regions.get(region_id)
+                if region is None or owner.guard.write_problem(self.source, self.key, region_id) is not None:
+                    break
+                accepted.add(region_id)
+                owner._dirty.add(region_id)
+            region = regions[region_id]
+            if offset + length > len(region):
+                break
+            region[offset:offset + length] = data[at + size:at + size + length]
+            at += size + length
+            if epoch != counted_epoch:
+                counter, counted_epoch = owner._count(self.source, epoch), epoch
+            counter.count += rows
+            counter.nbytes += length
+            self.epoch = epoch
+            count += rows
+            nbytes += length
+        self.landed_count += count
+        self.landed_bytes += nbytes
+        return at
 
     def _complete(self) -> None:
         """The buffer of the current state is full: a header, a proof or a payload."""
@@ -289,11 +339,11 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         self.state, self.target, self.pos = "header", memoryview(self.header), 0
 
     def _landed(self, nbytes: int) -> None:
-        self.landed_count += 1
+        self.landed_count += self.rows
         self.landed_bytes += nbytes
         if self.epoch > self.owner.closed_epoch:
             c = self.owner._count(self.source, self.epoch)
-            c.count += 1
+            c.count += self.rows
             c.nbytes += nbytes
 
     def _on_header(self, op: int, a: int, b: int, c: int, epoch: int) -> None:
@@ -306,7 +356,9 @@ class _AgentProtocol(asyncio.BufferedProtocol):
             self.owner.guard.refuse(self.peer, f"op {op} before an authenticated hello (magic {b:#x})")
             self._close()
             return
-        if op == OP_WRITE:
+        if op in (OP_WRITE, OP_WRITE_RUN):
+            self.rows = 1 if op == OP_WRITE else b >> RUN_SHIFT
+            b &= OFFSET_MASK
             self.epoch = epoch
             if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
                 self._drain(c)
@@ -343,7 +395,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
         if self.epoch > self.owner.closed_epoch and (guard.open is None or self.region in guard.open):
             return
         left = len(self.target) - self.pos
-        self.landed_count += 1  # consumed (the initiator counts it), never completed
+        self.landed_count += self.rows  # consumed (the initiator counts it), never completed
         self.landed_bytes += len(self.target)
         self._error(f"write into region {self.region} stopped mid-payload: its round or region closed")
         self.pos = 0
@@ -360,7 +412,7 @@ class _AgentProtocol(asyncio.BufferedProtocol):
 
     def _drain(self, nbytes: int) -> None:
         """Consume a write without applying it; it still counts as delivered for the fence."""
-        self.landed_count += 1
+        self.landed_count += self.rows
         self.landed_bytes += nbytes
         if nbytes:
             self.state, self.drain_left = "drain", nbytes
@@ -484,13 +536,15 @@ class TcpConnection:
                     sent = self.sock.sendmsg(views)
                 except (BlockingIOError, InterruptedError):
                     return False
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+                if sent == sum(map(len, views)):  # the common case: all of it
+                    views.clear()
+                    return True
+                ends = list(itertools.accumulate(map(len, views)))
+                whole = bisect.bisect_right(ends, sent)  # buffers sent entirely
+                rest = sent - (ends[whole - 1] if whole else 0)
+                del views[:whole]
+                if rest:
+                    views[0] = views[0][rest:]
         except OSError as exc:
             self._fail(ConnectionClosed(f"send failed: {exc}", peer=self.peer))
             raise ConnectionClosed(f"send failed: {exc}", peer=self.peer) from exc
@@ -550,35 +604,57 @@ class TcpConnection:
 
 
 class _Frames:
-    """A compiled table for TCP: every row's WRITE header (one buffer, the epoch stamped per round) and
-    payload memoryview, grouped into chunks of whole frames of at most ``CHUNK_IOVECS`` buffers and about
-    ``CHUNK_BYTES`` bytes: each chunk is one ``sendmsg`` when the socket takes it."""
+    """A compiled table for TCP. Rows that land back to back in one region form a *run*, sent as one
+    frame (WRITE for one row, WRITE_RUN for several: one header, the rows' payloads one after another,
+    received straight into the region); frames are grouped into chunks of at most ``CHUNK_IOVECS``
+    buffers and about ``CHUNK_BYTES`` bytes, each one ``sendmsg`` when the socket takes it. The headers
+    live in one buffer whose epoch column is stamped once per round."""
 
     def __init__(self, rows: Sequence[CopyRow]) -> None:
-        self.headers = torch.zeros((len(rows), HEADER.size), dtype=torch.uint8)
+        runs = _runs(rows)
+        self.rows = len(rows)
+        self.headers = torch.zeros((len(runs), HEADER.size), dtype=torch.uint8)
         raw = byte_view(self.headers)
-        for i, row in enumerate(rows):
-            HEADER.pack_into(raw, i * HEADER.size, OP_WRITE, row.region, row.offset, row.nbytes, 0)
-        self.chunks: list[tuple[list, int, int]] = []  # (buffers, frames, payload bytes)
+        self.chunks: list[tuple[list, int, int]] = []  # (buffers, rows, payload bytes)
         views: list = []
         count = nbytes = 0
-        for i, row in enumerate(rows):
-            frame = [raw[i * HEADER.size:(i + 1) * HEADER.size]] + ([byte_view(row.src)] if row.nbytes else [])
-            if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + row.nbytes > CHUNK_BYTES):
+        for i, run in enumerate(runs):
+            first, size = run[0], sum(r.nbytes for r in run)
+            op, offset = (OP_WRITE, first.offset) if len(run) == 1 else (OP_WRITE_RUN, first.offset | len(run) << RUN_SHIFT)
+            HEADER.pack_into(raw, i * HEADER.size, op, first.region, offset, size, 0)
+            frame = [raw[i * HEADER.size:(i + 1) * HEADER.size]] + [byte_view(r.src) for r in run if r.nbytes]
+            if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + size > CHUNK_BYTES):
                 self.chunks.append((views, count, nbytes))
                 views, count, nbytes = [], 0, 0
             views += frame
-            count += 1
-            nbytes += row.nbytes
+            count += len(run)
+            nbytes += size
         if views:
             self.chunks.append((views, count, nbytes))
         self.epoch = 0
 
     def __repr__(self) -> str:
-        return f"<TCP frames {len(self.headers)} in {len(self.chunks)} chunks>"
+        return f"<TCP frames: {self.rows} rows in {len(self.headers)} frames, {len(self.chunks)} chunks>"
 
     def stamp(self, epoch: int) -> None:
         """Write ``epoch`` into every header (one tensor operation)."""
         if epoch != self.epoch:
             self.headers[:, HEADER.size - 8:] = torch.tensor(list(epoch.to_bytes(8, "little")), dtype=torch.uint8)
             self.epoch = epoch
+
+
+def _runs(rows: Sequence[CopyRow]) -> list[list[CopyRow]]:
+    """``rows`` cut into runs: consecutive rows of one region, each starting where the last ended; a run
+    stays under ``CHUNK_BYTES`` and ``CHUNK_IOVECS`` buffers (and the row count a header can carry)."""
+    runs: list[list[CopyRow]] = []
+    size = 0
+    for row in rows:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.region == row.region and last.offset + last.nbytes == row.offset
+                and size + row.nbytes <= CHUNK_BYTES and len(runs[-1]) < min(CHUNK_IOVECS - 1, MAX_RUN_ROWS)):
+            runs[-1].append(row)
+            size += row.nbytes
+        else:
+            runs.append([row])
+            size = row.nbytes
+    return runs
