@@ -1,15 +1,23 @@
-"""GPU transfer benchmark: a Qwen2.5-7B-shaped bf16 state dict, GPU 0 -> GPU 1, side by side in one run.
+"""GPU transfer benchmark: a bf16 state dict, GPU 0 -> GPU 1 (or GPU 0 -> GPU 0), side by side in one run.
 
+Models (``--model``): ``qwen2.5-7b`` (dense, 339 tensors, 15.2 GB) and ``qwen3-30b-a3b`` (MoE with
+per-expert tensors, 12 of its 48 layers: 4,719 tensors, 16.2 GB). ``--colocated``: the sender and
+receiver processes share GPU 0 (trainer and inference on one GPU); the bound is then one
+device-to-device copy of the same bytes and there is no NCCL row (NCCL refuses two ranks on one GPU).
 Rows: the bound (one peer copy of the same byte count, one process); the same tensors copied one by
 one; NCCL broadcast, one call per tensor; NCCL broadcast of 512 MiB buckets with pack and unpack (the
 usual RL-framework way); UCCL ``write_ipc`` of 1 GiB buffers (bench/uccl_ipc.py); and each engine
 transport through the public API (Controller, WeightSender on GPU 0 in one process, WeightReceiver on
 GPU 1 in another; full rounds begin -> commit acknowledged) with its stage breakdown. ``--fp8`` adds a
 bf16 trainer -> vLLM-layout block-FP8 receiver (fused qkv / gate_up, 128x128 scales made on GPU 0 on
-a side stream) and quantization alone. Median of N rounds after a warm-up. Prints a table, writes
-JSON (--out). Shapes come from the transformers config (no download).
+a side stream) and quantization alone. Median of N rounds after a warm-up. Each engine row also gives
+the sender's host time per tensor per round (pipeline start -> every write issued, over the tensor
+count). Prints a table, writes JSON (--out); ``--json`` prints the headline figures (ratios to the
+bound and the peers, paired: this run's) as one JSON object on the last line. Shapes come from the
+transformers config (no download).
 
     python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --fp8 --out t.json
+    python3 bench/transfer_gpu.py --model qwen3-30b-a3b --colocated --transports cuda_ipc --json
     python3 bench/transfer_gpu.py --rounds 5 --transports uccl --uccl-tcp --baselines "" --out u.json   (UCCL tcp mode)
 """
 
@@ -50,13 +58,14 @@ def make_state(device: str, seed: int = 0, model: str = "qwen2.5-7b") -> dict[st
 def _timed(fn, rounds: int) -> list[float]:
     """Seconds per call of ``fn`` with both GPUs idle before and after, after one warm-up call."""
     times = []
+    devices = range(torch.cuda.device_count())
     for _ in range(rounds + 1):
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
+        for d in devices:
+            torch.cuda.synchronize(d)
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
+        for d in devices:
+            torch.cuda.synchronize(d)
         times.append(time.perf_counter() - t0)
     return times[1:]
 
@@ -67,16 +76,16 @@ def _released(times: list[float]) -> list[float]:
     return times
 
 
-def bound_seconds(nbytes: int, rounds: int) -> list[float]:
+def bound_seconds(nbytes: int, rounds: int, dst: int = 1) -> list[float]:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
     return _timed(lambda: b.copy_(a), rounds)  # a and b die with this frame
 
 
-def per_tensor_copy_seconds(rounds: int) -> list[float]:
+def per_tensor_copy_seconds(rounds: int, model: str = "qwen2.5-7b", dst_device: int = 1) -> list[float]:
     """The same state dict copied tensor by tensor on one stream: what per-tensor granularity costs."""
-    src = make_state("cuda:0")
-    dst = {k: torch.empty_like(v, device="cuda:1") for k, v in src.items()}
+    src = make_state("cuda:0", model=model)
+    dst = {k: torch.empty_like(v, device=f"cuda:{dst_device}") for k, v in src.items()}
 
     def copy_all():
         with torch.cuda.device(0):
@@ -106,13 +115,15 @@ def pointer_copies(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.S
     return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % len(streams)], 0, dst_device) for i, c in enumerate(calls)]
 
 
-def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1) -> list[float]:
+def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1, model: str = "qwen2.5-7b",
+                         dst_device: int = 1) -> list[float]:
     """The same tensors as raw pointer copies issued from GPU 0 on ``streams`` streams, round robin:
     one call per tensor, or (``batch`` > 1) ``batch`` tensors per ``cudaMemcpyBatchAsync`` call, a
     stream per call: the copy patterns of the engine's cuda_ipc writes without the engine (floors)."""
-    src = make_state("cuda:0")
-    dst, pairs = peer_copies(src)  # (dst lives as long as the copies are timed)
-    return _timed(pointer_copies(pairs, [torch.cuda.Stream(device=0) for _ in range(streams)], batch), rounds)
+    src = make_state("cuda:0", model=model)
+    dst, pairs = peer_copies(src, dst_device)  # (dst lives as long as the copies are timed)
+    return _timed(pointer_copies(pairs, [torch.cuda.Stream(device=0) for _ in range(streams)], batch, dst_device),
+                  rounds)
 
 
 def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
@@ -144,12 +155,12 @@ def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
 # --- NCCL baselines ------------------------------------------------------------------------------
 
 
-def _nccl_rank(rank: int, port: int, rounds: int, out) -> None:
+def _nccl_rank(rank: int, port: int, rounds: int, out, model: str) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    state = make_state(f"cuda:{rank}", seed=0 if rank == 0 else 1)
+    state = make_state(f"cuda:{rank}", seed=0 if rank == 0 else 1, model=model)
     tensors = list(state.values())
     bucket = torch.empty(BUCKET, dtype=torch.bfloat16, device=f"cuda:{rank}")
 
@@ -188,16 +199,16 @@ def _nccl_rank(rank: int, port: int, rounds: int, out) -> None:
             times.append(time.perf_counter() - t0)
         results[name] = times[1:]
     if rank == 1:
-        ok = all(torch.equal(t, s) for t, s in zip(tensors, make_state("cuda:1", seed=0).values()))
+        ok = all(torch.equal(t, s) for t, s in zip(tensors, make_state("cuda:1", seed=0, model=model).values()))
         out.send((results, ok))
     dist.destroy_process_group()
 
 
-def nccl_baselines(rounds: int) -> tuple[dict, bool]:
+def nccl_baselines(rounds: int, model: str) -> tuple[dict, bool]:
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=_nccl_rank, args=(r, port, rounds, writer)) for r in range(2)]
+    procs = [ctx.Process(target=_nccl_rank, args=(r, port, rounds, writer, model)) for r in range(2)]
     for p in procs:
         p.start()
     results = reader.recv()
@@ -235,13 +246,13 @@ def fp8_check(state: dict, want: dict) -> bool:
 
 
 def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "",
-                   pipeline=None, trace: str = "", spin: bool = False) -> None:
+                   pipeline=None, trace: str = "", spin: bool = False, model: str = "qwen2.5-7b") -> None:
     from engine.transport import TransportOptions
     from roles import SenderOptions, WeightSender
 
     install_uvloop()
     torch.cuda.set_device(0)
-    state = make_state("cuda:0")
+    state = make_state("cuda:0", model=model)
     opts = SenderOptions(transport=transport, transport_options=TransportOptions(device="cuda:0", uccl_tcp=uccl_tcp),
                          spin=spin)
     if pipeline is not None:
@@ -289,21 +300,22 @@ def _profiled(main, path: str, trace: str = "") -> None:
 
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,
-                     spin: bool = False) -> None:
+                     spin: bool = False, model: str = "qwen2.5-7b", device: int = 1) -> None:
     from engine.layouts import allocate
     from engine.transport import TransportOptions
     from roles import ReceiverOptions, WeightReceiver
 
     install_uvloop()
-    torch.cuda.set_device(1)
-    state = allocate(fp8_layout(), "cuda:1")[0] if fp8 else make_state("cuda:1", seed=1)
-    opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device="cuda:1", uccl_tcp=uccl_tcp),
+    torch.cuda.set_device(device)
+    here = f"cuda:{device}"
+    state = allocate(fp8_layout(), here)[0] if fp8 else make_state(here, seed=1, model=model)
+    opts = ReceiverOptions(transport=transport, transport_options=TransportOptions(device=here, uccl_tcp=uccl_tcp),
                            spin=spin)
 
     async def main():
         async with WeightReceiver(addr, state, rank=0, options=opts) as receiver:
             await receiver.wait_for(rounds)
-            want = make_state("cuda:1", seed=0)
+            want = make_state(here, seed=0, model=model)
             ok = fp8_check(state, want) if fp8 else all(torch.equal(state[k], want[k]) for k in want)
             conn.send((ok, {v: receiver.timeline.of(v) for v in range(2, rounds + 1)}))
     asyncio.run(main())
@@ -311,7 +323,8 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
 
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
                         profile: str = "", pipeline=None, trace: str = "",
-                        spin: bool = False) -> tuple[list, bool, list, list, float]:
+                        spin: bool = False, model: str = "qwen2.5-7b",
+                        dst: int = 1) -> tuple[list, bool, list, list, float]:
     from roles import Controller, ControllerOptions
     from roles.timeline import merge
 
@@ -322,8 +335,9 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)
         procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile,
-                                                          pipeline, trace, spin)),
-                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8, spin))]
+                                                          pipeline, trace, spin, model)),
+                 ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8, spin,
+                                                            model, dst))]
         for p in procs:
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
@@ -362,8 +376,8 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
     try:
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
         trace = f"{args.trace}/sender_{label.replace(' ', '_')}.json" if args.trace else ""
-        reports, ok, pipeline_s, timelines, written = asyncio.run(engine_rounds(transport, args.rounds, args.uccl_tcp, fp8,
-                                                                       profile, _pipeline(args), trace, args.spin))
+        reports, ok, pipeline_s, timelines, written = asyncio.run(engine_rounds(
+            transport, args.rounds, args.uccl_tcp, fp8, profile, _pipeline(args), trace, args.spin, args.model, args.dst))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -378,25 +392,40 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
     rows[f"{label}: full round"]["timeline_ms"] = _median_timeline(timelines)
     rows[f"{label}: full round"]["rounds_s"] = [r.seconds for r in reports]
     rows[f"{label}: full round"]["rows_written_in_place"] = written
+    issue_ms = med(_issue_ms(rows) for rows in timelines)  # host work: the sender's pipeline until all is issued
+    rows[f"{label}: sender host, pipeline start -> every write issued"] = {"seconds": issue_ms / 1e3, "ok": ok,
+                                                                          "stage": True}
+    rows[f"{label}: full round"]["host_us_per_tensor"] = issue_ms * 1e3 / args.tensors
+
+
+def _issue_ms(timeline: list) -> float:
+    """Milliseconds from the sender's pipeline start to its seal (every write issued), or to its end
+    where it did not seal early."""
+    at = {event: ms for ms, event in timeline}
+    return at.get("sender pipeline:sealed", at["sender pipeline:end"]) - at["sender pipeline:start"]
 
 
 def _baseline_rows(rows: dict, nbytes: int, args) -> float:
-    bound = statistics.median(_released(bound_seconds(nbytes, args.rounds)))
-    rows["bound: one peer copy"] = {"seconds": bound, "ok": True}
+    bound = statistics.median(_released(bound_seconds(nbytes, args.rounds, args.dst)))
+    rows["bound: one device copy" if args.colocated else "bound: one peer copy"] = {"seconds": bound, "ok": True}
     if args.bound_only:  # (a diagnostic run: a trace or a profile; no peers)
         return bound
-    rows["peer copy per tensor, one stream"] = {
-        "seconds": statistics.median(_released(per_tensor_copy_seconds(args.rounds))), "ok": True}
+    rows["copy_ per tensor, one stream"] = {
+        "seconds": statistics.median(_released(per_tensor_copy_seconds(args.rounds, args.model, args.dst))), "ok": True}
     rows["pointer copies per tensor, 2 streams"] = {
-        "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds))), "ok": True}
+        "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds, model=args.model, dst_device=args.dst))),
+        "ok": True}
+    if args.colocated:  # (NCCL refuses two ranks on one GPU: the peers here are the copies above)
+        return bound
     from engine import cuda_rt
     from engine.transports.cuda_ipc import CudaIpcConnection
 
     batch = args.batch or CudaIpcConnection.batch
     if cuda_rt.batch_copies() and batch > 1:
         rows[f"pointer copies, {batch} per batch call, 2 streams (engine floor)"] = {
-            "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds, batch=batch))), "ok": True}
-    nccl, nccl_ok = nccl_baselines(args.rounds)
+            "seconds": statistics.median(_released(pointer_copy_seconds(args.rounds, batch=batch, model=args.model))),
+            "ok": True}
+    nccl, nccl_ok = nccl_baselines(args.rounds, args.model)
     for name, times in nccl.items():
         rows[name] = {"seconds": statistics.median(times), "ok": nccl_ok}
     return bound
@@ -411,9 +440,10 @@ def _uccl_row(rows: dict, nbytes: int, args) -> None:
         else {"seconds": None, "ok": False, "error": got["error"]})
 
 
-def _print(rows: dict, nbytes: int, bound: float, rounds: int) -> None:
+def _print(rows: dict, nbytes: int, bound: float, args) -> None:
     gb = nbytes / 1e9
-    print(f"Qwen2.5-7B bf16 state dict, {gb:.2f} GB, GPU0 -> GPU1, median of {rounds} after a warm-up")
+    print(f"{args.model} bf16 state dict, {args.tensors} tensors, {gb:.2f} GB, GPU0 -> GPU{args.dst}"
+          f"{' (colocated)' if args.colocated else ''}, median of {args.rounds} after a warm-up")
     print(f"  {'path':<44} {'ms':>9} {'GB/s':>7} {'x bound':>8}  correct")
     for name, row in rows.items():
         s = row["seconds"]
@@ -432,6 +462,8 @@ def _print(rows: dict, nbytes: int, bound: float, rounds: int) -> None:
             print(f"  {name}: {row['seconds'] / nccl:.3f} x NCCL per-tensor bf16 broadcast")
         if row.get("rows_written_in_place"):
             print(f"  {name}: {row['rows_written_in_place']:.0f} rows per round stored in place by the quantization")
+        if row.get("host_us_per_tensor") is not None:
+            print(f"  {name}: sender host time {row['host_us_per_tensor']:.2f} us per tensor per round")
     for name, row in rows.items():
         if row.get("timeline_ms"):
             print(f"  {name}, median timeline (ms since the controller started the round):")
@@ -442,6 +474,11 @@ def _print(rows: dict, nbytes: int, bound: float, rounds: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--model", default="qwen2.5-7b", help="qwen2.5-7b (dense) or qwen3-30b-a3b (MoE, per-expert "
+                                                           "tensors, 12 layers: 4,719 tensors, 16.2 GB)")
+    ap.add_argument("--colocated", action="store_true", help="sender and receiver processes on GPU 0; the bound is "
+                                                             "one device-to-device copy of the same bytes")
+    ap.add_argument("--json", action="store_true", help="print the headline figures as one JSON object, last line")
     ap.add_argument("--transports", default="cuda_ipc,auto")
     ap.add_argument("--fp8", action="store_true", help="also: bf16 trainer -> fused block-FP8 receiver (cuda_ipc)")
     ap.add_argument("--baselines", default="uccl_write_ipc", help="extra baselines: uccl_write_ipc or ''")
@@ -459,13 +496,17 @@ def main(argv=None) -> int:
     ap.add_argument("--spin", action="store_true", help="controller, sender and receiver poll while a round runs "
                                                         "(ControllerOptions.spin / WorkerOptions.spin)")
     args = ap.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        print("needs two GPUs")
+    if args.fp8 and args.model != "qwen2.5-7b":
+        ap.error("--fp8 measures the qwen2.5-7b FP8 receiver layout: use it with --model qwen2.5-7b")
+    if torch.cuda.device_count() < (1 if args.colocated else 2):
+        print("needs two GPUs (one with --colocated)")
         return 0
     install_uvloop()
-    from engine.shapes import state_dict_shapes
+    from engine.shapes import bench_model
 
-    nbytes = sum(2 * torch.Size(p.shape).numel() for p in state_dict_shapes("qwen2.5-7b"))
+    shapes = bench_model(args.model)
+    args.dst, args.tensors = (0 if args.colocated else 1), len(shapes)
+    nbytes = sum(2 * torch.Size(p.shape).numel() for p in shapes)
     rows: dict[str, dict] = {}
     bound = _baseline_rows(rows, nbytes, args)
     for transport in [t for t in args.transports.split(",") if t]:
@@ -476,16 +517,37 @@ def main(argv=None) -> int:
             rows[f"fp8: quantize only, {label} (GPU 0)"] = {
                 "seconds": statistics.median(_released(quantize_seconds(args.rounds, kernel))), "ok": True,
                 "stage": True}
-        _engine_rows(rows, "engine cuda_ipc fp8", "cuda_ipc", args, fp8=True)
-    _print(rows, nbytes, bound, args.rounds)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"bytes": nbytes, "rows": rows}, indent=1))
-    if "uccl_write_ipc" in args.baselines:  # last: a UCCL hang must not cost the other rows
+        _engine_rows(rows, "engine cuda_ipc fp8", "cuda_ipc", args, fp8=True)  # (qwen2.5-7b shapes)
+    _print(rows, nbytes, bound, args)
+    if "uccl_write_ipc" in args.baselines and not args.colocated:  # last: a UCCL hang must not cost the others
         _uccl_row(rows, nbytes, args)
-        _print({k: v for k, v in rows.items() if k.startswith("uccl")}, nbytes, bound, args.rounds)
-        if args.out:
-            pathlib.Path(args.out).write_text(json.dumps({"bytes": nbytes, "rows": rows}, indent=1))
+        _print({k: v for k, v in rows.items() if k.startswith("uccl")}, nbytes, bound, args)
+    summary = _summary(rows, bound, args)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"bytes": nbytes, "summary": summary, "rows": rows}, indent=1))
+    if args.json:
+        print(json.dumps(summary))
     return 0
+
+
+def _summary(rows: dict, bound: float, args) -> dict:
+    """The headline figures: each engine transport's full round against the bound and the peers (paired
+    ratios: measured in this run), and its sender's host time per tensor."""
+    out = {"bench": "transfer_gpu", "model": args.model, "tensors": args.tensors, "colocated": args.colocated,
+           "bound_ms": bound * 1e3}
+    nccl = rows.get("nccl_per_tensor", {}).get("seconds")
+    per_tensor = rows.get("copy_ per tensor, one stream", {}).get("seconds")
+    for name, row in rows.items():
+        if not name.endswith(": full round") or not row.get("seconds"):
+            continue
+        key = name[:-len(": full round")].replace("engine ", "").replace(" ", "_")
+        out.update({f"{key}_ms": row["seconds"] * 1e3, f"{key}_over_bound_ratio": row["seconds"] / bound,
+                    f"{key}_host_us_per_tensor": row.get("host_us_per_tensor"), f"{key}_ok": row["ok"]})
+        if nccl:
+            out[f"{key}_over_nccl_per_tensor_ratio"] = row["seconds"] / nccl
+        if per_tensor:
+            out[f"{key}_over_copy_per_tensor_ratio"] = row["seconds"] / per_tensor
+    return out
 
 
 if __name__ == "__main__":

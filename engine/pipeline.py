@@ -180,7 +180,7 @@ class Pipeline:
         finally:
             for t, staged in channel.drain_nowait():  # staged but never written: give everything back
                 self._give_back(t, staged)
-            if replayed and not all(op.done() for op in replayed):  # (failed or cancelled elsewhere)
+            if replayed:  # (failed, or cancelled elsewhere: stop the rest, and collect every outcome)
                 for op in replayed:
                     op.cancel()
                 await asyncio.gather(*replayed, return_exceptions=True)

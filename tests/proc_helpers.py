@@ -29,6 +29,12 @@ SPEC = {
     "big": ((512, 256), torch.float32, "plain"),
 }
 
+# a MoE-shaped set: the above plus many per-expert tensors (a compiled round's many rows, no checksum needed)
+MOE_SPEC = {**SPEC, **{f"layers.{layer}.mlp.experts.{e}.{proj}.weight": (shape, torch.bfloat16, "plain")
+                       for layer in range(2) for e in range(64)
+                       for proj, shape in (("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96)))}}
+SPECS = {"default": SPEC, "moe": MOE_SPEC}
+
 
 def value(name: str, shape, dtype, version: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(hash_name(name) * 1000 + version)
@@ -95,9 +101,9 @@ def _options(cls, transport: str, uccl_tcp: bool):
 
 
 def sender_main(addr: str, rank: int, versions: list[int], out, block_at: int = -1,
-                transport: str = "tcp", device: str = "cpu", uccl_tcp: bool = False) -> None:
+                transport: str = "tcp", device: str = "cpu", uccl_tcp: bool = False, spec: str = "default") -> None:
     try:
-        asyncio.run(_sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp))
+        asyncio.run(_sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp, SPECS[spec]))
     except BaseException:
         out.send(("error", "sender", rank, traceback.format_exc()))
 
@@ -111,18 +117,18 @@ def _watchdog(device: str) -> None:
         faulthandler.dump_traceback_later(45, repeat=False, file=sys.stderr)
 
 
-async def _sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp) -> None:
+async def _sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp, spec=SPEC) -> None:
     from roles import SenderOptions, WeightSender
 
     _watchdog(device)
     torch.set_num_threads(1)
-    tensors = sender_tensors(0, device=device)
+    tensors = sender_tensors(0, spec, device=device)
     async with WeightSender(addr, tensors, rank=rank, options=_options(SenderOptions, transport, uccl_tcp)) as sender:
         out.send(("joined", "sender", rank, None))
         if block_at >= 0:
             _block_after_first_write(sender, block_at, out, rank)
         for v in versions:
-            update_in_place(tensors, v)
+            update_in_place(tensors, v, spec)
             try:
                 handle = await sender.push(v)
                 await handle
@@ -148,25 +154,25 @@ def _block_after_first_write(sender, version: int, out, rank: int) -> None:
 
 
 def receiver_main(addr: str, rank: int, versions: list[int], out, mode: str = "shadow", tie: bool = True,
-                  transport: str = "tcp", device: str = "cpu", uccl_tcp: bool = False) -> None:
+                  transport: str = "tcp", device: str = "cpu", uccl_tcp: bool = False, spec: str = "default") -> None:
     try:
-        asyncio.run(_receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp))
+        asyncio.run(_receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp, SPECS[spec]))
     except BaseException:
         out.send(("error", "receiver", rank, traceback.format_exc()))
 
 
-async def _receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp) -> None:
+async def _receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp, spec=SPEC) -> None:
     from roles import ReceiverOptions, WeightReceiver
 
     _watchdog(device)
     torch.set_num_threads(1)
-    tensors = receiver_tensors(tie=tie, device=device)
+    tensors = receiver_tensors(spec, tie=tie, device=device)
     receiver = WeightReceiver(addr, tensors, rank=rank, mode=mode,
                               options=_options(ReceiverOptions, transport, uccl_tcp))
 
     def on_abort(version: int, why: str) -> None:
         current = receiver.version
-        intact = current is None or not mismatches(tensors, current)
+        intact = current is None or not mismatches(tensors, current, spec)
         out.send(("aborted", "receiver", rank, (version, current, intact)))
 
     receiver.on_abort = on_abort
@@ -174,4 +180,4 @@ async def _receiver(addr, rank, versions, out, mode, tie, transport, device, ucc
         out.send(("joined", "receiver", rank, None))
         for v in versions:
             await receiver.wait_for(v)
-            out.send(("committed", "receiver", rank, (v, receiver.version, mismatches(tensors, receiver.version))))
+            out.send(("committed", "receiver", rank, (v, receiver.version, mismatches(tensors, receiver.version, spec))))
