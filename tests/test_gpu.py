@@ -55,8 +55,12 @@ async def test_gpu_round_trip_bit_exact(transport, src, dst, mode):
 
 
 def _moe_cases():
-    return [("cuda_ipc", "cuda:0", "cuda:0"), ("tcp", "cuda:0", "cuda:0")] + (
-        [("cuda_ipc", "cuda:0", "cuda:1"), ("auto", "cuda:0", "cuda:1")] if TWO_GPUS else [])
+    cases = [("cuda_ipc", "cuda:0", "cuda:0"), ("tcp", "cuda:0", "cuda:0")]
+    if TWO_GPUS:
+        cases += [("cuda_ipc", "cuda:0", "cuda:1"), ("auto", "cuda:0", "cuda:1")]
+        if uccl_unavailable_reason(UCCL_TCP) is None:
+            cases.append(("uccl", "cuda:0", "cuda:1"))
+    return cases
 
 
 @pytest.mark.parametrize("transport,src,dst", _moe_cases())
@@ -68,9 +72,11 @@ async def test_moe_shaped_compiled_rounds_bit_exact(transport, src, dst, mode):
     kids = Children()
     try:
         async with Controller(senders=1, receivers=1, options=ControllerOptions(heartbeat_s=0.2, timeout_s=30.0)) as ctl:
-            kids.start("sender", 0, sender_main, ctl.address, 0, versions, transport=transport, device=src, spec="moe")
+            uccl_tcp = transport == "uccl"
+            kids.start("sender", 0, sender_main, ctl.address, 0, versions, transport=transport, device=src, spec="moe",
+                       uccl_tcp=uccl_tcp)
             kids.start("receiver", 0, receiver_main, ctl.address, 0, versions, mode=mode, transport=transport,
-                       device=dst, spec="moe")
+                       device=dst, spec="moe", uccl_tcp=uccl_tcp)
             await kids.expect("joined", 2)
             for v in versions:
                 for _, role, _, data in await kids.expect("committed", 2):

@@ -42,7 +42,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -51,6 +51,9 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 from .. import cuda_rt, dataauth
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, wait_after
+
+if TYPE_CHECKING:
+    from ..compiled import CopyRow
 
 log = logging.getLogger("weightsync")
 
@@ -457,6 +460,10 @@ class UcclConnection:
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         await wait_after(after)  # UCCL's streams are its own: order on the host
+        await self._put_row(src, dst_region, dst_offset, epoch)
+
+    async def _put_row(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int) -> None:
+        """One row's bytes, in pieces of at most ``CHUNK``, counted for the round's fence."""
         nbytes = src.numel() * src.element_size()
         if self._round[0] != epoch:
             self._round = (epoch, 0, 0)
@@ -471,6 +478,29 @@ class UcclConnection:
         self._round = (e, count + 1, total + nbytes)
         self.sent_count += 1
         self.sent_bytes += nbytes
+
+    @property
+    def direct_devices(self) -> frozenset:  # rows a compiled table replays (``engine.compiled``)
+        return self.devices
+
+    generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
+
+    def compile(self, rows: Sequence[CopyRow]) -> list:
+        """A plan's direct rows as (source, region, offset): the target checks bounds when it advertises
+        each range (first replay; the descriptors are cached from then on)."""
+        return [(row.src, row.region, row.offset) for row in rows]
+
+    def replay(self, table: list, epoch: int) -> list[asyncio.Future]:
+        """Every row of a compiled table, one ``write_async`` after another in one task (not a pipeline
+        stage per row). Not ``writev_async``: UCCL 0.1.1's vector operations complete before the data
+        lands (tcp) or land it at the wrong offsets (IPC), ../shared/notes/uccl-0.1.1.md."""
+        if self.closed:
+            raise ConnectionClosed("write on a closed connection", peer=self.peer)
+        return [asyncio.ensure_future(self._replay(table, epoch))]
+
+    async def _replay(self, table: list, epoch: int) -> None:
+        for src, region, offset in table:
+            await self._put_row(src, region, offset, epoch)
 
     async def fence(self) -> None:
         """Write the next sequence number into the target's mailbox, behind every earlier write on this
