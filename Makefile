@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench-cpu: $(STAMP)
-	$(BIN)/python bench/transfer_cpu.py
+	$(BIN)/python bench/transfer_cpu.py --pairs 9 --cases mix,small,one --json | tee docs/results/transfer_cpu.txt
 
 # SIGKILL a random role 300 times, restart it; exits non-zero on a half-applied version, rollback or stall
 bench-faults: $(STAMP)

@@ -40,8 +40,12 @@ timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_de
 timeout 200 python3 bench/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
 fi
 if [ "$part" != tests ]; then
-timeout 540 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc,auto --fp8 --out "$out/transfer_gpu.json" > "$out/transfer_gpu.txt" 2>&1
-echo "transfer_gpu exit: $?" >> "$out/transfer_gpu.txt"
+# dense and MoE, across GPUs and colocated: docs/results/transfer_gpu_h200x2.txt
+for m in "--model qwen2.5-7b" "--model qwen2.5-7b --colocated" "--model qwen3-30b-a3b" "--model qwen3-30b-a3b --colocated"; do
+  echo "\$ python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc --baselines '' --json $m"
+  timeout 280 python3 bench/transfer_gpu.py --rounds 5 --transports cuda_ipc --baselines '' --json $m 2>&1
+  echo "transfer_gpu exit: $?"
+done > "$out/transfer_gpu.txt"
 fi
 # one log (the device returns at most 8 files): every text output, in order
 for f in env topo uccl_api gpu_tests ipc_direction copy_batches transfer_gpu pipeline_depth; do

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
 
     install_uvloop()
     result = {"bench": "transfer_cpu", "pairs": args.pairs}
-    print(f"engine full round vs raw socket, loopback TCP, {args.pairs} pairs after a warm-up, medians")
+    print(f"engine full round vs raw socket, loopback TCP, {args.pairs} pairs after two warm-up pairs, medians")
     print(f"  {'case':<6} {'tensors':>7} {'MB':>8} {'raw ms':>8} {'engine ms':>10} {'ratio':>6} {'range':>12} "
           f"{'target':>6}  bit-exact")
     for case in args.cases.split(","):
