@@ -22,69 +22,53 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 UCCL_TCP = TransportOptions(device="cuda:0", uccl_tcp=True)
 
 
-def _cases():
-    cases = [("cuda_ipc", "cuda:0", "cuda:0"), ("auto", "cuda:0", "cuda:0"), ("tcp", "cuda:0", "cuda:0")]
+def _cases(kinds=("cuda_ipc", "auto", "tcp"), same_gpu=("cuda_ipc", "auto", "tcp")):
+    """(transport, sender device, receiver device): ``same_gpu`` on GPU 0; ``kinds`` (and uccl, where it
+    runs) from GPU 0 to GPU 1 when there are two."""
+    cases = [(kind, "cuda:0", "cuda:0") for kind in same_gpu]
     if TWO_GPUS:
-        cases += [("cuda_ipc", "cuda:0", "cuda:1"), ("auto", "cuda:0", "cuda:1"), ("tcp", "cuda:0", "cuda:1")]
+        cases += [(kind, "cuda:0", "cuda:1") for kind in kinds]
         if uccl_unavailable_reason(UCCL_TCP) is None:
             cases.append(("uccl", "cuda:0", "cuda:1"))
     return cases
+
+
+async def _three_rounds(transport: str, src: str, dst: str, mode: str, checksum: str = "", spec: str = "default"):
+    """A sender and a receiver process; versions 1-3, each committed bit-exact on the receiver."""
+    versions = [1, 2, 3]
+    kids = Children()
+    uccl_tcp = transport == "uccl"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=30.0, checksum=checksum)
+    try:
+        async with Controller(senders=1, receivers=1, options=opts) as ctl:
+            kids.start("sender", 0, sender_main, ctl.address, 0, versions, transport=transport, device=src,
+                       uccl_tcp=uccl_tcp, spec=spec)
+            kids.start("receiver", 0, receiver_main, ctl.address, 0, versions, mode=mode, transport=transport,
+                       device=dst, uccl_tcp=uccl_tcp, spec=spec)
+            await kids.expect("joined", 2)
+            for v in versions:
+                for _, role, _, data in await kids.expect("committed", 2):
+                    if role == "receiver":
+                        assert data == (v, v, []), f"{transport} {src}->{dst} {mode}: {data}"
+                assert (await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)).ok
+    finally:
+        kids.close()
 
 
 @pytest.mark.parametrize("transport,src,dst", _cases())
 @pytest.mark.parametrize("mode", ["shadow", "inplace"])
 async def test_gpu_round_trip_bit_exact(transport, src, dst, mode):
-    versions = [1, 2, 3]
-    kids = Children()
-    uccl_tcp = transport == "uccl"
-    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=30.0, checksum="sum64")
-    try:
-        async with Controller(senders=1, receivers=1, options=opts) as ctl:
-            kids.start("sender", 0, sender_main, ctl.address, 0, versions, transport=transport, device=src,
-                       uccl_tcp=uccl_tcp)
-            kids.start("receiver", 0, receiver_main, ctl.address, 0, versions, mode=mode, transport=transport,
-                       device=dst, uccl_tcp=uccl_tcp)
-            await kids.expect("joined", 2)
-            for v in versions:
-                for _, role, _, data in await kids.expect("committed", 2):
-                    if role == "receiver":
-                        assert data == (v, v, []), f"{transport} {src}->{dst} {mode}: {data}"
-                assert (await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)).ok
-    finally:
-        kids.close()
+    """With checksums: every row staged (checksums need the bytes on the sender)."""
+    await _three_rounds(transport, src, dst, mode, checksum="sum64")
 
 
-def _moe_cases():
-    cases = [("cuda_ipc", "cuda:0", "cuda:0"), ("tcp", "cuda:0", "cuda:0")]
-    if TWO_GPUS:
-        cases += [("cuda_ipc", "cuda:0", "cuda:1"), ("auto", "cuda:0", "cuda:1")]
-        if uccl_unavailable_reason(UCCL_TCP) is None:
-            cases.append(("uccl", "cuda:0", "cuda:1"))
-    return cases
-
-
-@pytest.mark.parametrize("transport,src,dst", _moe_cases())
+@pytest.mark.parametrize("transport,src,dst", _cases(kinds=("cuda_ipc", "auto"), same_gpu=("cuda_ipc", "tcp")))
 @pytest.mark.parametrize("mode", ["shadow", "inplace"])
 async def test_moe_shaped_compiled_rounds_bit_exact(transport, src, dst, mode):
-    """Hundreds of per-expert tensors and the odd ones (unaligned, empty, scalar), no checksum: the
-    compiled replay (one copy kernel launch on one GPU, batch calls across GPUs), three versions."""
-    versions = [1, 2, 3]
-    kids = Children()
-    try:
-        async with Controller(senders=1, receivers=1, options=ControllerOptions(heartbeat_s=0.2, timeout_s=30.0)) as ctl:
-            uccl_tcp = transport == "uccl"
-            kids.start("sender", 0, sender_main, ctl.address, 0, versions, transport=transport, device=src, spec="moe",
-                       uccl_tcp=uccl_tcp)
-            kids.start("receiver", 0, receiver_main, ctl.address, 0, versions, mode=mode, transport=transport,
-                       device=dst, spec="moe", uccl_tcp=uccl_tcp)
-            await kids.expect("joined", 2)
-            for v in versions:
-                for _, role, _, data in await kids.expect("committed", 2):
-                    if role == "receiver":
-                        assert data == (v, v, []), f"{transport} {src}->{dst} {mode}: {data}"
-                assert (await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)).ok
-    finally:
-        kids.close()
+    """Hundreds of per-expert tensors and the odd ones (unaligned, empty, scalar, a non-contiguous view
+    staged beside them), no checksum: the compiled replay (one copy kernel launch on one GPU, batch calls
+    across GPUs, frames over TCP), three versions."""
+    await _three_rounds(transport, src, dst, mode, spec="moe")
 
 
 async def test_forced_transport_that_cannot_run_says_what_is_missing():
