@@ -3,7 +3,7 @@
 Times (median of N after a warm-up, all weights the FP8 receiver takes): the engine's
 ``quantize_blocks``; its two passes alone (block max, scale-and-round); the same function under
 ``torch.compile`` (fused by Inductor, if it compiles here); and the engine's Triton kernel
-(``engine.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
+(``engine.transforms.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
 far each is from the memory bound.
 
     python3 bench/fp8_quantize.py --rounds 5
@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    from engine.layouts import FP8Policy
-    from engine.shapes import state_dict_shapes
+    from engine.transforms.layouts import FP8Policy
+    from engine.models.shapes import state_dict_shapes
     from engine.transforms import quantize_blocks
 
     policy = FP8Policy()
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
             compiled, weights, args.rounds)
     except Exception as exc:  # report, keep the other rows
         rows[f"torch.compile failed: {repr(exc)[:120]}"] = float("nan")
-    from engine.fp8_kernel import quantize_many
+    from engine.transforms.fp8_kernel import quantize_many
 
-    rows["Triton kernel (engine.fp8_kernel), one launch per weight"] = _time(
+    rows["Triton kernel (engine.transforms.fp8_kernel), one launch per weight"] = _time(
         lambda w: quantize_many([w]), weights, args.rounds)
     per_layer = [weights[i:i + 7] for i in range(0, len(weights), 7)]  # q, k, v, o, gate, up, down
     rows["Triton kernel, one launch per layer (7 weights)"] = _time(quantize_many, per_layer, args.rounds)

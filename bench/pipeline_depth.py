@@ -23,8 +23,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.pipeline import Pipeline, PipelineOptions  # noqa: E402
-from engine.staging import SourceSet  # noqa: E402
+from engine.datapath.pipeline import Pipeline, PipelineOptions  # noqa: E402
+from engine.datapath.staging import SourceSet  # noqa: E402
 from engine.transport import TransportOptions, connect_authorized, create_transport  # noqa: E402
 from wire import PeerInfo, Transfer  # noqa: E402
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         rows = json.loads(src.read_text())["rows"]
         print("plotted" if plot(rows, src.with_suffix(".png")) else "matplotlib is not installed")
         return 0
-    from engine.aio import install_uvloop
+    from engine.datapath.aio import install_uvloop
 
     install_uvloop()
     only = {t for t in args.transports.split(",") if t}

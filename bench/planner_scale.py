@@ -34,7 +34,7 @@ from engine.plan import (  # noqa: E402
     tables_from_assignment,
 )
 from engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
-from engine.shapes import state_dict_shapes, tp_slice  # noqa: E402
+from engine.models.shapes import state_dict_shapes, tp_slice  # noqa: E402
 from wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
 
 

@@ -39,13 +39,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
+from engine.datapath.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
 
 BUCKET = 512 << 20
 
 
 def make_state(device: str, seed: int = 0, model: str = "qwen2.5-7b") -> dict[str, torch.Tensor]:
-    from engine.shapes import bench_model
+    from engine.models.shapes import bench_model
 
     gen = torch.Generator(device=device).manual_seed(seed)
     return {p.name: torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16)
@@ -97,7 +97,7 @@ def per_tensor_copy_seconds(rounds: int, model: str = "qwen2.5-7b", dst_device: 
 def peer_copies(src: dict[str, torch.Tensor], dst_device: int = 1) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
     """Destinations on GPU ``dst_device`` for ``src`` (on GPU 0), peer access on, and the pointer copies
     ``(dst, src, nbytes)`` that fill them, in state-dict order."""
-    from engine import cuda_rt
+    from engine.cuda import cuda_rt
 
     dst = {k: torch.empty_like(v, device=f"cuda:{dst_device}") for k, v in src.items()}
     if dst_device != 0:
@@ -109,7 +109,7 @@ def pointer_copies(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.S
                    dst_device: int = 1):
     """A function issuing ``pairs`` from GPU 0 to GPU ``dst_device``, ``batch`` per call (one
     ``cudaMemcpyAsync`` each at 1, else ``cudaMemcpyBatchAsync``), the calls taking ``streams`` in turn."""
-    from engine import cuda_rt
+    from engine.cuda import cuda_rt
 
     calls = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
     return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % len(streams)], 0, dst_device) for i, c in enumerate(calls)]
@@ -129,7 +129,7 @@ def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1, model: s
 def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
     """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer):
     the engine's Triton kernel over the groups a round makes, or eager ``quantize_blocks`` one by one."""
-    from engine.layouts import FP8Policy
+    from engine.transforms.layouts import FP8Policy
     from engine.transforms import Quantizer, plan_quant_groups
     from wire import Transfer
 
@@ -221,8 +221,8 @@ def nccl_baselines(rounds: int, model: str) -> tuple[dict, bool]:
 
 
 def fp8_layout():
-    from engine.layouts import FP8Policy, receiver_layout
-    from engine.shapes import state_dict_shapes
+    from engine.transforms.layouts import FP8Policy, receiver_layout
+    from engine.models.shapes import state_dict_shapes
 
     shapes = {p.name: ("bfloat16", tuple(p.shape)) for p in state_dict_shapes("qwen2.5-7b")}
     return receiver_layout(shapes, "qwen2", fp8=FP8Policy())
@@ -301,7 +301,7 @@ def _profiled(main, path: str, trace: str = "") -> None:
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,
                      spin: bool = False, model: str = "qwen2.5-7b", device: int = 1) -> None:
-    from engine.layouts import allocate
+    from engine.transforms.layouts import allocate
     from engine.transport import TransportOptions
     from roles import ReceiverOptions, WeightReceiver
 
@@ -364,7 +364,7 @@ def _median_timeline(timelines: list) -> list[tuple[str, float]]:
 
 def _pipeline(args):
     """The senders' PipelineOptions from the command line (None: the library's defaults)."""
-    from engine.pipeline import PipelineOptions
+    from engine.datapath.pipeline import PipelineOptions
 
     if not args.budget_mib and not args.batch and not args.depth:
         return None
@@ -417,7 +417,7 @@ def _baseline_rows(rows: dict, nbytes: int, args) -> float:
         "ok": True}
     if args.colocated:  # (NCCL refuses two ranks on one GPU: the peers here are the copies above)
         return bound
-    from engine import cuda_rt
+    from engine.cuda import cuda_rt
     from engine.transports.cuda_ipc import CudaIpcConnection
 
     batch = args.batch or CudaIpcConnection.batch
@@ -502,7 +502,7 @@ def main(argv=None) -> int:
         print("needs two GPUs (one with --colocated)")
         return 0
     install_uvloop()
-    from engine.shapes import bench_model
+    from engine.models.shapes import bench_model
 
     shapes = bench_model(args.model)
     args.dst, args.tensors = (0 if args.colocated else 1), len(shapes)

@@ -19,7 +19,7 @@ target sees it fulfilled, delivery of every write issued so far, or ``None`` whe
 target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for them and returns
 {source rank: why not} for those it could not confirm. A proof starts with its transport's four-byte
 ``proof_magic`` (so ``auto`` hands it to the right child). With them a sender announces its writes
-before they complete and the round's control messages overlap the last copies (``engine.pipeline``).
+before they complete and the round's control messages overlap the last copies (``engine.datapath.pipeline``).
 
 Data-plane authentication (``engine.dataauth``): every target transport has a ``guard``; the receiver
 ``authorize`` s the senders its plan names (their pair keys) and opens the regions writable now. An
@@ -108,7 +108,7 @@ async def await_each_proof(proofs: dict[int, bytes], timeout_s: float,
 async def wait_after(after: Optional[torch.cuda.Event]) -> None:
     """For transports that read a source from the host side: until ``after`` (if any) has happened."""
     if after is not None:
-        from . import cuda_rt
+        from .cuda import cuda_rt
 
         await cuda_rt.wait_event(after)
 

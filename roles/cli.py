@@ -97,7 +97,7 @@ def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.arch:
         from transformers import AutoModelForCausalLM
 
-        from engine.shapes import ARCHITECTURES, gpt2_config
+        from engine.models.shapes import ARCHITECTURES, gpt2_config
 
         config = gpt2_config(args.arch.split("-", 1)[1]) if args.arch.startswith("gpt2-") else ARCHITECTURES[args.arch]()
         model = AutoModelForCausalLM.from_config(config).to(args.device)
@@ -111,8 +111,8 @@ def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
 def _layout_params(args: argparse.Namespace) -> tuple[dict, dict]:
     """``--arch`` in an inference engine's layout: ``--mapping`` names, ``--tp I/W`` shards, ``--fp8``."""
     from engine.errors import ConfigError
-    from engine.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
-    from engine.shapes import state_dict_shapes
+    from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from engine.models.shapes import state_dict_shapes
 
     tp = None
     if args.tp:
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JsonFormatter() if args.log_json else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
-    from engine.aio import install_uvloop
+    from engine.datapath.aio import install_uvloop
     from engine.errors import WeightSyncError
 
     install_uvloop()  # the controller and the daemon run on uvloop where it is installed

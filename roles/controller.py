@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from engine import dataauth
-from engine.aio import AsyncResource, Spinner
+from engine.datapath.aio import AsyncResource, Spinner
 from engine.errors import ConfigError, PlanError, RoundAborted
 from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping, plan
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
@@ -54,7 +54,7 @@ class ControllerOptions:
     peer_limits: PeerLimits = PeerLimits()
     mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
     one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
-    spin: bool = False  # keep the event loop polling while a round runs (engine.aio.Spinner): lower latency, one busy core
+    spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
 
     def __post_init__(self) -> None:
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan

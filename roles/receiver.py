@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from engine.datapath.checksums import checksum
+from engine.datapath.registry import RegistrationCache
+from engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
 from engine.errors import ConfigError, RoundAborted
-from engine.registry import RegistrationCache
-from engine.checksums import checksum
-from engine.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
 from wire import Envelope, Manifest, ReceiverTable, Role, ShardSpec
 from wire import messages as m
 

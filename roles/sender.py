@@ -17,12 +17,12 @@ from typing import Mapping, Optional
 
 import torch
 
+from engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
+from engine.datapath.staging import SourceSet, StagingPool, Transform
+from engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
 from engine.errors import ConfigError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
-from engine.pipeline import Pipeline, PipelineOptions, PushReport
-from engine.gather import Gatherer, split_dtensors
-from engine.staging import SourceSet, StagingPool, Transform
 from engine.transforms import group_bytes_for
-from engine.tensors import Params, find_ties, named_tensors, spec_for
+from engine.transforms.gather import Gatherer, split_dtensors
 from engine.transport import Connection
 from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
 from wire import messages as m
@@ -92,7 +92,7 @@ class WeightSender(Worker):
         self.tensors = tensors
         self.shards = {**shards, **dtensor_shards}
         self.gatherable = gatherable
-        self.gathered = frozenset(dtensors)  # FSDP2 parameters: gathered per round (engine.gather)
+        self.gathered = frozenset(dtensors)  # FSDP2 parameters: gathered per round (engine.transforms.gather)
         gatherer = Gatherer(dtensors, options.gather_budget_bytes, dtensor_shards) if dtensors else None
         self.sources = SourceSet(self.tensors, self.shards, transforms, gatherer,
                                  group_bytes_for(options.pipeline.max_inflight_bytes),

@@ -1,15 +1,32 @@
-"""The controller's status as a JSON-able dict (for ``status`` replies, the CLI and logs)."""
+"""The controller's status as a JSON-able dict (for ``status`` replies, the CLI and logs).
+
+How this works: ``controller_status`` reads what a ``StatusSource`` exposes (the controller is one; this
+module does not import it, so the two do not import each other) and returns plain data.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from typing import Any, Optional, Protocol
 
 
-def controller_status(c: "Controller") -> dict:
+class StatusSource(Protocol):
+    """What the status reads of a controller."""
+
+    address: str
+    expected: dict
+    peers: dict
+    plan: Any
+    plan_error: Optional[BaseException]
+    committed: Optional[int]
+    round: Any
+    pushes: Any
+    reports: list
+    _ready: asyncio.Event
+
+
+def controller_status(c: StatusSource) -> dict:
     now = time.monotonic()
     peers = [
         {

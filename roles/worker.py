@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.aio import AsyncResource, Spinner
+from engine.datapath.aio import AsyncResource, Spinner
 from engine.errors import ConfigError, ControllerLost, JoinRejected
 from engine.transport import Transport, TransportOptions, create_transport
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
@@ -56,7 +56,7 @@ class WorkerOptions:
     rejoin_backoff_s: float = 0.05  # first pause between tries; doubles up to 1 s
     rank_wait_s: float = 30.0  # a join refused for a duplicate rank is tried again this long (a restarted
     #                            process waits for the controller to time out its previous session)
-    spin: bool = False  # keep the event loop polling while a round runs (engine.aio.Spinner): lower latency, one busy core
+    spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
 
 
 async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:

@@ -72,7 +72,7 @@ async def _gather_child(rank: int, world: int, port: int, out) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from engine.gather import Gatherer, split_dtensors
+    from engine.transforms.gather import Gatherer, split_dtensors
     from wire import Transfer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

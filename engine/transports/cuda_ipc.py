@@ -42,12 +42,13 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
-from .. import cuda_rt, dataauth
+from .. import dataauth
+from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, await_each_proof
 
 if TYPE_CHECKING:
-    from ..compiled import CopyRow
+    from ..datapath.compiled import CopyRow
 
 DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
 PROOF = struct.Struct("<4sII64s")  # PROOF_MAGIC, pid, device, interprocess event handle
@@ -192,7 +193,7 @@ class CudaIpcTransport:
 
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
-    direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``engine.compiled``)
+    direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``engine.datapath.compiled``)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
     batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
@@ -272,9 +273,9 @@ class CudaIpcConnection:
         return [self._completion(device, stream)] * len(rows)
 
     def compile(self, rows: Sequence[CopyRow]) -> "_IpcTable":
-        """A plan's direct rows (``engine.compiled``) as launches made once: to another GPU, batch calls
+        """A plan's direct rows (``engine.datapath.compiled``) as launches made once: to another GPU, batch calls
         of ``chunk_rows`` copies with their pointer arrays built; on the same GPU (colocated), one copy
-        kernel launch (``engine.copy_kernel``). A row that does not fit its region raises
+        kernel launch (``engine.cuda.copy_kernel``). A row that does not fit its region raises
         ``StagingError`` naming the parameter."""
         by_device: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for row in rows:
@@ -411,9 +412,9 @@ class _IpcTable:
 
 @functools.lru_cache(maxsize=1)
 def copy_kernel():
-    """``engine.copy_kernel`` where Triton imports, else None (same-GPU rows then go as batch calls)."""
+    """``engine.cuda.copy_kernel`` where Triton imports, else None (same-GPU rows then go as batch calls)."""
     try:
-        from .. import copy_kernel as module
+        from ..cuda import copy_kernel as module
     except ImportError:
         return None
     return module

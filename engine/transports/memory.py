@@ -108,7 +108,7 @@ def _landed(proof: bytes):
 
 class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
-    direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``engine.compiled``)
+    direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``engine.datapath.compiled``)
     generation = 0  # bumped by ``reregistered`` (tests of recompiling)
     batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 
@@ -150,7 +150,7 @@ class MemoryConnection:
         return [done] * len(rows)
 
     def compile(self, rows) -> list:
-        """A plan's direct rows (``engine.compiled``) as (source, target region, offset, None), checked once."""
+        """A plan's direct rows (``engine.datapath.compiled``) as (source, region, offset, None), checked once."""
         out = []
         for row in rows:
             region = self.target.regions.get(row.region)

@@ -43,12 +43,12 @@ import torch
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
+from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
-from ..tensors import byte_view
 from ..transport import SourceCounters, TransportOptions, wait_after
 
 if TYPE_CHECKING:
-    from ..compiled import CopyRow
+    from ..datapath.compiled import CopyRow
 
 HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
@@ -426,7 +426,7 @@ class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
 
     devices: frozenset = frozenset({"cpu"})  # GPU sources are staged through pinned host memory
-    direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``engine.compiled``)
+    direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``engine.datapath.compiled``)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
     def __init__(self, sock: socket.socket, peer: str, sizes: Optional[dict[int, int]] = None) -> None:
@@ -465,7 +465,7 @@ class TcpConnection:
             self.sent_bytes += len(payload)
 
     def compile(self, rows: Sequence[CopyRow]) -> "_Frames":
-        """A plan's direct rows as ready-made frames (``engine.compiled``): bounds checked here, once."""
+        """A plan's direct rows as ready-made frames (``engine.datapath.compiled``): bounds checked here, once."""
         for row in rows:
             size = None if self.sizes is None else self.sizes.get(row.region)
             if self.sizes is not None and (size is None or row.offset + row.nbytes > size):

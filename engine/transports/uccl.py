@@ -48,12 +48,13 @@ import torch
 
 from wire import PeerInfo, RegionInfo, TransportInfo
 
-from .. import cuda_rt, dataauth
+from .. import dataauth
+from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import SourceCounters, TransportOptions, wait_after
 
 if TYPE_CHECKING:
-    from ..compiled import CopyRow
+    from ..datapath.compiled import CopyRow
 
 log = logging.getLogger("weightsync")
 
@@ -133,7 +134,7 @@ def _off_loop(fn: Callable[[], Any]) -> asyncio.Future:
 def _memory_block(t: torch.Tensor) -> tuple[int, int]:
     """The whole allocation holding ``t``: a caching-allocator segment on CUDA, else its storage."""
     if t.is_cuda:
-        from ..cuda_blocks import block_of
+        from ..cuda.cuda_blocks import block_of
 
         return block_of(t)
     storage = t.untyped_storage()
@@ -480,7 +481,7 @@ class UcclConnection:
         self.sent_bytes += nbytes
 
     @property
-    def direct_devices(self) -> frozenset:  # rows a compiled table replays (``engine.compiled``)
+    def direct_devices(self) -> frozenset:  # rows a compiled table replays (``engine.datapath.compiled``)
         return self.devices
 
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)

@@ -1,0 +1,82 @@
+"""Many device-to-device copies in one GPU launch (Triton): the same-GPU replay of a compiled round.
+
+How this works. A trainer and an inference engine on the same GPU (colocated) exchange weights as
+device-to-device copies; thousands of them (a MoE model's per-expert tensors) issued one by one cost
+microseconds of launch each, far more than the bytes take. ``CopyKernel(copies, device)`` takes the
+``(dst, src, nbytes)`` pointer triples once per plan and cuts every copy into pieces of at most
+``PIECE`` bytes; the pieces' (source offset, destination offset, length) go into one int64 table on
+the GPU, offsets counted in 4-byte words from the lowest source and destination (kernel arguments,
+so the compiler knows their alignment; ``fp8_kernel._Address`` stands for a raw address). ``launch``
+then runs one program per piece, each copying its words in 16-byte vectors: one launch per round,
+whatever the tensor count. Copies whose addresses or length are not 16-byte multiples (rare: odd
+shapes) go as pointer copies (``cuda_rt.memcpy_batch_async``) on the same stream.
+
+The module imports Triton at import time: import it only where CUDA is.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+import triton
+import triton.language as tl
+
+from ..transforms.fp8_kernel import _Address
+from . import cuda_rt
+
+TILE = 2048  # 4-byte words per step of a program
+STEPS = 8  # steps per program: a piece is TILE * STEPS words (64 KiB)
+PIECE = TILE * STEPS * 4
+ALIGN = 16
+
+
+@triton.jit
+def _copy_pieces_kernel(table, src, dst, TILE: tl.constexpr, STEPS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    src_at = tl.multiple_of(tl.load(table + pid * 3), 4)
+    dst_at = tl.multiple_of(tl.load(table + pid * 3 + 1), 4)
+    words = tl.multiple_of(tl.load(table + pid * 3 + 2), 4)
+    offs = tl.arange(0, TILE)
+    for step in tl.static_range(STEPS):
+        at = step * TILE + offs
+        mask = at < words
+        tl.store(dst + dst_at + at, tl.load(src + src_at + at, mask=mask), mask=mask)
+
+
+class CopyKernel:
+    """A fixed list of same-device copies, launched as one kernel (plus pointer copies for the unaligned)."""
+
+    def __init__(self, copies: Sequence[tuple[int, int, int]], device: int) -> None:
+        self.device = device
+        aligned = [c for c in copies if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
+        self.rest = [c for c in copies if c[2] and (c[0] | c[1] | c[2]) % ALIGN]
+        self.pieces = 0
+        self.nbytes = sum(c[2] for c in copies)
+        if not aligned:
+            return
+        dst, src, size = (torch.tensor([c[i] for c in aligned], dtype=torch.int64) for i in range(3))
+        self.src_base, self.dst_base = int(src.min()), int(dst.min())
+        counts = (size + PIECE - 1) // PIECE
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        k = torch.arange(int(counts.sum()), dtype=torch.int64) - first  # piece number inside its copy
+        copy = torch.repeat_interleave(torch.arange(len(aligned)), counts)
+        table = torch.stack([(src[copy] - self.src_base + k * PIECE) // 4, (dst[copy] - self.dst_base + k * PIECE) // 4,
+                             (size[copy] - k * PIECE).clamp(max=PIECE) // 4], dim=1)
+        self.pieces = len(table)
+        self.table = table.contiguous().to(f"cuda:{device}")
+
+    def __repr__(self) -> str:
+        return f"<CopyKernel pieces={self.pieces} pointer_copies={len(self.rest)} bytes={self.nbytes}>"
+
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        """Queue every copy on ``stream`` (a stream of ``device``)."""
+        if self.pieces:
+            device = torch.device("cuda", self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                _copy_pieces_kernel[(self.pieces,)](self.table, _Address(self.src_base, torch.int32, device),
+                                                    _Address(self.dst_base, torch.int32, device),
+                                                    TILE=TILE, STEPS=STEPS, num_warps=8)
+        if self.rest:
+            cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.device)

@@ -1,0 +1,132 @@
+"""Compiled rounds: a plan's static routing table turned, once, into per-connection copy tables.
+
+How this works. A round writes the same rows every time (the routing table is static for a plan), so
+the per-row host work (slicing a source view, checking bounds, turning it into bytes or pointers)
+belongs to the plan, not to the round. ``compile_round`` (pure, synchronous) splits each receiver's
+lane into *direct* rows (no transform, no gather, no checksum, a dense source on memory the
+connection reads without staging: ``Connection.direct_devices``) and *staged* rows (everything else,
+which keep the stage -> write pipeline of ``engine.datapath.pipeline``). The direct rows of a lane, with their
+landing slot applied, become ``CopyRow`` s that the connection compiles into its own replayable form
+(``Connection.compile``: pointer arrays and a copy kernel for cuda_ipc, frame headers and memoryviews
+for TCP), checking bounds there: a row that does not fit its target raises ``StagingError`` naming
+the parameter. A round then calls ``Connection.replay(table, epoch)``: a few host calls per chunk of
+rows, whatever the tensor count.
+
+``RoundCompiler`` caches compiled rounds by what they depend on: the table object (a plan's
+``transfers`` tuple, the same every round), each lane's landing slot (a shadow receiver alternates
+two), the checksum setting, and each connection (the object, and its ``generation``, which it bumps
+when what it knows of the target's registrations changes). A new plan, new connections, a new slot or
+a changed registration compile again; anything else replays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from wire import Transfer
+
+from ..errors import ConfigError, StagingError
+from .staging import SourceSet
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyRow:
+    """One direct row: ``nbytes`` of ``src`` (dense) to ``offset`` of the target's ``region`` (slot applied)."""
+
+    name: str
+    src: torch.Tensor
+    region: int
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass
+class CompiledLane:
+    """One receiver's part of a round: a compiled table of its direct rows, and the rows to stage."""
+
+    rows: tuple[CopyRow, ...]
+    table: object  # what the connection's ``compile`` made of ``rows`` (None: no direct rows)
+    staged: Optional[list[Transfer]]  # None: recomputed each round (the order of gathered rows changes)
+    staged_ids: frozenset = frozenset()  # id() of the direct rows, to filter a round's order by
+    nbytes: int = 0  # of the direct rows
+
+    def staged_rows(self, ordered: Sequence[Transfer], rank: int) -> list[Transfer]:
+        if self.staged is not None:
+            return self.staged
+        return [t for t in ordered if t.dst_rank == rank and id(t) not in self.staged_ids]
+
+
+def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str) -> Optional[torch.Tensor]:
+    """``t``'s source view when the row can be replayed from a compiled table, else None."""
+    if checksum or t.transform or not devices or sources.gathered(t):
+        return None
+    view = sources._known_view(t)
+    if view is None or not view.is_contiguous() or view.device.type not in devices:
+        return None
+    if view.numel() * view.element_size() != t.nbytes:
+        raise StagingError(t.name, f"source gives {view.numel() * view.element_size()} bytes, the table says {t.nbytes}")
+    return view
+
+
+def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: int, checksum: str,
+                 stable: bool) -> CompiledLane:
+    """One lane's rows (table order) -> a ``CompiledLane`` for ``conn``; ``stable``: the staging order
+    is the table's every round (no gathers), so the staged rows are kept too."""
+    devices = getattr(conn, "direct_devices", frozenset()) if hasattr(conn, "compile") else frozenset()
+    rows, ids, staged = [], set(), []
+    for t in transfers:
+        view = direct_view(t, sources, devices, checksum)
+        if view is None:
+            staged.append(t)
+            continue
+        rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes))
+        ids.add(id(t))
+    table = conn.compile(rows) if rows else None
+    return CompiledLane(tuple(rows), table, staged if stable else None, frozenset(ids), sum(r.nbytes for r in rows))
+
+
+class RoundCompiler:
+    """Compiled lanes by (receiver, landing slot, checksum, connection and its generation), for the
+    current table; a new table forgets them all."""
+
+    def __init__(self) -> None:
+        self.compiles = 0  # lanes compiled so far (a replay does not count)
+        self._table: object = None  # the transfers the cached lanes come from
+        self._by_rank: dict[int, list[Transfer]] = {}
+        self._cache: dict[tuple, tuple[object, CompiledLane]] = {}  # key -> (its connection, lane)
+
+    def __repr__(self) -> str:
+        return f"<RoundCompiler compiles={self.compiles} cached={len(self._cache)}>"
+
+    def lanes(self, transfers: Sequence[Transfer], sources: SourceSet, conns: Mapping[int, object],
+              slots: Mapping[int, int], checksum: str) -> dict[int, CompiledLane]:
+        """Receiver rank -> its compiled lane, for every receiver ``transfers`` names."""
+        if transfers is not self._table or not isinstance(transfers, tuple):
+            self._cache.clear()
+            self._by_rank = {}
+            for t in transfers:
+                self._by_rank.setdefault(t.dst_rank, []).append(t)
+            self._table = transfers if isinstance(transfers, tuple) else None  # (a list may change: never cached)
+        missing = sorted(set(self._by_rank) - set(conns))
+        if missing:
+            raise ConfigError("connections", f"no connection to receivers {missing}")
+        stable = sources.gatherer is None
+        out = {}
+        for rank, rows in sorted(self._by_rank.items()):
+            conn, slot = conns[rank], slots.get(rank, 0)
+            key = (rank, slot, checksum, getattr(conn, "generation", 0))
+            entry = self._cache.get(key)
+            if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, stable))
+                self.compiles += 1
+            out[rank] = entry[1]
+        if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables
+            current = {id(c) for c in conns.values()}
+            self._cache = {k: e for k, e in self._cache.items() if id(e[0]) in current}
+        return out
+
+    def forget(self) -> None:
+        self._table, self._by_rank, self._cache = None, {}, {}

@@ -1,0 +1,355 @@
+"""The per-parameter pipeline: stage -> write -> complete, across many connections at once.
+
+How this works: a sender's routing table is split into one lane per receiver, keeping table order
+inside each lane. Rows that need no work on the sender (no transform, gather or checksum; a dense
+source the connection reads where it is) are *compiled* once per plan (``engine.datapath.compiled``) and each
+round *replays* them: one ``Connection.replay`` call issues the whole table in a few host calls per
+chunk. The other rows (staged rows) go through the stages below. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
+stager prepares sources (views or staging copies, optional checksums) and the writer issues
+one-sided writes (ordered after the source's transform event, if any) and waits for their completion,
+then fences the connection. ``depth`` is the connection's own unless the options name one. A
+connection with ``submit_many`` gets the rows staged meanwhile (up to ``batch``) in one call: cuda_ipc
+makes them one batch of copies, faster than a call per row (docs/TRANSPORTS.md). A lane's first row
+goes to the writer at once (lanes without transforms), not once the channel is full. All lanes share one
+``ByteBudget`` for temporary memory: a transfer that needs a staging copy or a transform output holds
+its bytes from staging until its write completes; a zero-copy write (a view of the source) holds
+none and is bounded by ``depth`` alone, so large direct GPU copies queue deep enough to keep the
+copy engines busy. The first failure cancels every lane; staging buffers and
+budget are returned on every path (``finally``), and the error propagates to the caller.
+
+Sealing. A lane is *sealed* once its connection guarantees delivery of everything written: after
+its ``fence``, or, for a connection with ``seal`` (cuda_ipc), as soon as the last write is *issued*:
+``seal`` returns a proof the target waits on (an interprocess CUDA event behind the copies); only a
+connection with ``submit`` seals, so that every write is queued in the transport before the seal. When
+every lane is sealed, ``on_sealed`` gets the report (counts, bytes and checksums are recorded at
+issue): the sender announces ``writes_done`` then, while the last copies are still in flight, so the
+control messages of the round overlap the data. ``run`` itself still returns only once every write
+has completed (the sender's tensors may be reused from then on).
+
+Written in place. A connection with ``address`` and ``submit_written`` (cuda_ipc) can name its target's
+memory; without checksums (they need the bytes on the sender) the pipeline lets quantizations write
+their outputs there (``engine.transforms``). Such a row stages as already ``written``: the writer
+hands the connection its launch's event (``submit_written``: counted, sealed and completed like a
+copy) and the budget is not charged for it (it allocates nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+from wire import Transfer
+from wire.messages import Checksum, WriteSummary
+
+from ..errors import ConfigError
+from ..transport import Connection
+from .aio import ByteBudget, Channel, run_all
+from .checksums import validate as validate_checksum
+from .compiled import CompiledLane, RoundCompiler
+from .staging import SourceSet, Staged, StagingPool
+
+MiB = 1 << 20
+DEFAULT_DEPTH = 8  # for a connection that names none (``Connection.depth``): bench/pipeline_depth.py
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    max_inflight_bytes: int = 512 * MiB  # staging copies and transform outputs alive, all connections together
+    depth: Optional[int] = None  # writes in flight per connection; None: the transport's own (docs/TRANSPORTS.md)
+    checksum: str = ""  # "" (off), "crc32" or "sum64" (engine.datapath.checksums)
+    batch: Optional[int] = None  # rows per ``submit_many`` call at most; None: the connection's own (docs/TRANSPORTS.md)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes <= 0:
+            raise ConfigError("max_inflight_bytes", f"must be positive, got {self.max_inflight_bytes}")
+        if self.depth is not None and self.depth < 1:
+            raise ConfigError("depth", f"must be at least 1, got {self.depth}")
+        if self.batch is not None and self.batch < 1:
+            raise ConfigError("batch", f"must be at least 1, got {self.batch}")
+        validate_checksum(self.checksum)
+
+
+@dataclasses.dataclass
+class LaneReport:
+    count: int = 0
+    nbytes: int = 0
+    checksums: list = dataclasses.field(default_factory=list)
+    stage_s: float = 0.0
+    write_s: float = 0.0
+    proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
+
+
+@dataclasses.dataclass
+class PushReport:
+    lanes: dict[int, LaneReport]
+    seconds: float
+
+    def summaries(self) -> tuple[WriteSummary, ...]:
+        return tuple(
+            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof)
+            for rank, lane in sorted(self.lanes.items())
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lane.nbytes for lane in self.lanes.values())
+
+    @property
+    def stage_s(self) -> float:
+        return sum(lane.stage_s for lane in self.lanes.values())
+
+    @property
+    def write_s(self) -> float:
+        return sum(lane.write_s for lane in self.lanes.values())
+
+
+class Pipeline:
+    def __init__(self, sources: SourceSet, options: PipelineOptions = PipelineOptions(),
+                 pool: StagingPool | None = None) -> None:
+        self.sources = sources
+        self.options = options
+        self.pool = pool or StagingPool()
+        self.budget = ByteBudget(options.max_inflight_bytes)  # replaced per run: a failed run leaks nothing
+        self.compiler = RoundCompiler()
+        self.runs = 0
+
+    def __repr__(self) -> str:
+        return f"<Pipeline runs={self.runs} {self.compiler!r} {self.budget!r} {self.pool!r}>"
+
+    async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int,
+                  slots: Mapping[int, int] = {},
+                  on_sealed: Optional[Callable[[PushReport], None]] = None) -> PushReport:
+        """Write every transfer, fence every connection used; return what went to whom.
+
+        ``slots``: receiver rank -> landing slot this round (added to each transfer's region id).
+        ``on_sealed``: called once, when every lane is sealed (see the module's header); without it
+        no connection seals early."""
+        resolve, token = self._resolver(conns, slots)
+        ordered = self.sources.begin(transfers, resolve, token)
+        lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum)
+        reports = {rank: LaneReport() for rank in lanes}
+        self.budget = ByteBudget(self.options.max_inflight_bytes)
+        start = time.perf_counter()
+        seals = _Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
+                       if on_sealed is not None else None)
+        try:
+            await run_all(self._lane(conns[r], lane, lane.staged_rows(ordered, r), reports[r], epoch, slots.get(r, 0),
+                                     on_sealed is not None, seals.one) for r, lane in lanes.items())
+        except BaseException:
+            self.sources.abort()
+            raise
+        await self.sources.finish()  # collectives (gathers) run to the end of the list on every rank
+        seals.all()  # (no lanes at all: nothing to wait for)
+        self.runs += 1
+        return PushReport(reports, time.perf_counter() - start)
+
+    def _resolver(self, conns: Mapping[int, Connection], slots: Mapping[int, int]):
+        """(row, device) -> the address its bytes go to, for rows that may be written in place; and a
+        token that changes when the answers may (landing slots, connections). (None, None): no row may."""
+        direct = {rank: conn.address for rank, conn in conns.items()
+                  if hasattr(conn, "address") and hasattr(conn, "submit_written")}
+        if self.options.checksum or not direct:
+            return None, None
+
+        def resolve(t: Transfer, device) -> Optional[int]:
+            address = direct.get(t.dst_rank)
+            slot = slots.get(t.dst_rank, 0)
+            return None if address is None else address(t.dst_region + slot, t.dst_offset, t.nbytes, device)
+        return resolve, (tuple(sorted(slots.items())), tuple(sorted((r, id(c)) for r, c in direct.items())))
+
+    async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
+                    epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
+        """Replay the lane's compiled table (its direct rows), stage and write the rest, fence."""
+        depth = self.options.depth or getattr(conn, "depth", DEFAULT_DEPTH)
+        channel: Channel = Channel(depth)
+        # (only a connection with submit seals: its writes are queued in the transport before the seal)
+        seal = getattr(conn, "seal", None) if seal_early and hasattr(conn, "submit") else None
+        t0 = time.perf_counter()
+        replayed = _replay(conn, lane, report, epoch)
+        try:
+            readable = getattr(conn, "devices", frozenset({"cpu"}))
+            await run_all([self._stager(transfers, channel, report, readable),
+                           self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
+            if replayed:
+                await asyncio.gather(*replayed)
+                report.write_s += time.perf_counter() - t0
+        finally:
+            for t, staged in channel.drain_nowait():  # staged but never written: give everything back
+                self._give_back(t, staged)
+            if replayed:  # (failed, or cancelled elsewhere: stop the rest, and collect every outcome)
+                for op in replayed:
+                    op.cancel()
+                await asyncio.gather(*replayed, return_exceptions=True)
+        await conn.fence()
+        if not report.proof:
+            sealed()
+
+    async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport,
+                      readable: frozenset) -> None:
+        algo = self.options.checksum
+        # (not in lanes with transforms: their launches must keep ahead of the writes, docs/TRANSFORMS.md)
+        prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
+        try:
+            for t in transfers:
+                await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
+                view = self.sources.view(t)
+                moved = self.sources.moved_bytes(t, view)  # a CPU source copied to the GPU to be quantized
+                charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0  # freed once written
+                upfront = self.sources.upfront_bytes(t, charge) + moved  # taken now (a group: all of it)
+                charge += moved
+                if upfront:
+                    await self.budget.acquire(upfront)
+                handed_over = False
+                try:
+                    t0 = time.perf_counter()
+                    staged = await self.sources.stage(t, self.pool, algo, readable, view)
+                    staged.charge = charge
+                    report.stage_s += time.perf_counter() - t0
+                    await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
+                    handed_over = True
+                    if t is prompt:  # the lane's first row: the writer issues it now, not once the channel
+                        await asyncio.sleep(0)  # is full (docs/TRANSPORTS.md, "Batches of copies")
+                finally:
+                    if not handed_over:
+                        self.budget.release(upfront)
+                        self.sources.release(t)
+            channel.close()
+        except BaseException as exc:
+            channel.fail(exc)
+            raise
+
+    async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
+                      slot: int, depth: int, seal: Optional[Callable[[], Optional[bytes]]],
+                      sealed: Callable[[], None]) -> None:
+        """Issue writes in lane order with up to ``depth`` in flight on this connection; complete them
+        oldest first. A connection with ``submit`` (queue now, a future for the completion) is driven
+        without a task per write; one with ``submit_many`` gets the rows staged meanwhile (up to
+        ``batch``) in one call. With ``seal``, the lane is sealed once the last write is issued."""
+        inflight: _Inflight = collections.deque()
+        batch = (self.options.batch or getattr(conn, "batch", 1)) if hasattr(conn, "submit_many") else 1
+        try:
+            async for item in channel:
+                items = [item]
+                while len(items) < batch and (more := channel.receive_nowait()) is not None:
+                    items.append(more)
+                self._issue(conn, items, inflight, report, epoch, slot)
+                while len(inflight) >= depth:
+                    await self._complete(*inflight.popleft(), report)
+            proof = seal() if seal is not None and report.count else None
+            if proof:  # every write is issued and the target can wait for them itself
+                report.proof = proof
+                sealed()
+            while inflight:
+                await self._complete(*inflight.popleft(), report)
+        finally:
+            for op, *_ in inflight:
+                op.cancel()
+            await asyncio.gather(*(op for op, *_ in inflight), return_exceptions=True)
+
+    def _issue(self, conn: Connection, items: list[tuple[Transfer, Staged]], inflight: "_Inflight",
+               report: LaneReport, epoch: int, slot: int) -> None:
+        """Queue ``items`` on ``conn`` in order: rows written in place through ``submit_written``, runs
+        of two or more other rows through ``submit_many`` (where the connection has it), single rows
+        through ``submit`` (or a task around ``write``). Rows not queued when something raises are
+        given back (budget, source, buffer)."""
+        t0 = time.perf_counter()
+        queued, count = 0, len(items)
+        try:
+            while queued < count:
+                end = queued + 1
+                t, staged = items[queued]
+                if staged.written is not None:  # (only on a connection that has it: ``_resolver``)
+                    ops = (conn.submit_written(staged.written, t.dst_region + slot, t.dst_offset, t.nbytes, epoch,
+                                               staged.event),)
+                else:
+                    while end < count and items[end][1].written is None:
+                        end += 1
+                    ops = self._submit(conn, items, queued, end, epoch, slot)
+                for i, op in enumerate(ops, queued):
+                    t, staged = items[i]
+                    # what it holds goes back the moment it completes (or is cancelled), not when we look
+                    op.add_done_callback(functools.partial(self._written, t, staged))
+                    inflight.append((op, t, staged, t0))
+                    _issued(report, t, staged)
+                queued = end
+        except BaseException:
+            for t, staged in items[queued:]:
+                self._give_back(t, staged)
+            raise
+
+    def _submit(self, conn: Connection, items: list[tuple[Transfer, Staged]], start: int, end: int, epoch: int,
+                slot: int) -> Sequence[asyncio.Future]:
+        """Completion futures of the copy rows ``items[start:end]``, queued in one call where the
+        connection batches."""
+        if end - start == 1:
+            t, s = items[start]
+            if hasattr(conn, "submit"):
+                return (conn.submit(s.tensor, t.dst_region + slot, t.dst_offset, epoch, s.event),)
+            return (asyncio.ensure_future(self._write(conn, t, s, epoch, slot)),)
+        return conn.submit_many([(s.tensor, t.dst_region + slot, t.dst_offset, s.event) for t, s in items[start:end]],
+                                epoch)  # (only where the connection has it: ``batch`` > 1)
+
+    @staticmethod
+    async def _write(conn: Connection, t: Transfer, staged: Staged, epoch: int, slot: int) -> None:
+        if staged.event is None:
+            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
+        else:  # a side-stream transform may still be running: the transport orders the write after it
+            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, after=staged.event)
+
+    async def _complete(self, op: asyncio.Future, t: Transfer, staged: Staged, t0: float,
+                        report: LaneReport) -> None:
+        await op
+        report.write_s += time.perf_counter() - t0
+
+    def _written(self, t: Transfer, staged: Staged, op: asyncio.Future) -> None:
+        self._give_back(t, staged)
+
+    def _give_back(self, t: Transfer, staged: Staged) -> None:
+        """``t`` is written or dropped: its budget, its source (a gathered one may go) and its buffer."""
+        self.budget.release(staged.charge)
+        self.sources.release(t)
+        if staged.pooled:
+            self.pool.give(staged.buffer)
+
+
+def _replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:
+    """Issue the lane's compiled table on ``conn`` (one or a few host calls); its completions."""
+    if lane.table is None:
+        return []
+    ops = list(conn.replay(lane.table, epoch))
+    report.count += len(lane.rows)
+    report.nbytes += lane.nbytes
+    return ops
+
+
+def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
+    """What the lane reports is counted as writes are issued (a failed write fails the whole run)."""
+    report.count += 1
+    report.nbytes += t.nbytes
+    if staged.checksum is not None:
+        report.checksums.append(Checksum(t.index, staged.checksum))
+
+
+_Inflight = collections.deque  # of (completion future, row, staged, issue time), oldest first
+
+
+class _Seals:
+    """Counts lanes down to sealed; calls ``done`` once, when the last one is."""
+
+    def __init__(self, lanes: int, done: Callable[[], None]) -> None:
+        self.left = lanes
+        self.done: Optional[Callable[[], None]] = done
+
+    def one(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.all()
+
+    def all(self) -> None:
+        done, self.done = self.done, None
+        if done is not None:
+            done()

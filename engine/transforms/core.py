@@ -1,0 +1,408 @@
+"""Transforms on the sender: the steps a routing-table row names, applied to a source slice.
+
+How this works. A transform string (made by the planner, ``engine.plan.mapping``) is comma-separated
+steps: ``t`` transposes a 2-D view (GPT-2 Conv1D -> Linear), ``cast:<dtype>`` converts, and
+``fp8w:<B>`` / ``fp8s:<B>`` are the two outputs of B x B block FP8 quantization: the float8_e4m3fn weight
+and its float32 scale-inverse (``weight ~= fp8 * scale_inv`` per block, DeepSeek-V3 / vLLM layout, the
+grid anchored at the slice's origin; ragged edge blocks are padded with zeros for the max).
+
+One quantization makes both outputs. ``TransformSet.begin`` counts, from the round's routing table, how
+many rows ask for each (source, slice, steps) quantization; the first to run computes both, which wait
+in a small cache until the last of those rows has asked, so every quantization runs once per round and
+the cache is empty at the end of it. On CUDA, consecutive quantizations are also *grouped*
+(``plan_quant_groups``: up to ``GROUP_SIZE`` tensors, ``GROUP_BYTES`` of output): the first row of a
+group quantizes the whole group in one Triton launch (``engine.transforms.fp8_kernel``) and the others find their
+outputs in the cache. The work is queued on a side stream that first waits for the producer's stream,
+and ``run`` returns the output with an event at once: the transport orders the write after that event
+on the device (or waits for it on the host), while the stager queues the transforms of the next
+parameters, so quantization of later parameters overlaps the copies of earlier ones. Users may add their
+own named transforms (``custom``): a function from a source view to a tensor.
+
+Writing in place. Where the pipeline can name the receiver's memory for a row (``begin``'s ``resolve``:
+a connection whose target is addressable from the source's device, cuda_ipc, and no checksums), a
+quantization whose outputs go to exactly one weight row and one scale row is *written directly*: the
+launch stores the FP8 weight and its scales straight into the receiver's tensors (over NVLink on
+another GPU) instead of into a buffer that is then copied, so those rows cost no copy and no memory
+(``written`` rows; ``run`` returns ``None`` with the launch's event). A group goes direct only whole.
+
+Host sources. With ``quantize_on`` (a CUDA device), a quantization of a CPU-held source (CPU offload)
+first copies the source slice to that device (in a worker thread; the side stream waits for the copy's
+event) and quantizes it there with the kernel, instead of eagerly on the CPU; the pipeline charges the
+copy to its budget (``SourceSet.moved_bytes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import Counter
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from wire import Transfer
+
+from ..datapath.tensors import dtype_from_name
+from ..errors import StagingError
+from .fp8 import FP8_MAX, MIN_AMAX, Quantizer, dequantize_blocks, fp8_error_bound, quantize_blocks, within_fp8_bound
+
+__all__ = ["FP8_MAX", "MIN_AMAX", "Quantizer", "TransformSet", "dequantize_blocks", "fp8_error_bound",
+           "group_bytes_for", "parse", "plan_quant_groups", "quantize_blocks", "within_fp8_bound"]  # (the
+# FP8 primitives live in engine.transforms.fp8; they are re-exported here, where callers have always found them)
+
+
+THREAD_BYTES = 1 << 20  # CPU transforms above this run in a worker thread
+GROUP_BYTES = 256 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
+GROUP_SIZE = 16  # tensors per launch
+GROUPS_IN_BUDGET = 4  # groups that fit the pipeline's byte budget: one copying, the next ones quantized ahead
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _copy_to_device(view: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A CPU tensor copied to ``device`` (blocking this thread), and an event after the copy."""
+    with torch.cuda.device(device):
+        moved = view.to(device)
+        copied = torch.cuda.Event()
+        copied.record()
+    return moved, copied
+
+
+@functools.lru_cache(maxsize=256)
+def parse(transform: str) -> tuple[tuple[str, str], ...]:
+    """``"t,fp8w:128"`` -> ``(("t", ""), ("fp8w", "128"))`` (a table has a handful of distinct strings)."""
+    return tuple(step.partition(":")[::2] for step in transform.split(","))
+
+
+class TransformSet:
+    """Applies transform strings to source views; built-in steps plus the user's ``custom`` ones."""
+
+    BUILTIN = frozenset({"t", "cast", "fp8w", "fp8s"})
+
+    def __init__(self, custom: Mapping[str, Transform] = {}, use_kernel: bool = True,
+                 group_devices: frozenset = frozenset({"cuda"}), group_bytes: int = GROUP_BYTES,
+                 quantize_on: Optional[torch.device] = None) -> None:
+        self.custom = dict(custom)
+        self.quantize_on = quantize_on  # where CPU-held sources are quantized (None: on the CPU)
+        self.group_devices = group_devices  # where quantizations are batched (one launch per group)
+        self.group_bytes = group_bytes  # FP8 output bytes of one group (``group_bytes_for`` a budget)
+        self.quantizer = Quantizer(use_kernel)
+        self.pending: Counter = Counter()  # quantization key -> rows of this round still to ask for it
+        self.kept: dict[tuple, tuple] = {}  # key -> (weight, scale_inv, CUDA event or None) still wanted
+        self.groups: dict[tuple, list[tuple[Transfer, torch.Tensor]]] = {}  # key -> its group's (row, source view)
+        self.quantized = 0
+        self.rounds = 0
+        self._table: object = None  # the routing table planned below (the same object every round of a plan)
+        self._key_of: dict[int, int] = {}  # id(row) -> its quantization's number, for the rows of ``_table``
+        self._wanted: Counter = Counter()  # quantization key -> rows of ``_table`` asking for it
+        self._cost: dict[int, int] = {}  # quantization key -> output bytes its launch makes (its whole group's)
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._ordered: dict[int, int] = {}  # side stream's device -> the round it was last ordered after the producer
+        self._rows_of: dict[int, list[Transfer]] = {}  # quantization key -> the rows of ``_table`` asking for it
+        self._view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None
+        self._resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None
+        self._token: object = None  # what the resolver's answers depend on (landing slots, connections)
+        self._dests: dict[int, Optional[tuple[int, int]]] = {}  # key -> where its launch writes (None: a buffer)
+        self.written = 0  # rows whose bytes a launch wrote straight into the receiver
+
+    def __repr__(self) -> str:
+        return (f"<TransformSet quantized={self.quantized} written={self.written} kept={len(self.kept)} "
+                f"groups={len(self.groups)} {self.quantizer!r} custom={sorted(self.custom)}>")
+
+    def check(self, name: str, transform: str) -> None:
+        """Raise ``StagingError`` for a transform this sender cannot run (before the round starts)."""
+        if transform in self.custom:
+            return
+        steps = parse(transform)
+        for i, (op, arg) in enumerate(steps):
+            if op not in self.BUILTIN:
+                raise StagingError(name, f"unknown transform {transform!r} (step {op!r})")
+            if op == "cast":
+                dtype_from_name(arg)
+            if op in ("fp8w", "fp8s") and i != len(steps) - 1:
+                raise StagingError(name, f"transform {transform!r}: a quantization must be the last step")
+
+    def begin(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]] = lambda t: None,
+              resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None,
+              token: object = None) -> None:
+        """A new round: count who will ask for each quantization, group the quantizations of CUDA sources
+        (``view_of``: a row's source view, None where it is not known yet); forget what was kept.
+        ``resolve``: a row's destination address, reachable from a device, or None (see the header);
+        its answers are kept while ``token`` stays the same."""
+        self.kept.clear()
+        self.rounds += 1
+        if transfers is not self._table or not isinstance(transfers, tuple):  # a new table (a plan's is
+            self._plan_table(transfers, view_of)  # one tuple, every round): check it, plan its quantizations
+        if resolve is None or token != self._token:
+            self._dests = {}
+        self._view_of, self._resolve, self._token = view_of, resolve, token
+        self.pending = self._wanted.copy()
+
+    def _plan_table(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]]) -> None:
+        self._table = None
+        first = {}  # each distinct transform once, named by its first row
+        for t in transfers:
+            if t.transform:
+                first.setdefault(t.transform, t.name)
+        for transform, name in first.items():
+            self.check(name, transform)
+        numbers: dict[tuple, int] = {}  # a quantization's key -> a small number (cheaper to hash)
+        self._key_of = {id(t): numbers.setdefault(_quant_key(t), len(numbers))
+                        for t in transfers if "fp8" in t.transform}
+        self._wanted = Counter(self._key_of.values())
+        self._rows_of = {}
+        for t in transfers:
+            if "fp8" in t.transform:
+                self._rows_of.setdefault(self._key_of[id(t)], []).append(t)
+        self._dests = {}
+        groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices, self.group_bytes)
+        self.groups = {numbers[key]: group for key, group in groups.items()}
+        rows_bytes: Counter = Counter()  # key -> bytes of all its rows (weight and scales)
+        for t in transfers:
+            if "fp8" in t.transform:
+                rows_bytes[self._key_of[id(t)]] += t.nbytes
+        self._cost = {k: sum(rows_bytes[self._key_of[id(row)]] for row, _ in self.groups[k]) if k in self.groups
+                      else rows_bytes[k] for k in self._wanted}
+        self.quantizer.forget()
+        self._table = transfers  # (kept alive here, so the ids above stay its rows')
+
+    def _key(self, t: Transfer):
+        """The number of ``t``'s quantization (its key for a row outside the planned table)."""
+        key = self._key_of.get(id(t))
+        return key if key is not None else _quant_key(t)
+
+    def warm(self, transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]]) -> None:
+        """Compile the GPU kernel for each (device, dtype, block) the table quantizes (blocking)."""
+        kinds = set()
+        for t in transfers:
+            view = view_of(t) if "fp8" in t.transform else None
+            device = None if view is None else self.quantize_on if self.moves_to_device(t, view) else view.device
+            if device is not None and device.type == "cuda":  # (the input dtype: a cast's, else the source's)
+                casts = [arg for op, arg in parse(t.transform) if op == "cast"]
+                dtype = dtype_from_name(casts[-1]) if casts else view.dtype
+                kinds.add((device, dtype, int(t.transform.rpartition(":")[2])))
+        for device, dtype, block in sorted(kinds, key=str):
+            self.quantizer.warm(device, dtype, block)
+
+    def fresh_bytes(self, t: Transfer) -> Optional[int]:
+        """Bytes of new outputs that staging row ``t`` makes now: for the row that launches a
+        quantization, every output of the launch (its group's rows, weights and scales); 0 for a row
+        whose output a launch already made; ``None`` where unknown (a row outside the planned table)."""
+        if "fp8" not in t.transform or t.transform in self.custom:
+            return t.nbytes
+        key = self._key(t)
+        if key in self.kept or self._direct(key) is not None:
+            return 0
+        return self._cost.get(key)
+
+    def writes_directly(self, t: Transfer) -> bool:
+        """Whether row ``t``'s bytes are written into the receiver by its quantization's launch."""
+        return "fp8" in t.transform and t.transform not in self.custom and self._direct(self._key(t)) is not None
+
+    def _direct(self, key) -> Optional[tuple[int, int]]:
+        """(weight address, scales address) where quantization ``key`` is written this round, or None.
+        Decided for its whole group at once: a launch writes all its outputs one way."""
+        if self._resolve is None or not isinstance(key, int):
+            return None
+        if key not in self._dests:
+            group = self.groups.get(key)
+            keys = [self._key(row) for row, _ in group] if group is not None else [key]
+            dests = [self._key_dests(k) for k in keys]
+            if None in dests:
+                dests = [None] * len(keys)
+            self._dests.update(zip(keys, dests))
+        return self._dests[key]
+
+    def _key_dests(self, key: int) -> Optional[tuple[int, int]]:
+        """Where quantization ``key`` can be written: it has one weight row and one scale row, both of
+        the sizes its source makes, both addressable from the source's device."""
+        rows = self._rows_of.get(key, [])
+        ops = [parse(r.transform)[-1][0] for r in rows]
+        if sorted(ops) != ["fp8s", "fp8w"]:
+            return None  # (two receivers want it, or only one of its outputs is wanted: a buffer it is)
+        weight, scales = (rows[0], rows[1]) if ops[0] == "fp8w" else (rows[1], rows[0])
+        view = self._view_of(weight)
+        if view is None or view.dim() != 2 or not self.quantizer.writes_to(view.device):
+            return None
+        if self.moves_to_device(weight, view):
+            return None  # (quantized on another device than the source's: through a buffer)
+        rows_, cols = view.shape
+        if sum(op == "t" for op, _ in parse(weight.transform)) % 2:
+            rows_, cols = cols, rows_
+        block = int(parse(weight.transform)[-1][1])
+        if weight.nbytes != rows_ * cols or scales.nbytes != 4 * -(-rows_ // block) * -(-cols // block):
+            return None  # (the round raises a typed error for it on the buffered path)
+        q_at, s_at = self._resolve(weight, view.device), self._resolve(scales, view.device)
+        return None if q_at is None or s_at is None else (q_at, s_at)
+
+    async def run(self, t: Transfer, view: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+        """The transformed, contiguous tensor for row ``t`` (on the source's device), and for CUDA the
+        event that marks it complete: the caller waits on it only where it needs the bytes, so the
+        next transforms are launched while this one runs."""
+        cached = self._cached(t)
+        if cached is not None:  # a quantization that already ran this round (the other output of a pair,
+            return cached       # or a member of a group): no new work, its launch's event
+        if self.moves_to_device(t, view):
+            view = await self._to_device(view)
+        if view.device.type == "cuda":
+            return self._launch(t, view, self._side_stream(view.device))
+        if view.numel() * view.element_size() > THREAD_BYTES:
+            return await asyncio.to_thread(self.apply, t, view), None
+        return self.apply(t, view), None
+
+    def moves_to_device(self, t: Transfer, view: torch.Tensor) -> bool:
+        """Whether row ``t``'s quantization copies its CPU source to ``quantize_on`` first."""
+        return (self.quantize_on is not None and view.device.type == "cpu" and "fp8" in t.transform
+                and t.transform not in self.custom)
+
+    async def _to_device(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` on ``quantize_on``: copied in a worker thread (a pageable source blocks the copying
+        thread), then ordered before the side stream's work by the copy's event."""
+        side = self._side_stream(self.quantize_on)
+        moved, copied = await asyncio.to_thread(_copy_to_device, view, self.quantize_on)
+        side.wait_event(copied)
+        moved.record_stream(side)  # (allocated on the copying thread's stream, used on the side stream)
+        return moved
+
+    def _launch(self, t: Transfer, view: torch.Tensor, stream: torch.cuda.Stream):
+        """Queue the work on the side stream, from the loop's thread (a worker thread would fight the
+        loop for the GIL on every launch); launches return at once."""
+        if self._ordered.get(stream.device.index) != self.rounds:  # once per round: the weights are final
+            stream.wait_stream(torch.cuda.current_stream(view.device))
+            self._ordered[stream.device.index] = self.rounds
+        with torch.cuda.stream(stream):
+            out = self.apply(t, view)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return out, done
+
+    def _cached(self, t: Transfer) -> Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]]:
+        """Row ``t``'s output, if it is one of a quantization this round has made already."""
+        if "fp8" not in t.transform or t.transform in self.custom:
+            return None
+        both = self.kept.get(self._key(t))
+        if both is None:
+            return None
+        op, arg = parse(t.transform)[-1]
+        return self._quantized(t, None, op, int(arg)), both[2]
+
+    def apply(self, t: Transfer, view: torch.Tensor) -> torch.Tensor:
+        fn = self.custom.get(t.transform)
+        if fn is not None:
+            return fn(view).contiguous()
+        x = self._head(t, view)
+        for op, arg in parse(t.transform):
+            if op in ("fp8w", "fp8s"):
+                x = self._quantized(t, x, op, int(arg))
+        return None if x is None else x.contiguous()  # (None: written into the receiver already)
+
+    def _head(self, t: Transfer, view: torch.Tensor) -> torch.Tensor:
+        """``view`` after the row's steps that come before a quantization (all of them if none)."""
+        x = view
+        for op, arg in parse(t.transform):
+            if op == "t":
+                if x.dim() != 2:
+                    raise StagingError(t.name, f"transpose needs a 2-D tensor, got {list(x.shape)}")
+                x = x.t()
+            elif op == "cast":
+                x = x.to(dtype_from_name(arg))
+            elif op in ("fp8w", "fp8s"):
+                break
+            else:
+                raise StagingError(t.name, f"unknown transform step {op!r} in {t.transform!r}")
+        return x
+
+    def _quantized(self, t: Transfer, x: torch.Tensor, op: str, block: int) -> torch.Tensor:
+        key = self._key(t)
+        both = self.kept.get(key)
+        if both is None:
+            if x.dim() != 2:
+                raise StagingError(t.name, f"block FP8 needs a 2-D weight, got {list(x.shape)}")
+            both = self._quantize_group(key, x, block)
+        self.pending[key] -= 1
+        if self.pending[key] > 0:  # more rows of this round want this quantization: keep it for them
+            self.kept[key] = both
+        else:
+            self.kept.pop(key, None)
+        return both[0] if op == "fp8w" else both[1]
+
+    def _quantize_group(self, key, x: torch.Tensor, block: int) -> tuple:
+        """Quantize ``x`` and, in the same launch, the rest of its group (kept for their rows, with the
+        launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``. A group is fixed for a plan
+        (sources of one kind, transposes at most before the quantization), so its launch is reused."""
+        group = self.groups.get(key)
+        keys = [self._key(row) for row, _ in group] if group is not None else [key]
+        dests = [self._dests[k] for k in keys] if self._direct(key) is not None else None
+        if group is None:  # alone: its launch is still kept for the next rounds when the plan has it
+            results = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None,
+                                          dests=dests)
+        else:
+            results = self.quantizer.many([self._head(row, view) for row, view in group], block,
+                                          reuse=id(group), dests=dests)
+        if dests is not None:
+            results = [(None, None)] * len(keys)  # in the receiver's memory: nothing to hand to the rows
+            self.written += 2 * len(keys)
+        self.quantized += len(results)
+        done = None
+        if x.device.type == "cuda":  # (we are on the side stream: ``_launch``)
+            done = torch.cuda.Event()
+            done.record()
+        mine = None
+        for k, (q, s) in zip(keys, results):
+            if k == key:
+                mine = (q, s, done)
+            elif self.pending[k] > 0:
+                self.kept[k] = (q, s, done)
+        return mine
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        from ..cuda import cuda_rt
+
+        index = cuda_rt.device_index(device)
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+
+
+
+def group_bytes_for(budget_bytes: int) -> int:
+    """The group size for a pipeline budget: small enough that ``GROUPS_IN_BUDGET`` groups fit it, so
+    the next groups are quantized while one is copied (with two, the copies waited for each launch)."""
+    return max(1 << 20, min(GROUP_BYTES, budget_bytes // GROUPS_IN_BUDGET))
+
+
+def plan_quant_groups(transfers, view_of: Callable[[Transfer], Optional[torch.Tensor]],
+                      skip: frozenset = frozenset(), devices: frozenset = frozenset({"cuda"}),
+                      max_bytes: int = GROUP_BYTES, max_size: int = GROUP_SIZE) -> dict[tuple, list]:
+    """Consecutive quantizations (table order) of sources on ``devices`` of one dtype and block size, cut at
+    ``max_size`` tensors or ``max_bytes`` of FP8 output: quantization key -> its group's
+    ``(row, source view)`` list (every key of a group maps to the same list). Pure; rows whose source
+    is not known yet (``view_of`` gives None) or whose transform is in ``skip`` stay ungrouped."""
+    groups: dict[tuple, list] = {}
+    current: list = []
+    size, kind = 0, None
+    for t in transfers:
+        steps = parse(t.transform)
+        if t.transform in skip or steps[-1][0] not in ("fp8w", "fp8s") or any(op != "t" for op, _ in steps[:-1]):
+            continue  # (a cast before quantizing makes a new tensor each round: not a fixed group)
+        key = _quant_key(t)
+        view = None if key in groups else view_of(t)
+        if view is None or view.device.type not in devices or view.dim() != 2:
+            continue
+        nbytes = view.numel()  # one byte per FP8 element
+        this_kind = (view.device, view.dtype, key[2], key[3])
+        if current and (len(current) >= max_size or size + nbytes > max_bytes or kind != this_kind):
+            current, size = [], 0
+        current.append((t, view))
+        size, kind = size + nbytes, this_kind
+        groups[key] = current
+    return {k: g for k, g in groups.items() if len(g) > 1}
+
+
+def _quant_key(t: Transfer) -> tuple:
+    """Rows sharing a source region and the steps before quantization share one quantization."""
+    head = t.transform.split("fp8")[0]
+    block = t.transform.rpartition(":")[2]
+    return (t.name, t.slice, head, block)

@@ -1,0 +1,153 @@
+"""Block FP8 (e4m3fn, B x B block scales) on tensors: the reference quantizer, its inverse and error bound,
+and ``Quantizer``, which quantizes lists of tensors (one Triton launch on CUDA, eager elsewhere).
+
+How this works: ``quantize_blocks`` is the eager reference (any device): per B x B block, the scale is
+the block's absolute max over 448 and the weight is rounded to e4m3 after dividing by it; ragged edge
+blocks are padded with zeros for the max. ``Quantizer.many`` runs the same for many tensors at once
+through ``engine.transforms.fp8_kernel`` where Triton can run, keeps prepared launches under a caller's ``reuse``
+key, and can write its outputs to given addresses instead of returning them (``dests``: a receiver's
+memory); where the kernel cannot run it warns once and quantizes eagerly (then copies to the
+addresses). ``engine.transforms`` decides what is quantized, grouped and written where.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("weightsync")
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale instead of a division by zero
+
+
+def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``x`` -> (float8_e4m3fn tensor of x's shape, float32 scale_inv [ceil(R/B), ceil(C/B)])."""
+    if x.dim() != 2:
+        raise ValueError(f"block quantization needs a 2-D tensor, got shape {list(x.shape)}")
+    rows, cols = x.shape
+    br, bc = -(-rows // block), -(-cols // block)
+    if rows % block or cols % block:
+        x = F.pad(x, (0, bc * block - cols, 0, br * block - rows))
+    blocks = x.reshape(br, block, bc, block)
+    lo, hi = torch.aminmax(blocks, dim=3)  # one pass, reducing the contiguous inner dim
+    amax = torch.maximum(hi.amax(dim=1), lo.amin(dim=1).neg()).float().clamp_(min=MIN_AMAX)
+    scale_inv = amax.div_(FP8_MAX)
+    # one fused pass: multiply in float32, round to e4m3 on store; |x| * (448 / amax) <= 448 up to
+    # float32 rounding, which the cast rounds back to 448, so no clamp pass is needed
+    q = torch.empty((br * block, bc * block), dtype=torch.float8_e4m3fn, device=x.device)
+    torch.mul(blocks, scale_inv.reciprocal()[:, None, :, None], out=q.view(br, block, bc, block))
+    if q.shape != (rows, cols):
+        q = q[:rows, :cols].contiguous()
+    return q, scale_inv
+
+
+class Quantizer:
+    """``quantize_blocks`` for a list of tensors: on CUDA one Triton launch per list
+    (``engine.transforms.fp8_kernel``; the per-tensor launches and Python of the eager path were what FP8 rounds
+    waited on), elsewhere eager, tensor by tensor. If the kernel cannot run here (no Triton, a compile
+    error) it warns once and quantizes eagerly: correct, only slower."""
+
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.use_kernel = use_kernel
+        self.fallback: Optional[str] = None
+        self.launches = 0
+        self._batches: dict = {}  # reuse key -> fp8_kernel.Batch (its layout and launch tables, made once)
+
+    def __repr__(self) -> str:
+        mode = "eager" if not self.use_kernel or self.fallback else "kernel"
+        return f"<Quantizer {mode} launches={self.launches}>"
+
+    def many(self, xs: list[torch.Tensor], block: int, reuse=None,
+             dests: Optional[list[tuple[int, int]]] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device). ``reuse``: a key under
+        which the same list comes back (every round): its launch is prepared once and kept. ``dests``:
+        per tensor, the addresses (reachable from its device) where its FP8 weight and scales are to be
+        written instead; then nothing is returned."""
+        if xs and self._kernel_for(xs[0].device):
+            try:
+                from . import fp8_kernel
+
+                key = reuse if dests is None or reuse is None else (reuse, tuple(dests))
+                batch = self._batches.get(key) if key is not None else None
+                if batch is None or batch.block != block or not batch.matches(xs):
+                    batch = fp8_kernel.Batch(xs, block, dests)
+                    if key is not None:
+                        self._batches[key] = batch
+                out = batch.run()
+                self.launches += 1
+                return out
+            except Exception as exc:  # no Triton or a Triton problem on this machine: eager is correct
+                self._give_up(exc)
+        self.launches += len(xs)
+        out = [quantize_blocks(x, block) for x in xs]
+        if dests is None:
+            return out
+        for (q, s), (q_at, s_at) in zip(out, dests):
+            _copy_to_address(q, q_at)
+            _copy_to_address(s, s_at)
+        return []
+
+    def writes_to(self, device: torch.device) -> bool:
+        """Whether ``many`` can write outputs to addresses for sources on ``device``."""
+        return device.type == "cpu" or self._kernel_for(device)
+
+    def warm(self, device: torch.device, dtype: torch.dtype, block: int) -> None:
+        """Compile the kernel for ``dtype`` now (blocking: run it in a worker thread)."""
+        if self._kernel_for(device):
+            try:
+                from . import fp8_kernel
+
+                fp8_kernel.warm(device, dtype, block)
+            except Exception as exc:
+                self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        self.fallback = repr(exc)[:200]
+        log.warning("block FP8: the Triton kernel cannot run here (%s); quantizing eagerly", self.fallback)
+
+    def forget(self) -> None:
+        """Drop the prepared launches (a new plan)."""
+        self._batches.clear()
+
+    def _kernel_for(self, device: torch.device) -> bool:
+        return self.use_kernel and self.fallback is None and device.type == "cuda"
+
+
+def _copy_to_address(x: torch.Tensor, address: int) -> None:
+    """The bytes of contiguous ``x`` to ``address`` (host memory for a CPU tensor, else memory reachable
+    from ``x``'s device, queued on its current stream)."""
+    nbytes = x.numel() * x.element_size()
+    if x.device.type == "cpu":
+        ctypes.memmove(address, x.data_ptr(), nbytes)
+    else:
+        from ..cuda import cuda_rt
+
+        cuda_rt.memcpy_async(address, x.data_ptr(), nbytes, torch.cuda.current_stream(x.device))
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The reference inverse: float32 ``q * scale_inv`` with each scale spread over its block."""
+    rows, cols = q.shape
+    full = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return q.float() * full
+
+
+def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Per element, the most ``|x - dequantize(quantize(x))|`` may be: half an e4m3 step.
+
+    Normal range: 3 mantissa bits, so half a step is at most 2^-4 of |x|; below it the subnormal step
+    is 2^-9 of the block scale, half of it 2^-10. Plus float32 rounding of the division (negligible)."""
+    rows, cols = x.shape
+    scale = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return x.float().abs() * 2.0 ** -4 + scale * 2.0 ** -10 + 1e-30
+
+
+def within_fp8_bound(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> bool:
+    """Whether ``(q, scale_inv)`` dequantizes to within ``fp8_error_bound`` of ``x`` everywhere."""
+    err = (dequantize_blocks(q, scale_inv, block) - x.float()).abs()
+    return bool((err <= fp8_error_bound(x, scale_inv, block)).all())

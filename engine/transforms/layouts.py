@@ -1,0 +1,122 @@
+"""Receiver layouts: the tensors an inference engine holds, derived from the trainer's shapes.
+
+How this works. ``receiver_layout`` (pure) takes the trainer's parameter dtypes and shapes, a name
+mapping (``engine.plan.mapping``), and optionally a tensor-parallel position (``TensorParallel``) and
+an FP8 policy (``FP8Policy``); it returns one ``LayoutEntry`` per receiver tensor: name (fused names
+included), dtype, local shape and the ``ShardSpec`` a receiver declares. ``allocate`` makes the
+tensors. Tensor parallelism follows vLLM's Linear classes: column-parallel layers (q/k/v and fused qkv,
+gate/up and fused gate_up, GPT-2 c_attn and c_fc, vocab-parallel embeddings and lm_head) shard dim 0
+and their biases; row-parallel layers (o_proj, down_proj, GPT-2 attn/mlp c_proj) shard dim 1 of the
+weight and replicate the bias; everything else (norms, positions) is replicated, and so is a
+vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). FP8: 2-D weights the
+policy includes become float8_e4m3fn with a float32 ``<name>_scale_inv`` of 128x128 blocks next to
+them; norms, embeddings and lm_head are excluded by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping as MappingT, Optional, Sequence
+
+import torch
+
+from wire import ShardSpec
+
+from ..datapath.tensors import dtype_from_name
+from ..errors import ConfigError
+from ..plan.mapping import FP8, SCALE_SUFFIX, Mapping, SourceShape, block_scale_shape, components, full_shape
+from ..plan.mapping import get_mapping
+
+COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)\.(weight|bias)",
+          r".*\.(attn\.c_attn|mlp\.c_fc)\.(weight|bias)",
+          r".*(embed_tokens|lm_head|wte)\.weight")
+VOCAB = r".*(embed_tokens|lm_head|wte)\.weight"
+ROW = (r".*\.(o_proj|down_proj|attn\.c_proj|mlp\.c_proj)\.weight",)
+FP8_EXCLUDE = (r".*norm.*", r".*embed.*", r".*lm_head.*", r".*\.wte\..*", r".*\.wpe\..*", r".*\.ln_.*")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """This receiver is shard ``index`` of ``world`` (vLLM-style column / row parallel layers)."""
+
+    index: int
+    world: int
+    column: tuple[str, ...] = COLUMN
+    row: tuple[str, ...] = ROW
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.index < self.world:
+            raise ConfigError("tensor_parallel", f"index {self.index} is not within world {self.world}")
+
+    def dim_for(self, name: str, ndim: int) -> Optional[int]:
+        if self.world == 1 or ndim == 0:
+            return None
+        if any(re.fullmatch(p, name) for p in self.column):
+            return 0
+        if ndim == 2 and any(re.fullmatch(p, name) for p in self.row):
+            return 1
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Policy:
+    """Which receiver weights are served in block FP8 (patterns are full-match regular expressions)."""
+
+    include: tuple[str, ...] = (r".*\.weight",)
+    exclude: tuple[str, ...] = FP8_EXCLUDE
+
+    def wants(self, name: str, ndim: int) -> bool:
+        return (ndim == 2 and any(re.fullmatch(p, name) for p in self.include)
+                and not any(re.fullmatch(p, name) for p in self.exclude))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # local (this shard's) shape
+    shard: Optional[ShardSpec]
+
+
+def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: "str | Mapping" = "identity",
+                    tp: Optional[TensorParallel] = None, fp8: Optional[FP8Policy] = None,
+                    dtype: Optional[str] = None) -> list[LayoutEntry]:
+    """``sources``: trainer name -> (dtype, shape). ``dtype``: the receiver's float dtype, if it differs."""
+    rules = get_mapping(mapping)
+    shapes = {n: SourceShape(d, tuple(s)) for n, (d, s) in sources.items()}
+    out: list[LayoutEntry] = []
+    for name in rules.receiver_names(list(sources)):
+        comps, src_dtype = components(rules, name, shapes, "layout")
+        full = full_shape(comps)
+        want = dtype if dtype and src_dtype.startswith(("float", "bfloat")) else src_dtype
+        shard = _shard(name, full, len(comps), tp)
+        local = shard.local_shape() if shard is not None else full
+        if fp8 is not None and fp8.wants(name, len(full)):
+            out.append(LayoutEntry(name, FP8, local, shard))
+            scales = block_scale_shape(name, shard, comps)
+            out.append(LayoutEntry(name + SCALE_SUFFIX, "float32", scales, None))
+        else:
+            out.append(LayoutEntry(name, want, local, shard))
+    return out
+
+
+def _shard(name: str, full: tuple[int, ...], parts: int, tp: Optional[TensorParallel]) -> Optional[ShardSpec]:
+    dim = tp.dim_for(name, len(full)) if tp is not None else None
+    if dim is None:
+        return None
+    size = full[dim]
+    if size % tp.world and re.fullmatch(VOCAB, name):
+        return None  # vLLM pads the vocabulary to divide; without padding, a ragged vocabulary is replicated
+    if size % tp.world:
+        raise ConfigError("tensor_parallel", f"{name}: dim {dim} of size {size} does not divide by {tp.world}")
+    each = size // tp.world
+    return ShardSpec(full, dim, tp.index * each, (tp.index + 1) * each)
+
+
+def allocate(layout: Sequence[LayoutEntry], device: "str | torch.device" = "cpu"
+             ) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
+    """Zeroed tensors for a layout, and the shard specs to give ``WeightReceiver(shards=...)``."""
+    tensors = {e.name: torch.zeros(e.shape, dtype=dtype_from_name(e.dtype), device=device) for e in layout}
+    shards = {e.name: e.shard for e in layout if e.shard is not None}
+    return tensors, shards

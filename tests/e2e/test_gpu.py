@@ -1,0 +1,253 @@
+"""GPU data plane, end to end in processes: each transport that can run here, bit-exact.
+
+Run on a CUDA machine (the 2-GPU one for cross-GPU cases); skipped cleanly without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from children import Children
+from engine.transport import TransportOptions, connect_authorized, create_transport
+from engine.transports.uccl import uccl_unavailable_reason
+from proc_helpers import receiver_main, sender_main
+from roles import Controller, ControllerOptions
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+WATCHDOG = 120.0
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+UCCL_TCP = TransportOptions(device="cuda:0", uccl_tcp=True)
+
+
+def _cases(kinds=("cuda_ipc", "auto", "tcp"), same_gpu=("cuda_ipc", "auto", "tcp")):
+    """(transport, sender device, receiver device): ``same_gpu`` on GPU 0; ``kinds`` (and uccl, where it
+    runs) from GPU 0 to GPU 1 when there are two."""
+    cases = [(kind, "cuda:0", "cuda:0") for kind in same_gpu]
+    if TWO_GPUS:
+        cases += [(kind, "cuda:0", "cuda:1") for kind in kinds]
+        if uccl_unavailable_reason(UCCL_TCP) is None:
+            cases.append(("uccl", "cuda:0", "cuda:1"))
+    return cases
+
+
+async def _three_rounds(transport: str, src: str, dst: str, mode: str, checksum: str = "", spec: str = "default"):
+    """A sender and a receiver process; versions 1-3, each committed bit-exact on the receiver."""
+    versions = [1, 2, 3]
+    kids = Children()
+    uccl_tcp = transport == "uccl"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=30.0, checksum=checksum)
+    try:
+        async with Controller(senders=1, receivers=1, options=opts) as ctl:
+            kids.start("sender", 0, sender_main, ctl.address, 0, versions, transport=transport, device=src,
+                       uccl_tcp=uccl_tcp, spec=spec)
+            kids.start("receiver", 0, receiver_main, ctl.address, 0, versions, mode=mode, transport=transport,
+                       device=dst, uccl_tcp=uccl_tcp, spec=spec)
+            await kids.expect("joined", 2)
+            for v in versions:
+                for _, role, _, data in await kids.expect("committed", 2):
+                    if role == "receiver":
+                        assert data == (v, v, []), f"{transport} {src}->{dst} {mode}: {data}"
+                assert (await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)).ok
+    finally:
+        kids.close()
+
+
+@pytest.mark.parametrize("transport,src,dst", _cases())
+@pytest.mark.parametrize("mode", ["shadow", "inplace"])
+async def test_gpu_round_trip_bit_exact(transport, src, dst, mode):
+    """With checksums: every row staged (checksums need the bytes on the sender)."""
+    await _three_rounds(transport, src, dst, mode, checksum="sum64")
+
+
+@pytest.mark.parametrize("transport,src,dst", _cases(kinds=("cuda_ipc", "auto"), same_gpu=("cuda_ipc", "tcp")))
+@pytest.mark.parametrize("mode", ["shadow", "inplace"])
+async def test_moe_shaped_compiled_rounds_bit_exact(transport, src, dst, mode):
+    """Hundreds of per-expert tensors and the odd ones (unaligned, empty, scalar, a non-contiguous view
+    staged beside them), no checksum: the compiled replay (one copy kernel launch on one GPU, batch calls
+    across GPUs, frames over TCP), three versions."""
+    await _three_rounds(transport, src, dst, mode, spec="moe")
+
+
+async def test_forced_transport_that_cannot_run_says_what_is_missing():
+    if uccl_unavailable_reason(TransportOptions(device="cuda:0")) is not None:
+        with pytest.raises(Exception, match="uccl"):
+            create_transport("uccl", TransportOptions(device="cuda:0"))
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+async def test_ipc_write_in_process_and_out_of_bounds():
+    from wire import PeerInfo
+
+    tgt, src = create_transport("cuda_ipc", TransportOptions(device="cuda:1")), create_transport("cuda_ipc")
+    info = await tgt.start(1)
+    await src.start(0)
+    region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:1")
+    rinfo = tgt.register(0, region)
+    conn = await connect_authorized(src, tgt, PeerInfo(1, info, (rinfo,)))
+    data = torch.randint(0, 255, (4096,), dtype=torch.uint8, device="cuda:0")
+    await conn.write(data, 0, 512, 1)
+    await conn.fence()
+    assert torch.equal(region[512:512 + 4096].cpu(), data.cpu())
+    with pytest.raises(Exception, match="out of bounds"):
+        await conn.write(data, 0, (1 << 20) - 10, 1)
+    await conn.close()
+    await src.close()
+    await tgt.close()
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+@pytest.mark.parametrize("one_call", [True, False], ids=["cudaMemcpyBatchAsync", "one-by-one"])
+async def test_ipc_batch_of_rows_lands_bit_exact(monkeypatch, one_call):
+    from engine.cuda import cuda_rt
+    from wire import PeerInfo
+
+    if one_call and not cuda_rt.batch_copies():
+        pytest.skip(f"CUDA runtime {cuda_rt.runtime_version()} has no cudaMemcpyBatchAsync")
+    monkeypatch.setattr(cuda_rt, "_batch_refused", not one_call)
+    tgt, src = create_transport("cuda_ipc", TransportOptions(device="cuda:1")), create_transport("cuda_ipc")
+    info = await tgt.start(1)
+    await src.start(0)
+    region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:1")
+    conn = await connect_authorized(src, tgt, PeerInfo(1, info, (tgt.register(0, region),)))
+    gen = torch.Generator(device="cuda:0").manual_seed(3)
+    sizes, offsets, at = (1, 7, 4096, 0, 300_001, 513), [], 3
+    for n in sizes:  # odd sizes at odd offsets, a zero-byte row among them
+        offsets.append(at)
+        at += n + 5
+    rows = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0", generator=gen) for n in sizes]
+    with pytest.raises(Exception, match="out of bounds"):  # checked before anything is queued
+        conn.submit_many([(rows[0], 0, 0, None), (rows[1], 0, (1 << 20) - 3, None)], 1)
+    assert conn.sent_count == 0
+    ops = conn.submit_many([(r, 0, off, None) for r, off in zip(rows, offsets)], 1)
+    await asyncio.wait_for(asyncio.gather(*ops), WATCHDOG)
+    got = region.cpu()
+    assert all(torch.equal(got[off:off + r.numel()], r.cpu()) for r, off in zip(rows, offsets))
+    assert int(got[:3].sum()) == 0 and (conn.sent_count, conn.sent_bytes) == (len(rows), sum(sizes))
+    await conn.close()
+    await src.close()
+    await tgt.close()
+
+
+def test_fp8_quantization_on_gpu_within_the_reference_bound():
+    from engine.transforms import quantize_blocks, within_fp8_bound
+
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+    x = (torch.randn(1000, 777, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
+    q, s = quantize_blocks(x)
+    q_cpu, s_cpu = quantize_blocks(x.cpu())
+    assert torch.allclose(s.cpu(), s_cpu, rtol=2e-7, atol=0)  # the GPU's division may differ in the last bit
+    assert within_fp8_bound(x, q, s)
+
+
+def test_fp8_kernel_quantizes_many_strided_tensors_in_one_launch():
+    from engine.transforms import Quantizer, quantize_blocks, within_fp8_bound
+
+    g = torch.Generator(device="cuda:0").manual_seed(4)
+    base = (torch.randn(700, 390, generator=g, device="cuda:0") * 2).to(torch.bfloat16)
+    xs = [base, base.t(), base[100:356, 7:300], torch.zeros(3, 5, dtype=torch.bfloat16, device="cuda:0"),
+          (torch.randn(256, 128, generator=g, device="cuda:0") * 1e-4).to(torch.bfloat16)]
+    quantizer = Quantizer()
+    got = quantizer.many(xs, 128)
+    assert quantizer.fallback is None and quantizer.launches == 1, quantizer.fallback
+    for x, (q, s) in zip(xs, got):
+        q_ref, s_ref = quantize_blocks(x)
+        assert q.shape == x.shape and q.is_contiguous() and s.shape == s_ref.shape
+        assert torch.allclose(s, s_ref, rtol=2e-7, atol=0)
+        assert within_fp8_bound(x, q, s)
+        assert (q.float() == q_ref.float()).float().mean() > 0.999  # (the division may round differently)
+    for round_ in range(2):  # a group quantized every round: prepared once, then only launched
+        base.mul_(1.5)  # new values in the same storage
+        again = quantizer.many(xs, 128, reuse="group")
+        for x, (q, s) in zip(xs, again):
+            assert torch.allclose(s, quantize_blocks(x)[1], rtol=2e-7, atol=0) and within_fp8_bound(x, q, s)
+    assert len(quantizer._batches) == 1 and quantizer.launches == 3 and quantizer.fallback is None
+
+
+@pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
+def test_fp8_kernel_writes_its_outputs_to_given_addresses(dst):
+    """A batch made with destinations stores there (here a peer GPU's tensors when there are two):
+    the same bytes as the buffered batch, nothing returned."""
+    from engine.cuda import cuda_rt
+    from engine.transforms.fp8_kernel import Batch
+
+    g = torch.Generator(device="cuda:0").manual_seed(5)
+    base = (torch.randn(700, 390, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
+    xs = [base, base.t(), base[100:356, 7:300], torch.randn(256, 512, generator=g, device="cuda:0").to(torch.bfloat16)]
+    want = Batch(xs, 128).run()
+    if dst != "cuda:0":
+        assert cuda_rt.enable_peer_access(0, torch.device(dst).index)
+    qs = [torch.full(q.shape, 7, dtype=torch.uint8, device=dst) for q, _ in want]
+    ss = [torch.full(s.shape, -1.0, dtype=torch.float32, device=dst) for _, s in want]
+    batch = Batch(xs, 128, [(q.data_ptr(), s.data_ptr()) for q, s in zip(qs, ss)])
+    assert batch.run() == [] and batch.q_total == 0
+    torch.cuda.synchronize(0)
+    for (q_want, s_want), q, s in zip(want, qs, ss):
+        assert torch.equal(q.cpu(), q_want.view(torch.uint8).cpu()) and torch.equal(s.cpu(), s_want.cpu())
+
+
+async def test_cpu_held_sources_are_quantized_on_the_gpu():
+    """CPU-offloaded trainer weights with ``quantize_on``: each source slice is copied to the GPU and
+    quantized there by the kernel (not eagerly on the CPU), within the FP8 bound at the receiver."""
+    from engine.transforms.layouts import FP8Policy, allocate, receiver_layout
+    from engine.datapath.tensors import dtype_name
+    from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
+    from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+    src = {k: v.to(torch.bfloat16) for k, v in qwen2_state().items()}  # on the CPU
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    layout = receiver_layout(shapes, "qwen2", fp8=FP8Policy())
+    dst = "cuda:1" if TWO_GPUS else "cuda:0"
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, mapping="qwen2")
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        sender = WeightSender(ctl.address, src, rank=0,
+                              options=SenderOptions(transport="cuda_ipc", quantize_on="cuda:0"))
+        receiver = WeightReceiver(ctl.address, allocate(layout, dst)[0], rank=0,
+                                  options=ReceiverOptions(transport="cuda_ipc"))
+        async with sender, receiver:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            await asyncio.wait_for(await sender.push(1), WATCHDOG)
+            await asyncio.wait_for(receiver.wait_for(1), WATCHDOG)
+            state = {k: v.cpu() for k, v in receiver.state_dict().items()}
+            assert check_fp8_receiver(state, lambda n: expected_qwen2(src, n))
+            quantizer = sender.sources.transforms.quantizer
+            assert quantizer.fallback is None and quantizer.launches > 0  # the kernel ran: on the GPU
+            assert all(v.device.type == "cpu" for v in sender.tensors.values())
+            assert sender.pipeline.budget.in_use == 0  # the copies to the GPU were charged and given back
+
+
+@pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
+@pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
+async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
+    from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from engine.datapath.tensors import dtype_name
+    from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
+    from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+    src = {k: v.to("cuda:0") for k, v in qwen2_state().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    tp = TensorParallel(1, 2)
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp), receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, checksum=checksum, mapping="qwen2")
+    async with Controller(senders=1, receivers=2, options=opts) as ctl:
+        sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc"))
+        receivers = [WeightReceiver(ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],
+                                    options=ReceiverOptions(transport="cuda_ipc")) for r, lay in enumerate(layouts)]
+        async with sender, receivers[0], receivers[1]:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            for version in (1, 2):  # the second round reuses the prepared launches (written in place too)
+                if version == 2:
+                    for v in src.values():
+                        v.mul_(-1.5)
+                await asyncio.wait_for(await sender.push(version), WATCHDOG)
+                for r in receivers:
+                    await asyncio.wait_for(r.wait_for(version), WATCHDOG)
+                cpu_src = {k: v.cpu() for k, v in src.items()}
+                for name, got in receivers[0].state_dict().items():
+                    assert torch.equal(got.cpu(), expected_qwen2(cpu_src, name, tp)), name
+                state = {k: v.cpu() for k, v in receivers[1].state_dict().items()}
+                assert check_fp8_receiver(state, lambda n: expected_qwen2(cpu_src, n))
+            written = sender.sources.transforms.written
+            assert (written > 0) == (not checksum), written  # without checksums: stored in the receiver

@@ -1,0 +1,153 @@
+"""Compiled rounds (engine/datapath/compiled.py) and TCP's replay of them: tables, caching, coalesced frames."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.datapath.compiled import RoundCompiler, compile_lane
+from engine.datapath.pipeline import Pipeline
+from engine.datapath.staging import SourceSet
+from engine.errors import RoundAborted, StagingError, TransportError
+from engine.transport import connect_authorized, create_transport
+from engine.transports import tcp
+from proc_helpers import MOE_SPEC, mismatches, receiver_tensors, sender_tensors, update_in_place
+from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+from wire import PeerInfo, Slice, Transfer
+
+WATCHDOG = 30
+
+
+async def _pair(kind: str, *sizes: int):
+    src, dst = create_transport(kind), create_transport(kind)
+    info = await dst.start(1)
+    await src.start(0)
+    regions = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    infos = tuple(dst.register(i, r) for i, r in enumerate(regions))
+    conn = await connect_authorized(src, dst, PeerInfo(1, info, infos))
+    return src, dst, conn, regions
+
+
+async def _close(src, dst, conn) -> None:
+    await conn.close()
+    await src.close()
+    await dst.close()
+
+
+def _table(tensors: dict[str, torch.Tensor], gaps: dict[str, int] = {}) -> tuple[Transfer, ...]:
+    """One row per tensor (one half of ``odd``: a slice), packed into region 0 in order (plus gaps)."""
+    rows, at = [], 0
+    for i, (name, t) in enumerate(tensors.items()):
+        piece = Slice(0, 0, 1) if name == "odd" else None
+        nbytes = (t[:1] if piece else t).numel() * t.element_size()
+        at += gaps.get(name, 0)
+        rows.append(Transfer(i, name, piece, 0, name, 0, at, nbytes, ""))
+        at += nbytes
+    return tuple(rows)
+
+
+SOURCES = {"a": torch.arange(12, dtype=torch.float32), "b": torch.arange(5, dtype=torch.uint8),
+           "empty": torch.empty(0, dtype=torch.float32), "odd": torch.arange(6, dtype=torch.int16).view(2, 3),
+           "t": torch.arange(6, dtype=torch.float32).view(2, 3).t()}  # non-contiguous: staged, not compiled
+
+
+async def test_a_compiled_lane_is_the_per_row_plan_byte_for_byte():
+    src, dst, conn, (region,) = await _pair("memory", 256)
+    sources = SourceSet(SOURCES)
+    table = _table(SOURCES)
+    sources.begin(table)
+    lane = compile_lane(table, sources, conn, slot=0, checksum="", stable=True)
+    assert [t.name for t in lane.staged] == ["t"]
+    for row, t in zip(lane.rows, [t for t in table if t.name != "t"]):
+        view = sources.view(t)
+        assert (row.name, row.region, row.offset, row.nbytes) == (t.name, t.dst_region, t.dst_offset, t.nbytes)
+        assert row.src.data_ptr() == view.data_ptr() and torch.equal(row.src, view)
+    assert lane.nbytes == sum(t.nbytes for t in table if t.name != "t")
+    assert compile_lane(table, sources, conn, 0, "crc32", True).rows == ()  # checksums: every row staged
+    await _close(src, dst, conn)
+
+
+async def test_slots_alternate_each_with_its_own_table_and_a_new_registration_recompiles():
+    src, dst, conn, regions = await _pair("memory", 256, 256)
+    sources = SourceSet(SOURCES)
+    table = _table(SOURCES)
+    pipeline = Pipeline(sources)
+    for epoch in range(1, 7):  # a shadow receiver's two landing slots, in turn
+        await asyncio.wait_for(pipeline.run(table, {0: conn}, epoch, slots={0: epoch % 2}), WATCHDOG)
+        landed = regions[epoch % 2]
+        assert torch.equal(landed[:48].view(torch.float32), SOURCES["a"])
+        assert torch.equal(landed[48:53], SOURCES["b"])
+    assert pipeline.compiler.compiles == 2  # once per slot; every other round replayed
+    conn.reregistered()  # the target's registrations changed: stale tables must not be replayed
+    await pipeline.run(table, {0: conn}, 7, slots={0: 1})
+    assert pipeline.compiler.compiles == 3
+    await _close(src, dst, conn)
+
+
+@pytest.mark.parametrize("kind", ["memory", "tcp"])
+async def test_a_row_that_no_longer_fits_raises_a_typed_error_naming_the_parameter(kind):
+    src, dst, conn, _ = await _pair(kind, 40)  # "a" alone is 48 bytes
+    sources = SourceSet(SOURCES)
+    table = _table(SOURCES)
+    with pytest.raises(StagingError, match="'a'.*region 0\\+0 do not fit") as info:
+        await Pipeline(sources).run(table, {0: conn}, 1)
+    assert info.value.param == "a"
+    await _close(src, dst, conn)
+
+
+ODD = [0, 1, 3, 7, 0, 4097, 70_000, 5, 200_000, 0, 2]  # odd sizes, zero-byte rows, above DIRECT_MIN
+
+
+@pytest.mark.parametrize("gap", [0, 3])
+async def test_tcp_replays_coalesced_frames_bit_exact(gap):
+    """Runs of back-to-back rows go as WRITE_RUN frames (gap 0), separate rows as WRITEs (gap 3); both
+    land bit-exact, counted per row, over several rounds of one compiled table."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"r{i}": torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8) for i, n in enumerate(ODD)}
+    total = sum(ODD) + gap * len(ODD)
+    src, dst, conn, (region,) = await _pair("tcp", total)
+    table = _table(tensors, {name: gap for name in tensors})
+    pipeline = Pipeline(SourceSet(tensors))
+    for epoch in (1, 2, 3):
+        for t in tensors.values():
+            t.add_(1)
+        report = await asyncio.wait_for(pipeline.run(table, {0: conn}, epoch), WATCHDOG)
+        for t in table:
+            assert torch.equal(region[t.dst_offset:t.dst_offset + t.nbytes], tensors[t.name]), t.name
+        c = dst.counters(epoch)[0]
+        assert (c.count, c.nbytes) == (len(ODD), sum(ODD)) == (report.lanes[0].count, report.nbytes)
+    frames = pipeline.compiler.lanes(table, pipeline.sources, {0: conn}, {}, "")[0].table
+    assert len(frames.headers) == (1 if gap == 0 else len(ODD))
+    await _close(src, dst, conn)
+
+
+async def test_a_receiver_that_closes_mid_batch_aborts_the_round_and_nothing_is_applied(monkeypatch):
+    """The receiver's end drops the connection 1 MiB into round 2 (inside a run of frames): the round
+    aborts with the transport error as its cause, and the receiver stays on version 1, bit-exact."""
+    spec = MOE_SPEC
+    sent, recv = sender_tensors(0, spec), receiver_tensors(spec)
+    seen = {"bytes": 0}
+    real = tcp._AgentProtocol.buffer_updated
+
+    def buffer_updated(agent, nbytes):
+        seen["bytes"] += nbytes
+        if seen["bytes"] > 1 << 20:
+            agent._close()
+            return
+        real(agent, nbytes)
+
+    opts = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl, \
+            WeightSender(ctl.address, sent, rank=0) as sender, \
+            WeightReceiver(ctl.address, recv, rank=0) as receiver:
+        update_in_place(sent, 1, spec)
+        await asyncio.wait_for(await sender.push(1), WATCHDOG)
+        assert receiver.version == 1 and mismatches(recv, 1, spec) == []
+        monkeypatch.setattr(tcp._AgentProtocol, "buffer_updated", buffer_updated)
+        update_in_place(sent, 2, spec)
+        with pytest.raises(RoundAborted) as info:
+            await asyncio.wait_for(await sender.push(2), WATCHDOG)
+        assert isinstance(info.value.__cause__, TransportError), repr(info.value.__cause__)
+        assert receiver.version == 1 and mismatches(recv, 1, spec) == []

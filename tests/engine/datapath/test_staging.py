@@ -1,0 +1,48 @@
+"""Source views, staging copies and shard coordinates (engine/datapath/staging.py)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from engine.datapath.staging import SourceSet, StagingPool
+from engine.errors import StagingError
+from wire import Slice, Transfer
+
+
+def _t(index, name, nbytes, slice_=None, dst=0, offset=0, transform=""):
+    return Transfer(index, name, slice_, dst, name, 0, offset, nbytes, transform)
+
+
+async def test_staging_views_copies_and_errors():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sources = SourceSet({"w": base, "wt": base.t()})
+    pool = StagingPool()
+    rows = await sources.stage(_t(0, "w", 2 * 6 * 4, Slice(0, 1, 3)), pool, "crc32")
+    assert not rows.pooled and rows.tensor.data_ptr() == base[1].data_ptr()  # a view: zero copy
+    cols = await sources.stage(_t(1, "w", 4 * 2 * 4, Slice(1, 2, 4)), pool, "")
+    assert cols.pooled and torch.equal(cols.tensor, base[:, 2:4])  # another dim: staged copy
+    nc = await sources.stage(_t(2, "wt", 24 * 4), pool, "")
+    assert nc.pooled and torch.equal(nc.tensor, base.t())
+    pool.give(cols.buffer)
+    pool.give(nc.buffer)
+    again = await sources.stage(_t(3, "w", 4 * 2 * 4, Slice(1, 0, 2)), pool, "")
+    assert pool.reused == 1 and torch.equal(again.tensor, base[:, 0:2])
+    with pytest.raises(StagingError, match="does not hold"):
+        await sources.stage(_t(4, "nope", 4), pool, "")
+    with pytest.raises(StagingError, match="the table says"):
+        await sources.stage(_t(5, "w", 7), pool, "")
+    with pytest.raises(StagingError, match="unknown transform"):
+        await sources.stage(_t(6, "w", 96, transform="fp8"), pool, "")
+
+
+async def test_sharded_source_uses_local_coordinates():
+    from wire import ShardSpec
+
+    shard = torch.arange(8, dtype=torch.float32).reshape(4, 2)  # rows 4:8 of an (8, 2) tensor
+    sources = SourceSet({"w": shard}, {"w": ShardSpec((8, 2), 0, 4, 8)})
+    staged = await sources.stage(_t(0, "w", 2 * 2 * 4, Slice(0, 5, 7)), StagingPool(), "")
+    assert torch.equal(staged.tensor, shard[1:3])
+    with pytest.raises(StagingError, match="outside the rows"):
+        await sources.stage(_t(1, "w", 16, Slice(0, 2, 4)), StagingPool(), "")

@@ -1,0 +1,95 @@
+"""FSDP2 sources: two gloo trainer processes with DTensor parameters -> TP-fused and FP8 receivers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import torch
+
+from children import Children, free_port
+from engine.datapath.tensors import dtype_name
+from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from fsdp_helpers import BUDGET, fsdp_sender_main, qwen2_model, trained
+from layout_oracle import check_fp8_receiver, expected_qwen2
+from roles import Controller, ControllerOptions, WeightReceiver
+
+WATCHDOG = 120
+
+
+async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
+    initial = {k: v.detach().clone() for k, v in qwen2_model().state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in initial.items()}
+    tp = TensorParallel(1, 2)
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp),
+               receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
+    options = ControllerOptions(heartbeat_s=0.1, timeout_s=20.0, checksum="crc32", mapping="qwen2")
+    children = Children()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            ctl = await stack.enter_async_context(Controller(senders=2, receivers=2, options=options))
+            receivers = []
+            for r, layout in enumerate(layouts):
+                tensors, shards = allocate(layout)
+                receivers.append(await stack.enter_async_context(
+                    WeightReceiver(ctl.address, tensors, rank=r, shards=shards)))
+            port = free_port()
+            for rank in range(2):
+                children.start("sender", rank, fsdp_sender_main, ctl.address, rank, 2, port, [1, 2])
+            for v in (1, 2):
+                done = await children.expect("committed", 2)
+                for r in receivers:
+                    await asyncio.wait_for(r.wait_for(v), WATCHDOG)
+                want = trained(initial, v)
+                _check_receivers(receivers, tp, want)
+                largest = max(t.numel() * t.element_size() for t in initial.values())
+                needs = needs if v > 1 else _gathers_per_round(ctl)  # (the children leave after the last round)
+                # rows inside a rank's own shard go shard-to-shard; the rest is gathered
+                assert sum(needs.values()) < len(done) * len(initial)
+                for _, _, rank, (version, gathered, peak, nbytes) in done:
+                    assert version == v and gathered == v * needs[rank]  # what its table needs, once a round
+                    assert peak <= max(BUDGET, largest)  # the budget held: never two big tensors at once
+                    assert nbytes > 0  # both FSDP ranks write their share
+                held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
+                assert sum(d[3][3] for d in done) == held  # only what the receivers hold moved
+    finally:
+        children.close()
+
+
+def _gathers_per_round(ctl) -> dict[int, int]:
+    """Per sender: the parameters its table reads outside its own FSDP shard (each gathered once a round)."""
+    from wire import Role
+
+    out = {}
+    for peer in ctl.peers.values():
+        if peer.hello.role is not Role.SENDER:
+            continue
+        shards = {t.name: t.shard for t in peer.hello.manifest.tensors}
+        rank = peer.hello.rank
+        outside = {t.name for t in ctl.plan.senders[rank].transfers
+                   if shards[t.name] is None or not shards[t.name].covers(t.slice)}
+        out[rank] = len(outside)
+    return out
+
+
+def _check_receivers(receivers, tp, want) -> None:
+    for name, got in receivers[0].state_dict().items():
+        assert torch.equal(got, expected_qwen2(want, name, tp)), name
+    quantized = check_fp8_receiver(receivers[1].state_dict(), lambda n: expected_qwen2(want, n))
+    assert quantized and not any("norm" in n or "embed" in n or "lm_head" in n for n in quantized)
+
+
+async def test_full_tensors_exist_only_on_the_ranks_whose_table_names_them():
+    from fsdp_helpers import gather_child_main
+
+    children = Children()
+    try:
+        port = free_port()
+        for rank in range(2):
+            children.start("gatherer", rank, gather_child_main, rank, 2, port)
+        reports = {rank: data for _, _, rank, data in await children.expect("gathered", 2)}
+    finally:
+        children.close()
+    # (right, materialized, shards sent, skipped, budget left in use)
+    assert reports[0] == (True, 2, 0, 1, 0)  # "a" gathered point-to-point, "b" all-gathered, "c" by nobody
+    assert reports[1] == (True, 1, 1, 1, 0)  # only "b" materialized here; its rows of "a" sent to rank 0

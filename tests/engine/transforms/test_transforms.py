@@ -1,0 +1,429 @@
+"""Transforms on the path: name mapping, fused projections, GPT-2 Conv1D, TP slicing, block FP8.
+
+The expected receiver tensors are computed here from the trainer's tensors with plain torch (cat,
+chunk, transpose), independently of the planner's part arithmetic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from engine.datapath.tensors import dtype_name
+from engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
+from engine.plan import Rule, Mapping, get_mapping, plan
+from engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
+from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from layout_oracle import check_fp8_receiver, expected_gpt2, expected_qwen2, qwen2_state
+from plan_helpers import participant, tensor
+from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+WATCHDOG = 60
+FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32")
+
+
+# --- block FP8 against the reference ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (129, 1), (1, 1), (7, 517)])
+def test_fp8_round_trip_within_the_stated_bound(shape):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-4, 3, shape[1])).to(torch.bfloat16)
+    q, s = quantize_blocks(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert within_fp8_bound(x, q, s)
+    # each block's largest magnitude maps onto the top of the e4m3 range: the scale is not wasted
+    top = q.float().abs().amax()
+    assert top == 448.0
+
+
+def test_fp8_zero_and_huge_blocks():
+    x = torch.zeros(130, 260)
+    x[129, 259] = 3.0e38  # float32 extreme: must not overflow to inf or nan
+    q, s = quantize_blocks(x)
+    assert torch.isfinite(dequantize_blocks(q, s)).all()
+    assert dequantize_blocks(q, s)[0, 0] == 0 and dequantize_blocks(q, s)[129, 259] == pytest.approx(3.0e38, rel=1e-6)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_blocks(torch.zeros(4))
+
+
+# --- mapping rules ----------------------------------------------------------------------------------
+
+
+def test_mapping_fuses_decoder_projections_and_keeps_the_rest():
+    names = [f"model.layers.0.self_attn.{p}_proj.{w}" for w in ("weight", "bias") for p in "qkv"]
+    names += ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    fused = get_mapping("qwen2").receiver_names(names)
+    assert fused == ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.bias",
+                     "model.layers.0.mlp.gate_up_proj.weight", "model.norm.weight"]
+    assert get_mapping("identity").receiver_names(names) == names
+    with pytest.raises(ConfigError, match="unknown mapping 'qwen9'"):
+        get_mapping("qwen9")
+
+
+def test_unmatched_names_list_the_closest():
+    senders = [participant(0, [tensor("model.layers.0.self_attn.q_proj.weight", (8, 4)),
+                               tensor("model.layers.0.self_attn.k_proj.weight", (4, 4))])]
+    recv = [participant(0, [tensor("model.layers.0.self_attn.qkv_proj.weight", (16, 4))])]
+    with pytest.raises(UnknownParameter) as e:
+        plan(senders, recv, mapping="qwen2")
+    assert e.value.param == "model.layers.0.self_attn.v_proj.weight"  # the missing part, named
+    assert "qkv_proj" in str(e.value) and "k_proj" in str(e.value)  # what it is part of; the closest name
+    recv = [participant(0, [tensor("model.layers.0.self_attn.o_proj.weight", (8, 4))])]
+    with pytest.raises(UnknownParameter, match="closest: model.layers.0.self_attn.q_proj.weight"):
+        plan(senders, recv, mapping="qwen2")
+
+
+def test_custom_rules_and_bad_layouts():
+    rename = Mapping("mine", (Rule("decoder.{rest}", ("model.{rest}",)),))
+    senders = [participant(0, [tensor("model.w", (4, 4))])]
+    routing = plan(senders, [participant(0, [tensor("decoder.w", (4, 4))])], mapping=rename)
+    t = routing.senders[0].transfers[0]
+    assert (t.name, t.dst_name) == ("model.w", "decoder.w")
+    with pytest.raises(ConfigError, match="split"):
+        Rule("{a}", split=0)
+    fused = [participant(0, [tensor(f"l.self_attn.{p}_proj.weight", (8 if p == "q" else 2, 4)) for p in "qkv"])]
+    with pytest.raises(BadTiling, match="2 rows, not divisible into 4"):  # GQA: k and v have 2 rows each
+        plan(fused, [participant(0, [tensor("l.self_attn.qkv_proj.weight", (12, 4), shard=(0, 3, 6))])],
+             mapping="qwen2")
+    with pytest.raises(BadTiling, match="not one of equal tensor-parallel shards"):
+        plan(fused, [participant(0, [tensor("l.self_attn.qkv_proj.weight", (12, 4), shard=(0, 2, 7))])],
+             mapping="qwen2")
+    routing = plan(fused, [participant(0, [tensor("l.self_attn.qkv_proj.weight", (12, 4), shard=(0, 6, 12))])],
+                   mapping="qwen2")  # shard 1 of 2 = rows 4:8 of q, 1:2 of k, 1:2 of v
+    got = [(t.name[-13:-7], t.slice.start, t.slice.stop, t.dst_offset) for t in routing.senders[0].transfers]
+    assert sorted(got, key=lambda g: g[3]) == [("q_proj", 4, 8, 0), ("k_proj", 1, 2, 64), ("v_proj", 1, 2, 80)]
+    no_scales = participant(0, [tensor("l.self_attn.q_proj.weight", (6, 4), dtype="float8_e4m3fn")])
+    with pytest.raises(ManifestMismatch, match="needs its block scales as 'l.self_attn.q_proj.weight_scale_inv'"):
+        plan(fused, [no_scales], mapping="qwen2")
+
+
+# --- end to end through the roles -------------------------------------------------------------------
+
+
+def _gpt2_state(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=32)
+    return {k: v.detach().clone() for k, v in GPT2LMHeadModel(cfg).state_dict().items()}
+
+
+@contextlib.asynccontextmanager
+async def _cluster(src: dict, layouts: list, mapping: str, checksum: str = "crc32", transport: str = "auto"):
+    async with contextlib.AsyncExitStack() as stack:
+        options = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum=checksum, mapping=mapping)
+        ctl = await stack.enter_async_context(Controller(senders=1, receivers=len(layouts), options=options))
+        sender = await stack.enter_async_context(
+            WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport=transport)))
+        receivers = []
+        for r, layout in enumerate(layouts):
+            tensors, shards = allocate(layout)
+            receivers.append(await stack.enter_async_context(WeightReceiver(
+                ctl.address, tensors, rank=r, shards=shards, options=ReceiverOptions(transport=transport))))
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        yield ctl, sender, receivers
+
+
+async def _one_round(sender, receivers, version=1):
+    handle = await asyncio.wait_for(sender.push(version), WATCHDOG)
+    await asyncio.wait_for(handle, WATCHDOG)
+    for r in receivers:
+        await asyncio.wait_for(r.wait_for(version), WATCHDOG)
+    return handle
+
+
+async def test_qwen2_fused_and_tensor_parallel_bit_exact():
+    src = qwen2_state()
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    tps = [TensorParallel(0, 1), TensorParallel(0, 2), TensorParallel(1, 2)]
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp) for tp in tps]
+    assert any(e.name.endswith("qkv_proj.bias") for e in layouts[0])
+    async with _cluster(src, layouts, "qwen2") as (ctl, sender, receivers):
+        handle = await _one_round(sender, receivers)
+        for tp, r in zip(tps, receivers):
+            state = r.state_dict()
+            assert set(state) == {e.name for e in layouts[0]}
+            for name, got in state.items():
+                assert torch.equal(got, expected_qwen2(src, name, tp)), (tp, name)
+        # only the needed bytes move: what each receiver holds, no more (norms are replicated on TP ranks)
+        held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
+        whole = sum(v.numel() * v.element_size() for v in src.values())
+        norms = sum(v.numel() * v.element_size() for k, v in src.items() if "norm" in k)
+        assert handle.report.nbytes == held == 2 * whole + norms
+
+
+async def test_gpt2_conv1d_transposed_and_split_per_component():
+    src = _gpt2_state()
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    tps = [TensorParallel(0, 2), TensorParallel(1, 2), TensorParallel(0, 1)]
+    layouts = [receiver_layout(shapes, "gpt2", tp=tp) for tp in tps[:2]]
+    layouts.append(receiver_layout(shapes, "gpt2", dtype="float16"))  # a half-precision server: cast on the way
+    async with _cluster(src, layouts, "gpt2") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        for tp, r in zip(tps, receivers):
+            for name, got in r.state_dict().items():
+                want = expected_gpt2(src, name, tp)
+                assert torch.equal(got, want.to(got.dtype)), (tp, name)
+        assert all(t.dtype == torch.float16 for t in receivers[2].state_dict().values())
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_bf16_to_block_fp8_receivers(grouped):
+    src = qwen2_state(seed=1)
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))  # lm_head too: 1000 rows, ragged last block
+    tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp, fp8=policy) for tp in tps]
+    async with _cluster(src, layouts, "qwen2") as (ctl, sender, receivers):
+        transforms = sender.sources.transforms
+        if grouped:  # the batching CUDA sources get, here on CPU (eager, tensor by tensor)
+            transforms.group_devices = frozenset({"cpu"})
+        await _one_round(sender, receivers)
+        assert transforms.kept == {}  # every weight + scale pair quantized once, nothing left
+        groups = {id(g): g for g in transforms.groups.values()}
+        assert (len(groups) > 0) == grouped and all(2 <= len(g) <= GROUP_SIZE for g in groups.values())
+        for tp, r in zip(tps, receivers):
+            fp8 = check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
+            assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
+            assert not any("norm" in n or "embed" in n for n in fp8)
+
+
+async def _fp8_states(src, tps, checksum, grouped):
+    """Two rounds into FP8 receivers over the memory transport (its targets are addressable):
+    (each receiver's state dict, rows written straight into the receivers per FP8 row of the table)."""
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))
+    layouts = [receiver_layout(shapes, "qwen2", tp=tp, fp8=policy) for tp in tps]
+    async with _cluster(src, layouts, "qwen2", checksum=checksum, transport="memory") as (ctl, sender, receivers):
+        transforms = sender.sources.transforms
+        if grouped:
+            transforms.group_devices = frozenset({"cpu"})
+        for version in (1, 2):  # the second round reuses the first one's decisions (same slots)
+            await _one_round(sender, receivers, version)
+            for tp, r in zip(tps, receivers):
+                check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
+        assert transforms.kept == {}
+        fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
+        assert fp8_rows > 0
+        return [{k: v.clone() for k, v in r.state_dict().items()} for r in receivers], transforms.written / fp8_rows
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_quantizations_are_written_straight_into_an_addressable_receiver(grouped):
+    """Without checksums, a quantization whose two outputs go to one receiver whose memory the
+    connection can address is stored there by the quantizing code itself (no buffer, no copy): the
+    same bytes as the buffered path, which checksums force."""
+    src = qwen2_state(seed=2)
+    tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
+    direct, written = await _fp8_states(src, tps, "", grouped)
+    buffered, none_written = await _fp8_states(src, tps, "crc32", grouped)
+    assert written == 2 and none_written == 0  # every FP8 row of the table in both rounds; none with checksums
+    for a, b in zip(direct, buffered):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+async def test_a_quantization_two_receivers_want_is_buffered_with_its_whole_group():
+    """Replicas want the same quantization: one launch cannot store it twice, so it (and every
+    quantization of its group) goes through a buffer and is copied to each."""
+    src = qwen2_state(seed=3)
+    states, written = await _fp8_states(src, [TensorParallel(0, 1), TensorParallel(0, 1)], "", grouped=True)
+    assert written == 0
+    assert all(torch.equal(states[0][n].view(torch.uint8), states[1][n].view(torch.uint8)) for n in states[0])
+
+
+def test_quantize_on_must_name_a_cuda_device():
+    from roles import SenderOptions
+
+    with pytest.raises(ConfigError, match="quantize_on"):
+        SenderOptions(quantize_on="cpu")
+    assert SenderOptions(quantize_on="cuda:1").quantize_on == "cuda:1"
+
+
+def test_layout_tp_rules_and_refusals():
+    shapes = {"wte.weight": ("float32", (11, 4)), "h.0.mlp.c_fc.weight": ("float32", (4, 6)),
+              "h.0.mlp.c_proj.weight": ("float32", (6, 4)), "ln_f.weight": ("float32", (4,))}
+    layout = {e.name: e for e in receiver_layout(shapes, "gpt2", tp=TensorParallel(1, 2))}
+    assert layout["wte.weight"].shard is None and layout["wte.weight"].shape == (11, 4)  # ragged vocab: replicated
+    assert layout["h.0.mlp.c_fc.weight"].shape == (3, 4) and layout["h.0.mlp.c_fc.weight"].shard.start == 3
+    assert layout["h.0.mlp.c_proj.weight"].shard.dim == 1 and layout["ln_f.weight"].shard is None
+    with pytest.raises(ConfigError, match="h.0.mlp.c_fc.weight: dim 0 of size 6 does not divide by 4"):
+        receiver_layout(shapes, "gpt2", tp=TensorParallel(0, 4))
+    with pytest.raises(ConfigError, match="index 2 is not within world 2"):
+        TensorParallel(2, 2)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes(grouped):
+    from engine.models.shapes import gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(2)
+    src = {k: v.detach().clone() for k, v in GPT2LMHeadModel(gpt2_config("tiny")).state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    layout = receiver_layout(shapes, "gpt2", fp8=FP8Policy())
+    async with _cluster(src, [layout], "gpt2") as (ctl, sender, receivers):
+        if grouped:  # transposed views inside a group (each member's own steps before quantizing)
+            sender.sources.transforms.group_devices = frozenset({"cpu"})
+        await _one_round(sender, receivers)
+        assert bool(sender.sources.transforms.groups) == grouped
+        quantized = check_fp8_receiver(receivers[0].state_dict(), lambda n: expected_gpt2(src, n, TensorParallel(0, 1)))
+        assert "transformer.h.0.attn.c_attn.weight" in quantized and "transformer.h.1.mlp.c_proj.weight" in quantized
+        assert not any(".wte." in n or ".wpe." in n or ".ln_" in n for n in quantized)
+        assert sender.sources.transforms.kept == {}
+
+
+async def test_custom_and_unknown_transforms_on_the_sender():
+    from engine.errors import StagingError
+    from engine.datapath.staging import SourceSet, StagingPool
+    from wire import Transfer
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sources = SourceSet({"w": w}, transforms={"round_to_int": lambda x: x.round().to(torch.int32)})
+    rows = [Transfer(0, "w", None, 0, "w", 0, 0, 48, "round_to_int"), Transfer(1, "w", None, 0, "w", 0, 48, 48, "t")]
+    sources.begin(rows)
+    staged = await sources.stage(rows[0], StagingPool())
+    assert staged.tensor.dtype == torch.int32 and torch.equal(staged.tensor, w.to(torch.int32))
+    staged = await sources.stage(rows[1], StagingPool())
+    assert torch.equal(staged.tensor, w.t().contiguous()) and staged.tensor.is_contiguous()
+    with pytest.raises(StagingError, match="'w'.*unknown transform 'zip' \\(step 'zip'\\)"):
+        sources.begin([Transfer(0, "w", None, 0, "w", 0, 0, 48, "zip")])
+    with pytest.raises(StagingError, match="source gives 48 bytes, the table says 40"):
+        sources.begin(rows)
+        await sources.stage(Transfer(0, "w", None, 0, "w", 0, 0, 40, "t"), StagingPool())
+
+
+def test_quantization_groups_are_consecutive_and_bounded():
+    from wire import Slice, Transfer
+
+    views = {f"w{i}": torch.zeros(4, 8) for i in range(6)}
+    views["h"] = torch.zeros(4, 8, dtype=torch.float16)  # another dtype: starts a new group
+    rows = [Transfer(i, n, None, 0, n, 0, 0, 32, "fp8w:128") for i, n in enumerate(["w0", "w1", "w2", "h", "w3"])]
+    rows.append(Transfer(9, "w0", None, 1, "w0", 0, 0, 4, "fp8s:128"))  # w0's scale row: same quantization
+    rows.append(Transfer(10, "w4", Slice(0, 0, 2), 0, "w4", 0, 0, 16, "fp8w:128"))
+    rows.append(Transfer(11, "w5", None, 0, "w5", 0, 0, 32, "mine"))  # a custom transform: never grouped
+    rows.append(Transfer(12, "gone", None, 0, "gone", 0, 0, 32, "fp8w:128"))  # no view yet (a gathered source)
+    groups = plan_quant_groups(rows, lambda t: views.get(t.name), skip=frozenset({"mine"}),
+                               devices=frozenset({"cpu"}), max_bytes=80, max_size=2)
+    names = {key[0]: [r.name for r, _ in g] for key, g in groups.items()}
+    assert names == {"w0": ["w0", "w1"], "w1": ["w0", "w1"], "w3": ["w3", "w4"], "w4": ["w3", "w4"]}
+    # w2 is alone (size cut, then "h" changes the dtype); bytes cut: 32 + 32 + 16 > 80 needs a third
+    assert plan_quant_groups(rows, lambda t: views.get(t.name), devices=frozenset({"cuda"})) == {}
+    big = plan_quant_groups(rows[:3], lambda t: views.get(t.name), devices=frozenset({"cpu"}), max_bytes=64)
+    assert [r.name for r, _ in next(iter(big.values()))] == ["w0", "w1"]
+
+
+def test_a_plan_table_is_checked_and_grouped_once():
+    from collections import Counter
+
+    from engine.transforms import TransformSet
+    from wire import Transfer
+
+    views = {f"w{i}": torch.zeros(4, 8) for i in range(3)}
+    rows = tuple(Transfer(i, n, None, 0, n, 0, 0, 32, "fp8w:128") for i, n in enumerate(views))
+    transforms = TransformSet(group_devices=frozenset({"cpu"}))
+    transforms.begin(rows, lambda t: views[t.name])
+    groups = transforms.groups
+    assert len({id(g) for g in groups.values()}) == 1 and transforms.pending == Counter({k: 1 for k in groups})
+    transforms.pending.clear()
+    transforms.begin(rows, lambda t: views[t.name])  # the next round of the same plan: counts renewed, plan kept
+    assert transforms.groups is groups and sum(transforms.pending.values()) == 3
+    transforms.begin(list(rows), lambda t: views[t.name])  # not a plan's (immutable) table: planned afresh
+    assert transforms.groups is not groups and transforms.groups == groups
+
+
+async def test_a_quantization_group_is_charged_to_the_budget_when_it_is_launched(monkeypatch):
+    """The row that quantizes a group makes every output of the group at once: the pipeline takes the
+    whole group's bytes then (not row by row), gives each row's back once written, and ends balanced."""
+    from engine.datapath.aio import ByteBudget
+    from engine.datapath.pipeline import Pipeline, PipelineOptions
+    from engine.datapath.staging import SourceSet
+    from wire import Transfer
+
+    gen = torch.Generator().manual_seed(7)
+    views = {f"w{i}": torch.randn(256, 128, generator=gen) for i in range(6)}
+    rows, at = [], 0
+    for name in views:  # a weight row and its scale row, per tensor
+        for op, nbytes in (("fp8w", 256 * 128), ("fp8s", 2 * 1 * 4)):
+            rows.append(Transfer(len(rows), name, None, 0, name, 0, at, nbytes, f"{op}:128"))
+            at += nbytes
+    per_group = 3 * (256 * 128 + 8)
+    sources = SourceSet(views, group_bytes=3 * 256 * 128)  # three tensors' FP8 weights per launch
+    sources.transforms.group_devices = frozenset({"cpu"})
+    target = torch.zeros(at, dtype=torch.uint8)
+    pipe = Pipeline(sources, PipelineOptions(max_inflight_bytes=4 * per_group))
+    taken = []
+    real_acquire = ByteBudget.acquire
+
+    async def spy(self, nbytes):
+        taken.append(nbytes)
+        await real_acquire(self, nbytes)
+
+    monkeypatch.setattr(ByteBudget, "acquire", spy)
+    await pipe.run(tuple(rows), {0: RecordingConnection(target)}, epoch=1)
+    groups = {id(g): [r.name for r, _ in g] for g in sources.transforms.groups.values()}
+    assert sorted(groups.values()) == [["w0", "w1", "w2"], ["w3", "w4", "w5"]]
+    assert taken == [per_group, per_group]  # one acquire per launch: the whole group's outputs
+    assert pipe.budget.in_use == 0  # every row's share came back
+    for name in views:
+        w, s = [r for r in rows if r.name == name]
+        q = target[w.dst_offset:w.dst_offset + w.nbytes].view(torch.float8_e4m3fn).view(256, 128)
+        scale = target[s.dst_offset:s.dst_offset + s.nbytes].view(torch.float32).view(2, 1)
+        assert within_fp8_bound(views[name], q, scale)
+
+
+def test_groups_are_sized_to_leave_room_for_quantizing_ahead():
+    from engine.transforms import GROUP_BYTES, GROUPS_IN_BUDGET, group_bytes_for
+
+    assert group_bytes_for(512 << 20) == (512 << 20) // GROUPS_IN_BUDGET  # the default budget: 128 MiB groups
+    assert group_bytes_for(64 << 30) == GROUP_BYTES and group_bytes_for(1024) == 1 << 20
+
+
+class RecordingConnection:
+    """A target buffer written in place (the pipeline's view of a connection, without a transport)."""
+
+    devices = frozenset({"cpu"})
+    peer = "receiver/0"
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+
+    async def write(self, src, dst_region, dst_offset, epoch, after=None) -> None:
+        n = src.numel() * src.element_size()
+        self.target[dst_offset:dst_offset + n].copy_(src.reshape(-1).view(torch.uint8))
+
+    async def fence(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def test_every_planned_launch_is_prepared_once_and_reused_by_later_rounds(monkeypatch):
+    """Grouped or alone, a planned quantization asks the quantizer with a stable ``reuse`` key (on
+    CUDA its prepared launch table is kept; a new one per launch was the sender's main host cost)."""
+    from engine.transforms import Quantizer, TransformSet
+    from wire import Transfer
+
+    asked = []
+    real_many = Quantizer.many
+
+    def spy(self, xs, block, reuse=None, dests=None):
+        asked.append(reuse)
+        return real_many(self, xs, block, reuse, dests)
+
+    monkeypatch.setattr(Quantizer, "many", spy)
+    views = {"a": torch.randn(128, 128), "b": torch.randn(128, 128), "big": torch.randn(256, 256)}
+    rows = tuple(Transfer(i, n, None, 0, n, 0, 0, views[n].numel(), "fp8w:128") for i, n in enumerate(views))
+    transforms = TransformSet(group_devices=frozenset({"cpu"}), group_bytes=2 * 128 * 128)  # "big" is alone
+    for _ in range(2):
+        transforms.begin(rows, lambda t: views[t.name])
+        for t in rows:
+            transforms.apply(t, views[t.name])
+    assert len(asked) == 4 and None not in asked and asked[:2] == asked[2:] and asked[0] != asked[1]

@@ -1,0 +1,251 @@
+"""The daemon and CLI in real processes; control-plane authentication; limits; doctor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from children import Children, free_port
+from engine.errors import ControllerLost, RoundAborted
+from proc_helpers import SPEC, receiver_main, sender_main, sender_tensors, update_in_place
+from roles import Controller, ControllerOptions, SenderOptions, WeightSender
+from roles.daemon import request
+from roles.limits import JoinLimiter, PeerLimits, RateLimiter
+from wire import Envelope, encode
+from wire import messages as m
+from wire.auth import Unauthenticated, sign, verify
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WATCHDOG = 60.0
+KEY = b"k" * 32
+pytestmark = pytest.mark.slow
+
+
+def _spec_file(tmp_path) -> str:
+    spec = {name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for name, (shape, dtype, how) in SPEC.items()}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+@contextlib.contextmanager
+def daemon_process(tmp_path, controller: str, command: str, *extra: str, source: tuple = ()):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "WEIGHTSYNC_TEST_HOOK_LOG": str(tmp_path / "hook.jsonl")}
+    source = source or ("--spec", _spec_file(tmp_path), "--hook", "daemon_hook:record")
+    cmd = [sys.executable, "-m", "roles.cli", "daemon", "--controller", controller, "--rank", "0",
+           *source, "--command-bind", command, *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def _hook_log(tmp_path) -> list[dict]:
+    path = tmp_path / "hook.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def _command(addr: str, name: str, key=None):
+    env = await request(addr, m.CommandRequest(name, {}), timeout_s=WATCHDOG, auth_key=key)
+    assert env.body.ok, env.body.error
+    return env.body.result
+
+
+async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
+    command = f"tcp://127.0.0.1:{free_port()}"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
+    tensors = sender_tensors(0)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        with daemon_process(tmp_path, ctl.address, command):
+            async with WeightSender(ctl.address, tensors, rank=0) as sender:
+
+                async def push(v):
+                    update_in_place(tensors, v)
+                    await asyncio.wait_for(await sender.push(v), WATCHDOG)
+                    await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
+
+                await push(1)
+                status = await _command(command, "status")
+                assert (status["received_version"], status["applied_version"]) == (1, 1)
+                assert _hook_log(tmp_path) == [{"version": 1, "names": len(SPEC), "mismatches": []}]
+                await _command(command, "pause")
+                await push(2)
+                await push(3)
+                status = await _command(command, "status")
+                assert status["paused"] and status["received_version"] == 3 and status["applied_version"] == 1
+                assert status["pending_version"] == 3
+                applied = await _command(command, "apply")
+                assert applied["applied_version"] == 3 and applied["pending_version"] is None
+                assert _hook_log(tmp_path)[-1] == {"version": 3, "names": len(SPEC), "mismatches": []}
+                bad = await request(command, m.CommandRequest("drop", {}), timeout_s=WATCHDOG)
+                assert not bad.body.ok and "no pending version" in bad.body.error
+                await push(4)
+                dropped = await _command(command, "drop")
+                assert dropped["pending_version"] is None and dropped["applied_version"] == 3
+                await _command(command, "resume")
+                await push(5)
+                assert [h["version"] for h in _hook_log(tmp_path)] == [1, 3, 5]
+                unknown = await request(command, m.CommandRequest("teleport", {}), timeout_s=WATCHDOG)
+                assert not unknown.body.ok and "unknown command" in unknown.body.error
+                layout = await _command(command, "layout")
+                assert {t["name"] for t in layout["tensors"]} == set(SPEC)
+                await _command(command, "shutdown")
+
+
+async def test_daemon_in_an_inference_layout(tmp_path):
+    """--arch with --mapping/--tp/--dtype: vLLM-style names, a TP half, fp16 buffers, from an fp32 trainer."""
+    from engine.models.shapes import gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    trainer = GPT2LMHeadModel(gpt2_config("tiny"))
+    command = f"tcp://127.0.0.1:{free_port()}"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32", mapping="gpt2")
+    source = ("--arch", "gpt2-tiny", "--mapping", "gpt2", "--tp", "1/2", "--dtype", "float16")
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        with daemon_process(tmp_path, ctl.address, command, source=source):
+            async with WeightSender(ctl.address, trainer, rank=0) as sender:
+                await asyncio.wait_for(await sender.push(1), WATCHDOG)
+                report = await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+                status = await _command(command, "status")
+                assert status["received_version"] == 1
+                layout = {t["name"]: t for t in (await _command(command, "layout"))["tensors"]}
+                c_attn = layout["transformer.h.0.attn.c_attn.weight"]  # Conv1D [128, 384] -> Linear half [192, 128]
+                assert c_attn["shape"] == [192, 128] and c_attn["dtype"] == "float16"
+                assert c_attn["shard"] == {"dim": 0, "start": 192, "stop": 384, "full_shape": [384, 128]}
+                assert layout["transformer.h.0.attn.c_proj.weight"]["shard"]["dim"] == 1  # row-parallel
+                assert report.nbytes == sum(2 * math.prod(t["shape"]) for t in layout.values())
+            await _command(command, "shutdown")
+
+
+async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):
+    kids = Children()
+    command = f"tcp://127.0.0.1:{free_port()}"
+    opts = ControllerOptions(heartbeat_s=0.2, timeout_s=20.0, checksum="crc32")
+    try:
+        async with Controller(senders=1, receivers=2, options=opts) as ctl:
+            with daemon_process(tmp_path, ctl.address, command) as proc:
+                kids.start("receiver", 1, receiver_main, ctl.address, 1, [1, 3])  # stays joined
+                kids.start("sender", 0, sender_main, ctl.address, 0, [1, 2], 2)  # hangs mid-round 2
+                await kids.expect("joined", 2)
+                await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+                await kids.expect("blocked")
+                proc.send_signal(signal.SIGTERM)
+                with pytest.raises(RoundAborted) as e:
+                    await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
+                assert e.value.culprit == "receiver/0"
+                assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, WATCHDOG) == 0
+                assert "shutting down cleanly" in proc.stderr.read()
+                assert [h["version"] for h in _hook_log(tmp_path)] == [1]  # never a half-applied 2
+                aborted = {role: data for _, role, _, data in await kids.expect("aborted", 2)}  # both children
+                assert aborted["receiver"] == (2, 1, True)  # the other receiver kept v1 intact
+                assert aborted["sender"][0] == 2 and "RoundAborted" in aborted["sender"][1]
+    finally:
+        kids.close()
+
+
+async def test_authentication_accepts_holders_and_drops_the_rest():
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=5.0, auth_key=KEY)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        async with WeightSender(ctl.address, {"w": __import__("torch").zeros(4)}, rank=0,
+                                options=SenderOptions(auth_key=KEY)):
+            assert len(ctl.peers) == 1
+        with pytest.raises(ControllerLost, match="auth key"):
+            async with WeightSender(ctl.address, {"w": __import__("torch").zeros(4)}, rank=0,
+                                    options=SenderOptions(join_timeout_s=1.0)):
+                pass
+        # one socket, in order: a forged message, a good one, a replay of the good one, a newer one
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ctl.address)
+        try:
+            dropped = ctl.dropped
+            good = sign(encode(Envelope(m.StatusRequest(False), 1, "cli")), KEY)
+            await sock.send_multipart(sign(encode(Envelope(m.StatusRequest(False), 1, "cli")), b"x" * 32))
+            await sock.send_multipart(good)
+            await sock.send_multipart(good)
+            await sock.send_multipart(sign(encode(Envelope(m.StatusRequest(False), 2, "cli")), KEY))
+            replies = [await asyncio.wait_for(sock.recv_multipart(), WATCHDOG) for _ in range(2)]
+            assert [msgpack.unpackb(verify(r, KEY)[0])["parent_id"] for r in replies] == [1, 2]
+            assert ctl.dropped - dropped == 2  # the forgery and the replay
+        finally:
+            sock.close()
+            ctx.term()
+
+
+def test_sign_and_verify():
+    frames = [b"header", b"body"]
+    assert verify(sign(frames, KEY), KEY) == frames
+    with pytest.raises(Unauthenticated):
+        verify(sign(frames, KEY)[:2] + [b"0" * 32], KEY)
+    with pytest.raises(Unauthenticated):
+        verify(frames, KEY)
+
+
+def test_rate_and_join_limits():
+    rates = RateLimiter(PeerLimits(messages_per_s=10, burst=5, max_strikes=3))
+    assert all(rates.allow(b"a", 0.0) for _ in range(5))
+    assert not rates.allow(b"a", 0.0) and rates.allow(b"b", 0.0)  # one peer over; the other unaffected
+    assert rates.allow(b"a", 0.2)  # refilled
+    for _ in range(3):
+        rates.allow(b"a", 0.2)
+    assert rates.abusive(b"a") and not rates.abusive(b"b")
+    joins = JoinLimiter(PeerLimits(joins_per_minute=2))
+    assert joins.allow("h", 0) and joins.allow("h", 1) and not joins.allow("h", 2) and joins.allow("h", 61.5)
+
+
+def test_doctor_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "roles.cli", "doctor"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    for check in ("python", "torch", "gpus", "rdma devices", "uccl", "auto transport", "loopback port"):
+        assert check in out.stdout
+    assert "tcp" in out.stdout.splitlines()[-2] or "tcp" in out.stdout
+
+
+def test_prometheus_metrics_endpoint():
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from roles.metrics import Metrics
+    from roles.rounds import LinkStat, RoundReport
+
+    port = free_port()
+    metrics = Metrics(port)
+    metrics.observe(RoundReport(7, True, 10**9, 0.5, {"transfer": 0.4, "fence": 0.05, "commit": 0.05},
+                                [LinkStat(0, 1, 10**9, 3, 2.5)]))
+    metrics.observe(RoundReport(8, False, 0, 0.1, {}, [], reason="PEER_LOST: gone"))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WATCHDOG).read().decode()
+    assert 'weightsync_rounds_total{outcome="committed"} 1.0' in text
+    assert 'weightsync_rounds_total{outcome="aborted"} 1.0' in text
+    assert "weightsync_committed_version 7.0" in text
+    assert 'weightsync_link_gbps{receiver="1",sender="0"} 2.5' in text
+
+
+def test_demo_main_job_verifies_bit_exact():
+    """`make demo`'s job, small: real DDP trainer and inference processes; exit 0 only if verified."""
+    out = subprocess.run([sys.executable, "-m", "roles.cli", "demo", "--size", "tiny", "--rounds", "2", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and [r["verified"] for r in summary["rounds"]] == [True, True]
+    assert all(r["bytes"] > 0 for r in summary["rounds"])

@@ -1,0 +1,198 @@
+"""Delivery proofs: a sender announces its writes before they land; the receiver waits for the proof.
+
+The memory transport with ``hold`` set plays a one-sided transport whose completions precede delivery
+(as cuda_ipc's copies are still in flight when the sender seals): writes land only when the test opens
+the hold. Everything else is the real controller, sender and receiver over ZeroMQ on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from engine.errors import RoundAborted
+from engine.transports.memory import PROOF, MemoryTransport
+from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
+from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from wire import messages as m
+
+FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, checksum="crc32")
+WATCHDOG = 30
+
+
+class WatchedController(Controller):
+    """Tells the test when a sender's writes_done has arrived."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.writes_done = asyncio.Event()
+
+    async def _on_writes_done(self, peer, env) -> None:
+        await super()._on_writes_done(peer, env)
+        self.writes_done.set()
+
+
+class WatchedReceiver(WeightReceiver):
+    """Tells the test when the fence handler starts waiting for delivery proofs."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.waiting = asyncio.Event()
+        self.proofs_seen: list[dict] = []
+
+    async def _await_proofs(self, summaries):
+        self.proofs_seen.append({s.peer_rank: s.proof for s in summaries})
+        self.waiting.set()
+        return await super()._await_proofs(summaries)
+
+
+@contextlib.asynccontextmanager
+async def memory_cluster(proof_timeout_s=60.0):
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(WatchedController(senders=1, receivers=1, options=FAST))
+        sender = await stack.enter_async_context(
+            WeightSender(ctl.address, send_t, rank=0, options=SenderOptions(transport="memory")))
+        receiver = await stack.enter_async_context(WatchedReceiver(
+            ctl.address, recv_t, rank=0, options=ReceiverOptions(transport="memory", proof_timeout_s=proof_timeout_s)))
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        yield ctl, sender, send_t, receiver, recv_t
+
+
+async def _first_round(ctl, sender, send_t, recv_t) -> None:
+    update_in_place(send_t, 1)
+    await asyncio.wait_for(await sender.push(1), WATCHDOG)
+    assert mismatches(recv_t, 1) == []
+
+
+async def test_writes_done_leaves_before_delivery_and_the_receiver_waits_for_the_proof():
+    async with memory_cluster() as (ctl, sender, send_t, receiver, recv_t):
+        await _first_round(ctl, sender, send_t, recv_t)
+        assert isinstance(sender.transport, MemoryTransport)
+        hold = sender.transport.hold = asyncio.Event()
+        ctl.writes_done.clear()
+        receiver.waiting.clear()
+        update_in_place(send_t, 2)
+        handle = sender.push_nowait(2)
+        await asyncio.wait_for(ctl.writes_done.wait(), WATCHDOG)  # announced while nothing has landed
+        await asyncio.wait_for(receiver.waiting.wait(), WATCHDOG)
+        assert receiver.transport.counters(2) == {}  # not one write of round 2 has landed
+        assert receiver.version == 1 and not handle.released.done() and ctl.round is not None
+        assert not ctl.round.futures["fenced"].done()
+        proof = receiver.proofs_seen[-1][0]
+        _, conn_id, issued = PROOF.unpack(proof)
+        conn = sender.conns[0]
+        assert (conn_id, issued) == (conn.id, conn.sent_count)  # every write was issued before the seal ...
+        assert conn.delivered < issued  # ... and some are not delivered
+        hold.set()
+        await asyncio.wait_for(handle, WATCHDOG)
+        report = await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
+        assert report.ok and receiver.version == 2 and mismatches(recv_t, 2) == []
+        marks = sender.timeline.of(2)
+        assert marks["send:writes_done"] < marks["pipeline:end"]  # the announcement overlapped delivery
+
+
+async def test_a_proof_never_fulfilled_aborts_the_round_and_keeps_the_last_version():
+    async with memory_cluster(proof_timeout_s=0.2) as (ctl, sender, send_t, receiver, recv_t):
+        await _first_round(ctl, sender, send_t, recv_t)
+        hold = sender.transport.hold = asyncio.Event()  # never opened during the round
+        update_in_place(send_t, 2)
+        handle = sender.push_nowait(2)
+        with pytest.raises(RoundAborted) as e:
+            await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)
+        assert "sender/0" in e.value.text and "not delivered" in e.value.text
+        assert receiver.version == 1 and mismatches(recv_t, 1) == []
+        hold.set()  # the held writes land now, into a closed round: dropped
+        with pytest.raises(RoundAborted):
+            await asyncio.wait_for(handle, WATCHDOG)
+        assert mismatches(recv_t, 1) == []
+
+
+async def test_a_proof_the_receiver_transport_cannot_check_is_a_named_failure():
+    async with memory_cluster() as (ctl, sender, send_t, receiver, recv_t):
+        await _first_round(ctl, sender, send_t, recv_t)
+        summary = m.WriteSummary(0, 1, 4, (), b"not a proof")
+        problems = await receiver._await_proofs((summary,))
+        assert "unusable delivery proof" in problems[0]
+
+
+async def test_spinning_roles_poll_only_while_a_round_runs():
+    opts = dict(heartbeat_s=0.05, timeout_s=2.0, spin=True)
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=ControllerOptions(**opts)) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0, options=SenderOptions(spin=True)) as sender, \
+            WeightReceiver(ctl.address, recv_t, rank=0, options=ReceiverOptions(spin=True)) as receiver:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        spinners = (ctl.spinner, sender.spinner, receiver.spinner)
+        for v in (1, 2):
+            update_in_place(send_t, v)
+            await asyncio.wait_for(await sender.push(v), WATCHDOG)
+            await asyncio.wait_for(receiver.wait_for(v), WATCHDOG)
+            await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
+        assert mismatches(recv_t, 2) == []
+        assert [s.held for s in spinners] == [2, 2, 2]  # each held once per round ...
+        assert [s.holders for s in spinners] == [0, 0, 0]  # ... and let go when it ended
+        assert ctl.spinner.spins > 0 and receiver.spinner.spins > 0  # (they polled while waiting)
+        assert sender.transport.options.busy_poll and receiver.transport.options.busy_poll  # device polls too
+
+
+async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch):
+    """A device completion is polled from the loop: normally it yields for a while and then naps
+    between polls; with ``busy_poll`` (``spin_s=inf``) it never naps."""
+    import math
+
+    from engine.cuda import cuda_rt
+
+    class LateEvent:  # happens at the sixth query
+        def __init__(self) -> None:
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > 5
+
+    delays = []
+    real_sleep = asyncio.sleep
+
+    async def recorded_sleep(delay):
+        delays.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(cuda_rt.asyncio, "sleep", recorded_sleep)
+    await cuda_rt.wait_event(LateEvent(), spin_s=0.0)  # past the spin at once: naps
+    assert delays == [cuda_rt.NAP_S] * 5
+    delays.clear()
+    await cuda_rt.wait_event(LateEvent(), spin_s=math.inf)
+    assert delays == [0] * 5
+    delays.clear()
+    poller = cuda_rt.EventPoller(spin_s=math.inf)
+    await asyncio.wait_for(poller.wait(LateEvent()), WATCHDOG)
+    assert delays == [0] * 5 and poller.completed == 1
+
+
+async def test_auto_hands_each_proof_to_the_transport_that_made_it():
+    import torch
+
+    from engine.transport import connect_authorized
+    from engine.transports.auto import AutoTransport
+    from wire import PeerInfo
+
+    src, dst = MemoryTransport(), MemoryTransport()
+    info = await dst.start(0)
+    await src.start(0)
+    region = dst.register(0, torch.zeros(16, dtype=torch.uint8))
+    conn = await connect_authorized(src, dst, PeerInfo(0, info, (region,)))
+    src.hold = asyncio.Event()
+    await conn.write(torch.full((4,), 7, dtype=torch.uint8), 0, 0, epoch=1)
+    auto = AutoTransport()
+    auto.children = {"memory": dst}  # (on this machine auto starts tcp only; the routing is what is tested)
+    waiting = asyncio.ensure_future(auto.await_proofs({0: conn.seal(), 1: b"xxxx-not-a-proof"}, 30))
+    src.hold.set()  # deliver: the memory proof is fulfilled, the other one is nobody's
+    failed = await asyncio.wait_for(waiting, WATCHDOG)
+    assert list(failed) == [1] and "of no transport here" in failed[1]
+    assert dst.regions[0][:4].tolist() == [7, 7, 7, 7]
+    await conn.close()
+    await src.close()
+    await dst.close()
