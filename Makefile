@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.weightsync-installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench-cpu bench-planner bench-faults bench-gpu clean venv
+.PHONY: demo test bench-cpu bench-depth bench-planner bench-faults bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -29,6 +29,9 @@ test: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/transfer_cpu.py --pairs 9 --cases mix,small,one --json | tee docs/results/transfer_cpu.txt
+
+bench-depth: $(STAMP)
+	$(BIN)/python bench/pipeline_depth.py --out docs/results/pipeline_depth_cpu.json
 
 # SIGKILL a random role 300 times, restart it; exits non-zero on a half-applied version, rollback or stall
 bench-faults: $(STAMP)

@@ -35,9 +35,9 @@ timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_gpu.p
 echo "gpu tests exit: $?" >> "$out/gpu_tests.txt"
 fi
 if [ "$part" = all ]; then
-timeout 300 python3 bench/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
+timeout 300 python3 bench/diagnostics/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
-timeout 200 python3 bench/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
+timeout 200 python3 bench/diagnostics/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
 fi
 if [ "$part" != tests ]; then
 # dense and MoE, across GPUs and colocated: docs/results/transfer_gpu_h200x2.txt

@@ -3,8 +3,10 @@
 For each transport that can run here (tcp and memory always; cuda_ipc GPU0 -> GPU1 where two GPUs
 are), runs the engine's ``Pipeline`` over one connection for three mixes — many 64 KiB tensors, a mixed
 state dict, a few 256 MiB tensors — at depths 1, 2, 4, 8, 16, 32, 64, and reports GB/s and the mean
-per-transfer latency (issue to completion). Best of 3 runs per point. Writes JSON and, where
-matplotlib is installed, a PNG next to it.
+per-transfer latency (issue to completion). Best of 3 runs per point. Every row goes through the
+stage -> write pipeline (``PipelineOptions(compiled=False)``): depth is that path's window (transforms,
+gathers, checksums); a compiled replay has none. Writes JSON and, where matplotlib is installed, a PNG
+next to it.
 
     python3 bench/pipeline_depth.py --out bench/results/pipeline_depth.json
     python3 bench/pipeline_depth.py --plot bench/results/pipeline_depth.json   # only re-plot
@@ -57,7 +59,8 @@ async def one_point(kind: str, src_dev: str, dst_dev: str, sizes: list[int], dep
         tensors[f"t{i}"] = source[at:at + n]
         transfers.append(Transfer(i, f"t{i}", None, 1, f"t{i}", 0, at, n, ""))
         at += n
-    pipe = Pipeline(SourceSet(tensors), PipelineOptions(depth=depth, max_inflight_bytes=max(1 << 30, depth * max(sizes))))
+    pipe = Pipeline(SourceSet(tensors), PipelineOptions(depth=depth, max_inflight_bytes=max(1 << 30, depth * max(sizes)),
+                                                        compiled=False))  # (a compiled replay has no window)
     best, latency = float("inf"), 0.0
     for epoch in range(1, 4):
         t0 = time.perf_counter()

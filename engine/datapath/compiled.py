@@ -72,10 +72,12 @@ def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: s
 
 
 def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: int, checksum: str,
-                 stable: bool) -> CompiledLane:
+                 stable: bool, enabled: bool = True) -> CompiledLane:
     """One lane's rows (table order) -> a ``CompiledLane`` for ``conn``; ``stable``: the staging order
-    is the table's every round (no gathers), so the staged rows are kept too."""
-    devices = getattr(conn, "direct_devices", frozenset()) if hasattr(conn, "compile") else frozenset()
+    is the table's every round (no gathers), so the staged rows are kept too; ``enabled`` False: every
+    row is staged (``PipelineOptions.compiled``)."""
+    compiles = enabled and hasattr(conn, "compile")
+    devices = getattr(conn, "direct_devices", frozenset()) if compiles else frozenset()
     rows, ids, staged = [], set(), []
     for t in transfers:
         view = direct_view(t, sources, devices, checksum)
@@ -102,7 +104,7 @@ class RoundCompiler:
         return f"<RoundCompiler compiles={self.compiles} cached={len(self._cache)}>"
 
     def lanes(self, transfers: Sequence[Transfer], sources: SourceSet, conns: Mapping[int, object],
-              slots: Mapping[int, int], checksum: str) -> dict[int, CompiledLane]:
+              slots: Mapping[int, int], checksum: str, enabled: bool = True) -> dict[int, CompiledLane]:
         """Receiver rank -> its compiled lane, for every receiver ``transfers`` names."""
         if transfers is not self._table or not isinstance(transfers, tuple):
             self._cache.clear()
@@ -117,10 +119,10 @@ class RoundCompiler:
         out = {}
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
-            key = (rank, slot, checksum, getattr(conn, "generation", 0))
+            key = (rank, slot, checksum, enabled, getattr(conn, "generation", 0))
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
-                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, stable))
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, stable, enabled))
                 self.compiles += 1
             out[rank] = entry[1]
         if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables

@@ -62,6 +62,7 @@ class PipelineOptions:
     depth: Optional[int] = None  # writes in flight per connection; None: the transport's own (docs/TRANSPORTS.md)
     checksum: str = ""  # "" (off), "crc32" or "sum64" (engine.datapath.checksums)
     batch: Optional[int] = None  # rows per ``submit_many`` call at most; None: the connection's own (docs/TRANSPORTS.md)
+    compiled: bool = True  # replay plain rows from per-plan tables (engine.datapath.compiled); False: stage every row
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes <= 0:
@@ -130,7 +131,7 @@ class Pipeline:
         no connection seals early."""
         resolve, token = self._resolver(conns, slots)
         ordered = self.sources.begin(transfers, resolve, token)
-        lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum)
+        lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled)
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()

@@ -197,7 +197,7 @@ class CudaIpcConnection:
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
     batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
-    chunk_rows = 256  # rows per batch call of a compiled replay to another GPU (bench/copy_batches.py)
+    chunk_rows = 256  # rows per batch call of a compiled replay to another GPU (bench/diagnostics/copy_batches.py)
 
     def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str, proofs: bool = False) -> None:
         self.owner = owner

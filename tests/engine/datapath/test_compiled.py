@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.datapath.compiled import RoundCompiler, compile_lane
-from engine.datapath.pipeline import Pipeline
+from engine.datapath.pipeline import Pipeline, PipelineOptions
 from engine.datapath.staging import SourceSet
 from engine.errors import RoundAborted, StagingError, TransportError
 from engine.transport import connect_authorized, create_transport
@@ -83,6 +83,17 @@ async def test_slots_alternate_each_with_its_own_table_and_a_new_registration_re
     conn.reregistered()  # the target's registrations changed: stale tables must not be replayed
     await pipeline.run(table, {0: conn}, 7, slots={0: 1})
     assert pipeline.compiler.compiles == 3
+    await _close(src, dst, conn)
+
+
+async def test_compiling_can_be_turned_off_and_every_row_is_staged():
+    src, dst, conn, (region,) = await _pair("memory", 256)
+    pipeline = Pipeline(SourceSet(SOURCES), PipelineOptions(compiled=False))
+    report = await asyncio.wait_for(pipeline.run(_table(SOURCES), {0: conn}, 1), WATCHDOG)
+    assert pipeline.compiler.compiles == 1 and report.lanes[0].count == len(SOURCES)
+    lane = pipeline.compiler.lanes(_table(SOURCES), pipeline.sources, {0: conn}, {}, "", False)[0]
+    assert lane.rows == () and len(lane.staged) == len(SOURCES)
+    assert torch.equal(region[:48].view(torch.float32), SOURCES["a"])
     await _close(src, dst, conn)
 
 

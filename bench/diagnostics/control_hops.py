@@ -5,7 +5,7 @@ Why: a round's control messages reach processes that have been idle for tens of 
 measures what such a hop costs on a machine, apart from the engine (pyzmq asyncio on uvloop, ROUTER <->
 DEALER, 100-byte messages, median of 110-380 round trips). Results: docs/results/control_hops_h200x2.txt.
 
-    python3 bench/control_hops.py [qos]
+    python3 bench/diagnostics/control_hops.py [qos]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Times (median of N after a warm-up, all weights the FP8 receiver takes): the eng
 (``engine.transforms.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
 far each is from the memory bound.
 
-    python3 bench/fp8_quantize.py --rounds 5
+    python3 bench/diagnostics/fp8_quantize.py --rounds 5
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -6,7 +6,7 @@ checks its region at once ("at fence") and again after 0.5 s and a device synchr
 "ok" at the fence means the fence waited for the bytes; "BAD" at the fence but "ok" later means the
 bytes were still on their way (what a read-back fence gave in session 4: docs/TRANSPORTS.md).
 
-    source .gpu/env.sh .whl && python3 bench/uccl_delivery.py
+    source .gpu/env.sh .whl && python3 bench/diagnostics/uccl_delivery.py
 """
 import asyncio
 import multiprocessing as mp
@@ -15,7 +15,7 @@ import sys
 import time
 
 os.environ.setdefault("UCCL_P2P_TRANSPORT", "tcp")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SIZES = [8, 88, 524288, 4 << 20, 256, 600000]
 
 def target(q_info, q_go, q_out):

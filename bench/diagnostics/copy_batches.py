@@ -7,7 +7,7 @@ one or two streams, to choose ``CudaIpcConnection.batch``. Qwen2.5-7B shapes, bf
 median of ``--rounds`` after a warm-up, both GPUs idle between calls (``transfer_gpu._timed``).
 Results: docs/results/copy_batches_h200x2.txt.
 
-    python3 bench/copy_batches.py [--rounds 9] [--out FILE.json]
+    python3 bench/diagnostics/copy_batches.py [--rounds 9] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pathlib
 import statistics
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@ Variants (each: one big copy, and the Qwen2.5-7B tensor sizes one copy per tenso
   local_peer     one process, both GPUs, torch copy (the bound)
 Prints a table and writes JSON (--out).
 
-    python3 bench/ipc_direction.py --gib 4 --out ipc_direction.json
+    python3 bench/diagnostics/ipc_direction.py --gib 4 --out ipc_direction.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
