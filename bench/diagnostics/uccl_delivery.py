@@ -4,7 +4,7 @@ Target process on GPU 1, initiator on GPU 0, the engine's ``UcclTransport`` in U
 round writes six tensors (8 B .. 4 MiB) filled with a round-specific byte, fences, and the target then
 checks its region at once ("at fence") and again after 0.5 s and a device synchronize. Every entry
 "ok" at the fence means the fence waited for the bytes; "BAD" at the fence but "ok" later means the
-bytes were still on their way (what a read-back fence gave in session 4: docs/TRANSPORTS.md).
+bytes were still on their way (what a fence that only reads back a target cell gives: docs/TRANSPORTS.md).
 
     source .gpu/env.sh .whl && python3 bench/diagnostics/uccl_delivery.py
 """

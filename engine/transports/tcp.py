@@ -26,7 +26,9 @@ the nonce's two halves. HELLO: a=source rank, b=magic|version, then 32 bytes of 
 WRITE: a=region, b=offset, c=nbytes, epoch=round, then nbytes of payload. FENCE: b=sequence number.
 A WRITE whose epoch the target has closed (a late write of an aborted round) is drained, not applied.
 ACK (target -> initiator): op u8, seq u64, count u64, nbytes u64, error-text length u16, error text.
-docs/TRANSPORTS.md has the full description.
+WRITE_RUN: several rows that land back to back, one frame (b = offset | rows << 48). The target's side
+is ``tcp_agent``; the frame format and a compiled table's frames are ``tcp_frames``. docs/TRANSPORTS.md
+has the full description.
 """
 
 from __future__ import annotations
@@ -47,22 +49,11 @@ from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
 from ..transport import SourceCounters, TransportOptions, wait_after
 
+from .tcp_agent import AgentProtocol as _AgentProtocol
+from .tcp_frames import ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, Frames
+
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
-
-HEADER = struct.Struct("<BIQQQ")
-ACK = struct.Struct("<BQQQH")
-OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE, OP_WRITE_RUN = 0, 1, 2, 3, 4, 5
-MAGIC = 0x57535443_0003  # "WSTC", version 3 (authenticated hello, runs of writes)
-RUN_SHIFT = 48  # WRITE_RUN: b = offset | rows << RUN_SHIFT
-OFFSET_MASK = (1 << RUN_SHIFT) - 1
-MAX_RUN_ROWS = (1 << (64 - RUN_SHIFT)) - 1
-SCRATCH = 1 << 20
-INTAKE = 256 << 10  # the target reads frames into this, many small ones per recv ...
-DIRECT_MIN = 64 << 10  # ... and a payload with this much left straight into its region (recv_into)
-CHUNK_IOVECS = 512  # a replay's sendmsg takes at most this many buffers (Linux IOV_MAX is 1024) ...
-CHUNK_BYTES = 16 << 20  # ... and frames of at most about this many bytes (a bigger frame goes alone)
-
 
 class TcpTransport:
     kind = "tcp"
@@ -196,232 +187,6 @@ def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
     torch.cuda.current_stream(device_buffer.device).synchronize()
 
 
-class _AgentProtocol(asyncio.BufferedProtocol):
-    """Target side of one connection: header -> payload (into the region) or drain -> header ..."""
-
-    def __init__(self, owner: TcpTransport) -> None:
-        self.owner = owner
-        self.header = bytearray(HEADER.size)
-        self.scratch = bytearray(SCRATCH)
-        self.intake = memoryview(bytearray(INTAKE))
-        self.direct = False  # the last buffer handed out was the target itself (or scratch), not the intake
-        self.dead = False
-        self.target: memoryview = memoryview(self.header)
-        self.pos = 0
-        self.state = "header"
-        self.drain_left = 0
-        self.source = -1
-        self.key: Optional[bytes] = None  # the pair key this connection proved (None: not authenticated)
-        self.nonce = dataauth.new_nonce()
-        self.proof = bytearray(dataauth.PROOF_BYTES)
-        self.peer = "?"
-        self.region = -1  # the region the payload in progress lands in
-        self.rows = 1  # writes the frame in progress stands for (a WRITE_RUN: several rows back to back)
-        self.epoch = 0
-        self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
-        self.landed_bytes = 0
-        self.errors: list[str] = []
-        self.transport: asyncio.Transport
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        if self.owner.closing:  # accepted just as the transport closed
-            transport.close()
-            return
-        self.peer = "%s:%s" % tuple(transport.get_extra_info("peername") or ("?", "?"))[:2]
-        self.owner._agents.add(self)
-        lo, hi = int.from_bytes(self.nonce[:8], "little"), int.from_bytes(self.nonce[8:], "little")
-        transport.write(HEADER.pack(OP_CHALLENGE, 0, lo, hi, 0))
-
-    def connection_lost(self, exc) -> None:
-        self.owner._agents.discard(self)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        """A large payload (or drain) is received in place; headers and small payloads, many per recv,
-        into the intake, and copied from there (``_feed``)."""
-        self.direct = True
-        if self.state == "drain" and self.drain_left >= DIRECT_MIN:
-            return memoryview(self.scratch)[: min(SCRATCH, self.drain_left)]
-        if self.state == "payload" and len(self.target) - self.pos >= DIRECT_MIN:
-            return self.target[self.pos:]
-        self.direct = False
-        return self.intake
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if not self.direct:
-            self._feed(nbytes)
-        elif self.state == "drain":
-            self.drain_left -= nbytes
-            if self.drain_left == 0:
-                self._expect_header()
-        else:
-            self.pos += nbytes
-            if self.pos == len(self.target):
-                self._complete()
-
-    def _feed(self, nbytes: int) -> None:
-        """Consume ``nbytes`` of the intake: each state takes what it needs, in order."""
-        data, at = self.intake, 0
-        while at < nbytes and not self.dead:
-            if self.state == "header" and self.pos == 0 and self.key is not None:
-                at = self._writes(at, nbytes)  # the common case, whole small WRITEs, in one tight loop
-                if at >= nbytes:
-                    break
-            if self.state == "drain":
-                take = min(self.drain_left, nbytes - at)
-                self.drain_left -= take
-                at += take
-                if self.drain_left == 0:
-                    self._expect_header()
-                continue
-            take = min(len(self.target) - self.pos, nbytes - at)
-            self.target[self.pos:self.pos + take] = data[at:at + take]
-            self.pos += take
-            at += take
-            if self.pos == len(self.target):
-                self._complete()
-
-    def _writes(self, at: int, end: int) -> int:
-        """Land the whole, small, acceptable WRITE frames at ``intake[at:end]`` in a row; return where
-        the first other thing starts (a partial frame, a large payload, another op, anything refused:
-        the general path takes it from there)."""
-        data, owner, size = self.intake, self.owner, HEADER.size
-        unpack, regions = HEADER.unpack_from, owner.regions
-        accepted: set = set()  # regions this call found open (the guard's verdict holds within one call)
-        counter, counted_epoch = None, -1
-        count = nbytes = 0
-        while end - at >= size:
-            op, region_id, offset, length, epoch = unpack(data, at)
-            if length >= DIRECT_MIN or end - at - size < length or epoch <= owner.closed_epoch:
-                break
-            rows = 1
-            if op == OP_WRITE_RUN:
-                rows, offset = offset >> RUN_SHIFT, offset & OFFSET_MASK
-            elif op != OP_WRITE:
-                break
-            if region_id not in accepted:
-                region = regions.get(region_id)
-                if region is None or owner.guard.write_problem(self.source, self.key, region_id) is not None:
-                    break
-                accepted.add(region_id)
-                owner._dirty.add(region_id)
-            region = regions[region_id]
-            if offset + length > len(region):
-                break
-            region[offset:offset + length] = data[at + size:at + size + length]
-            at += size + length
-            if epoch != counted_epoch:
-                counter, counted_epoch = owner._count(self.source, epoch), epoch
-            counter.count += rows
-            counter.nbytes += length
-            self.epoch = epoch
-            count += rows
-            nbytes += length
-        self.landed_count += count
-        self.landed_bytes += nbytes
-        return at
-
-    def _complete(self) -> None:
-        """The buffer of the current state is full: a header, a proof or a payload."""
-        if self.state == "header":
-            self._on_header(*HEADER.unpack(self.header))
-        elif self.state == "proof":
-            self._on_proof()
-        else:
-            self._landed(len(self.target))
-            self._expect_header()
-
-    def _close(self) -> None:
-        self.dead = True
-        self.transport.close()
-
-    def _expect_header(self) -> None:
-        self.state, self.target, self.pos = "header", memoryview(self.header), 0
-
-    def _landed(self, nbytes: int) -> None:
-        self.landed_count += self.rows
-        self.landed_bytes += nbytes
-        if self.epoch > self.owner.closed_epoch:
-            c = self.owner._count(self.source, self.epoch)
-            c.count += self.rows
-            c.nbytes += nbytes
-
-    def _on_header(self, op: int, a: int, b: int, c: int, epoch: int) -> None:
-        self.pos = 0
-        if self.key is None:  # nothing but an authenticated hello before anything else
-            if op == OP_HELLO and b == MAGIC and self.source < 0:
-                self.source = a
-                self.state, self.target = "proof", memoryview(self.proof)
-                return
-            self.owner.guard.refuse(self.peer, f"op {op} before an authenticated hello (magic {b:#x})")
-            self._close()
-            return
-        if op in (OP_WRITE, OP_WRITE_RUN):
-            self.rows = 1 if op == OP_WRITE else b >> RUN_SHIFT
-            b &= OFFSET_MASK
-            self.epoch = epoch
-            if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
-                self._drain(c)
-                return
-            problem = self.owner.guard.write_problem(self.source, self.key, a)
-            if problem is not None:
-                self.owner.guard.refuse(self.peer, f"write of {c} bytes to region {a}: {problem}")
-                self._error(f"refused: {problem}")
-                self._drain(c)
-                return
-            region = self.owner.regions.get(a)
-            if region is None or b + c > len(region):
-                size = "missing" if region is None else f"{len(region)} bytes"
-                self._error(f"write of {c} bytes at region {a} offset {b} is out of bounds (region {size})")
-                self._drain(c)
-                return
-            if c == 0:
-                self._landed(0)
-                return
-            self.owner._dirty.add(a)
-            self.state, self.target, self.region = "payload", region[b:b + c], a
-        elif op == OP_FENCE:
-            text = "; ".join(self.errors)[:1000].encode()
-            self.errors = []
-            self.transport.write(ACK.pack(OP_ACK, b, self.landed_count, self.landed_bytes, len(text)) + text)
-        else:
-            self._error(f"unknown frame op={op} (or bad hello); closing")
-            self._close()
-
-    def stop_if_closed(self) -> None:
-        if self.state != "payload":
-            return
-        guard = self.owner.guard
-        if self.epoch > self.owner.closed_epoch and (guard.open is None or self.region in guard.open):
-            return
-        left = len(self.target) - self.pos
-        self.landed_count += self.rows  # consumed (the initiator counts it), never completed
-        self.landed_bytes += len(self.target)
-        self._error(f"write into region {self.region} stopped mid-payload: its round or region closed")
-        self.pos = 0
-        if left:
-            self.state, self.drain_left = "drain", left
-        else:
-            self._expect_header()
-
-    def _on_proof(self) -> None:
-        self._expect_header()
-        self.key = self.owner.guard.admit(self.source, self.nonce, bytes(self.proof), self.peer)
-        if self.key is None:
-            self._close()
-
-    def _drain(self, nbytes: int) -> None:
-        """Consume a write without applying it; it still counts as delivered for the fence."""
-        self.landed_count += self.rows
-        self.landed_bytes += nbytes
-        if nbytes:
-            self.state, self.drain_left = "drain", nbytes
-
-    def _error(self, text: str) -> None:
-        self.errors.append(text)
-        self.owner._count(self.source, self.epoch).errors.append(text)
-
-
 class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
 
@@ -464,7 +229,7 @@ class TcpConnection:
             self.sent_count += 1
             self.sent_bytes += len(payload)
 
-    def compile(self, rows: Sequence[CopyRow]) -> "_Frames":
+    def compile(self, rows: Sequence[CopyRow]) -> "Frames":
         """A plan's direct rows as ready-made frames (``engine.datapath.compiled``): bounds checked here, once."""
         for row in rows:
             size = None if self.sizes is None else self.sizes.get(row.region)
@@ -472,15 +237,15 @@ class TcpConnection:
                 where = "no such region" if size is None else f"region of {size} bytes"
                 raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
                                              f"the target ({where}, {self.peer})")
-        return _Frames(rows)
+        return Frames(rows)
 
-    def replay(self, frames: "_Frames", epoch: int) -> list[asyncio.Future]:
+    def replay(self, frames: "Frames", epoch: int) -> list[asyncio.Future]:
         """Send every frame of a compiled table for round ``epoch``, many per ``sendmsg``; one future."""
         if self._closed:
             raise ConnectionClosed("connection is closed", peer=self.peer)
         return [asyncio.ensure_future(self._replay(frames, epoch))]
 
-    async def _replay(self, frames: "_Frames", epoch: int) -> None:
+    async def _replay(self, frames: "Frames", epoch: int) -> None:
         async with self.lock:
             frames.stamp(epoch)
             for views, count, nbytes in frames.chunks:
@@ -601,60 +366,3 @@ class TcpConnection:
             await asyncio.gather(self._reader, return_exceptions=True)
         self._fail(ConnectionClosed("connection closed", peer=self.peer))
         self.sock.close()
-
-
-class _Frames:
-    """A compiled table for TCP. Rows that land back to back in one region form a *run*, sent as one
-    frame (WRITE for one row, WRITE_RUN for several: one header, the rows' payloads one after another,
-    received straight into the region); frames are grouped into chunks of at most ``CHUNK_IOVECS``
-    buffers and about ``CHUNK_BYTES`` bytes, each one ``sendmsg`` when the socket takes it. The headers
-    live in one buffer whose epoch column is stamped once per round."""
-
-    def __init__(self, rows: Sequence[CopyRow]) -> None:
-        runs = _runs(rows)
-        self.rows = len(rows)
-        self.headers = torch.zeros((len(runs), HEADER.size), dtype=torch.uint8)
-        raw = byte_view(self.headers)
-        self.chunks: list[tuple[list, int, int]] = []  # (buffers, rows, payload bytes)
-        views: list = []
-        count = nbytes = 0
-        for i, run in enumerate(runs):
-            first, size = run[0], sum(r.nbytes for r in run)
-            op, offset = (OP_WRITE, first.offset) if len(run) == 1 else (OP_WRITE_RUN, first.offset | len(run) << RUN_SHIFT)
-            HEADER.pack_into(raw, i * HEADER.size, op, first.region, offset, size, 0)
-            frame = [raw[i * HEADER.size:(i + 1) * HEADER.size]] + [byte_view(r.src) for r in run if r.nbytes]
-            if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + size > CHUNK_BYTES):
-                self.chunks.append((views, count, nbytes))
-                views, count, nbytes = [], 0, 0
-            views += frame
-            count += len(run)
-            nbytes += size
-        if views:
-            self.chunks.append((views, count, nbytes))
-        self.epoch = 0
-
-    def __repr__(self) -> str:
-        return f"<TCP frames: {self.rows} rows in {len(self.headers)} frames, {len(self.chunks)} chunks>"
-
-    def stamp(self, epoch: int) -> None:
-        """Write ``epoch`` into every header (one tensor operation)."""
-        if epoch != self.epoch:
-            self.headers[:, HEADER.size - 8:] = torch.tensor(list(epoch.to_bytes(8, "little")), dtype=torch.uint8)
-            self.epoch = epoch
-
-
-def _runs(rows: Sequence[CopyRow]) -> list[list[CopyRow]]:
-    """``rows`` cut into runs: consecutive rows of one region, each starting where the last ended; a run
-    stays under ``CHUNK_BYTES`` and ``CHUNK_IOVECS`` buffers (and the row count a header can carry)."""
-    runs: list[list[CopyRow]] = []
-    size = 0
-    for row in rows:
-        last = runs[-1][-1] if runs else None
-        if (last is not None and last.region == row.region and last.offset + last.nbytes == row.offset
-                and size + row.nbytes <= CHUNK_BYTES and len(runs[-1]) < min(CHUNK_IOVECS - 1, MAX_RUN_ROWS)):
-            runs[-1].append(row)
-            size += row.nbytes
-        else:
-            runs.append([row])
-            size = row.nbytes
-    return runs

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.datapath.compiled import RoundCompiler, compile_lane
+from engine.datapath.compiled import compile_lane
 from engine.datapath.pipeline import Pipeline, PipelineOptions
 from engine.datapath.staging import SourceSet
 from engine.errors import RoundAborted, StagingError, TransportError

@@ -1,0 +1,90 @@
+"""TCP frames: the wire format both ends of ``engine.transports.tcp`` speak, and a compiled table's frames.
+
+How this works: every frame starts with a 29-byte header ``<BIQQQ`` (op, a, b, c, epoch); the target
+answers a FENCE with an ACK ``<BQQQH`` and error text. ``Frames`` turns a plan's direct rows into ready
+WRITE / WRITE_RUN frames (runs of rows that land back to back go as one frame) grouped into chunks of
+whole frames, each one ``sendmsg``; a round only stamps its epoch into the headers. docs/TRANSPORTS.md
+("TCP") has the table of frames.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ..datapath.tensors import byte_view
+
+if TYPE_CHECKING:
+    from ..datapath.compiled import CopyRow
+
+HEADER = struct.Struct("<BIQQQ")
+ACK = struct.Struct("<BQQQH")
+OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE, OP_WRITE_RUN = 0, 1, 2, 3, 4, 5
+MAGIC = 0x57535443_0003  # "WSTC", version 3 (authenticated hello, runs of writes)
+RUN_SHIFT = 48  # WRITE_RUN: b = offset | rows << RUN_SHIFT
+OFFSET_MASK = (1 << RUN_SHIFT) - 1
+MAX_RUN_ROWS = (1 << (64 - RUN_SHIFT)) - 1
+SCRATCH = 1 << 20
+INTAKE = 256 << 10  # the target reads frames into this, many small ones per recv ...
+DIRECT_MIN = 64 << 10  # ... and a payload with this much left straight into its region (recv_into)
+CHUNK_IOVECS = 512  # a replay's sendmsg takes at most this many buffers (Linux IOV_MAX is 1024) ...
+CHUNK_BYTES = 16 << 20  # ... and frames of at most about this many bytes (a bigger frame goes alone)
+
+
+class Frames:
+    """A compiled table for TCP. Rows that land back to back in one region form a *run*, sent as one
+    frame (WRITE for one row, WRITE_RUN for several: one header, the rows' payloads one after another,
+    received straight into the region); frames are grouped into chunks of at most ``CHUNK_IOVECS``
+    buffers and about ``CHUNK_BYTES`` bytes, each one ``sendmsg`` when the socket takes it. The headers
+    live in one buffer whose epoch column is stamped once per round."""
+
+    def __init__(self, rows: Sequence[CopyRow]) -> None:
+        runs = _runs(rows)
+        self.rows = len(rows)
+        self.headers = torch.zeros((len(runs), HEADER.size), dtype=torch.uint8)
+        raw = byte_view(self.headers)
+        self.chunks: list[tuple[list, int, int]] = []  # (buffers, rows, payload bytes)
+        views: list = []
+        count = nbytes = 0
+        for i, run in enumerate(runs):
+            first, size = run[0], sum(r.nbytes for r in run)
+            op, offset = (OP_WRITE, first.offset) if len(run) == 1 else (OP_WRITE_RUN, first.offset | len(run) << RUN_SHIFT)
+            HEADER.pack_into(raw, i * HEADER.size, op, first.region, offset, size, 0)
+            frame = [raw[i * HEADER.size:(i + 1) * HEADER.size]] + [byte_view(r.src) for r in run if r.nbytes]
+            if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + size > CHUNK_BYTES):
+                self.chunks.append((views, count, nbytes))
+                views, count, nbytes = [], 0, 0
+            views += frame
+            count += len(run)
+            nbytes += size
+        if views:
+            self.chunks.append((views, count, nbytes))
+        self.epoch = 0
+
+    def __repr__(self) -> str:
+        return f"<TCP frames: {self.rows} rows in {len(self.headers)} frames, {len(self.chunks)} chunks>"
+
+    def stamp(self, epoch: int) -> None:
+        """Write ``epoch`` into every header (one tensor operation)."""
+        if epoch != self.epoch:
+            self.headers[:, HEADER.size - 8:] = torch.tensor(list(epoch.to_bytes(8, "little")), dtype=torch.uint8)
+            self.epoch = epoch
+
+
+def _runs(rows: Sequence[CopyRow]) -> list[list[CopyRow]]:
+    """``rows`` cut into runs: consecutive rows of one region, each starting where the last ended; a run
+    stays under ``CHUNK_BYTES`` and ``CHUNK_IOVECS`` buffers (and the row count a header can carry)."""
+    runs: list[list[CopyRow]] = []
+    size = 0
+    for row in rows:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.region == row.region and last.offset + last.nbytes == row.offset
+                and size + row.nbytes <= CHUNK_BYTES and len(runs[-1]) < min(CHUNK_IOVECS - 1, MAX_RUN_ROWS)):
+            runs[-1].append(row)
+            size += row.nbytes
+        else:
+            runs.append([row])
+            size = row.nbytes
+    return runs
