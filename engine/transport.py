@@ -68,6 +68,30 @@ class SourceCounters:
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
+class EpochCounts:
+    """Target side: what each source delivered per round (epoch), and the newest round closed (writes
+    of it or of an earlier one are late: dropped, never counted). The transports that observe incoming
+    writes (tcp, uccl, memory) keep theirs in one of these."""
+
+    def __init__(self) -> None:
+        self._counters: dict[tuple[int, int], SourceCounters] = {}
+        self.closed_epoch = -1
+
+    def counters(self, epoch: int) -> dict[int, SourceCounters]:
+        return {src: c for (src, e), c in self._counters.items() if e == epoch}
+
+    def close_epoch(self, epoch: int) -> None:
+        self.closed_epoch = max(self.closed_epoch, epoch)
+        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
+
+    def count(self, source: int, epoch: int) -> SourceCounters:
+        """The counters of ``source`` for round ``epoch`` (made on first use)."""
+        c = self._counters.get((source, epoch))
+        if c is None:
+            c = self._counters[source, epoch] = SourceCounters()
+        return c
+
+
 @runtime_checkable
 class Connection(Protocol):
     peer: str

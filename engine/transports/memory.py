@@ -28,7 +28,7 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError
-from ..transport import SourceCounters, TransportOptions, await_each_proof, wait_after
+from ..transport import EpochCounts, TransportOptions, await_each_proof, wait_after
 
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
 _CONNECTIONS: dict[int, "MemoryConnection"] = {}  # id -> open connection (proofs name one)
@@ -38,7 +38,7 @@ PROOF_MAGIC = b"memo"
 PROOF_TAG = b"proofs:memory"
 
 
-class MemoryTransport:
+class MemoryTransport(EpochCounts):
     kind = "memory"
     proof_magic = PROOF_MAGIC
     devices = frozenset({"cuda"})  # torch copies reach any device in this process
@@ -48,8 +48,7 @@ class MemoryTransport:
         self.address = f"mem-{next(_NEXT)}"
         self.rank = -1
         self.regions: dict[int, torch.Tensor] = {}
-        self._counters: dict[tuple[int, int], SourceCounters] = {}
-        self.closed_epoch = -1
+        EpochCounts.__init__(self)
         self.fail_writes: Optional[str] = None  # a test sets this to make every write fail
         self.hold: Optional[asyncio.Event] = None  # a test sets this: writes land once it is set
         self.guard = dataauth.DataGuard()
@@ -80,13 +79,6 @@ class MemoryTransport:
         if target.guard.admit(self.rank, nonce, proof, f"memory:{self.address}") is None:
             raise ConnectionClosed("the target refused the connection (not authenticated)", peer=name)
         return MemoryConnection(self, target, name, peer.transport.data == PROOF_TAG, key)
-
-    def counters(self, epoch: int) -> dict[int, SourceCounters]:
-        return {src: c for (src, e), c in self._counters.items() if e == epoch}
-
-    def close_epoch(self, epoch: int) -> None:
-        self.closed_epoch = max(self.closed_epoch, epoch)
-        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
 
     async def settle(self) -> None:
         return None
@@ -229,7 +221,7 @@ class MemoryConnection:
         """``data``: bytes to put at ``region[offset:]``, or (no region) the count of bytes already there."""
         if epoch > self.target.closed_epoch:  # a late write of a closed round is dropped, as TCP's agent does
             nbytes = data if region is None else data.numel()
-            c = self.target._counters.setdefault((self.local.rank, epoch), SourceCounters())
+            c = self.target.count(self.local.rank, epoch)
             region_id = next((i for i, r in self.target.regions.items() if r is region), None)
             problem = self.target.guard.write_problem(self.local.rank, self.key, region_id) if region_id is not None \
                 else None

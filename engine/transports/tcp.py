@@ -47,7 +47,7 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 from .. import dataauth
 from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
-from ..transport import SourceCounters, TransportOptions, wait_after
+from ..transport import EpochCounts, TransportOptions, wait_after
 
 from .tcp_agent import AgentProtocol as _AgentProtocol
 from .tcp_frames import ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, Frames
@@ -55,7 +55,7 @@ from .tcp_frames import ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_H
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
 
-class TcpTransport:
+class TcpTransport(EpochCounts):
     kind = "tcp"
     devices: frozenset = frozenset()  # GPU sources are staged through pinned host memory
 
@@ -65,8 +65,7 @@ class TcpTransport:
         self.regions: dict[int, memoryview] = {}
         self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dirty: set[int] = set()  # mirrored regions written since the last settle
-        self._counters: dict[tuple[int, int], SourceCounters] = {}
-        self.closed_epoch = -1
+        EpochCounts.__init__(self)
         self._server: Optional[asyncio.AbstractServer] = None
         self._agents: set[_AgentProtocol] = set()
         self.closing = False
@@ -136,12 +135,8 @@ class TcpTransport:
         await conn.hello(self.rank, dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES))
         return conn
 
-    def counters(self, epoch: int) -> dict[int, SourceCounters]:
-        return {src: c for (src, e), c in self._counters.items() if e == epoch}
-
     def close_epoch(self, epoch: int) -> None:
-        self.closed_epoch = max(self.closed_epoch, epoch)
-        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
+        super().close_epoch(epoch)
         self._stop_closed_writes()
 
     def _stop_closed_writes(self) -> None:
@@ -150,11 +145,6 @@ class TcpTransport:
         for agent in self._agents:
             agent.stop_if_closed()
 
-    def _count(self, source: int, epoch: int) -> SourceCounters:
-        c = self._counters.get((source, epoch))
-        if c is None:
-            c = self._counters[source, epoch] = SourceCounters()
-        return c
 
     async def close(self) -> None:
         self.closing = True

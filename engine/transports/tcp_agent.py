@@ -138,7 +138,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
             region[offset:offset + length] = data[at + size:at + size + length]
             at += size + length
             if epoch != counted_epoch:
-                counter, counted_epoch = owner._count(self.source, epoch), epoch
+                counter, counted_epoch = owner.count(self.source, epoch), epoch
             counter.count += rows
             counter.nbytes += length
             self.epoch = epoch
@@ -169,7 +169,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.landed_count += self.rows
         self.landed_bytes += nbytes
         if self.epoch > self.owner.closed_epoch:
-            c = self.owner._count(self.source, self.epoch)
+            c = self.owner.count(self.source, self.epoch)
             c.count += self.rows
             c.nbytes += nbytes
 
@@ -246,4 +246,4 @@ class AgentProtocol(asyncio.BufferedProtocol):
 
     def _error(self, text: str) -> None:
         self.errors.append(text)
-        self.owner._count(self.source, self.epoch).errors.append(text)
+        self.owner.count(self.source, self.epoch).errors.append(text)

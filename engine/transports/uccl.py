@@ -51,7 +51,7 @@ from wire import PeerInfo, RegionInfo, TransportInfo
 from .. import dataauth
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
-from ..transport import SourceCounters, TransportOptions, wait_after
+from ..transport import EpochCounts, SourceCounters, TransportOptions, wait_after
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
@@ -175,7 +175,7 @@ class _Mailbox:
         return True
 
 
-class UcclTransport:
+class UcclTransport(EpochCounts):
     kind = "uccl"
     devices = frozenset({"cuda"})
 
@@ -194,8 +194,7 @@ class UcclTransport:
         self.rank = -1
         self.regions: dict[int, tuple[torch.Tensor, int]] = {}  # region id -> (buffer, mr id)
         self.blocks: dict[tuple[int, int], int] = {}  # (base, size) of a whole source allocation -> mr id
-        self._counters: dict[tuple[int, int], SourceCounters] = {}  # (source, epoch) -> reported
-        self.closed_epoch = -1
+        EpochCounts.__init__(self)  # (source, epoch) -> what the source reported at its fence
         self._server: Optional[asyncio.AbstractServer] = None
         self._sessions: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self._pairing = asyncio.Lock()
@@ -353,13 +352,6 @@ class UcclTransport:
             writer.close()
             raise TransportError("the peer did not accept the uccl connection", peer=name)
         return UcclConnection(self, conn_id, name, reader, writer, mailbox)
-
-    def counters(self, epoch: int) -> dict[int, SourceCounters]:
-        return {src: c for (src, e), c in self._counters.items() if e == epoch}
-
-    def close_epoch(self, epoch: int) -> None:
-        self.closed_epoch = max(self.closed_epoch, epoch)
-        self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
 
     async def settle(self) -> None:
         return None
