@@ -74,7 +74,7 @@ class WeightReceiver(Worker):
         self.live = self._rehome()
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
-        self._views: dict[int, dict[str, torch.Tensor]] = {}  # id(buffer) -> tensor views into it
+        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # id(buffer) -> (tensor, its view in it)
         extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
         self.cache = RegistrationCache()
@@ -191,6 +191,7 @@ class WeightReceiver(Worker):
     async def _verdict(self, body: "m.Fence | m.FenceCommit") -> m.FenceAck:
         version = body.version
         unproven = await self._await_proofs(body.checksums)
+        self.timeline.mark(version, "proofs:checked")
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
         problems, names = self._check_arrivals(body.checksums)
         if unproven:
@@ -272,12 +273,12 @@ class WeightReceiver(Worker):
         Both buffers stay registered (regions 0 and 1); the controller flips this receiver's slot on
         our commit_ack, so senders follow without any re-registration."""
         new_live, new_landing = self.landing, self.live
-        views = self._views.get(id(new_live))
-        if views is None:  # made once per buffer: a swap is then one rebinding per tensor
-            views = self._views[id(new_live)] = {
-                name: new_live.view(self.offsets[name], t.dtype, tuple(t.shape)) for name, t in self.tensors.items()}
-        for name, t in self.tensors.items():
-            t.data = views[name]
+        rebind = self._views.get(id(new_live))
+        if rebind is None:  # made once per buffer: a swap is then one rebinding per tensor
+            rebind = self._views[id(new_live)] = [
+                (t, new_live.view(self.offsets[name], t.dtype, tuple(t.shape))) for name, t in self.tensors.items()]
+        for t, view in rebind:
+            t.data = view
         self.live, self.landing = new_live, new_landing
 
     async def _on_abort(self, env: Envelope) -> None:

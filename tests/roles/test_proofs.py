@@ -8,6 +8,7 @@ the hold. Everything else is the real controller, sender and receiver over ZeroM
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 
 import pytest
@@ -139,8 +140,9 @@ async def test_spinning_roles_poll_only_while_a_round_runs():
 
 
 async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch):
-    """A device completion is polled from the loop: normally it yields for a while and then naps
-    between polls; with ``busy_poll`` (``spin_s=inf``) it never naps."""
+    """A device event is polled from the loop: normally it yields for a while and then a helper thread
+    blocks on it (the loop never naps or blocks); with ``busy_poll`` (``spin_s=inf``) it only polls.
+    The connection's completion poller (many events, oldest first) yields and naps."""
     import math
 
     from engine.cuda import cuda_rt
@@ -148,10 +150,14 @@ async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch
     class LateEvent:  # happens at the sixth query
         def __init__(self) -> None:
             self.queries = 0
+            self.synchronized_on = None
 
         def query(self) -> bool:
             self.queries += 1
             return self.queries > 5
+
+        def synchronize(self) -> None:  # a long wait blocks a helper thread here, never the loop
+            self.synchronized_on = threading.get_ident()
 
     delays = []
     real_sleep = asyncio.sleep
@@ -161,9 +167,9 @@ async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch
         await real_sleep(0)
 
     monkeypatch.setattr(cuda_rt.asyncio, "sleep", recorded_sleep)
-    await cuda_rt.wait_event(LateEvent(), spin_s=0.0)  # past the spin at once: naps
-    assert delays == [cuda_rt.NAP_S] * 5
-    delays.clear()
+    late = LateEvent()
+    await cuda_rt.wait_event(late, spin_s=0.0)  # past the spin at once: a helper thread waits, no naps
+    assert late.synchronized_on not in (None, threading.get_ident()) and delays == []
     await cuda_rt.wait_event(LateEvent(), spin_s=math.inf)
     assert delays == [0] * 5
     delays.clear()
