@@ -300,7 +300,7 @@ def _profiled(main, path: str, trace: str = "") -> None:
 
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,
-                     spin: bool = False, model: str = "qwen2.5-7b", device: int = 1) -> None:
+                     spin: bool = False, model: str = "qwen2.5-7b", device: int = 1, mode: str = "shadow") -> None:
     from engine.transforms.layouts import allocate
     from engine.transport import TransportOptions
     from roles import ReceiverOptions, WeightReceiver
@@ -313,7 +313,7 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
                            spin=spin)
 
     async def main():
-        async with WeightReceiver(addr, state, rank=0, options=opts) as receiver:
+        async with WeightReceiver(addr, state, rank=0, options=opts, mode=mode) as receiver:
             await receiver.wait_for(rounds)
             want = make_state(here, seed=0, model=model)
             ok = fp8_check(state, want) if fp8 else all(torch.equal(state[k], want[k]) for k in want)
@@ -324,7 +324,7 @@ def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, con
 async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool = False,
                         profile: str = "", pipeline=None, trace: str = "",
                         spin: bool = False, model: str = "qwen2.5-7b",
-                        dst: int = 1) -> tuple[list, bool, list, list, float]:
+                        dst: int = 1, mode: str = "shadow") -> tuple[list, bool, list, list, float]:
     from roles import Controller, ControllerOptions
     from roles.timeline import merge
 
@@ -337,7 +337,7 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
         procs = [ctx.Process(target=_engine_sender, args=(ctl.address, transport, total, uccl_tcp, s_out, profile,
                                                           pipeline, trace, spin, model)),
                  ctx.Process(target=_engine_receiver, args=(ctl.address, transport, total, uccl_tcp, r_out, fp8, spin,
-                                                            model, dst))]
+                                                            model, dst, mode))]
         for p in procs:
             p.start()
         reports = [await asyncio.wait_for(ctl.wait_round(v), 600) for v in range(1, total + 1)]
@@ -377,7 +377,8 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
         profile = f"{args.profile}/sender_{label.replace(' ', '_')}.txt" if args.profile else ""
         trace = f"{args.trace}/sender_{label.replace(' ', '_')}.json" if args.trace else ""
         reports, ok, pipeline_s, timelines, written = asyncio.run(engine_rounds(
-            transport, args.rounds, args.uccl_tcp, fp8, profile, _pipeline(args), trace, args.spin, args.model, args.dst))
+            transport, args.rounds, args.uccl_tcp, fp8, profile, _pipeline(args), trace, args.spin, args.model, args.dst,
+            args.receiver_mode))
     except Exception as exc:  # report a failing transport as such, keep measuring the others
         rows[label] = {"seconds": None, "ok": False, "error": repr(exc)[:300]}
         return
@@ -478,6 +479,9 @@ def main(argv=None) -> int:
                                                            "tensors, 12 layers: 4,719 tensors, 16.2 GB)")
     ap.add_argument("--colocated", action="store_true", help="sender and receiver processes on GPU 0; the bound is "
                                                              "one device-to-device copy of the same bytes")
+    ap.add_argument("--receiver-mode", default="shadow", choices=("shadow", "inplace"),
+                    help="the receiver's mode: shadow (a landing buffer, one rebinding per tensor at commit) or "
+                         "inplace (writes into the live tensors between before_update and the commit)")
     ap.add_argument("--json", action="store_true", help="print the headline figures as one JSON object, last line")
     ap.add_argument("--transports", default="cuda_ipc,auto")
     ap.add_argument("--fp8", action="store_true", help="also: bf16 trainer -> fused block-FP8 receiver (cuda_ipc)")
@@ -534,6 +538,7 @@ def _summary(rows: dict, bound: float, args) -> dict:
     """The headline figures: each engine transport's full round against the bound and the peers (paired
     ratios: measured in this run), and its sender's host time per tensor."""
     out = {"bench": "transfer_gpu", "model": args.model, "tensors": args.tensors, "colocated": args.colocated,
+           "receiver_mode": args.receiver_mode,
            "bound_ms": bound * 1e3}
     nccl = rows.get("nccl_per_tensor", {}).get("seconds")
     per_tensor = rows.get("copy_ per tensor, one stream", {}).get("seconds")

@@ -14,6 +14,7 @@ and, when asked, recomputes each transfer's checksum; only then does it acknowle
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Optional
@@ -45,6 +46,9 @@ class ReceiverOptions(WorkerOptions):
             raise ConfigError("proof_timeout_s", f"must be positive, got {self.proof_timeout_s}")
 
 
+_SET_DATA = torch.Tensor.data.__set__  # (``t.data = v`` as a function)
+
+
 class WeightReceiver(Worker):
     role = Role.RECEIVER
 
@@ -74,7 +78,7 @@ class WeightReceiver(Worker):
         self.live = self._rehome()
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
-        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # id(buffer) -> (tensor, its view in it)
+        self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
         extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
         self.cache = RegistrationCache()
@@ -273,12 +277,12 @@ class WeightReceiver(Worker):
         Both buffers stay registered (regions 0 and 1); the controller flips this receiver's slot on
         our commit_ack, so senders follow without any re-registration."""
         new_live, new_landing = self.landing, self.live
-        rebind = self._views.get(id(new_live))
-        if rebind is None:  # made once per buffer: a swap is then one rebinding per tensor
-            rebind = self._views[id(new_live)] = [
-                (t, new_live.view(self.offsets[name], t.dtype, tuple(t.shape))) for name, t in self.tensors.items()]
-        for t, view in rebind:
-            t.data = view
+        views = self._views.get(id(new_live))
+        if views is None:  # made once per buffer: a swap is then one rebinding per tensor
+            views = self._views[id(new_live)] = [new_live.view(self.offsets[name], t.dtype, tuple(t.shape))
+                                                 for name, t in self.tensors.items()]
+        # ``t.data = view`` for every tensor, the loop in C (about 0.4 us a tensor: 4,719 take ~2 ms)
+        collections.deque(map(_SET_DATA, self.tensors.values(), views), maxlen=0)
         self.live, self.landing = new_live, new_landing
 
     async def _on_abort(self, env: Envelope) -> None:
