@@ -1,11 +1,27 @@
-"""weightsync.roles: the processes and the public async API (controller, sender, receiver, daemon, CLI)."""
+"""weightsync.roles: the processes and the public async API (controller, sender, receiver, daemon, CLI).
 
-from .controller import Controller, ControllerOptions
-from .receiver import ReceiverOptions, WeightReceiver
-from .rounds import RoundReport
-from .sender import PushHandle, SenderOptions, WeightSender
+The public names are imported on first use (``from roles import WeightSender``), so the command line
+(``roles.cli``) starts without importing torch: ``weightsync --help`` answers at once.
+"""
 
-__all__ = [
-    "Controller", "ControllerOptions", "ReceiverOptions", "WeightReceiver", "RoundReport", "PushHandle",
-    "SenderOptions", "WeightSender",
-]
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "Controller": "roles.controller", "ControllerOptions": "roles.controller",
+    "ReceiverOptions": "roles.receiver", "WeightReceiver": "roles.receiver",
+    "RoundReport": "roles.rounds",
+    "PushHandle": "roles.sender", "SenderOptions": "roles.sender", "WeightSender": "roles.sender",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'roles' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

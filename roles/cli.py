@@ -31,13 +31,21 @@ class JsonFormatter(logging.Formatter):
 
 
 def _auth_key(args: argparse.Namespace) -> Optional[bytes]:
+    """The shared key from ``--auth-key-file`` (or $WEIGHTSYNC_AUTH_KEY_FILE); a file that cannot be read
+    or holds too short a key is a ``ConfigError`` naming the file (one line on the command line)."""
     path = getattr(args, "auth_key_file", None) or os.environ.get("WEIGHTSYNC_AUTH_KEY_FILE")
     if not path:
         return None
+    from engine.errors import ConfigError
     from wire.auth import check_key
 
-    with open(path, "rb") as f:
-        return check_key(f.read().strip())
+    try:
+        with open(path, "rb") as f:
+            return check_key(f.read().strip())
+    except OSError as exc:
+        raise ConfigError("auth-key-file", f"cannot read {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ConfigError("auth-key-file", f"{path}: {exc}") from exc
 
 
 async def _until_signalled(stop: asyncio.Event) -> None:
@@ -243,13 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="structured (JSON lines) logs on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="a real multi-process transfer on this machine (no GPU needed)")
-    demo.add_argument("--trainers", type=int, default=2)
-    demo.add_argument("--inference", type=int, default=2)
+    demo = sub.add_parser("demo", help="a real multi-process transfer on this machine (no GPU needed)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--trainers", type=int, default=2, help="trainer processes (DDP over gloo), each a sender")
+    demo.add_argument("--inference", type=int, default=2, help="inference processes, each a receiver")
     demo.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"],
-                      help="GPT-2 size (default small, 124M parameters)")
-    demo.add_argument("--rounds", type=int, default=3)
-    demo.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
+                      help="GPT-2 size (small: 124M parameters)")
+    demo.add_argument("--rounds", type=int, default=3, help="training steps, each followed by a weight push")
+    demo.add_argument("--mode", default="shadow", choices=["shadow", "inplace"],
+                      help="receivers land in a second buffer and swap at commit, or write the live tensors")
     demo.add_argument("--no-checksum", action="store_true", help="skip per-transfer CRC-32 verification")
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary as the last line")
     demo.set_defaults(func=_demo)

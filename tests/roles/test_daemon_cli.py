@@ -249,3 +249,25 @@ def test_demo_main_job_verifies_bit_exact():
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["ok"] and [r["verified"] for r in summary["rounds"]] == [True, True]
     assert all(r["bytes"] > 0 for r in summary["rounds"])
+
+
+@pytest.mark.parametrize("key", [None, b"short"])
+def test_a_bad_auth_key_file_is_one_clear_line(tmp_path, key):
+    path = tmp_path / "key"
+    if key is not None:
+        path.write_bytes(key)
+    out = subprocess.run([sys.executable, "-m", "roles.cli", "controller", "--senders", "1", "--receivers", "1",
+                          "--auth-key-file", str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and "auth-key-file" in lines[0]
+
+
+def test_the_command_line_starts_without_importing_torch():
+    """``weightsync --help`` answers at once: the CLI and the roles package import torch only when a
+    command needs it."""
+    code = "import sys, roles.cli; roles.cli.build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
