@@ -3,8 +3,9 @@
 How this works: at start the receiver re-homes its tensors into one flat, registered buffer (each
 tensor becomes a view at an aligned offset; tied names share a slot). In ``shadow`` mode a second
 buffer of the same layout is the landing zone: senders write there while serving reads the live one,
-and ``commit`` rebinds every tensor to the landing buffer in one step without awaiting (serving never
-sees a mix); the old live buffer becomes the next landing zone. In ``inplace`` mode senders write into
+and ``commit`` makes the landing bytes live in one step without awaiting (serving never sees a mix):
+the two buffers' storages exchange their memory, so every tensor (a view of the live storage) sees the
+new version at once; the old live memory becomes the next landing zone. In ``inplace`` mode senders write into
 the live tensors: ``before_update`` runs at ``begin`` so serving can pause, ``after_update`` at commit
 or abort; an abort leaves the receiver ``dirty`` until the next successful round repairs it.
 At ``fence`` the receiver checks that every expected transfer arrived (counts and bytes per sender)
@@ -79,6 +80,8 @@ class WeightReceiver(Worker):
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
+        self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
+        self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
         extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
         self.cache = RegistrationCache()
@@ -119,6 +122,7 @@ class WeightReceiver(Worker):
         """Region 0 (and 1 in shadow mode) are the buffers; senders add the round's slot to region 0."""
         wanted = {REGION + i: buf.storage for i, buf in enumerate(self.buffers)}
         infos = self.cache.apply(self.cache.plan(wanted), self.transport)
+        self._region_addresses = {i: buf.storage.data_ptr() for i, buf in enumerate(self.buffers)}
         self._open_regions(False)
         specs = tuple(
             spec_for(name, t, region=REGION, offset=self.offsets[name], tied_to=self.ties.get(name),
@@ -129,8 +133,11 @@ class WeightReceiver(Worker):
 
     @property
     def landing_slot(self) -> int:
-        """The region (0 or 1) the next round lands in: the one that is not live."""
-        return next(i for i, buf in enumerate(self.buffers) if buf is self.landing)
+        """The region (0 or 1) the next round lands in: the one registered with the landing buffer's
+        memory (its storage may have exchanged memory with the live one since: ``_swap``)."""
+        address = self.landing.storage.data_ptr()
+        slot = next((i for i, a in self._region_addresses.items() if a == address), None)
+        return slot if slot is not None else next(i for i, buf in enumerate(self.buffers) if buf is self.landing)
 
     def _open_regions(self, round_open: bool) -> None:
         """What senders may write into now (``engine.dataauth``): a shadow receiver's landing slot and
@@ -272,10 +279,18 @@ class WeightReceiver(Worker):
             await self._send(m.CommitAck(version, True, ""), version=version)
 
     def _swap(self) -> None:
-        """Rebind every tensor to the landing buffer; the next version lands in the old live one.
+        """Make the landing buffer's bytes live; the next version lands in the old live memory.
 
-        Both buffers stay registered (regions 0 and 1); the controller flips this receiver's slot on
-        our commit_ack, so senders follow without any re-registration."""
+        Where the transport's regions are the memory they were registered with (``stable_regions``),
+        the two buffers' storages exchange their memory (``UntypedStorage._swap_data_ptr_``): every
+        tensor, a view of the live buffer's storage, sees the new bytes at once, whatever the tensor
+        count. Otherwise every tensor is rebound to the landing buffer (``t.data = view``). Both memory
+        blocks stay registered (regions 0 and 1); the controller flips this receiver's slot on our
+        commit_ack, so senders follow without any re-registration (``landing_slot`` follows memory)."""
+        if getattr(self.transport, "stable_regions", False):
+            self.live.storage.untyped_storage()._swap_data_ptr_(self.landing.storage.untyped_storage())
+            self.storage_swaps += 1
+            return
         new_live, new_landing = self.landing, self.live
         views = self._views.get(id(new_live))
         if views is None:  # made once per buffer: a swap is then one rebinding per tensor

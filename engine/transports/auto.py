@@ -86,6 +86,10 @@ class AutoTransport:
         for child in self.children.values():
             child.deregister(region_id)
 
+    @property
+    def stable_regions(self) -> bool:
+        return all(getattr(child, "stable_regions", False) for child in self.children.values())
+
     async def connect(self, peer: PeerInfo, key: bytes = b""):
         name = f"receiver/{peer.rank}"
         if peer.transport.kind != self.kind:

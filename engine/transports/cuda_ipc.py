@@ -60,6 +60,7 @@ _OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # handle -> our own proof event
 
 class CudaIpcTransport:
     kind = "cuda_ipc"
+    stable_regions = True  # a region is the memory block its descriptor names (``transport.Transport``)
     proof_magic = PROOF_MAGIC
     devices = frozenset({"cuda"})
 

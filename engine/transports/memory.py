@@ -27,6 +27,7 @@ import torch
 from wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
+from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError
 from ..transport import EpochCounts, TransportOptions, await_each_proof, wait_after
 
@@ -63,11 +64,20 @@ class MemoryTransport(EpochCounts):
         return TransportInfo(self.kind, host, self.address, self.options.device, PROOF_TAG)
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
+        """A CPU region is kept as a tensor of its own over the same memory (``torch.frombuffer``): the
+        region stays that memory even if a shadow receiver swaps which tensor owns it."""
+        if buffer.device.type == "cpu" and buffer.numel():
+            buffer = torch.frombuffer(byte_view(buffer), dtype=torch.uint8)
         self.regions[region_id] = buffer
         return RegionInfo(region_id, buffer.numel(), str(buffer.device), region_id.to_bytes(4, "little"))
 
     def deregister(self, region_id: int) -> None:
         self.regions.pop(region_id, None)
+
+    @property
+    def stable_regions(self) -> bool:
+        """CPU regions are their memory (above); a CUDA region is the tensor it was given."""
+        return all(r.device.type == "cpu" for r in self.regions.values())
 
     async def connect(self, peer: PeerInfo, key: bytes = b"") -> "MemoryConnection":
         name = f"receiver/{peer.rank}"

@@ -155,7 +155,7 @@ class _Mailbox:
 
     def __init__(self, device: str, reg: Callable[[int, int, str], int]) -> None:
         self.cell = torch.zeros(1, dtype=torch.int64, device=device)
-        self.entry = (self.cell, reg(self.cell.data_ptr(), 8, "reg (fence mailbox)"))
+        self.entry = (self.cell, reg(self.cell.data_ptr(), 8, "reg (fence mailbox)"), self.cell.data_ptr())
         self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self.cell.is_cuda)
 
     async def _read(self) -> int:
@@ -176,6 +176,7 @@ class _Mailbox:
 
 
 class UcclTransport(EpochCounts):
+    stable_regions = True  # a region is the memory it was registered with (``transport.Transport``)
     kind = "uccl"
     devices = frozenset({"cuda"})
 
@@ -192,7 +193,7 @@ class UcclTransport(EpochCounts):
         self.gpu = device.index or 0 if device.type == "cuda" else 0
         self.ep: Any = None
         self.rank = -1
-        self.regions: dict[int, tuple[torch.Tensor, int]] = {}  # region id -> (buffer, mr id)
+        self.regions: dict[int, tuple[torch.Tensor, int, int]] = {}  # region id -> (buffer, mr id, its address then)
         self.blocks: dict[tuple[int, int], int] = {}  # (base, size) of a whole source allocation -> mr id
         EpochCounts.__init__(self)  # (source, epoch) -> what the source reported at its fence
         self._server: Optional[asyncio.AbstractServer] = None
@@ -232,7 +233,7 @@ class UcclTransport(EpochCounts):
                                     f"memory, got {buffer.device}")
         nbytes = buffer.numel() * buffer.element_size()
         mr = self._reg(buffer.data_ptr(), nbytes, f"reg (region {region_id})")
-        self.regions[region_id] = (buffer, mr)
+        self.regions[region_id] = (buffer, mr, buffer.data_ptr())
         return RegionInfo(region_id, nbytes, str(buffer.device), struct.pack("<IQ", region_id, nbytes))
 
     def deregister(self, region_id: int) -> None:
@@ -305,14 +306,14 @@ class UcclTransport(EpochCounts):
         return int(_ok(result, "accept")[-1])  # 0.1.1: (ok, remote ip, remote gpu, conn id)
 
     def _advertise(self, conn_id: int, region_id: int, offset: int, size: int,
-                   entry: Optional[tuple[torch.Tensor, int]] = None) -> bytes:
+                   entry: Optional[tuple[torch.Tensor, int, int]] = None) -> bytes:
         entry = entry or self.regions.get(region_id)
         if entry is None:
             return REFUSED  # the initiator raises RegistrationError
-        buffer, mr = entry
+        buffer, mr, address = entry  # (the address registered: a shadow receiver may swap what owns it)
         if offset + size > buffer.numel() * buffer.element_size():
             return REFUSED
-        blob = _ok(self.ep.advertise(conn_id, mr, buffer.data_ptr() + offset, size), "advertise")
+        blob = _ok(self.ep.advertise(conn_id, mr, address + offset, size), "advertise")
         return bytes(blob)[:BLOB].ljust(BLOB, b"\0")
 
     # --- initiator side -------------------------------------------------------------------------

@@ -199,6 +199,7 @@ async def test_workers_rejoin_a_restarted_controller_and_continue(how):
             assert sender.sessions == receiver.sessions == 2 and sender.lost is None
             await push(sender, send_t, 4)
             assert receiver.version == 4 and mismatches(recv_t, 4) == []
+            assert receiver.storage_swaps == 4  # (re-registered after an odd number of memory exchanges)
             with pytest.raises(Exception):
                 ctl2.update(3)
 

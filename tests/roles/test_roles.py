@@ -253,3 +253,27 @@ async def test_begin_reaches_senders_first_unless_a_receiver_writes_in_place(mod
             assert hooked[0] < senders[0].timeline.of(1)["recv:begin"]
         else:
             assert not any(event.startswith("recv:begin_ack") for event in marks)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "memory"])
+async def test_a_shadow_commit_exchanges_the_buffers_memory_and_every_tensor_sees_it(transport):
+    """Over transports whose regions are the memory they were registered with, a commit exchanges the
+    two buffers' memory: the user's tensor objects (and references taken before) see each new version
+    at once, nothing is rebound, and the landing slot follows the memory: 1, 0, 1, ..."""
+    from engine.transport import TransportOptions
+    from roles import ReceiverOptions
+
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    held = dict(recv_t)  # references a serving engine keeps
+    sopts = SenderOptions(transport=transport, transport_options=TransportOptions())
+    ropts = ReceiverOptions(transport=transport, transport_options=TransportOptions())
+    async with Controller(senders=1, receivers=1) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0, options=sopts) as sender, \
+            WeightReceiver(ctl.address, recv_t, rank=0, options=ropts) as receiver:
+        assert receiver.landing_slot == 1
+        for v in (1, 2, 3):
+            update_in_place(send_t, v)
+            await asyncio.wait_for(await sender.push(v), WATCHDOG)
+            assert mismatches(held, v) == [] and receiver.landing_slot == (v + 1) % 2
+            assert all(recv_t[name] is t for name, t in held.items())
+        assert receiver.storage_swaps == 3 and receiver.version == 3
