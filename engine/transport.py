@@ -26,6 +26,9 @@ Data-plane authentication (``engine.dataauth``): every target transport has a ``
 initiator's ``connect(peer, key)`` proves its pair key to the target where the transport has a
 handshake (tcp, uccl, memory); a connection or write the guard refuses is counted and never applied.
 
+A target whose regions stay the memory they were registered with (whatever tensor owns it later) says
+``stable_regions``; a shadow receiver may then commit by exchanging its two buffers' memory.
+
 Backends are imported only when first used (``create_transport``), so ``uccl`` or CUDA never load on
 a machine that does not ask for them.
 """

@@ -4,8 +4,9 @@ How this works: at start the receiver re-homes its tensors into one flat, regist
 tensor becomes a view at an aligned offset; tied names share a slot). In ``shadow`` mode a second
 buffer of the same layout is the landing zone: senders write there while serving reads the live one,
 and ``commit`` makes the landing bytes live in one step without awaiting (serving never sees a mix):
-the two buffers' storages exchange their memory, so every tensor (a view of the live storage) sees the
-new version at once; the old live memory becomes the next landing zone. In ``inplace`` mode senders write into
+host buffers exchange their memory, so every tensor (a view of the live storage) sees the new version
+at once; GPU buffers rebind each tensor to the landing buffer; the old live memory becomes the next
+landing zone. In ``inplace`` mode senders write into
 the live tensors: ``before_update`` runs at ``begin`` so serving can pause, ``after_update`` at commit
 or abort; an abort leaves the receiver ``dirty`` until the next successful round repairs it.
 At ``fence`` the receiver checks that every expected transfer arrived (counts and bytes per sender)
@@ -281,13 +282,13 @@ class WeightReceiver(Worker):
     def _swap(self) -> None:
         """Make the landing buffer's bytes live; the next version lands in the old live memory.
 
-        Where the transport's regions are the memory they were registered with (``stable_regions``),
-        the two buffers' storages exchange their memory (``UntypedStorage._swap_data_ptr_``): every
-        tensor, a view of the live buffer's storage, sees the new bytes at once, whatever the tensor
-        count. Otherwise every tensor is rebound to the landing buffer (``t.data = view``). Both memory
+        Where it may (``_can_exchange_memory``), the two buffers' storages exchange their memory
+        (``UntypedStorage._swap_data_ptr_``): every tensor, a view of the live buffer's storage, sees the
+        new bytes at once, whatever the tensor count. Otherwise every tensor is rebound to the landing
+        buffer (``t.data = view``, about 0.4 us a tensor). Both memory
         blocks stay registered (regions 0 and 1); the controller flips this receiver's slot on our
         commit_ack, so senders follow without any re-registration (``landing_slot`` follows memory)."""
-        if getattr(self.transport, "stable_regions", False):
+        if self._can_exchange_memory():
             self.live.storage.untyped_storage()._swap_data_ptr_(self.landing.storage.untyped_storage())
             self.storage_swaps += 1
             return
@@ -299,6 +300,13 @@ class WeightReceiver(Worker):
         # ``t.data = view`` for every tensor, the loop in C (about 0.4 us a tensor: 4,719 take ~2 ms)
         collections.deque(map(_SET_DATA, self.tensors.values(), views), maxlen=0)
         self.live, self.landing = new_live, new_landing
+
+    def _can_exchange_memory(self) -> bool:
+        """Whether a commit may exchange the buffers' memory: the transport's regions are the memory they
+        were registered with, the buffers are host memory (on CUDA buffers the exchange is not validated:
+        they rebind per tensor), and this torch has ``UntypedStorage._swap_data_ptr_``."""
+        return (self.device.type == "cpu" and getattr(self.transport, "stable_regions", False)
+                and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body

@@ -57,14 +57,13 @@ if TYPE_CHECKING:
 
 class TcpTransport(EpochCounts):
     kind = "tcp"
-    stable_regions = True  # a region is the memory it was registered with (``transport.Transport``)
     devices: frozenset = frozenset()  # GPU sources are staged through pinned host memory
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
         self.options = options
         self.rank = -1
         self.regions: dict[int, memoryview] = {}
-        self._mirrors: dict[int, tuple[torch.Tensor, int]] = {}  # region -> (pinned host mirror, device address)
+        self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # region -> (pinned host mirror, buffer)
         self._dirty: set[int] = set()  # mirrored regions written since the last settle
         EpochCounts.__init__(self)
         self._server: Optional[asyncio.AbstractServer] = None
@@ -95,7 +94,7 @@ class TcpTransport(EpochCounts):
         host = buffer
         if buffer.device.type != "cpu":
             host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
-            self._mirrors[region_id] = (host, buffer.data_ptr())
+            self._mirrors[region_id] = (host, buffer)
         else:
             self._mirrors.pop(region_id, None)
         self.regions[region_id] = byte_view(host)  # the view keeps the buffer alive
@@ -105,6 +104,12 @@ class TcpTransport(EpochCounts):
     def deregister(self, region_id: int) -> None:
         self.regions.pop(region_id, None)
         self._mirrors.pop(region_id, None)
+
+    @property
+    def stable_regions(self) -> bool:
+        """A host region is the memory it was registered with (written through a memoryview of it); a
+        CUDA region is uploaded from its mirror into the tensor it was given."""
+        return not self._mirrors
 
     async def settle(self) -> None:
         """Upload the mirrors that TCP wrote into since the last settle, and only those: another
@@ -173,14 +178,9 @@ async def _read_challenge(loop, sock: socket.socket, peer: str) -> bytes:
     return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
 
 
-def _upload(host: torch.Tensor, device_address: int) -> None:
-    """The mirror's bytes to the device memory the region was registered with (an address: a shadow
-    receiver may since have swapped which tensor owns it)."""
-    from ..cuda import cuda_rt
-
-    stream = torch.cuda.current_stream()
-    cuda_rt.memcpy_async(device_address, host.data_ptr(), host.numel(), stream)
-    stream.synchronize()
+def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
+    device_buffer.copy_(host, non_blocking=True)
+    torch.cuda.current_stream(device_buffer.device).synchronize()
 
 
 class TcpConnection:
