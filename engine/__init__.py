@@ -18,7 +18,7 @@ on first use, so ``import engine`` stays light.
 
 from __future__ import annotations
 
-import importlib
+from .lazy import lazy_getattr
 
 _PUBLIC = {
     "Pipeline": "engine.datapath.pipeline", "PipelineOptions": "engine.datapath.pipeline",
@@ -30,7 +30,7 @@ _PUBLIC = {
     "TransformSet": "engine.transforms", "Quantizer": "engine.transforms",
     "FP8Policy": "engine.transforms.layouts", "TensorParallel": "engine.transforms.layouts",
     "receiver_layout": "engine.transforms.layouts", "Gatherer": "engine.transforms.gather",
-    "PlanOptions": "engine.plan", "plan": "engine.plan", "get_mapping": "engine.plan.mapping",
+    "PlanOptions": "engine.plan", "get_mapping": "engine.plan.mapping",
     "TrainerLayout": "engine.plan.trainer", "state_dict_shapes": "engine.models.shapes",
     "WeightSyncError": "engine.errors",
 }
@@ -38,10 +38,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("engine", _PUBLIC, globals())

@@ -6,7 +6,7 @@ The public names are imported on first use (``from roles import WeightSender``),
 
 from __future__ import annotations
 
-import importlib
+from engine.lazy import lazy_getattr
 
 _PUBLIC = {
     "Controller": "roles.controller", "ControllerOptions": "roles.controller",
@@ -18,10 +18,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'roles' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("roles", _PUBLIC, globals())
