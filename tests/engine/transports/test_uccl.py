@@ -12,7 +12,7 @@ import torch
 import fake_uccl
 from engine.errors import RegistrationError
 from engine.transport import BACKENDS, TransportOptions, connect_authorized, register_backend
-from engine.transports import uccl
+from engine.transports import uccl, uccl_connection
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 from wire import PeerInfo
@@ -68,7 +68,7 @@ async def test_out_of_bounds_destination_is_refused_by_the_target(monkeypatch):
     src, conn = await _initiator(0, info, rinfo, dst)
     with pytest.raises(RegistrationError, match="refused region 0 bytes 60.*receiver/1"):
         await conn.write(torch.ones(10, dtype=torch.uint8), 0, 60, 1)
-    monkeypatch.setattr(uccl, "CHUNK", 16)  # large writes go in pieces (UCCL sizes are u32)
+    monkeypatch.setattr(uccl_connection, "CHUNK", 16)  # large writes go in pieces (UCCL sizes are u32)
     await conn.write(torch.arange(50, dtype=torch.uint8), 0, 0, 2)
     await conn.fence()
     assert torch.equal(region[:50], torch.arange(50, dtype=torch.uint8)) and len(conn.blobs) == 4
