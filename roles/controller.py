@@ -7,7 +7,9 @@ planner runs (in a worker thread) and each worker gets its table; a membership c
 lost, left or rejoined) triggers a re-plan between rounds. When every planned sender has pushed v, a
 round task runs begin -> writes_done -> fence -> commit -> commit_ack, or sends ``abort`` on any failure
 (a participant's error, a failed verification, a lost peer, a deadline). A heartbeat loop keeps peers
-alive and drops silent ones. Round reports are kept for ``status`` and ``wait_round``.
+alive and drops silent ones. Round reports are kept for ``status`` and ``wait_round``. Planning lives
+in ``roles.planning`` (``Planner``), rounds in ``roles.rounds`` (``RoundRunner``): both are mixins of
+this class, over its sessions.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine import dataauth
 from engine.datapath.aio import AsyncResource, Spinner
 from engine.errors import ConfigError, PlanError, RoundAborted
-from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping, plan
+from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping
 from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from wire import messages as m
 from wire.auth import Replayed, Unauthenticated
@@ -32,6 +33,7 @@ from wire.errors import FieldError, ProtocolError, VersionMismatch
 from .admission import admission_problem, participants
 from .channel import ControlChannel
 from .limits import JoinLimiter, PeerLimits, RateLimiter
+from .planning import Planner
 from .pushes import PushBook
 from .rounds import RoundReport, RoundRunner, RoundState
 from .status import controller_status
@@ -77,7 +79,7 @@ class Peer:
         return f"{self.hello.role.value}/{self.hello.rank}"
 
 
-class Controller(RoundRunner, AsyncResource):
+class Controller(Planner, RoundRunner, AsyncResource):
     def __init__(self, bind_addr: str = "tcp://127.0.0.1:0", *, senders: int, receivers: int,
                  options: ControllerOptions = ControllerOptions(),
                  on_round: Optional[Callable[[RoundReport], Any]] = None) -> None:
@@ -320,84 +322,6 @@ class Controller(RoundRunner, AsyncResource):
 
     def _participants(self) -> tuple[list[Participant], list[Participant]]:
         return participants(p.hello for p in self.peers.values())
-
-    # --- planning ---------------------------------------------------------------------------------
-
-    def _maybe_plan(self) -> None:
-        if self._planning is not None or self._round_task is not None or self._acks_pending:
-            return
-        if any(p.session.state is State.PLAN_RECEIVED for p in self.peers.values()):
-            return  # a plan may only follow an acknowledged one; the ack will call us again
-        members = frozenset(self.by_rank)
-        sessions = frozenset(self.peers)
-        if sessions == self.plan_sessions and (self.plan is not None or self.plan_error is not None):
-            return
-        counts = {role: sum(1 for r, _ in members if r is role) for role in Role}
-        if not self.planned_once and any(counts[r] < self.expected[r] for r in Role):
-            return  # the first plan waits for everyone configured
-        if counts[Role.SENDER] == 0 or counts[Role.RECEIVER] == 0:
-            return  # nothing to plan: wait for members
-        self._ready.clear()
-        self._planning = asyncio.ensure_future(self._plan(members, sessions))
-
-    async def _plan(self, members: frozenset, sessions: frozenset) -> None:
-        senders, receivers = self._participants()
-        self._plan_ids += 1
-        plan_id = self._plan_ids
-        try:
-            routing = await asyncio.to_thread(plan, senders, receivers, self.options.link, self.options.plan,
-                                              {}, plan_id, self.options.mapping)
-        except PlanError as exc:
-            log.error("controller: cannot plan: %s", exc)
-            self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
-            for peer in self.peers.values():
-                await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
-            self._planning = None
-            return
-        self.plan, self.plan_error, self.planned_once = routing, None, True
-        self.plan_members, self.plan_sessions = members, sessions
-        self._acks_pending = set()
-        secret = dataauth.new_secret()  # this plan's data-plane keys: one per (sender, receiver) pair it routes
-        self._sender_plans = {}
-        for peer in list(self.peers.values()):
-            rank = peer.hello.rank
-            self._acks_pending.add(peer.key)
-            if peer.hello.role is Role.SENDER:
-                table = routing.senders[rank]
-                keys = tuple(m.DataKey(p.rank, dataauth.pair_key(secret, rank, p.rank)) for p in table.peers)
-                self._sender_plans[peer.identity] = m.Plan(plan_id, table, None, keys)
-            else:
-                table = routing.receivers[rank]
-                srcs = sorted({e.src_rank for e in table.entries})
-                keys = tuple(m.DataKey(s, dataauth.pair_key(secret, s, rank)) for s in srcs)
-                await self._send(peer, m.Plan(plan_id, None, table, keys))
-        await self._send_sender_plans()
-        self._planning = None
-        log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
-
-    async def _send_sender_plans(self) -> None:
-        """Senders get their tables (and connect) only once every receiver has acknowledged its own:
-        by then each receiver's transport accepts exactly the keys of this plan."""
-        if any(role is Role.RECEIVER for role, _ in self._acks_pending):
-            return
-        plans, self._sender_plans = self._sender_plans, {}
-        for identity, body in plans.items():
-            if identity in self.peers:
-                await self._send(self.peers[identity], body)
-
-    async def _on_plan_ack(self, peer: Peer, env: Envelope) -> None:
-        current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
-        if current:
-            self._acks_pending.discard(peer.key)
-            if not env.body.ok:
-                log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
-                self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
-            await self._send_sender_plans()
-            if not self._acks_pending and self.plan_error is None:
-                self._ready.set()
-                self._wake()
-                self._maybe_start_rounds()
-        self._maybe_plan()
 
     # --- rounds -----------------------------------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""Planning, as the controller does it: when to plan, the plan itself, and handing tables out in order.
+
+How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decides whether the
+membership calls for a (re-)plan (never during a round, never before the previous plan is
+acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
+worker thread, makes this plan's data-plane keys (one per sender/receiver pair it routes) and sends
+each receiver its table; senders get theirs (``_send_sender_plans``) only once every receiver has
+acknowledged, so no sender connects before its receiver accepts the key. ``_on_plan_ack`` marks the
+plan ready when every worker has acknowledged it, and starts rounds that were waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from engine import dataauth
+from engine.errors import PlanError
+from engine.plan import plan
+from wire import Envelope, Role, State
+from wire import messages as m
+
+log = logging.getLogger("weightsync")
+
+
+class Planner:
+    """Mixin of ``Controller``: plans over the controller's sessions."""
+
+    def _maybe_plan(self) -> None:
+        if self._planning is not None or self._round_task is not None or self._acks_pending:
+            return
+        if any(p.session.state is State.PLAN_RECEIVED for p in self.peers.values()):
+            return  # a plan may only follow an acknowledged one; the ack will call us again
+        members = frozenset(self.by_rank)
+        sessions = frozenset(self.peers)
+        if sessions == self.plan_sessions and (self.plan is not None or self.plan_error is not None):
+            return
+        counts = {role: sum(1 for r, _ in members if r is role) for role in Role}
+        if not self.planned_once and any(counts[r] < self.expected[r] for r in Role):
+            return  # the first plan waits for everyone configured
+        if counts[Role.SENDER] == 0 or counts[Role.RECEIVER] == 0:
+            return  # nothing to plan: wait for members
+        self._ready.clear()
+        self._planning = asyncio.ensure_future(self._plan(members, sessions))
+
+    async def _plan(self, members: frozenset, sessions: frozenset) -> None:
+        senders, receivers = self._participants()
+        self._plan_ids += 1
+        plan_id = self._plan_ids
+        try:
+            routing = await asyncio.to_thread(plan, senders, receivers, self.options.link, self.options.plan,
+                                              {}, plan_id, self.options.mapping)
+        except PlanError as exc:
+            log.error("controller: cannot plan: %s", exc)
+            self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
+            for peer in self.peers.values():
+                await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
+            self._planning = None
+            return
+        self.plan, self.plan_error, self.planned_once = routing, None, True
+        self.plan_members, self.plan_sessions = members, sessions
+        self._acks_pending = set()
+        secret = dataauth.new_secret()  # this plan's data-plane keys: one per (sender, receiver) pair it routes
+        self._sender_plans = {}
+        for peer in list(self.peers.values()):
+            rank = peer.hello.rank
+            self._acks_pending.add(peer.key)
+            if peer.hello.role is Role.SENDER:
+                table = routing.senders[rank]
+                keys = tuple(m.DataKey(p.rank, dataauth.pair_key(secret, rank, p.rank)) for p in table.peers)
+                self._sender_plans[peer.identity] = m.Plan(plan_id, table, None, keys)
+            else:
+                table = routing.receivers[rank]
+                srcs = sorted({e.src_rank for e in table.entries})
+                keys = tuple(m.DataKey(s, dataauth.pair_key(secret, s, rank)) for s in srcs)
+                await self._send(peer, m.Plan(plan_id, None, table, keys))
+        await self._send_sender_plans()
+        self._planning = None
+        log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
+
+    async def _send_sender_plans(self) -> None:
+        """Senders get their tables (and connect) only once every receiver has acknowledged its own:
+        by then each receiver's transport accepts exactly the keys of this plan."""
+        if any(role is Role.RECEIVER for role, _ in self._acks_pending):
+            return
+        plans, self._sender_plans = self._sender_plans, {}
+        for identity, body in plans.items():
+            if identity in self.peers:
+                await self._send(self.peers[identity], body)
+
+    async def _on_plan_ack(self, peer: "Peer", env: Envelope) -> None:
+        current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
+        if current:
+            self._acks_pending.discard(peer.key)
+            if not env.body.ok:
+                log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
+                self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
+            await self._send_sender_plans()
+            if not self._acks_pending and self.plan_error is None:
+                self._ready.set()
+                self._wake()
+                self._maybe_start_rounds()
+        self._maybe_plan()
