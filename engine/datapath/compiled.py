@@ -63,7 +63,7 @@ def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: s
     """``t``'s source view when the row can be replayed from a compiled table, else None."""
     if checksum or t.transform or not devices or sources.gathered(t):
         return None
-    view = sources._known_view(t)
+    view = sources.known_view(t)
     if view is None or not view.is_contiguous() or view.device.type not in devices:
         return None
     if view.numel() * view.element_size() != t.nbytes:
@@ -129,6 +129,3 @@ class RoundCompiler:
             current = {id(c) for c in conns.values()}
             self._cache = {k: e for k, e in self._cache.items() if id(e[0]) in current}
         return out
-
-    def forget(self) -> None:
-        self._table, self._by_rank, self._cache = None, {}, {}

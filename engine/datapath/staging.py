@@ -99,7 +99,7 @@ class SourceSet:
         gather order). ``resolve``/``token``: where rows may be written in place (``TransformSet.begin``)."""
         if transfers is not self._table:
             self._plan_views(transfers)
-        self.transforms.begin(transfers, self._known_view, resolve, token)
+        self.transforms.begin(transfers, self.known_view, resolve, token)
         if self.gatherer is None:
             return list(transfers)
         self.gatherer.begin([t for t in transfers if self.gathered(t)])  # rows in our own shard need none
@@ -108,7 +108,7 @@ class SourceSet:
     def prepare(self, transfers: Sequence[Transfer]) -> None:
         """Once per plan, blocking (run it in a thread): compile the GPU quantization kernel for what
         the table quantizes, so that rounds do not pay for it on the event loop."""
-        self.transforms.warm(transfers, self._known_view)
+        self.transforms.warm(transfers, self.known_view)
 
     def _plan_views(self, transfers: Sequence[Transfer]) -> None:
         """Slice every row of a plan's table once (sources are fixed views; a bad slice is left for
@@ -124,7 +124,7 @@ class SourceSet:
                     pass
         self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
-    def _known_view(self, t: Transfer) -> Optional[torch.Tensor]:
+    def known_view(self, t: Transfer) -> Optional[torch.Tensor]:
         """``t``'s source view where it exists before staging (not a gathered one, not a bad slice)."""
         if self.gathered(t):
             return None

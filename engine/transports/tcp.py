@@ -190,10 +190,10 @@ class TcpConnection:
     direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``engine.datapath.compiled``)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
-    def __init__(self, sock: socket.socket, peer: str, sizes: Optional[dict[int, int]] = None) -> None:
+    def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int]) -> None:
         self.sock = sock
         self.peer = peer
-        self.sizes = sizes  # region -> bytes, as the target registered them (None: unknown, no checks here)
+        self.sizes = sizes  # region -> bytes, as the target registered them (compiled tables are checked against it)
         self.loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
         self.sent_count = 0
@@ -228,8 +228,8 @@ class TcpConnection:
     def compile(self, rows: Sequence[CopyRow]) -> "Frames":
         """A plan's direct rows as ready-made frames (``engine.datapath.compiled``): bounds checked here, once."""
         for row in rows:
-            size = None if self.sizes is None else self.sizes.get(row.region)
-            if self.sizes is not None and (size is None or row.offset + row.nbytes > size):
+            size = self.sizes.get(row.region)
+            if size is None or row.offset + row.nbytes > size:
                 where = "no such region" if size is None else f"region of {size} bytes"
                 raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
                                              f"the target ({where}, {self.peer})")
