@@ -52,7 +52,7 @@ def say(**event) -> None:
 
 
 async def controller_child(args) -> None:
-    from roles import Controller, ControllerOptions
+    from weightsync.roles import Controller, ControllerOptions
 
     opts = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum)
     async with Controller(args.addr, senders=args.senders, receivers=args.receivers, options=opts):
@@ -71,7 +71,7 @@ def _diagnosable(worker) -> None:
 
 
 async def sender_child(args) -> None:
-    from roles import SenderOptions, WeightSender
+    from weightsync.roles import SenderOptions, WeightSender
 
     tensors = {name: expected(name, 0) for name in SHAPES}
     async with WeightSender(args.addr, tensors, rank=args.rank, options=SenderOptions(rejoin_deadline_s=120)) as sender:
@@ -93,7 +93,7 @@ async def sender_child(args) -> None:
 async def receiver_child(args) -> None:
     import torch
 
-    from roles import WeightReceiver
+    from weightsync.roles import WeightReceiver
 
     tensors = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
 
@@ -199,8 +199,8 @@ class Cluster:
 
     async def diagnose(self) -> dict:
         """What a stuck cluster looks like: the controller's status and what the children last said."""
-        from roles.daemon import request
-        from wire import messages as m
+        from weightsync.roles.daemon import request
+        from weightsync.wire import messages as m
 
         try:
             status = (await request(self.addr, m.StatusRequest(True), timeout_s=5.0)).body.status

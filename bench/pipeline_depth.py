@@ -25,10 +25,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.datapath.pipeline import Pipeline, PipelineOptions  # noqa: E402
-from engine.datapath.staging import SourceSet  # noqa: E402
-from engine.transport import TransportOptions, connect_authorized, create_transport  # noqa: E402
-from wire import PeerInfo, Transfer  # noqa: E402
+from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions  # noqa: E402
+from weightsync.engine.datapath.staging import SourceSet  # noqa: E402
+from weightsync.engine.transport import TransportOptions, connect_authorized, create_transport  # noqa: E402
+from weightsync.wire import PeerInfo, Transfer  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 KiB, MiB = 1 << 10, 1 << 20
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         rows = json.loads(src.read_text())["rows"]
         print("plotted" if plot(rows, src.with_suffix(".png")) else "matplotlib is not installed")
         return 0
-    from engine.datapath.aio import install_uvloop
+    from weightsync.engine.datapath.aio import install_uvloop
 
     install_uvloop()
     only = {t for t in args.transports.split(",") if t}

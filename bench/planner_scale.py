@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from engine.plan import (  # noqa: E402
+from weightsync.engine.plan import (  # noqa: E402
     LinkModel,
     Participant,
     PlanOptions,
@@ -33,9 +33,9 @@ from engine.plan import (  # noqa: E402
     seed_greedy_assignment,
     tables_from_assignment,
 )
-from engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
-from engine.models.shapes import state_dict_shapes, tp_slice  # noqa: E402
-from wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
+from weightsync.engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
+from weightsync.engine.models.shapes import state_dict_shapes, tp_slice  # noqa: E402
+from weightsync.wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
 
 
 def _spec(name, shape, dtype, shard=None, gatherable=False, offset=0):

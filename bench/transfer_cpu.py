@@ -57,8 +57,8 @@ def state_dict(case: str) -> dict[str, torch.Tensor]:
 
 def _sender(addr: str, case: str, orders, done) -> None:
     """Pushes version v when told v; says when the push is released."""
-    from engine.datapath.aio import install_uvloop
-    from roles import WeightSender
+    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.roles import WeightSender
 
     install_uvloop()
 
@@ -75,8 +75,8 @@ def _sender(addr: str, case: str, orders, done) -> None:
 
 
 def _receiver(addr: str, case: str, last: int, conn) -> None:
-    from engine.datapath.aio import install_uvloop
-    from roles import WeightReceiver
+    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.roles import WeightReceiver
 
     install_uvloop()
 
@@ -140,7 +140,7 @@ class RawSocket:
 async def pairs(case: str, count: int) -> dict:
     """``count`` measured pairs (after two warm-up pairs: a shadow receiver's two landing slots each
     compile their table once): raw seconds, engine seconds, their ratio."""
-    from roles import Controller, ControllerOptions
+    from weightsync.roles import Controller, ControllerOptions
 
     tensors = state_dict(case)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="mix,small", help=f"comma-separated, of {sorted(CASES)}")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     args = ap.parse_args(argv)
-    from engine.datapath.aio import install_uvloop
+    from weightsync.engine.datapath.aio import install_uvloop
 
     install_uvloop()
     result = {"bench": "transfer_cpu", "pairs": args.pairs}

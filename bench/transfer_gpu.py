@@ -39,13 +39,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine.datapath.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
+from weightsync.engine.datapath.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
 
 BUCKET = 512 << 20
 
 
 def make_state(device: str, seed: int = 0, model: str = "qwen2.5-7b") -> dict[str, torch.Tensor]:
-    from engine.models.shapes import bench_model
+    from weightsync.engine.models.shapes import bench_model
 
     gen = torch.Generator(device=device).manual_seed(seed)
     return {p.name: torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16)
@@ -97,7 +97,7 @@ def per_tensor_copy_seconds(rounds: int, model: str = "qwen2.5-7b", dst_device: 
 def peer_copies(src: dict[str, torch.Tensor], dst_device: int = 1) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
     """Destinations on GPU ``dst_device`` for ``src`` (on GPU 0), peer access on, and the pointer copies
     ``(dst, src, nbytes)`` that fill them, in state-dict order."""
-    from engine.cuda import cuda_rt
+    from weightsync.engine.cuda import cuda_rt
 
     dst = {k: torch.empty_like(v, device=f"cuda:{dst_device}") for k, v in src.items()}
     if dst_device != 0:
@@ -109,7 +109,7 @@ def pointer_copies(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.S
                    dst_device: int = 1):
     """A function issuing ``pairs`` from GPU 0 to GPU ``dst_device``, ``batch`` per call (one
     ``cudaMemcpyAsync`` each at 1, else ``cudaMemcpyBatchAsync``), the calls taking ``streams`` in turn."""
-    from engine.cuda import cuda_rt
+    from weightsync.engine.cuda import cuda_rt
 
     calls = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
     return lambda: [cuda_rt.memcpy_batch_async(c, streams[i % len(streams)], 0, dst_device) for i, c in enumerate(calls)]
@@ -129,9 +129,9 @@ def pointer_copy_seconds(rounds: int, streams: int = 2, batch: int = 1, model: s
 def quantize_seconds(rounds: int, kernel: bool) -> list[float]:
     """Block-FP8 quantization of every weight the FP8 receiver takes, alone on GPU 0 (no transfer):
     the engine's Triton kernel over the groups a round makes, or eager ``quantize_blocks`` one by one."""
-    from engine.transforms.layouts import FP8Policy
-    from engine.transforms import Quantizer, plan_quant_groups
-    from wire import Transfer
+    from weightsync.engine.transforms.layouts import FP8Policy
+    from weightsync.engine.transforms import Quantizer, plan_quant_groups
+    from weightsync.wire import Transfer
 
     policy = FP8Policy()
     src = {k: v for k, v in make_state("cuda:0").items() if policy.wants(k, v.dim())}
@@ -221,8 +221,8 @@ def nccl_baselines(rounds: int, model: str) -> tuple[dict, bool]:
 
 
 def fp8_layout():
-    from engine.transforms.layouts import FP8Policy, receiver_layout
-    from engine.models.shapes import state_dict_shapes
+    from weightsync.engine.transforms.layouts import FP8Policy, receiver_layout
+    from weightsync.engine.models.shapes import state_dict_shapes
 
     shapes = {p.name: ("bfloat16", tuple(p.shape)) for p in state_dict_shapes("qwen2.5-7b")}
     return receiver_layout(shapes, "qwen2", fp8=FP8Policy())
@@ -230,8 +230,8 @@ def fp8_layout():
 
 def fp8_check(state: dict, want: dict) -> bool:
     """Fused names equal the concatenated sources; FP8 weights dequantize within the stated bound."""
-    from engine.plan.mapping import get_mapping
-    from engine.transforms import within_fp8_bound
+    from weightsync.engine.plan.mapping import get_mapping
+    from weightsync.engine.transforms import within_fp8_bound
 
     ok = True
     for name, got in state.items():
@@ -247,8 +247,8 @@ def fp8_check(state: dict, want: dict) -> bool:
 
 def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, profile: str = "",
                    pipeline=None, trace: str = "", spin: bool = False, model: str = "qwen2.5-7b") -> None:
-    from engine.transport import TransportOptions
-    from roles import SenderOptions, WeightSender
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.roles import SenderOptions, WeightSender
 
     install_uvloop()
     torch.cuda.set_device(0)
@@ -301,9 +301,9 @@ def _profiled(main, path: str, trace: str = "") -> None:
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,
                      spin: bool = False, model: str = "qwen2.5-7b", device: int = 1, mode: str = "shadow") -> None:
-    from engine.transforms.layouts import allocate
-    from engine.transport import TransportOptions
-    from roles import ReceiverOptions, WeightReceiver
+    from weightsync.engine.transforms.layouts import allocate
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.roles import ReceiverOptions, WeightReceiver
 
     install_uvloop()
     torch.cuda.set_device(device)
@@ -325,8 +325,8 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
                         profile: str = "", pipeline=None, trace: str = "",
                         spin: bool = False, model: str = "qwen2.5-7b",
                         dst: int = 1, mode: str = "shadow") -> tuple[list, bool, list, list, float]:
-    from roles import Controller, ControllerOptions
-    from roles.timeline import merge
+    from weightsync.roles import Controller, ControllerOptions
+    from weightsync.roles.timeline import merge
 
     ctx = mp.get_context("spawn")
     total = rounds + 1
@@ -364,7 +364,7 @@ def _median_timeline(timelines: list) -> list[tuple[str, float]]:
 
 def _pipeline(args):
     """The senders' PipelineOptions from the command line (None: the library's defaults)."""
-    from engine.datapath.pipeline import PipelineOptions
+    from weightsync.engine.datapath.pipeline import PipelineOptions
 
     if not args.budget_mib and not args.batch and not args.depth:
         return None
@@ -418,8 +418,8 @@ def _baseline_rows(rows: dict, nbytes: int, args) -> float:
         "ok": True}
     if args.colocated:  # (NCCL refuses two ranks on one GPU: the peers here are the copies above)
         return bound
-    from engine.cuda import cuda_rt
-    from engine.transports.cuda_ipc import CudaIpcConnection
+    from weightsync.engine.cuda import cuda_rt
+    from weightsync.engine.transports.cuda_ipc import CudaIpcConnection
 
     batch = args.batch or CudaIpcConnection.batch
     if cuda_rt.batch_copies() and batch > 1:
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
         print("needs two GPUs (one with --colocated)")
         return 0
     install_uvloop()
-    from engine.models.shapes import bench_model
+    from weightsync.engine.models.shapes import bench_model
 
     shapes = bench_model(args.model)
     args.dst, args.tensors = (0 if args.colocated else 1), len(shapes)

@@ -12,8 +12,8 @@ Where things are:
 | ``models/`` | the model shape catalogue (transformers configs, TP/EP slicing) |
 | ``errors``, ``dataauth`` | typed errors that name their culprit; the data plane's pair keys and proofs |
 
-The public names below are importable from here (``from engine import Pipeline``); each is imported
-on first use, so ``import engine`` stays light.
+The public names below are importable from here (``from weightsync.engine import Pipeline``); each is imported
+on first use, so ``import weightsync.engine`` stays light.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from __future__ import annotations
 from .lazy import lazy_getattr
 
 _PUBLIC = {
-    "Pipeline": "engine.datapath.pipeline", "PipelineOptions": "engine.datapath.pipeline",
-    "PushReport": "engine.datapath.pipeline", "RoundCompiler": "engine.datapath.compiled",
-    "SourceSet": "engine.datapath.staging", "StagingPool": "engine.datapath.staging",
-    "RegistrationCache": "engine.datapath.registry",
-    "Transport": "engine.transport", "Connection": "engine.transport", "TransportOptions": "engine.transport",
-    "create_transport": "engine.transport", "register_backend": "engine.transport",
-    "TransformSet": "engine.transforms", "Quantizer": "engine.transforms",
-    "FP8Policy": "engine.transforms.layouts", "TensorParallel": "engine.transforms.layouts",
-    "receiver_layout": "engine.transforms.layouts", "Gatherer": "engine.transforms.gather",
-    "PlanOptions": "engine.plan", "get_mapping": "engine.plan.mapping",
-    "TrainerLayout": "engine.plan.trainer", "state_dict_shapes": "engine.models.shapes",
-    "WeightSyncError": "engine.errors",
+    "Pipeline": "weightsync.engine.datapath.pipeline", "PipelineOptions": "weightsync.engine.datapath.pipeline",
+    "PushReport": "weightsync.engine.datapath.pipeline", "RoundCompiler": "weightsync.engine.datapath.compiled",
+    "SourceSet": "weightsync.engine.datapath.staging", "StagingPool": "weightsync.engine.datapath.staging",
+    "RegistrationCache": "weightsync.engine.datapath.registry",
+    "Transport": "weightsync.engine.transport", "Connection": "weightsync.engine.transport", "TransportOptions": "weightsync.engine.transport",
+    "create_transport": "weightsync.engine.transport", "register_backend": "weightsync.engine.transport",
+    "TransformSet": "weightsync.engine.transforms", "Quantizer": "weightsync.engine.transforms",
+    "FP8Policy": "weightsync.engine.transforms.layouts", "TensorParallel": "weightsync.engine.transforms.layouts",
+    "receiver_layout": "weightsync.engine.transforms.layouts", "Gatherer": "weightsync.engine.transforms.gather",
+    "PlanOptions": "weightsync.engine.plan", "get_mapping": "weightsync.engine.plan.mapping",
+    "TrainerLayout": "weightsync.engine.plan.trainer", "state_dict_shapes": "weightsync.engine.models.shapes",
+    "WeightSyncError": "weightsync.engine.errors",
 }
 
 __all__ = sorted(_PUBLIC)
 
 
-__getattr__ = lazy_getattr("engine", _PUBLIC, globals())
+__getattr__ = lazy_getattr("weightsync.engine", _PUBLIC, globals())

@@ -1,6 +1,6 @@
 """Errors of the data plane, the planner and update rounds, grouped by cause.
 
-How this works: every class derives from ``wire.errors.WeightSyncError``. Each names its culprit in
+How this works: every class derives from ``weightsync.wire.errors.WeightSyncError``. Each names its culprit in
 attributes (parameter, rank, field, peer) as well as in its message. Boundaries translate foreign
 exceptions (OSError, torch errors, UCCL return codes) into these with ``raise ... from exc``.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from wire.errors import WeightSyncError
+from weightsync.wire.errors import WeightSyncError
 
 
 class ConfigError(WeightSyncError, ValueError):

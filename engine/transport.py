@@ -19,9 +19,9 @@ target sees it fulfilled, delivery of every write issued so far, or ``None`` whe
 target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for them and returns
 {source rank: why not} for those it could not confirm. A proof starts with its transport's four-byte
 ``proof_magic`` (so ``auto`` hands it to the right child). With them a sender announces its writes
-before they complete and the round's control messages overlap the last copies (``engine.datapath.pipeline``).
+before they complete and the round's control messages overlap the last copies (``weightsync.engine.datapath.pipeline``).
 
-Data-plane authentication (``engine.dataauth``): every target transport has a ``guard``; the receiver
+Data-plane authentication (``weightsync.engine.dataauth``): every target transport has a ``guard``; the receiver
 ``authorize`` s the senders its plan names (their pair keys) and opens the regions writable now. An
 initiator's ``connect(peer, key)`` proves its pair key to the target where the transport has a
 handshake (tcp, uccl, memory); a connection or write the guard refuses is counted and never applied.
@@ -43,7 +43,7 @@ from typing import Awaitable, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
-from wire import PeerInfo, RegionInfo, TransportInfo
+from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from . import dataauth
 from .errors import ConfigError, TransportUnavailable
@@ -179,11 +179,11 @@ async def connect_authorized(src: Transport, dst: Transport, peer: PeerInfo) -> 
 
 
 BACKENDS: dict[str, str] = {
-    "tcp": "engine.transports.tcp:TcpTransport",
-    "memory": "engine.transports.memory:MemoryTransport",
-    "cuda_ipc": "engine.transports.cuda_ipc:CudaIpcTransport",
-    "uccl": "engine.transports.uccl:UcclTransport",
-    "auto": "engine.transports.auto:AutoTransport",
+    "tcp": "weightsync.engine.transports.tcp:TcpTransport",
+    "memory": "weightsync.engine.transports.memory:MemoryTransport",
+    "cuda_ipc": "weightsync.engine.transports.cuda_ipc:CudaIpcTransport",
+    "uccl": "weightsync.engine.transports.uccl:UcclTransport",
+    "auto": "weightsync.engine.transports.auto:AutoTransport",
 }
 
 

@@ -3,7 +3,7 @@
 A Qwen2-style trainer (transformers names, bf16) pushes to three inference ranks shaped like vLLM's:
 two tensor-parallel halves (fused ``qkv_proj`` / ``gate_up_proj``, column- and row-parallel shards)
 and one full-model rank serving block FP8 (float8_e4m3fn weights + float32 ``weight_scale_inv``).
-The controller is told the mapping; each receiver declares its own layout (``engine.transforms.layouts``);
+The controller is told the mapping; each receiver declares its own layout (``weightsync.engine.transforms.layouts``);
 senders slice, fuse by addressing, transpose and quantize before writing.
 
     python examples/transforms_cpu.py
@@ -20,9 +20,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout  # noqa: E402
-from engine.datapath.tensors import dtype_name  # noqa: E402
-from roles import Controller, ControllerOptions, WeightReceiver, WeightSender  # noqa: E402
+from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout  # noqa: E402
+from weightsync.engine.datapath.tensors import dtype_name  # noqa: E402
+from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender  # noqa: E402
 
 
 def trainer_model(seed: int = 0) -> torch.nn.Module:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from engine.errors import PlanError
-from engine.plan import Mapping as NameMapping, Participant, build_pieces
-from wire import PROTOCOL_VERSION, Role
-from wire import messages as m
+from weightsync.engine.errors import PlanError
+from weightsync.engine.plan import Mapping as NameMapping, Participant, build_pieces
+from weightsync.wire import PROTOCOL_VERSION, Role
+from weightsync.wire import messages as m
 
 
 def participants(hellos: Iterable[m.Hello]) -> tuple[list[Participant], list[Participant]]:

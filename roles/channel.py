@@ -4,7 +4,7 @@ How this works: ``ControlChannel`` wraps a ``zmq.asyncio`` ROUTER (controller, d
 (worker, CLI) socket. ``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's
 routing id. ``recv`` returns (routing id or None, envelope); frames that do not decode raise the
 wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on. With an
-``auth_key`` every message is signed and verified (``wire.auth``) and each peer's message ids must
+``auth_key`` every message is signed and verified (``weightsync.wire.auth``) and each peer's message ids must
 increase: an unauthenticated or replayed message raises ``Unauthenticated`` / ``Replayed`` and is
 never handed to the owner's handlers. Every socket is created with linger 0 and closed by ``close``.
 """
@@ -19,9 +19,9 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
-from wire.auth import ReplayGuard, sign, verify
-from wire.errors import ProtocolError
+from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
+from weightsync.wire.auth import ReplayGuard, sign, verify
+from weightsync.wire.errors import ProtocolError
 
 
 def random_identity(prefix: str) -> bytes:

@@ -36,8 +36,8 @@ def _auth_key(args: argparse.Namespace) -> Optional[bytes]:
     path = getattr(args, "auth_key_file", None) or os.environ.get("WEIGHTSYNC_AUTH_KEY_FILE")
     if not path:
         return None
-    from engine.errors import ConfigError
-    from wire.auth import check_key
+    from weightsync.engine.errors import ConfigError
+    from weightsync.wire.auth import check_key
 
     try:
         with open(path, "rb") as f:
@@ -60,7 +60,7 @@ async def _until_signalled(stop: asyncio.Event) -> None:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from engine.plan import LinkModel
+    from weightsync.engine.plan import LinkModel
 
     from .controller import Controller, ControllerOptions
 
@@ -105,7 +105,7 @@ def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.arch:
         from transformers import AutoModelForCausalLM
 
-        from engine.models.shapes import ARCHITECTURES, gpt2_config
+        from weightsync.engine.models.shapes import ARCHITECTURES, gpt2_config
 
         config = gpt2_config(args.arch.split("-", 1)[1]) if args.arch.startswith("gpt2-") else ARCHITECTURES[args.arch]()
         model = AutoModelForCausalLM.from_config(config).to(args.device)
@@ -118,9 +118,9 @@ def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
 
 def _layout_params(args: argparse.Namespace) -> tuple[dict, dict]:
     """``--arch`` in an inference engine's layout: ``--mapping`` names, ``--tp I/W`` shards, ``--fp8``."""
-    from engine.errors import ConfigError
-    from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
-    from engine.models.shapes import state_dict_shapes
+    from weightsync.engine.errors import ConfigError
+    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from weightsync.engine.models.shapes import state_dict_shapes
 
     tp = None
     if args.tp:
@@ -135,7 +135,7 @@ def _layout_params(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def _daemon(args: argparse.Namespace) -> int:
-    from engine.transport import TransportOptions
+    from weightsync.engine.transport import TransportOptions
 
     from .daemon import Daemon, DaemonOptions, load_hook
     from .receiver import ReceiverOptions
@@ -176,7 +176,7 @@ def _ask(addr: str, body, key: Optional[bytes], timeout: float):
 
 
 def _ctl(args: argparse.Namespace) -> int:
-    from wire import messages as m
+    from weightsync.wire import messages as m
 
     cmd_args = {"version": args.version} if args.version is not None else {}
     env = _ask(args.daemon, m.CommandRequest(args.command, cmd_args), _auth_key(args), args.wait)
@@ -191,7 +191,7 @@ def _ctl(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from wire import messages as m
+    from weightsync.wire import messages as m
 
     env = _ask(args.controller or args.daemon, m.StatusRequest(True), _auth_key(args), args.wait)
     if env is None:
@@ -244,7 +244,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.plan.mapping import MAPPINGS  # pure Python: no torch import
+    from weightsync.engine.plan.mapping import MAPPINGS  # pure Python: no torch import
 
     parser = argparse.ArgumentParser(prog="weightsync", description="Move fresh weights from trainers to inference.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
@@ -328,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JsonFormatter() if args.log_json else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
-    from engine.datapath.aio import install_uvloop
-    from engine.errors import WeightSyncError
+    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.errors import WeightSyncError
 
     install_uvloop()  # the controller and the daemon run on uvloop where it is installed
     try:

@@ -8,7 +8,7 @@ lost, left or rejoined) triggers a re-plan between rounds. When every planned se
 round task runs begin -> writes_done -> fence -> commit -> commit_ack, or sends ``abort`` on any failure
 (a participant's error, a failed verification, a lost peer, a deadline). A heartbeat loop keeps peers
 alive and drops silent ones. Round reports are kept for ``status`` and ``wait_round``. Planning lives
-in ``roles.planning`` (``Planner``), rounds in ``roles.rounds`` (``RoundRunner``): both are mixins of
+in ``weightsync.roles.planning`` (``Planner``), rounds in ``weightsync.roles.rounds`` (``RoundRunner``): both are mixins of
 this class, over its sessions.
 """
 
@@ -22,13 +22,13 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.datapath.aio import AsyncResource, Spinner
-from engine.errors import ConfigError, PlanError, RoundAborted
-from engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping
-from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
-from wire import messages as m
-from wire.auth import Replayed, Unauthenticated
-from wire.errors import FieldError, ProtocolError, VersionMismatch
+from weightsync.engine.datapath.aio import AsyncResource, Spinner
+from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
+from weightsync.engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping
+from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
+from weightsync.wire import messages as m
+from weightsync.wire.auth import Replayed, Unauthenticated
+from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
 from .admission import admission_problem, participants
 from .channel import ControlChannel

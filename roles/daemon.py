@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import zmq
 
-from engine.errors import ConfigError
-from wire import Envelope, ShardSpec
-from wire import messages as m
-from wire.auth import Replayed, Unauthenticated
-from wire.errors import ProtocolError
+from weightsync.engine.errors import ConfigError
+from weightsync.wire import Envelope, ShardSpec
+from weightsync.wire import messages as m
+from weightsync.wire.auth import Replayed, Unauthenticated
+from weightsync.wire.errors import ProtocolError
 
 from .channel import ControlChannel
 from .receiver import ReceiverOptions, WeightReceiver

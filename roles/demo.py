@@ -23,7 +23,7 @@ import time
 import traceback
 import zlib
 
-from engine.errors import WeightSyncError
+from weightsync.engine.errors import WeightSyncError
 
 from .controller import Controller, ControllerOptions
 from .progress import Progress
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def state_digest(tensors: dict) -> int:
     """CRC-32 over every tensor's bytes, in name order (ties counted once)."""
-    from engine.datapath.tensors import byte_view, find_ties
+    from weightsync.engine.datapath.tensors import byte_view, find_ties
 
     ties = find_ties(tensors)
     crc = 0
@@ -65,7 +65,7 @@ def _model(size: str, seed: int):
     import torch
     from transformers import GPT2LMHeadModel
 
-    from engine.models.shapes import gpt2_config
+    from weightsync.engine.models.shapes import gpt2_config
 
     from transformers.utils import logging as hf_logging
 
@@ -89,7 +89,7 @@ async def _trainer(rank: int, cfg: DemoConfig, addr: str, dist_port: int, out: m
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from engine.datapath.tensors import named_tensors
+    from weightsync.engine.datapath.tensors import named_tensors
 
     from .sender import WeightSender
 
@@ -240,7 +240,7 @@ def print_summary(summary: dict) -> None:
 
 
 def main(cfg: DemoConfig) -> int:
-    from engine.datapath.aio import install_uvloop
+    from weightsync.engine.datapath.aio import install_uvloop
 
     install_uvloop()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from engine.transport import TransportOptions
-from engine.transports.auto import available_kinds
-from engine.transports.uccl import rdma_devices, uccl_unavailable_reason
+from weightsync.engine.transport import TransportOptions
+from weightsync.engine.transports.auto import available_kinds
+from weightsync.engine.transports.uccl import rdma_devices, uccl_unavailable_reason
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -69,7 +69,7 @@ def _check_port() -> tuple[str, str, str]:
 
 
 async def _check_controller(addr: str, auth_key: Optional[bytes]) -> tuple[str, str, str]:
-    from wire import messages as m
+    from weightsync.wire import messages as m
 
     from .daemon import request
 

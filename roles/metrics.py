@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.errors import ConfigError
+from weightsync.engine.errors import ConfigError
 
 from .rounds import RoundReport
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine import dataauth
-from engine.errors import PlanError
-from engine.plan import plan
-from wire import Envelope, Role, State
-from wire import messages as m
+from weightsync.engine import dataauth
+from weightsync.engine.errors import PlanError
+from weightsync.engine.plan import plan
+from weightsync.wire import Envelope, Role, State
+from weightsync.wire import messages as m
 
 log = logging.getLogger("weightsync")
 

@@ -23,12 +23,12 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from engine.datapath.checksums import checksum
-from engine.datapath.registry import RegistrationCache
-from engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
-from engine.errors import ConfigError, RoundAborted
-from wire import Envelope, Manifest, ReceiverTable, Role, ShardSpec
-from wire import messages as m
+from weightsync.engine.datapath.checksums import checksum
+from weightsync.engine.datapath.registry import RegistrationCache
+from weightsync.engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
+from weightsync.engine.errors import ConfigError, RoundAborted
+from weightsync.wire import Envelope, Manifest, ReceiverTable, Role, ShardSpec
+from weightsync.wire import messages as m
 
 from .worker import Worker, WorkerOptions, call_hook, with_device
 
@@ -141,7 +141,7 @@ class WeightReceiver(Worker):
         return slot if slot is not None else next(i for i, buf in enumerate(self.buffers) if buf is self.landing)
 
     def _open_regions(self, round_open: bool) -> None:
-        """What senders may write into now (``engine.dataauth``): a shadow receiver's landing slot and
+        """What senders may write into now (``weightsync.engine.dataauth``): a shadow receiver's landing slot and
         never its live one; an in-place receiver's live region only while a round it began is open."""
         if self.mode == "shadow":
             self.transport.guard.open_regions({REGION + self.landing_slot})

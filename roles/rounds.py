@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Optional
 
-from engine.errors import ConfigError, RoundAborted
-from wire import Origin, Role
-from wire import messages as m
+from weightsync.engine.errors import ConfigError, RoundAborted
+from weightsync.wire import Origin, Role
+from weightsync.wire import messages as m
 
 log = logging.getLogger("weightsync")
 

@@ -17,15 +17,15 @@ from typing import Mapping, Optional
 
 import torch
 
-from engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
-from engine.datapath.staging import SourceSet, StagingPool, Transform
-from engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
-from engine.errors import ConfigError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
-from engine.transforms import group_bytes_for
-from engine.transforms.gather import Gatherer, split_dtensors
-from engine.transport import Connection
-from wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
-from wire import messages as m
+from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
+from weightsync.engine.datapath.staging import SourceSet, StagingPool, Transform
+from weightsync.engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
+from weightsync.engine.errors import ConfigError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
+from weightsync.engine.transforms import group_bytes_for
+from weightsync.engine.transforms.gather import Gatherer, split_dtensors
+from weightsync.engine.transport import Connection
+from weightsync.wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
+from weightsync.wire import messages as m
 
 from .worker import Worker, WorkerOptions, with_device
 

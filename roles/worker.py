@@ -30,12 +30,12 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from engine.datapath.aio import AsyncResource, Spinner
-from engine.errors import ConfigError, ControllerLost, JoinRejected
-from engine.transport import Transport, TransportOptions, create_transport
-from wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
-from wire import messages as m
-from wire.errors import ProtocolError
+from weightsync.engine.datapath.aio import AsyncResource, Spinner
+from weightsync.engine.errors import ConfigError, ControllerLost, JoinRejected
+from weightsync.engine.transport import Transport, TransportOptions, create_transport
+from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
+from weightsync.wire import messages as m
+from weightsync.wire.errors import ProtocolError
 
 from .channel import ControlChannel, random_identity
 from .timeline import Timeline

@@ -20,7 +20,7 @@ import queue
 import struct
 import threading
 
-from engine.transports.uccl import UcclTransport
+from weightsync.engine.transports.uccl import UcclTransport
 
 META = struct.Struct("<16sH16s")
 BLOB = struct.Struct("<QQQ")

@@ -36,7 +36,7 @@ async def _fsdp_sender(addr, rank, world, out, port, versions) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from roles import SenderOptions, WeightSender
+    from weightsync.roles import SenderOptions, WeightSender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -72,8 +72,8 @@ async def _gather_child(rank: int, world: int, port: int, out) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from engine.transforms.gather import Gatherer, split_dtensors
-    from wire import Transfer
+    from weightsync.engine.transforms.gather import Gatherer, split_dtensors
+    from weightsync.wire import Transfer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

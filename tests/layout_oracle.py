@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.transforms import within_fp8_bound
-from engine.transforms.layouts import TensorParallel
+from weightsync.engine.transforms import within_fp8_bound
+from weightsync.engine.transforms.layouts import TensorParallel
 
 
 def qwen2_state(seed: int = 0) -> dict[str, torch.Tensor]:

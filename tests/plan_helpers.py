@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from engine.plan import Participant, RoutingPlan
-from wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size
+from weightsync.engine.plan import Participant, RoutingPlan
+from weightsync.wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size
 
 
 def tensor(name, shape, dtype="float32", shard=None, gatherable=False, tied_to=None, offset=0):

@@ -92,7 +92,7 @@ def mismatches(tensors: dict[str, torch.Tensor], version: int, spec=SPEC) -> lis
 
 
 def _options(cls, transport: str, uccl_tcp: bool):
-    from engine.transport import TransportOptions
+    from weightsync.engine.transport import TransportOptions
 
     if uccl_tcp:
         os.environ.setdefault("UCCL_P2P_TRANSPORT", "tcp")  # a test child: UCCL reads it at import
@@ -118,7 +118,7 @@ def _watchdog(device: str) -> None:
 
 
 async def _sender(addr, rank, versions, out, block_at, transport, device, uccl_tcp, spec=SPEC) -> None:
-    from roles import SenderOptions, WeightSender
+    from weightsync.roles import SenderOptions, WeightSender
 
     _watchdog(device)
     torch.set_num_threads(1)
@@ -162,7 +162,7 @@ def receiver_main(addr: str, rank: int, versions: list[int], out, mode: str = "s
 
 
 async def _receiver(addr, rank, versions, out, mode, tie, transport, device, uccl_tcp, spec=SPEC) -> None:
-    from roles import ReceiverOptions, WeightReceiver
+    from weightsync.roles import ReceiverOptions, WeightReceiver
 
     _watchdog(device)
     torch.set_num_threads(1)

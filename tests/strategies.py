@@ -15,10 +15,10 @@ from typing import Annotated, Union
 
 from hypothesis import strategies as st
 
-from wire import DTYPE_SIZES, ExpectedEntry, PeerInfo, Manifest, RegionInfo, ShardSpec, SenderTable, Slice, TensorSpec, Transfer
-from wire import messages as m
-from wire.routing import ReceiverTable
-from wire.schema import Range, _JsonMarker
+from weightsync.wire import DTYPE_SIZES, ExpectedEntry, PeerInfo, Manifest, RegionInfo, ShardSpec, SenderTable, Slice, TensorSpec, Transfer
+from weightsync.wire import messages as m
+from weightsync.wire.routing import ReceiverTable
+from weightsync.wire.schema import Range, _JsonMarker
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 json_values = st.recursive(

@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from engine.transport import connect_authorized, create_transport
-from wire import PeerInfo
+from weightsync.engine.transport import connect_authorized, create_transport
+from weightsync.wire import PeerInfo
 
 
 @contextlib.asynccontextmanager

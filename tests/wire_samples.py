@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wire import (
+from weightsync.wire import (
     Envelope,
     ExpectedEntry,
     Manifest,
@@ -18,7 +18,7 @@ from wire import (
     Transfer,
     TransportInfo,
 )
-from wire import messages as m
+from weightsync.wire import messages as m
 
 TRANSPORT = TransportInfo("tcp", "node-a", "127.0.0.1:40001", "cpu", b"")
 REGION = RegionInfo(0, 4096, "cpu", b"\x00\x01region")

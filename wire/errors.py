@@ -6,7 +6,7 @@ or a message that is illegal in the current state). Every error names the culpri
 codec errors, the role/state/message for state-machine errors.
 
 ``WeightSyncError`` is the root of every error this project raises; the engine and roles errors
-(``engine.errors``) derive from it too, so ``except WeightSyncError`` catches all of them.
+(``weightsync.engine.errors``) derive from it too, so ``except WeightSyncError`` catches all of them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Every message of the control protocol, as typed frozen dataclasses.
 
 How this works: each message class has a ``TYPE`` string that travels in the envelope header and
-selects the class at decode. Bodies are schema-checked structs (``wire.schema``). Workers (senders,
+selects the class at decode. Bodies are schema-checked structs (``weightsync.wire.schema``). Workers (senders,
 receivers) talk to the controller through the session messages, whose legal order is the transition
-table in ``wire.states``; ``StatusRequest``/``CommandRequest`` and their replies are sessionless
+table in ``weightsync.wire.states``; ``StatusRequest``/``CommandRequest`` and their replies are sessionless
 request/reply pairs for the daemon and the CLI. ``docs/PROTOCOL.md`` is the specification.
 """
 

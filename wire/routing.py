@@ -1,6 +1,6 @@
 """Routing tables: who writes which bytes where, in what order.
 
-How this works: the controller's planner (``engine.plan``) turns manifests into one ``SenderTable``
+How this works: the controller's planner (``weightsync.engine.plan``) turns manifests into one ``SenderTable``
 per sender and one ``ReceiverTable`` per receiver; both travel inside a ``Plan`` message. A sender's
 ``transfers`` are in the order it should issue them; ``index`` numbers them per sender so that a
 receiver's ``ExpectedEntry`` (and a ``WritesDone`` checksum) can name a transfer as (src_rank, index).

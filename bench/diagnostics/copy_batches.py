@@ -30,7 +30,7 @@ SMALL = 1 << 20  # "small" tensors: under 1 MiB (norms and biases)
 
 def patterns(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream], dst_device: int = 1) -> dict:
     """name -> a function issuing the copies ``(dst, src, nbytes)`` in that pattern."""
-    from engine.cuda import cuda_rt
+    from weightsync.engine.cuda import cuda_rt
 
     small = [p for p in pairs if p[2] < SMALL]
     out = {
@@ -51,7 +51,7 @@ def replays(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream],
     """name -> a function replaying the copies the way a compiled round may: one batch call, batch calls
     of 256 on two streams, and (same GPU) one Triton launch. (A CUDA graph of batch calls is not an
     option: capturing ``cudaMemcpyBatchAsync`` fails with error 900, CUDA 12.9.)"""
-    from engine.cuda.copy_kernel import CopyKernel
+    from weightsync.engine.cuda.copy_kernel import CopyKernel
 
     out = {"all in one batch call": pointer_copies(pairs, streams[:1], len(pairs), dst_device),
            "batch calls of 256, 2 streams": pointer_copies(pairs, streams[:2], 256, dst_device)}
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < 2 and not args.colocated:
         print("needs two GPUs")
         return 0
-    from engine.cuda import cuda_rt
+    from weightsync.engine.cuda import cuda_rt
 
     dst_device = 0 if args.colocated else 1
     src = make_state("cuda:0", model=args.model)

@@ -3,7 +3,7 @@
 Times (median of N after a warm-up, all weights the FP8 receiver takes): the engine's
 ``quantize_blocks``; its two passes alone (block max, scale-and-round); the same function under
 ``torch.compile`` (fused by Inductor, if it compiles here); and the engine's Triton kernel
-(``engine.transforms.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
+(``weightsync.engine.transforms.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
 far each is from the memory bound.
 
     python3 bench/diagnostics/fp8_quantize.py --rounds 5
@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    from engine.transforms.layouts import FP8Policy
-    from engine.models.shapes import state_dict_shapes
-    from engine.transforms import quantize_blocks
+    from weightsync.engine.transforms.layouts import FP8Policy
+    from weightsync.engine.models.shapes import state_dict_shapes
+    from weightsync.engine.transforms import quantize_blocks
 
     policy = FP8Policy()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             compiled, weights, args.rounds)
     except Exception as exc:  # report, keep the other rows
         rows[f"torch.compile failed: {repr(exc)[:120]}"] = float("nan")
-    from engine.transforms.fp8_kernel import quantize_many
+    from weightsync.engine.transforms.fp8_kernel import quantize_many
 
     rows["Triton kernel (engine.transforms.fp8_kernel), one launch per weight"] = _time(
         lambda w: quantize_many([w]), weights, args.rounds)

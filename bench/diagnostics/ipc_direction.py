@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 
 def _sizes(limit: int) -> list[int]:
-    from engine.models.shapes import state_dict_shapes
+    from weightsync.engine.models.shapes import state_dict_shapes
 
     out, total = [], 0
     for p in state_dict_shapes("qwen2.5-7b"):
@@ -80,7 +80,7 @@ def _per_tensor(dst, src, sizes) -> None:
 
 
 def _peer(nbytes: int, conn, report) -> None:
-    from engine.cuda import cuda_rt
+    from weightsync.engine.cuda import cuda_rt
 
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
     owner_share = conn.recv()

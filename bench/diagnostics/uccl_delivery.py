@@ -20,9 +20,9 @@ SIZES = [8, 88, 524288, 4 << 20, 256, 600000]
 
 def target(q_info, q_go, q_out):
     import torch
-    from engine.transport import TransportOptions
-    from engine import dataauth
-    from engine.transports.uccl import UcclTransport
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.engine import dataauth
+    from weightsync.engine.transports.uccl import UcclTransport
     async def main():
         t = UcclTransport(TransportOptions(device="cuda:1", uccl_tcp=True))
         info = await t.start(1)
@@ -56,9 +56,9 @@ def target(q_info, q_go, q_out):
 
 def initiator(q_info, q_go, q_done):
     import torch
-    from engine.transport import TransportOptions
-    from engine.transports.uccl import UcclTransport
-    from wire import PeerInfo
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.engine.transports.uccl import UcclTransport
+    from weightsync.wire import PeerInfo
     async def main():
         info, rinfo, key = q_info.get()
         t = UcclTransport(TransportOptions(device="cuda:0", uccl_tcp=True))

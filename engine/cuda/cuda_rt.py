@@ -178,7 +178,7 @@ class BatchCopies:
     """Pointer copies ``(dst, src, nbytes)`` from ``src_device``'s memory to ``dst_device``'s with their
     argument arrays built once: ``launch(stream)`` queues them all in one ``cudaMemcpyBatchAsync`` (the
     driver schedules the whole list), or one ``cudaMemcpyAsync`` each where the runtime or driver lacks
-    it. A compiled round keeps these across rounds (``engine.transports.cuda_ipc``)."""
+    it. A compiled round keeps these across rounds (``weightsync.engine.transports.cuda_ipc``)."""
 
     def __init__(self, copies: Sequence[tuple[int, int, int]], src_device: int, dst_device: int) -> None:
         self.copies = [c for c in copies if c[2]]

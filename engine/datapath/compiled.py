@@ -5,7 +5,7 @@ the per-row host work (slicing a source view, checking bounds, turning it into b
 belongs to the plan, not to the round. ``compile_round`` (pure, synchronous) splits each receiver's
 lane into *direct* rows (no transform, no gather, no checksum, a dense source on memory the
 connection reads without staging: ``Connection.direct_devices``) and *staged* rows (everything else,
-which keep the stage -> write pipeline of ``engine.datapath.pipeline``). The direct rows of a lane, with their
+which keep the stage -> write pipeline of ``weightsync.engine.datapath.pipeline``). The direct rows of a lane, with their
 landing slot applied, become ``CopyRow`` s that the connection compiles into its own replayable form
 (``Connection.compile``: pointer arrays and a copy kernel for cuda_ipc, frame headers and memoryviews
 for TCP), checking bounds there: a row that does not fit its target raises ``StagingError`` naming
@@ -26,7 +26,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from wire import Transfer
+from weightsync.wire import Transfer
 
 from ..errors import ConfigError, StagingError
 from .staging import SourceSet

@@ -2,7 +2,7 @@
 
 How this works: a sender's routing table is split into one lane per receiver, keeping table order
 inside each lane. Rows that need no work on the sender (no transform, gather or checksum; a dense
-source the connection reads where it is) are *compiled* once per plan (``engine.datapath.compiled``) and each
+source the connection reads where it is) are *compiled* once per plan (``weightsync.engine.datapath.compiled``) and each
 round *replays* them: one ``Connection.replay`` call issues the whole table in a few host calls per
 chunk. The other rows (staged rows) go through the stages below. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
 stager prepares sources (views or staging copies, optional checksums) and the writer issues
@@ -28,7 +28,7 @@ has completed (the sender's tensors may be reused from then on).
 
 Written in place. A connection with ``address`` and ``submit_written`` (cuda_ipc) can name its target's
 memory; without checksums (they need the bytes on the sender) the pipeline lets quantizations write
-their outputs there (``engine.transforms``). Such a row stages as already ``written``: the writer
+their outputs there (``weightsync.engine.transforms``). Such a row stages as already ``written``: the writer
 hands the connection its launch's event (``submit_written``: counted, sealed and completed like a
 copy) and the budget is not charged for it (it allocates nothing).
 """
@@ -42,8 +42,8 @@ import functools
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from wire import Transfer
-from wire.messages import Checksum, WriteSummary
+from weightsync.wire import Transfer
+from weightsync.wire.messages import Checksum, WriteSummary
 
 from ..errors import ConfigError
 from ..transport import Connection

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence, Union
 
 import torch
 
-from wire import RegionInfo
+from weightsync.wire import RegionInfo
 
 from ..transport import Transport
 

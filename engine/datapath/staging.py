@@ -1,7 +1,7 @@
 """Sender-side source preparation: a routing-table row -> a contiguous tensor whose bytes can be written.
 
 How this works: ``SourceSet`` holds the sender's named tensors (and shard specs, if it holds shards).
-``stage`` slices the source, runs the row's transform (``engine.transforms``: transposes, casts, block
+``stage`` slices the source, runs the row's transform (``weightsync.engine.transforms``: transposes, casts, block
 FP8, on a side stream for CUDA sources), and writes the result in place when it is a contiguous tensor
 on a device the connection reads, else copies it into a staging buffer (non-contiguous views, a slice
 along another dim, a CUDA source over a host-only transport); large copies run in a worker thread so
@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from wire import ShardSpec, Transfer
+from weightsync.wire import ShardSpec, Transfer
 
 from ..errors import StagingError
 from ..transforms.core import GROUP_BYTES, Transform, TransformSet

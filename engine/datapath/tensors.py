@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from wire import DTYPE_SIZES, ShardSpec, TensorSpec
+from weightsync.wire import DTYPE_SIZES, ShardSpec, TensorSpec
 
 from ..errors import ConfigError
 

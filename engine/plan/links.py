@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from typing import Mapping
 
-from wire import Manifest, TransportInfo
+from weightsync.wire import Manifest, TransportInfo
 
 
 class LinkClass(enum.IntEnum):

@@ -7,7 +7,7 @@ GPT-2 ``Conv1D`` weights to transpose, and whether each part is itself ``split``
 ``c_attn`` holds q, k and v). A name no rule matches maps to the source of the same name (identity).
 
 ``parts_for`` (pure) turns one receiver ``TensorSpec`` into ``Part`` s: a source slice (in the source's
-own coordinates), a transform (``engine.transforms`` grammar) and the bytes' place in the receiver
+own coordinates), a transform (``weightsync.engine.transforms`` grammar) and the bytes' place in the receiver
 tensor. Tensor parallelism: a receiver declares a ``ShardSpec`` of its tensor; a dim-0 shard of a fused
 tensor is taken per component (shard ``i`` of ``w`` gets the ``i``-th ``w``-th of q, of k and of v), any
 other dim slices every component. Dtypes: a different float dtype is a cast; ``float8_e4m3fn`` with a
@@ -24,7 +24,7 @@ import string
 from math import prod
 from typing import Mapping as MappingT, Optional, Sequence
 
-from wire import ShardSpec, Slice, TensorSpec, dtype_size
+from weightsync.wire import ShardSpec, Slice, TensorSpec, dtype_size
 
 from ..errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
 

@@ -7,7 +7,7 @@ port and the receiver's port of its link class (``links.LinkClass``) for bytes /
 once it is posted and both ports are free. The makespan is when the last byte lands.
 
 Gathers (FSDP): a sender whose table reads rows of a gatherable parameter outside its own shard first
-pulls the rest of that full tensor, once per round (as ``engine.transforms.gather`` does), over its inbound port
+pulls the rest of that full tensor, once per round (as ``weightsync.engine.transforms.gather`` does), over its inbound port
 of the class that reaches the parameter's other holders (the network when they span hosts), in table
 order; a transfer starts only once its gather is done. The holders serve those rows from their
 outbound ports: the makespan is also at least any sender's outbound bytes (sends and served rows) over
@@ -34,7 +34,7 @@ import heapq
 from collections import defaultdict
 from typing import Mapping, Optional, Sequence
 
-from wire import SenderTable
+from weightsync.wire import SenderTable
 
 from .links import LinkClass, LinkModel, Participant, link_class
 from .needs import Piece

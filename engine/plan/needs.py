@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Sequence
 import bisect
 from math import prod
 
-from wire import Slice, TensorSpec, dtype_size
+from weightsync.wire import Slice, TensorSpec, dtype_size
 
 from ..errors import BadTiling, ManifestMismatch, Unsuppliable
 from .links import Participant

@@ -27,8 +27,8 @@ import operator
 from collections import defaultdict, deque
 from typing import Iterable, Mapping, Sequence
 
-from wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
-from wire.schema import trusted
+from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
+from weightsync.wire.schema import trusted
 
 from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, link_class
@@ -95,7 +95,7 @@ def plan(
 ) -> RoutingPlan:
     """Compute routing tables; raises ``PlanError`` (naming parameter and ranks) before any byte moves.
 
-    ``mapping``: how receiver names are made from sender names (``engine.plan.mapping``)."""
+    ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``)."""
     with _gc_paused():
         return _plan(senders, receivers, link, options, transforms, plan_id, mapping)
 

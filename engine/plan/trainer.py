@@ -17,7 +17,7 @@ import dataclasses
 import re
 from typing import Iterable, Optional, Sequence
 
-from wire import ShardSpec
+from weightsync.wire import ShardSpec
 
 from ..errors import ConfigError
 
@@ -76,7 +76,7 @@ def stage_of(name: str, n_layers: int, pp: int) -> int:
 
 def holdings(params: Sequence, rank: int, layout: TrainerLayout) -> list[tuple[object, Optional[ShardSpec], bool]]:
     """(param, shard or None, gatherable) for each parameter rank ``rank`` holds (``params``: objects with
-    ``name`` and ``shape``, e.g. ``engine.models.shapes.ParamShape``)."""
+    ``name`` and ``shape``, e.g. ``weightsync.engine.models.shapes.ParamShape``)."""
     n_layers = 1 + max((int(m.group(1)) for p in params if (m := _LAYER.search(p.name))), default=-1)
     stage, local = divmod(rank, layout.per_stage)
     ep_slot = local % layout.ep

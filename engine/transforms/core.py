@@ -1,6 +1,6 @@
 """Transforms on the sender: the steps a routing-table row names, applied to a source slice.
 
-How this works. A transform string (made by the planner, ``engine.plan.mapping``) is comma-separated
+How this works. A transform string (made by the planner, ``weightsync.engine.plan.mapping``) is comma-separated
 steps: ``t`` transposes a 2-D view (GPT-2 Conv1D -> Linear), ``cast:<dtype>`` converts, and
 ``fp8w:<B>`` / ``fp8s:<B>`` are the two outputs of B x B block FP8 quantization: the float8_e4m3fn weight
 and its float32 scale-inverse (``weight ~= fp8 * scale_inv`` per block, DeepSeek-V3 / vLLM layout, the
@@ -11,7 +11,7 @@ many rows ask for each (source, slice, steps) quantization; the first to run com
 in a small cache until the last of those rows has asked, so every quantization runs once per round and
 the cache is empty at the end of it. On CUDA, consecutive quantizations are also *grouped*
 (``plan_quant_groups``: up to ``GROUP_SIZE`` tensors, ``GROUP_BYTES`` of output): the first row of a
-group quantizes the whole group in one Triton launch (``engine.transforms.fp8_kernel``) and the others find their
+group quantizes the whole group in one Triton launch (``weightsync.engine.transforms.fp8_kernel``) and the others find their
 outputs in the cache. The work is queued on a side stream that first waits for the producer's stream,
 and ``run`` returns the output with an event at once: the transport orders the write after that event
 on the device (or waits for it on the host), while the stager queues the transforms of the next
@@ -40,7 +40,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from wire import Transfer
+from weightsync.wire import Transfer
 
 from ..datapath.tensors import dtype_from_name
 from ..errors import StagingError

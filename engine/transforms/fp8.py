@@ -4,10 +4,10 @@ and ``Quantizer``, which quantizes lists of tensors (one Triton launch on CUDA, 
 How this works: ``quantize_blocks`` is the eager reference (any device): per B x B block, the scale is
 the block's absolute max over 448 and the weight is rounded to e4m3 after dividing by it; ragged edge
 blocks are padded with zeros for the max. ``Quantizer.many`` runs the same for many tensors at once
-through ``engine.transforms.fp8_kernel`` where Triton can run, keeps prepared launches under a caller's ``reuse``
+through ``weightsync.engine.transforms.fp8_kernel`` where Triton can run, keeps prepared launches under a caller's ``reuse``
 key, and can write its outputs to given addresses instead of returning them (``dests``: a receiver's
 memory); where the kernel cannot run it warns once and quantizes eagerly (then copies to the
-addresses). ``engine.transforms`` decides what is quantized, grouped and written where.
+addresses). ``weightsync.engine.transforms`` decides what is quantized, grouped and written where.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
 
 class Quantizer:
     """``quantize_blocks`` for a list of tensors: on CUDA one Triton launch per list
-    (``engine.transforms.fp8_kernel``; the per-tensor launches and Python of the eager path were what FP8 rounds
+    (``weightsync.engine.transforms.fp8_kernel``; the per-tensor launches and Python of the eager path were what FP8 rounds
     waited on), elsewhere eager, tensor by tensor. If the kernel cannot run here (no Triton, a compile
     error) it warns once and quantizes eagerly: correct, only slower."""
 

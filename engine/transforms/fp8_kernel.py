@@ -2,7 +2,7 @@
 
 How this works. ``quantize_many(xs, block)`` takes 2-D tensors of one float dtype on one GPU, any
 strides (a transposed or TP-sliced view is read in place), and returns ``(fp8, scale_inv)`` per tensor,
-exactly the layout of ``engine.transforms.fp8.quantize_blocks``; a ``Batch`` does the same for a list
+exactly the layout of ``weightsync.engine.transforms.fp8.quantize_blocks``; a ``Batch`` does the same for a list
 quantized every round (a plan's group), with everything but the launch made once. Tensors are
 launched in classes (inner dimension contiguous or not; every row start 16-element aligned or not:
 the kernel is specialised for each, so the common case loads and stores whole vectors). A launch

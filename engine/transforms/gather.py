@@ -27,7 +27,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from wire import ShardSpec, Transfer
+from weightsync.wire import ShardSpec, Transfer
 
 from ..datapath.aio import ByteBudget
 from ..errors import ConfigError, StagingError

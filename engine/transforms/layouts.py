@@ -1,7 +1,7 @@
 """Receiver layouts: the tensors an inference engine holds, derived from the trainer's shapes.
 
 How this works. ``receiver_layout`` (pure) takes the trainer's parameter dtypes and shapes, a name
-mapping (``engine.plan.mapping``), and optionally a tensor-parallel position (``TensorParallel``) and
+mapping (``weightsync.engine.plan.mapping``), and optionally a tensor-parallel position (``TensorParallel``) and
 an FP8 policy (``FP8Policy``); it returns one ``LayoutEntry`` per receiver tensor: name (fused names
 included), dtype, local shape and the ``ShardSpec`` a receiver declares. ``allocate`` makes the
 tensors. Tensor parallelism follows vLLM's Linear classes: column-parallel layers (q/k/v and fused qkv,
@@ -21,7 +21,7 @@ from typing import Mapping as MappingT, Optional, Sequence
 
 import torch
 
-from wire import ShardSpec
+from weightsync.wire import ShardSpec
 
 from ..datapath.tensors import dtype_from_name
 from ..errors import ConfigError

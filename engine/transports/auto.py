@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import torch
 
-from wire import PeerInfo, RegionInfo, TransportInfo
+from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..errors import TransportError, TransportUnavailable

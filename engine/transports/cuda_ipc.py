@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from wire import PeerInfo, RegionInfo, TransportInfo
+from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..cuda import cuda_rt
@@ -194,7 +194,7 @@ class CudaIpcTransport:
 
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
-    direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``engine.datapath.compiled``)
+    direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
     batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
@@ -274,9 +274,9 @@ class CudaIpcConnection:
         return [self._completion(device, stream)] * len(rows)
 
     def compile(self, rows: Sequence[CopyRow]) -> "_IpcTable":
-        """A plan's direct rows (``engine.datapath.compiled``) as launches made once: to another GPU, batch calls
+        """A plan's direct rows (``weightsync.engine.datapath.compiled``) as launches made once: to another GPU, batch calls
         of ``chunk_rows`` copies with their pointer arrays built; on the same GPU (colocated), one copy
-        kernel launch (``engine.cuda.copy_kernel``). A row that does not fit its region raises
+        kernel launch (``weightsync.engine.cuda.copy_kernel``). A row that does not fit its region raises
         ``StagingError`` naming the parameter."""
         by_device: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for row in rows:
@@ -413,7 +413,7 @@ class _IpcTable:
 
 @functools.lru_cache(maxsize=1)
 def copy_kernel():
-    """``engine.cuda.copy_kernel`` where Triton imports, else None (same-GPU rows then go as batch calls)."""
+    """``weightsync.engine.cuda.copy_kernel`` where Triton imports, else None (same-GPU rows then go as batch calls)."""
     try:
         from ..cuda import copy_kernel as module
     except ImportError:

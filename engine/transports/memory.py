@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from wire import PeerInfo, RegionInfo, TransportInfo
+from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..datapath.tensors import byte_view
@@ -110,7 +110,7 @@ def _landed(proof: bytes):
 
 class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
-    direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``engine.datapath.compiled``)
+    direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
     generation = 0  # bumped by ``reregistered`` (tests of recompiling)
     batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 
@@ -152,7 +152,7 @@ class MemoryConnection:
         return [done] * len(rows)
 
     def compile(self, rows) -> list:
-        """A plan's direct rows (``engine.datapath.compiled``) as (source, region, offset, None), checked once."""
+        """A plan's direct rows (``weightsync.engine.datapath.compiled``) as (source, region, offset, None), checked once."""
         out = []
         for row in rows:
             region = self.target.regions.get(row.region)

@@ -15,7 +15,7 @@ started is always finished, even when its writer is cancelled (half a frame woul
 stream). ``fence`` sends a
 FENCE, awaits the matching ACK and compares the target's counts with ours.
 
-Authentication (``engine.dataauth``): on accept the target sends CHALLENGE (a 16-byte nonce); the
+Authentication (``weightsync.engine.dataauth``): on accept the target sends CHALLENGE (a 16-byte nonce); the
 initiator answers HELLO followed by a 32-byte proof of its pair key. Until a HELLO verifies, any other
 frame closes the connection; a refused HELLO is counted, logged with the peer's address, and closes
 it. Every WRITE is checked against the guard (the sender still named by the current plan, the region
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from wire import PeerInfo, RegionInfo, TransportInfo
+from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..datapath.tensors import byte_view
@@ -187,7 +187,7 @@ class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
 
     devices: frozenset = frozenset({"cpu"})  # GPU sources are staged through pinned host memory
-    direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``engine.datapath.compiled``)
+    direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
     def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int]) -> None:
@@ -226,7 +226,7 @@ class TcpConnection:
             self.sent_bytes += len(payload)
 
     def compile(self, rows: Sequence[CopyRow]) -> "Frames":
-        """A plan's direct rows as ready-made frames (``engine.datapath.compiled``): bounds checked here, once."""
+        """A plan's direct rows as ready-made frames (``weightsync.engine.datapath.compiled``): bounds checked here, once."""
         for row in rows:
             size = self.sizes.get(row.region)
             if size is None or row.offset + row.nbytes > size:

@@ -3,7 +3,7 @@
 How this works: the agent reads headers and small payloads into a 256 KiB intake (many frames per
 ``recv``) and lands whole small WRITEs from it in one tight loop; a payload with ``DIRECT_MIN`` bytes or
 more still to come is received straight into its region (``recv_into``). Before a HELLO whose proof
-verifies (``engine.dataauth``) any other frame closes the connection; after it, every WRITE is checked
+verifies (``weightsync.engine.dataauth``) any other frame closes the connection; after it, every WRITE is checked
 against the guard and the region's bounds, else drained and reported at the next FENCE, never applied.
 A write whose round or region closes while its payload is still arriving is drained from then on.
 Counts are per row (a WRITE_RUN counts as its rows) and cumulative per connection, what a FENCE's ACK

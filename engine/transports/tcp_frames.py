@@ -1,4 +1,4 @@
-"""TCP frames: the wire format both ends of ``engine.transports.tcp`` speak, and a compiled table's frames.
+"""TCP frames: the wire format both ends of ``weightsync.engine.transports.tcp`` speak, and a compiled table's frames.
 
 How this works: every frame starts with a 29-byte header ``<BIQQQ`` (op, a, b, c, epoch); the target
 answers a FENCE with an ACK ``<BQQQH`` and error text. ``Frames`` turns a plan's direct rows into ready

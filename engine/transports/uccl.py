@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from wire import PeerInfo, RegionInfo, TransportInfo
+from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..cuda import cuda_rt

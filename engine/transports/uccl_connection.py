@@ -5,7 +5,7 @@ descriptor ``write_async`` needs, issues the write and polls its transfer id fro
 exactly once (a cancelled write keeps being polled by a shielded task holding its source). A compiled
 table's rows go one ``write_async`` after another in one task. ``fence`` writes the next sequence number
 into the target's mailbox behind every earlier write and waits for the target's echo
-(``engine.transports.uccl`` explains why that proves delivery). In UCCL's tcp mode one operation is in
+(``weightsync.engine.transports.uccl`` explains why that proves delivery). In UCCL's tcp mode one operation is in
 flight per connection.
 """
 
@@ -135,7 +135,7 @@ class UcclConnection:
         self.sent_bytes += nbytes
 
     @property
-    def direct_devices(self) -> frozenset:  # rows a compiled table replays (``engine.datapath.compiled``)
+    def direct_devices(self) -> frozenset:  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
         return self.devices
 
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from children import Children
-from engine.transport import TransportOptions, connect_authorized, create_transport
-from engine.transports.uccl import uccl_unavailable_reason
+from weightsync.engine.transport import TransportOptions, connect_authorized, create_transport
+from weightsync.engine.transports.uccl import uccl_unavailable_reason
 from proc_helpers import receiver_main, sender_main
-from roles import Controller, ControllerOptions
+from weightsync.roles import Controller, ControllerOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 WATCHDOG = 120.0
@@ -79,7 +79,7 @@ async def test_forced_transport_that_cannot_run_says_what_is_missing():
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
 async def test_ipc_write_in_process_and_out_of_bounds():
-    from wire import PeerInfo
+    from weightsync.wire import PeerInfo
 
     tgt, src = create_transport("cuda_ipc", TransportOptions(device="cuda:1")), create_transport("cuda_ipc")
     info = await tgt.start(1)
@@ -101,8 +101,8 @@ async def test_ipc_write_in_process_and_out_of_bounds():
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
 @pytest.mark.parametrize("one_call", [True, False], ids=["cudaMemcpyBatchAsync", "one-by-one"])
 async def test_ipc_batch_of_rows_lands_bit_exact(monkeypatch, one_call):
-    from engine.cuda import cuda_rt
-    from wire import PeerInfo
+    from weightsync.engine.cuda import cuda_rt
+    from weightsync.wire import PeerInfo
 
     if one_call and not cuda_rt.batch_copies():
         pytest.skip(f"CUDA runtime {cuda_rt.runtime_version()} has no cudaMemcpyBatchAsync")
@@ -132,7 +132,7 @@ async def test_ipc_batch_of_rows_lands_bit_exact(monkeypatch, one_call):
 
 
 def test_fp8_quantization_on_gpu_within_the_reference_bound():
-    from engine.transforms import quantize_blocks, within_fp8_bound
+    from weightsync.engine.transforms import quantize_blocks, within_fp8_bound
 
     g = torch.Generator(device="cuda:0").manual_seed(3)
     x = (torch.randn(1000, 777, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
@@ -143,7 +143,7 @@ def test_fp8_quantization_on_gpu_within_the_reference_bound():
 
 
 def test_fp8_kernel_quantizes_many_strided_tensors_in_one_launch():
-    from engine.transforms import Quantizer, quantize_blocks, within_fp8_bound
+    from weightsync.engine.transforms import Quantizer, quantize_blocks, within_fp8_bound
 
     g = torch.Generator(device="cuda:0").manual_seed(4)
     base = (torch.randn(700, 390, generator=g, device="cuda:0") * 2).to(torch.bfloat16)
@@ -170,8 +170,8 @@ def test_fp8_kernel_quantizes_many_strided_tensors_in_one_launch():
 def test_fp8_kernel_writes_its_outputs_to_given_addresses(dst):
     """A batch made with destinations stores there (here a peer GPU's tensors when there are two):
     the same bytes as the buffered batch, nothing returned."""
-    from engine.cuda import cuda_rt
-    from engine.transforms.fp8_kernel import Batch
+    from weightsync.engine.cuda import cuda_rt
+    from weightsync.engine.transforms.fp8_kernel import Batch
 
     g = torch.Generator(device="cuda:0").manual_seed(5)
     base = (torch.randn(700, 390, generator=g, device="cuda:0") * 3).to(torch.bfloat16)
@@ -191,10 +191,10 @@ def test_fp8_kernel_writes_its_outputs_to_given_addresses(dst):
 async def test_cpu_held_sources_are_quantized_on_the_gpu():
     """CPU-offloaded trainer weights with ``quantize_on``: each source slice is copied to the GPU and
     quantized there by the kernel (not eagerly on the CPU), within the FP8 bound at the receiver."""
-    from engine.transforms.layouts import FP8Policy, allocate, receiver_layout
-    from engine.datapath.tensors import dtype_name
+    from weightsync.engine.transforms.layouts import FP8Policy, allocate, receiver_layout
+    from weightsync.engine.datapath.tensors import dtype_name
     from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
-    from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
     src = {k: v.to(torch.bfloat16) for k, v in qwen2_state().items()}  # on the CPU
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
@@ -221,10 +221,10 @@ async def test_cpu_held_sources_are_quantized_on_the_gpu():
 @pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
-    from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
-    from engine.datapath.tensors import dtype_name
+    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from weightsync.engine.datapath.tensors import dtype_name
     from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
-    from roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
     src = {k: v.to("cuda:0") for k, v in qwen2_state().items()}
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from children import Children
-from engine.errors import RoundAborted
+from weightsync.engine.errors import RoundAborted
 from proc_helpers import receiver_main, sender_main
-from roles import Controller, ControllerOptions
+from weightsync.roles import Controller, ControllerOptions
 
 pytestmark = pytest.mark.slow
 WATCHDOG = 40.0  # per report

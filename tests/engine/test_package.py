@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import engine
-import roles
+import weightsync.engine as engine
+import weightsync.roles as roles
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,6 +23,6 @@ def test_every_public_name_resolves_from_the_top(package):
 
 
 def test_importing_the_packages_does_not_import_torch():
-    out = subprocess.run([sys.executable, "-c", "import sys, engine, roles, wire; print('torch' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, weightsync.engine, weightsync.roles, weightsync.wire; print('torch' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stdout + out.stderr

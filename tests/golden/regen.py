@@ -11,7 +11,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from wire import PROTOCOL_VERSION, encode  # noqa: E402
+from weightsync.wire import PROTOCOL_VERSION, encode  # noqa: E402
 from wire_samples import samples  # noqa: E402
 
 vectors = {name: [f.hex() for f in encode(env)] for name, env in samples().items()}

@@ -19,14 +19,14 @@ import zmq
 import zmq.asyncio
 
 from children import Children, free_port
-from engine.errors import ControllerLost, RoundAborted
+from weightsync.engine.errors import ControllerLost, RoundAborted
 from proc_helpers import SPEC, receiver_main, sender_main, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, SenderOptions, WeightSender
-from roles.daemon import request
-from roles.limits import JoinLimiter, PeerLimits, RateLimiter
-from wire import Envelope, encode
-from wire import messages as m
-from wire.auth import Unauthenticated, sign, verify
+from weightsync.roles import Controller, ControllerOptions, SenderOptions, WeightSender
+from weightsync.roles.daemon import request
+from weightsync.roles.limits import JoinLimiter, PeerLimits, RateLimiter
+from weightsync.wire import Envelope, encode
+from weightsync.wire import messages as m
+from weightsync.wire.auth import Unauthenticated, sign, verify
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WATCHDOG = 60.0
@@ -47,7 +47,7 @@ def daemon_process(tmp_path, controller: str, command: str, *extra: str, source:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
            "WEIGHTSYNC_TEST_HOOK_LOG": str(tmp_path / "hook.jsonl")}
     source = source or ("--spec", _spec_file(tmp_path), "--hook", "daemon_hook:record")
-    cmd = [sys.executable, "-m", "roles.cli", "daemon", "--controller", controller, "--rank", "0",
+    cmd = [sys.executable, "-m", "weightsync.roles.cli", "daemon", "--controller", controller, "--rank", "0",
            *source, "--command-bind", command, *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -112,7 +112,7 @@ async def test_daemon_receives_hands_over_and_obeys_commands(tmp_path):
 
 async def test_daemon_in_an_inference_layout(tmp_path):
     """--arch with --mapping/--tp/--dtype: vLLM-style names, a TP half, fp16 buffers, from an fp32 trainer."""
-    from engine.models.shapes import gpt2_config
+    from weightsync.engine.models.shapes import gpt2_config
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def test_rate_and_join_limits():
 
 
 def test_doctor_on_this_machine():
-    out = subprocess.run([sys.executable, "-m", "roles.cli", "doctor"], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-m", "weightsync.roles.cli", "doctor"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     for check in ("python", "torch", "gpus", "rdma devices", "uccl", "auto transport", "loopback port"):
@@ -226,8 +226,8 @@ def test_prometheus_metrics_endpoint():
     pytest.importorskip("prometheus_client")
     import urllib.request
 
-    from roles.metrics import Metrics
-    from roles.rounds import LinkStat, RoundReport
+    from weightsync.roles.metrics import Metrics
+    from weightsync.roles.rounds import LinkStat, RoundReport
 
     port = free_port()
     metrics = Metrics(port)
@@ -243,7 +243,7 @@ def test_prometheus_metrics_endpoint():
 
 def test_demo_main_job_verifies_bit_exact():
     """`make demo`'s job, small: real DDP trainer and inference processes; exit 0 only if verified."""
-    out = subprocess.run([sys.executable, "-m", "roles.cli", "demo", "--size", "tiny", "--rounds", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "weightsync.roles.cli", "demo", "--size", "tiny", "--rounds", "2", "--json"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -256,7 +256,7 @@ def test_a_bad_auth_key_file_is_one_clear_line(tmp_path, key):
     path = tmp_path / "key"
     if key is not None:
         path.write_bytes(key)
-    out = subprocess.run([sys.executable, "-m", "roles.cli", "controller", "--senders", "1", "--receivers", "1",
+    out = subprocess.run([sys.executable, "-m", "weightsync.roles.cli", "controller", "--senders", "1", "--receivers", "1",
                           "--auth-key-file", str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from children import free_port
-from engine import dataauth
-from engine.errors import TransportError, VersionError
-from engine.transports import tcp
+from weightsync.engine import dataauth
+from weightsync.engine.errors import TransportError, VersionError
+from weightsync.engine.transports import tcp
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5, checksum="crc32")
 WATCHDOG = 30
@@ -228,8 +228,8 @@ async def test_a_malformed_manifest_is_a_reject_naming_the_field():
     import zmq
     import zmq.asyncio
 
-    from wire import Envelope, decode, encode
-    from wire import messages as m
+    from weightsync.wire import Envelope, decode, encode
+    from weightsync.wire import messages as m
     from wire_samples import BODIES
 
     async with Controller(senders=1, receivers=1, options=FAST) as ctl:
@@ -252,8 +252,8 @@ async def test_a_malformed_manifest_is_a_reject_naming_the_field():
 
 
 async def test_the_same_process_on_a_new_channel_replaces_its_abandoned_session():
-    from roles.channel import ControlChannel
-    from wire import messages as m
+    from weightsync.roles.channel import ControlChannel
+    from weightsync.wire import messages as m
     import zmq
 
     async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
@@ -298,7 +298,7 @@ async def test_descriptors_and_keys_go_only_to_the_senders_a_plan_names():
 
 
 def test_pushbook_names_pushes_that_can_never_start():
-    from roles.pushes import PushBook
+    from weightsync.roles.pushes import PushBook
 
     book, name = PushBook(), {b"a": "sender/0", b"b": "sender/1"}.__getitem__
     book.add(b"a", 5, now=0.0)

@@ -13,11 +13,11 @@ import contextlib
 
 import pytest
 
-from engine.errors import RoundAborted
-from engine.transports.memory import PROOF, MemoryTransport
+from weightsync.engine.errors import RoundAborted
+from weightsync.engine.transports.memory import PROOF, MemoryTransport
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
-from wire import messages as m
+from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.wire import messages as m
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, checksum="crc32")
 WATCHDOG = 30
@@ -145,7 +145,7 @@ async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch
     The connection's completion poller (many events, oldest first) yields and naps."""
     import math
 
-    from engine.cuda import cuda_rt
+    from weightsync.engine.cuda import cuda_rt
 
     class LateEvent:  # happens at the sixth query
         def __init__(self) -> None:
@@ -181,9 +181,9 @@ async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch
 async def test_auto_hands_each_proof_to_the_transport_that_made_it():
     import torch
 
-    from engine.transport import connect_authorized
-    from engine.transports.auto import AutoTransport
-    from wire import PeerInfo
+    from weightsync.engine.transport import connect_authorized
+    from weightsync.engine.transports.auto import AutoTransport
+    from weightsync.wire import PeerInfo
 
     src, dst = MemoryTransport(), MemoryTransport()
     info = await dst.start(0)

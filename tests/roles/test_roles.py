@@ -11,12 +11,12 @@ import pytest
 import torch
 import zmq
 
-from engine.errors import ConfigError, JoinRejected, RoundAborted, StagingError, VersionError
+from weightsync.engine.errors import ConfigError, JoinRejected, RoundAborted, StagingError, VersionError
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, SenderOptions, WeightReceiver, WeightSender
-from roles.channel import ControlChannel
-from wire import Envelope, Limits, decode, encode
-from wire import messages as m
+from weightsync.roles import Controller, ControllerOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.roles.channel import ControlChannel
+from weightsync.wire import Envelope, Limits, decode, encode
+from weightsync.wire import messages as m
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, checksum="crc32")
 WATCHDOG = 30
@@ -260,8 +260,8 @@ async def test_a_shadow_commit_exchanges_the_buffers_memory_and_every_tensor_see
     """Over transports whose regions are the memory they were registered with, a commit exchanges the
     two buffers' memory: the user's tensor objects (and references taken before) see each new version
     at once, nothing is rebound, and the landing slot follows the memory: 1, 0, 1, ..."""
-    from engine.transport import TransportOptions
-    from roles import ReceiverOptions
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.roles import ReceiverOptions
 
     send_t, recv_t = sender_tensors(0), receiver_tensors()
     held = dict(recv_t)  # references a serving engine keeps

@@ -10,10 +10,10 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 
-import wire
+from weightsync import wire
 from strategies import bodies
-from wire import Envelope, TensorSpec, decode, encode, errors
-from wire import messages as m
+from weightsync.wire import Envelope, TensorSpec, decode, encode, errors
+from weightsync.wire import messages as m
 from wire_samples import MANIFEST, TRANSPORT, samples
 
 GOLDEN = json.loads((pathlib.Path(__file__).resolve().parents[1] / "golden" / "vectors.json").read_text())

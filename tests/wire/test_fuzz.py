@@ -7,7 +7,7 @@ import time
 
 import msgpack
 
-from wire import decode, encode, errors
+from weightsync.wire import decode, encode, errors
 from wire_samples import samples
 
 N_CASES = 100_000

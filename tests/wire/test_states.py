@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from wire import TRANSITIONS, Origin, Session, State, errors
-from wire import messages as m
+from weightsync.wire import TRANSITIONS, Origin, Session, State, errors
+from weightsync.wire import messages as m
 
 ROLES = (m.Role.SENDER, m.Role.RECEIVER)
 SESSION_TYPES = sorted(t for t, cls in m.MESSAGE_TYPES.items() if cls not in m.SESSIONLESS)

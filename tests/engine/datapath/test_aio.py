@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.datapath.aio import ByteBudget, Channel, ChannelClosed, run_all
+from weightsync.engine.datapath.aio import ByteBudget, Channel, ChannelClosed, run_all
 from loop_helpers import one_loop_iteration
 
 WATCHDOG = 20

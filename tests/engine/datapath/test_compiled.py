@@ -7,15 +7,15 @@ import asyncio
 import pytest
 import torch
 
-from engine.datapath.compiled import compile_lane
-from engine.datapath.pipeline import Pipeline, PipelineOptions
-from engine.datapath.staging import SourceSet
-from engine.errors import RoundAborted, StagingError, TransportError
-from engine.transport import connect_authorized, create_transport
-from engine.transports import tcp
+from weightsync.engine.datapath.compiled import compile_lane
+from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions
+from weightsync.engine.datapath.staging import SourceSet
+from weightsync.engine.errors import RoundAborted, StagingError, TransportError
+from weightsync.engine.transport import connect_authorized, create_transport
+from weightsync.engine.transports import tcp
 from proc_helpers import MOE_SPEC, mismatches, receiver_tensors, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, WeightReceiver, WeightSender
-from wire import PeerInfo, Slice, Transfer
+from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+from weightsync.wire import PeerInfo, Slice, Transfer
 
 WATCHDOG = 30
 

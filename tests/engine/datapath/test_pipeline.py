@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from engine.datapath.pipeline import Pipeline, PipelineOptions
-from engine.datapath.staging import SourceSet
-from engine.errors import ConfigError, RegistrationError, TransportError
-from engine.transport import connect_authorized, create_transport
+from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions
+from weightsync.engine.datapath.staging import SourceSet
+from weightsync.engine.errors import ConfigError, RegistrationError, TransportError
+from weightsync.engine.transport import connect_authorized, create_transport
 from loop_helpers import one_loop_iteration
-from wire import PeerInfo, Transfer
+from weightsync.wire import PeerInfo, Transfer
 
 WATCHDOG = 20
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.datapath.registry import Deregister, Register, RegistrationCache
-from engine.transport import create_transport
+from weightsync.engine.datapath.registry import Deregister, Register, RegistrationCache
+from weightsync.engine.transport import create_transport
 
 
 def test_registration_cache_plans_then_acts():

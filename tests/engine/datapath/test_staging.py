@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.datapath.staging import SourceSet, StagingPool
-from engine.errors import StagingError
-from wire import Slice, Transfer
+from weightsync.engine.datapath.staging import SourceSet, StagingPool
+from weightsync.engine.errors import StagingError
+from weightsync.wire import Slice, Transfer
 
 
 def _t(index, name, nbytes, slice_=None, dst=0, offset=0, transform=""):
@@ -38,7 +38,7 @@ async def test_staging_views_copies_and_errors():
 
 
 async def test_sharded_source_uses_local_coordinates():
-    from wire import ShardSpec
+    from weightsync.wire import ShardSpec
 
     shard = torch.arange(8, dtype=torch.float32).reshape(4, 2)  # rows 4:8 of an (8, 2) tensor
     sources = SourceSet({"w": shard}, {"w": ShardSpec((8, 2), 0, 4, 8)})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.datapath.tensors import FlatBuffer, aligned_layout, byte_view, find_ties, named_tensors
-from engine.errors import ConfigError
+from weightsync.engine.datapath.tensors import FlatBuffer, aligned_layout, byte_view, find_ties, named_tensors
+from weightsync.engine.errors import ConfigError
 
 
 def test_byte_view_zero_copy_and_odd_dtypes():

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import errors
-from engine.plan import (
+from weightsync.engine import errors
+from weightsync.engine.plan import (
     LinkClass,
     LinkModel,
     PlanOptions,
@@ -22,8 +22,8 @@ from engine.plan import (
     tables_from_assignment,
 )
 from plan_helpers import check_coverage, participant, tensor
-from wire import Envelope, encode
-from wire import messages as m
+from weightsync.wire import Envelope, encode
+from weightsync.wire import messages as m
 
 MODEL = {"embed": (64, 16), "w1": (32, 16), "w2": (16, 32), "norm": (16,), "step": ()}
 

@@ -8,11 +8,11 @@ import contextlib
 import torch
 
 from children import Children, free_port
-from engine.datapath.tensors import dtype_name
-from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from weightsync.engine.datapath.tensors import dtype_name
+from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
 from fsdp_helpers import BUDGET, fsdp_sender_main, qwen2_model, trained
 from layout_oracle import check_fp8_receiver, expected_qwen2
-from roles import Controller, ControllerOptions, WeightReceiver
+from weightsync.roles import Controller, ControllerOptions, WeightReceiver
 
 WATCHDOG = 120
 
@@ -58,7 +58,7 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
 
 def _gathers_per_round(ctl) -> dict[int, int]:
     """Per sender: the parameters its table reads outside its own FSDP shard (each gathered once a round)."""
-    from wire import Role
+    from weightsync.wire import Role
 
     out = {}
     for peer in ctl.peers.values():

@@ -12,14 +12,14 @@ import contextlib
 import pytest
 import torch
 
-from engine.datapath.tensors import dtype_name
-from engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
-from engine.plan import Rule, Mapping, get_mapping, plan
-from engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
-from engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from weightsync.engine.datapath.tensors import dtype_name
+from weightsync.engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
+from weightsync.engine.plan import Rule, Mapping, get_mapping, plan
+from weightsync.engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
+from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
 from layout_oracle import check_fp8_receiver, expected_gpt2, expected_qwen2, qwen2_state
 from plan_helpers import participant, tensor
-from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
 WATCHDOG = 60
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32")
@@ -239,7 +239,7 @@ async def test_a_quantization_two_receivers_want_is_buffered_with_its_whole_grou
 
 
 def test_quantize_on_must_name_a_cuda_device():
-    from roles import SenderOptions
+    from weightsync.roles import SenderOptions
 
     with pytest.raises(ConfigError, match="quantize_on"):
         SenderOptions(quantize_on="cpu")
@@ -261,7 +261,7 @@ def test_layout_tp_rules_and_refusals():
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
 async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes(grouped):
-    from engine.models.shapes import gpt2_config
+    from weightsync.engine.models.shapes import gpt2_config
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(2)
@@ -280,9 +280,9 @@ async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes(grouped):
 
 
 async def test_custom_and_unknown_transforms_on_the_sender():
-    from engine.errors import StagingError
-    from engine.datapath.staging import SourceSet, StagingPool
-    from wire import Transfer
+    from weightsync.engine.errors import StagingError
+    from weightsync.engine.datapath.staging import SourceSet, StagingPool
+    from weightsync.wire import Transfer
 
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     sources = SourceSet({"w": w}, transforms={"round_to_int": lambda x: x.round().to(torch.int32)})
@@ -300,7 +300,7 @@ async def test_custom_and_unknown_transforms_on_the_sender():
 
 
 def test_quantization_groups_are_consecutive_and_bounded():
-    from wire import Slice, Transfer
+    from weightsync.wire import Slice, Transfer
 
     views = {f"w{i}": torch.zeros(4, 8) for i in range(6)}
     views["h"] = torch.zeros(4, 8, dtype=torch.float16)  # another dtype: starts a new group
@@ -322,8 +322,8 @@ def test_quantization_groups_are_consecutive_and_bounded():
 def test_a_plan_table_is_checked_and_grouped_once():
     from collections import Counter
 
-    from engine.transforms import TransformSet
-    from wire import Transfer
+    from weightsync.engine.transforms import TransformSet
+    from weightsync.wire import Transfer
 
     views = {f"w{i}": torch.zeros(4, 8) for i in range(3)}
     rows = tuple(Transfer(i, n, None, 0, n, 0, 0, 32, "fp8w:128") for i, n in enumerate(views))
@@ -341,10 +341,10 @@ def test_a_plan_table_is_checked_and_grouped_once():
 async def test_a_quantization_group_is_charged_to_the_budget_when_it_is_launched(monkeypatch):
     """The row that quantizes a group makes every output of the group at once: the pipeline takes the
     whole group's bytes then (not row by row), gives each row's back once written, and ends balanced."""
-    from engine.datapath.aio import ByteBudget
-    from engine.datapath.pipeline import Pipeline, PipelineOptions
-    from engine.datapath.staging import SourceSet
-    from wire import Transfer
+    from weightsync.engine.datapath.aio import ByteBudget
+    from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions
+    from weightsync.engine.datapath.staging import SourceSet
+    from weightsync.wire import Transfer
 
     gen = torch.Generator().manual_seed(7)
     views = {f"w{i}": torch.randn(256, 128, generator=gen) for i in range(6)}
@@ -379,7 +379,7 @@ async def test_a_quantization_group_is_charged_to_the_budget_when_it_is_launched
 
 
 def test_groups_are_sized_to_leave_room_for_quantizing_ahead():
-    from engine.transforms import GROUP_BYTES, GROUPS_IN_BUDGET, group_bytes_for
+    from weightsync.engine.transforms import GROUP_BYTES, GROUPS_IN_BUDGET, group_bytes_for
 
     assert group_bytes_for(512 << 20) == (512 << 20) // GROUPS_IN_BUDGET  # the default budget: 128 MiB groups
     assert group_bytes_for(64 << 30) == GROUP_BYTES and group_bytes_for(1024) == 1 << 20
@@ -408,8 +408,8 @@ class RecordingConnection:
 def test_every_planned_launch_is_prepared_once_and_reused_by_later_rounds(monkeypatch):
     """Grouped or alone, a planned quantization asks the quantizer with a stable ``reuse`` key (on
     CUDA its prepared launch table is kept; a new one per launch was the sender's main host cost)."""
-    from engine.transforms import Quantizer, TransformSet
-    from wire import Transfer
+    from weightsync.engine.transforms import Quantizer, TransformSet
+    from weightsync.wire import Transfer
 
     asked = []
     real_many = Quantizer.many

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from engine.errors import ConfigError, ConnectionClosed, RegistrationError, TransportError
-from engine.transport import connect_authorized, create_transport
+from weightsync.engine.errors import ConfigError, ConnectionClosed, RegistrationError, TransportError
+from weightsync.engine.transport import connect_authorized, create_transport
 from transport_helpers import tcp_pair
-from wire import PeerInfo
+from weightsync.wire import PeerInfo
 
 WATCHDOG = 20
 

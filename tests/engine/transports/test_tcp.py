@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.errors import TransportError
+from weightsync.engine.errors import TransportError
 from transport_helpers import tcp_pair
 
 WATCHDOG = 20

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fake_uccl
-from engine.errors import RegistrationError
-from engine.transport import BACKENDS, TransportOptions, connect_authorized, register_backend
-from engine.transports import uccl, uccl_connection
+from weightsync.engine.errors import RegistrationError
+from weightsync.engine.transport import BACKENDS, TransportOptions, connect_authorized, register_backend
+from weightsync.engine.transports import uccl, uccl_connection
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
-from roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
-from wire import PeerInfo
+from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.wire import PeerInfo
 
 WATCHDOG = 30
 

@@ -1,0 +1,74 @@
+"""Packaging and layering: one top-level import name, and arrows that point one way (roles -> engine -> wire)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LAYERS = ("wire", "engine", "roles")  # each may import only the ones before it
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_layers_import_only_downwards(layer):
+    above = LAYERS[LAYERS.index(layer) + 1:]
+    bad = []
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] in LAYERS:
+                bad.append(f"{path.relative_to(ROOT)}: bare '{name}' (import weightsync.{name})")
+            elif parts[0] == "weightsync" and len(parts) > 1 and parts[1] in above:
+                bad.append(f"{path.relative_to(ROOT)}: {name} points upwards")
+            elif layer == "wire" and parts[0] in ("zmq", "asyncio", "torch"):
+                bad.append(f"{path.relative_to(ROOT)}: wire is sans-IO but imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_weightsync_is_light_and_names_resolve():
+    code = ("import sys, weightsync; assert 'torch' not in sys.modules, 'torch'; "
+            "print(weightsync.WeightSender.__module__, weightsync.Controller.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == ["weightsync.roles.sender", "weightsync.roles.controller"], out.stderr
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_package(tmp_path):
+    """Build the wheel, install it into a bare folder, and import it from outside the repository."""
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("weightsync-*.whl")
+    target = tmp_path / "site"
+    inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                           str(wheel)], capture_output=True, text=True, timeout=300)
+    assert inst.returncode == 0, inst.stderr
+    top = sorted(p.name for p in target.iterdir() if p.name != "bin")
+    assert [n for n in top if not n.endswith(".dist-info")] == ["weightsync"], top
+    assert (target / "weightsync" / "engine" / "transports" / "tcp.py").is_file()
+    code = ("import weightsync, weightsync.engine.transports.tcp as t, weightsync.wire as w; "
+            "from weightsync import Controller, WeightSender, WeightReceiver; "
+            "print(weightsync.__file__); print(t.__file__); print(w.PROTOCOL_VERSION)")
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(str(target)) and lines[1].startswith(str(target)), lines
+    entry = (target / "weightsync-0.1.0.dist-info" / "entry_points.txt").read_text()
+    assert "weightsync = weightsync.roles.cli:main" in entry
