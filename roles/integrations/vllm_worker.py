@@ -1,0 +1,234 @@
+"""vLLM: a worker extension that makes each vLLM worker a weightsync receiver of its own parameters.
+
+Use it by name when building the engine, then drive it through ``collective_rpc``::
+
+    llm = LLM(model=path, enforce_eager=True, worker_extension_cls=EXTENSION)
+    llm.collective_rpc("weightsync_join", args=(controller_address,), kwargs={"rank_offset": 0})
+    llm.collective_rpc("weightsync_wait", args=(version,))      # -> [version, ...] once committed
+    llm.collective_rpc("weightsync_status")                     # -> [dict, ...]
+    llm.collective_rpc("weightsync_leave")
+
+How this works. ``weightsync_join`` runs in every worker process. It derives the receiver layout from
+the model's Hugging Face config (``receiver_layout``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names
+through the mapping of the config's ``model_type``, this worker's tensor-parallel shard), checks it
+against the worker's parameters (a missing or differently shaped one is a ``ConfigError`` naming it),
+and starts an in-place ``WeightReceiver`` over those parameters on a ``BackgroundLoop``. Senders write
+straight into the parameters, and a ``GenerationGate`` keeps them apart from generation, so no step
+sees a half-applied version; after an abort the gate stays closed (``dirty``) until a later round
+commits, or until ``weightsync_leave``. When updates may land (``updates``):
+
+- ``anytime`` (the default with one worker): the gate wraps the model's ``forward`` and
+  ``compute_logits``; from a round's ``begin`` to its commit no forward pass runs (generation pauses at
+  the next step and resumes after the commit), while ``generate`` calls go on.
+- ``on_wait`` (the default with tensor parallelism): updates land only while the driver is inside
+  ``weightsync_wait``, i.e. between ``generate`` calls. TP workers run each step together, so a gate
+  closing on one rank mid-generation would leave the others waiting inside the step for it; a round
+  that begins during a ``generate`` call waits for the next ``weightsync_wait``.
+
+Where vLLM keeps a layer's weights in a kernel-specific form (on CPU, linear layers are packed for
+oneDNN and their ``weight`` parameter emptied), the receiver holds a plain tensor for that weight and
+the commit re-runs the layer's ``process_weights_after_loading`` from it while the gate is still
+closed: what vLLM itself does after loading weights.
+
+vLLM must run eagerly (``enforce_eager=True``): joining re-homes the parameters into one registered
+buffer, which moves them, and captured CUDA graphs or compiled code would keep reading the old memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from weightsync.engine.datapath.tensors import dtype_name
+from weightsync.engine.errors import ConfigError
+from weightsync.engine.plan.mapping import MAPPINGS
+from weightsync.engine.transforms.layouts import LayoutEntry, TensorParallel, receiver_layout
+
+from ..receiver import ReceiverOptions, WeightReceiver
+from .threads import BackgroundLoop, GenerationGate
+
+log = logging.getLogger("weightsync")
+
+EXTENSION = "weightsync.roles.integrations.vllm_worker.WeightSyncWorkerExtension"
+UPDATES = ("auto", "anytime", "on_wait")
+GATED = ("forward", "compute_logits")
+
+
+def hf_sources(hf_config: Any, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The trainer-side names and shapes of a transformers config (a model built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: (dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
+
+
+@dataclasses.dataclass
+class Binding:
+    """What one worker's receiver holds: tensor per name, shard specs, and layers to re-process at commit."""
+    tensors: dict[str, torch.Tensor]
+    shards: dict[str, Any]
+    repack: list[tuple[torch.nn.Module, torch.Tensor]]  # (layer, the plain weight it is rebuilt from)
+
+
+def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Binding:
+    """Match a receiver layout against a vLLM model's parameters (pure apart from allocating the plain
+    tensors of packed layers)."""
+    params = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = {}
+    repack: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    for entry in layout:
+        param = params.get(entry.name)
+        if param is None:
+            if tied and entry.name == "lm_head.weight":
+                continue  # vLLM shares the embedding: the sender's copy of it is not needed here
+            raise ConfigError("parameter", f"{entry.name}: in the layout but not in the vLLM model "
+                                           f"(it has e.g. {sorted(params)[:4]})")
+        want = (entry.shape, entry.dtype)
+        have = (tuple(param.shape), dtype_name(param.dtype))
+        layer = model.get_submodule(entry.name.rpartition(".")[0])
+        packed = hasattr(layer, "cpu_linear") and entry.name.endswith(".weight")
+        if have == want:
+            tensors[entry.name] = param
+            if packed:  # the kernel reads a packed copy made from this parameter
+                repack.append((layer, param))
+        elif param.numel() == 0 and packed:  # the parameter was emptied after packing
+            plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)
+            tensors[entry.name] = plain
+            repack.append((layer, plain))
+        else:
+            raise ConfigError("parameter", f"{entry.name}: the layout says {want[0]} {want[1]}, "
+                                           f"the vLLM model holds {have[0]} {have[1]}")
+    return Binding(tensors, {e.name: e.shard for e in layout if e.shard is not None and e.name in tensors},
+                   repack)
+
+
+def repack_layers(repack: list[tuple[torch.nn.Module, torch.Tensor]]) -> None:
+    """Rebuild each packed layer's kernel form from its plain weight (vLLM's post-load processing)."""
+    for layer, plain in repack:
+        if layer.weight is not plain:
+            layer.weight = torch.nn.Parameter(plain, requires_grad=False)
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+class _Joined:
+    def __init__(self, receiver: WeightReceiver, loop: BackgroundLoop, gate: GenerationGate,
+                 binding: Binding, tp: Optional[TensorParallel]) -> None:
+        self.receiver, self.loop, self.gate, self.binding, self.tp = receiver, loop, gate, binding, tp
+        self.repack_s = 0.0
+        self.updates = "anytime"
+        self.generation_holds = False  # on_wait: the worker's thread holds the gate outside weightsync_wait
+
+    async def after_update(self, version: int, ok: bool) -> None:
+        if ok:
+            started = time.perf_counter()
+            repack_layers(self.binding.repack)
+            self.repack_s = time.perf_counter() - started
+        self.gate.after_update(version, ok)  # an abort keeps it closed: parameters are half written
+
+
+class WeightSyncWorkerExtension:
+    """Methods mixed into vLLM's worker class (``worker_extension_cls=EXTENSION``); see the module doc."""
+
+    def weightsync_join(self, controller: str, rank: Optional[int] = None, *, rank_offset: int = 0,
+                        mapping: Optional[str] = None, transport: str = "tcp", auth_key_hex: Optional[str] = None,
+                        updates: str = "auto", join_timeout_s: float = 120.0) -> dict:
+        """Join ``controller`` as an in-place receiver of this worker's parameters; returns its status.
+        ``rank``: this receiver's rank (default ``rank_offset`` + the worker's global rank). ``updates``:
+        ``anytime``, ``on_wait`` or ``auto`` (``anytime`` with one TP rank, else ``on_wait``)."""
+        if updates not in UPDATES:
+            raise ConfigError("updates", f"must be one of {UPDATES}, got {updates!r}")
+        if getattr(self, "_weightsync", None) is not None:
+            raise ConfigError("weightsync_join", "this worker has joined already (weightsync_leave first)")
+        model_config = self.vllm_config.model_config
+        if not model_config.enforce_eager:
+            raise ConfigError("enforce_eager", "weightsync's vLLM receiver needs LLM(..., enforce_eager=True): "
+                                               "joining moves the parameters, which captured graphs would not see")
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        world = get_tensor_model_parallel_world_size()
+        tp = TensorParallel(get_tensor_model_parallel_rank(), world) if world > 1 else None
+        hf_config = model_config.hf_config
+        mapping = mapping or (hf_config.model_type if hf_config.model_type in MAPPINGS else "identity")
+        dtype = dtype_name(model_config.dtype)
+        layout = receiver_layout(hf_sources(hf_config, dtype), mapping, tp=tp)
+        model = self.model_runner.model
+        binding = bind(model, layout, bool(getattr(hf_config, "tie_word_embeddings", False)))
+        gate = GenerationGate()
+        loop = BackgroundLoop(f"weightsync-worker-{self.rank}")
+        joined = _Joined(None, loop, gate, binding, tp)  # type: ignore[arg-type]
+        rank = rank_offset + self.rank if rank is None else rank
+        options = ReceiverOptions(transport=transport, join_timeout_s=join_timeout_s,
+                                  auth_key=bytes.fromhex(auth_key_hex) if auth_key_hex else None)
+        receiver = WeightReceiver(controller, binding.tensors, rank=rank, options=options, mode="inplace",
+                                  shards=binding.shards, before_update=gate.before_update,
+                                  after_update=joined.after_update)
+        joined.receiver = receiver
+        joined.updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
+        try:
+            loop.call(receiver.start, timeout=join_timeout_s + 30)
+        except BaseException:
+            loop.close()
+            raise
+        if joined.updates == "anytime":
+            for name in GATED:
+                if hasattr(model, name):
+                    setattr(model, name, gate.wrap(getattr(model, name)))
+        else:
+            gate.hold()  # generation owns the gate; weightsync_wait lends it to updates
+            joined.generation_holds = True
+        self._weightsync = joined
+        log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, tp=%s)",
+                 self.rank, controller, rank, len(binding.tensors), len(binding.repack), tp)
+        return self.weightsync_status()
+
+    def weightsync_wait(self, version: int, timeout_s: float = 600.0) -> int:
+        """Block until a version >= ``version`` is committed here; returns the committed version."""
+        joined = self._weightsync_joined()
+        if joined.updates == "anytime":
+            return joined.loop.call(joined.receiver.wait_for, version, timeout=timeout_s)
+        joined.gate.release()  # updates may land while we wait
+        joined.generation_holds = False
+        try:
+            return joined.loop.call(joined.receiver.wait_for, version, timeout=timeout_s)
+        finally:
+            joined.gate.hold(timeout_s)
+            joined.generation_holds = True
+
+    def weightsync_status(self) -> dict:
+        joined = self._weightsync_joined()
+        r, gate = joined.receiver, joined.gate
+        return {"rank": r.rank, "version": r.version, "state": r.session.state.value, "dirty": r.dirty,
+                "committed": r.rounds_committed, "aborted": r.rounds_aborted, "tensors": len(r.tensors),
+                "tp": None if joined.tp is None else [joined.tp.index, joined.tp.world],
+                "updates": joined.updates, "paused": gate.held, "pauses": gate.updates, "paused_s": round(gate.paused_s, 6),
+                "repacked_layers": len(joined.binding.repack), "repack_s": round(joined.repack_s, 6)}
+
+    def weightsync_leave(self) -> None:
+        """Leave the controller, unwrap the model and open the gate (generation continues on what it has)."""
+        joined = getattr(self, "_weightsync", None)
+        if joined is None:
+            return
+        self._weightsync = None
+        try:
+            joined.loop.call(joined.receiver.close, timeout=30)
+        finally:
+            joined.loop.close()
+            model = self.model_runner.model
+            for name in GATED:
+                fn = getattr(model, name, None)
+                if hasattr(fn, "__wrapped__"):
+                    setattr(model, name, fn.__wrapped__)
+            joined.gate.open()
+            if joined.generation_holds:
+                joined.gate.release()
+
+    def _weightsync_joined(self) -> _Joined:
+        joined = getattr(self, "_weightsync", None)
+        if joined is None:
+            raise ConfigError("weightsync_join", "this worker has not joined a controller yet")
+        return joined

@@ -1,0 +1,144 @@
+"""The pieces integrations share, without the engines they integrate: the gate, the background loop,
+and matching a receiver layout against a model's parameters (``vllm_worker.bind``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from weightsync.engine.errors import ConfigError
+from weightsync.engine.transforms.layouts import LayoutEntry
+from weightsync.roles.integrations.threads import BackgroundLoop, GenerationGate
+from weightsync.roles.integrations.vllm_worker import bind
+
+
+async def test_an_update_waits_for_the_pass_in_progress_and_blocks_the_next():
+    gate = GenerationGate()
+    inside, leave = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def forward(tag: str) -> None:
+        with gate:
+            order.append(f"{tag} in")
+            inside.set()
+            leave.wait(10)
+            order.append(f"{tag} out")
+
+    first = asyncio.ensure_future(asyncio.to_thread(forward, "pass1"))
+    await asyncio.to_thread(inside.wait, 10)
+    update = asyncio.ensure_future(gate.before_update(1))
+    await asyncio.sleep(0)
+    assert not update.done()  # the pass holds the gate
+    leave.set()
+    await asyncio.wait_for(update, 10)
+    order.append("update")
+    inside.clear()
+    second = asyncio.ensure_future(asyncio.to_thread(forward, "pass2"))
+    done, _ = await asyncio.wait([second], timeout=0.05)  # (a watchdog window: the pass must not get in)
+    assert not done and gate.held
+    gate.after_update(1, True)
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert order == ["pass1 in", "pass1 out", "update", "pass2 in", "pass2 out"]
+    assert gate.updates == 1 and gate.passes == 2 and not gate.held
+
+
+async def test_an_aborted_round_keeps_the_gate_closed_until_a_commit():
+    gate = GenerationGate()
+    await gate.before_update(1)
+    gate.after_update(1, False)
+    assert gate.held  # half-written parameters: generation stays paused
+    await asyncio.wait_for(gate.before_update(2), 5)  # the next round takes over the closed gate
+    gate.after_update(2, True)
+    assert not gate.held and gate.updates == 1
+    with gate:
+        pass
+
+
+async def test_without_hold_on_abort_an_abort_opens_the_gate():
+    gate = GenerationGate(hold_on_abort=False)
+    await gate.before_update(1)
+    gate.after_update(1, False)
+    assert not gate.held
+
+
+async def test_an_update_cancelled_while_waiting_leaves_the_gate_open():
+    gate = GenerationGate()
+    inside, leave = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with gate:
+            inside.set()
+            leave.wait(10)
+
+    running = asyncio.ensure_future(asyncio.to_thread(forward))
+    await asyncio.to_thread(inside.wait, 10)
+    update = asyncio.ensure_future(gate.before_update(1))
+    await asyncio.sleep(0)
+    update.cancel()
+    leave.set()
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    await running
+    acquired = await asyncio.to_thread(gate._lock.acquire, True, 10)  # released once the waiter got it
+    assert acquired and not gate.held
+    gate._lock.release()
+
+
+def test_the_background_loop_runs_coroutines_and_times_out():
+    loop = BackgroundLoop("test")
+    try:
+        async def add(a, b):
+            await asyncio.sleep(0)
+            return a + b
+
+        assert loop.call(add, 2, 3, timeout=10) == 5
+        stuck = asyncio.Event()
+        with pytest.raises(TimeoutError, match="did not finish within 0.05 s"):
+            loop.call(stuck.wait, timeout=0.05)
+    finally:
+        loop.close()
+    assert "closed" in repr(loop)
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, shape, emptied=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(0 if emptied else shape), requires_grad=False)
+        if emptied:
+            self.cpu_linear = torch.nn.functional.linear  # as vLLM's CPU dispatch leaves a packed layer
+
+
+def _model(emptied=False):
+    m = torch.nn.Module()
+    m.proj = _Linear((4, 8), emptied)
+    m.norm = torch.nn.Module()
+    m.norm.weight = torch.nn.Parameter(torch.ones(8), requires_grad=False)
+    return m
+
+
+def test_bind_uses_parameters_in_place_and_plain_tensors_for_packed_layers():
+    layout = [LayoutEntry("proj.weight", "float32", (4, 8), None), LayoutEntry("norm.weight", "float32", (8,), None)]
+    plain = bind(_model(), layout, tied=False)
+    assert plain.repack == []
+    model = _model(emptied=True)
+    packed = bind(model, layout, tied=False)
+    assert packed.tensors["norm.weight"] is model.norm.weight
+    assert packed.tensors["proj.weight"].shape == (4, 8) and packed.repack[0][0] is model.proj
+
+
+@pytest.mark.parametrize("entry, match", [
+    (LayoutEntry("proj.weight", "float32", (4, 9), None), r"proj.weight: the layout says \(4, 9\) float32, the vLLM model holds \(4, 8\) float32"),
+    (LayoutEntry("proj.weight", "bfloat16", (4, 8), None), "proj.weight: the layout says .* bfloat16"),
+    (LayoutEntry("mlp.up.weight", "float32", (4, 8), None), "mlp.up.weight: in the layout but not in the vLLM model"),
+])
+def test_bind_names_the_parameter_that_does_not_match(entry, match):
+    with pytest.raises(ConfigError, match=match):
+        bind(_model(), [entry], tied=False)
+
+
+def test_bind_skips_lm_head_when_embeddings_are_tied():
+    binding = bind(_model(), [LayoutEntry("lm_head.weight", "float32", (4, 8), None)], tied=True)
+    assert binding.tensors == {}
