@@ -1,12 +1,13 @@
 """A complete RL loop: trainer ranks under torchrun push every update through weightsync to inference
 processes that generate the next rollouts on it.
 
-    torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --steps 60            (CPU, gloo, TCP)
+    torchrun --standalone --nproc-per-node 2 examples/rl_loop.py                       (CPU, gloo, TCP)
     torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --engine vllm         (vLLM inference)
     torchrun --standalone --nproc-per-node 1 examples/rl_loop.py --transport cuda_ipc  (one GPU: colocated)
 
 The task is verifiable: a prompt is three consecutive digits (mod 10); the policy must continue the
-count for four more tokens; the reward is the fraction it gets right. The policy is a small causal LM
+count for four more tokens; the reward is the fraction of generated tokens that are the successor of
+the token before them. The policy is a small causal LM
 built from a transformers config (random init), trained with GRPO-style advantages (each prompt
 sampled ``--group`` times, rewards normalised within the group) and a policy-gradient loss.
 
@@ -16,8 +17,10 @@ processes, each a weightsync receiver (transformers ``generate`` behind a ``Gene
 vLLM engine with the worker extension), and hands them rollout requests. Overlap: the request for
 step t+1 goes out before step t trains, so inference generates it while the trainers train and push
 version t; each rollout is tagged with the version that generated it, and the trainer prints the policy
-lag (its version minus the rollout's). After every optimizer step the ranks push the new version;
-the commit is awaited only before the next push. Rank 0 prints a line per step and a summary and
+lag (its version minus the rollout's). After every optimizer step the ranks push the new version and
+go on: the push's writes overlap the next step's collection, its release (the weights are no longer
+read) is awaited before the next optimizer step, its commit before the next push. A vLLM engine takes
+updates while it waits for the version a request needs (``updates="on_wait"``). Rank 0 prints a line per step and a summary and
 writes a PNG of reward and update time per step (``--out``).
 """
 
@@ -63,9 +66,9 @@ def prompts(step: int, count: int) -> list[list[int]]:
 
 
 def reward(prompt: list[int], completion: list[int]) -> float:
-    start = prompt[-1] - 1
-    want = [(start + 1 + i) % DIGITS + 1 for i in range(ANSWER)]
-    return sum(a == b for a, b in zip(completion, want)) / ANSWER
+    """The fraction of generated tokens that continue the count from the token before them."""
+    previous = [prompt[-1], *completion[:-1]]
+    return sum(b == (a % DIGITS) + 1 for a, b in zip(previous, completion)) / ANSWER
 
 
 # --- inference processes -------------------------------------------------------------------------
@@ -73,6 +76,7 @@ def reward(prompt: list[int], completion: list[int]) -> float:
 def inference_main(engine: str, controller: str, key: bytes, rank: int, transport: str, checkpoint: str,
                    group: int, requests: "mp.Queue", results: "mp.Queue") -> None:
     torch.set_num_threads(1)
+    torch.manual_seed(1 + rank)  # sampling
     if engine == "vllm":
         vllm_inference(controller, key, rank, checkpoint, group, requests, results)
     else:
@@ -88,10 +92,12 @@ async def hf_inference(controller, key, rank, transport, group, requests, result
     options = ReceiverOptions(transport=transport, auth_key=key)
     async with WeightReceiver(controller, model, rank=rank, mode="inplace", options=options,
                               before_update=gate.before_update, after_update=gate.after_update) as receiver:
-        while (request := await asyncio.to_thread(requests.get)) is not None:
-            step, batch, min_version = request
+        while True:
+            step, batch, min_version = await asyncio.to_thread(requests.get)
             if min_version:
                 await receiver.wait_for(min_version)
+            if step is None:  # the final request: every version has landed
+                return
 
             def generate():
                 with gate, torch.no_grad():
@@ -114,13 +120,19 @@ def vllm_inference(controller, key, rank, checkpoint, group, requests, results) 
     llm.collective_rpc("weightsync_join", args=(controller, rank), kwargs={"auth_key_hex": key.hex(),
                                                                          "updates": "on_wait"})
     params = SamplingParams(n=group, max_tokens=ANSWER, temperature=1.0, top_k=-1, detokenize=False)
-    while (request := requests.get()) is not None:
-        step, batch, min_version = request
-        version = llm.collective_rpc("weightsync_wait", args=(min_version,))[0]  # updates land here only
+    while True:
+        step, batch, min_version = requests.get()
+        if min_version:  # updates land only while we wait here (on_wait): at least up to min_version
+            version = llm.collective_rpc("weightsync_wait", args=(min_version,))[0]
+        else:
+            version = llm.collective_rpc("weightsync_status")[0]["version"] or 0
+        if step is None:  # the final request: every version has landed
+            break
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         completions = [list(c.token_ids) + [0] * (ANSWER - len(c.token_ids)) for o in outs for c in o.outputs]
         results.put((step, rank, version, batch, completions))
     llm.collective_rpc("weightsync_leave")
+    llm.llm_engine.engine_core.shutdown()  # (its engine process would otherwise outlive this one)
 
 
 # --- trainer ranks -------------------------------------------------------------------------------
@@ -136,7 +148,15 @@ def grpo_loss(model, batch, completions, group: int, device) -> tuple[torch.Tens
     return -(adv * logp.sum(-1)).mean(), rewards.mean().item()
 
 
-async def train(args) -> dict:
+def train_step(ddp, opt, batch, completions, group: int, device) -> float:
+    loss, mean_reward = grpo_loss(ddp, batch, completions, group, device)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return mean_reward
+
+
+async def train(args) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.transport == "cuda_ipc" else torch.device("cpu")
     model = policy().to(device)
@@ -144,13 +164,13 @@ async def train(args) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     transport = TransportOptions()
     async with TorchrunSender(model, receivers=args.inference, auth=True,
-                              controller_options=ControllerOptions(mapping="identity"),
+                              controller_options=ControllerOptions(mapping="qwen2" if args.engine == "vllm" else "identity"),
                               sender_options=SenderOptions(transport=args.transport,
                                                            transport_options=transport)) as sync:
         procs, requests, results = [], None, None
         if rank == 0:
             procs, requests, results = start_inference(args, sync)
-        rows, pending = [], None
+        rows, pending, handle = [], None, None
         if rank == 0:
             ask(requests, 1, args.prompts, 0)
         for step in range(1, args.steps + 1):
@@ -159,19 +179,23 @@ async def train(args) -> dict:
                 box = [await asyncio.to_thread(collect, results, step, args.inference)]  # (the controller runs here)
                 if step < args.steps:  # the next rollouts are generated while this step trains and pushes
                     ask(requests, step + 1, args.prompts, step - 1)
+                else:  # no more rollouts: take the last versions, then leave
+                    for q in requests:
+                        q.put((None, [], args.steps))
             await asyncio.to_thread(dist.broadcast_object_list, box, 0)
             version, batch, completions = box[0]
             share = len(batch) // world
             mine = slice(rank * share, (rank + 1) * share)
-            loss, mean_reward = grpo_loss(ddp, batch[mine], completions[mine.start * args.group:mine.stop * args.group],
-                                          args.group, device)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            if handle is not None:  # the previous push no longer reads the weights: the optimizer may step
+                await asyncio.shield(handle.released)
+            # in a thread: rank 0's event loop also runs the controller, which must keep answering
+            mean_reward = await asyncio.to_thread(train_step, ddp, opt, batch[mine],
+                                                  completions[mine.start * args.group:mine.stop * args.group],
+                                                  args.group, device)
             if pending is not None:  # the previous version is committed before the next push
                 rows[-1]["update_ms"] = round(1e3 * await pending, 2)
             started = time.perf_counter()
-            handle = await sync.push(step)
+            handle = sync.push_nowait(step)  # (its writes overlap the next collect and broadcast)
             pending = asyncio.ensure_future(_timed(handle, started))
             rows.append({"step": step, "reward": round(mean_reward, 4), "rollout_version": version,
                          "lag": step - 1 - version})
@@ -180,8 +204,6 @@ async def train(args) -> dict:
                       + (f"  update v{step - 1} {rows[-2]['update_ms']:.1f} ms" if step > 1 else ""), flush=True)
         rows[-1]["update_ms"] = round(1e3 * await pending, 2)
         if rank == 0:
-            for q in requests:
-                q.put(None)
             for p in procs:
                 p.join(300)
     return rows
@@ -201,7 +223,7 @@ def start_inference(args, sync):
         policy().save_pretrained(checkpoint)
     procs = [ctx.Process(target=inference_main, args=(args.engine, sync.controller_address, sync.auth_key, r,
                                                       args.transport, checkpoint, args.group, requests[r], results),
-                         daemon=True) for r in range(args.inference)]
+                         daemon=args.engine != "vllm") for r in range(args.inference)]  # (vLLM starts processes)
     for p in procs:
         p.start()
     return procs, requests, results
@@ -235,7 +257,11 @@ def summarize(rows: list[dict], args) -> dict:
 
 
 def plot(rows: list[dict], out: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (the rl extra has it; a bare GPU image may not)
+        print(f"matplotlib is not installed: {out} not drawn (pip install 'weightsync[rl]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -245,6 +271,7 @@ def plot(rows: list[dict], out: str) -> None:
     a.set_ylabel("mean reward")
     b.plot([r["step"] for r in rows], [r["update_ms"] for r in rows])
     b.set_ylabel("update ms (push -> commit)")
+    b.set_yscale("log")  # (the first round also registers memory and compiles its tables)
     b.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -252,16 +279,18 @@ def plot(rows: list[dict], out: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (split over trainer ranks)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (split over trainer ranks)")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group)")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--inference", type=int, default=1, help="inference processes (receivers)")
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--transport", default="tcp", help="tcp (CPU) or cuda_ipc (GPU)")
     ap.add_argument("--out", default="docs/results/rl_loop_cpu", help="writes OUT.png and OUT.json")
     args = ap.parse_args()
     backend = "nccl" if args.transport == "cuda_ipc" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     torch.set_num_threads(1)
     rows = asyncio.run(train(args))

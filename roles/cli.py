@@ -67,9 +67,9 @@ def _controller(args: argparse.Namespace) -> int:
     options = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
                                 round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
                                 link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8), mapping=args.mapping)
-    from .progress import Progress
+    from .progress import RoundProgress
 
-    progress = Progress(total=0, enabled=sys.stderr.isatty())  # a live line in a terminal, quiet otherwise
+    progress = RoundProgress(total=0, enabled=sys.stderr.isatty())  # a live bar in a terminal, quiet otherwise
     metrics = None
     if args.metrics_port:
         from .metrics import Metrics
@@ -204,27 +204,39 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_status(s: dict) -> str:
-    lines = [f"controller {s['address']}: committed version {s['committed_version']}, "
-             f"expected {s['expected']['sender']} senders / {s['expected']['receiver']} receivers"]
+def format_status(s: dict, width: int = 120) -> str:
+    """A controller's status as text: a header, the peers as a table, the last rounds as a table (rich)."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, highlight=False, color_system=None)
+    console.print(f"controller {s['address']}: committed version {s['committed_version']}, "
+                  f"expected {s['expected']['sender']} senders / {s['expected']['receiver']} receivers")
     if s.get("plan_error"):
-        lines.append(f"PLAN ERROR: {s['plan_error']}")
+        console.print(f"PLAN ERROR: {s['plan_error']}")
     if s.get("plan"):
         p = s["plan"]
-        lines.append(f"plan {p['id']}: {p['transfers']} transfers, {p['bytes'] / 1e9:.3f} GB, "
-                     f"{'acknowledged' if p['acknowledged'] else 'pending'}")
-    lines.append(f"{'role':<9}{'rank':>5}  {'host':<16}{'device':<9}{'transport':<10}{'state':<14}last seen")
+        console.print(f"plan {p['id']}: {p['transfers']} transfers, {p['bytes'] / 1e9:.3f} GB, "
+                      f"{'acknowledged' if p['acknowledged'] else 'pending'}")
+    peers = Table("role", "rank", "host", "device", "transport", "state", "last seen", title="peers", title_justify="left")
     for p in s["peers"]:
-        lines.append(f"{p['role']:<9}{p['rank']:>5}  {p['host'][:15]:<16}{p['device']:<9}{p['transport']:<10}"
-                     f"{p['state']:<14}{p['last_seen_s']:.1f}s ago")
-    for r in s.get("rounds", [])[-5:]:
-        stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if not k.startswith("sender_"))
-        lines.append(f"round v{r['version']}: {'ok' if r['ok'] else 'ABORTED ' + r['reason']} "
-                     f"{r['nbytes'] / 1e9:.3f} GB in {r['seconds'] * 1e3:.1f} ms ({r['gbps']:.2f} GB/s) {stages}")
-        for link in r["links"]:
-            lines.append(f"    sender/{link['sender']} -> receiver/{link['receiver']}: {link['nbytes'] / 1e6:.1f} MB, "
-                         f"{link['gbps']:.2f} GB/s")
-    return "\n".join(lines)
+        peers.add_row(p["role"], str(p["rank"]), p["host"], p["device"], p["transport"], p["state"],
+                      f"{p['last_seen_s']:.1f}s ago")
+    console.print(peers)
+    rounds = s.get("rounds", [])[-5:]
+    if rounds:
+        table = Table("version", "result", "GB", "ms", "GB/s", "stages / links", title="last rounds", title_justify="left")
+        for r in rounds:
+            stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if not k.startswith("sender_"))
+            links = "\n".join(f"sender/{k['sender']} -> receiver/{k['receiver']}: {k['nbytes'] / 1e6:.1f} MB, "
+                              f"{k['gbps']:.2f} GB/s" for k in r["links"])
+            table.add_row(f"v{r['version']}", "ok" if r["ok"] else "ABORTED " + r["reason"], f"{r['nbytes'] / 1e9:.3f}",
+                          f"{r['seconds'] * 1e3:.1f}", f"{r['gbps']:.2f}", "\n".join(x for x in (stages, links) if x))
+        console.print(table)
+    return out.getvalue().rstrip("\n")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -239,7 +251,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, main
 
     cfg = DemoConfig(trainers=args.trainers, inference=args.inference, size=args.size, rounds=args.rounds,
-                     mode=args.mode, checksum="" if args.no_checksum else "crc32", json=args.json)
+                     mode=args.mode, checksum="" if args.no_checksum else "crc32", json=args.json, lr=args.lr)
     return main(cfg)
 
 
@@ -257,10 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inference", type=int, default=2, help="inference processes, each a receiver")
     demo.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"],
                       help="GPT-2 size (small: 124M parameters)")
-    demo.add_argument("--rounds", type=int, default=3, help="training steps, each followed by a weight push")
+    demo.add_argument("--rounds", type=int, default=5, help="training steps, each followed by a weight push")
     demo.add_argument("--mode", default="shadow", choices=["shadow", "inplace"],
                       help="receivers land in a second buffer and swap at commit, or write the live tensors")
     demo.add_argument("--no-checksum", action="store_true", help="skip per-transfer CRC-32 verification")
+    demo.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the trainers")
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary as the last line")
     demo.set_defaults(func=_demo)
 

@@ -26,7 +26,7 @@ import zlib
 from weightsync.engine.errors import WeightSyncError
 
 from .controller import Controller, ControllerOptions
-from .progress import Progress
+from .progress import RoundProgress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +34,14 @@ class DemoConfig:
     trainers: int = 2
     inference: int = 2
     size: str = "small"
-    rounds: int = 3
+    rounds: int = 5
     mode: str = "shadow"
     batch: int = 2
     seq: int = 64
     checksum: str = "crc32"
     json: bool = False
     timeout_s: float = 600.0
+    lr: float = 3e-4
 
 
 def _free_port() -> int:
@@ -98,14 +99,14 @@ async def _trainer(rank: int, cfg: DemoConfig, addr: str, dist_port: int, out: m
                             world_size=cfg.trainers)
     model = _model(cfg.size, seed=0)  # identical replicas; DDP keeps them identical
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     vocab = model.config.vocab_size
+    # one fixed batch per rank, trained on every step: the model memorizes it, so the loss visibly falls
+    tokens = torch.randint(0, vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(rank))
     try:
         async with WeightSender(addr, model, rank=rank) as sender:
             out.put(("joined", "trainer", rank, None))
             for version in range(1, cfg.rounds + 1):
-                gen = torch.Generator().manual_seed(1000 * version + rank)
-                tokens = torch.randint(0, vocab, (cfg.batch, cfg.seq), generator=gen)
                 t0 = time.perf_counter()
                 loss = await asyncio.to_thread(_train_step, ddp, opt, tokens)
                 step_s = time.perf_counter() - t0
@@ -159,7 +160,10 @@ class DemoFailed(WeightSyncError):
 async def run_demo(cfg: DemoConfig) -> dict:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    progress = Progress(total=cfg.rounds, enabled=sys.stderr.isatty() and not cfg.json)
+    progress = RoundProgress(total=cfg.rounds, enabled=sys.stderr.isatty(), quiet=cfg.json)
+    progress.say(f"weightsync demo: gpt2-{cfg.size}, {cfg.trainers} trainer processes (DDP, gloo) -> "
+                 f"{cfg.inference} inference processes, {cfg.rounds} rounds, {cfg.mode} mode; "
+                 f"starting processes (each imports torch and builds its model: a few seconds)")
     options = ControllerOptions(checksum=cfg.checksum, timeout_s=30.0, heartbeat_s=0.5)
     procs: list = []
     async with Controller("tcp://127.0.0.1:0", senders=cfg.trainers, receivers=cfg.inference,
@@ -172,7 +176,7 @@ async def run_demo(cfg: DemoConfig) -> dict:
         for p in procs:
             p.start()
         try:
-            results = await _collect(cfg, out, procs)
+            results = await _collect(cfg, out, procs, progress)
             await controller.wait_round(cfg.rounds)
         finally:
             progress.close()
@@ -183,7 +187,7 @@ async def run_demo(cfg: DemoConfig) -> dict:
         return _summary(cfg, controller, results)
 
 
-async def _collect(cfg: DemoConfig, out: mp.Queue, procs: list) -> dict:
+async def _collect(cfg: DemoConfig, out: mp.Queue, procs: list, progress: RoundProgress) -> dict:
     """Gather the children's reports until every round was pushed and received, or one failed."""
     want = cfg.rounds * (cfg.trainers + cfg.inference)
     got: dict[tuple, dict] = {}
@@ -201,8 +205,12 @@ async def _collect(cfg: DemoConfig, out: mp.Queue, procs: list) -> dict:
             continue
         if kind == "error":
             raise DemoFailed(f"{role} {rank} failed:\n{data}")
-        if kind in ("pushed", "received"):
+        if kind == "joined":
+            progress.say(f"  {role} {rank} joined the controller")
+        elif kind in ("pushed", "received"):
             got[(role, rank, data["version"])] = data
+            if kind == "pushed" and rank == 0:
+                progress.say(f"  round {data['version']}: trained (loss {data['loss']:.3f}), pushed and committed")
     return got
 
 
@@ -228,15 +236,22 @@ def _summary(cfg: DemoConfig, controller: Controller, results: dict) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    print(f"\nweightsync demo: {summary['model']}, {summary['trainers']} trainers -> {summary['inference']} "
-          f"inference processes, {summary['mode']} mode, checksums {summary['checksum'] or 'off'}")
-    head = f"{'round':>5} {'loss':>8} {'MB moved':>9} {'seconds':>8} {'GB/s':>6} {'transfer':>9} {'fence':>7} {'commit':>7}  verified"
-    print(head)
-    print("-" * len(head))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"weightsync demo: {summary['model']}, {summary['trainers']} trainers -> "
+                        f"{summary['inference']} inference processes, {summary['mode']} mode, "
+                        f"checksums {summary['checksum'] or 'off'}", title_justify="left")
+    for name in ("round", "loss", "MB moved", "seconds", "GB/s", "transfer", "fence", "commit", "verified"):
+        table.add_column(name, justify="left" if name == "verified" else "right")
     for r in summary["rounds"]:
-        print(f"{r['version']:>5} {r['loss']:>8.4f} {r['bytes'] / 1e6:>9.1f} {r['seconds']:>8.3f} {r['gbps']:>6.2f} "
-              f"{r['transfer_s']:>9.3f} {r['fence_s']:>7.3f} {r['commit_s']:>7.3f}  {'yes' if r['verified'] else 'NO'}")
-    print("all rounds verified bit-exact" if summary["ok"] else "VERIFICATION FAILED")
+        table.add_row(str(r["version"]), f"{r['loss']:.4f}", f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}",
+                      f"{r['gbps']:.2f}", f"{r['transfer_s']:.3f}", f"{r['fence_s']:.3f}", f"{r['commit_s']:.3f}",
+                      "yes" if r["verified"] else "NO")
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)  # (piped: no truncation)
+    console.print(table)
+    console.print("all rounds verified bit-exact (loss: the trainers memorize one fixed batch each)"
+                  if summary["ok"] else "VERIFICATION FAILED")
 
 
 def main(cfg: DemoConfig) -> int:

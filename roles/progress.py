@@ -1,40 +1,37 @@
-"""A progress bar for interactive terminals (rounds and bytes); silent otherwise."""
+"""Progress of rounds for the CLI and the demo, through tqdm: a live bar in a terminal, event lines always.
+
+``RoundProgress.round_done`` advances the bar with the round's bytes and rate; ``say`` prints a line
+without breaking the bar (``tqdm.write``), so the demo tells what it is doing as it happens whether or
+not stderr is a terminal.
+"""
 
 from __future__ import annotations
 
 import sys
-import time
+from typing import Any
+
+from tqdm import tqdm
 
 
-class Progress:
-    def __init__(self, total: int, enabled: bool, width: int = 30) -> None:
-        self.total = total
-        self.enabled = enabled
-        self.width = width
-        self.done = 0
+class RoundProgress:
+    def __init__(self, total: int, enabled: bool, quiet: bool = False) -> None:
+        self.quiet = quiet
         self.nbytes = 0
-        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=total or None, unit="round", file=sys.stderr, disable=not enabled or quiet,
+                        dynamic_ncols=True, leave=False)
 
-    def round_done(self, report) -> None:
-        self.done += 1
+    def __repr__(self) -> str:
+        return f"<RoundProgress {self.bar.n} rounds {self.nbytes / 1e9:.2f} GB>"
+
+    def say(self, line: str) -> None:
+        if not self.quiet:
+            tqdm.write(line, file=sys.stderr)
+
+    def round_done(self, report: Any) -> None:
         self.nbytes += report.nbytes
-        self._draw(report)
-
-    def _draw(self, report) -> None:
-        if not self.enabled:
-            return
-        if self.total:
-            filled = int(self.width * min(self.done, self.total) / self.total)
-            bar = "[" + "#" * filled + "." * (self.width - filled) + "] "
-        else:  # open-ended (a standalone controller): just the counters
-            bar = ""
-        state = "ok" if report.ok else "ABORTED"
-        total = f"/{self.total}" if self.total else ""
-        sys.stderr.write(f"\r{bar}{self.done}{total} rounds, {self.nbytes / 1e9:.2f} GB moved, "
-                         f"last v{report.version} {report.gbps:.2f} GB/s {state}   ")
-        sys.stderr.flush()
+        self.bar.set_postfix_str(f"{self.nbytes / 1e9:.2f} GB moved, v{report.version} {report.gbps:.2f} GB/s "
+                                 f"{'ok' if report.ok else 'ABORTED'}", refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
-        if self.enabled and self.done:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self.bar.close()

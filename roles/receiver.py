@@ -27,7 +27,7 @@ from weightsync.engine.datapath.checksums import checksum
 from weightsync.engine.datapath.registry import RegistrationCache
 from weightsync.engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
 from weightsync.engine.errors import ConfigError, RoundAborted
-from weightsync.wire import Envelope, Manifest, ReceiverTable, Role, ShardSpec
+from weightsync.wire import Envelope, Manifest, Origin, ReceiverTable, Role, ShardSpec
 from weightsync.wire import messages as m
 
 from .worker import Worker, WorkerOptions, call_hook, with_device
@@ -89,6 +89,7 @@ class WeightReceiver(Worker):
         self.table: Optional[ReceiverTable] = None
         self.version: Optional[int] = None
         self.dirty = False
+        self._begin_task: Optional[asyncio.Task] = None  # an in-place begin waiting for before_update
         self.rounds_committed = 0
         self.rounds_aborted = 0
         self.rounds_one_phase = 0  # of the committed rounds, those fenced and committed in one exchange
@@ -180,11 +181,27 @@ class WeightReceiver(Worker):
         self._pending = env.body.version  # writes may have started already: they count under this epoch
         self._algo = env.body.checksum
         self._spin(True)
-        if self.mode == "inplace":
-            await call_hook(self.before_update, self._pending)
+        if self.mode == "inplace":  # serving may take a while to pause: wait off the receive loop, which
+            #                            must keep reading (heartbeats, an abort)
+            self._begin_task = asyncio.ensure_future(self._begin_in_place(self._pending))
+
+    async def _begin_in_place(self, version: int) -> None:
+        try:
+            await call_hook(self.before_update, version)
             self.dirty = True  # live bytes may change from now until commit
             self._open_regions(True)
-            await self._send(m.BeginAck(self._pending), version=self._pending)  # senders may start now
+            await self._send(m.BeginAck(version), version=version)  # senders may start now
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("%s: before_update(%s) failed", self.name, version)
+            if self.session.allowed(Origin.WORKER, m.Error.TYPE):
+                await self._send(m.Error(m.ErrorCode.INTERNAL, f"before_update: {exc!r}", "", version), version=version)
+
+    def _cancel_begin(self) -> None:
+        task, self._begin_task = self._begin_task, None
+        if task is not None and not task.done():
+            task.cancel()
 
     async def _on_fence(self, env: Envelope) -> None:
         ack = await self._verdict(env.body)
@@ -310,6 +327,7 @@ class WeightReceiver(Worker):
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
+        self._cancel_begin()
         self.transport.close_epoch(body.version)
         self._open_regions(False)
         self._pending = None
@@ -322,12 +340,14 @@ class WeightReceiver(Worker):
         await call_hook(self.on_abort, body.version, str(aborted))
 
     def _on_closed(self, exc: BaseException) -> None:
+        self._cancel_begin()
         super()._on_closed(exc)
         self._version_changed.set()
 
     def _on_session_lost(self, exc: BaseException) -> None:
         """A round in flight is over without a commit: nothing of it becomes visible (in place: the
         receiver stays ``dirty`` until a later round repairs it)."""
+        self._cancel_begin()
         if self._pending is not None:
             self.transport.close_epoch(self._pending)
             if self.mode == "inplace":  # serving paused at begin: let it resume

@@ -91,6 +91,7 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     t[S, State.WRITING, W, m.WritesDone.TYPE] = State.WRITTEN
     t[S, State.WRITTEN, C, m.Commit.TYPE] = State.READY
     t[S, State.READY, W, m.WritesDone.TYPE] = State.READY  # crossed the controller's abort: ignored
+    t[S, State.READY, C, m.Abort.TYPE] = State.READY  # the round it pushed for failed before its begin
     # a receiver's round
     t[R, State.READY, C, m.UpdateBegin.TYPE] = State.RECEIVING
     t[R, State.RECEIVING, W, m.BeginAck.TYPE] = State.RECEIVING  # in place: serving paused, writes may start

@@ -108,6 +108,10 @@ class TorchrunSender:
         """This rank's part of ``version`` (every rank pushes the same version; see ``WeightSender.push``)."""
         return await self.sender.push(version)
 
+    def push_nowait(self, version: int) -> PushHandle:
+        """Start this rank's part of ``version``; await ``handle.released`` before the weights change."""
+        return self.sender.push_nowait(version)
+
     async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
         try:
             if self.sender is not None:

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -21,3 +28,26 @@ async def test_transforms_example_with_an_nn_module_trainer():
     assert summary["tp0/2"]["bytes"] == summary["tp1/2"]["bytes"]
     assert summary["fp8"]["fp8"] == 8  # qkv, o, gate_up, down in each of 2 layers; norms/embed/lm_head stay bf16
     assert summary[2]["bytes"] == sum(summary[k]["bytes"] for k in ("tp0/2", "tp1/2", "fp8"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_rl_loop_learns_and_tags_rollouts_with_their_version(tmp_path):
+    """examples/rl_loop.py under a real torchrun (2 trainer ranks, gloo) and one inference process."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this interpreter")
+    out = tmp_path / "rl"
+    run = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "rl_loop.py"),
+                          "--steps", "60", "--out", str(out)], capture_output=True, text=True, timeout=280,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "rl.json").read_text())
+    steps, summary = result["steps"], result["summary"]
+    assert [s["step"] for s in steps] == list(range(1, 61))
+    assert all(0 <= s["lag"] <= 1 for s in steps) and summary["max_lag"] <= 1  # one step off-policy at most
+    versions = [s["rollout_version"] for s in steps]
+    assert versions == sorted(versions) and versions[-1] >= 58  # every update reached inference, in order
+    assert all(s["update_ms"] > 0 for s in steps)
+    assert summary["reward_last10"] > summary["reward_first10"] + 0.2, summary  # it learns
+    assert (tmp_path / "rl.png").stat().st_size > 10_000

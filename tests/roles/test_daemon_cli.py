@@ -271,3 +271,20 @@ def test_the_command_line_starts_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_status_renders_peers_and_rounds_as_tables():
+    from weightsync.roles.cli import format_status
+
+    status = {"address": "tcp://127.0.0.1:5555", "committed_version": 3, "expected": {"sender": 1, "receiver": 1},
+              "plan": {"id": 2, "transfers": 10, "bytes": 2e9, "acknowledged": True},
+              "peers": [{"role": "sender", "rank": 0, "host": "trainer-0", "device": "cuda:0", "transport": "cuda_ipc",
+                         "state": "READY", "last_seen_s": 0.2}],
+              "rounds": [{"version": 3, "ok": False, "reason": "TIMEOUT", "nbytes": 2e9, "seconds": 0.5, "gbps": 4.0,
+                          "stages": {"transfer": 0.4, "sender_stage_max": 0.1},
+                          "links": [{"sender": 0, "receiver": 0, "nbytes": 2e9, "gbps": 4.0}]}]}
+    text = format_status(status)
+    assert "committed version 3" in text and "plan 2: 10 transfers, 2.000 GB, acknowledged" in text
+    assert "trainer-0" in text and "cuda_ipc" in text and "0.2s ago" in text
+    assert "ABORTED TIMEOUT" in text and "transfer=400.0ms" in text and "sender_stage_max" not in text
+    assert "sender/0 -> receiver/0: 2000.0 MB, 4.00 GB/s" in text

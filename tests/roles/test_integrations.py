@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
-from weightsync.engine.errors import ConfigError
+from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.engine.transforms.layouts import LayoutEntry
+from weightsync.roles import ReceiverOptions, SenderOptions
 from weightsync.roles.integrations.threads import BackgroundLoop, GenerationGate
 from weightsync.roles.integrations.vllm_worker import bind
 
@@ -142,3 +143,55 @@ def test_bind_names_the_parameter_that_does_not_match(entry, match):
 def test_bind_skips_lm_head_when_embeddings_are_tied():
     binding = bind(_model(), [LayoutEntry("lm_head.weight", "float32", (4, 8), None)], tied=True)
     assert binding.tensors == {}
+
+
+async def test_a_slow_pause_keeps_the_session_and_the_round_commits():
+    """``before_update`` runs off the receive loop: a serving engine that takes longer to pause than
+    the controller's timeout keeps its session (heartbeats are read meanwhile) and the round commits."""
+    from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+
+    src = {"w": torch.arange(64, dtype=torch.float32)}
+    dst = {"w": torch.zeros(64)}
+    calls: list[tuple] = []
+
+    async def slow_pause(version: int) -> None:
+        calls.append(("pause", version))
+        await asyncio.sleep(1.5)  # (stands in for an engine finishing its step: 3x the timeout below)
+
+    options = ControllerOptions(heartbeat_s=0.1, timeout_s=0.5)
+    async with Controller(senders=1, receivers=1, options=options) as ctl, \
+            WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="memory")) as sender, \
+            WeightReceiver(ctl.address, dst, rank=0, mode="inplace", options=ReceiverOptions(transport="memory"),
+                           before_update=slow_pause, after_update=lambda v, ok: calls.append(("resume", v, ok))
+                           ) as receiver:
+        assert await asyncio.wait_for(await sender.push(1), 30) == 1
+        assert receiver.sessions == 1 and receiver.version == 1 and dst["w"].equal(src["w"])
+    assert calls == [("pause", 1), ("resume", 1, True)]
+
+
+async def test_an_abort_while_serving_pauses_cancels_the_pause():
+    from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+
+    gate = GenerationGate()
+    src = {"w": torch.ones(16)}
+    dst = {"w": torch.zeros(16)}
+    inside, leave = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with gate:
+            inside.set()
+            leave.wait(30)
+
+    options = ControllerOptions(round_timeout_s=0.5)
+    async with Controller(senders=1, receivers=1, options=options) as ctl, \
+            WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="memory")) as sender, \
+            WeightReceiver(ctl.address, dst, rank=0, mode="inplace", options=ReceiverOptions(transport="memory"),
+                           before_update=gate.before_update, after_update=gate.after_update) as receiver:
+        running = asyncio.ensure_future(asyncio.to_thread(forward))
+        await asyncio.to_thread(inside.wait, 30)  # a forward pass holds the gate past the round's deadline
+        with pytest.raises(RoundAborted):
+            await asyncio.wait_for(sender.push(1), 30)
+        leave.set()
+        await running
+        assert receiver.version is None and not receiver.dirty and dst["w"].equal(torch.zeros(16))
+        assert not gate.held  # the cancelled pause gave the gate back once it had it
