@@ -70,10 +70,15 @@ class GenerationGate:
     """A mutex between forward passes and in-place updates, with counters for ``status``.
 
     ``hold_on_abort``: after an aborted round the parameters are half written, so the gate stays closed
-    (generation waits) until a later round commits or ``open`` is called."""
+    (generation waits) until a later round commits or ``open`` is called. ``windows``: generation holds
+    the gate and lends it only through ``open_window(v)`` .. ``close_window()``, and only to updates of
+    versions up to ``v`` (a later round waits for the next window, never for a generation step)."""
 
-    def __init__(self, hold_on_abort: bool = True) -> None:
+    def __init__(self, hold_on_abort: bool = True, windows: bool = False) -> None:
         self.hold_on_abort = hold_on_abort
+        self.windows = windows  # updates only inside a window that generation opens (``open_window``)
+        self._window: Optional[int] = None  # the newest version that may land in the open window
+        self._cv = threading.Condition()
         self._lock = threading.Lock()
         self._held_for: Optional[int] = None  # the version an update holds the gate for
         self.updates = 0  # rounds that held the gate
@@ -115,18 +120,48 @@ class GenerationGate:
         return gated
 
     async def before_update(self, version: int) -> None:
-        """The receiver's ``before_update``: wait for the pass in progress, then hold the gate."""
+        """The receiver's ``before_update``: wait for the pass in progress (or, with ``windows``, for a
+        window that admits ``version``), then hold the gate."""
         if self._held_for is not None:  # still closed after an aborted round
             self._held_for = version
             return
-        acquired = asyncio.get_running_loop().run_in_executor(None, self._lock.acquire)
+        cancelled = threading.Event()
+        taken = asyncio.get_running_loop().run_in_executor(None, self._take, version, cancelled)
         try:
-            await asyncio.shield(acquired)
-        except asyncio.CancelledError:  # the round ended while we waited: give the gate back once we have it
-            acquired.add_done_callback(lambda _: self._lock.release())
+            await asyncio.shield(taken)
+        except asyncio.CancelledError:  # the round ended while we waited: give the gate back if we got it
+            cancelled.set()
+            with self._cv:
+                self._cv.notify_all()
+            taken.add_done_callback(lambda f: f.result() and self._lock.release())
             raise
         self._held_for = version
         self._since = time.perf_counter()
+
+    def _take(self, version: int, cancelled: threading.Event) -> bool:
+        if self.windows:
+            with self._cv:
+                self._cv.wait_for(lambda: cancelled.is_set() or (self._window is not None and version <= self._window))
+        if cancelled.is_set():
+            return False
+        self._lock.acquire()
+        if cancelled.is_set():
+            self._lock.release()
+            return False
+        return True
+
+    def open_window(self, version: int, release: bool = True) -> None:
+        """(``windows``) Let updates up to ``version`` land; ``release``: generation gives the gate up now."""
+        with self._cv:
+            self._window = version
+            self._cv.notify_all()
+        if release:
+            self.release()
+
+    def close_window(self) -> None:
+        """(``windows``) No further update may start; one in progress finishes (``hold`` waits for it)."""
+        with self._cv:
+            self._window = None
 
     def after_update(self, version: int, ok: bool) -> None:
         """The receiver's ``after_update`` (commit or abort): generation resumes, unless the round

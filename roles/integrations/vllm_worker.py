@@ -21,9 +21,10 @@ commits, or until ``weightsync_leave``. When updates may land (``updates``):
   ``compute_logits``; from a round's ``begin`` to its commit no forward pass runs (generation pauses at
   the next step and resumes after the commit), while ``generate`` calls go on.
 - ``on_wait`` (the default with tensor parallelism): updates land only while the driver is inside
-  ``weightsync_wait``, i.e. between ``generate`` calls. TP workers run each step together, so a gate
-  closing on one rank mid-generation would leave the others waiting inside the step for it; a round
-  that begins during a ``generate`` call waits for the next ``weightsync_wait``.
+  ``weightsync_wait(v)``, i.e. between ``generate`` calls, and only versions up to ``v``. TP workers run
+  each step together, so a gate closing on one rank mid-generation would leave the others waiting
+  inside the step for it; a round that begins during a ``generate`` call, or for a version beyond the
+  one awaited, waits for the next ``weightsync_wait`` on every rank alike.
 
 Where vLLM keeps a layer's weights in a kernel-specific form (on CPU, linear layers are packed for
 oneDNN and their ``weight`` parameter emptied), the receiver holds a plain tensor for that weight and
@@ -158,7 +159,8 @@ class WeightSyncWorkerExtension:
         layout = receiver_layout(hf_sources(hf_config, dtype), mapping, tp=tp)
         model = self.model_runner.model
         binding = bind(model, layout, bool(getattr(hf_config, "tie_word_embeddings", False)))
-        gate = GenerationGate()
+        updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
+        gate = GenerationGate(windows=updates == "on_wait")
         loop = BackgroundLoop(f"weightsync-worker-{self.rank}")
         joined = _Joined(None, loop, gate, binding, tp)  # type: ignore[arg-type]
         rank = rank_offset + self.rank if rank is None else rank
@@ -168,7 +170,7 @@ class WeightSyncWorkerExtension:
                                   shards=binding.shards, before_update=gate.before_update,
                                   after_update=joined.after_update)
         joined.receiver = receiver
-        joined.updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
+        joined.updates = updates
         try:
             loop.call(receiver.start, timeout=join_timeout_s + 30)
         except BaseException:
@@ -191,12 +193,13 @@ class WeightSyncWorkerExtension:
         joined = self._weightsync_joined()
         if joined.updates == "anytime":
             return joined.loop.call(joined.receiver.wait_for, version, timeout=timeout_s)
-        joined.gate.release()  # updates may land while we wait
+        joined.gate.open_window(version, release=joined.generation_holds)  # rounds up to version may land
         joined.generation_holds = False
         try:
             return joined.loop.call(joined.receiver.wait_for, version, timeout=timeout_s)
         finally:
-            joined.gate.hold(timeout_s)
+            joined.gate.close_window()
+            joined.gate.hold(timeout_s)  # waits for a round of this window still finishing
             joined.generation_holds = True
 
     def weightsync_status(self) -> dict:

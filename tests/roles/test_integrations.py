@@ -195,3 +195,32 @@ async def test_an_abort_while_serving_pauses_cancels_the_pause():
         await running
         assert receiver.version is None and not receiver.dirty and dst["w"].equal(torch.zeros(16))
         assert not gate.held  # the cancelled pause gave the gate back once it had it
+
+
+async def test_windows_admit_only_the_versions_generation_waits_for():
+    """``windows``: generation holds the gate; ``open_window(v)`` lends it to rounds up to ``v`` only, so
+    a round for a later version waits for the next window on every TP rank alike."""
+    gate = GenerationGate(windows=True)
+    gate.hold()  # generation owns the gate
+    first = asyncio.ensure_future(gate.before_update(1))
+    done, _ = await asyncio.wait([first], timeout=0.05)  # (watchdog window: no update outside a window)
+    assert not done
+    await asyncio.to_thread(gate.open_window, 1)
+    await asyncio.wait_for(first, 10)
+    second = asyncio.ensure_future(gate.before_update(2))
+    gate.after_update(1, True)  # version 1 committed: generation would close its window now
+    gate.close_window()
+    await asyncio.to_thread(gate.hold, 10)
+    done, _ = await asyncio.wait([second], timeout=0.05)
+    assert not done  # version 2 is beyond the window that was open
+    gate.open_window(2)
+    await asyncio.wait_for(second, 10)
+    gate.after_update(2, True)
+    second_cancelled = asyncio.ensure_future(gate.before_update(3))
+    await asyncio.sleep(0)
+    second_cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second_cancelled
+    gate.close_window()
+    assert await asyncio.to_thread(gate._lock.acquire, True, 10)  # nobody kept the gate
+    gate._lock.release()
