@@ -31,8 +31,8 @@ async def test_an_update_waits_for_the_pass_in_progress_and_blocks_the_next():
     first = asyncio.ensure_future(asyncio.to_thread(forward, "pass1"))
     await asyncio.to_thread(inside.wait, 10)
     update = asyncio.ensure_future(gate.before_update(1))
-    await asyncio.sleep(0)
-    assert not update.done()  # the pass holds the gate
+    done, _ = await asyncio.wait([update], timeout=0.05)  # (a watchdog window)
+    assert not done  # the pass holds the gate
     leave.set()
     await asyncio.wait_for(update, 10)
     order.append("update")
@@ -77,7 +77,8 @@ async def test_an_update_cancelled_while_waiting_leaves_the_gate_open():
     running = asyncio.ensure_future(asyncio.to_thread(forward))
     await asyncio.to_thread(inside.wait, 10)
     update = asyncio.ensure_future(gate.before_update(1))
-    await asyncio.sleep(0)
+    done, _ = await asyncio.wait([update], timeout=0.05)  # (a watchdog window: it waits for the pass)
+    assert not done
     update.cancel()
     leave.set()
     with pytest.raises(asyncio.CancelledError):
@@ -92,7 +93,6 @@ def test_the_background_loop_runs_coroutines_and_times_out():
     loop = BackgroundLoop("test")
     try:
         async def add(a, b):
-            await asyncio.sleep(0)
             return a + b
 
         assert loop.call(add, 2, 3, timeout=10) == 5
@@ -147,16 +147,19 @@ def test_bind_skips_lm_head_when_embeddings_are_tied():
 
 async def test_a_slow_pause_keeps_the_session_and_the_round_commits():
     """``before_update`` runs off the receive loop: a serving engine that takes longer to pause than
-    the controller's timeout keeps its session (heartbeats are read meanwhile) and the round commits."""
+    the controller's timeout keeps its session (heartbeats flow meanwhile) and the round commits."""
     from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender
 
     src = {"w": torch.arange(64, dtype=torch.float32)}
     dst = {"w": torch.zeros(64)}
     calls: list[tuple] = []
+    heartbeats_in_pause = asyncio.Event()
+    counting: list[int] = []
 
-    async def slow_pause(version: int) -> None:
+    async def slow_pause(version: int) -> None:  # ends only after 3x the timeout's worth of heartbeats
         calls.append(("pause", version))
-        await asyncio.sleep(1.5)  # (stands in for an engine finishing its step: 3x the timeout below)
+        counting.append(0)
+        await heartbeats_in_pause.wait()
 
     options = ControllerOptions(heartbeat_s=0.1, timeout_s=0.5)
     async with Controller(senders=1, receivers=1, options=options) as ctl, \
@@ -164,6 +167,16 @@ async def test_a_slow_pause_keeps_the_session_and_the_round_commits():
             WeightReceiver(ctl.address, dst, rank=0, mode="inplace", options=ReceiverOptions(transport="memory"),
                            before_update=slow_pause, after_update=lambda v, ok: calls.append(("resume", v, ok))
                            ) as receiver:
+        send = receiver._send
+
+        async def counted(body, **kw):  # the receiver's heartbeats while it pauses (its loop is alive)
+            if counting and body.TYPE == "heartbeat":
+                counting[0] += 1
+                if counting[0] >= 15:
+                    heartbeats_in_pause.set()
+            return await send(body, **kw)
+
+        receiver._send = counted
         assert await asyncio.wait_for(await sender.push(1), 30) == 1
         assert receiver.sessions == 1 and receiver.version == 1 and dst["w"].equal(src["w"])
     assert calls == [("pause", 1), ("resume", 1, True)]
@@ -217,7 +230,8 @@ async def test_windows_admit_only_the_versions_generation_waits_for():
     await asyncio.wait_for(second, 10)
     gate.after_update(2, True)
     second_cancelled = asyncio.ensure_future(gate.before_update(3))
-    await asyncio.sleep(0)
+    done, _ = await asyncio.wait([second_cancelled], timeout=0.05)  # (watchdog window: 3 is beyond the window)
+    assert not done
     second_cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await second_cancelled
