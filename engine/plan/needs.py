@@ -70,7 +70,7 @@ class Piece:
 class Source:
     """What the senders hold of one parameter."""
 
-    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "gshards", "_full_cands", "_spans")
+    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "gshards", "_full_cands", "_spans", "_cuts", "runs")
 
     def __init__(self, name: str, dtype: str, full_shape: tuple[int, ...]) -> None:
         self.name = name
@@ -81,6 +81,18 @@ class Source:
         self.gshards: dict[tuple[int, int, int], list[int]] = {}  # the same, for gatherable (FSDP) shards
         self._full_cands: tuple[int, ...] | None = None
         self._spans: Optional[tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]] = None
+        self._cuts: Optional[dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]] = None
+        self.runs: dict[tuple[int, int, int], Optional[list[tuple[int, int, tuple[int, ...]]]]] = {}  # _stitch's
+
+    def cuts(self) -> dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]:
+        """The (non-gatherable) shards per dim as sorted (start, stop, holders), with their starts (for
+        bisect): they tile without overlap (``_check_tiling``), so one span at most contains a need."""
+        if self._cuts is None:
+            cuts: dict[int, list[tuple[int, int, list[int]]]] = {}
+            for (dim, a, b), holders in sorted(self.shards.items()):
+                cuts.setdefault(dim, []).append((a, b, holders))
+            self._cuts = {dim: ([a for a, _, _ in rows], rows) for dim, rows in cuts.items()}
+        return self._cuts
 
     def spans(self, intern: dict) -> tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]:
         """The gatherable dim-0 shards as sorted (start, stop, holders), with their starts (for bisect)."""
@@ -220,9 +232,11 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
         cands = src.full_cands(intern)
     else:
         found = set(src.full)
-        for (dim, a, b), holders in src.shards.items():
-            if need is not None and dim == need.dim and a <= need.start and need.stop <= b:
-                found.update(holders)
+        if need is not None and need.dim in src.cuts():
+            starts, rows = src.cuts()[need.dim]
+            i = bisect.bisect_right(starts, need.start) - 1
+            if i >= 0 and need.stop <= rows[i][1]:  # the one span that starts at or before the need
+                found.update(rows[i][2])
         key = tuple(sorted(found))
         cands = intern.setdefault(key, key)
     if cands:
@@ -234,9 +248,21 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
 def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, row_bytes: int,
             intern: dict) -> Optional[list[Piece]]:
     """Rows ``need`` of a plain dim-0 part, each run sent by the FSDP ranks whose own shard holds it;
-    None where the shards are not cut along dim 0, leave a gap, or would make a part too small."""
+    None where the shards are not cut along dim 0, leave a gap, or would make a part too small. The runs
+    depend only on the rows, so receivers that need the same rows share them (``Source.runs``)."""
+    key = (need.start, need.stop, row_bytes)
+    runs = src.runs.get(key, False)
+    if runs is False:
+        runs = src.runs[key] = _stitch_runs(src, need, row_bytes, intern)
+    if runs is None:
+        return None
+    return [Piece(rank, t.name, src.name, Slice(0, at, stop), (stop - at) * row_bytes, region,
+                  offset + (at - need.start) * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
+
+
+def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:
     starts, spans = src.spans(intern)
-    out: list[Piece] = []
+    out: list[tuple[int, int, tuple]] = []
     at = need.start
     for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:
         if b <= at:
@@ -244,35 +270,35 @@ def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
         if a >= need.stop:
             break
         stop = min(b, need.stop)
-        nbytes = (stop - at) * row_bytes
-        if a > at or nbytes < STITCH_MIN_BYTES and not (at == need.start and stop == need.stop):
+        if a > at or (stop - at) * row_bytes < STITCH_MIN_BYTES and not (at == need.start and stop == need.stop):
             return None
-        out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
-                         offset + (at - need.start) * row_bytes, row_bytes, "", holders))
+        out.append((at, stop, holders))
         at = stop
     return out if at == need.stop and out else None
 
 
 def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform) -> list[Piece]:
     """No single sender covers the need: stitch it from dim-0 shards, or fail."""
-    holders = [f"sender/{r}" for rs in src.shards.values() for r in rs]
+    def holders() -> list[str]:
+        return [f"receiver/{rank}", *(f"sender/{r}" for rs in src.shards.values() for r in rs)]
+
     if need is None or need.dim != 0 or not src.shards or next(iter(src.shards))[0] != 0 or not row_bytes:
-        raise Unsuppliable("no sender holds or can gather the needed part", param=t.name,
-                           ranks=[f"receiver/{rank}", *holders])
+        raise Unsuppliable("no sender holds or can gather the needed part", param=t.name, ranks=holders())
     out: list[Piece] = []
     at = need.start
-    for (_, a, b), senders in sorted(src.shards.items()):
-        if b <= at or a >= need.stop:
+    starts, rows = src.cuts()[0]
+    for a, b, senders in rows[max(0, bisect.bisect_right(starts, at) - 1):]:
+        if b <= at:
             continue
+        if a >= need.stop:
+            break
         if a > at:
-            raise Unsuppliable(f"rows {at}:{a} of dim 0 are held by no sender", param=t.name,
-                               ranks=[f"receiver/{rank}", *holders])
+            raise Unsuppliable(f"rows {at}:{a} of dim 0 are held by no sender", param=t.name, ranks=holders())
         stop = min(b, need.stop)
         nbytes = (stop - at) * row_bytes
         out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
                          offset + (at - need.start) * row_bytes, row_bytes, transform, tuple(sorted(senders))))
         at = stop
     if at < need.stop:
-        raise Unsuppliable(f"rows {at}:{need.stop} of dim 0 are held by no sender", param=t.name,
-                           ranks=[f"receiver/{rank}", *holders])
+        raise Unsuppliable(f"rows {at}:{need.stop} of dim 0 are held by no sender", param=t.name, ranks=holders())
     return out
