@@ -42,7 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from weightsync import ControllerOptions, ReceiverOptions, SenderOptions, TransportOptions, WeightReceiver  # noqa: E402
+from weightsync import ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver  # noqa: E402
 from weightsync.roles.integrations.threads import GenerationGate  # noqa: E402
 from weightsync.roles.integrations.torchrun import TorchrunSender  # noqa: E402
 
@@ -162,11 +162,9 @@ async def train(args) -> list[dict]:
     model = policy().to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    transport = TransportOptions()
     async with TorchrunSender(model, receivers=args.inference, auth=True,
                               controller_options=ControllerOptions(mapping="qwen2" if args.engine == "vllm" else "identity"),
-                              sender_options=SenderOptions(transport=args.transport,
-                                                           transport_options=transport)) as sync:
+                              sender_options=SenderOptions(transport=args.transport)) as sync:
         procs, requests, results = [], None, None
         if rank == 0:
             procs, requests, results = start_inference(args, sync)
