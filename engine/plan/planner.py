@@ -242,7 +242,7 @@ def _schedule_class(cls: LinkClass, groups, link: LinkModel, options: PlanOption
         senders.update(cands)
         if len(cands) == 1:
             forced[receiver][cands[0]] = _Stream(frozenset(cands), pieces)
-        else:
+        elif pieces:  # (flex lists hold only streams with pieces left: _match drops the emptied)
             flex[receiver].append(_Stream(frozenset(cands), pieces))
     receivers = sorted(set(forced) | set(flex))
     bw_r = {r: link.port_bw(cls, "receiver", r) for r in receivers}
@@ -277,13 +277,13 @@ def _schedule_class(cls: LinkClass, groups, link: LinkModel, options: PlanOption
             break
         now, s, r = heapq.heappop(events)
         free_s.add(s)
-        if left[r] > 0 or forced[r] or any(st.pieces for st in flex[r]):
+        if left[r] > 0 or forced[r] or flex[r]:
             free_r.add(r)
         while events and events[0][0] <= now:
             _, s2, r2 = heapq.heappop(events)
             free_s.add(s2)
             free_r.add(r2)
-        free_r = {r for r in free_r if forced[r] or any(st.pieces for st in flex[r])}
+        free_r = {r for r in free_r if forced[r] or flex[r]}
     return out
 
 
@@ -303,13 +303,16 @@ def _match(r, cls, forced_r, flex_r, free_s, load, forced_left, quantum, options
         seg = Segment(r, cls, pieces)
         seg.sender = best
         return seg
-    for st in sorted((st for st in flex_r if st.pieces), key=lambda st: -st.nbytes):
-        cands = [s for s in free_s if s in st.cands]
+    for st in sorted(flex_r, key=lambda st: -st.nbytes):
+        small, large = (st.cands, free_s) if len(st.cands) < len(free_s) else (free_s, st.cands)
+        cands = [s for s in small if s in large]  # (walk the smaller: FSDP pieces have a few holders)
         if not cands:
             continue
         s = min(cands, key=lambda s: (load[s], s))
         seg = Segment(r, cls, st.take(quantum, options.min_chunk_bytes))
         seg.sender = s
+        if not st.pieces:
+            flex_r.remove(st)
         return seg
     return None
 
