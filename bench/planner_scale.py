@@ -5,6 +5,7 @@ and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
 
     .venv/bin/python bench/planner_scale.py                 # all scenarios
     .venv/bin/python bench/planner_scale.py --only kimi     # scenarios whose name contains "kimi"
+    .venv/bin/python bench/planner_scale.py --large         # 512 -> 256 and 1024 -> 512: plan time and memory
 
 Shapes come from transformers config classes on the meta device (no download, no weights). Every GPU
 has a 400 Gb/s NIC; trainers and inference ranks live on different hosts (8 GPUs per host).
@@ -126,13 +127,43 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     }
 
 
+LARGE = [  # plan time and memory only (their baselines' makespans take minutes)
+    ("kimi-k2 512->256 tp8", "kimi-k2", TrainerLayout(512), 256, 8, 1, False),
+    ("kimi-k2 1024->512 tp8", "kimi-k2", TrainerLayout(1024), 512, 8, 1, False),
+]
+
+
+def run_large(name, arch, layout, n_recv, tp, ep, colocated, link):
+    """Plan CPU seconds and the memory planning adds to the manifests (peak RSS before and after)."""
+    import resource
+
+    params = state_dict_shapes(arch)
+    senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(layout.world)]
+    receivers = [Participant(r, receiver_manifest(params, r, tp, ep), _transport("infer", r)) for r in range(n_recv)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.process_time()
+    routing = plan(senders, receivers, link, PlanOptions())
+    plan_s = time.process_time() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"scenario": name, "trainers": layout.describe(), "senders": layout.world, "receivers": n_recv,
+            "transfers": routing.transfer_count, "plan_seconds": round(plan_s, 2),
+            "manifests_rss_GB": round(before / 1e6, 2), "planning_adds_GB": round((after - before) / 1e6, 2),
+            "targets": "plan < 2 s, < 1 GB (1024 -> 512)"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
     ap.add_argument("--nic-gbit", type=float, default=400.0, help="NIC speed per GPU in Gb/s")
     ap.add_argument("--per-transfer-us", type=float, default=2.0, help="issue overhead per transfer")
+    ap.add_argument("--large", action="store_true", help="the large scenarios instead: plan time and memory")
     args = ap.parse_args(argv)
     link = LinkModel(net_bw=args.nic_gbit * 1e9 / 8, per_transfer_s=args.per_transfer_us * 1e-6)
+    if args.large:
+        for scenario in LARGE:  # the smaller first: ru_maxrss only grows
+            if args.only in scenario[0]:
+                print(json.dumps(run_large(*scenario, link)), flush=True)
+        return 0
     worst = 0.0
     for scenario in SCENARIOS:
         if args.only in scenario[0]:
