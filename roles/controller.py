@@ -366,40 +366,6 @@ class Controller(Planner, RoundRunner, AsyncResource):
                     await self._send(self.peers[identity], m.Error(m.ErrorCode.BAD_REQUEST, why, "version", version),
                                      version=version)
 
-    @staticmethod
-    def _report_or_raise(report: RoundReport) -> RoundReport:
-        if not report.ok:
-            reason, _, text = report.reason.partition(": ")
-            raise RoundAborted(report.version, reason, text, report.culprit)
-        return report
-
-    def _round_of(self, version: Optional[int]) -> Optional[RoundState]:
-        """The running round if ``version`` is its version (late messages of old rounds are ignored)."""
-        rnd = self.round
-        return rnd if rnd is not None and version == rnd.version else None
-
-    async def _on_begin_ack(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_of(env.body.version)
-        if rnd is not None:
-            rnd.on_begin_ack(peer.hello.rank)
-
-    async def _on_writes_done(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_of(env.body.version)
-        if rnd is not None:
-            rnd.on_writes_done(peer.hello.rank, env.body)
-
-    async def _on_fence_ack(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_of(env.body.version)
-        if rnd is not None:
-            rnd.on_fence_ack(peer.hello.rank, env.body)
-
-    async def _on_commit_ack(self, peer: Peer, env: Envelope) -> None:
-        rnd = self._round_of(env.body.version)
-        if rnd is not None:
-            if "slots:2" in peer.hello.capabilities and env.body.applied:
-                peer.slot = 1 - peer.slot  # it swapped: next round lands in the other buffer
-            rnd.on_commit_ack(peer.hello.rank)
-
     async def _on_error(self, peer: Peer, env: Envelope) -> None:
         log.warning("controller: %s reports %s: %s", peer.name, env.body.code.name, env.body.text)
         rnd = self._round_of(env.body.version)

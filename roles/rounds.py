@@ -7,6 +7,8 @@ which the round task turns into ``abort`` messages. ``report`` turns timings and
 ``RoundReport`` (per stage and per link). ``RoundRunner`` is the controller's side that drives a round
 over its sockets: begin -> writes_done -> fence -> commit -> commit_ack, or abort; a round with a single
 receiver that offers ``fence_commit`` does fence and commit in one exchange (``_one_phase``).
+The workers' round messages (begin_ack, writes_done, fence_ack, commit_ack) reach the running
+round through it too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.wire import Origin, Role
@@ -281,4 +283,38 @@ class RoundRunner:
         self._maybe_plan()
         self._maybe_start_rounds()
 
+    # --- the round's messages from workers ------------------------------------------------------
 
+    @staticmethod
+    def _report_or_raise(report: RoundReport) -> RoundReport:
+        if not report.ok:
+            reason, _, text = report.reason.partition(": ")
+            raise RoundAborted(report.version, reason, text, report.culprit)
+        return report
+
+    def _round_of(self, version: Optional[int]) -> Optional[RoundState]:
+        """The running round if ``version`` is its version (late messages of old rounds are ignored)."""
+        rnd = self.round
+        return rnd if rnd is not None and version == rnd.version else None
+
+    async def _on_begin_ack(self, peer: Any, env: Any) -> None:
+        rnd = self._round_of(env.body.version)
+        if rnd is not None:
+            rnd.on_begin_ack(peer.hello.rank)
+
+    async def _on_writes_done(self, peer: Any, env: Any) -> None:
+        rnd = self._round_of(env.body.version)
+        if rnd is not None:
+            rnd.on_writes_done(peer.hello.rank, env.body)
+
+    async def _on_fence_ack(self, peer: Any, env: Any) -> None:
+        rnd = self._round_of(env.body.version)
+        if rnd is not None:
+            rnd.on_fence_ack(peer.hello.rank, env.body)
+
+    async def _on_commit_ack(self, peer: Any, env: Any) -> None:
+        rnd = self._round_of(env.body.version)
+        if rnd is not None:
+            if "slots:2" in peer.hello.capabilities and env.body.applied:
+                peer.slot = 1 - peer.slot  # it swapped: next round lands in the other buffer
+            rnd.on_commit_ack(peer.hello.rank)
