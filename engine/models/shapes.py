@@ -79,7 +79,6 @@ ARCHITECTURES: dict[str, Callable[[], object]] = {
 def state_dict_shapes(arch: str, dtype: str = "bfloat16", layers: Optional[int] = None) -> tuple[ParamShape, ...]:
     """The parameter names and shapes of ``arch`` (a key of ARCHITECTURES or ``gpt2-<size>``); ``layers``:
     only that many decoder layers (a slice of a big model that fits a benchmark's GPUs)."""
-    from transformers import AutoModelForCausalLM
 
     if arch.startswith("gpt2-"):
         config = gpt2_config(arch.split("-", 1)[1])
@@ -89,6 +88,13 @@ def state_dict_shapes(arch: str, dtype: str = "bfloat16", layers: Optional[int] 
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(ARCHITECTURES)} or gpt2-<size>")
     if layers is not None:
         config.num_hidden_layers = layers
+    return config_shapes(config, dtype)
+
+
+def config_shapes(config, dtype: str = "bfloat16") -> tuple[ParamShape, ...]:
+    """The parameter names and shapes of a transformers config's causal LM (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return tuple(ParamShape(n, tuple(t.shape), dtype) for n, t in model.state_dict().items())

@@ -46,6 +46,7 @@ import torch
 
 from weightsync.engine.datapath.tensors import dtype_name
 from weightsync.engine.errors import ConfigError
+from weightsync.engine.models.shapes import config_shapes
 from weightsync.engine.plan.mapping import MAPPINGS
 from weightsync.engine.transforms.layouts import LayoutEntry, TensorParallel, receiver_layout
 
@@ -60,12 +61,8 @@ GATED = ("forward", "compute_logits")
 
 
 def hf_sources(hf_config: Any, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The trainer-side names and shapes of a transformers config (a model built on the meta device)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: (dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
+    """The trainer-side names and shapes of a transformers config."""
+    return {p.name: (dtype, p.shape) for p in config_shapes(hf_config, dtype)}
 
 
 @dataclasses.dataclass
