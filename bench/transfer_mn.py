@@ -1,0 +1,583 @@
+"""M -> N transfer benchmark: FSDP2 trainer processes -> tensor-parallel inference processes, side by side.
+
+M trainer processes hold the model sharded by FSDP2 (``fully_shard`` over a 1-D device mesh: every
+parameter a DTensor, dim-0 shards); N receiver processes each hold a vLLM-style tensor-parallel slice
+(TP = N: fused qkv / gate_up, column- and row-parallel layers; ``--fp8``: the block-FP8 receiver layout).
+One process per GPU (``--device cuda``): disaggregated, trainers on GPUs 0..M-1 and receivers on
+M..M+N-1; ``--colocated``, trainer i and receiver i share GPU i. On the CPU (``--device cpu``) every
+process is a CPU process and the data plane is loopback TCP: the same code path, small models.
+
+Rows, measured in one run:
+- **bound**: the planner's lower bound (``engine.plan.model.lower_bound``: the busiest port's bytes,
+  with every port class of a receiver running at once) with the bandwidths measured here: one NVLink
+  peer copy GPU 0 -> 1 (across GPUs), one device-to-device copy on GPU 0 (the colocated share), or one
+  loopback TCP stream (CPU). A receiver must take in its slice; a trainer must send what only it holds.
+- **predicted**: the planner's modeled makespan of the routing table the controller installed, under
+  the same measured bandwidths.
+- **engine**: full rounds through the public API (Controller in this process; WeightSender on each
+  FSDP2 rank; WeightReceiver on each TP rank; begin -> commit acknowledged), median of the rounds after
+  the first (which plans, registers and compiles). Bit-exact against tensors built here with plain
+  torch (cat, chunk) from the same seeds; FP8 weights within the block-FP8 error bound.
+- **broadcast**: what verl / slime do: trainer rank 0 broadcasts every full tensor, one collective per
+  tensor, to every inference rank (NCCL on GPUs, gloo on the CPU), which keeps its TP slice (a copy).
+  Rank 0 is handed full tensors for free (no FSDP gather is timed): the baseline's best case. With
+  ``--colocated`` the broadcaster also serves receiver 0 by a local copy (NCCL refuses two ranks of one
+  communicator on one GPU; colocated frameworks share that process).
+
+Models: ``tiny-dense`` / ``tiny-moe`` (Qwen2 / Qwen3-MoE configs small enough for a CPU), ``qwen2.5-7b``
+and ``qwen3-30b-a3b`` (12 layers, per-expert tensors; engine.models.shapes.bench_model).
+``--json`` prints the figures as one JSON object on the last line (paired ratios under ``*ratio*``).
+
+    .venv/bin/python bench/transfer_mn.py --device cpu --senders 2 --receivers 2 --model tiny-dense --json
+    python3 bench/transfer_mn.py --senders 4 --receivers 4 --model qwen2.5-7b            (x8: GPUs 0-3 -> 4-7)
+    python3 bench/transfer_mn.py --senders 8 --receivers 8 --colocated --model qwen3-30b-a3b --fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+import pathlib
+import socket
+import statistics
+import sys
+import time
+import traceback
+import zlib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+MAPPING = "qwen2"  # vLLM's fused qkv_proj / gate_up_proj names (engine.plan.mapping)
+WATCHDOG_S = 900.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One run's shape: who holds what, where."""
+
+    model: str
+    senders: int
+    receivers: int
+    device: str  # "cpu" or "cuda"
+    colocated: bool = False
+    fp8: bool = False
+    rounds: int = 3
+    seed: int = 0
+
+    def sender_device(self, rank: int) -> str:
+        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
+
+    def receiver_device(self, rank: int) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{rank if self.colocated else self.senders + rank}"
+
+    @property
+    def transport(self) -> str:
+        return "tcp" if self.device == "cpu" else "cuda_ipc"
+
+    def check(self) -> None:
+        if self.device == "cuda":
+            need = max(self.senders, self.receivers) if self.colocated else self.senders + self.receivers
+            if torch.cuda.device_count() < need:
+                raise SystemExit(f"{self.senders} -> {self.receivers} ({'colocated' if self.colocated else 'disaggregated'}) "
+                                 f"needs {need} GPUs; this machine has {torch.cuda.device_count()}")
+
+
+# --- the model, the weights and what every rank should hold (plain torch) ----------------------------
+
+
+def model_shapes(model: str):
+    from weightsync.engine.models.shapes import bench_model, config_shapes, per_expert
+
+    if model == "tiny-dense":
+        from transformers import Qwen2Config
+
+        return config_shapes(Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                                         tie_word_embeddings=False))
+    if model == "tiny-moe":
+        from transformers import Qwen3MoeConfig
+
+        return per_expert(config_shapes(Qwen3MoeConfig(
+            hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2,
+            vocab_size=512, tie_word_embeddings=False)))
+    return bench_model(model)
+
+
+def full_tensor(name: str, shape, version: int, seed: int, device: str) -> torch.Tensor:
+    """The trainer's full ``name`` at ``version``: seeded bf16 noise, plus 1 per training step."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    t = torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.bfloat16)
+    for _ in range(version):
+        t.add_(1)
+    return t
+
+
+def receiver_layout(case: Case, rank: int):
+    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout as layout
+
+    shapes = {p.name: (p.dtype, p.shape) for p in model_shapes(case.model)}
+    return layout(shapes, MAPPING, tp=TensorParallel(rank, case.receivers), fp8=FP8Policy() if case.fp8 else None)
+
+
+def tp_part(full: torch.Tensor, entry, world: int, index: int) -> torch.Tensor:
+    return full if entry.shard is None else full.chunk(world, entry.shard.dim)[index]
+
+
+def expected(name: str, entry, sources: dict, world: int, index: int) -> torch.Tensor:
+    """What TP rank ``index`` holds under ``name``: each fused part's own TP chunk, concatenated (vLLM)."""
+    from weightsync.engine.plan.mapping import get_mapping
+
+    parts = [sources[s] for s in get_mapping(MAPPING).recipe(name)[1]]
+    return torch.cat([tp_part(p, entry, world, index) for p in parts])
+
+
+def mismatches(case: Case, rank: int, state: dict, layout, version: int, device: str) -> list[str]:
+    """The names in ``state`` (TP rank ``rank``'s tensors) that differ from the trainer's at ``version``."""
+    from weightsync.engine.plan.mapping import get_mapping
+    from weightsync.engine.transforms import within_fp8_bound
+
+    shapes = {p.name: p.shape for p in model_shapes(case.model)}
+    bad = []
+    for entry in layout:
+        if entry.name.endswith("_scale_inv"):
+            continue
+        srcs = get_mapping(MAPPING).recipe(entry.name)[1]
+        want = expected(entry.name, entry, {s: full_tensor(s, shapes[s], version, case.seed, device) for s in srcs},
+                        case.receivers, rank)
+        got = state[entry.name]
+        if got.dtype == torch.float8_e4m3fn:
+            good = within_fp8_bound(want, got, state[entry.name + "_scale_inv"])
+        else:
+            good = torch.equal(got, want)
+        if not good:
+            bad.append(entry.name)
+    return bad
+
+
+def trainer_module(shapes) -> torch.nn.Module:
+    """An ``nn.Module`` with a parameter at each dotted name (meta device, no memory yet)."""
+    root = torch.nn.Module()
+    for p in shapes:
+        *path, leaf = p.name.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, torch.nn.Module())
+            mod = mod._modules[part]
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16, device="meta")))
+    return root
+
+
+def fsdp_model(case: Case, rank: int) -> torch.nn.Module:
+    """This rank's FSDP2 shards of the model at version 0 (``torch.chunk`` rows of each full tensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = case.sender_device(rank)
+    shapes = model_shapes(case.model)
+    model = trainer_module(shapes)
+    fully_shard(model, mesh=init_device_mesh("cpu" if case.device == "cpu" else "cuda", (case.senders,)))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        shape_of = {p.name: p.shape for p in shapes}
+        for name, param in model.named_parameters():
+            local = param.to_local()
+            want = full_tensor(name, shape_of[name], 0, case.seed, device).chunk(case.senders)
+            want = want[rank] if rank < len(want) else want[0][:0]
+            assert local.shape == want.shape, (name, local.shape, want.shape)
+            local.copy_(want)
+    return model
+
+
+# --- engine processes ------------------------------------------------------------------------------
+
+
+def _init_dist(case: Case, rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    if case.device == "cuda":
+        torch.cuda.set_device(case.sender_device(rank))
+    backend = "gloo" if case.device == "cpu" else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _child(fn, *args) -> None:
+    conn = args[-1]
+    try:
+        torch.set_num_threads(1 if args[0].device == "cpu" else torch.get_num_threads())
+        fn(*args)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
+    import torch.distributed as dist
+
+    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.roles import SenderOptions, WeightSender
+
+    install_uvloop()
+    _init_dist(case, rank, case.senders, port)
+    model = fsdp_model(case, rank)
+    opts = SenderOptions(transport=case.transport, transport_options=TransportOptions(device=case.sender_device(rank)))
+
+    async def main():
+        async with WeightSender(addr, model, rank=rank, options=opts) as sender:
+            for v in range(1, case.rounds + 1):
+                with torch.no_grad():
+                    for p in model.parameters():  # a training step: every rank updates its own shards
+                        p.to_local().add_(1)
+                if case.device == "cuda":
+                    torch.cuda.synchronize()
+                await (await sender.push(v))
+            g = sender.sources.gatherer
+            return g.gathered // case.rounds if g else 0
+    try:
+        gathered = asyncio.run(main())
+        conn.send(("sender", rank, (gathered, full_tensor_seconds(model, case))))
+    finally:
+        dist.destroy_process_group()
+
+
+def full_tensor_seconds(model: torch.nn.Module, case: Case) -> list[float]:
+    """Seconds to gather every parameter's full tensor (``DTensor.full_tensor``, one all-gather each):
+    the stage a broadcast from rank 0 needs first, with FSDP trainers."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(case.rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for p in model.parameters():
+            p.full_tensor()
+        if case.device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
+    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.transforms.layouts import allocate
+    from weightsync.engine.transport import TransportOptions
+    from weightsync.roles import ReceiverOptions, WeightReceiver
+
+    install_uvloop()
+    device = case.receiver_device(rank)
+    if case.device == "cuda":
+        torch.cuda.set_device(device)
+    layout = receiver_layout(case, rank)
+    tensors, shards = allocate(layout, device)
+    opts = ReceiverOptions(transport=case.transport, transport_options=TransportOptions(device=device))
+
+    async def main():
+        async with WeightReceiver(addr, tensors, rank=rank, shards=shards, options=opts) as receiver:
+            await receiver.wait_for(case.rounds)
+            conn.send(("receiver", rank, mismatches(case, rank, tensors, layout, case.rounds, device)))
+    asyncio.run(main())
+
+
+async def engine(case: Case, link) -> dict:
+    """Full rounds through the public API; -> round seconds, the plan's predicted makespan and bound."""
+    from weightsync.engine.plan import build_pieces, lower_bound, makespan
+    from weightsync.roles import Controller, ControllerOptions
+    from weightsync.roles.admission import participants
+
+    options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link)
+    procs = Procs()
+    try:
+        async with Controller(senders=case.senders, receivers=case.receivers, options=options) as ctl:
+            port = free_port()
+            for r in range(case.senders):
+                procs.start(_engine_sender, case, r, ctl.address, port)
+            for r in range(case.receivers):
+                procs.start(_engine_receiver, case, r, ctl.address)
+            watch = asyncio.ensure_future(procs.reports(case.senders + case.receivers))
+
+            async def rounds():
+                first = [await ctl.wait_round(1)]
+                joined = participants(p.hello for p in ctl.peers.values())  # all still joined
+                return first + [await ctl.wait_round(v) for v in range(2, case.rounds + 1)], joined, ctl.plan
+            reports, (senders, receivers), routing = await procs.guard(rounds(), watch)
+            done = await watch
+    finally:
+        procs.close()
+    pieces, _ = build_pieces(senders, receivers, mapping=MAPPING)
+    by_sender = {r: got for kind, r, got in done if kind == "sender"}  # (gathered per round, full_tensor s)
+    bad = {f"receiver {r}": names for kind, r, names in done if kind == "receiver" and names}
+    return {
+        "round_s": [r.seconds for r in reports[1:]],
+        "ok": all(r.ok for r in reports) and not bad,
+        "mismatches": bad,
+        "nbytes": reports[-1].nbytes,
+        "transfers": routing.transfer_count,
+        "gathered_per_round": {f"sender {r}": by_sender[r][0] for r in sorted(by_sender)},
+        "full_tensor_s": by_sender[0][1],
+        "predicted_s": makespan(routing.senders, senders, receivers, link),
+        "bound_s": lower_bound(pieces, senders, receivers, link),
+    }
+
+
+# --- the broadcast baseline ------------------------------------------------------------------------
+
+
+def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
+    """Rank 0 of 1 + N (1 + N - 1 colocated): every full tensor, one broadcast each; ranks >= 1 keep
+    their TP slice of it; colocated, rank 0 also keeps receiver 0's slice."""
+    import torch.distributed as dist
+
+    from weightsync.engine.transforms.layouts import allocate
+
+    first = 1 if case.colocated else 0  # the receiver rank that process 1 plays
+    world = case.receivers + (0 if case.colocated else 1)
+    serves = [0] if (rank == 0 and case.colocated) else ([] if rank == 0 else [rank - 1 + first])
+    device = case.sender_device(0) if rank == 0 else case.receiver_device(rank - 1 + first)
+    if case.device == "cuda":
+        torch.cuda.set_device(device)
+    backend = "gloo" if case.device == "cpu" else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    layouts = {r: {e.name: e for e in receiver_layout(dataclasses.replace(case, fp8=False), r)} for r in serves}
+    mine = {r: allocate(list(layouts[r].values()), device)[0] for r in serves}
+    shapes = model_shapes(case.model)
+    full = {p.name: (full_tensor(p.name, p.shape, 1, case.seed, device) if rank == 0
+                     else torch.empty(p.shape, dtype=torch.bfloat16, device=device)) for p in shapes}
+    where = _slices(layouts, case)
+
+    def one_round():
+        for name, t in full.items():
+            dist.broadcast(t, src=0)
+            for r, dst, dim, at in where.get(name, ()):
+                keep = t if dim is None else t.chunk(case.receivers, dim)[r]
+                mine[r][dst].narrow(0, at, keep.shape[0]).copy_(keep)
+
+    times = []
+    for _ in range(case.rounds):
+        dist.barrier()
+        if case.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        one_round()
+        if case.device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    bad = [f"receiver {r}: {n}" for r in serves
+           for n in mismatches(case, r, mine[r], list(layouts[r].values()), 1, device)]
+    conn.send(("broadcast", rank, (times[1:], bad)))
+    dist.destroy_process_group()
+
+
+def _slices(layouts: dict, case: Case) -> dict[str, list]:
+    """source name -> [(receiver, receiver name, TP dim or None, row offset in the fused tensor)]."""
+    from weightsync.engine.plan.mapping import get_mapping
+
+    out: dict[str, list] = {}
+    shapes = {p.name: p.shape for p in model_shapes(case.model)}
+    for r, entries in layouts.items():
+        for name, e in entries.items():
+            at = 0
+            for src in get_mapping(MAPPING).recipe(name)[1]:
+                dim = None if e.shard is None else e.shard.dim
+                out.setdefault(src, []).append((r, name, dim, at))
+                rows = shapes[src][0]
+                at += rows if dim != 0 else rows // case.receivers
+    return out
+
+
+async def broadcast(case: Case) -> dict:
+    procs = Procs()
+    port = free_port()
+    try:
+        world = case.receivers + (0 if case.colocated else 1)
+        for r in range(world):
+            procs.start(_broadcaster, case, r, port)
+        done = await procs.reports(world)
+    finally:
+        procs.close()
+    times = next(t for _, r, (t, _) in done if r == 0)
+    bad = [b for _, _, (_, bs) in done for b in bs]
+    return {"round_s": times, "ok": not bad, "mismatches": bad}
+
+
+# --- bandwidths, processes, the report --------------------------------------------------------------
+
+
+def measured_link(case: Case):
+    """The planner's link model with this machine's measured bandwidths (bytes/s)."""
+    from weightsync.engine.plan import LinkModel
+
+    if case.device == "cpu":
+        from transfer_cpu import RawSocket
+
+        nbytes = 256 << 20
+        raw = RawSocket(nbytes, 4)
+        try:
+            bw = nbytes / statistics.median(raw.round() for _ in range(4))
+        finally:
+            raw.close()
+        return LinkModel(host_bw=bw, local_bw=bw)
+    from transfer_gpu import bound_seconds
+
+    nbytes = 1 << 30
+    local = nbytes / statistics.median(bound_seconds(nbytes, 5, dst=0))
+    peer = nbytes / statistics.median(bound_seconds(nbytes, 5, dst=1)) if torch.cuda.device_count() > 1 else local
+    torch.cuda.empty_cache()
+    return LinkModel(host_bw=peer, local_bw=local)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Spawned children, each reporting on its own pipe; an ``error`` report raises; all reaped."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.procs: list = []
+        self.pipes: list = []
+
+    def start(self, target, *args) -> None:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        p = self.ctx.Process(target=_child, args=(target, *args, writer), daemon=True)
+        p.start()
+        writer.close()
+        self.procs.append(p)
+        self.pipes.append(reader)
+
+    async def reports(self, n: int) -> list:
+        """The first report of each of ``n`` children; a child's ``error`` report (or death) raises."""
+        from multiprocessing.connection import wait
+
+        loop = asyncio.get_running_loop()
+        out, pending = [], list(self.pipes)
+        deadline = time.monotonic() + WATCHDOG_S
+        while len(out) < n:
+            ready = await loop.run_in_executor(None, wait, pending, 0.5)
+            if not ready and time.monotonic() > deadline:
+                raise TimeoutError(f"{n - len(out)} of {n} processes did not report within {WATCHDOG_S:.0f} s")
+            for conn in ready:
+                pending.remove(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    raise RuntimeError("a benchmark process died without reporting") from None
+                if msg[0] == "error":
+                    raise RuntimeError(f"a benchmark process failed:\n{msg[1]}")
+                out.append(msg)
+        return out
+
+    @staticmethod
+    async def guard(work, watch: "asyncio.Future"):
+        """``await work``, unless ``watch`` (the children's reports) fails first: then that error."""
+        task = asyncio.ensure_future(asyncio.wait_for(work, WATCHDOG_S))
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and watch.exception() is not None:
+            task.cancel()
+            raise watch.exception()
+        return await task
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.pipes:
+            c.close()
+
+
+def summary(case: Case, link, eng: dict, bc: dict) -> dict:
+    med = statistics.median
+    engine_s = med(eng["round_s"])
+    out = {
+        "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
+        "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8,
+        "rounds_measured": len(eng["round_s"]),
+        "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
+        "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
+        "bound_ms": round(eng["bound_s"] * 1e3, 3),
+        "predicted_ms": round(eng["predicted_s"] * 1e3, 3),
+        "engine_ms": round(engine_s * 1e3, 3),
+        "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
+        "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
+        "predicted_over_engine_ratio": round(eng["predicted_s"] / engine_s, 3),
+        "gathered_tensors_per_round": eng["gathered_per_round"],
+        "bit_exact": eng["ok"], "mismatches": eng["mismatches"],
+    }
+    if bc:
+        bc_s = med(bc["round_s"])
+        gather_s = med(eng["full_tensor_s"])
+        out.update({"broadcast_ms": round(bc_s * 1e3, 3), "engine_over_broadcast_ratio": round(engine_s / bc_s, 3),
+                    "full_tensor_gather_ms": round(gather_s * 1e3, 3),
+                    "broadcast_with_gather_ms": round((bc_s + gather_s) * 1e3, 3),
+                    "engine_over_broadcast_with_gather_ratio": round(engine_s / (bc_s + gather_s), 3),
+                    "broadcast_bit_exact": bc["ok"], "broadcast_mismatches": bc["mismatches"][:10]})
+    return out
+
+
+def show(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{s['case']}: {s['model']} over {s['transport']}"
+                        f"{' (FP8 receivers)' if s['fp8'] else ''}, {s['bytes_per_round'] / 1e6:.1f} MB a round")
+    for col in ("row", "ms", "x bound", "x engine"):
+        table.add_column(col, justify="right" if col != "row" else "left")
+    rows = [("bound (measured bandwidths)", s["bound_ms"]), ("planner's prediction", s["predicted_ms"]),
+            ("engine", s["engine_ms"])]
+    if "broadcast_ms" in s:
+        rows += [("broadcast from rank 0, per tensor (full tensors given)", s["broadcast_ms"]),
+                 ("  + FSDP full_tensor gather first", s["broadcast_with_gather_ms"])]
+    for label, ms in rows:
+        table.add_row(label, f"{ms:.2f}", f"{ms / s['bound_ms']:.2f}", f"{ms / s['engine_ms']:.2f}")
+    Console(stderr=True).print(table)
+
+
+async def run(case: Case, with_broadcast: bool = True) -> dict:
+    case.check()
+    link = measured_link(case)
+    eng = await engine(case, link)
+    bc = await broadcast(case) if with_broadcast else {}
+    return summary(case, link, eng, bc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--senders", type=int, default=2, help="FSDP2 trainer processes (M)")
+    ap.add_argument("--receivers", type=int, default=2, help="tensor-parallel inference processes (N = TP)")
+    ap.add_argument("--model", default="qwen2.5-7b", choices=("tiny-dense", "tiny-moe", "qwen2.5-7b", "qwen3-30b-a3b"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--colocated", action="store_true", help="trainer i and receiver i share GPU i")
+    ap.add_argument("--fp8", action="store_true", help="receivers hold the block-FP8 layout")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; the first (plan, registration) is not counted")
+    ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baseline")
+    ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
+    args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (the first is not counted)")
+    case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds)
+    result = asyncio.run(run(case, not args.no_broadcast))
+    result["command"] = "bench/transfer_mn.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    show(result)
+    if args.json:
+        print(json.dumps(result))
+    ok = result["bit_exact"] and result.get("broadcast_bit_exact", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
