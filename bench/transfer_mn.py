@@ -69,6 +69,7 @@ class Case:
     fp8: bool = False
     rounds: int = 3
     seed: int = 0
+    profile: str = ""  # a folder: cProfile each sender there
 
     def sender_device(self, rank: int) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{rank}"
@@ -241,12 +242,30 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                     torch.cuda.synchronize()
                 await (await sender.push(v))
             g = sender.sources.gatherer
-            return g.gathered // case.rounds if g else 0
+            issue = []  # seconds from pipeline start to every write issued (sealed), per measured round
+            for v in range(2, case.rounds + 1):
+                marks = sender.timeline.of(v)
+                issue.append(marks.get("pipeline:sealed", marks["pipeline:end"]) - marks["pipeline:start"])
+            rows = len(sender.table.transfers)
+            return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows,
+                    "host_us_per_row": statistics.median(issue) / max(rows, 1) * 1e6,
+                    "compiles": sender.pipeline.compiler.compiles}
     try:
-        gathered = asyncio.run(main())
-        conn.send(("sender", rank, (gathered, full_tensor_seconds(model, case))))
+        if case.profile:
+            from transfer_gpu import _profiled
+
+            got = []
+            _profiled(lambda: _keep(main(), got), f"{case.profile}/sender{rank}.txt")
+            stats = got[0]
+        else:
+            stats = asyncio.run(main())
+        conn.send(("sender", rank, {**stats, "full_tensor_s": full_tensor_seconds(model, case)}))
     finally:
         dist.destroy_process_group()
+
+
+async def _keep(coro, into: list) -> None:
+    into.append(await coro)
 
 
 def full_tensor_seconds(model: torch.nn.Module, case: Case) -> list[float]:
@@ -314,7 +333,7 @@ async def engine(case: Case, link) -> dict:
     finally:
         procs.close()
     pieces, _ = build_pieces(senders, receivers, mapping=MAPPING)
-    by_sender = {r: got for kind, r, got in done if kind == "sender"}  # (gathered per round, full_tensor s)
+    by_sender = {r: got for kind, r, got in done if kind == "sender"}
     bad = {f"receiver {r}": names for kind, r, names in done if kind == "receiver" and names}
     return {
         "round_s": [r.seconds for r in reports[1:]],
@@ -322,8 +341,9 @@ async def engine(case: Case, link) -> dict:
         "mismatches": bad,
         "nbytes": reports[-1].nbytes,
         "transfers": routing.transfer_count,
-        "gathered_per_round": {f"sender {r}": by_sender[r][0] for r in sorted(by_sender)},
-        "full_tensor_s": by_sender[0][1],
+        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items() if k != "full_tensor_s"}
+                    for r in sorted(by_sender)},
+        "full_tensor_s": by_sender[0]["full_tensor_s"],
         "predicted_s": makespan(routing.senders, senders, receivers, link),
         "bound_s": lower_bound(pieces, senders, receivers, link),
     }
@@ -515,7 +535,8 @@ def summary(case: Case, link, eng: dict, bc: dict) -> dict:
         "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
         "predicted_over_engine_ratio": round(eng["predicted_s"] / engine_s, 3),
-        "gathered_tensors_per_round": eng["gathered_per_round"],
+        "senders": {k: {"gathered_per_round": v["gathered"], "rows": v["rows"], "compiles": v["compiles"],
+                        "host_us_per_row": round(v["host_us_per_row"], 2)} for k, v in eng["senders"].items()},
         "bit_exact": eng["ok"], "mismatches": eng["mismatches"],
     }
     if bc:
@@ -566,10 +587,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the first (plan, registration) is not counted")
     ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baseline")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
+    ap.add_argument("--profile", default="", help="a folder: cProfile each trainer's sender there (diagnostics)")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
-    case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds)
+    case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
+                profile=args.profile)
     result = asyncio.run(run(case, not args.no_broadcast))
     result["command"] = "bench/transfer_mn.py " + " ".join(sys.argv[1:] if argv is None else argv)
     show(result)

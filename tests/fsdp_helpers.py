@@ -53,7 +53,7 @@ async def _fsdp_sender(addr, rank, world, out, port, versions) -> None:
                 handle = await sender.push(v)
                 await handle
                 g = sender.sources.gatherer
-                out.send(("committed", "sender", rank, (v, g.gathered, g.peak_bytes, handle.report.nbytes)))
+                out.send(("committed", "sender", rank, (v, g.gathered, g.peak_bytes, handle.report.nbytes, g.exchanges)))
     finally:
         dist.destroy_process_group()
 
@@ -84,13 +84,15 @@ async def _gather_child(rank: int, world: int, port: int, out) -> None:
         _, shards, dts = split_dtensors(dtensors)
         gatherer = Gatherer(dts, 1 << 20, shards)
         wanted = ["a", "b"] if rank == 0 else ["b"]
-        gatherer.begin([Transfer(i, n, None, 0, n, 0, 0, full[n].numel() * 4, "") for i, n in enumerate(wanted)])
+        table = tuple(Transfer(i, n, None, 0, n, 0, 0, full[n].numel() * 4, "") for i, n in enumerate(wanted))
         right = True
-        for n in wanted:
-            right &= torch.equal(await gatherer.full(n), full[n])
-            gatherer.release(n)
-        await gatherer.finish()
+        for key in (table, table, list(table)):  # two rounds of one plan's table, then another table
+            gatherer.begin(table, key=key)
+            for n in wanted:
+                right &= torch.equal(await gatherer.full(n), full[n])
+                gatherer.release(n)
+            await gatherer.finish()
         out.send(("gathered", "gatherer", rank, (right, gatherer.gathered, gatherer.sent, gatherer.skipped,
-                                                  gatherer.budget.in_use)))
+                                                  gatherer.budget.in_use, gatherer.exchanges)))
     finally:
         dist.destroy_process_group()

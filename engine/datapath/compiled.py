@@ -52,11 +52,16 @@ class CompiledLane:
     staged: Optional[list[Transfer]]  # None: recomputed each round (the order of gathered rows changes)
     staged_ids: frozenset = frozenset()  # id() of the direct rows, to filter a round's order by
     nbytes: int = 0  # of the direct rows
+    _last: tuple = (None, None)  # (the order filtered last, its rows): a source set's cached order repeats
 
     def staged_rows(self, ordered: Sequence[Transfer], rank: int) -> list[Transfer]:
         if self.staged is not None:
             return self.staged
-        return [t for t in ordered if t.dst_rank == rank and id(t) not in self.staged_ids]
+        if self._last[0] is ordered:
+            return self._last[1]
+        rows = [t for t in ordered if t.dst_rank == rank and id(t) not in self.staged_ids]
+        self._last = (ordered, rows)
+        return rows
 
 
 def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str) -> Optional[torch.Tensor]:

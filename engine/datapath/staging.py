@@ -89,7 +89,9 @@ class SourceSet:
         self.transforms = TransformSet(transforms, group_bytes=group_bytes, quantize_on=quantize_on)
         self.gatherer = gatherer
         self._table: object = None  # the last plan's table (a tuple, the same every round) ...
-        self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once
+        self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once ...
+        self._gathered: dict[int, bool] = {}  # ... whether each row reads a gathered full tensor ...
+        self._order: Optional[list[Transfer]] = None  # ... and the staging order (rows gathered: gather order)
 
     def begin(self, transfers: Sequence[Transfer],
               resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None,
@@ -102,8 +104,14 @@ class SourceSet:
         self.transforms.begin(transfers, self.known_view, resolve, token)
         if self.gatherer is None:
             return list(transfers)
-        self.gatherer.begin([t for t in transfers if self.gathered(t)])  # rows in our own shard need none
-        return _gather_order(transfers, self.gatherer, self.gathered)
+        cached = transfers is self._table  # (then ``key``: the exchange of needs is made once per table)
+        self.gatherer.begin([t for t in transfers if self.gathered(t)],  # rows in our own shard need none
+                            key=transfers if cached else None)
+        if not cached:
+            return _gather_order(transfers, self.gatherer, self.gathered)
+        if self._order is None:
+            self._order = _gather_order(transfers, self.gatherer, self.gathered)
+        return self._order  # (the same list every round of the table: callers only read it)
 
     def prepare(self, transfers: Sequence[Transfer]) -> None:
         """Once per plan, blocking (run it in a thread): compile the GPU quantization kernel for what
@@ -113,11 +121,12 @@ class SourceSet:
     def _plan_views(self, transfers: Sequence[Transfer]) -> None:
         """Slice every row of a plan's table once (sources are fixed views; a bad slice is left for
         the round to raise); other sequences are not cached (their rows' ids may be reused)."""
-        self._table, self._views = None, {}
+        self._table, self._views, self._gathered, self._order = None, {}, {}, None
         if not isinstance(transfers, tuple):
             return
         for t in transfers:
-            if not self.gathered(t):
+            gathered = self._gathered[id(t)] = self.gathered(t)
+            if not gathered:
                 try:
                     self._views[id(t)] = self._slice(t)
                 except StagingError:
@@ -136,7 +145,12 @@ class SourceSet:
     def gathered(self, t: Transfer) -> bool:
         """Whether ``t`` reads a full tensor gathered this round: a sharded parameter's rows outside
         this rank's own shard (rows inside it are read from the shard, shard-to-shard)."""
-        return self.gatherer is not None and t.name in self.gatherer.dtensors and not self._in_shard(t)
+        if self.gatherer is None:
+            return False
+        known = self._gathered.get(id(t))  # (a row of the current table: decided once)
+        if known is not None:
+            return known
+        return t.name in self.gatherer.dtensors and not self._in_shard(t)
 
     def _in_shard(self, t: Transfer) -> bool:
         shard = self.shards.get(t.name)

@@ -6,10 +6,12 @@ sender declares those shards ``gatherable``, so the planner may give it any part
 
 ``Gatherer`` materializes full tensors for a round, only on the ranks whose routing table names them.
 Every rank of a mesh must take part in the same collectives in the same order, but each knows only its
-own table. So a round starts with one small all-gather per mesh (``_exchange``, in a worker thread):
-each rank says, per DTensor parameter of the mesh, whether it needs the full tensor and which rows it
-holds. Then every rank walks the parameters in one fixed order (the model's): a parameter nobody needs
-costs nothing; one every rank needs is ``full_tensor()`` (an all-gather); otherwise each holder sends
+own table. So the first round of a plan starts with one small all-gather per mesh (``_exchange``, in a
+worker thread): each rank says, per DTensor parameter of the mesh, whether it needs the full tensor and
+which rows it holds. Its answer holds for every round of that plan (``begin``'s ``key``: the table; a
+new plan gives every rank a new table, so all ranks exchange again together), and so does the list of
+parameters some rank needs. Then every rank walks those parameters in one fixed order (the model's):
+a parameter nobody needs costs nothing; one every rank needs is ``full_tensor()`` (an all-gather); otherwise each holder sends
 its rows to each rank that needs them and only those allocate the full tensor (``_gather_to``,
 point-to-point). A mesh that is not 1-D with a dim-0 ``Shard`` falls back to ``full_tensor()`` on
 every rank, dropped at once where not needed. A ``ByteBudget`` bounds the bytes of full tensors alive
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
@@ -86,20 +89,37 @@ class Gatherer:
         self.peak_bytes = 0
         self.error: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
+        self.exchanges = 0  # needs exchanged (once per plan: see ``begin``)
+        self._needs_key: object = None
+        self._needs: Optional[concurrent.futures.Future] = None  # -> (needs, the names some rank needs)
 
     def __repr__(self) -> str:
         return (f"<Gatherer params={len(self.dtensors)} gathered={self.gathered} sent={self.sent} "
                 f"skipped={self.skipped} {self.budget!r}>")
 
-    def begin(self, transfers: Sequence[Transfer]) -> None:
-        """Start this round's gathers; ``transfers`` say which results this rank needs."""
+    def begin(self, transfers: Sequence[Transfer], key: object = None) -> None:
+        """Start this round's gathers; ``transfers`` say which results this rank needs. ``key`` (the
+        plan's table, the same object every round of a plan): the needs exchanged for it are reused;
+        None exchanges every round."""
         self.cancel()
         self.error = None
         self.budget = ByteBudget(self.budget.limit)
         self.uses = collections.Counter(t.name for t in transfers if t.name in self.dtensors)
         loop = asyncio.get_running_loop()
         self.ready = {name: loop.create_future() for name in self.uses}
-        self._task = asyncio.ensure_future(self._run())
+        self._task = asyncio.ensure_future(self._run(self._needs_for(key)))
+
+    def _needs_for(self, key: object) -> concurrent.futures.Future:
+        """This plan's needs: the exchange already made (or under way) for ``key``, else a new one. The
+        exchange is a collective, so a round cancelled while it runs leaves it to finish in its thread
+        and the next round takes its answer (every rank made the same call)."""
+        cached = self._needs
+        failed = cached is not None and cached.done() and cached.exception() is not None
+        if key is None or key is not self._needs_key or cached is None or failed:
+            self.exchanges += 1
+            self._needs_key = key
+            self._needs = _EXCHANGES.submit(_exchange, self.dtensors, self.shards, set(self.uses))
+        return self._needs
 
     def sort_key(self, t: Transfer) -> int:
         return self.order.get(t.name, -1)
@@ -135,15 +155,12 @@ class Gatherer:
             if not fut.done():
                 fut.cancel()
 
-    async def _run(self) -> None:
+    async def _run(self, exchange: concurrent.futures.Future) -> None:
         try:
-            needs = await asyncio.to_thread(_exchange, self.dtensors, self.shards, set(self.uses))
-            for name, dt in self.dtensors.items():  # every rank of the mesh: same names, same order
-                need = needs[name]
-                if need is not None and not need.ranks:
-                    self.skipped += 1
-                    continue
-                await self._gather_one(name, dt, need)
+            needs, wanted = await asyncio.wrap_future(exchange)
+            self.skipped += len(self.dtensors) - len(wanted)
+            for name in wanted:  # every rank of the mesh: same names, same order
+                await self._gather_one(name, self.dtensors[name], needs[name])
         except BaseException as exc:
             self.error = exc
             for fut in self.ready.values():
@@ -187,16 +204,21 @@ class _Need:
     rows: list[tuple[int, int]]
 
 
+_EXCHANGES = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-gather-needs")
+
+
 def _exchange(dtensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],
-              needed: set) -> dict[str, Optional[_Need]]:
+              needed: set) -> tuple[dict[str, Optional[_Need]], list[str]]:
     """One all-gather per 1-D dim-0-sharded mesh: per parameter, (needed here, first row, end row).
-    Blocking (a worker thread). None for parameters of other meshes: every rank all-gathers those."""
+    Blocking (a worker thread). None for parameters of other meshes: every rank all-gathers those.
+    Also returns the names some rank needs, in the model's order."""
     import torch.distributed as dist
 
     out: dict[str, Optional[_Need]] = {}
     by_group: dict[int, tuple[object, list[str]]] = {}
+    groups: dict[int, object] = {}  # id(mesh) -> its group (asking a mesh is slow; a model has few)
     for name, dt in dtensors.items():
-        group = _group_of(dt, shards.get(name))
+        group = _group_of(dt, shards.get(name), groups)
         if group is None:
             out[name] = None
         else:
@@ -213,17 +235,20 @@ def _exchange(dtensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSp
         for i, name in enumerate(names):
             out[name] = _Need(group, me, [r for r in range(world) if table[r][i][0]],
                               [(table[r][i][1], table[r][i][2]) for r in range(world)])
-    return out
+    return out, [n for n in dtensors if out[n] is None or out[n].ranks]
 
 
-def _group_of(dt, shard: Optional[ShardSpec]):
+def _group_of(dt, shard: Optional[ShardSpec], groups: dict):
     """The process group of a DTensor sharded along dim 0 on a 1-D mesh, else None."""
     from torch.distributed.tensor import Shard
 
     mesh = dt.device_mesh
     if shard is None or mesh.ndim != 1 or tuple(dt.placements) != (Shard(0),):
         return None
-    return mesh.get_group()
+    group = groups.get(id(mesh))
+    if group is None:
+        group = groups[id(mesh)] = mesh.get_group()
+    return group
 
 
 def _gather_to(dt, need: _Need, mine: bool) -> Optional[torch.Tensor]:

@@ -46,8 +46,9 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                 needs = needs if v > 1 else _gathers_per_round(ctl)  # (the children leave after the last round)
                 # rows inside a rank's own shard go shard-to-shard; the rest is gathered
                 assert sum(needs.values()) < len(done) * len(initial)
-                for _, _, rank, (version, gathered, peak, nbytes) in done:
+                for _, _, rank, (version, gathered, peak, nbytes, exchanges) in done:
                     assert version == v and gathered == v * needs[rank]  # what its table needs, once a round
+                    assert exchanges == 1  # who needs what is exchanged once per plan, not every round
                     assert peak <= max(BUDGET, largest)  # the budget held: never two big tensors at once
                     assert nbytes > 0  # both FSDP ranks write their share
                 held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
@@ -90,6 +91,7 @@ async def test_full_tensors_exist_only_on_the_ranks_whose_table_names_them():
         reports = {rank: data for _, _, rank, data in await children.expect("gathered", 2)}
     finally:
         children.close()
-    # (right, materialized, shards sent, skipped, budget left in use)
-    assert reports[0] == (True, 2, 0, 1, 0)  # "a" gathered point-to-point, "b" all-gathered, "c" by nobody
-    assert reports[1] == (True, 1, 1, 1, 0)  # only "b" materialized here; its rows of "a" sent to rank 0
+    # over three rounds: (right, materialized, shards sent, skipped, budget left in use, needs exchanged)
+    assert reports[0] == (True, 6, 0, 3, 0, 2)  # "a" gathered point-to-point, "b" all-gathered, "c" by nobody
+    assert reports[1] == (True, 3, 3, 3, 0, 2)  # only "b" materialized here; its rows of "a" sent to rank 0
+    # (needs are exchanged once for the first table's two rounds, again for the second table)
