@@ -25,7 +25,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-vllm rl bench-cpu bench-depth bench-planner bench-faults bench-gpu gpu-wheels clean venv
+.PHONY: demo test test-vllm rl bench-cpu bench-depth bench-planner bench-faults bench-gpu bench-mn bench-gpu-mn gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -68,6 +68,12 @@ rl: $(STAMP)
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/transfer_cpu.py --pairs 9 --cases mix,small,one --json | tee docs/results/transfer_cpu.txt
 
+# M FSDP2 trainer processes -> N tensor-parallel receivers over loopback TCP (the GPU cases: bench-gpu-mn)
+bench-mn: $(STAMP)
+	(for c in "2 2 --model tiny-dense" "4 2 --model tiny-moe" "4 2 --model tiny-moe --fp8"; do set -- $$c; \
+	  OMP_NUM_THREADS=1 $(BIN)/python bench/transfer_mn.py --device cpu --senders $$1 --receivers $$2 $$3 $$4 $$5 \
+	  --rounds 6 --json | tail -n 1; done) | tee docs/results/transfer_mn_cpu.jsonl
+
 bench-depth: $(STAMP)
 	$(BIN)/python bench/pipeline_depth.py --out docs/results/pipeline_depth_cpu.json
 
@@ -85,6 +91,9 @@ gpu-wheels:
 
 bench-gpu:
 	bash -c 'source bench/gpu/env.sh .whl && bash bench/gpu_suite.sh bench/results'
+
+bench-gpu-mn:
+	bash -c 'source bench/gpu/env.sh .whl && bash bench/gpu_suite.sh bench/results mn'
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

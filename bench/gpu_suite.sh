@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
 #   source bench/gpu/env.sh .whl   (installs the carried wheels; sets UCCL's environment)
-# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|all]   (each part fits one 10-minute device call)
+# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|all]   (each part fits one 10-minute device call)
 set -u
 out=${1:-bench/results}
 part=${2:-all}
@@ -38,6 +38,24 @@ if [ "$part" = all ]; then
 timeout 300 python3 bench/diagnostics/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
 timeout 200 python3 bench/diagnostics/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
+fi
+if [ "$part" = mn ]; then
+# M -> N (bench/transfer_mn.py): the cases this machine's GPU count allows, one JSON line each
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+case $gpus in
+  1) cases=("1 1 --colocated") ;;
+  2|3) cases=("2 2 --colocated" "1 1") ;;
+  4|5|6|7) cases=("2 2" "4 4 --colocated") ;;
+  *) cases=("4 4" "8 8 --colocated") ;;
+esac
+for c in "${cases[@]}"; do
+  set -- $c
+  for m in "--model qwen2.5-7b" "--model qwen3-30b-a3b" "--model qwen2.5-7b --fp8 --no-broadcast"; do
+    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 6 --json 2>>"$out/transfer_mn.log" | tail -n 1
+  done
+done > "$out/transfer_mn.jsonl"
+cat "$out/transfer_mn.jsonl"
+exit 0
 fi
 if [ "$part" != tests ]; then
 # dense and MoE, across GPUs and colocated: docs/results/transfer_gpu_h200x2.txt

@@ -248,7 +248,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                 issue.append(marks.get("pipeline:sealed", marks["pipeline:end"]) - marks["pipeline:start"])
             rows = len(sender.table.transfers)
             return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows,
-                    "host_us_per_row": statistics.median(issue) / max(rows, 1) * 1e6,
+                    "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows else None,
                     "compiles": sender.pipeline.compiler.compiles}
     try:
         if case.profile:
@@ -536,7 +536,8 @@ def summary(case: Case, link, eng: dict, bc: dict) -> dict:
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
         "predicted_over_engine_ratio": round(eng["predicted_s"] / engine_s, 3),
         "senders": {k: {"gathered_per_round": v["gathered"], "rows": v["rows"], "compiles": v["compiles"],
-                        "host_us_per_row": round(v["host_us_per_row"], 2)} for k, v in eng["senders"].items()},
+                        "host_us_per_row": v["host_us_per_row"] and round(v["host_us_per_row"], 2)}
+                    for k, v in eng["senders"].items()},
         "bit_exact": eng["ok"], "mismatches": eng["mismatches"],
     }
     if bc:

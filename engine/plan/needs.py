@@ -157,10 +157,12 @@ def build_pieces(
     shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
     rules = get_mapping(mapping)
     intern: dict[tuple[int, ...], tuple[int, ...]] = {}
-    recipes: dict[tuple, list[Part]] = {}  # receivers with the same layout share their parts (pure)
+    # Receivers with the same layout share their pieces (pure): per tensor layout, the pieces' templates
+    # (source, rows, bytes, offset from the tensor's, row size, transform, candidates), made once.
+    templates: dict[tuple, list[tuple]] = {}
     pieces: list[Piece] = []
+    add = pieces.append
     for rp in receivers:
-        where = f"receiver/{rp.rank}"
         specs = rp.manifest.by_name()
         names = frozenset(specs)
         for t in rp.manifest.tensors:
@@ -168,16 +170,30 @@ def build_pieces(
                 continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
             scale_of = _scales_of(t, specs, sources)
             key = (t.name, t.dtype, t.shape, t.shard, scale_of, t.name + SCALE_SUFFIX in names)
-            parts = recipes.get(key)
-            if parts is None:
-                weight = scale_of or t
-                comps, src_dtype = components(rules, weight.name, shapes, where)
-                step = dtype_transform(src_dtype, weight, where, transforms, names)
-                parts = recipes[key] = parts_for(t, comps, step, where, scale_of)
-            for part in parts:
-                pieces.extend(_pieces_for(sources[part.src], t, rp.rank, part, intern))
+            made = templates.get(key)
+            if made is None:
+                made = templates[key] = _templates(t, rp.rank, scale_of, names, rules, shapes, sources, transforms,
+                                                   intern)
+            region = t.region if t.region is not None else 0
+            base = t.offset
+            for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
+                add(Piece(rp.rank, t.name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
     _designate_gatherers(pieces, sources, len(senders), intern)
     return pieces, sources
+
+
+def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources, transforms, intern) -> list[tuple]:
+    """Receiver tensor ``t``'s pieces, as (source, rows, bytes, offset from ``t``'s, row size, transform,
+    candidates); ``rank`` only names the receiver in errors."""
+    where = f"receiver/{rank}"
+    weight = scale_of or t
+    comps, src_dtype = components(rules, weight.name, shapes, where)
+    step = dtype_transform(src_dtype, weight, where, transforms, names)
+    out = []
+    for part in parts_for(t, comps, step, where, scale_of):
+        for p in _pieces_for(sources[part.src], t, rank, part, intern):
+            out.append((p.src_name, p.slice, p.nbytes, p.offset - t.offset, p.row_bytes, p.transform, p.cands))
+    return out
 
 
 def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_senders: int, intern: dict) -> None:
