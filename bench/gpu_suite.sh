@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); print(torch.cuda.can_device_access_peer(0, 1) if torch.cuda.device_count() > 1 else '')" > "$out/env.txt" 2>&1
-if [ "$part" != bench ]; then
+if [ "$part" = tests ] || [ "$part" = all ]; then
 timeout 120 python3 - > "$out/uccl_api.txt" 2>&1 <<'PY'
 import os, inspect
 print("UCCL_P2P_TRANSPORT", os.environ.get("UCCL_P2P_TRANSPORT"), "ib:", os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else None)
