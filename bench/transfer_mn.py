@@ -248,6 +248,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                 issue.append(marks.get("pipeline:sealed", marks["pipeline:end"]) - marks["pipeline:start"])
             rows = len(sender.table.transfers)
             return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows,
+                    "marks": {v: sender.timeline.of(v) for v in range(2, case.rounds + 1)},
                     "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows else None,
                     "compiles": sender.pipeline.compiler.compiles}
     try:
@@ -303,7 +304,8 @@ def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
     async def main():
         async with WeightReceiver(addr, tensors, rank=rank, shards=shards, options=opts) as receiver:
             await receiver.wait_for(case.rounds)
-            conn.send(("receiver", rank, mismatches(case, rank, tensors, layout, case.rounds, device)))
+            marks = {v: receiver.timeline.of(v) for v in range(2, case.rounds + 1)}
+            conn.send(("receiver", rank, (mismatches(case, rank, tensors, layout, case.rounds, device), marks)))
     asyncio.run(main())
 
 
@@ -330,23 +332,43 @@ async def engine(case: Case, link) -> dict:
                 return first + [await ctl.wait_round(v) for v in range(2, case.rounds + 1)], joined, ctl.plan
             reports, (senders, receivers), routing = await procs.guard(rounds(), watch)
             done = await watch
+            timeline = _timeline(ctl, done, case)
     finally:
         procs.close()
     pieces, _ = build_pieces(senders, receivers, mapping=MAPPING)
     by_sender = {r: got for kind, r, got in done if kind == "sender"}
-    bad = {f"receiver {r}": names for kind, r, names in done if kind == "receiver" and names}
+    by_receiver = {r: got for kind, r, got in done if kind == "receiver"}  # (mismatched names, marks)
+    bad = {f"receiver {r}": got[0] for r, got in sorted(by_receiver.items()) if got[0]}
     return {
         "round_s": [r.seconds for r in reports[1:]],
         "ok": all(r.ok for r in reports) and not bad,
         "mismatches": bad,
         "nbytes": reports[-1].nbytes,
         "transfers": routing.transfer_count,
-        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items() if k != "full_tensor_s"}
+        "timeline_ms": timeline,
+        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items() if k not in ("full_tensor_s", "marks")}
                     for r in sorted(by_sender)},
         "full_tensor_s": by_sender[0]["full_tensor_s"],
         "predicted_s": makespan(routing.senders, senders, receivers, link),
         "bound_s": lower_bound(pieces, senders, receivers, link),
     }
+
+
+def _timeline(ctl, done: list, case: Case) -> list:
+    """Each event's median milliseconds since the controller started the round, over the measured
+    rounds: the controller's, every sender's and every receiver's marks on one clock (one host)."""
+    from transfer_gpu import _median_timeline
+
+    from weightsync.roles.timeline import merge
+
+    rounds = []
+    for v in range(2, case.rounds + 1):
+        marks = ctl.timeline.of(v)
+        roles = {"controller": marks}
+        for kind, r, got in done:
+            roles[f"{kind} {r}"] = (got["marks"] if kind == "sender" else got[1]).get(v, {})
+        rounds.append(merge(marks["round:start"], roles))
+    return [(event, round(ms, 3)) for event, ms in _median_timeline(rounds)]
 
 
 # --- the broadcast baseline ------------------------------------------------------------------------
@@ -539,6 +561,7 @@ def summary(case: Case, link, eng: dict, bc: dict) -> dict:
                         "host_us_per_row": v["host_us_per_row"] and round(v["host_us_per_row"], 2)}
                     for k, v in eng["senders"].items()},
         "bit_exact": eng["ok"], "mismatches": eng["mismatches"],
+        "timeline_ms": eng["timeline_ms"],
     }
     if bc:
         bc_s = med(bc["round_s"])

@@ -92,6 +92,7 @@ class SourceSet:
         self._views: dict[int, torch.Tensor] = {}  # ... and id(row) -> its source view, made once ...
         self._gathered: dict[int, bool] = {}  # ... whether each row reads a gathered full tensor ...
         self._order: Optional[list[Transfer]] = None  # ... and the staging order (rows gathered: gather order)
+        self._gathered_rows: list[Transfer] = []  # ... and the rows that read a gathered tensor
 
     def begin(self, transfers: Sequence[Transfer],
               resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None,
@@ -104,13 +105,13 @@ class SourceSet:
         self.transforms.begin(transfers, self.known_view, resolve, token)
         if self.gatherer is None:
             return list(transfers)
-        cached = transfers is self._table  # (then ``key``: the exchange of needs is made once per table)
-        self.gatherer.begin([t for t in transfers if self.gathered(t)],  # rows in our own shard need none
-                            key=transfers if cached else None)
-        if not cached:
+        if transfers is not self._table:  # (not a plan's table: nothing is cached, needs are exchanged)
+            self.gatherer.begin([t for t in transfers if self.gathered(t)])  # rows in our own shard need none
             return _gather_order(transfers, self.gatherer, self.gathered)
         if self._order is None:
             self._order = _gather_order(transfers, self.gatherer, self.gathered)
+            self._gathered_rows = [t for t in transfers if self._gathered[id(t)]]
+        self.gatherer.begin(self._gathered_rows, key=transfers)  # (needs exchanged once per table)
         return self._order  # (the same list every round of the table: callers only read it)
 
     def prepare(self, transfers: Sequence[Transfer]) -> None:

@@ -22,9 +22,11 @@ def _bench(*args: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_fsdp_trainers_to_two_tp_ranks_beside_the_broadcast_baseline():
-    r = _bench("--senders", "2", "--receivers", "2", "--model", "tiny-dense", "--rounds", "3")
-    assert r["case"] == "2 -> 2 disaggregated" and r["transport"] == "tcp"
+def test_two_fsdp_trainers_to_two_tp_ranks_colocated_beside_the_broadcast_baseline():
+    """Colocated: trainer i and receiver i pair up (on a CPU only the broadcast's shape changes: its rank 0
+    also keeps receiver 0's slice, as a colocated framework's trainer process does)."""
+    r = _bench("--senders", "2", "--receivers", "2", "--model", "tiny-dense", "--rounds", "3", "--colocated")
+    assert r["case"] == "2 -> 2 colocated" and r["transport"] == "tcp"
     assert r["bit_exact"] and r["mismatches"] == {}  # every TP slice equals the trainer's, after the last round
     assert r["broadcast_bit_exact"]  # the baseline delivers the same slices
     assert r["rounds_measured"] == 2 and len(r["engine_ms_all"]) == 2
@@ -39,7 +41,7 @@ def test_two_fsdp_trainers_to_two_tp_ranks_beside_the_broadcast_baseline():
 @pytest.mark.timeout(180)
 def test_four_fsdp_trainers_to_two_fp8_tp_ranks_on_a_moe_shape():
     r = _bench("--senders", "4", "--receivers", "2", "--model", "tiny-moe", "--fp8", "--rounds", "2",
-               "--no-broadcast")
+               "--no-broadcast")  # (make bench-mn runs this case beside the broadcast)
     assert r["case"] == "4 -> 2 disaggregated" and r["fp8"]
     assert r["bit_exact"]  # FP8 weights within the block-FP8 bound, everything else equal
     assert r["transfers"] > 200  # per-expert tensors: hundreds of writes a round
