@@ -8,7 +8,8 @@ scales), and turns each part into one ``Piece`` — or several, when only a comb
 covers it. A piece
 lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that FSDP ranks hold as
 gatherable shards is cut at their shard boundaries and each part sent by the ranks whose own shard holds
-it (no gather; ``STITCH_MIN_BYTES`` per part at least, else one gathering rank sends it whole).
+it (no gather; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each part must have
+``STITCH_MIN_BYTES`` at least, else one gathering rank sends the need whole).
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
 bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
@@ -31,7 +32,10 @@ from .links import Participant
 from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, Part, SourceShape, components, dtype_transform
 from .mapping import get_mapping, parts_for
 
-STITCH_MIN_BYTES = 1 << 20  # a shard-to-shard part smaller than this is not worth its own write
+STITCH_MIN_BYTES = 1 << 20  # a shard-to-shard part smaller than this is not worth its own write ...
+STITCH_SMALL_GROUP = 8  # ... unless the FSDP group has this many shards at most: then a need takes a few
+#                          writes, which cost less than a gather (a collective every rank of the group
+#                          joins, a latency the byte model leaves out, and the tensor on an inbound port)
 
 
 class Piece:
@@ -285,12 +289,17 @@ def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Opti
             continue
         if a >= need.stop:
             break
-        stop = min(b, need.stop)
-        if a > at or (stop - at) * row_bytes < STITCH_MIN_BYTES and not (at == need.start and stop == need.stop):
+        if a > at:
             return None
+        stop = min(b, need.stop)
         out.append((at, stop, holders))
         at = stop
-    return out if at == need.stop and out else None
+    if at != need.stop or not out:
+        return None
+    if len(spans) > STITCH_SMALL_GROUP and len(out) > 1 and any((b - a) * row_bytes < STITCH_MIN_BYTES
+                                                                 for a, b, _ in out):
+        return None  # small parts of a large group: one gathering rank sends the need whole
+    return out
 
 
 def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform) -> list[Piece]:

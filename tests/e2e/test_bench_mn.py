@@ -34,7 +34,7 @@ def test_two_fsdp_trainers_to_two_tp_ranks_colocated_beside_the_broadcast_baseli
     assert r["engine_over_bound_ratio"] == pytest.approx(r["engine_ms"] / r["bound_ms"], rel=1e-2)
     assert r["broadcast_with_gather_ms"] > r["broadcast_ms"] > 0
     assert set(r["senders"]) == {"sender 0", "sender 1"}
-    assert all(s["compiles"] <= 2 for s in r["senders"].values())  # once per landing slot, not per round
+    assert all(s["compiles"] <= 4 for s in r["senders"].values())  # per receiver and landing slot, not per round
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from weightsync.engine.plan import (
     tables_from_assignment,
 )
 from plan_helpers import check_coverage, participant, tensor
-from weightsync.wire import Envelope, encode
+from weightsync.wire import Envelope, Slice, encode
 from weightsync.wire import messages as m
 
 MODEL = {"embed": (64, 16), "w1": (32, 16), "w2": (16, 32), "norm": (16,), "step": ()}
@@ -97,6 +97,26 @@ def test_stitches_a_need_from_dim0_shards():
     check_coverage(routing, receivers)
     got = sorted((e.src_rank, e.slice.start, e.slice.stop) for e in routing.receivers[1].entries)
     assert got == [(0, 2, 4), (1, 4, 6)]
+
+
+@pytest.mark.parametrize("group, stitched", [(4, True), (8, True), (16, False)])
+def test_small_parts_go_shard_to_shard_only_in_a_small_fsdp_group(group, stitched):
+    """A 64 KiB tensor sharded by FSDP over ``group`` ranks, needed whole by one receiver: in a group of a
+    host's size each rank sends its rows (no gather); in a larger one the parts are too many and too
+    small, so one rank gathers it and sends it whole."""
+    rows = 64
+    senders = [participant(r, [tensor("w", (rows, 256), shard=(0, rows * r // group, rows * (r + 1) // group),
+                                      gatherable=True)], host="t") for r in range(group)]
+    receivers = [participant(0, [tensor("w", (rows, 256))], host="i")]
+    routing = plan(senders, receivers)
+    check_coverage(routing, receivers)
+    sources = {e.src_rank for e in routing.receivers[0].entries}
+    if stitched:
+        assert sources == set(range(group))
+        assert all(e.slice == Slice(0, rows * e.src_rank // group, rows * (e.src_rank + 1) // group)
+                   for e in routing.receivers[0].entries)  # each its own rows: inside its shard
+    else:
+        assert len(sources) == 1 and len(routing.receivers[0].entries) == 1  # one gathering sender
 
 
 def test_prefers_same_gpu_then_same_host():
