@@ -136,13 +136,17 @@ def group_by_locality(
     r_by_rank = {p.rank: p for p in receivers}
     by_class: dict[tuple[int, int], dict[LinkClass, tuple[int, ...]]] = {}  # (receiver, id(cands)) -> class -> cands
     per_receiver: dict[int, list[Piece]] = defaultdict(list)
+    classes: dict[tuple[int, int], LinkClass] = {}  # (sender, receiver) -> its link class
     for piece in pieces:
         key = (piece.receiver, id(piece.cands))  # candidate tuples are interned by build_pieces
         if key not in by_class:
-            rp = r_by_rank[piece.receiver]
+            r = piece.receiver
             split: dict[LinkClass, list[int]] = defaultdict(list)
             for s in piece.cands:
-                split[link_class(s_by_rank[s], rp)].append(s)
+                cls = classes.get((s, r))
+                if cls is None:
+                    cls = classes[s, r] = link_class(s_by_rank[s], r_by_rank[r])
+                split[cls].append(s)
             by_class[key] = {c: tuple(ss) for c, ss in sorted(split.items())}
         per_receiver[piece.receiver].append(piece)
     for r, rpieces in per_receiver.items():
