@@ -39,185 +39,23 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import multiprocessing as mp
 import pathlib
-import socket
 import statistics
 import sys
 import time
-import traceback
-import zlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-MAPPING = "qwen2"  # vLLM's fused qkv_proj / gate_up_proj names (engine.plan.mapping)
-WATCHDOG_S = 900.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One run's shape: who holds what, where."""
-
-    model: str
-    senders: int
-    receivers: int
-    device: str  # "cpu" or "cuda"
-    colocated: bool = False
-    fp8: bool = False
-    rounds: int = 3
-    seed: int = 0
-    profile: str = ""  # a folder: cProfile each sender there
-
-    def sender_device(self, rank: int) -> str:
-        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
-
-    def receiver_device(self, rank: int) -> str:
-        if self.device == "cpu":
-            return "cpu"
-        return f"cuda:{rank if self.colocated else self.senders + rank}"
-
-    @property
-    def transport(self) -> str:
-        return "tcp" if self.device == "cpu" else "cuda_ipc"
-
-    def check(self) -> None:
-        if self.device == "cuda":
-            need = max(self.senders, self.receivers) if self.colocated else self.senders + self.receivers
-            if torch.cuda.device_count() < need:
-                raise SystemExit(f"{self.senders} -> {self.receivers} ({'colocated' if self.colocated else 'disaggregated'}) "
-                                 f"needs {need} GPUs; this machine has {torch.cuda.device_count()}")
-
-
-# --- the model, the weights and what every rank should hold (plain torch) ----------------------------
-
-
-def model_shapes(model: str):
-    from weightsync.engine.models.shapes import bench_model, config_shapes, per_expert
-
-    if model == "tiny-dense":
-        from transformers import Qwen2Config
-
-        return config_shapes(Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
-                                         tie_word_embeddings=False))
-    if model == "tiny-moe":
-        from transformers import Qwen3MoeConfig
-
-        return per_expert(config_shapes(Qwen3MoeConfig(
-            hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2,
-            vocab_size=512, tie_word_embeddings=False)))
-    return bench_model(model)
-
-
-def full_tensor(name: str, shape, version: int, seed: int, device: str) -> torch.Tensor:
-    """The trainer's full ``name`` at ``version``: seeded bf16 noise, plus 1 per training step."""
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    t = torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.bfloat16)
-    for _ in range(version):
-        t.add_(1)
-    return t
-
-
-def receiver_layout(case: Case, rank: int):
-    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout as layout
-
-    shapes = {p.name: (p.dtype, p.shape) for p in model_shapes(case.model)}
-    return layout(shapes, MAPPING, tp=TensorParallel(rank, case.receivers), fp8=FP8Policy() if case.fp8 else None)
-
-
-def tp_part(full: torch.Tensor, entry, world: int, index: int) -> torch.Tensor:
-    return full if entry.shard is None else full.chunk(world, entry.shard.dim)[index]
-
-
-def expected(name: str, entry, sources: dict, world: int, index: int) -> torch.Tensor:
-    """What TP rank ``index`` holds under ``name``: each fused part's own TP chunk, concatenated (vLLM)."""
-    from weightsync.engine.plan.mapping import get_mapping
-
-    parts = [sources[s] for s in get_mapping(MAPPING).recipe(name)[1]]
-    return torch.cat([tp_part(p, entry, world, index) for p in parts])
-
-
-def mismatches(case: Case, rank: int, state: dict, layout, version: int, device: str) -> list[str]:
-    """The names in ``state`` (TP rank ``rank``'s tensors) that differ from the trainer's at ``version``."""
-    from weightsync.engine.plan.mapping import get_mapping
-    from weightsync.engine.transforms import within_fp8_bound
-
-    shapes = {p.name: p.shape for p in model_shapes(case.model)}
-    bad = []
-    for entry in layout:
-        if entry.name.endswith("_scale_inv"):
-            continue
-        srcs = get_mapping(MAPPING).recipe(entry.name)[1]
-        want = expected(entry.name, entry, {s: full_tensor(s, shapes[s], version, case.seed, device) for s in srcs},
-                        case.receivers, rank)
-        got = state[entry.name]
-        if got.dtype == torch.float8_e4m3fn:
-            good = within_fp8_bound(want, got, state[entry.name + "_scale_inv"])
-        else:
-            good = torch.equal(got, want)
-        if not good:
-            bad.append(entry.name)
-    return bad
-
-
-def trainer_module(shapes) -> torch.nn.Module:
-    """An ``nn.Module`` with a parameter at each dotted name (meta device, no memory yet)."""
-    root = torch.nn.Module()
-    for p in shapes:
-        *path, leaf = p.name.split(".")
-        mod = root
-        for part in path:
-            if part not in mod._modules:
-                mod.add_module(part, torch.nn.Module())
-            mod = mod._modules[part]
-        mod.register_parameter(leaf, torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16, device="meta")))
-    return root
-
-
-def fsdp_model(case: Case, rank: int) -> torch.nn.Module:
-    """This rank's FSDP2 shards of the model at version 0 (``torch.chunk`` rows of each full tensor)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    device = case.sender_device(rank)
-    shapes = model_shapes(case.model)
-    model = trainer_module(shapes)
-    fully_shard(model, mesh=init_device_mesh("cpu" if case.device == "cpu" else "cuda", (case.senders,)))
-    model.to_empty(device=device)
-    with torch.no_grad():
-        shape_of = {p.name: p.shape for p in shapes}
-        for name, param in model.named_parameters():
-            local = param.to_local()
-            want = full_tensor(name, shape_of[name], 0, case.seed, device).chunk(case.senders)
-            want = want[rank] if rank < len(want) else want[0][:0]
-            assert local.shape == want.shape, (name, local.shape, want.shape)
-            local.copy_(want)
-    return model
+from mn_setup import (  # noqa: E402  (the case, the model and its oracle, processes: bench/mn_setup.py)
+    MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, measured_link, mismatches, model_shapes,
+    receiver_layout,
+)
 
 
 # --- engine processes ------------------------------------------------------------------------------
-
-
-def _init_dist(case: Case, rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    if case.device == "cuda":
-        torch.cuda.set_device(case.sender_device(rank))
-    backend = "gloo" if case.device == "cpu" else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-
-def _child(fn, *args) -> None:
-    conn = args[-1]
-    try:
-        torch.set_num_threads(1 if args[0].device == "cpu" else torch.get_num_threads())
-        fn(*args)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
 
 
 def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
@@ -450,96 +288,6 @@ async def broadcast(case: Case) -> dict:
     times = next(t for _, r, (t, _) in done if r == 0)
     bad = [b for _, _, (_, bs) in done for b in bs]
     return {"round_s": times, "ok": not bad, "mismatches": bad}
-
-
-# --- bandwidths, processes, the report --------------------------------------------------------------
-
-
-def measured_link(case: Case):
-    """The planner's link model with this machine's measured bandwidths (bytes/s)."""
-    from weightsync.engine.plan import LinkModel
-
-    if case.device == "cpu":
-        from transfer_cpu import RawSocket
-
-        nbytes = 256 << 20
-        raw = RawSocket(nbytes, 4)
-        try:
-            bw = nbytes / statistics.median(raw.round() for _ in range(4))
-        finally:
-            raw.close()
-        return LinkModel(host_bw=bw, local_bw=bw)
-    from transfer_gpu import bound_seconds
-
-    nbytes = 1 << 30
-    local = nbytes / statistics.median(bound_seconds(nbytes, 5, dst=0))
-    peer = nbytes / statistics.median(bound_seconds(nbytes, 5, dst=1)) if torch.cuda.device_count() > 1 else local
-    torch.cuda.empty_cache()
-    return LinkModel(host_bw=peer, local_bw=local)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Procs:
-    """Spawned children, each reporting on its own pipe; an ``error`` report raises; all reaped."""
-
-    def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.procs: list = []
-        self.pipes: list = []
-
-    def start(self, target, *args) -> None:
-        reader, writer = self.ctx.Pipe(duplex=False)
-        p = self.ctx.Process(target=_child, args=(target, *args, writer), daemon=True)
-        p.start()
-        writer.close()
-        self.procs.append(p)
-        self.pipes.append(reader)
-
-    async def reports(self, n: int) -> list:
-        """The first report of each of ``n`` children; a child's ``error`` report (or death) raises."""
-        from multiprocessing.connection import wait
-
-        loop = asyncio.get_running_loop()
-        out, pending = [], list(self.pipes)
-        deadline = time.monotonic() + WATCHDOG_S
-        while len(out) < n:
-            ready = await loop.run_in_executor(None, wait, pending, 0.5)
-            if not ready and time.monotonic() > deadline:
-                raise TimeoutError(f"{n - len(out)} of {n} processes did not report within {WATCHDOG_S:.0f} s")
-            for conn in ready:
-                pending.remove(conn)
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    raise RuntimeError("a benchmark process died without reporting") from None
-                if msg[0] == "error":
-                    raise RuntimeError(f"a benchmark process failed:\n{msg[1]}")
-                out.append(msg)
-        return out
-
-    @staticmethod
-    async def guard(work, watch: "asyncio.Future"):
-        """``await work``, unless ``watch`` (the children's reports) fails first: then that error."""
-        task = asyncio.ensure_future(asyncio.wait_for(work, WATCHDOG_S))
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch.done() and watch.exception() is not None:
-            task.cancel()
-            raise watch.exception()
-        return await task
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in self.pipes:
-            c.close()
 
 
 def summary(case: Case, link, eng: dict, bc: dict) -> dict:
