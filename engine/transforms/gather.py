@@ -114,7 +114,7 @@ class Gatherer:
         exchange is a collective, so a round cancelled while it runs leaves it to finish in its thread
         and the next round takes its answer (every rank made the same call)."""
         cached = self._needs
-        failed = cached is not None and cached.done() and cached.exception() is not None
+        failed = cached is not None and cached.done() and (cached.cancelled() or cached.exception() is not None)
         if key is None or key is not self._needs_key or cached is None or failed:
             self.exchanges += 1
             self._needs_key = key
@@ -157,7 +157,7 @@ class Gatherer:
 
     async def _run(self, exchange: concurrent.futures.Future) -> None:
         try:
-            needs, wanted = await asyncio.wrap_future(exchange)
+            needs, wanted = await asyncio.shield(asyncio.wrap_future(exchange))  # (a cancelled round leaves it be)
             self.skipped += len(self.dtensors) - len(wanted)
             for name in wanted:  # every rank of the mesh: same names, same order
                 await self._gather_one(name, self.dtensors[name], needs[name])
