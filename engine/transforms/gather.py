@@ -11,9 +11,9 @@ worker thread): each rank says, per DTensor parameter of the mesh, whether it ne
 which rows it holds. Its answer holds for every round of that plan (``begin``'s ``key``: the table; a
 new plan gives every rank a new table, so all ranks exchange again together), and so does the list of
 parameters some rank needs. Then every rank walks those parameters in one fixed order (the model's):
-a parameter nobody needs costs nothing; one every rank needs is ``full_tensor()`` (an all-gather); otherwise each holder sends
-its rows to each rank that needs them and only those allocate the full tensor (``_gather_to``,
-point-to-point). A mesh that is not 1-D with a dim-0 ``Shard`` falls back to ``full_tensor()`` on
+a parameter nobody needs costs nothing; one every rank needs is ``full_tensor()`` (an all-gather);
+otherwise each holder sends its rows to each rank that needs them and only those allocate the full
+tensor (``_gather_to``, point-to-point). A mesh that is not 1-D with a dim-0 ``Shard`` falls back to ``full_tensor()`` on
 every rank, dropped at once where not needed. A ``ByteBudget`` bounds the bytes of full tensors alive
 on this rank: the gather task waits before exceeding it. The pipeline takes rows of gathered
 parameters in gather order (``order``), and waits for the gather before it takes pipeline budget, so a
