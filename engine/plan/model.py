@@ -20,7 +20,10 @@ model (docs/PLANNER.md has the proof): the slowest of
     that can only use classes in S need at least bytes / (sum of the receiver's port bandwidths over
     S) (the tightest S is the receiver's time; with one class it is bytes over that port);
 (b) each sender's bytes that only it can supply, over its port of their class;
-(c) the bytes that can only travel over the network, over all senders' network ports together.
+(c) per class, the bytes that can only leave a sender by that class, plus the rows holders must serve
+    to gatherers (a piece every candidate of which reads outside its own gatherable shard makes one of
+    them gather the parameter: at least the full tensor less that candidate's shard, once per
+    parameter), over all senders' ports of that class together.
 
 Baselines, planned from the same pieces and replayed by the same model: ``broadcast_assignment``
 (rank 0 feeds every receiver, parameter by parameter; it is even allowed to send what it would first
@@ -115,9 +118,7 @@ class _Gathers:
         key = (s, tr.name)
         at = self.done.get(key)
         if at is None:
-            shard = spec.shard
-            full = spec.nbytes // max(1, shard.stop - shard.start) * shard.full_shape[shard.dim] if shard.stop > shard.start else 0
-            pull = max(0, full - spec.nbytes)
+            pull = max(0, _full_bytes(spec) - spec.nbytes)
             cls = LinkClass.NET if len(self.hosts[tr.name]) > 1 else LinkClass.HOST
             at = self.free[s] = self.free[s] + pull / self.link.port_bw(cls, "receiver", s)
             self.done[key] = at
@@ -148,8 +149,9 @@ def lower_bound(
     r_by_rank = {p.rank: p for p in receivers}
     by_classes: dict[int, dict[frozenset, int]] = defaultdict(lambda: defaultdict(int))  # receiver -> usable classes -> bytes
     forced: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    net_only = 0
+    confined: dict[LinkClass, int] = defaultdict(int)  # bytes that can only leave a sender by this class
     usable: dict[tuple[int, tuple[int, ...]], frozenset] = {}
+    gathers = _MinGathers(senders)
     for p in pieces:
         key = (p.receiver, p.cands)
         classes = usable.get(key)
@@ -159,11 +161,53 @@ def lower_bound(
         if len(p.cands) == 1:
             (c,) = classes
             forced[p.cands[0], c] += p.nbytes / link.port_bw(c, "sender", p.cands[0])
-        if classes == {LinkClass.NET}:
-            net_only += p.nbytes
-    aggregate = net_only / sum(link.port_bw(LinkClass.NET, "sender", s.rank) for s in senders)
+        if len(classes) == 1:
+            confined[next(iter(classes))] += p.nbytes
+        gathers.add(p)
+    served = gathers.bytes_by_class()
+    aggregate = [(confined[c] + served[c]) / sum(link.port_bw(c, "sender", s.rank) for s in senders)
+                 for c in set(confined) | set(served)]
     receiving = [receiver_bound(r, groups, link) for r, groups in by_classes.items()]
-    return max([aggregate, *receiving, *forced.values()])
+    return max([*aggregate, *receiving, *forced.values()], default=0.0)
+
+
+class _MinGathers:
+    """The fewest bytes holders must serve to gatherers, under the model: a piece every one of whose
+    candidates reads outside its own gatherable shard makes some candidate gather the parameter, pulling
+    the full tensor less its own shard over the class that reaches the other holders; per parameter,
+    once, at the smallest such pull."""
+
+    def __init__(self, senders: Sequence[Participant]) -> None:
+        self.specs = {sp.rank: {t.name: t for t in sp.manifest.tensors if t.gatherable and t.shard is not None}
+                      for sp in senders}
+        self.hosts: dict[str, set] = defaultdict(set)
+        for sp in senders:
+            for name in self.specs[sp.rank]:
+                self.hosts[name].add(sp.host)
+        self.pull: dict[str, int] = {}
+
+    def add(self, p: Piece) -> None:
+        least = None
+        for s in p.cands:
+            spec = self.specs[s].get(p.src_name)
+            if spec is None or spec.shard.covers(p.slice):
+                return  # this candidate sends it without a gather
+            n = _full_bytes(spec) - spec.nbytes
+            least = n if least is None else min(least, n)
+        if least is not None:
+            self.pull[p.src_name] = min(self.pull.get(p.src_name, least), least)
+
+    def bytes_by_class(self) -> dict[LinkClass, int]:
+        out: dict[LinkClass, int] = defaultdict(int)
+        for name, n in self.pull.items():
+            out[LinkClass.NET if len(self.hosts[name]) > 1 else LinkClass.HOST] += n
+        return out
+
+
+def _full_bytes(spec) -> int:
+    """A gatherable shard's full tensor, in bytes (the same arithmetic as the model's gathers)."""
+    shard = spec.shard
+    return spec.nbytes // max(1, shard.stop - shard.start) * shard.full_shape[shard.dim] if shard.stop > shard.start else 0
 
 
 def receiver_bound(rank: int, groups: Mapping[frozenset, int], link: LinkModel) -> float:

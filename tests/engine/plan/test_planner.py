@@ -305,3 +305,18 @@ def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
     receivers = [participant(0, [tensor("w", (4096, 64))], host="h", device="cuda:0")]
     pieces, _ = build_pieces(senders, receivers)
     assert lower_bound(pieces, senders, receivers, link) == pytest.approx(4096 * 64 * 4 / 4e9)
+
+
+def test_the_bound_counts_the_gather_some_candidate_must_make():
+    """A row-parallel slice (dim 1) of a tensor two FSDP ranks hold by rows: whoever sends it gathers the
+    other rank's half first, and that half leaves its holder's port; with a slow host port that is the
+    bound (and the makespan is not below it)."""
+    link = LinkModel(host_bw=1e6)
+    senders = [participant(r, [tensor("w", (64, 256), shard=(0, 32 * r, 32 * r + 32), gatherable=True)], host="t")
+               for r in range(2)]
+    receivers = [participant(0, [tensor("w", (64, 256), shard=(1, 0, 128))], host="i")]
+    pieces, _ = build_pieces(senders, receivers)
+    half = 32 * 256 * 4  # the other rank's rows, served once
+    assert lower_bound(pieces, senders, receivers, link) == pytest.approx(half / (2 * link.host_bw))
+    routing = plan(senders, receivers, link)
+    assert makespan(routing.senders, senders, receivers, link) >= lower_bound(pieces, senders, receivers, link)
