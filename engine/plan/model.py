@@ -93,11 +93,10 @@ def makespan(
     return max(end_all, gathers.serving_bound(sending))
 
 
-class _Gathers:
-    """The gathers a set of tables implies, per sender and parameter (see the module's header)."""
+class _Holders:
+    """Who holds which gatherable (FSDP) shard, and the class a gather of each parameter travels by."""
 
-    def __init__(self, senders: Sequence[Participant], link: LinkModel) -> None:
-        self.link = link
+    def __init__(self, senders: Sequence[Participant]) -> None:
         self.shards: dict[int, dict[str, object]] = {}  # sender -> name -> its gatherable TensorSpec
         holders: dict[str, list[Participant]] = defaultdict(list)
         for sp in senders:
@@ -107,6 +106,18 @@ class _Gathers:
                 holders[name].append(sp)
         self.holders = holders
         self.hosts = {name: {p.host for p in ps} for name, ps in holders.items()}
+
+    def gather_class(self, name: str) -> LinkClass:
+        """The network when the parameter's holders span hosts, else the host's links."""
+        return LinkClass.NET if len(self.hosts[name]) > 1 else LinkClass.HOST
+
+
+class _Gathers(_Holders):
+    """The gathers a set of tables implies, per sender and parameter (see the module's header)."""
+
+    def __init__(self, senders: Sequence[Participant], link: LinkModel) -> None:
+        super().__init__(senders)
+        self.link = link
         self.free: dict[int, float] = defaultdict(float)  # sender -> when its inbound gather port frees
         self.done: dict[tuple[int, str], float] = {}  # (sender, name) -> when its full tensor is there
         self.gathered_bytes = 0
@@ -119,7 +130,7 @@ class _Gathers:
         at = self.done.get(key)
         if at is None:
             pull = max(0, _full_bytes(spec) - spec.nbytes)
-            cls = LinkClass.NET if len(self.hosts[tr.name]) > 1 else LinkClass.HOST
+            cls = self.gather_class(tr.name)
             at = self.free[s] = self.free[s] + pull / self.link.port_bw(cls, "receiver", s)
             self.done[key] = at
             self.gathered_bytes += pull
@@ -134,12 +145,11 @@ class _Gathers:
             return 0.0
         out = defaultdict(float, sending)
         for name, n in gatherers.items():
-            cls = LinkClass.NET if len(self.hosts[name]) > 1 else LinkClass.HOST
+            cls = self.gather_class(name)
             for sp in self.holders[name]:
                 mine = (sp.rank, name) in self.done
                 out[sp.rank, cls] += self.shards[sp.rank][name].nbytes * (n - mine) / self.link.port_bw(cls, "sender", sp.rank)
         return max(out.values())
-
 
 
 def lower_bound(
@@ -171,25 +181,20 @@ def lower_bound(
     return max([*aggregate, *receiving, *forced.values()], default=0.0)
 
 
-class _MinGathers:
+class _MinGathers(_Holders):
     """The fewest bytes holders must serve to gatherers, under the model: a piece every one of whose
     candidates reads outside its own gatherable shard makes some candidate gather the parameter, pulling
     the full tensor less its own shard over the class that reaches the other holders; per parameter,
     once, at the smallest such pull."""
 
     def __init__(self, senders: Sequence[Participant]) -> None:
-        self.specs = {sp.rank: {t.name: t for t in sp.manifest.tensors if t.gatherable and t.shard is not None}
-                      for sp in senders}
-        self.hosts: dict[str, set] = defaultdict(set)
-        for sp in senders:
-            for name in self.specs[sp.rank]:
-                self.hosts[name].add(sp.host)
+        super().__init__(senders)
         self.pull: dict[str, int] = {}
 
     def add(self, p: Piece) -> None:
         least = None
         for s in p.cands:
-            spec = self.specs[s].get(p.src_name)
+            spec = self.shards[s].get(p.src_name)
             if spec is None or spec.shard.covers(p.slice):
                 return  # this candidate sends it without a gather
             n = _full_bytes(spec) - spec.nbytes
@@ -200,7 +205,7 @@ class _MinGathers:
     def bytes_by_class(self) -> dict[LinkClass, int]:
         out: dict[LinkClass, int] = defaultdict(int)
         for name, n in self.pull.items():
-            out[LinkClass.NET if len(self.hosts[name]) > 1 else LinkClass.HOST] += n
+            out[self.gather_class(name)] += n
         return out
 
 
