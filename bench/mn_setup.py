@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import multiprocessing as mp
 import socket
 import statistics
@@ -56,7 +57,9 @@ class Case:
 # --- the model, the weights and what every rank should hold (plain torch) ----------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def model_shapes(model: str):
+    """The trainer's parameter names and shapes (built once per process: a meta model is slow to make)."""
     from weightsync.engine.models.shapes import bench_model, config_shapes, per_expert
 
     if model == "tiny-dense":
@@ -91,21 +94,24 @@ def receiver_layout(case: Case, rank: int):
     return layout(shapes, MAPPING, tp=TensorParallel(rank, case.receivers), fp8=FP8Policy() if case.fp8 else None)
 
 
+def fused_parts(name: str) -> tuple[str, ...]:
+    """The trainer names a receiver tensor is made of, in order (one, unless the mapping fuses)."""
+    from weightsync.engine.plan.mapping import get_mapping
+
+    return get_mapping(MAPPING).recipe(name)[1]
+
+
 def tp_part(full: torch.Tensor, entry, world: int, index: int) -> torch.Tensor:
     return full if entry.shard is None else full.chunk(world, entry.shard.dim)[index]
 
 
 def expected(name: str, entry, sources: dict, world: int, index: int) -> torch.Tensor:
     """What TP rank ``index`` holds under ``name``: each fused part's own TP chunk, concatenated (vLLM)."""
-    from weightsync.engine.plan.mapping import get_mapping
-
-    parts = [sources[s] for s in get_mapping(MAPPING).recipe(name)[1]]
-    return torch.cat([tp_part(p, entry, world, index) for p in parts])
+    return torch.cat([tp_part(sources[s], entry, world, index) for s in fused_parts(name)])
 
 
 def mismatches(case: Case, rank: int, state: dict, layout, version: int, device: str) -> list[str]:
     """The names in ``state`` (TP rank ``rank``'s tensors) that differ from the trainer's at ``version``."""
-    from weightsync.engine.plan.mapping import get_mapping
     from weightsync.engine.transforms import within_fp8_bound
 
     shapes = {p.name: p.shape for p in model_shapes(case.model)}
@@ -113,9 +119,8 @@ def mismatches(case: Case, rank: int, state: dict, layout, version: int, device:
     for entry in layout:
         if entry.name.endswith("_scale_inv"):
             continue
-        srcs = get_mapping(MAPPING).recipe(entry.name)[1]
-        want = expected(entry.name, entry, {s: full_tensor(s, shapes[s], version, case.seed, device) for s in srcs},
-                        case.receivers, rank)
+        sources = {s: full_tensor(s, shapes[s], version, case.seed, device) for s in fused_parts(entry.name)}
+        want = expected(entry.name, entry, sources, case.receivers, rank)
         got = state[entry.name]
         if got.dtype == torch.float8_e4m3fn:
             good = within_fp8_bound(want, got, state[entry.name + "_scale_inv"])
@@ -161,11 +166,12 @@ def fsdp_model(case: Case, rank: int) -> torch.nn.Module:
     return model
 
 
-def _init_dist(case: Case, rank: int, world: int, port: int) -> None:
+def _init_dist(case: Case, device: str, rank: int, world: int, port: int) -> None:
+    """Join a process group of ``world`` (NCCL on GPUs, gloo on the CPU) from ``device``."""
     import torch.distributed as dist
 
     if case.device == "cuda":
-        torch.cuda.set_device(case.sender_device(rank))
+        torch.cuda.set_device(device)
     backend = "gloo" if case.device == "cpu" else "nccl"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 

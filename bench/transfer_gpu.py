@@ -273,30 +273,30 @@ def _engine_sender(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn,
     conn.send((pipeline_s[1:], timelines, written[0] if written else 0))
 
 
-def _profiled(main, path: str, trace: str = "") -> None:
-    """Run ``main()`` on a new loop; with ``path``, under cProfile, writing the hottest functions there;
-    with ``trace``, under torch.profiler (CPU and CUDA), writing a Chrome trace there."""
+def _profiled(main, path: str, trace: str = ""):
+    """Run ``main()`` on a new loop and return its result; with ``path``, under cProfile, writing the
+    hottest functions there; with ``trace``, under torch.profiler (CPU and CUDA), writing a Chrome trace there."""
     if trace:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            asyncio.run(main())
+            result = asyncio.run(main())
         prof.export_chrome_trace(trace)
-        return
+        return result
     if not path:
-        asyncio.run(main())
-        return
+        return asyncio.run(main())
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
-    prof.runcall(asyncio.run, main())
+    result = prof.runcall(asyncio.run, main())
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(40)
     pathlib.Path(path).write_text(text.getvalue())
+    return result
 
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,

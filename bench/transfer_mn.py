@@ -50,9 +50,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from mn_setup import (  # noqa: E402  (the case, the model and its oracle, processes: bench/mn_setup.py)
-    MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, measured_link, mismatches, model_shapes,
-    receiver_layout,
+    MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, fused_parts, measured_link, mismatches,
+    model_shapes, receiver_layout, tp_part,
 )
+from transfer_gpu import _median_timeline, _profiled  # noqa: E402
 
 
 # --- engine processes ------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     from weightsync.roles import SenderOptions, WeightSender
 
     install_uvloop()
-    _init_dist(case, rank, case.senders, port)
+    _init_dist(case, case.sender_device(rank), rank, case.senders, port)
     model = fsdp_model(case, rank)
     opts = SenderOptions(transport=case.transport, transport_options=TransportOptions(device=case.sender_device(rank)))
 
@@ -80,31 +81,18 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                     torch.cuda.synchronize()
                 await (await sender.push(v))
             g = sender.sources.gatherer
-            issue = []  # seconds from pipeline start to every write issued (sealed), per measured round
-            for v in range(2, case.rounds + 1):
-                marks = sender.timeline.of(v)
-                issue.append(marks.get("pipeline:sealed", marks["pipeline:end"]) - marks["pipeline:start"])
+            marks = {v: sender.timeline.of(v) for v in range(2, case.rounds + 1)}
+            # seconds from pipeline start to every write issued (sealed), per measured round
+            issue = [m.get("pipeline:sealed", m["pipeline:end"]) - m["pipeline:start"] for m in marks.values()]
             rows = len(sender.table.transfers)
-            return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows,
-                    "marks": {v: sender.timeline.of(v) for v in range(2, case.rounds + 1)},
+            return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows, "marks": marks,
                     "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows else None,
                     "compiles": sender.pipeline.compiler.compiles}
     try:
-        if case.profile:
-            from transfer_gpu import _profiled
-
-            got = []
-            _profiled(lambda: _keep(main(), got), f"{case.profile}/sender{rank}.txt")
-            stats = got[0]
-        else:
-            stats = asyncio.run(main())
+        stats = _profiled(main, f"{case.profile}/sender{rank}.txt" if case.profile else "")
         conn.send(("sender", rank, {**stats, "full_tensor_s": full_tensor_seconds(model, case)}))
     finally:
         dist.destroy_process_group()
-
-
-async def _keep(coro, into: list) -> None:
-    into.append(await coro)
 
 
 def full_tensor_seconds(model: torch.nn.Module, case: Case) -> list[float]:
@@ -195,8 +183,6 @@ async def engine(case: Case, link) -> dict:
 def _timeline(ctl, done: list, case: Case) -> list:
     """Each event's median milliseconds since the controller started the round, over the measured
     rounds: the controller's, every sender's and every receiver's marks on one clock (one host)."""
-    from transfer_gpu import _median_timeline
-
     from weightsync.roles.timeline import merge
 
     rounds = []
@@ -223,10 +209,7 @@ def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
     world = case.receivers + (0 if case.colocated else 1)
     serves = [0] if (rank == 0 and case.colocated) else ([] if rank == 0 else [rank - 1 + first])
     device = case.sender_device(0) if rank == 0 else case.receiver_device(rank - 1 + first)
-    if case.device == "cuda":
-        torch.cuda.set_device(device)
-    backend = "gloo" if case.device == "cpu" else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _init_dist(case, device, rank, world, port)
     layouts = {r: {e.name: e for e in receiver_layout(dataclasses.replace(case, fp8=False), r)} for r in serves}
     mine = {r: allocate(list(layouts[r].values()), device)[0] for r in serves}
     shapes = model_shapes(case.model)
@@ -237,9 +220,9 @@ def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
     def one_round():
         for name, t in full.items():
             dist.broadcast(t, src=0)
-            for r, dst, dim, at in where.get(name, ()):
-                keep = t if dim is None else t.chunk(case.receivers, dim)[r]
-                mine[r][dst].narrow(0, at, keep.shape[0]).copy_(keep)
+            for r, entry, at in where.get(name, ()):
+                keep = tp_part(t, entry, case.receivers, r)
+                mine[r][entry.name].narrow(0, at, keep.shape[0]).copy_(keep)
 
     times = []
     for _ in range(case.rounds):
@@ -259,19 +242,16 @@ def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
 
 
 def _slices(layouts: dict, case: Case) -> dict[str, list]:
-    """source name -> [(receiver, receiver name, TP dim or None, row offset in the fused tensor)]."""
-    from weightsync.engine.plan.mapping import get_mapping
-
+    """source name -> [(receiver, its layout entry, row offset of this part in the fused tensor)]."""
     out: dict[str, list] = {}
     shapes = {p.name: p.shape for p in model_shapes(case.model)}
     for r, entries in layouts.items():
         for name, e in entries.items():
             at = 0
-            for src in get_mapping(MAPPING).recipe(name)[1]:
-                dim = None if e.shard is None else e.shard.dim
-                out.setdefault(src, []).append((r, name, dim, at))
+            for src in fused_parts(name):
+                out.setdefault(src, []).append((r, e, at))
                 rows = shapes[src][0]
-                at += rows if dim != 0 else rows // case.receivers
+                at += rows // case.receivers if e.shard is not None and e.shard.dim == 0 else rows
     return out
 
 
