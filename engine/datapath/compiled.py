@@ -49,19 +49,8 @@ class CompiledLane:
 
     rows: tuple[CopyRow, ...]
     table: object  # what the connection's ``compile`` made of ``rows`` (None: no direct rows)
-    staged: Optional[list[Transfer]]  # None: recomputed each round (the order of gathered rows changes)
-    staged_ids: frozenset = frozenset()  # id() of the direct rows, to filter a round's order by
+    staged: list[Transfer]  # the rest, in staging order
     nbytes: int = 0  # of the direct rows
-    _last: tuple = (None, None)  # (the order filtered last, its rows): a source set's cached order repeats
-
-    def staged_rows(self, ordered: Sequence[Transfer], rank: int) -> list[Transfer]:
-        if self.staged is not None:
-            return self.staged
-        if self._last[0] is ordered:
-            return self._last[1]
-        rows = [t for t in ordered if t.dst_rank == rank and id(t) not in self.staged_ids]
-        self._last = (ordered, rows)
-        return rows
 
 
 def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str) -> Optional[torch.Tensor]:
@@ -77,22 +66,20 @@ def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: s
 
 
 def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: int, checksum: str,
-                 stable: bool, enabled: bool = True) -> CompiledLane:
-    """One lane's rows (table order) -> a ``CompiledLane`` for ``conn``; ``stable``: the staging order
-    is the table's every round (no gathers), so the staged rows are kept too; ``enabled`` False: every
+                 enabled: bool = True) -> CompiledLane:
+    """One lane's rows (in staging order) -> a ``CompiledLane`` for ``conn``; ``enabled`` False: every
     row is staged (``PipelineOptions.compiled``)."""
     compiles = enabled and hasattr(conn, "compile")
     devices = getattr(conn, "direct_devices", frozenset()) if compiles else frozenset()
-    rows, ids, staged = [], set(), []
+    rows, staged = [], []
     for t in transfers:
         view = direct_view(t, sources, devices, checksum)
         if view is None:
             staged.append(t)
             continue
         rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes))
-        ids.add(id(t))
     table = conn.compile(rows) if rows else None
-    return CompiledLane(tuple(rows), table, staged if stable else None, frozenset(ids), sum(r.nbytes for r in rows))
+    return CompiledLane(tuple(rows), table, staged, sum(r.nbytes for r in rows))
 
 
 class RoundCompiler:
@@ -109,25 +96,26 @@ class RoundCompiler:
         return f"<RoundCompiler compiles={self.compiles} cached={len(self._cache)}>"
 
     def lanes(self, transfers: Sequence[Transfer], sources: SourceSet, conns: Mapping[int, object],
-              slots: Mapping[int, int], checksum: str, enabled: bool = True) -> dict[int, CompiledLane]:
-        """Receiver rank -> its compiled lane, for every receiver ``transfers`` names."""
+              slots: Mapping[int, int], checksum: str, enabled: bool = True,
+              order: Optional[Sequence[Transfer]] = None) -> dict[int, CompiledLane]:
+        """Receiver rank -> its compiled lane, for every receiver ``transfers`` names. ``order``: the
+        same rows in staging order (``SourceSet.begin``: fixed for a table), if not the table's."""
         if transfers is not self._table or not isinstance(transfers, tuple):
             self._cache.clear()
             self._by_rank = {}
-            for t in transfers:
+            for t in (transfers if order is None else order):
                 self._by_rank.setdefault(t.dst_rank, []).append(t)
             self._table = transfers if isinstance(transfers, tuple) else None  # (a list may change: never cached)
         missing = sorted(set(self._by_rank) - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
-        stable = sources.gatherer is None
         out = {}
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
             key = (rank, slot, checksum, enabled, getattr(conn, "generation", 0))
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
-                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, stable, enabled))
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, enabled))
                 self.compiles += 1
             out[rank] = entry[1]
         if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables

@@ -131,14 +131,15 @@ class Pipeline:
         no connection seals early."""
         resolve, token = self._resolver(conns, slots)
         ordered = self.sources.begin(transfers, resolve, token)
-        lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled)
+        lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled,
+                                    order=ordered)
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
         seals = _Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
                        if on_sealed is not None else None)
         try:
-            await run_all(self._lane(conns[r], lane, lane.staged_rows(ordered, r), reports[r], epoch, slots.get(r, 0),
+            await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
                                      on_sealed is not None, seals.one) for r, lane in lanes.items())
         except BaseException:
             self.sources.abort()

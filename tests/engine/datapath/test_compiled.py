@@ -58,14 +58,14 @@ async def test_a_compiled_lane_is_the_per_row_plan_byte_for_byte():
     sources = SourceSet(SOURCES)
     table = _table(SOURCES)
     sources.begin(table)
-    lane = compile_lane(table, sources, conn, slot=0, checksum="", stable=True)
+    lane = compile_lane(table, sources, conn, slot=0, checksum="")
     assert [t.name for t in lane.staged] == ["t"]
     for row, t in zip(lane.rows, [t for t in table if t.name != "t"]):
         view = sources.view(t)
         assert (row.name, row.region, row.offset, row.nbytes) == (t.name, t.dst_region, t.dst_offset, t.nbytes)
         assert row.src.data_ptr() == view.data_ptr() and torch.equal(row.src, view)
     assert lane.nbytes == sum(t.nbytes for t in table if t.name != "t")
-    assert compile_lane(table, sources, conn, 0, "crc32", True).rows == ()  # checksums: every row staged
+    assert compile_lane(table, sources, conn, 0, "crc32").rows == ()  # checksums: every row staged
     await _close(src, dst, conn)
 
 
