@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from weightsync.engine.datapath.checksums import checksum
+from weightsync.engine.datapath.exchange import Exchange, memory_exchange
 from weightsync.engine.datapath.registry import RegistrationCache
 from weightsync.engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
 from weightsync.engine.errors import ConfigError, RoundAborted
@@ -299,14 +300,15 @@ class WeightReceiver(Worker):
     def _swap(self) -> None:
         """Make the landing buffer's bytes live; the next version lands in the old live memory.
 
-        Where it may (``_can_exchange_memory``), the two buffers' storages exchange their memory
-        (``UntypedStorage._swap_data_ptr_``): every tensor, a view of the live buffer's storage, sees the
+        Where it may (``_exchange``), the two buffers' storages exchange their memory
+        (``engine.datapath.exchange``): every tensor, a view of the live buffer's storage, sees the
         new bytes at once, whatever the tensor count. Otherwise every tensor is rebound to the landing
         buffer (``t.data = view``, about 0.4 us a tensor). Both memory
         blocks stay registered (regions 0 and 1); the controller flips this receiver's slot on our
         commit_ack, so senders follow without any re-registration (``landing_slot`` follows memory)."""
-        if self._can_exchange_memory():
-            self.live.storage.untyped_storage()._swap_data_ptr_(self.landing.storage.untyped_storage())
+        exchange = self._exchange()
+        if exchange is not None:
+            exchange(self.live.storage.untyped_storage(), self.landing.storage.untyped_storage())
             self.storage_swaps += 1
             return
         new_live, new_landing = self.landing, self.live
@@ -318,12 +320,13 @@ class WeightReceiver(Worker):
         collections.deque(map(_SET_DATA, self.tensors.values(), views), maxlen=0)
         self.live, self.landing = new_live, new_landing
 
-    def _can_exchange_memory(self) -> bool:
-        """Whether a commit may exchange the buffers' memory: the transport's regions are the memory they
-        were registered with, the buffers are host memory (on CUDA buffers the exchange is not validated:
-        they rebind per tensor), and this torch has ``UntypedStorage._swap_data_ptr_``."""
-        return (self.device.type == "cpu" and getattr(self.transport, "stable_regions", False)
-                and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
+    def _exchange(self) -> Optional[Exchange]:
+        """How a commit exchanges the buffers' memory, or None to rebind: only where the transport's
+        regions are the memory they were registered with (the landing slot then follows memory) and this
+        torch can exchange storages on the buffers' device (``memory_exchange``)."""
+        if not getattr(self.transport, "stable_regions", False):
+            return None
+        return memory_exchange(self.device)
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body

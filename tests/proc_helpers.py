@@ -181,3 +181,4 @@ async def _receiver(addr, rank, versions, out, mode, tie, transport, device, ucc
         for v in versions:
             await receiver.wait_for(v)
             out.send(("committed", "receiver", rank, (v, receiver.version, mismatches(tensors, receiver.version, spec))))
+        out.send(("swaps", "receiver", rank, receiver.storage_swaps))  # commits made by exchanging memory

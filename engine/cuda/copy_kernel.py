@@ -4,7 +4,7 @@ How this works. A trainer and an inference engine on the same GPU (colocated) ex
 device-to-device copies; thousands of them (a MoE model's per-expert tensors) issued one by one cost
 microseconds of launch each, far more than the bytes take. ``CopyKernel(copies, device)`` takes the
 ``(dst, src, nbytes)`` pointer triples once per plan and cuts every copy into pieces of at most
-``PIECE`` bytes; the pieces' (source offset, destination offset, length) go into one int64 table on
+``tile * steps`` words (64 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table on
 the GPU, offsets counted in 4-byte words from the lowest source and destination (kernel arguments,
 so the compiler knows their alignment; ``fp8_kernel._Address`` stands for a raw address). ``launch``
 then runs one program per piece, each copying its words in 16-byte vectors: one launch per round,
@@ -28,7 +28,7 @@ from . import cuda_rt
 
 TILE = 2048  # 4-byte words per step of a program
 STEPS = 8  # steps per program: a piece is TILE * STEPS words (64 KiB)
-PIECE = TILE * STEPS * 4
+WARPS = 8  # (bench/diagnostics/copy_kernel.py measures other shapes)
 ALIGN = 16
 
 
@@ -48,8 +48,10 @@ def _copy_pieces_kernel(table, src, dst, TILE: tl.constexpr, STEPS: tl.constexpr
 class CopyKernel:
     """A fixed list of same-device copies, launched as one kernel (plus pointer copies for the unaligned)."""
 
-    def __init__(self, copies: Sequence[tuple[int, int, int]], device: int) -> None:
-        self.device = device
+    def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, *, tile: int = TILE, steps: int = STEPS,
+                 warps: int = WARPS) -> None:
+        self.device, self.tile, self.steps, self.warps = device, tile, steps, warps
+        piece = tile * steps * 4
         aligned = [c for c in copies if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
         self.rest = [c for c in copies if c[2] and (c[0] | c[1] | c[2]) % ALIGN]
         self.pieces = 0
@@ -58,17 +60,18 @@ class CopyKernel:
             return
         dst, src, size = (torch.tensor([c[i] for c in aligned], dtype=torch.int64) for i in range(3))
         self.src_base, self.dst_base = int(src.min()), int(dst.min())
-        counts = (size + PIECE - 1) // PIECE
+        counts = (size + piece - 1) // piece
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         k = torch.arange(int(counts.sum()), dtype=torch.int64) - first  # piece number inside its copy
         copy = torch.repeat_interleave(torch.arange(len(aligned)), counts)
-        table = torch.stack([(src[copy] - self.src_base + k * PIECE) // 4, (dst[copy] - self.dst_base + k * PIECE) // 4,
-                             (size[copy] - k * PIECE).clamp(max=PIECE) // 4], dim=1)
+        table = torch.stack([(src[copy] - self.src_base + k * piece) // 4, (dst[copy] - self.dst_base + k * piece) // 4,
+                             (size[copy] - k * piece).clamp(max=piece) // 4], dim=1)
         self.pieces = len(table)
         self.table = table.contiguous().to(f"cuda:{device}")
 
     def __repr__(self) -> str:
-        return f"<CopyKernel pieces={self.pieces} pointer_copies={len(self.rest)} bytes={self.nbytes}>"
+        return (f"<CopyKernel pieces={self.pieces} of {self.tile * self.steps * 4} bytes, {self.warps} warps, "
+                f"pointer_copies={len(self.rest)} bytes={self.nbytes}>")
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         """Queue every copy on ``stream`` (a stream of ``device``)."""
@@ -77,6 +80,6 @@ class CopyKernel:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 _copy_pieces_kernel[(self.pieces,)](self.table, _Address(self.src_base, torch.int32, device),
                                                     _Address(self.dst_base, torch.int32, device),
-                                                    TILE=TILE, STEPS=STEPS, num_warps=8)
+                                                    TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
         if self.rest:
             cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.device)

@@ -51,6 +51,9 @@ async def _three_rounds(transport: str, src: str, dst: str, mode: str, checksum:
                     if role == "receiver":
                         assert data == (v, v, []), f"{transport} {src}->{dst} {mode}: {data}"
                 assert (await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)).ok
+            [(_, _, _, swaps)] = await kids.expect("swaps")
+            if mode == "shadow" and transport in ("cuda_ipc", "uccl"):  # regions that are their memory: every
+                assert swaps == len(versions)  # commit exchanges the GPU buffers' memory, none rebinds
     finally:
         kids.close()
 
@@ -69,6 +72,31 @@ async def test_moe_shaped_compiled_rounds_bit_exact(transport, src, dst, mode):
     staged beside them), no checksum: the compiled replay (one copy kernel launch on one GPU, batch calls
     across GPUs, frames over TCP), three versions."""
     await _three_rounds(transport, src, dst, mode, spec="moe")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "ipc-shared"])
+def test_gpu_storages_exchange_memory(shared):
+    """On this torch (with or without the binding) two CUDA storages exchange memory: views see the
+    other's bytes, IPC-shared storages (their DataPtr wrapped for torch's IPC reference counts) too, and
+    both blocks free cleanly afterwards."""
+    from weightsync.engine.datapath.exchange import memory_exchange
+
+    do = memory_exchange(torch.device("cuda:0"))
+    assert do is not None, "no way to exchange CUDA storages: a shadow receiver would rebind per tensor"
+    a = torch.full((1 << 20,), 1.0, device="cuda:0")
+    b = torch.full((1 << 20,), 2.0, device="cuda:0")
+    if shared:
+        a.untyped_storage()._share_cuda_()
+        b.untyped_storage()._share_cuda_()
+    view = a[-4:]
+    pa, pb = a.data_ptr(), b.data_ptr()
+    do(a.untyped_storage(), b.untyped_storage())
+    assert a.data_ptr() == pb and b.data_ptr() == pa and view.tolist() == [2.0] * 4
+    a.add_(1)
+    assert b[0].item() == 1.0 and view.tolist() == [3.0] * 4
+    del a, b, view
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 async def test_forced_transport_that_cannot_run_says_what_is_missing():

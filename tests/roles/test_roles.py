@@ -255,13 +255,18 @@ async def test_begin_reaches_senders_first_unless_a_receiver_writes_in_place(mod
             assert not any(event.startswith("recv:begin_ack") for event in marks)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["torch-binding", "probed-layout"])
 @pytest.mark.parametrize("transport", ["tcp", "memory"])
-async def test_a_shadow_commit_exchanges_the_buffers_memory_and_every_tensor_sees_it(transport):
+async def test_a_shadow_commit_exchanges_the_buffers_memory_and_every_tensor_sees_it(transport, native, monkeypatch):
     """Over transports whose regions are the memory they were registered with, a commit exchanges the
     two buffers' memory: the user's tensor objects (and references taken before) see each new version
-    at once, nothing is rebound, and the landing slot follows the memory: 1, 0, 1, ..."""
+    at once, nothing is rebound, and the landing slot follows the memory: 1, 0, 1, ... Both ways to
+    exchange: torch's binding and the probed layout a torch without it uses."""
+    from weightsync.engine.datapath import exchange
     from weightsync.engine.transport import TransportOptions
-    from weightsync.roles import ReceiverOptions
+    from weightsync.roles import ReceiverOptions, receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "memory_exchange", lambda d: exchange.memory_exchange(d, native=native))
 
     send_t, recv_t = sender_tensors(0), receiver_tensors()
     held = dict(recv_t)  # references a serving engine keeps
