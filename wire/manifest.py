@@ -49,15 +49,32 @@ def dtype_size(dtype: str) -> int:
 
 @struct
 class Slice:
-    """Rows ``start:stop`` of dimension ``dim`` of a full tensor."""
+    """Rows ``start:stop`` of dimension ``dim`` of a full tensor. A slice along a later dim may also keep
+    only rows ``dim0_start:dim0_stop`` of dim 0 (``dim0_stop`` set): a block, such as the rows an FSDP
+    rank holds of a row-parallel tensor-parallel slice, which it sends without gathering the tensor."""
 
     dim: U32
     start: U64
     stop: U64
+    dim0_start: U64 = 0
+    dim0_stop: Optional[U64] = None
 
     def _check(self) -> None:
         if self.start > self.stop:
             raise Violation("value", "stop", f"stop {self.stop} is before start {self.start}")
+        if self.dim0_stop is None:
+            if self.dim0_start:
+                raise Violation("value", "dim0_start", "dim0_start without dim0_stop")
+            return
+        if self.dim == 0:
+            raise Violation("value", "dim0_stop", "a slice along dim 0 takes its dim-0 rows from start:stop")
+        if self.dim0_start > self.dim0_stop:
+            raise Violation("value", "dim0_stop", f"dim0_stop {self.dim0_stop} is before dim0_start {self.dim0_start}")
+
+    @property
+    def block(self) -> bool:
+        """Whether this slice also keeps a range of dim-0 rows."""
+        return self.dim0_stop is not None
 
 
 @struct
@@ -86,7 +103,9 @@ class ShardSpec:
         shard covers only when it is all of it along its dim)."""
         if sl is None:
             return self.start == 0 and self.stop == self.full_shape[self.dim]
-        return sl.dim == self.dim and self.start <= sl.start and sl.stop <= self.stop
+        if sl.dim == self.dim:
+            return self.start <= sl.start and sl.stop <= self.stop
+        return self.dim == 0 and sl.block and self.start <= sl.dim0_start and sl.dim0_stop <= self.stop
 
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from weightsync.wire import ShardSpec, Transfer
+from weightsync.wire import ShardSpec, Slice, Transfer
 
 from ..errors import StagingError
 from ..transforms.core import GROUP_BYTES, Transform, TransformSet
@@ -182,8 +182,7 @@ class SourceSet:
             fut = self.gatherer.ready.get(t.name)
             if fut is None or not fut.done():
                 raise StagingError(t.name, "staged before its full tensor was gathered")
-            full = fut.result()
-            return full if t.slice is None else full.narrow(t.slice.dim, t.slice.start, t.slice.stop - t.slice.start)
+            return _narrow(fut.result(), t.slice, 0, 0)
         view = self._views.get(id(t))
         return view if view is not None else self._slice(t)
 
@@ -192,14 +191,16 @@ class SourceSet:
             src = self.tensors[t.name]
         except KeyError:
             raise StagingError(t.name, "the routing table names a tensor this sender does not hold") from None
-        if t.slice is None:
+        sl = t.slice
+        if sl is None:
             return src
         shard = self.shards.get(t.name)
-        base = shard.start if shard is not None and shard.dim == t.slice.dim else 0
-        start = t.slice.start - base
-        if t.slice.dim >= src.dim() or start < 0 or t.slice.stop - base > src.shape[t.slice.dim]:
-            raise StagingError(t.name, f"slice {t.slice} is outside the rows this sender holds")
-        return src.narrow(t.slice.dim, start, t.slice.stop - t.slice.start)
+        base = shard.start if shard is not None and shard.dim == sl.dim else 0
+        base0 = shard.start if shard is not None and shard.dim == 0 else 0
+        if (sl.dim >= src.dim() or sl.start < base or sl.stop - base > src.shape[sl.dim]
+                or (sl.block and (sl.dim0_start < base0 or sl.dim0_stop - base0 > src.shape[0]))):
+            raise StagingError(t.name, f"slice {sl} is outside the rows this sender holds")
+        return _narrow(src, sl, base, base0)
 
     def makes_copy(self, t: Transfer, view: torch.Tensor, readable: frozenset) -> bool:
         """Whether staging ``t`` (source ``view``) allocates (a transform output or a staging copy)."""
@@ -291,3 +292,13 @@ async def _gpu_dense(view: torch.Tensor) -> torch.Tensor:
     out = view.contiguous()
     await cuda_rt.stream_done(view.device)
     return out
+
+
+def _narrow(src: torch.Tensor, sl: Optional[Slice], base: int, base0: int) -> torch.Tensor:
+    """Slice ``sl`` (full-tensor coordinates) of ``src``, which starts at row ``base`` of ``sl``'s dim and
+    row ``base0`` of dim 0; a block keeps its dim-0 rows too (a strided view: staging makes it contiguous)."""
+    if sl is None:
+        return src
+    if sl.block:
+        src = src.narrow(0, sl.dim0_start - base0, sl.dim0_stop - sl.dim0_start)
+    return src.narrow(sl.dim, sl.start - base, sl.stop - sl.start)

@@ -8,8 +8,10 @@ scales), and turns each part into one ``Piece`` — or several, when only a comb
 covers it. A piece
 lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that FSDP ranks hold as
 gatherable shards is cut at their shard boundaries and each part sent by the ranks whose own shard holds
-it (no gather; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each part must have
-``STITCH_MIN_BYTES`` at least, else one gathering rank sends the need whole).
+it; a plain slice along a later dim (a row-parallel TP slice) is cut the same way into blocks, each
+rank's dim-0 rows of it (``Slice.dim0_start:dim0_stop``), which land back to back in the receiver. No
+gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each part must have
+``STITCH_MIN_BYTES`` at least, else one gathering rank sends the need whole.
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
 bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
@@ -59,11 +61,16 @@ class Piece:
         self.cands: tuple[int, ...] = cands
 
     def split(self, nbytes: int) -> tuple["Piece", "Piece"]:
-        """Cut after ``nbytes`` (a positive multiple of row_bytes, less than the size)."""
+        """Cut after ``nbytes`` (a positive multiple of row_bytes, less than the size): along dim 0, the
+        slice's rows or, for a block, its dim-0 rows."""
         rows = nbytes // self.row_bytes
         s = self.slice
-        a = Slice(0, s.start, s.start + rows)
-        b = Slice(0, s.start + rows, s.stop)
+        if s.block:
+            a = Slice(s.dim, s.start, s.stop, s.dim0_start, s.dim0_start + rows)
+            b = Slice(s.dim, s.start, s.stop, s.dim0_start + rows, s.dim0_stop)
+        else:
+            a = Slice(0, s.start, s.start + rows)
+            b = Slice(0, s.start + rows, s.stop)
         head = Piece(self.receiver, self.dst_name, self.src_name, a, nbytes, self.region, self.offset,
                      self.row_bytes, self.transform, self.cands)
         tail = Piece(self.receiver, self.dst_name, self.src_name, b, self.nbytes - nbytes, self.region,
@@ -248,6 +255,10 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
         stitched = _stitch(src, t, rank, need, region, offset, part.row_bytes, intern)
         if stitched is not None:
             return stitched
+    if src.gshards and not part.transform and need is not None and need.dim > 0 and src.full_shape:
+        blocks = _blocks(src, t, rank, need, region, offset, part.nbytes, intern)
+        if blocks is not None:
+            return blocks
     if not src.shards and src.full:
         cands = src.full_cands(intern)
     else:
@@ -278,6 +289,25 @@ def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
         return None
     return [Piece(rank, t.name, src.name, Slice(0, at, stop), (stop - at) * row_bytes, region,
                   offset + (at - need.start) * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
+
+
+def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, nbytes: int,
+            intern: dict) -> Optional[list[Piece]]:
+    """A plain slice along a later dim (a row-parallel TP slice: all dim-0 rows, some columns), sent as
+    blocks: each FSDP rank sends its own dim-0 rows of it (a strided source, staged contiguous) to where
+    they land, back to back in the receiver's slice; no gather. None where ``_stitch_runs`` says no."""
+    rows = src.full_shape[0]
+    if rows == 0 or nbytes % rows:
+        return None
+    row_bytes = nbytes // rows  # one dim-0 row of the slice, as it lies in the receiver
+    key = (0, rows, row_bytes)
+    runs = src.runs.get(key, False)
+    if runs is False:
+        runs = src.runs[key] = _stitch_runs(src, Slice(0, 0, rows), row_bytes, intern)
+    if runs is None:
+        return None
+    return [Piece(rank, t.name, src.name, Slice(need.dim, need.start, need.stop, at, stop), (stop - at) * row_bytes,
+                  region, offset + at * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
 
 
 def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:

@@ -217,3 +217,19 @@ def test_optional_field_is_still_validated():
     body["receivers"][0]["proof"] = b"x" * 257
     with pytest.raises(errors.InvalidValue, match=r"receivers\[0\].proof"):
         decode(_with(header, body))
+
+
+def test_a_block_slice_carries_its_dim0_rows_and_a_plain_slice_keeps_its_bytes():
+    from weightsync.wire import Slice
+    from weightsync.wire.schema import Violation, from_wire, to_wire
+
+    assert to_wire(Slice(0, 2, 4)) == {"dim": 0, "start": 2, "stop": 4}  # as before blocks existed
+    block = Slice(1, 0, 128, 32, 64)
+    assert to_wire(block) == {"dim": 1, "start": 0, "stop": 128, "dim0_start": 32, "dim0_stop": 64}
+    assert from_wire(Slice, to_wire(block)) == block and block.block and not Slice(1, 0, 8).block
+    for bad, field in (({"dim": 0, "start": 0, "stop": 4, "dim0_start": 0, "dim0_stop": 2}, "dim0_stop"),
+                       ({"dim": 1, "start": 0, "stop": 4, "dim0_start": 3, "dim0_stop": 2}, "dim0_stop"),
+                       ({"dim": 1, "start": 0, "stop": 4, "dim0_start": 3}, "dim0_start")):
+        with pytest.raises(Violation) as caught:
+            from_wire(Slice, bad)
+        assert caught.value.path.endswith(field)

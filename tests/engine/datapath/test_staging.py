@@ -46,3 +46,16 @@ async def test_sharded_source_uses_local_coordinates():
     assert torch.equal(staged.tensor, shard[1:3])
     with pytest.raises(StagingError, match="outside the rows"):
         await sources.stage(_t(1, "w", 16, Slice(0, 2, 4)), StagingPool(), "")
+
+
+async def test_a_block_of_a_dim0_shard_is_its_rows_of_the_columns():
+    """A block (columns 1:3 of dim 1, dim-0 rows 5:7) read from a rank holding rows 4:8: a strided view
+    of its own rows, staged contiguous; rows it does not hold are a typed error naming the parameter."""
+    from weightsync.wire import ShardSpec
+
+    shard = torch.arange(16, dtype=torch.float32).reshape(4, 4)  # rows 4:8 of an (8, 4) tensor
+    sources = SourceSet({"w": shard}, {"w": ShardSpec((8, 4), 0, 4, 8)})
+    staged = await sources.stage(_t(0, "w", 2 * 2 * 4, Slice(1, 1, 3, 5, 7)), StagingPool(), "")
+    assert staged.pooled and torch.equal(staged.tensor, shard[1:3, 1:3])
+    with pytest.raises(StagingError, match=r"parameter 'w': .*dim0_start=2.*outside the rows"):
+        await sources.stage(_t(1, "w", 2 * 2 * 4, Slice(1, 1, 3, 2, 4)), StagingPool(), "")

@@ -308,15 +308,38 @@ def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
 
 
 def test_the_bound_counts_the_gather_some_candidate_must_make():
-    """A row-parallel slice (dim 1) of a tensor two FSDP ranks hold by rows: whoever sends it gathers the
-    other rank's half first, and that half leaves its holder's port; with a slow host port that is the
-    bound (and the makespan is not below it)."""
+    """A row-parallel slice (dim 1) of a tensor two FSDP ranks hold by rows, cast on the way (a transform
+    needs the whole slice on one rank): whoever sends it gathers the other rank's half first, and that
+    half leaves its holder's port; with a slow host port that is the bound (and the makespan is not
+    below it)."""
     link = LinkModel(host_bw=1e6)
     senders = [participant(r, [tensor("w", (64, 256), shard=(0, 32 * r, 32 * r + 32), gatherable=True)], host="t")
                for r in range(2)]
-    receivers = [participant(0, [tensor("w", (64, 256), shard=(1, 0, 128))], host="i")]
+    receivers = [participant(0, [tensor("w", (64, 256), dtype="float16", shard=(1, 0, 128))], host="i")]
     pieces, _ = build_pieces(senders, receivers)
     half = 32 * 256 * 4  # the other rank's rows, served once
     assert lower_bound(pieces, senders, receivers, link) == pytest.approx(half / (2 * link.host_bw))
     routing = plan(senders, receivers, link)
     assert makespan(routing.senders, senders, receivers, link) >= lower_bound(pieces, senders, receivers, link)
+
+
+def test_a_row_parallel_slice_of_fsdp_rows_goes_as_blocks_without_a_gather():
+    """The same slice without a transform: each FSDP rank sends its own rows of it (a block: dim-1 columns
+    0:128, its dim-0 rows), landing back to back in the receiver's slice; nothing is gathered, so the
+    bound and the makespan are the receiver's bytes, and a split block keeps its columns."""
+    link = LinkModel(net_bw=1e6, per_transfer_s=0.0)
+    senders = [participant(r, [tensor("w", (64, 256), shard=(0, 32 * r, 32 * r + 32), gatherable=True)], host="t")
+               for r in range(2)]
+    receivers = [participant(0, [tensor("w", (64, 256), shard=(1, 0, 128))], host="i")]
+    pieces, _ = build_pieces(senders, receivers)
+    block = 32 * 128 * 4  # the receiver's one network port takes both blocks
+    assert [(p.slice, p.offset, p.nbytes, p.cands) for p in pieces] == [
+        (Slice(1, 0, 128, 0, 32), 0, block, (0,)), (Slice(1, 0, 128, 32, 64), block, block, (1,))]
+    assert lower_bound(pieces, senders, receivers, link) == pytest.approx(2 * block / link.net_bw)
+    routing = plan(senders, receivers, link)
+    rows = {(s.rank, t.slice, t.dst_offset) for s in routing.senders.values() for t in s.transfers}
+    assert rows == {(0, Slice(1, 0, 128, 0, 32), 0), (1, Slice(1, 0, 128, 32, 64), block)}
+    assert makespan(routing.senders, senders, receivers, link) == pytest.approx(2 * block / link.net_bw, rel=1e-6)
+    head, tail = pieces[1].split(8 * 128 * 4)
+    assert (head.slice, head.offset, tail.slice, tail.offset) == (
+        Slice(1, 0, 128, 32, 40), block, Slice(1, 0, 128, 40, 64), block + 8 * 128 * 4)

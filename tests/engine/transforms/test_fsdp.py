@@ -44,6 +44,8 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                 _check_receivers(receivers, tp, want)
                 largest = max(t.numel() * t.element_size() for t in initial.values())
                 needs = needs if v > 1 else _gathers_per_round(ctl)  # (the children leave after the last round)
+                if v == 1:  # the bf16 TP receiver (row-parallel slices as blocks included) needs no gather
+                    assert _rows_outside_shards(ctl, receiver=0) == []
                 # rows inside a rank's own shard go shard-to-shard; the rest is gathered
                 assert sum(needs.values()) < len(done) * len(initial)
                 for _, _, rank, (version, gathered, peak, nbytes, exchanges) in done:
@@ -70,6 +72,19 @@ def _gathers_per_round(ctl) -> dict[int, int]:
         outside = {t.name for t in ctl.plan.senders[rank].transfers
                    if shards[t.name] is None or not shards[t.name].covers(t.slice)}
         out[rank] = len(outside)
+    return out
+
+
+def _rows_outside_shards(ctl, receiver: int) -> list[str]:
+    """The names of rows bound for ``receiver`` that a sender reads outside its own FSDP shard."""
+    from weightsync.wire import Role
+
+    out = []
+    for peer in ctl.peers.values():
+        if peer.hello.role is Role.SENDER:
+            shards = {t.name: t.shard for t in peer.hello.manifest.tensors}
+            out += [t.name for t in ctl.plan.senders[peer.hello.rank].transfers
+                    if t.dst_rank == receiver and (shards[t.name] is None or not shards[t.name].covers(t.slice))]
     return out
 
 
