@@ -51,6 +51,8 @@ def _lib() -> ctypes.CDLL:
     lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle, ctypes.c_uint]
     lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.cudaSetDevice.argtypes = [ctypes.c_int]
     lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
@@ -205,6 +207,22 @@ class BatchCopies:
             _batch_refused = True
         for dst, src, nbytes in self.copies:
             memcpy_async(dst, src, nbytes, stream)
+
+
+class PitchedCopies:
+    """Copies ``(dst, src, width, height, pitch)``: ``height`` rows of ``width`` bytes, ``pitch`` bytes apart
+    at the source, landing back to back at ``dst`` (a block of a rank's own rows: no staging copy).
+    ``launch(stream)`` queues one ``cudaMemcpy2DAsync`` each (copy engines, peers included)."""
+
+    def __init__(self, copies: Sequence[tuple[int, int, int, int, int]]) -> None:
+        self.copies = [c for c in copies if c[2] and c[3]]
+
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        lib, handle = _lib(), ctypes.c_void_p(stream.cuda_stream)
+        with on_device(stream.device.index):
+            for dst, src, width, height, pitch in self.copies:
+                _check(lib.cudaMemcpy2DAsync(ctypes.c_void_p(dst), width, ctypes.c_void_p(src), pitch, width, height,
+                                             CUDA_MEMCPY_DEFAULT, handle), "cudaMemcpy2DAsync")
 
 
 def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: torch.cuda.Stream,

@@ -4,7 +4,8 @@ How this works. A round writes the same rows every time (the routing table is st
 the per-row host work (slicing a source view, checking bounds, turning it into bytes or pointers)
 belongs to the plan, not to the round. ``compile_round`` (pure, synchronous) splits each receiver's
 lane into *direct* rows (no transform, no gather, no checksum, a dense source on memory the
-connection reads without staging: ``Connection.direct_devices``) and *staged* rows (everything else,
+connection reads without staging: ``Connection.direct_devices``; or a pitched one, dense rows at a
+stride, where the connection copies those as they lie: ``Connection.pitched_rows``) and *staged* rows (everything else,
 which keep the stage -> write pipeline of ``weightsync.engine.datapath.pipeline``). The direct rows of a lane, with their
 landing slot applied, become ``CopyRow`` s that the connection compiles into its own replayable form
 (``Connection.compile``: pointer arrays and a copy kernel for cuda_ipc, frame headers and memoryviews
@@ -34,13 +35,27 @@ from .staging import SourceSet
 
 @dataclasses.dataclass(frozen=True)
 class CopyRow:
-    """One direct row: ``nbytes`` of ``src`` (dense) to ``offset`` of the target's ``region`` (slot applied)."""
+    """One direct row: ``nbytes`` of ``src`` to ``offset`` of the target's ``region`` (slot applied). A
+    dense source has ``pitch`` 0; a pitched one (a block: some columns of a rank's own rows) is ``height``
+    rows of ``nbytes // height`` bytes each, ``pitch`` bytes apart, landing back to back."""
 
     name: str
     src: torch.Tensor
     region: int
     offset: int
     nbytes: int
+    height: int = 1
+    pitch: int = 0
+
+
+def pitch_of(view: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(rows, bytes from one row to the next) of a view whose dim-0 rows are each dense but not adjacent
+    (``narrow`` of a later dim of a contiguous tensor); None for any other layout."""
+    if view.dim() < 2 or view.shape[0] < 2 or not view[0].is_contiguous():
+        return None
+    row_bytes = view[0].numel() * view.element_size()
+    pitch = view.stride(0) * view.element_size()
+    return (view.shape[0], pitch) if pitch > row_bytes else None
 
 
 @dataclasses.dataclass
@@ -53,12 +68,16 @@ class CompiledLane:
     nbytes: int = 0  # of the direct rows
 
 
-def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str) -> Optional[torch.Tensor]:
-    """``t``'s source view when the row can be replayed from a compiled table, else None."""
+def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str,
+                pitched: bool = False) -> Optional[torch.Tensor]:
+    """``t``'s source view when the row can be replayed from a compiled table, else None; ``pitched``:
+    the connection also copies pitched rows (``pitch_of``) as they lie."""
     if checksum or t.transform or not devices or sources.gathered(t):
         return None
     view = sources.known_view(t)
-    if view is None or not view.is_contiguous() or view.device.type not in devices:
+    if view is None or view.device.type not in devices:
+        return None
+    if not view.is_contiguous() and not (pitched and pitch_of(view) is not None):
         return None
     if view.numel() * view.element_size() != t.nbytes:
         raise StagingError(t.name, f"source gives {view.numel() * view.element_size()} bytes, the table says {t.nbytes}")
@@ -71,13 +90,15 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
     row is staged (``PipelineOptions.compiled``)."""
     compiles = enabled and hasattr(conn, "compile")
     devices = getattr(conn, "direct_devices", frozenset()) if compiles else frozenset()
+    pitched = getattr(conn, "pitched_rows", False)
     rows, staged = [], []
     for t in transfers:
-        view = direct_view(t, sources, devices, checksum)
+        view = direct_view(t, sources, devices, checksum, pitched)
         if view is None:
             staged.append(t)
             continue
-        rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes))
+        height, pitch = (1, 0) if view.is_contiguous() else pitch_of(view)
+        rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes, height, pitch))
     table = conn.compile(rows) if rows else None
     return CompiledLane(tuple(rows), table, staged, sum(r.nbytes for r in rows))
 

@@ -10,8 +10,8 @@ lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter 
 gatherable shards is cut at their shard boundaries and each part sent by the ranks whose own shard holds
 it; a plain slice along a later dim (a row-parallel TP slice) is cut the same way into blocks, each
 rank's dim-0 rows of it (``Slice.dim0_start:dim0_stop``), which land back to back in the receiver. No
-gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each part must have
-``STITCH_MIN_BYTES`` at least, else one gathering rank sends the need whole.
+gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each dim-0 part must have
+``STITCH_MIN_BYTES`` at least, and there are no blocks, else one gathering rank sends the need whole.
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
 bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
@@ -294,11 +294,13 @@ def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
 def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, nbytes: int,
             intern: dict) -> Optional[list[Piece]]:
     """A plain slice along a later dim (a row-parallel TP slice: all dim-0 rows, some columns), sent as
-    blocks: each FSDP rank sends its own dim-0 rows of it (a strided source, staged contiguous) to where
-    they land, back to back in the receiver's slice; no gather. None where ``_stitch_runs`` says no."""
+    blocks: each FSDP rank sends its own dim-0 rows of it (a pitched source) to where they land, back to
+    back in the receiver's slice; no gather. Only in a group of ``STITCH_SMALL_GROUP`` shards at most;
+    None there too where ``_stitch_runs`` says no."""
     rows = src.full_shape[0]
-    if rows == 0 or nbytes % rows:
-        return None
+    if rows == 0 or nbytes % rows or len(src.spans(intern)[1]) > STITCH_SMALL_GROUP:
+        return None  # (a large group would cut every slice into a block per rank: Kimi-K2 256 -> 128 tp8 had
+        #              4 M transfers, 30x, and planned in a minute; there the rank that gathers sends it)
     row_bytes = nbytes // rows  # one dim-0 row of the slice, as it lies in the receiver
     key = (0, rows, row_bytes)
     runs = src.runs.get(key, False)

@@ -195,6 +195,7 @@ class CudaIpcTransport:
 class CudaIpcConnection:
     devices = frozenset({"cpu", "cuda"})
     direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
+    pitched_rows = True  # ... pitched sources included (one cudaMemcpy2DAsync each)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
     depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
     batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
@@ -276,9 +277,11 @@ class CudaIpcConnection:
     def compile(self, rows: Sequence[CopyRow]) -> "_IpcTable":
         """A plan's direct rows (``weightsync.engine.datapath.compiled``) as launches made once: to another GPU, batch calls
         of ``chunk_rows`` copies with their pointer arrays built; on the same GPU (colocated), one copy
-        kernel launch (``weightsync.engine.cuda.copy_kernel``). A row that does not fit its region raises
+        kernel launch (``weightsync.engine.cuda.copy_kernel``); pitched rows (blocks of a rank's own rows),
+        one 2-D copy each (``cuda_rt.PitchedCopies``). A row that does not fit its region raises
         ``StagingError`` naming the parameter."""
         by_device: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        pitched: dict[int, list[tuple[int, int, int, int, int]]] = {}
         for row in rows:
             desc = self.regions.get(row.region)
             if desc is None or row.offset + row.nbytes > desc[4]:
@@ -286,9 +289,13 @@ class CudaIpcConnection:
                 raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
                                              f"the target ({where}, {self.peer})")
             device = row.src.device.index
-            copy = (self._base(row.region, desc, device) + row.offset, row.src.data_ptr(), row.nbytes)
-            by_device.setdefault((device, desc[1]), []).append(copy)
-        launches = []
+            dst = self._base(row.region, desc, device) + row.offset
+            if row.pitch:
+                pitched.setdefault(device, []).append((dst, row.src.data_ptr(), row.nbytes // row.height, row.height,
+                                                       row.pitch))
+                continue
+            by_device.setdefault((device, desc[1]), []).append((dst, row.src.data_ptr(), row.nbytes))
+        launches = [(device, cuda_rt.PitchedCopies(copies)) for device, copies in sorted(pitched.items())]
         for (device, target), copies in sorted(by_device.items()):
             if device == target and copy_kernel() is not None:
                 launches.append((device, copy_kernel().CopyKernel(copies, device)))

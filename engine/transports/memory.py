@@ -111,6 +111,7 @@ def _landed(proof: bytes):
 class MemoryConnection:
     devices = frozenset({"cpu", "cuda"})
     direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
+    pitched_rows = True  # ... pitched sources included (copied as they lie), as cuda_ipc does
     generation = 0  # bumped by ``reregistered`` (tests of recompiling)
     batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 

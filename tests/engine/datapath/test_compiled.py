@@ -162,3 +162,26 @@ async def test_a_receiver_that_closes_mid_batch_aborts_the_round_and_nothing_is_
             await asyncio.wait_for(await sender.push(2), WATCHDOG)
         assert isinstance(info.value.__cause__, TransportError), repr(info.value.__cause__)
         assert receiver.version == 1 and mismatches(recv, 1, spec) == []
+
+
+async def test_blocks_of_a_ranks_own_rows_are_compiled_pitched_and_land_back_to_back():
+    """A rank holding rows 2:6 of an (8, 6) tensor sends columns 1:4 of its rows as two blocks: where
+    the connection copies pitched rows (memory, as cuda_ipc) they are direct rows with their pitch, and
+    the bytes land back to back; over TCP (no pitched rows) they are staged; both bit-exact."""
+    from weightsync.wire import ShardSpec
+
+    full = torch.arange(48, dtype=torch.float32).view(8, 6)
+    sources = SourceSet({"w": full[2:6].clone()}, {"w": ShardSpec((8, 6), 0, 2, 6)})
+    table = (Transfer(0, "w", Slice(1, 1, 4, 2, 4), 0, "w", 0, 0, 2 * 3 * 4, ""),
+             Transfer(1, "w", Slice(1, 1, 4, 4, 6), 0, "w", 0, 24, 2 * 3 * 4, ""))
+    for kind in ("memory", "tcp"):
+        src, dst, conn, (region,) = await _pair(kind, 64)
+        sources.begin(table)
+        lane = compile_lane(table, sources, conn, slot=0, checksum="")
+        if kind == "memory":
+            assert [(r.height, r.pitch, r.nbytes) for r in lane.rows] == [(2, 6 * 4, 24), (2, 6 * 4, 24)]
+        else:
+            assert lane.rows == () and [t.index for t in lane.staged] == [0, 1]
+        await asyncio.wait_for(Pipeline(sources).run(table, {0: conn}, 1), WATCHDOG)
+        assert torch.equal(region[:48].view(torch.float32).view(4, 3), full[2:6, 1:4]), kind
+        await _close(src, dst, conn)
