@@ -12,6 +12,8 @@ it; a plain slice along a later dim (a row-parallel TP slice) is cut the same wa
 rank's dim-0 rows of it (``Slice.dim0_start:dim0_stop``), which land back to back in the receiver. No
 gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each dim-0 part must have
 ``STITCH_MIN_BYTES`` at least, and there are no blocks, else one gathering rank sends the need whole.
+Block-FP8 parts (weights and their scales) are cut the same way in a small group where every cut falls
+on a 128-row block of the part's grid: each rank quantizes its own whole blocks (``_quantized_runs``).
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
 bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
@@ -259,6 +261,10 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
         blocks = _blocks(src, t, rank, need, region, offset, part.nbytes, intern)
         if blocks is not None:
             return blocks
+    if src.gshards and need is not None and part.transform.partition(":")[0] in ("fp8w", "fp8s"):
+        quantized = _quantized_runs(src, t, rank, part, region, offset, intern)
+        if quantized is not None:
+            return quantized
     if not src.shards and src.full:
         cands = src.full_cands(intern)
     else:
@@ -310,6 +316,37 @@ def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
         return None
     return [Piece(rank, t.name, src.name, Slice(need.dim, need.start, need.stop, at, stop), (stop - at) * row_bytes,
                   region, offset + at * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
+
+
+def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: int, offset: int,
+                    intern: dict) -> Optional[list[Piece]]:
+    """An FP8 weight or scale part (``fp8w:B`` / ``fp8s:B``) of FSDP dim-0 shards, cut where the shards
+    are, when every cut falls on a B-row block boundary of the part's grid (anchored at its first row):
+    each rank quantizes its own rows, which are whole blocks of that grid, so its weight rows and block
+    scales are those of the whole part, and no rank gathers. Weight rows land at row offsets, scale rows
+    at block-row offsets. Only in a group of ``STITCH_SMALL_GROUP`` shards at most; None otherwise."""
+    need, block = part.slice, int(part.transform.partition(":")[2])
+    origin, rows = (need.start, need.stop - need.start) if need.dim == 0 else (0, src.full_shape[0])
+    if rows == 0 or len(src.spans(intern)[1]) > STITCH_SMALL_GROUP:
+        return None
+    key = (origin, origin + rows, 0)
+    runs = src.runs.get(key, False)
+    if runs is False:
+        runs = src.runs[key] = _stitch_runs(src, Slice(0, origin, origin + rows), 1, intern)
+    if runs is None or len(runs) < 2 or any((at - origin) % block for at, _, _ in runs):
+        return None
+    scales = part.transform.startswith("fp8s")
+    unit = -(-rows // block) if scales else rows  # the part's rows: block rows of scales, or weight rows
+    if part.nbytes % unit:
+        return None
+    row_bytes = part.nbytes // unit
+    out = []
+    for at, stop, holders in runs:
+        first, count = (at - origin, stop - at) if not scales else ((at - origin) // block, -(-(stop - at) // block))
+        piece_slice = Slice(0, at, stop) if need.dim == 0 else Slice(need.dim, need.start, need.stop, at, stop)
+        out.append(Piece(rank, t.name, src.name, piece_slice, count * row_bytes, region, offset + first * row_bytes,
+                         0, part.transform, holders))
+    return out
 
 
 def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:

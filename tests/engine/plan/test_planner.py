@@ -343,3 +343,26 @@ def test_a_row_parallel_slice_of_fsdp_rows_goes_as_blocks_without_a_gather():
     head, tail = pieces[1].split(8 * 128 * 4)
     assert (head.slice, head.offset, tail.slice, tail.offset) == (
         Slice(1, 0, 128, 32, 40), block, Slice(1, 0, 128, 40, 64), block + 8 * 128 * 4)
+
+
+@pytest.mark.parametrize("rows,cut", [(512, True), (384, False)])
+def test_fp8_parts_of_fsdp_rows_are_cut_where_shards_fall_on_whole_blocks(rows, cut):
+    """Two FSDP ranks, an FP8 receiver: with 256-row shards every cut falls on a 128-row block, so each
+    rank quantizes and sends its own weight rows and scale rows (no gather); with 192-row shards a block
+    spans both ranks and the part is gathered by one holder."""
+    from weightsync.engine.plan.mapping import FP8
+
+    half = rows // 2
+    senders = [participant(r, [tensor("w", (rows, 256), "bfloat16", shard=(0, half * r, half * r + half),
+                                      gatherable=True)]) for r in range(2)]
+    receivers = [participant(0, [tensor("w", (rows, 256), FP8), tensor("w_scale_inv", (rows // 128, 2))])]
+    pieces, _ = build_pieces(senders, receivers)
+    got = sorted(((p.dst_name, p.slice, p.offset - (0 if p.dst_name == "w" else rows * 256), p.nbytes, p.cands)
+                  for p in pieces), key=lambda x: (x[0], x[2]))
+    if cut:
+        assert got == [("w", Slice(0, 0, 256), 0, 256 * 256, (0,)), ("w", Slice(0, 256, 512), 256 * 256, 256 * 256, (1,)),
+                       ("w_scale_inv", Slice(0, 0, 256), 0, 2 * 2 * 4, (0,)),
+                       ("w_scale_inv", Slice(0, 256, 512), 2 * 2 * 4, 2 * 2 * 4, (1,))]
+    else:
+        assert [(n, s, nbytes) for n, s, _, nbytes, _ in got] == [("w", Slice(0, 0, rows), rows * 256),
+                                                                  ("w_scale_inv", Slice(0, 0, rows), 3 * 2 * 4)]

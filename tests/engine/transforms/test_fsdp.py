@@ -44,8 +44,10 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                 _check_receivers(receivers, tp, want)
                 largest = max(t.numel() * t.element_size() for t in initial.values())
                 needs = needs if v > 1 else _gathers_per_round(ctl)  # (the children leave after the last round)
-                if v == 1:  # the bf16 TP receiver (row-parallel slices as blocks included) needs no gather
-                    assert _rows_outside_shards(ctl, receiver=0) == []
+                if v == 1:  # the bf16 TP receiver (row-parallel slices as blocks included) needs no gather;
+                    assert _rows_outside_shards(ctl, receiver=0) == []  # the FP8 one only where a rank's rows
+                    outside = _rows_outside_shards(ctl, receiver=1)  # are not whole 128-row blocks (k/v: 64 each)
+                    assert outside and all(".k_proj." in n or ".v_proj." in n for n in outside), outside
                 # rows inside a rank's own shard go shard-to-shard; the rest is gathered
                 assert sum(needs.values()) < len(done) * len(initial)
                 for _, _, rank, (version, gathered, peak, nbytes, exchanges) in done:
