@@ -287,10 +287,7 @@ def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
     """Rows ``need`` of a plain dim-0 part, each run sent by the FSDP ranks whose own shard holds it;
     None where the shards are not cut along dim 0, leave a gap, or would make a part too small. The runs
     depend only on the rows, so receivers that need the same rows share them (``Source.runs``)."""
-    key = (need.start, need.stop, row_bytes)
-    runs = src.runs.get(key, False)
-    if runs is False:
-        runs = src.runs[key] = _stitch_runs(src, need, row_bytes, intern)
+    runs = _runs(src, need.start, need.stop, row_bytes, intern)
     if runs is None:
         return None
     return [Piece(rank, t.name, src.name, Slice(0, at, stop), (stop - at) * row_bytes, region,
@@ -308,10 +305,7 @@ def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
         return None  # (a large group would cut every slice into a block per rank: Kimi-K2 256 -> 128 tp8 had
         #              4 M transfers, 30x, and planned in a minute; there the rank that gathers sends it)
     row_bytes = nbytes // rows  # one dim-0 row of the slice, as it lies in the receiver
-    key = (0, rows, row_bytes)
-    runs = src.runs.get(key, False)
-    if runs is False:
-        runs = src.runs[key] = _stitch_runs(src, Slice(0, 0, rows), row_bytes, intern)
+    runs = _runs(src, 0, rows, row_bytes, intern)
     if runs is None:
         return None
     return [Piece(rank, t.name, src.name, Slice(need.dim, need.start, need.stop, at, stop), (stop - at) * row_bytes,
@@ -329,11 +323,8 @@ def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: i
     origin, rows = (need.start, need.stop - need.start) if need.dim == 0 else (0, src.full_shape[0])
     if rows == 0 or len(src.spans(intern)[1]) > STITCH_SMALL_GROUP:
         return None
-    key = (origin, origin + rows, 0)
-    runs = src.runs.get(key, False)
-    if runs is False:
-        runs = src.runs[key] = _stitch_runs(src, Slice(0, origin, origin + rows), 1, intern)
-    if runs is None or len(runs) < 2 or any((at - origin) % block for at, _, _ in runs):
+    runs = _runs(src, origin, origin + rows, 1, intern)  # (row size: only a large group's size rule reads it)
+    if runs is None or any((at - origin) % block for at, _, _ in runs):
         return None
     scales = part.transform.startswith("fp8s")
     unit = -(-rows // block) if scales else rows  # the part's rows: block rows of scales, or weight rows
@@ -347,6 +338,16 @@ def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: i
         out.append(Piece(rank, t.name, src.name, piece_slice, count * row_bytes, region, offset + first * row_bytes,
                          0, part.transform, holders))
     return out
+
+
+def _runs(src: Source, start: int, stop: int, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:
+    """``_stitch_runs`` of dim-0 rows ``start:stop``, once per source: they depend only on the rows, so
+    receivers that need the same rows share them (``Source.runs``)."""
+    key = (start, stop, row_bytes)
+    runs = src.runs.get(key, False)
+    if runs is False:
+        runs = src.runs[key] = _stitch_runs(src, Slice(0, start, stop), row_bytes, intern)
+    return runs
 
 
 def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:
