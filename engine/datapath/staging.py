@@ -296,7 +296,8 @@ async def _gpu_dense(view: torch.Tensor) -> torch.Tensor:
 
 def _narrow(src: torch.Tensor, sl: Optional[Slice], base: int, base0: int) -> torch.Tensor:
     """Slice ``sl`` (full-tensor coordinates) of ``src``, which starts at row ``base`` of ``sl``'s dim and
-    row ``base0`` of dim 0; a block keeps its dim-0 rows too (a strided view: staging makes it contiguous)."""
+    row ``base0`` of dim 0; a block keeps its dim-0 rows too (a strided view: staged contiguous, or copied
+    as it lies where the connection takes pitched rows)."""
     if sl is None:
         return src
     if sl.block:
