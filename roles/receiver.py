@@ -81,6 +81,9 @@ class WeightReceiver(Worker):
         self.live = self._rehome()
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
         self.buffers = [self.live, self.landing] if self.mode == "shadow" else [self.live]
+        if self.mode == "shadow":
+            memory_exchange(self.device)  # (on a torch without the binding, its layout probe runs now, not
+            #                                in the first commit)
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
         self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
         self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
