@@ -69,19 +69,20 @@ class CompiledLane:
 
 
 def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str,
-                pitched: bool = False) -> Optional[torch.Tensor]:
-    """``t``'s source view when the row can be replayed from a compiled table, else None; ``pitched``:
-    the connection also copies pitched rows (``pitch_of``) as they lie."""
+                pitched: bool = False) -> Optional[tuple[torch.Tensor, int, int]]:
+    """``t``'s source view with its (height, pitch) when the row can be replayed from a compiled table,
+    else None; ``pitched``: the connection also copies pitched rows (``pitch_of``) as they lie."""
     if checksum or t.transform or not devices or sources.gathered(t):
         return None
     view = sources.known_view(t)
     if view is None or view.device.type not in devices:
         return None
-    if not view.is_contiguous() and not (pitched and pitch_of(view) is not None):
+    shape = (1, 0) if view.is_contiguous() else pitch_of(view) if pitched else None
+    if shape is None:
         return None
     if view.numel() * view.element_size() != t.nbytes:
         raise StagingError(t.name, f"source gives {view.numel() * view.element_size()} bytes, the table says {t.nbytes}")
-    return view
+    return view, *shape
 
 
 def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: int, checksum: str,
@@ -93,11 +94,11 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
     pitched = getattr(conn, "pitched_rows", False)
     rows, staged = [], []
     for t in transfers:
-        view = direct_view(t, sources, devices, checksum, pitched)
-        if view is None:
+        direct = direct_view(t, sources, devices, checksum, pitched)
+        if direct is None:
             staged.append(t)
             continue
-        height, pitch = (1, 0) if view.is_contiguous() else pitch_of(view)
+        view, height, pitch = direct
         rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes, height, pitch))
     table = conn.compile(rows) if rows else None
     return CompiledLane(tuple(rows), table, staged, sum(r.nbytes for r in rows))
