@@ -279,7 +279,7 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
     if cands:
         return [Piece(rank, t.name, src.name, need, part.nbytes, region, offset, part.row_bytes, part.transform,
                       cands)]
-    return _cover_with_shards(src, t, rank, need, region, offset, part.row_bytes, part.transform)
+    return _cover_with_shards(src, t, rank, need, region, offset, part.row_bytes, part.transform, intern)
 
 
 def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, row_bytes: int,
@@ -372,7 +372,7 @@ def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Opti
     return out
 
 
-def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform) -> list[Piece]:
+def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform, intern) -> list[Piece]:
     """No single sender covers the need: stitch it from dim-0 shards, or fail."""
     def holders() -> list[str]:
         return [f"receiver/{rank}", *(f"sender/{r}" for rs in src.shards.values() for r in rs)]
@@ -391,8 +391,9 @@ def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform)
             raise Unsuppliable(f"rows {at}:{a} of dim 0 are held by no sender", param=t.name, ranks=holders())
         stop = min(b, need.stop)
         nbytes = (stop - at) * row_bytes
+        cands = tuple(sorted(senders))
         out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
-                         offset + (at - need.start) * row_bytes, row_bytes, transform, tuple(sorted(senders))))
+                         offset + (at - need.start) * row_bytes, row_bytes, transform, intern.setdefault(cands, cands)))
         at = stop
     if at < need.stop:
         raise Unsuppliable(f"rows {at}:{need.stop} of dim 0 are held by no sender", param=t.name, ranks=holders())

@@ -19,13 +19,16 @@ The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per recei
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
 import heapq
 import operator
-from collections import defaultdict, deque
-from typing import Iterable, Mapping, Sequence
+from bisect import insort
+from collections import defaultdict
+from itertools import accumulate
+from typing import Iterable, Mapping, Optional, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
 from weightsync.wire.schema import trusted
@@ -62,14 +65,16 @@ class RoutingPlan:
 
 
 class Segment:
+    """Pieces one sender sends one receiver back to back, from ``start`` in the schedule's time."""
+
     __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start")
 
-    def __init__(self, receiver: int, cls: LinkClass, pieces: list[Piece]) -> None:
-        self.sender = -1
+    def __init__(self, receiver: int, cls: LinkClass, pieces: list[Piece], sender: int, nbytes: int) -> None:
+        self.sender = sender
         self.receiver = receiver
         self.cls = cls
         self.pieces = pieces
-        self.nbytes = sum(p.nbytes for p in pieces)
+        self.nbytes = nbytes
         self.start = 0.0
 
 
@@ -132,27 +137,47 @@ def group_by_locality(
         for piece in pieces:
             groups[(piece.receiver, LinkClass.NET, piece.cands)].append(piece)
         return dict(groups)
-    s_by_rank = {p.rank: p for p in senders}
-    r_by_rank = {p.rank: p for p in receivers}
-    by_class: dict[tuple[int, int], dict[LinkClass, tuple[int, ...]]] = {}  # (receiver, id(cands)) -> class -> cands
-    per_receiver: dict[int, list[Piece]] = defaultdict(list)
-    classes: dict[tuple[int, int], LinkClass] = {}  # (sender, receiver) -> its link class
+    mates = _host_mates(senders, receivers)
+    raw: dict[tuple[int, int], list[Piece]] = {}  # (receiver, id(cands)) -> pieces, in order
     for piece in pieces:
         key = (piece.receiver, id(piece.cands))  # candidate tuples are interned by build_pieces
-        if key not in by_class:
-            r = piece.receiver
-            split: dict[LinkClass, list[int]] = defaultdict(list)
-            for s in piece.cands:
-                cls = classes.get((s, r))
-                if cls is None:
-                    cls = classes[s, r] = link_class(s_by_rank[s], r_by_rank[r])
-                split[cls].append(s)
-            by_class[key] = {c: tuple(ss) for c, ss in sorted(split.items())}
-        per_receiver[piece.receiver].append(piece)
-    for r, rpieces in per_receiver.items():
-        for piece, cls in _spread(r, rpieces, by_class, link):
-            groups[(r, cls, by_class[(r, id(piece.cands))][cls])].append(piece)
+        same = raw.get(key)
+        if same is None:
+            same = raw[key] = []
+        same.append(piece)
+    by_class = {key: _split_by_class(same[0].cands, mates[key[0]]) for key, same in raw.items()}
+    spread = {r for (r, _), split in by_class.items() if len(split) > 1}  # receivers with a choice to make
+    for key, same in raw.items():
+        if key[0] not in spread:
+            ((cls, cands),) = by_class[key].items()
+            groups[(key[0], cls, cands)].extend(same)
+    if spread:
+        per_receiver: dict[int, list[Piece]] = defaultdict(list)
+        for piece in pieces:
+            if piece.receiver in spread:
+                per_receiver[piece.receiver].append(piece)
+        for r, rpieces in per_receiver.items():
+            for piece, cls in _spread(r, rpieces, by_class, link):
+                groups[(r, cls, by_class[(r, id(piece.cands))][cls])].append(piece)
     return dict(groups)
+
+
+def _host_mates(senders: Sequence[Participant], receivers: Sequence[Participant]) -> dict[int, dict[int, LinkClass]]:
+    """Per receiver, the senders on its host with their link class; every other sender is NET."""
+    by_host: dict[str, list[Participant]] = defaultdict(list)
+    for sp in senders:
+        by_host[sp.host].append(sp)
+    return {rp.rank: {sp.rank: link_class(sp, rp) for sp in by_host.get(rp.host, ())} for rp in receivers}
+
+
+def _split_by_class(cands: tuple[int, ...], mates: dict[int, LinkClass]) -> dict[LinkClass, tuple[int, ...]]:
+    """Candidates grouped by the class they reach the receiver by (``mates``: its host's senders)."""
+    if not mates or mates.keys().isdisjoint(cands):
+        return {LinkClass.NET: cands}
+    split: dict[LinkClass, list[int]] = defaultdict(list)
+    for s in cands:
+        split[mates.get(s, LinkClass.NET)].append(s)
+    return {c: tuple(ss) for c, ss in sorted(split.items())}
 
 
 def _spread(r: int, pieces: list[Piece], by_class, link: LinkModel) -> list[tuple[Piece, LinkClass]]:
@@ -195,36 +220,51 @@ def _fill(piece: Piece, classes: list[LinkClass], room: dict[LinkClass, float]) 
 
 
 class _Stream:
-    """A receiver's queue of pieces that the senders in ``cands`` may supply."""
+    """A receiver's queue of pieces that the senders in ``cands`` may supply. ``ends`` holds each
+    piece's end offset in the stream, so a take finds its whole pieces by bisection."""
 
-    __slots__ = ("cands", "pieces", "nbytes")
+    __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq")
 
-    def __init__(self, cands: frozenset[int], pieces: list[Piece]) -> None:
+    def __init__(self, cands: frozenset[int], pieces: list[Piece], seq: int = 0) -> None:
         self.cands = cands
-        self.pieces = deque(pieces)
-        self.nbytes = sum(p.nbytes for p in pieces)
+        self.seq = seq  # breaks ties between streams of equal bytes left
+        self.pieces = pieces
+        self.ends = list(accumulate(p.nbytes for p in pieces))
+        self.at = 0  # the next piece
+        self.done = 0  # bytes taken so far: where pieces[at] starts
+        self.nbytes = self.ends[-1] if pieces else 0  # bytes left
 
-    def take(self, quantum: float, min_bytes: int) -> list[Piece]:
-        """Pop about ``quantum`` bytes, cutting a splittable tensor at a row boundary."""
-        out: list[Piece] = []
-        room = quantum
-        while self.pieces:
-            p = self.pieces[0]
-            if p.nbytes <= room or not out and not p.row_bytes:
-                out.append(self.pieces.popleft())
-                room -= p.nbytes
-                continue
-            rows = int(room // p.row_bytes) if p.row_bytes else 0
-            cut = rows * p.row_bytes
-            if p.row_bytes and 0 < cut < p.nbytes and (cut >= min_bytes or not out):
-                head, tail = p.split(cut)
-                self.pieces[0] = tail
-                out.append(head)
-            elif not out:
-                out.append(self.pieces.popleft())
-            break
-        self.nbytes -= sum(p.nbytes for p in out)
-        return out
+    @property
+    def empty(self) -> bool:
+        return self.at == len(self.pieces)
+
+    def take(self, quantum: int, min_bytes: int) -> tuple[list[Piece], int]:
+        """Pop about ``quantum`` bytes, cutting a splittable tensor at a row boundary; the pieces and
+        their bytes."""
+        at, ends, pieces = self.at, self.ends, self.pieces
+        j = bisect.bisect_right(ends, self.done + quantum, at, len(pieces))  # pieces at..j-1 fit whole
+        out = pieces[at:j]
+        taken = ends[j - 1] - self.done if j > at else 0
+        if j < len(pieces):
+            p = pieces[j]
+            if not out and not p.row_bytes:  # an unsplittable head larger than the quantum goes whole
+                out.append(p)
+                taken += p.nbytes
+                j += 1
+            else:
+                cut = int((quantum - taken) // p.row_bytes) * p.row_bytes if p.row_bytes else 0
+                if p.row_bytes and 0 < cut < p.nbytes and (cut >= min_bytes or not out):
+                    head, pieces[j] = p.split(cut)
+                    out.append(head)
+                    taken += cut
+                elif not out:
+                    out.append(p)
+                    taken += p.nbytes
+                    j += 1
+        self.at = j
+        self.done += taken
+        self.nbytes -= taken
+        return out, taken
 
 
 def schedule(groups, link: LinkModel, options: PlanOptions) -> list[Segment]:
@@ -234,91 +274,111 @@ def schedule(groups, link: LinkModel, options: PlanOptions) -> list[Segment]:
         by_cls[key[1]][key] = pieces
     segments: list[Segment] = []
     for cls in sorted(by_cls):
-        segments.extend(_schedule_class(cls, by_cls[cls], link, options))
+        segments.extend(_ClassSchedule(cls, by_cls[cls], link, options).run())
     return segments
 
 
-def _schedule_class(cls: LinkClass, groups, link: LinkModel, options: PlanOptions) -> list[Segment]:
-    forced: dict[int, dict[int, _Stream]] = defaultdict(dict)  # receiver -> sender -> stream
-    flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams
-    senders: set[int] = set()
-    for (receiver, _, cands), pieces in sorted(groups.items()):
-        senders.update(cands)
-        if len(cands) == 1:
-            forced[receiver][cands[0]] = _Stream(frozenset(cands), pieces)
-        elif pieces:  # (flex lists hold only streams with pieces left: _match drops the emptied)
-            flex[receiver].append(_Stream(frozenset(cands), pieces))
-    receivers = sorted(set(forced) | set(flex))
-    bw_r = {r: link.port_bw(cls, "receiver", r) for r in receivers}
-    need = {r: sum(s.nbytes for s in forced[r].values()) + sum(s.nbytes for s in flex[r]) for r in receivers}
-    left = {r: need[r] / bw_r[r] for r in receivers}
-    quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver)) for r in receivers}
-    forced_left = defaultdict(float)
-    for r, by_s in forced.items():
-        for s, st in by_s.items():
-            forced_left[s] += st.nbytes
-    load = {s: 0.0 for s in senders}
-    free_s, free_r = set(senders), set(receivers)
-    events: list[tuple[float, int, int]] = []
-    now = 0.0
-    out: list[Segment] = []
-    while True:
-        for r in sorted(free_r, key=lambda r: (-left[r], r)):
-            seg = _match(r, cls, forced[r], flex[r], free_s, load, forced_left, quantum[r], options)
-            if seg is None:
+class _ClassSchedule:
+    """The list schedule of one link class. At each event (a transfer ends, freeing its sender and
+    receiver ports), the free receivers with work left, most work first, each take a free candidate
+    sender: one of their forced senders (the one with most forced work left), else the least-loaded
+    candidate of their largest stream with one free. A receiver that found none is retried only once
+    one of its candidates is freed (``watchers``): until then it would find none again."""
+
+    def __init__(self, cls: LinkClass, groups, link: LinkModel, options: PlanOptions) -> None:
+        self.cls, self.link, self.options = cls, link, options
+        self.forced: dict[int, dict[int, _Stream]] = defaultdict(dict)  # receiver -> sender -> stream
+        self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
+        self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may serve
+        for seq, ((receiver, _, cands), pieces) in enumerate(sorted(groups.items())):
+            if not pieces:
                 continue
-            s = seg.sender
-            busy = seg.nbytes / link.bandwidth(cls, s, r)
-            seg.start = now
-            out.append(seg)
-            free_s.discard(s)
-            free_r.discard(r)
-            left[r] -= seg.nbytes / bw_r[r]
-            load[s] += busy
-            done = now + max(busy, len(seg.pieces) * link.per_transfer_s)
-            heapq.heappush(events, (done, s, r))
-        if not events:
-            break
-        now, s, r = heapq.heappop(events)
-        free_s.add(s)
-        if left[r] > 0 or forced[r] or flex[r]:
-            free_r.add(r)
-        while events and events[0][0] <= now:
-            _, s2, r2 = heapq.heappop(events)
-            free_s.add(s2)
-            free_r.add(r2)
-        free_r = {r for r in free_r if forced[r] or flex[r]}
-    return out
+            for s in cands:
+                self.watchers[s].add(receiver)
+            if len(cands) == 1:
+                self.forced[receiver][cands[0]] = _Stream(frozenset(cands), pieces)
+            else:
+                self.flex[receiver].append(_Stream(frozenset(cands), pieces, seq))
+        for streams in self.flex.values():
+            streams.sort(key=_largest_first)
+        self.receivers = sorted(set(self.forced) | set(self.flex))
+        self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
+        need = {r: sum(s.nbytes for s in self.forced[r].values()) + sum(s.nbytes for s in self.flex[r])
+                for r in self.receivers}
+        self.left = {r: need[r] / self.bw_r[r] for r in self.receivers}
+        self.quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver))
+                        for r in self.receivers}
+        self.forced_left: dict[int, float] = defaultdict(float)
+        for by_s in self.forced.values():
+            for s, st in by_s.items():
+                self.forced_left[s] += st.nbytes
+        self.load = {s: 0.0 for s in self.watchers}
+
+    def run(self) -> list[Segment]:
+        free_s = set(self.watchers)
+        free_r = set(self.receivers)  # free receivers with work left
+        to_try = set(self.receivers)  # of those, the ones that may find a sender now
+        events: list[tuple[float, int, int]] = []
+        now = 0.0
+        out: list[Segment] = []
+        while True:
+            for r in sorted(to_try, key=lambda r: (-self.left[r], r)):
+                seg = self._match(r, free_s)
+                if seg is None:
+                    continue
+                s = seg.sender
+                busy = seg.nbytes / self.link.bandwidth(self.cls, s, r)
+                seg.start = now
+                out.append(seg)
+                free_s.discard(s)
+                free_r.discard(r)
+                self.left[r] -= seg.nbytes / self.bw_r[r]
+                self.load[s] += busy
+                heapq.heappush(events, (now + max(busy, len(seg.pieces) * self.link.per_transfer_s), s, r))
+            if not events:
+                return out
+            now, s, r = heapq.heappop(events)
+            freed_s, freed_r = [s], [r]
+            while events and events[0][0] <= now:
+                _, s2, r2 = heapq.heappop(events)
+                freed_s.append(s2)
+                freed_r.append(r2)
+            free_s.update(freed_s)
+            free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
+            to_try = {r for r in freed_r if r in free_r}
+            for s in freed_s:
+                to_try |= self.watchers[s] & free_r
+
+    def _match(self, r: int, free_s: set[int]) -> Optional[Segment]:
+        """Pick a free sender for receiver r: its own forced work first, else the least-loaded candidate."""
+        forced_r, forced_left = self.forced[r], self.forced_left
+        best = None
+        for s in forced_r:
+            if s in free_s and (best is None or forced_left[s] > forced_left[best] or
+                                forced_left[s] == forced_left[best] and s < best):
+                best = s
+        if best is not None:
+            st = forced_r[best]
+            pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
+            forced_left[best] -= nbytes
+            if st.empty:
+                del forced_r[best]
+            return Segment(r, self.cls, pieces, best, nbytes)
+        flex_r = self.flex[r]
+        for i, st in enumerate(flex_r):
+            if st.cands.isdisjoint(free_s):
+                continue
+            s = min(st.cands & free_s, key=lambda s: (self.load[s], s))
+            pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
+            del flex_r[i]
+            if not st.empty:  # back in its place among the others, by the bytes it has left
+                insort(flex_r, st, key=_largest_first)
+            return Segment(r, self.cls, pieces, s, nbytes)
+        return None
 
 
-def _match(r, cls, forced_r, flex_r, free_s, load, forced_left, quantum, options) -> Segment | None:
-    """Pick a free sender for receiver r: its own forced work first, else the least-loaded candidate."""
-    best = None
-    for s, st in forced_r.items():
-        if s in free_s and (best is None or forced_left[s] > forced_left[best] or
-                            forced_left[s] == forced_left[best] and s < best):
-            best = s
-    if best is not None:
-        st = forced_r[best]
-        pieces = st.take(quantum, options.min_chunk_bytes)
-        forced_left[best] -= sum(p.nbytes for p in pieces)
-        if not st.pieces:
-            del forced_r[best]
-        seg = Segment(r, cls, pieces)
-        seg.sender = best
-        return seg
-    for st in sorted(flex_r, key=lambda st: -st.nbytes):
-        small, large = (st.cands, free_s) if len(st.cands) < len(free_s) else (free_s, st.cands)
-        cands = [s for s in small if s in large]  # (walk the smaller: FSDP pieces have a few holders)
-        if not cands:
-            continue
-        s = min(cands, key=lambda s: (load[s], s))
-        seg = Segment(r, cls, st.take(quantum, options.min_chunk_bytes))
-        seg.sender = s
-        if not st.pieces:
-            flex_r.remove(st)
-        return seg
-    return None
+def _largest_first(st: _Stream) -> tuple[int, int]:
+    return -st.nbytes, st.seq
 
 
 def build_tables(
