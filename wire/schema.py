@@ -255,13 +255,24 @@ def trusted(cls: type, *values: Any) -> Any:
     Positional values in field order; the caller vouches for their validity. ``to_wire`` still
     validates everything when the struct is encoded.
     """
-    obj = object.__new__(cls)
-    names = _NAMES.get(cls) or _NAMES.setdefault(cls, _compiled(cls).names)
-    obj.__dict__.update(zip(names, values))
-    return obj
+    return trusted_maker(cls)(*values)
 
 
-_NAMES: dict[type, tuple[str, ...]] = {}
+def trusted_maker(cls: type) -> Callable[..., Any]:
+    """``trusted`` for one struct as a function of its fields, in order: the instance's attribute dict
+    is made in one step (a third of ``trusted``'s time; the planner makes 10^5-10^6 of them)."""
+    make = _MAKERS.get(cls)
+    if make is None:
+        names = _compiled(cls).names
+        args = ", ".join(f"a{i}" for i in range(len(names)))
+        fields = ", ".join(f"{n!r}: a{i}" for i, n in enumerate(names))
+        scope = {"new": object.__new__, "setattr": object.__setattr__, "cls": cls}
+        exec(f"def make({args}):\n    o = new(cls)\n    setattr(o, '__dict__', {{{fields}}})\n    return o", scope)
+        make = _MAKERS[cls] = scope["make"]
+    return make
+
+
+_MAKERS: dict[type, Callable[..., Any]] = {}
 
 
 def _run_check(obj: Any, path: str) -> None:

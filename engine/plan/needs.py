@@ -83,19 +83,21 @@ class Piece:
 class Source:
     """What the senders hold of one parameter."""
 
-    __slots__ = ("name", "dtype", "full_shape", "full", "shards", "gshards", "_full_cands", "_spans", "_cuts", "runs")
+    __slots__ = ("name", "dtype", "full_shape", "first_holder", "full", "replicas", "shards", "gshards", "_full_cands", "_spans",
+                 "_cuts")
 
-    def __init__(self, name: str, dtype: str, full_shape: tuple[int, ...]) -> None:
+    def __init__(self, name: str, dtype: str, full_shape: tuple[int, ...], first_holder: int = -1) -> None:
         self.name = name
+        self.first_holder = first_holder  # the first sender that listed it (errors name it)
         self.dtype = dtype
         self.full_shape = full_shape
         self.full: list[int] = []  # senders that hold or can gather the full tensor
+        self.replicas = 0  # how many of them hold it whole
         self.shards: dict[tuple[int, int, int], list[int]] = {}  # (dim, start, stop) -> senders
         self.gshards: dict[tuple[int, int, int], list[int]] = {}  # the same, for gatherable (FSDP) shards
         self._full_cands: tuple[int, ...] | None = None
-        self._spans: Optional[tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]] = None
+        self._spans: Optional[Spans] = None
         self._cuts: Optional[dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]] = None
-        self.runs: dict[tuple[int, int, int], Optional[list[tuple[int, int, tuple[int, ...]]]]] = {}  # _stitch's
 
     def cuts(self) -> dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]:
         """The (non-gatherable) shards per dim as sorted (start, stop, holders), with their starts (for
@@ -107,15 +109,13 @@ class Source:
             self._cuts = {dim: ([a for a, _, _ in rows], rows) for dim, rows in cuts.items()}
         return self._cuts
 
-    def spans(self, intern: dict) -> tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]:
-        """The gatherable dim-0 shards as sorted (start, stop, holders), with their starts (for bisect)."""
+    def spans(self, intern: "Interned") -> "Spans":
+        """The gatherable dim-0 shards, shared with every parameter sharded the same way."""
         if self._spans is None:
-            rows = sorted((a, b, tuple(sorted(h))) for (dim, a, b), h in self.gshards.items() if dim == 0)
-            rows = [(a, b, intern.setdefault(h, h)) for a, b, h in rows]
-            self._spans = ([a for a, _, _ in rows], rows)
+            self._spans = intern.spans(self.gshards)
         return self._spans
 
-    def full_cands(self, intern: dict) -> tuple[int, ...]:
+    def full_cands(self, intern: "Interned") -> tuple[int, ...]:
         """The full holders as one shared (interned) tuple: pieces compare and hash it cheaply."""
         if self._full_cands is None:
             key = tuple(sorted(set(self.full)))
@@ -123,25 +123,73 @@ class Source:
         return self._full_cands
 
 
+class Spans:
+    """Gatherable dim-0 shards as sorted (start, stop, holders), with their starts (for bisect), and the
+    stitched runs found in them (``_runs``). Parameters sharded alike (an FSDP group's parameters of
+    one dim-0 size) share one: their runs are found once."""
+
+    __slots__ = ("starts", "rows", "runs")
+
+    def __init__(self, rows: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        self.rows = rows
+        self.starts = [a for a, _, _ in rows]
+        self.runs: dict[tuple[int, int, int], Optional[list[tuple[int, int, tuple[int, ...]]]]] = {}
+
+
+class Interned(dict):
+    """Candidate tuples, one object per value (pieces compare and hash them by identity), and the
+    ``Spans`` of each distinct gatherable sharding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spans: dict[tuple, list[tuple[dict, Spans]]] = {}  # (count, first shard) -> [(gshards, spans)]
+
+    def spans(self, gshards: dict[tuple[int, int, int], list[int]]) -> Spans:
+        bucket = self._spans.setdefault((len(gshards), next(iter(gshards), None)), [])
+        for seen, spans in bucket:
+            if seen == gshards:
+                return spans
+        rows = []
+        for (dim, a, b), h in sorted(gshards.items()):
+            if dim == 0:
+                key = (h[0],) if len(h) == 1 else tuple(sorted(h))
+                rows.append((a, b, self.setdefault(key, key)))
+        spans = Spans(rows)
+        bucket.append((gshards, spans))
+        return spans
+
+
 def index_sources(senders: Sequence[Participant]) -> dict[str, Source]:
     sources: dict[str, Source] = {}
-    first_holder: dict[str, int] = {}
-    for p in senders:
+    get = sources.get
+    for p in senders:  # (the planner's one pass over every sender tensor: kept lean)
+        rank = p.rank
         for t in p.manifest.tensors:
-            src = sources.get(t.name)
+            shard = t.shard
+            full_shape = t.shape if shard is None else shard.full_shape
+            src = get(t.name)
             if src is None:
-                src = sources[t.name] = Source(t.name, t.dtype, tuple(t.full_shape))
-                first_holder[t.name] = p.rank
-            elif src.dtype != t.dtype or src.full_shape != tuple(t.full_shape):
+                src = sources[t.name] = Source(t.name, t.dtype, tuple(full_shape), rank)
+            elif src.dtype != t.dtype or src.full_shape != full_shape and src.full_shape != tuple(full_shape):
                 raise ManifestMismatch(
-                    f"senders disagree: {src.dtype}{list(src.full_shape)} vs {t.dtype}{list(t.full_shape)}",
-                    param=t.name, ranks=[f"sender/{first_holder[t.name]}", f"sender/{p.rank}"],
+                    f"senders disagree: {src.dtype}{list(src.full_shape)} vs {t.dtype}{list(full_shape)}",
+                    param=t.name, ranks=[f"sender/{src.first_holder}", f"sender/{rank}"],
                 )
-            if t.shard is None or t.gatherable:
-                src.full.append(p.rank)
-            if t.shard is not None:
-                where = src.gshards if t.gatherable else src.shards
-                where.setdefault((t.shard.dim, t.shard.start, t.shard.stop), []).append(p.rank)
+            if shard is None:
+                src.full.append(rank)
+                src.replicas += 1
+                continue
+            if t.gatherable:
+                src.full.append(rank)
+                where = src.gshards
+            else:
+                where = src.shards
+            key = (shard.dim, shard.start, shard.stop)
+            holders = where.get(key)
+            if holders is None:
+                where[key] = [rank]
+            else:
+                holders.append(rank)
     for src in sources.values():
         _check_tiling(src)
     return sources
@@ -169,10 +217,11 @@ def build_pieces(
     sources = index_sources(senders)
     shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
     rules = get_mapping(mapping)
-    intern: dict[tuple[int, ...], tuple[int, ...]] = {}
+    intern = Interned()
     # Receivers with the same layout share their pieces (pure): per tensor layout, the pieces' templates
     # (source, rows, bytes, offset from the tensor's, row size, transform, candidates), made once.
     templates: dict[tuple, list[tuple]] = {}
+    comps_of: dict[str, tuple] = {}
     pieces: list[Piece] = []
     add = pieces.append
     for rp in receivers:
@@ -186,7 +235,7 @@ def build_pieces(
             made = templates.get(key)
             if made is None:
                 made = templates[key] = _templates(t, rp.rank, scale_of, names, rules, shapes, sources, transforms,
-                                                   intern)
+                                                   intern, comps_of)
             region = t.region if t.region is not None else 0
             base = t.offset
             for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
@@ -195,12 +244,16 @@ def build_pieces(
     return pieces, sources
 
 
-def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources, transforms, intern) -> list[tuple]:
+def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources, transforms, intern,
+               comps_of: dict) -> list[tuple]:
     """Receiver tensor ``t``'s pieces, as (source, rows, bytes, offset from ``t``'s, row size, transform,
     candidates); ``rank`` only names the receiver in errors."""
     where = f"receiver/{rank}"
     weight = scale_of or t
-    comps, src_dtype = components(rules, weight.name, shapes, where)
+    made = comps_of.get(weight.name)  # (a name's components do not depend on the receiver)
+    if made is None:
+        made = comps_of[weight.name] = components(rules, weight.name, shapes, where)
+    comps, src_dtype = made
     step = dtype_transform(src_dtype, weight, where, transforms, names)
     out = []
     for part in parts_for(t, comps, step, where, scale_of):
@@ -209,11 +262,10 @@ def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources
     return out
 
 
-def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_senders: int, intern: dict) -> None:
+def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_senders: int, intern: "Interned") -> None:
     """Give each gather-only piece one sender: per parameter, k holders (k = its bytes to send over a
     fair share of all bytes, at least 1), chosen least-loaded first; its receivers dealt out among them."""
-    gather_only = {name for name, s in sources.items() if s.gshards and s.full and s.full_cands(intern) == tuple(
-        sorted({r for rs in s.gshards.values() for r in rs}))}
+    gather_only = {name for name, s in sources.items() if s.gshards and not s.replicas}
     by_name: dict[str, list[Piece]] = {}
     load: dict[int, int] = {}
     for p in pieces:
@@ -249,7 +301,7 @@ def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optio
     return weight if weight is not None and weight.dtype == FP8 else None
 
 
-def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict) -> list[Piece]:
+def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: "Interned") -> list[Piece]:
     need = part.slice
     region = t.region if t.region is not None else 0
     offset = t.offset + part.offset
@@ -283,10 +335,10 @@ def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: dict)
 
 
 def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, row_bytes: int,
-            intern: dict) -> Optional[list[Piece]]:
+            intern: "Interned") -> Optional[list[Piece]]:
     """Rows ``need`` of a plain dim-0 part, each run sent by the FSDP ranks whose own shard holds it;
     None where the shards are not cut along dim 0, leave a gap, or would make a part too small. The runs
-    depend only on the rows, so receivers that need the same rows share them (``Source.runs``)."""
+    depend only on the rows, so receivers that need the same rows share them (``Spans.runs``)."""
     runs = _runs(src, need.start, need.stop, row_bytes, intern)
     if runs is None:
         return None
@@ -295,13 +347,13 @@ def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
 
 
 def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, nbytes: int,
-            intern: dict) -> Optional[list[Piece]]:
+            intern: "Interned") -> Optional[list[Piece]]:
     """A plain slice along a later dim (a row-parallel TP slice: all dim-0 rows, some columns), sent as
     blocks: each FSDP rank sends its own dim-0 rows of it (a pitched source) to where they land, back to
     back in the receiver's slice; no gather. Only in a group of ``STITCH_SMALL_GROUP`` shards at most;
     None there too where ``_stitch_runs`` says no."""
     rows = src.full_shape[0]
-    if rows == 0 or nbytes % rows or len(src.spans(intern)[1]) > STITCH_SMALL_GROUP:
+    if rows == 0 or nbytes % rows or len(src.spans(intern).rows) > STITCH_SMALL_GROUP:
         return None  # (a large group would cut every slice into a block per rank: Kimi-K2 256 -> 128 tp8 had
         #              4 M transfers, 30x, and planned in a minute; there the rank that gathers sends it)
     row_bytes = nbytes // rows  # one dim-0 row of the slice, as it lies in the receiver
@@ -313,7 +365,7 @@ def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
 
 
 def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: int, offset: int,
-                    intern: dict) -> Optional[list[Piece]]:
+                    intern: "Interned") -> Optional[list[Piece]]:
     """An FP8 weight or scale part (``fp8w:B`` / ``fp8s:B``) of FSDP dim-0 shards, cut where the shards
     are, when every cut falls on a B-row block boundary of the part's grid (anchored at its first row):
     each rank quantizes its own rows, which are whole blocks of that grid, so its weight rows and block
@@ -321,7 +373,7 @@ def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: i
     at block-row offsets. Only in a group of ``STITCH_SMALL_GROUP`` shards at most; None otherwise."""
     need, block = part.slice, int(part.transform.partition(":")[2])
     origin, rows = (need.start, need.stop - need.start) if need.dim == 0 else (0, src.full_shape[0])
-    if rows == 0 or len(src.spans(intern)[1]) > STITCH_SMALL_GROUP:
+    if rows == 0 or len(src.spans(intern).rows) > STITCH_SMALL_GROUP:
         return None
     runs = _runs(src, origin, origin + rows, 1, intern)  # (row size: only a large group's size rule reads it)
     if runs is None or any((at - origin) % block for at, _, _ in runs):
@@ -340,18 +392,19 @@ def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: i
     return out
 
 
-def _runs(src: Source, start: int, stop: int, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:
-    """``_stitch_runs`` of dim-0 rows ``start:stop``, once per source: they depend only on the rows, so
-    receivers that need the same rows share them (``Source.runs``)."""
+def _runs(src: Source, start: int, stop: int, row_bytes: int, intern: "Interned") -> Optional[list[tuple[int, int, tuple]]]:
+    """``_stitch_runs`` of dim-0 rows ``start:stop``, once per sharding: they depend only on the rows, so
+    receivers that need the same rows, and parameters sharded alike, share them (``Spans.runs``)."""
+    spans = src.spans(intern)
     key = (start, stop, row_bytes)
-    runs = src.runs.get(key, False)
+    runs = spans.runs.get(key, False)
     if runs is False:
-        runs = src.runs[key] = _stitch_runs(src, Slice(0, start, stop), row_bytes, intern)
+        runs = spans.runs[key] = _stitch_runs(spans, Slice(0, start, stop), row_bytes)
     return runs
 
 
-def _stitch_runs(src: Source, need: Slice, row_bytes: int, intern: dict) -> Optional[list[tuple[int, int, tuple]]]:
-    starts, spans = src.spans(intern)
+def _stitch_runs(src: Spans, need: Slice, row_bytes: int) -> Optional[list[tuple[int, int, tuple]]]:
+    starts, spans = src.starts, src.rows
     out: list[tuple[int, int, tuple]] = []
     at = need.start
     for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:

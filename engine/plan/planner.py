@@ -31,7 +31,7 @@ from itertools import accumulate
 from typing import Iterable, Mapping, Optional, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
-from weightsync.wire.schema import trusted
+from weightsync.wire.schema import trusted_maker
 
 from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, link_class
@@ -402,17 +402,17 @@ def tables_from_assignment(
     r_by_rank = {p.rank: p for p in receivers}
     sender_tables: dict[int, SenderTable] = {}
     expected: dict[int, list[ExpectedEntry]] = {p.rank: [] for p in receivers}
+    transfer, entry = trusted_maker(Transfer), trusted_maker(ExpectedEntry)  # values from validated manifests
     for sp in senders:
         pieces = assignment.get(sp.rank, [])
-        transfers = []
-        for i, p in enumerate(pieces):  # values come from validated manifests: trusted construction
-            transfers.append(trusted(Transfer, i, p.src_name, p.slice, p.receiver, p.dst_name, p.region,
-                                     p.offset, p.nbytes, p.transform))
-            expected[p.receiver].append(trusted(
-                ExpectedEntry, p.dst_name, sp.rank, i, p.slice, p.region, p.offset, p.nbytes, p.transform))
+        s = sp.rank
+        transfers = [transfer(i, p.src_name, p.slice, p.receiver, p.dst_name, p.region, p.offset, p.nbytes,
+                              p.transform) for i, p in enumerate(pieces)]
+        for i, p in enumerate(pieces):
+            expected[p.receiver].append(entry(p.dst_name, s, i, p.slice, p.region, p.offset, p.nbytes, p.transform))
         dsts = sorted({p.receiver for p in pieces})
         peers = tuple(PeerInfo(r, r_by_rank[r].transport, r_by_rank[r].manifest.regions) for r in dsts)
-        sender_tables[sp.rank] = SenderTable(sp.rank, tuple(transfers), peers)
+        sender_tables[s] = SenderTable(s, tuple(transfers), peers)
     by_place = operator.attrgetter("region", "offset", "src_rank", "index")
     receiver_tables = {r: ReceiverTable(r, tuple(sorted(es, key=by_place))) for r, es in expected.items()}
     return RoutingPlan(plan_id, sender_tables, receiver_tables)
