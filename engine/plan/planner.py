@@ -67,7 +67,7 @@ class RoutingPlan:
 class Segment:
     """Pieces one sender sends one receiver back to back, from ``start`` in the schedule's time."""
 
-    __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start")
+    __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start", "rate")
 
     def __init__(self, receiver: int, cls: LinkClass, pieces: list[Piece], sender: int, nbytes: int) -> None:
         self.sender = sender
@@ -76,6 +76,7 @@ class Segment:
         self.pieces = pieces
         self.nbytes = nbytes
         self.start = 0.0
+        self.rate = 1.0  # bytes per second between its sender and receiver
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -327,7 +328,8 @@ class _ClassSchedule:
                 if seg is None:
                     continue
                 s = seg.sender
-                busy = seg.nbytes / self.link.bandwidth(self.cls, s, r)
+                seg.rate = self.link.bandwidth(self.cls, s, r)
+                busy = seg.nbytes / seg.rate
                 seg.start = now
                 out.append(seg)
                 free_s.discard(s)
@@ -384,14 +386,32 @@ def _largest_first(st: _Stream) -> tuple[int, int]:
 def build_tables(
     segments: list[Segment], senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int
 ) -> RoutingPlan:
+    """Each sender's pieces in the order they start in the schedule. A sender whose ports of several
+    classes work at once (a colocated trainer: a local copy, NVLink and the NIC) has segments that
+    overlap in time; their pieces are interleaved by start, since a sender posts its table in order and
+    a piece waits for its port: segment by segment, the NIC's pieces would hold the NVLink's back."""
     by_sender: dict[int, list[Segment]] = defaultdict(list)
     for seg in segments:
         by_sender[seg.sender].append(seg)
-    ordered = {
-        s: [p for seg in sorted(segs, key=lambda g: (g.start, g.receiver)) for p in seg.pieces]
-        for s, segs in by_sender.items()
-    }
+    ordered = {s: _in_start_order(segs) for s, segs in by_sender.items()}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
+
+
+def _in_start_order(segments: list[Segment]) -> list[Piece]:
+    segments.sort(key=lambda g: (g.start, g.receiver))
+    if len({seg.cls for seg in segments}) == 1:  # one port: its segments follow one another
+        return [p for seg in segments for p in seg.pieces]
+    timed: list[tuple[float, int, int, Piece]] = []
+    for seg in segments:
+        at, rate = seg.start, seg.rate
+        for i, p in enumerate(seg.pieces):
+            timed.append((at, seg.receiver, i, p))
+            at += p.nbytes / rate
+    return [p for *_, p in sorted(timed, key=_by_start)]
+
+
+def _by_start(item: tuple) -> tuple:
+    return item[:3]
 
 
 def tables_from_assignment(

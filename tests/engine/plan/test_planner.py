@@ -366,3 +366,23 @@ def test_fp8_parts_of_fsdp_rows_are_cut_where_shards_fall_on_whole_blocks(rows, 
     else:
         assert [(n, s, nbytes) for n, s, _, nbytes, _ in got] == [("w", Slice(0, 0, rows), rows * 256),
                                                                   ("w_scale_inv", Slice(0, 0, rows), 3 * 2 * 4)]
+
+
+def test_colocated_receivers_get_local_nvlink_and_network_bytes_at_once():
+    """FSDP trainers on two hosts of 8 GPUs, each with an inference rank on its GPU needing whole
+    tensors: its own rows come by a local copy, its host mates' by NVLink, the other host's by the NIC.
+    Each sender's segments of the three classes overlap in the schedule, and its table interleaves
+    their pieces by start: listed segment by segment, the NIC's pieces (posted in order, each waiting
+    for the port) would hold the NVLink's and the local copy's back (1.7x the bound)."""
+    link = LinkModel(per_transfer_s=0.0)
+    model = {f"w{i}": (1024, 4096) for i in range(8)}  # 64 rows (1 MiB) per rank
+    where = [(h, f"cuda:{d}") for h in "ab" for d in range(8)]
+    senders = [participant(r, [tensor(k, s, shard=(0, 64 * r, 64 * r + 64), gatherable=True) for k, s in model.items()],
+                           host=h, device=d) for r, (h, d) in enumerate(where)]
+    receivers = [participant(r, [tensor(k, s) for k, s in model.items()], host=h, device=d)
+                 for r, (h, d) in enumerate(where)]
+    routing = plan(senders, receivers, link)
+    check_coverage(routing, receivers)
+    pieces, _ = build_pieces(senders, receivers)
+    bound = lower_bound(pieces, senders, receivers, link)
+    assert makespan(routing.senders, senders, receivers, link) <= 1.02 * bound
