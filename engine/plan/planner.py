@@ -7,13 +7,13 @@ How this works, in four steps:
    (water-filling to the receiver's lower bound, ``model.receiver_bound``): a piece goes to its fastest
    class with room left, cut at a row boundary where it straddles; it keeps only the candidates of
    that class. Pieces are grouped by (receiver, link class, candidates); a group is a byte stream.
-3. Assignment: groups are cut into segments of about equal bytes (at dim-0 row boundaries where a
-   tensor is larger than a segment) so that each receiver is fed by several senders at once, and each
-   segment goes to the least-loaded candidate (load = busy seconds of its port), largest groups first.
-   Single-candidate groups are placed first: they are not a choice.
-4. Ordering: a list-scheduling pass over virtual time; whenever a sender's port frees up it takes,
-   among its segments, the one whose receiver is free soonest. Each sender's table lists its segments
-   in start order, so receivers are served in parallel rather than one after another.
+3. Schedule (``_ClassSchedule``), one link class at a time: a list schedule over virtual time; whenever
+   a receiver's port is free it takes a free candidate sender (its forced senders first, else the
+   least-loaded candidate of its largest stream) and the next chunk of that stream (about 1/8 of its
+   bytes, cut at dim-0 row boundaries). Receivers with the most work left choose first; a receiver that
+   found no free candidate is retried only once one of its candidates frees.
+4. Tables: each sender's chunks in start order (a sender whose ports of several classes overlap in
+   time interleaves their pieces by start, since it posts in order), mirrored into receivers' tables.
 The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per receiver.
 """
 
@@ -291,15 +291,18 @@ class _ClassSchedule:
         self.forced: dict[int, dict[int, _Stream]] = defaultdict(dict)  # receiver -> sender -> stream
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may serve
+        reach: dict[int, set[int]] = defaultdict(set)  # receiver -> its candidates, all streams
         for seq, ((receiver, _, cands), pieces) in enumerate(sorted(groups.items())):
             if not pieces:
                 continue
-            for s in cands:
-                self.watchers[s].add(receiver)
+            reach[receiver].update(cands)
             if len(cands) == 1:
                 self.forced[receiver][cands[0]] = _Stream(frozenset(cands), pieces)
             else:
                 self.flex[receiver].append(_Stream(frozenset(cands), pieces, seq))
+        for receiver, cands in reach.items():
+            for s in cands:
+                self.watchers[s].add(receiver)
         for streams in self.flex.values():
             streams.sort(key=_largest_first)
         self.receivers = sorted(set(self.forced) | set(self.flex))
