@@ -28,7 +28,7 @@ import operator
 from bisect import insort
 from collections import defaultdict
 from itertools import accumulate
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
 from weightsync.wire.schema import trusted_maker
@@ -130,7 +130,7 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping) -> Ro
 
 
 def group_by_locality(
-    pieces: Iterable[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool,
+    pieces: Sequence[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool,
     link: LinkModel = LinkModel(),
 ) -> dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]]:
     groups: dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]] = defaultdict(list)
