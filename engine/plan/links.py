@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping
+from collections import defaultdict
+from typing import Mapping, Sequence
 
 from weightsync.wire import Manifest, TransportInfo
 
@@ -74,3 +75,22 @@ def link_class(sender: Participant, receiver: Participant) -> LinkClass:
     if sender.device == receiver.device and sender.device.startswith("cuda"):
         return LinkClass.LOCAL
     return LinkClass.HOST
+
+
+def host_mates(senders: Sequence[Participant], receivers: Sequence[Participant]) -> dict[int, dict[int, LinkClass]]:
+    """Per receiver, the senders on its host with their link class; every other sender reaches it by NET."""
+    by_host: dict[str, list[Participant]] = defaultdict(list)
+    for sp in senders:
+        by_host[sp.host].append(sp)
+    return {rp.rank: {sp.rank: link_class(sp, rp) for sp in by_host.get(rp.host, ())} for rp in receivers}
+
+
+def classes_of(cands: tuple[int, ...], mates: Mapping[int, LinkClass]) -> dict[LinkClass, tuple[int, ...]]:
+    """Candidate senders grouped by the class they reach one receiver by (``mates``: its ``host_mates``),
+    classes in order."""
+    if not mates or mates.keys().isdisjoint(cands):
+        return {LinkClass.NET: cands}
+    split: dict[LinkClass, list[int]] = defaultdict(list)
+    for s in cands:
+        split[mates.get(s, LinkClass.NET)].append(s)
+    return {c: tuple(ss) for c, ss in sorted(split.items())}

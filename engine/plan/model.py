@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Sequence
 
 from weightsync.wire import SenderTable
 
-from .links import LinkClass, LinkModel, Participant, link_class
+from .links import LinkClass, LinkModel, Participant, classes_of, host_mates, link_class
 from .needs import Piece
 
 
@@ -155,8 +155,7 @@ class _Gathers(_Holders):
 def lower_bound(
     pieces: Sequence[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], link: LinkModel
 ) -> float:
-    s_by_rank = {p.rank: p for p in senders}
-    r_by_rank = {p.rank: p for p in receivers}
+    mates = host_mates(senders, receivers)
     by_classes: dict[int, dict[frozenset, int]] = defaultdict(lambda: defaultdict(int))  # receiver -> usable classes -> bytes
     forced: dict[tuple[int, LinkClass], float] = defaultdict(float)
     confined: dict[LinkClass, int] = defaultdict(int)  # bytes that can only leave a sender by this class
@@ -166,7 +165,7 @@ def lower_bound(
         key = (p.receiver, p.cands)
         classes = usable.get(key)
         if classes is None:
-            classes = usable[key] = frozenset(link_class(s_by_rank[s], r_by_rank[p.receiver]) for s in p.cands)
+            classes = usable[key] = frozenset(classes_of(p.cands, mates[p.receiver]))
         by_classes[p.receiver][classes] += p.nbytes
         if len(p.cands) == 1:
             (c,) = classes

@@ -403,8 +403,8 @@ def _runs(src: Source, start: int, stop: int, row_bytes: int, intern: "Interned"
     return runs
 
 
-def _stitch_runs(src: Spans, need: Slice, row_bytes: int) -> Optional[list[tuple[int, int, tuple]]]:
-    starts, spans = src.starts, src.rows
+def _stitch_runs(layout: Spans, need: Slice, row_bytes: int) -> Optional[list[tuple[int, int, tuple]]]:
+    starts, spans = layout.starts, layout.rows
     out: list[tuple[int, int, tuple]] = []
     at = need.start
     for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:

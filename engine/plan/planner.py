@@ -25,7 +25,6 @@ import dataclasses
 import gc
 import heapq
 import operator
-from bisect import insort
 from collections import defaultdict
 from itertools import accumulate
 from typing import Mapping, Optional, Sequence
@@ -34,7 +33,7 @@ from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable,
 from weightsync.wire.schema import trusted_maker
 
 from ..errors import PlanError
-from .links import LinkClass, LinkModel, Participant, link_class
+from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, build_pieces
@@ -138,7 +137,7 @@ def group_by_locality(
         for piece in pieces:
             groups[(piece.receiver, LinkClass.NET, piece.cands)].append(piece)
         return dict(groups)
-    mates = _host_mates(senders, receivers)
+    mates = host_mates(senders, receivers)
     raw: dict[tuple[int, int], list[Piece]] = {}  # (receiver, id(cands)) -> pieces, in order
     for piece in pieces:
         key = (piece.receiver, id(piece.cands))  # candidate tuples are interned by build_pieces
@@ -146,7 +145,7 @@ def group_by_locality(
         if same is None:
             same = raw[key] = []
         same.append(piece)
-    by_class = {key: _split_by_class(same[0].cands, mates[key[0]]) for key, same in raw.items()}
+    by_class = {key: classes_of(same[0].cands, mates[key[0]]) for key, same in raw.items()}
     spread = {r for (r, _), split in by_class.items() if len(split) > 1}  # receivers with a choice to make
     for key, same in raw.items():
         if key[0] not in spread:
@@ -161,24 +160,6 @@ def group_by_locality(
             for piece, cls in _spread(r, rpieces, by_class, link):
                 groups[(r, cls, by_class[(r, id(piece.cands))][cls])].append(piece)
     return dict(groups)
-
-
-def _host_mates(senders: Sequence[Participant], receivers: Sequence[Participant]) -> dict[int, dict[int, LinkClass]]:
-    """Per receiver, the senders on its host with their link class; every other sender is NET."""
-    by_host: dict[str, list[Participant]] = defaultdict(list)
-    for sp in senders:
-        by_host[sp.host].append(sp)
-    return {rp.rank: {sp.rank: link_class(sp, rp) for sp in by_host.get(rp.host, ())} for rp in receivers}
-
-
-def _split_by_class(cands: tuple[int, ...], mates: dict[int, LinkClass]) -> dict[LinkClass, tuple[int, ...]]:
-    """Candidates grouped by the class they reach the receiver by (``mates``: its host's senders)."""
-    if not mates or mates.keys().isdisjoint(cands):
-        return {LinkClass.NET: cands}
-    split: dict[LinkClass, list[int]] = defaultdict(list)
-    for s in cands:
-        split[mates.get(s, LinkClass.NET)].append(s)
-    return {c: tuple(ss) for c, ss in sorted(split.items())}
 
 
 def _spread(r: int, pieces: list[Piece], by_class, link: LinkModel) -> list[tuple[Piece, LinkClass]]:
@@ -377,7 +358,7 @@ class _ClassSchedule:
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left
-                insort(flex_r, st, key=_largest_first)
+                bisect.insort(flex_r, st, key=_largest_first)
             return Segment(r, self.cls, pieces, s, nbytes)
         return None
 
