@@ -1,10 +1,14 @@
 """The makespan model, the lower bound, and the two baselines it is compared with.
 
-How this works: ``makespan`` replays routing tables over virtual time. Each sender posts its
-transfers in table order, one every ``per_transfer_s`` (issue overhead; posting overlaps with data
-already moving, as with queued copies or RDMA work requests). A transfer's data occupies the sender's
-port and the receiver's port of its link class (``links.LinkClass``) for bytes / bandwidth, starting
-once it is posted and both ports are free. The makespan is when the last byte lands.
+How this works: ``makespan`` replays routing tables over virtual time the way the engine runs them
+(``weightsync.engine.datapath.pipeline``): a sender's table is split into one lane per receiver, in
+table order inside each lane, and all its lanes run at once. One host thread issues the table in
+order, one transfer every ``per_transfer_s`` (issue overhead; it overlaps with data already moving).
+A transfer's data occupies its sender's and its receiver's port of its link class
+(``links.LinkClass``) for bytes / bandwidth, once it is issued, the transfer before it in its lane has
+landed, and both ports are free; a port carries one transfer at a time and, when it frees, takes the
+lane that has waited longest among those whose other port is free (a port shared by several lanes,
+in time slices rather than in bandwidth shares). The makespan is when the last byte lands.
 
 Gathers (FSDP): a sender whose table reads rows of a gatherable parameter outside its own shard first
 pulls the rest of that full tensor, once per round (as ``weightsync.engine.transforms.gather`` does), over its inbound port
@@ -52,45 +56,82 @@ def makespan(
 ) -> float:
     """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes`` and ``gather_s`` (the
     busiest sender's inbound gather time)."""
-    s_by_rank = {p.rank: p for p in senders}
-    r_by_rank = {p.rank: p for p in receivers}
-    cls_cache: dict[tuple[int, int], LinkClass] = {}
-
-    def cls_of(s: int, r: int) -> LinkClass:
-        c = cls_cache.get((s, r))
-        if c is None:
-            c = cls_cache[s, r] = link_class(s_by_rank[s], r_by_rank[r])
-        return c
-
     gathers = _Gathers(senders, link)
-    sending: dict[tuple[int, LinkClass], float] = defaultdict(float)  # each sender port's busy time
-    sfree: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    rfree: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    issued = {s: 0.0 for s in tables}
-    pos = {s: 0 for s in tables}
-    heap = [(0.0, s) for s, t in sorted(tables.items()) if t.transfers]
-    end_all = 0.0
-    overhead = link.per_transfer_s
-    while heap:
-        _, s = heapq.heappop(heap)
-        transfers = tables[s].transfers
-        tr = transfers[pos[s]]
-        c = cls_of(s, tr.dst_rank)
-        posted = issued[s] = issued[s] + overhead
-        start = max(posted, sfree[s, c], rfree[tr.dst_rank, c], gathers.ready(s, tr))
-        busy = tr.nbytes / link.bandwidth(c, s, tr.dst_rank)
-        end = start + busy
-        sfree[s, c] = rfree[tr.dst_rank, c] = end
-        sending[s, c] += busy
-        end_all = max(end_all, end)
-        pos[s] += 1
-        if pos[s] < len(transfers):
-            nxt = transfers[pos[s]]
-            heapq.heappush(heap, (max(posted + overhead, sfree[s, cls_of(s, nxt.dst_rank)]), s))
+    replay = _LaneReplay(tables, senders, receivers, link, gathers)
+    end_all = replay.run()
     if stats is not None:
         stats["gathered_bytes"] = gathers.gathered_bytes
         stats["gather_s"] = max(gathers.free.values(), default=0.0)
-    return max(end_all, gathers.serving_bound(sending))
+    return max(end_all, gathers.serving_bound(replay.sending))
+
+
+class _LaneReplay:
+    """Lanes (one per sender and receiver, in table order) sharing ports that carry one transfer at a
+    time; a port that frees takes the longest-waiting lane whose other port is free."""
+
+    def __init__(self, tables, senders, receivers, link: LinkModel, gathers: "_Gathers") -> None:
+        s_by_rank = {p.rank: p for p in senders}
+        r_by_rank = {p.rank: p for p in receivers}
+        self.lanes: dict[tuple[int, int], tuple[LinkClass, list[tuple[float, float]]]] = {}
+        for s, table in sorted(tables.items()):
+            for i, tr in enumerate(table.transfers):
+                lane = self.lanes.get((s, tr.dst_rank))
+                if lane is None:
+                    c = link_class(s_by_rank[s], r_by_rank[tr.dst_rank])
+                    lane = self.lanes[s, tr.dst_rank] = (c, [])
+                posted = (i + 1) * link.per_transfer_s  # one host thread issues the table in order
+                c = lane[0]
+                lane[1].append((max(posted, gathers.ready(s, tr)), tr.nbytes / link.bandwidth(c, s, tr.dst_rank)))
+        self.sending: dict[tuple[int, LinkClass], float] = defaultdict(float)  # each sender port's busy time
+
+    def run(self) -> float:
+        busy: set = set()  # ports carrying a transfer: ("s", rank, cls) / ("r", rank, cls)
+        waiting: dict = defaultdict(dict)  # port -> lane -> since when its next transfer waits (FIFO)
+        pos = dict.fromkeys(self.lanes, 0)
+        events = [(lane[1][0][0], 0, key) for key, lane in self.lanes.items()]  # (time, kind, lane)
+        heapq.heapify(events)
+        end_all = 0.0
+
+        def start(key, t):
+            s, r = key
+            c, items = self.lanes[key]
+            sp, rp = ("s", s, c), ("r", r, c)
+            waiting[sp].pop(key, None)
+            waiting[rp].pop(key, None)
+            busy.add(sp)
+            busy.add(rp)
+            dur = items[pos[key]][1]
+            self.sending[s, c] += dur
+            heapq.heappush(events, (t + dur, 1, key))
+
+        def serve(port, t):  # a port just freed: its longest-waiting lane whose other port is free
+            lanes = waiting[port]
+            other = "r" if port[0] == "s" else "s"
+            for key in lanes:  # (dicts keep insertion order: the oldest first)
+                if (other, key[1] if other == "r" else key[0], port[2]) not in busy:
+                    start(key, t)
+                    return
+
+        while events:
+            t, kind, key = heapq.heappop(events)
+            s, r = key
+            c, items = self.lanes[key]
+            sp, rp = ("s", s, c), ("r", r, c)
+            if kind == 1:  # a transfer ended
+                end_all = max(end_all, t)
+                busy.discard(sp)
+                busy.discard(rp)
+                pos[key] += 1
+                if pos[key] < len(items):
+                    heapq.heappush(events, (max(t, items[pos[key]][0]), 0, key))
+                serve(sp, t)
+                serve(rp, t)
+            elif sp in busy or rp in busy:
+                waiting[sp][key] = t
+                waiting[rp][key] = t
+            else:
+                start(key, t)
+        return end_all
 
 
 class _Holders:

@@ -263,28 +263,41 @@ def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources
 
 
 def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_senders: int, intern: "Interned") -> None:
-    """Give each gather-only piece one sender: per parameter, k holders (k = its bytes to send over a
-    fair share of all bytes, at least 1), chosen least-loaded first; its receivers dealt out among them."""
+    """Narrow gather-only pieces' candidates where the gathers would not fit. Every sender of such a
+    parameter gathers it, and each gather costs the holders' outbound ports the full tensor. If the
+    senders' spare room (their capacity, each sending as long as the busiest receiver receives, less
+    all bytes sent) holds a gather for every receiver of every such parameter, every holder stays a
+    candidate: the schedule keeps its choice. Otherwise each parameter gets k holders, chosen
+    least-loaded first (k = its bytes to send over a fair share of all bytes, at least 1), its
+    receivers dealt out among them."""
     gather_only = {name for name, s in sources.items() if s.gshards and not s.replicas}
     by_name: dict[str, list[Piece]] = {}
     load: dict[int, int] = {}
+    received: dict[int, int] = {}
     for p in pieces:
+        received[p.receiver] = received.get(p.receiver, 0) + p.nbytes
         if p.src_name in gather_only and p.cands is sources[p.src_name].full_cands(intern):
             by_name.setdefault(p.src_name, []).append(p)
         elif len(p.cands) == 1:
             load[p.cands[0]] = load.get(p.cands[0], 0) + p.nbytes
     if not by_name:
         return
-    fair = max(1, sum(p.nbytes for p in pieces) // max(1, n_senders))
+    total_all = sum(received.values())
+    room = n_senders * max(received.values()) - total_all
+    for name, group in by_name.items():
+        src = sources[name]
+        gathers = min(len(src.full_cands(intern)), len({p.receiver for p in group}))
+        room -= gathers * prod(src.full_shape) * dtype_size(src.dtype)
+    if room >= 0:
+        return
+    fair = max(1, total_all // max(1, n_senders))
     for name in sorted(by_name, key=lambda n: -sum(p.nbytes for p in by_name[n])):
         group = by_name[name]
         holders = sources[name].full_cands(intern)
         total = sum(p.nbytes for p in group)
-        src = sources[name]
-        full = prod(src.full_shape) * dtype_size(src.dtype)
-        k = min(len(holders), max(1, -(-total // fair), fair // max(1, full)))
+        k = min(len(holders), max(1, -(-total // fair)))
         if k == len(holders):
-            continue  # small enough: every holder stays a candidate
+            continue
         chosen = tuple(sorted(sorted(holders, key=lambda s: (load.get(s, 0), s))[:k]))
         chosen = intern.setdefault(chosen, chosen)
         for p in group:

@@ -12,8 +12,9 @@ How this works, in four steps:
    least-loaded candidate of its largest stream) and the next chunk of that stream (about 1/8 of its
    bytes, cut at dim-0 row boundaries). Receivers with the most work left choose first; a receiver that
    found no free candidate is retried only once one of its candidates frees.
-4. Tables: each sender's chunks in start order (a sender whose ports of several classes overlap in
-   time interleaves their pieces by start, since it posts in order), mirrored into receivers' tables.
+4. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
+   sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
+   when each transfer is issued and each gather made.)
 The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per receiver.
 """
 
@@ -66,7 +67,7 @@ class RoutingPlan:
 class Segment:
     """Pieces one sender sends one receiver back to back, from ``start`` in the schedule's time."""
 
-    __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start", "rate")
+    __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start")
 
     def __init__(self, receiver: int, cls: LinkClass, pieces: list[Piece], sender: int, nbytes: int) -> None:
         self.sender = sender
@@ -75,7 +76,6 @@ class Segment:
         self.pieces = pieces
         self.nbytes = nbytes
         self.start = 0.0
-        self.rate = 1.0  # bytes per second between its sender and receiver
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -312,8 +312,7 @@ class _ClassSchedule:
                 if seg is None:
                     continue
                 s = seg.sender
-                seg.rate = self.link.bandwidth(self.cls, s, r)
-                busy = seg.nbytes / seg.rate
+                busy = seg.nbytes / self.link.bandwidth(self.cls, s, r)
                 seg.start = now
                 out.append(seg)
                 free_s.discard(s)
@@ -370,32 +369,16 @@ def _largest_first(st: _Stream) -> tuple[int, int]:
 def build_tables(
     segments: list[Segment], senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int
 ) -> RoutingPlan:
-    """Each sender's pieces in the order they start in the schedule. A sender whose ports of several
-    classes work at once (a colocated trainer: a local copy, NVLink and the NIC) has segments that
-    overlap in time; their pieces are interleaved by start, since a sender posts its table in order and
-    a piece waits for its port: segment by segment, the NIC's pieces would hold the NVLink's back."""
+    """Each sender's pieces in the order their segments start in the schedule."""
     by_sender: dict[int, list[Segment]] = defaultdict(list)
     for seg in segments:
         by_sender[seg.sender].append(seg)
-    ordered = {s: _in_start_order(segs) for s, segs in by_sender.items()}
+    ordered = {s: [p for seg in sorted(segs, key=_by_start) for p in seg.pieces] for s, segs in by_sender.items()}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
 
-def _in_start_order(segments: list[Segment]) -> list[Piece]:
-    segments.sort(key=lambda g: (g.start, g.receiver))
-    if len({seg.cls for seg in segments}) == 1:  # one port: its segments follow one another
-        return [p for seg in segments for p in seg.pieces]
-    timed: list[tuple[float, int, int, Piece]] = []
-    for seg in segments:
-        at, rate = seg.start, seg.rate
-        for i, p in enumerate(seg.pieces):
-            timed.append((at, seg.receiver, i, p))
-            at += p.nbytes / rate
-    return [p for *_, p in sorted(timed, key=_by_start)]
-
-
-def _by_start(item: tuple) -> tuple:
-    return item[:3]
+def _by_start(seg: Segment) -> tuple:
+    return seg.start, seg.receiver
 
 
 def tables_from_assignment(

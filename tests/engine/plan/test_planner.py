@@ -370,10 +370,8 @@ def test_fp8_parts_of_fsdp_rows_are_cut_where_shards_fall_on_whole_blocks(rows, 
 
 def test_colocated_receivers_get_local_nvlink_and_network_bytes_at_once():
     """FSDP trainers on two hosts of 8 GPUs, each with an inference rank on its GPU needing whole
-    tensors: its own rows come by a local copy, its host mates' by NVLink, the other host's by the NIC.
-    Each sender's segments of the three classes overlap in the schedule, and its table interleaves
-    their pieces by start: listed segment by segment, the NIC's pieces (posted in order, each waiting
-    for the port) would hold the NVLink's and the local copy's back (1.7x the bound)."""
+    tensors: its own rows come by a local copy, its host mates' by NVLink, the other host's by the NIC,
+    all at once (each class's share of the bytes in proportion to its bandwidth)."""
     link = LinkModel(per_transfer_s=0.0)
     model = {f"w{i}": (1024, 4096) for i in range(8)}  # 64 rows (1 MiB) per rank
     where = [(h, f"cuda:{d}") for h in "ab" for d in range(8)]
@@ -386,3 +384,44 @@ def test_colocated_receivers_get_local_nvlink_and_network_bytes_at_once():
     pieces, _ = build_pieces(senders, receivers)
     bound = lower_bound(pieces, senders, receivers, link)
     assert makespan(routing.senders, senders, receivers, link) <= 1.02 * bound
+
+
+def test_a_senders_lanes_run_at_once_in_the_model():
+    """The engine runs a sender's table as one lane per receiver, all at once: sender 1's write to
+    receiver 1 does not wait behind its write to receiver 0, whose port sender 0 holds. Replayed as
+    one queue per sender (each write waiting for its port in table order) it would end at 3 n/B."""
+    link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
+    shape = (1024, 256)  # n = 1 MiB in float32
+    senders = [participant(0, [tensor("a", shape)], host="s0"),
+               participant(1, [tensor("b", shape), tensor("c", shape)], host="s1")]
+    receivers = [participant(0, [tensor("a", shape), tensor("b", shape)], host="r0"),
+                 participant(1, [tensor("c", shape)], host="r1")]
+    pieces, _ = build_pieces(senders, receivers)
+    by_name = {p.dst_name: p for p in pieces}
+    tables = tables_from_assignment({0: [by_name["a"]], 1: [by_name["b"], by_name["c"]]}, senders, receivers)
+    n = 1024 * 256 * 4
+    assert makespan(tables.senders, senders, receivers, link) == pytest.approx(2 * n / link.net_bw)
+    assert lower_bound(pieces, senders, receivers, link) == pytest.approx(2 * n / link.net_bw)
+
+
+@pytest.mark.parametrize("n_recv, every_holder", [(2, True), (16, False)])
+def test_gathers_that_fit_keep_every_holder_and_others_are_designated(n_recv, every_holder):
+    """A 16-rank FSDP group's small parts are gathered (no shard-to-shard). Two receivers of whole
+    tensors leave the senders room for a gather per receiver of every tensor: every holder stays a
+    candidate. Sixteen receivers of column halves fill the senders' ports: each tensor goes from few
+    designated holders (2: a tensor's sends over a fair share of all bytes), since every holder that
+    sends it would first gather it."""
+    model = {f"w{i}": (256, 256) for i in range(8)}  # 16 rows (16 KiB) per rank
+    senders = [participant(r, [tensor(k, s, shard=(0, 16 * r, 16 * r + 16), gatherable=True) for k, s in model.items()],
+                           host=f"s{r}") for r in range(16)]
+    half = (lambda r: (1, 128 * (r % 2), 128 * (r % 2) + 128)) if n_recv == 16 else (lambda r: None)
+    receivers = [participant(r, [tensor(k, s, shard=half(r)) for k, s in model.items()], host=f"r{r}")
+                 for r in range(n_recv)]
+    pieces, _ = build_pieces(senders, receivers)
+    senders_of = {len(p.cands) for p in pieces}
+    assert senders_of == ({16} if every_holder else {2})
+    routing = plan(senders, receivers, LinkModel())
+    check_coverage(routing, receivers)
+    if not every_holder:
+        for name in model:
+            assert len({s for s, t in routing.senders.items() for tr in t.transfers if tr.name == name}) == 2
