@@ -201,23 +201,22 @@ def lower_bound(
     forced: dict[tuple[int, LinkClass], float] = defaultdict(float)
     confined: dict[LinkClass, int] = defaultdict(int)  # bytes that can only leave a sender by this class
     usable: dict[tuple[int, tuple[int, ...]], frozenset] = {}
-    gathers = _MinGathers(senders)
+    gathers = _MinGathers(senders, link)
     for p in pieces:
         key = (p.receiver, p.cands)
         classes = usable.get(key)
         if classes is None:
             classes = usable[key] = frozenset(classes_of(p.cands, mates[p.receiver]))
-        by_classes[p.receiver][classes] += p.nbytes
+        by_classes[p.receiver][classes, gathers.add(p)] += p.nbytes
         if len(p.cands) == 1:
             (c,) = classes
             forced[p.cands[0], c] += p.nbytes / link.port_bw(c, "sender", p.cands[0])
         if len(classes) == 1:
             confined[next(iter(classes))] += p.nbytes
-        gathers.add(p)
     served = gathers.bytes_by_class()
     aggregate = [(confined[c] + served[c]) / sum(link.port_bw(c, "sender", s.rank) for s in senders)
                  for c in set(confined) | set(served)]
-    receiving = [receiver_bound(r, groups, link) for r, groups in by_classes.items()]
+    receiving = [released_bound(r, groups, link) for r, groups in by_classes.items()]
     return max([*aggregate, *receiving, *forced.values()], default=0.0)
 
 
@@ -227,20 +226,29 @@ class _MinGathers(_Holders):
     the full tensor less its own shard over the class that reaches the other holders; per parameter,
     once, at the smallest such pull."""
 
-    def __init__(self, senders: Sequence[Participant]) -> None:
+    def __init__(self, senders: Sequence[Participant], link: LinkModel) -> None:
         super().__init__(senders)
+        self.link = link
         self.pull: dict[str, int] = {}
 
-    def add(self, p: Piece) -> None:
-        least = None
+    def add(self, p: Piece) -> float:
+        """Count ``p``'s gather; the earliest its bytes can leave any candidate (0: one sends it from
+        its own shard; else the quickest candidate's pull over its inbound port)."""
+        least, soonest = None, None
+        cls = None
         for s in p.cands:
             spec = self.shards[s].get(p.src_name)
             if spec is None or spec.shard.covers(p.slice):
-                return  # this candidate sends it without a gather
+                return 0.0  # this candidate sends it without a gather
             n = _full_bytes(spec) - spec.nbytes
+            cls = cls or self.gather_class(p.src_name)
+            at = n / self.link.port_bw(cls, "receiver", s)
             least = n if least is None else min(least, n)
-        if least is not None:
-            self.pull[p.src_name] = min(self.pull.get(p.src_name, least), least)
+            soonest = at if soonest is None else min(soonest, at)
+        if least is None:
+            return 0.0
+        self.pull[p.src_name] = min(self.pull.get(p.src_name, least), least)
+        return soonest
 
     def bytes_by_class(self) -> dict[LinkClass, int]:
         out: dict[LinkClass, int] = defaultdict(int)
@@ -265,6 +273,26 @@ def receiver_bound(rank: int, groups: Mapping[frozenset, int], link: LinkModel) 
         subset = {c for i, c in enumerate(present) if mask >> i & 1}
         nbytes = sum(n for classes, n in groups.items() if classes <= subset)
         worst = max(worst, nbytes / sum(link.port_bw(c, "receiver", rank) for c in subset))
+    return worst
+
+
+def released_bound(rank: int, groups: Mapping[tuple[frozenset, float], int], link: LinkModel) -> float:
+    """``receiver_bound`` with release times: bytes that no candidate can send before ``tau`` (it must
+    first gather them) arrive after ``tau``, so for every set S of classes and every ``tau``, the
+    receiver needs at least ``tau`` + (bytes confined to S released at ``tau`` or later) / S's ports."""
+    present = sorted({c for classes, _ in groups for c in classes})
+    worst = 0.0
+    for mask in range(1, 1 << len(present)):
+        subset = {c for i, c in enumerate(present) if mask >> i & 1}
+        bw = sum(link.port_bw(c, "receiver", rank) for c in subset)
+        confined: dict[float, int] = defaultdict(int)
+        for (classes, release), n in groups.items():
+            if classes <= subset:
+                confined[release] += n
+        later = 0
+        for release in sorted(confined, reverse=True):
+            later += confined[release]
+            worst = max(worst, release + later / bw)
     return worst
 
 

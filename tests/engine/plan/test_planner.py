@@ -261,22 +261,30 @@ def test_random_manifests_plan_fully_or_raise_plan_error(scenario, min_chunk):
 
 @st.composite
 def mixed_locality(draw):
-    """Replicas and shards spread over hosts and GPUs, so pieces can arrive over several link classes."""
-    names = {f"p{i}": (draw(st.integers(1, 64)), 16) for i in range(draw(st.integers(1, 5)))}
+    """Replicas and FSDP shards spread over hosts and GPUs, so pieces can arrive over several link
+    classes, some only after a gather."""
+    n_send = draw(st.integers(1, 5))
+    names = {f"p{i}": (draw(st.integers(n_send, 64)), 16) for i in range(draw(st.integers(1, 5)))}
+    fsdp = {n for n in names if draw(st.booleans())}  # dim-0 shards over every sender, gathered if need be
     place = st.tuples(st.sampled_from(["h0", "h1", "h2"]), st.sampled_from(["cuda:0", "cuda:1"]))
     senders = []
-    n_send = draw(st.integers(1, 5))
     for r in range(n_send):
         host, device = draw(place)
         specs = []
         for n, shape in names.items():
-            if r == 0 or draw(st.booleans()):  # sender 0 holds everything: every need has a supplier
+            if n in fsdp:
+                rows = (shape[0] * r // n_send, shape[0] * (r + 1) // n_send)
+                specs.append(tensor(n, shape, shard=(0, *rows), gatherable=True))
+            elif r == 0 or draw(st.booleans()):  # sender 0 holds everything: every need has a supplier
                 specs.append(tensor(n, shape))
         senders.append(participant(r, specs, host=host, device=device))
     receivers = []
     for r in range(draw(st.integers(1, 4))):
         host, device = draw(place)
-        receivers.append(participant(r, [tensor(n, s) for n, s in names.items()], host=host, device=device))
+        # a cast or a column slice of FSDP rows needs a gather or blocks
+        need = [tensor(n, s, dtype=draw(st.sampled_from(["float32", "float16"])) if n in fsdp else "float32",
+                       shard=(1, 0, 8) if n in fsdp and draw(st.booleans()) else None) for n, s in names.items()]
+        receivers.append(participant(r, need, host=host, device=device))
     link = LinkModel(net_bw=draw(st.sampled_from([1e9, 5e9])), host_bw=draw(st.sampled_from([2e9, 8e9])),
                      local_bw=draw(st.sampled_from([4e9, 3e10])), per_transfer_s=0.0)
     return senders, receivers, link
@@ -290,8 +298,9 @@ def test_makespan_is_never_below_the_bound_with_mixed_locality(scenario, prefer_
     bound = lower_bound(pieces, senders, receivers, link)
     options = PlanOptions(min_chunk_bytes=256, chunks_per_receiver=4, prefer_locality=prefer_locality)
     tables = [plan(senders, receivers, link, options),
-              tables_from_assignment(seed_greedy_assignment(pieces, senders), senders, receivers),
-              tables_from_assignment(broadcast_assignment(pieces, senders), senders, receivers)]
+              tables_from_assignment(seed_greedy_assignment(pieces, senders), senders, receivers)]
+    if all(0 in p.cands for p in pieces):  # (else the broadcast sends what the bound says it cannot)
+        tables.append(tables_from_assignment(broadcast_assignment(pieces, senders), senders, receivers))
     for routing in tables:
         assert makespan(routing.senders, senders, receivers, link) >= bound * (1 - 1e-9)
 
@@ -309,16 +318,16 @@ def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
 
 def test_the_bound_counts_the_gather_some_candidate_must_make():
     """A row-parallel slice (dim 1) of a tensor two FSDP ranks hold by rows, cast on the way (a transform
-    needs the whole slice on one rank): whoever sends it gathers the other rank's half first, and that
-    half leaves its holder's port; with a slow host port that is the bound (and the makespan is not
-    below it)."""
+    needs the whole slice on one rank): whoever sends it gathers the other rank's half first, over its
+    inbound host port, before the slice can leave; with a slow host port that pull starts the bound
+    (and the makespan is not below it)."""
     link = LinkModel(host_bw=1e6)
     senders = [participant(r, [tensor("w", (64, 256), shard=(0, 32 * r, 32 * r + 32), gatherable=True)], host="t")
                for r in range(2)]
     receivers = [participant(0, [tensor("w", (64, 256), dtype="float16", shard=(1, 0, 128))], host="i")]
     pieces, _ = build_pieces(senders, receivers)
     half = 32 * 256 * 4  # the other rank's rows, served once
-    assert lower_bound(pieces, senders, receivers, link) == pytest.approx(half / (2 * link.host_bw))
+    assert lower_bound(pieces, senders, receivers, link) == pytest.approx(half / link.host_bw + 64 * 128 * 2 / link.net_bw)
     routing = plan(senders, receivers, link)
     assert makespan(routing.senders, senders, receivers, link) >= lower_bound(pieces, senders, receivers, link)
 
