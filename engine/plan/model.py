@@ -22,7 +22,9 @@ model (docs/PLANNER.md has the proof): the slowest of
 (a) each receiver, whose ports of different classes run concurrently: a piece may arrive through any
     class one of its candidates reaches the receiver by, so for every set S of classes, the pieces
     that can only use classes in S need at least bytes / (sum of the receiver's port bandwidths over
-    S) (the tightest S is the receiver's time; with one class it is bytes over that port);
+    S) (the tightest S is the receiver's time; with one class it is bytes over that port); and
+    bytes that every candidate must first gather arrive no sooner than the quickest candidate's pull
+    over its inbound port, so with release times: tau + the bytes released at tau or later over S;
 (b) each sender's bytes that only it can supply, over its port of their class;
 (c) per class, the bytes that can only leave a sender by that class, plus the rows holders must serve
     to gatherers (a piece every candidate of which reads outside its own gatherable shard makes one of

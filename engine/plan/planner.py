@@ -30,6 +30,8 @@ from collections import defaultdict
 from itertools import accumulate
 from typing import Mapping, Optional, Sequence
 
+import numpy as np
+
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
 from weightsync.wire.schema import trusted_maker
 
@@ -293,22 +295,31 @@ class _ClassSchedule:
         self.left = {r: need[r] / self.bw_r[r] for r in self.receivers}
         self.quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver))
                         for r in self.receivers}
-        self.forced_left: dict[int, float] = defaultdict(float)
-        for by_s in self.forced.values():
+        # senders as array positions (in rank order), so a receiver's forced senders are one array
+        self.rank_of = sorted(self.watchers)
+        self.idx = {s: i for i, s in enumerate(self.rank_of)}
+        self.free_mask = np.ones(len(self.rank_of), dtype=bool)
+        self.forced_left = np.zeros(len(self.rank_of))  # bytes each sender alone must still send
+        self.forced_ids: dict[int, np.ndarray] = {}  # receiver -> its forced senders' positions, sorted
+        self.forced_live: dict[int, np.ndarray] = {}  # ... and whether each still has pieces for it
+        for r, by_s in self.forced.items():
             for s, st in by_s.items():
-                self.forced_left[s] += st.nbytes
+                self.forced_left[self.idx[s]] += st.nbytes
+            self.forced_ids[r] = np.array(sorted(self.idx[s] for s in by_s), dtype=np.int64)
+            self.forced_live[r] = np.ones(len(by_s), dtype=bool)
         self.load = {s: 0.0 for s in self.watchers}
 
     def run(self) -> list[Segment]:
         free_s = set(self.watchers)
         free_r = set(self.receivers)  # free receivers with work left
-        to_try = set(self.receivers)  # of those, the ones that may find a sender now
+        # of those, the ones that may find a sender now: None, any free candidate; else only these senders
+        to_try: dict[int, Optional[set[int]]] = dict.fromkeys(self.receivers)
         events: list[tuple[float, int, int]] = []
         now = 0.0
         out: list[Segment] = []
         while True:
             for r in sorted(to_try, key=lambda r: (-self.left[r], r)):
-                seg = self._match(r, free_s)
+                seg = self._match(r, free_s, to_try[r])
                 if seg is None:
                     continue
                 s = seg.sender
@@ -316,6 +327,7 @@ class _ClassSchedule:
                 seg.start = now
                 out.append(seg)
                 free_s.discard(s)
+                self.free_mask[self.idx[s]] = False
                 free_r.discard(r)
                 self.left[r] -= seg.nbytes / self.bw_r[r]
                 self.load[s] += busy
@@ -329,25 +341,42 @@ class _ClassSchedule:
                 freed_s.append(s2)
                 freed_r.append(r2)
             free_s.update(freed_s)
+            self.free_mask[[self.idx[s] for s in freed_s]] = True
             free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
-            to_try = {r for r in freed_r if r in free_r}
-            for s in freed_s:
-                to_try |= self.watchers[s] & free_r
+            to_try = dict.fromkeys(r for r in freed_r if r in free_r)
+            for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
+                for r in self.watchers[s] & free_r:
+                    if r not in to_try:
+                        to_try[r] = {s}
+                    elif to_try[r] is not None:
+                        to_try[r].add(s)
 
-    def _match(self, r: int, free_s: set[int]) -> Optional[Segment]:
-        """Pick a free sender for receiver r: its own forced work first, else the least-loaded candidate."""
-        forced_r, forced_left = self.forced[r], self.forced_left
-        best = None
-        for s in forced_r:
-            if s in free_s and (best is None or forced_left[s] > forced_left[best] or
-                                forced_left[s] == forced_left[best] and s < best):
-                best = s
+    def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
+        """Pick a free sender for receiver r (among ``only``, if given): its own forced work first, else
+        the least-loaded candidate."""
+        forced_r, forced_left, idx = self.forced[r], self.forced_left, self.idx
+        if only is not None:
+            free_s = only & free_s
+            if not free_s:
+                return None
+        best = None  # the free forced sender with the most forced work left (the lowest rank on a tie)
+        if only is not None:
+            for s in free_s:
+                if s in forced_r and (best is None or forced_left[idx[s]] > forced_left[idx[best]] or
+                                      forced_left[idx[s]] == forced_left[idx[best]] and s < best):
+                    best = s
+        elif forced_r:
+            ids = self.forced_ids[r]
+            ready = ids[self.free_mask[ids] & self.forced_live[r]]
+            if len(ready):
+                best = self.rank_of[ready[np.argmax(forced_left[ready])]]
         if best is not None:
             st = forced_r[best]
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
-            forced_left[best] -= nbytes
+            forced_left[idx[best]] -= nbytes
             if st.empty:
                 del forced_r[best]
+                self.forced_live[r][np.searchsorted(self.forced_ids[r], idx[best])] = False
             return Segment(r, self.cls, pieces, best, nbytes)
         flex_r = self.flex[r]
         for i, st in enumerate(flex_r):
