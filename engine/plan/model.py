@@ -74,51 +74,49 @@ class _LaneReplay:
     def __init__(self, tables, senders, receivers, link: LinkModel, gathers: "_Gathers") -> None:
         s_by_rank = {p.rank: p for p in senders}
         r_by_rank = {p.rank: p for p in receivers}
-        self.lanes: dict[tuple[int, int], tuple[LinkClass, list[tuple[float, float]]]] = {}
+        # (sender, receiver) -> its two ports, ("s", rank, cls) and ("r", rank, cls), and its transfers as
+        # (when it can start at the earliest: issued and gathered, seconds of data)
+        self.lanes: dict[tuple[int, int], tuple[tuple, tuple, list[tuple[float, float]]]] = {}
         for s, table in sorted(tables.items()):
             for i, tr in enumerate(table.transfers):
-                lane = self.lanes.get((s, tr.dst_rank))
+                r = tr.dst_rank
+                lane = self.lanes.get((s, r))
                 if lane is None:
-                    c = link_class(s_by_rank[s], r_by_rank[tr.dst_rank])
-                    lane = self.lanes[s, tr.dst_rank] = (c, [])
+                    c = link_class(s_by_rank[s], r_by_rank[r])
+                    lane = self.lanes[s, r] = (("s", s, c), ("r", r, c), [])
                 posted = (i + 1) * link.per_transfer_s  # one host thread issues the table in order
-                c = lane[0]
-                lane[1].append((max(posted, gathers.ready(s, tr)), tr.nbytes / link.bandwidth(c, s, tr.dst_rank)))
+                c = lane[0][2]
+                lane[2].append((max(posted, gathers.ready(s, tr)), tr.nbytes / link.bandwidth(c, s, r)))
         self.sending: dict[tuple[int, LinkClass], float] = defaultdict(float)  # each sender port's busy time
 
     def run(self) -> float:
-        busy: set = set()  # ports carrying a transfer: ("s", rank, cls) / ("r", rank, cls)
+        busy: set = set()  # ports carrying a transfer
         waiting: dict = defaultdict(dict)  # port -> lane -> since when its next transfer waits (FIFO)
         pos = dict.fromkeys(self.lanes, 0)
-        events = [(lane[1][0][0], 0, key) for key, lane in self.lanes.items()]  # (time, kind, lane)
+        events = [(lane[2][0][0], 0, key) for key, lane in self.lanes.items()]  # (time, kind, lane)
         heapq.heapify(events)
         end_all = 0.0
 
         def start(key, t):
-            s, r = key
-            c, items = self.lanes[key]
-            sp, rp = ("s", s, c), ("r", r, c)
+            sp, rp, items = self.lanes[key]
             waiting[sp].pop(key, None)
             waiting[rp].pop(key, None)
             busy.add(sp)
             busy.add(rp)
             dur = items[pos[key]][1]
-            self.sending[s, c] += dur
+            self.sending[sp[1], sp[2]] += dur
             heapq.heappush(events, (t + dur, 1, key))
 
         def serve(port, t):  # a port just freed: its longest-waiting lane whose other port is free
-            lanes = waiting[port]
-            other = "r" if port[0] == "s" else "s"
-            for key in lanes:  # (dicts keep insertion order: the oldest first)
-                if (other, key[1] if other == "r" else key[0], port[2]) not in busy:
+            for key in waiting[port]:  # (dicts keep insertion order: the oldest first)
+                sp, rp, _ = self.lanes[key]
+                if sp not in busy and rp not in busy:
                     start(key, t)
                     return
 
         while events:
             t, kind, key = heapq.heappop(events)
-            s, r = key
-            c, items = self.lanes[key]
-            sp, rp = ("s", s, c), ("r", r, c)
+            sp, rp, items = self.lanes[key]
             if kind == 1:  # a transfer ended
                 end_all = max(end_all, t)
                 busy.discard(sp)
@@ -236,21 +234,18 @@ class _MinGathers(_Holders):
     def add(self, p: Piece) -> float:
         """Count ``p``'s gather; the earliest its bytes can leave any candidate (0: one sends it from
         its own shard; else the quickest candidate's pull over its inbound port)."""
-        least, soonest = None, None
-        cls = None
+        pulls = []
         for s in p.cands:
             spec = self.shards[s].get(p.src_name)
             if spec is None or spec.shard.covers(p.slice):
                 return 0.0  # this candidate sends it without a gather
-            n = _full_bytes(spec) - spec.nbytes
-            cls = cls or self.gather_class(p.src_name)
-            at = n / self.link.port_bw(cls, "receiver", s)
-            least = n if least is None else min(least, n)
-            soonest = at if soonest is None else min(soonest, at)
-        if least is None:
+            pulls.append((s, _full_bytes(spec) - spec.nbytes))
+        if not pulls:
             return 0.0
+        least = min(n for _, n in pulls)
         self.pull[p.src_name] = min(self.pull.get(p.src_name, least), least)
-        return soonest
+        cls = self.gather_class(p.src_name)
+        return min(n / self.link.port_bw(cls, "receiver", s) for s, n in pulls)
 
     def bytes_by_class(self) -> dict[LinkClass, int]:
         out: dict[LinkClass, int] = defaultdict(int)
@@ -269,13 +264,7 @@ def receiver_bound(rank: int, groups: Mapping[frozenset, int], link: LinkModel) 
     """The least time receiver ``rank`` needs when its ports of all classes run at once: the bytes of
     pieces confined to classes S, over S's summed port bandwidth, maximised over S (Hall's condition:
     a fractional split of the pieces over the classes finishing by T exists iff no S needs longer)."""
-    present = sorted({c for classes in groups for c in classes})
-    worst = 0.0
-    for mask in range(1, 1 << len(present)):
-        subset = {c for i, c in enumerate(present) if mask >> i & 1}
-        nbytes = sum(n for classes, n in groups.items() if classes <= subset)
-        worst = max(worst, nbytes / sum(link.port_bw(c, "receiver", rank) for c in subset))
-    return worst
+    return released_bound(rank, {(classes, 0.0): n for classes, n in groups.items()}, link)
 
 
 def released_bound(rank: int, groups: Mapping[tuple[frozenset, float], int], link: LinkModel) -> float:

@@ -291,10 +291,10 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
     if room >= 0:
         return
     fair = max(1, total_all // max(1, n_senders))
-    for name in sorted(by_name, key=lambda n: -sum(p.nbytes for p in by_name[n])):
-        group = by_name[name]
+    totals = {name: sum(p.nbytes for p in group) for name, group in by_name.items()}
+    for name in sorted(by_name, key=lambda n: -totals[n]):
+        group, total = by_name[name], totals[name]
         holders = sources[name].full_cands(intern)
-        total = sum(p.nbytes for p in group)
         k = min(len(holders), max(1, -(-total // fair)))
         if k == len(holders):
             continue

@@ -355,21 +355,21 @@ class _ClassSchedule:
         """Pick a free sender for receiver r (among ``only``, if given): its own forced work first, else
         the least-loaded candidate."""
         forced_r, forced_left, idx = self.forced[r], self.forced_left, self.idx
-        if only is not None:
+        ready = None  # positions of its free forced senders, ascending (argmax: the lowest rank on a tie)
+        if only is None:
+            if forced_r:
+                ids = self.forced_ids[r]
+                ready = ids[self.free_mask[ids] & self.forced_live[r]]
+        else:
             free_s = only & free_s
             if not free_s:
                 return None
-        best = None  # the free forced sender with the most forced work left (the lowest rank on a tie)
-        if only is not None:
-            for s in free_s:
-                if s in forced_r and (best is None or forced_left[idx[s]] > forced_left[idx[best]] or
-                                      forced_left[idx[s]] == forced_left[idx[best]] and s < best):
-                    best = s
-        elif forced_r:
-            ids = self.forced_ids[r]
-            ready = ids[self.free_mask[ids] & self.forced_live[r]]
-            if len(ready):
-                best = self.rank_of[ready[np.argmax(forced_left[ready])]]
+            hits = [idx[s] for s in free_s if s in forced_r]
+            if hits:
+                ready = np.array(sorted(hits), dtype=np.int64)
+        best = None  # the free forced sender with the most forced work left
+        if ready is not None and len(ready):
+            best = self.rank_of[ready[np.argmax(forced_left[ready])]]
         if best is not None:
             st = forced_r[best]
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
