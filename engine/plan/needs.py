@@ -225,21 +225,25 @@ def build_pieces(
     pieces: list[Piece] = []
     add = pieces.append
     for rp in receivers:
+        rank = rp.rank
         specs = rp.manifest.by_name()
         names = frozenset(specs)
         for t in rp.manifest.tensors:
             if t.tied_to is not None:
                 continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
-            scale_of = _scales_of(t, specs, sources)
-            key = (t.name, t.dtype, t.shape, t.shard, scale_of, t.name + SCALE_SUFFIX in names)
+            name, dtype, sh = t.name, t.dtype, t.shard
+            scale_of = _scales_of(t, specs, sources) if name.endswith(SCALE_SUFFIX) else None
+            # what the pieces depend on (a shard as plain values: hashing the struct costs a Python call)
+            key = (name, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
+                   scale_of, dtype == FP8 and name + SCALE_SUFFIX in names)
             made = templates.get(key)
             if made is None:
-                made = templates[key] = _templates(t, rp.rank, scale_of, names, rules, shapes, sources, transforms,
+                made = templates[key] = _templates(t, rank, scale_of, names, rules, shapes, sources, transforms,
                                                    intern, comps_of)
             region = t.region if t.region is not None else 0
             base = t.offset
             for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
-                add(Piece(rp.rank, t.name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
+                add(Piece(rank, name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
     _designate_gatherers(pieces, sources, len(senders), intern)
     return pieces, sources
 
@@ -274,12 +278,14 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
     by_name: dict[str, list[Piece]] = {}
     load: dict[int, int] = {}
     received: dict[int, int] = {}
+    full = {name: sources[name].full_cands(intern) for name in gather_only}
     for p in pieces:
-        received[p.receiver] = received.get(p.receiver, 0) + p.nbytes
-        if p.src_name in gather_only and p.cands is sources[p.src_name].full_cands(intern):
+        cands, nbytes = p.cands, p.nbytes
+        received[p.receiver] = received.get(p.receiver, 0) + nbytes
+        if full.get(p.src_name) is cands:
             by_name.setdefault(p.src_name, []).append(p)
-        elif len(p.cands) == 1:
-            load[p.cands[0]] = load.get(p.cands[0], 0) + p.nbytes
+        elif len(cands) == 1:
+            load[cands[0]] = load.get(cands[0], 0) + nbytes
     if not by_name:
         return
     total_all = sum(received.values())

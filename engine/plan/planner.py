@@ -9,8 +9,8 @@ How this works, in four steps:
    that class. Pieces are grouped by (receiver, link class, candidates); a group is a byte stream.
 3. Schedule (``_ClassSchedule``), one link class at a time: a list schedule over virtual time; whenever
    a receiver's port is free it takes a free candidate sender (its forced senders first, else the
-   least-loaded candidate of its largest stream) and the next chunk of that stream (about 1/8 of its
-   bytes, cut at dim-0 row boundaries). Receivers with the most work left choose first; a receiver that
+   candidate of its largest stream with the least work: sent so far plus forced work still to send)
+   and the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries). Receivers with the most work left choose first; a receiver that
    found no free candidate is retried only once one of its candidates frees.
 4. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
    sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
@@ -265,8 +265,9 @@ def schedule(groups, link: LinkModel, options: PlanOptions) -> list[Segment]:
 class _ClassSchedule:
     """The list schedule of one link class. At each event (a transfer ends, freeing its sender and
     receiver ports), the free receivers with work left, most work first, each take a free candidate
-    sender: one of their forced senders (the one with most forced work left), else the least-loaded
-    candidate of their largest stream with one free. A receiver that found none is retried only once
+    sender: one of their forced senders (the one with most forced work left), else, of their largest
+    stream with a free candidate, the candidate with the least work (busy time so far plus the forced
+    work it alone must still send: a sender owed elsewhere is spared). A receiver that found none is retried only once
     one of its candidates is freed (``watchers``): until then it would find none again."""
 
     def __init__(self, cls: LinkClass, groups, link: LinkModel, options: PlanOptions) -> None:
@@ -308,6 +309,7 @@ class _ClassSchedule:
             self.forced_ids[r] = np.array(sorted(self.idx[s] for s in by_s), dtype=np.int64)
             self.forced_live[r] = np.ones(len(by_s), dtype=bool)
         self.load = {s: 0.0 for s in self.watchers}
+        self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.watchers}
 
     def run(self) -> list[Segment]:
         free_s = set(self.watchers)
@@ -344,16 +346,18 @@ class _ClassSchedule:
             self.free_mask[[self.idx[s] for s in freed_s]] = True
             free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
+            waiting = free_r.difference(to_try) if len(to_try) < len(free_r) else ()
             for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
-                for r in self.watchers[s] & free_r:
-                    if r not in to_try:
+                for r in self.watchers[s].intersection(waiting):
+                    only = to_try.get(r)
+                    if only is None:
                         to_try[r] = {s}
-                    elif to_try[r] is not None:
-                        to_try[r].add(s)
+                    else:
+                        only.add(s)
 
     def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
         """Pick a free sender for receiver r (among ``only``, if given): its own forced work first, else
-        the least-loaded candidate."""
+        the candidate with the least work (so far, plus forced work still to send)."""
         forced_r, forced_left, idx = self.forced[r], self.forced_left, self.idx
         ready = None  # positions of its free forced senders, ascending (argmax: the lowest rank on a tie)
         if only is None:
@@ -382,7 +386,7 @@ class _ClassSchedule:
         for i, st in enumerate(flex_r):
             if st.cands.isdisjoint(free_s):
                 continue
-            s = min(st.cands & free_s, key=lambda s: (self.load[s], s))
+            s = min(st.cands & free_s, key=lambda s: (self.load[s] + forced_left[idx[s]] / self.bw_s[s], s))
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left

@@ -434,3 +434,19 @@ def test_gathers_that_fit_keep_every_holder_and_others_are_designated(n_recv, ev
     if not every_holder:
         for name in model:
             assert len({s for s, t in routing.senders.items() for tr in t.transfers if tr.name == name}) == 2
+
+
+def test_a_flexible_piece_goes_to_the_candidate_without_forced_work_left():
+    """Receiver 1 (the most work left, so it chooses first) may take y from sender 0 or 1, both idle
+    and unloaded; only sender 0 can send receiver 0's x. Counting the forced work each candidate still
+    has, y goes to sender 1 and both receivers are served at once (2 n/B); by load so far alone the tie
+    goes to sender 0 and x waits behind y (3 n/B)."""
+    link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
+    n = 1024 * 256 * 4  # (1024, 256) float32
+    senders = [participant(0, [tensor("x", (1024, 256)), tensor("y", (2048, 256))], host="s0"),
+               participant(1, [tensor("y", (2048, 256))], host="s1")]
+    receivers = [participant(0, [tensor("x", (1024, 256))], host="r0"),
+                 participant(1, [tensor("y", (2048, 256))], host="r1")]
+    routing = plan(senders, receivers, link)
+    assert [t.name for t in routing.senders[1].transfers] == ["y"]
+    assert makespan(routing.senders, senders, receivers, link) == pytest.approx(2 * n / link.net_bw)
