@@ -10,8 +10,9 @@ How this works, in four steps:
 3. Schedule (``_ClassSchedule``), one link class at a time: a list schedule over virtual time; whenever
    a receiver's port is free it takes a free candidate sender (its forced senders first, else the
    candidate of its largest stream with the least work: sent so far plus forced work still to send)
-   and the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries). Receivers with the most work left choose first; a receiver that
-   found no free candidate is retried only once one of its candidates frees.
+   and the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries). Receivers
+   with the most work left choose first; a receiver that found no free candidate is retried only once
+   one of its candidates frees.
 4. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
    sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
    when each transfer is issued and each gather made.)
