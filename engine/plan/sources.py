@@ -1,0 +1,184 @@
+"""What the senders hold, and the unit the planner moves.
+
+How this works: ``index_sources`` makes one lean pass over every sender tensor and gathers, per
+parameter, who holds it whole (replicas, or FSDP ranks that can gather it) and who holds which shard,
+checking that all senders agree on dtype and full shape and that shards tile without overlap
+(``BadTiling`` / ``ManifestMismatch`` naming parameter and ranks). ``Interned`` keeps one object per
+candidate tuple (pieces compare and hash them by identity) and one ``Spans`` per distinct gatherable
+sharding, so parameters sharded alike find their stitched runs once. A ``Piece`` is one contiguous
+write into a receiver with its candidate senders; ``needs.build_pieces`` makes them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from weightsync.wire import Slice
+
+from ..errors import BadTiling, ManifestMismatch
+from .links import Participant
+
+class Piece:
+    """One contiguous write into a receiver: rows of a source parameter, in full-tensor coordinates."""
+
+    __slots__ = (
+        "receiver", "dst_name", "src_name", "slice", "nbytes", "region", "offset",
+        "row_bytes", "transform", "cands",
+    )
+
+    def __init__(self, receiver, dst_name, src_name, slice_, nbytes, region, offset, row_bytes, transform, cands):
+        self.receiver: int = receiver
+        self.dst_name: str = dst_name
+        self.src_name: str = src_name
+        self.slice: Optional[Slice] = slice_
+        self.nbytes: int = nbytes
+        self.region: int = region
+        self.offset: int = offset
+        self.row_bytes: int = row_bytes  # >0: may be split along dim 0 at multiples of this
+        self.transform: str = transform
+        self.cands: tuple[int, ...] = cands
+
+    def split(self, nbytes: int) -> tuple["Piece", "Piece"]:
+        """Cut after ``nbytes`` (a positive multiple of row_bytes, less than the size): along dim 0, the
+        slice's rows or, for a block, its dim-0 rows."""
+        rows = nbytes // self.row_bytes
+        s = self.slice
+        if s.block:
+            a = Slice(s.dim, s.start, s.stop, s.dim0_start, s.dim0_start + rows)
+            b = Slice(s.dim, s.start, s.stop, s.dim0_start + rows, s.dim0_stop)
+        else:
+            a = Slice(0, s.start, s.start + rows)
+            b = Slice(0, s.start + rows, s.stop)
+        head = Piece(self.receiver, self.dst_name, self.src_name, a, nbytes, self.region, self.offset,
+                     self.row_bytes, self.transform, self.cands)
+        tail = Piece(self.receiver, self.dst_name, self.src_name, b, self.nbytes - nbytes, self.region,
+                     self.offset + nbytes, self.row_bytes, self.transform, self.cands)
+        return head, tail
+
+
+class Source:
+    """What the senders hold of one parameter."""
+
+    __slots__ = ("name", "dtype", "full_shape", "first_holder", "full", "replicas", "shards", "gshards", "_full_cands", "_spans",
+                 "_cuts")
+
+    def __init__(self, name: str, dtype: str, full_shape: tuple[int, ...], first_holder: int = -1) -> None:
+        self.name = name
+        self.first_holder = first_holder  # the first sender that listed it (errors name it)
+        self.dtype = dtype
+        self.full_shape = full_shape
+        self.full: list[int] = []  # senders that hold or can gather the full tensor
+        self.replicas = 0  # how many of them hold it whole
+        self.shards: dict[tuple[int, int, int], list[int]] = {}  # (dim, start, stop) -> senders
+        self.gshards: dict[tuple[int, int, int], list[int]] = {}  # the same, for gatherable (FSDP) shards
+        self._full_cands: tuple[int, ...] | None = None
+        self._spans: Optional[Spans] = None
+        self._cuts: Optional[dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]] = None
+
+    def cuts(self) -> dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]:
+        """The (non-gatherable) shards per dim as sorted (start, stop, holders), with their starts (for
+        bisect): they tile without overlap (``_check_tiling``), so one span at most contains a need."""
+        if self._cuts is None:
+            cuts: dict[int, list[tuple[int, int, list[int]]]] = {}
+            for (dim, a, b), holders in sorted(self.shards.items()):
+                cuts.setdefault(dim, []).append((a, b, holders))
+            self._cuts = {dim: ([a for a, _, _ in rows], rows) for dim, rows in cuts.items()}
+        return self._cuts
+
+    def spans(self, intern: "Interned") -> "Spans":
+        """The gatherable dim-0 shards, shared with every parameter sharded the same way."""
+        if self._spans is None:
+            self._spans = intern.spans(self.gshards)
+        return self._spans
+
+    def full_cands(self, intern: "Interned") -> tuple[int, ...]:
+        """The full holders as one shared (interned) tuple: pieces compare and hash it cheaply."""
+        if self._full_cands is None:
+            key = tuple(sorted(set(self.full)))
+            self._full_cands = intern.setdefault(key, key)
+        return self._full_cands
+
+
+class Spans:
+    """Gatherable dim-0 shards as sorted (start, stop, holders), with their starts (for bisect), and the
+    stitched runs found in them (``_runs``). Parameters sharded alike (an FSDP group's parameters of
+    one dim-0 size) share one: their runs are found once."""
+
+    __slots__ = ("starts", "rows", "runs")
+
+    def __init__(self, rows: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        self.rows = rows
+        self.starts = [a for a, _, _ in rows]
+        self.runs: dict[tuple[int, int, int], Optional[list[tuple[int, int, tuple[int, ...]]]]] = {}
+
+
+class Interned(dict):
+    """Candidate tuples, one object per value (pieces compare and hash them by identity), and the
+    ``Spans`` of each distinct gatherable sharding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spans: dict[tuple, list[tuple[dict, Spans]]] = {}  # (count, first shard) -> [(gshards, spans)]
+
+    def spans(self, gshards: dict[tuple[int, int, int], list[int]]) -> Spans:
+        bucket = self._spans.setdefault((len(gshards), next(iter(gshards), None)), [])
+        for seen, spans in bucket:
+            if seen == gshards:
+                return spans
+        rows = []
+        for (dim, a, b), h in sorted(gshards.items()):
+            if dim == 0:
+                key = (h[0],) if len(h) == 1 else tuple(sorted(h))
+                rows.append((a, b, self.setdefault(key, key)))
+        spans = Spans(rows)
+        bucket.append((gshards, spans))
+        return spans
+
+
+def index_sources(senders: Sequence[Participant]) -> dict[str, Source]:
+    sources: dict[str, Source] = {}
+    get = sources.get
+    for p in senders:  # (the planner's one pass over every sender tensor: kept lean)
+        rank = p.rank
+        for t in p.manifest.tensors:
+            shard = t.shard
+            full_shape = t.shape if shard is None else shard.full_shape
+            src = get(t.name)
+            if src is None:
+                src = sources[t.name] = Source(t.name, t.dtype, tuple(full_shape), rank)
+            elif src.dtype != t.dtype or src.full_shape != full_shape and src.full_shape != tuple(full_shape):
+                raise ManifestMismatch(
+                    f"senders disagree: {src.dtype}{list(src.full_shape)} vs {t.dtype}{list(full_shape)}",
+                    param=t.name, ranks=[f"sender/{src.first_holder}", f"sender/{rank}"],
+                )
+            if shard is None:
+                src.full.append(rank)
+                src.replicas += 1
+                continue
+            if t.gatherable:
+                src.full.append(rank)
+                where = src.gshards
+            else:
+                where = src.shards
+            key = (shard.dim, shard.start, shard.stop)
+            holders = where.get(key)
+            if holders is None:
+                where[key] = [rank]
+            else:
+                holders.append(rank)
+    for src in sources.values():
+        _check_tiling(src)
+    return sources
+
+
+def _check_tiling(src: Source) -> None:
+    if not src.shards:
+        return
+    dims = {d for d, _, _ in src.shards}
+    ranks = [f"sender/{r}" for rs in src.shards.values() for r in rs]
+    if len(dims) > 1:
+        raise BadTiling(f"shards are cut along several dims {sorted(dims)}", param=src.name, ranks=ranks)
+    spans = sorted((a, b) for _, a, b in src.shards)
+    for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
+        if a1 < b0:
+            raise BadTiling(f"shards [{a0}:{b0}] and [{a1}:{b1}] overlap", param=src.name, ranks=ranks)
