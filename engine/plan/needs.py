@@ -150,8 +150,9 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
 
 
 def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optional[TensorSpec]:
-    """The FP8 weight whose block scales ``t`` holds, if ``t`` is such a tensor."""
-    if not t.name.endswith(SCALE_SUFFIX) or t.name in sources:
+    """The FP8 weight whose block scales ``t`` (a name ending in the scale suffix) holds, if it is such
+    a tensor."""
+    if t.name in sources:
         return None
     weight = specs.get(t.name[: -len(SCALE_SUFFIX)])
     return weight if weight is not None and weight.dtype == FP8 else None

@@ -268,8 +268,8 @@ class _ClassSchedule:
     receiver ports), the free receivers with work left, most work first, each take a free candidate
     sender: one of their forced senders (the one with most forced work left), else, of their largest
     stream with a free candidate, the candidate with the least work (busy time so far plus the forced
-    work it alone must still send: a sender owed elsewhere is spared). A receiver that found none is retried only once
-    one of its candidates is freed (``watchers``): until then it would find none again."""
+    work it alone must still send: a sender owed elsewhere is spared). A receiver that found none is
+    retried only once one of its candidates is freed (``watchers``): until then it would find none again."""
 
     def __init__(self, cls: LinkClass, groups, link: LinkModel, options: PlanOptions) -> None:
         self.cls, self.link, self.options = cls, link, options
@@ -347,7 +347,7 @@ class _ClassSchedule:
             self.free_mask[[self.idx[s] for s in freed_s]] = True
             free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
-            waiting = free_r.difference(to_try) if len(to_try) < len(free_r) else ()
+            waiting = free_r.difference(to_try)
             for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
                 for r in self.watchers[s].intersection(waiting):
                     only = to_try.get(r)

@@ -18,6 +18,7 @@ from weightsync.wire import Slice
 from ..errors import BadTiling, ManifestMismatch
 from .links import Participant
 
+
 class Piece:
     """One contiguous write into a receiver: rows of a source parameter, in full-tensor coordinates."""
 
