@@ -259,15 +259,16 @@ def trusted(cls: type, *values: Any) -> Any:
 
 
 def trusted_maker(cls: type) -> Callable[..., Any]:
-    """``trusted`` for one struct as a function of its fields, in order: the instance's attribute dict
-    is made in one step (a third of ``trusted``'s time; the planner makes 10^5-10^6 of them)."""
+    """``trusted`` for one struct as a function of its fields, in order: the fields are stored straight
+    into the new instance's attribute dict (a quarter of ``trusted``'s time; the planner makes 10^5-10^6
+    of them; instances of a class share their dicts' keys)."""
     make = _MAKERS.get(cls)
     if make is None:
         names = _compiled(cls).names
         args = ", ".join(f"a{i}" for i in range(len(names)))
-        fields = ", ".join(f"{n!r}: a{i}" for i, n in enumerate(names))
-        scope = {"new": object.__new__, "setattr": object.__setattr__, "cls": cls}
-        exec(f"def make({args}):\n    o = new(cls)\n    setattr(o, '__dict__', {{{fields}}})\n    return o", scope)
+        stores = "".join(f"    d[{n!r}] = a{i}\n" for i, n in enumerate(names))
+        scope = {"new": object.__new__, "cls": cls}
+        exec(f"def make({args}):\n    o = new(cls)\n    d = o.__dict__\n{stores}    return o", scope)
         make = _MAKERS[cls] = scope["make"]
     return make
 

@@ -450,3 +450,42 @@ def test_a_flexible_piece_goes_to_the_candidate_without_forced_work_left():
     routing = plan(senders, receivers, link)
     assert [t.name for t in routing.senders[1].transfers] == ["y"]
     assert makespan(routing.senders, senders, receivers, link) == pytest.approx(2 * n / link.net_bw)
+
+
+def test_a_busy_senders_flexible_work_is_levelled_onto_its_idle_candidate():
+    """Sender 1 alone holds y, which receivers 0, 2 and 3 need (3 x 4 units); x (5 units), which
+    receivers 0 and 1 need, sender 0 holds too. The list schedule gives receiver 0's x to sender 1, the
+    one candidate free when receiver 0 is, and sender 1 ends at 17 units. Levelling moves it to sender
+    0 (10 units), and sender 1's own 12 units are the makespan."""
+    link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
+    unit = 256 * 256 * 4  # 256 rows of 256 float32
+    x, y = tensor("x", (5 * 256, 256)), tensor("y", (4 * 256, 256))
+    senders = [participant(0, [x], host="s0"), participant(1, [x, y], host="s1")]
+    receivers = [participant(0, [x, y], host="r0"), participant(1, [x], host="r1"),
+                 participant(2, [y], host="r2"), participant(3, [y], host="r3")]
+    routing = plan(senders, receivers, link)
+    assert sorted((t.name, t.dst_rank) for t in routing.senders[0].transfers) == [("x", 0), ("x", 1)]
+    assert makespan(routing.senders, senders, receivers, link) == pytest.approx(12 * unit / link.net_bw)
+
+
+def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
+    """Sender 0 has 12 units for receiver 0 and 4 for receiver 1, both also sendable by sender 1, which
+    has 4 units of its own: 16 against 4. Levelling hands sender 1 the last 6 units of receiver 0's
+    segment (rows cut where the two meet), 10 and 10, the moved rows right after the kept ones."""
+    from weightsync.engine.plan.planner import Segment, balance
+    from weightsync.engine.plan.sources import Piece
+
+    link, row = LinkModel(net_bw=1e9, per_transfer_s=0.0), 1024  # bytes per row; a unit is 256 rows
+
+    def seg(receiver, rows, sender, cands):
+        p = Piece(receiver, "w", "w", Slice(0, 0, rows), rows * row, 0, 0, row, "", tuple(sorted(cands)))
+        return Segment(receiver, LinkClass.NET, [p], sender, rows * row, frozenset(cands) if len(cands) > 1 else frozenset())
+
+    segments = [seg(0, 12 * 256, 0, {0, 1}), seg(1, 4 * 256, 0, {0, 1}), seg(2, 4 * 256, 1, {1})]
+    balance(segments, link, PlanOptions(min_chunk_bytes=row))
+    load = {s: sum(g.nbytes for g in segments if g.sender == s) // (256 * row) for s in (0, 1)}
+    assert load == {0: 10, 1: 10}
+    to_r0 = sorted((p.slice.start, p.slice.stop, g.sender) for g in segments if g.receiver == 0 for p in g.pieces)
+    assert to_r0 == [(0, 6 * 256, 0), (6 * 256, 12 * 256, 1)]
+    moved = next(g for g in segments if g.receiver == 0 and g.sender == 1)
+    assert moved.start == pytest.approx(6 * 256 * row / link.net_bw)  # after the kept part
