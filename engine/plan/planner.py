@@ -1,19 +1,21 @@
 """The routing planner: pure, synchronous, deterministic. Manifests in, routing tables out.
 
-How this works, in four steps:
+How this works, in five steps:
 1. ``build_pieces`` lists every (parameter slice, receiver) that must move and its candidate senders.
 2. Locality: a receiver's ports of different classes (same GPU, same host, network) work at once, so
    its bytes are spread over the classes its candidates reach it by, in proportion to their bandwidth
    (water-filling to the receiver's lower bound, ``model.receiver_bound``): a piece goes to its fastest
    class with room left, cut at a row boundary where it straddles; it keeps only the candidates of
    that class. Pieces are grouped by (receiver, link class, candidates); a group is a byte stream.
-3. Schedule (``_ClassSchedule``), one link class at a time: a list schedule over virtual time; whenever
+3. Schedule (``schedule.py``), one link class at a time: a list schedule over virtual time; whenever
    a receiver's port is free it takes a free candidate sender (its forced senders first, else the
    candidate of its largest stream with the least work: sent so far plus forced work still to send)
    and the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries). Receivers
    with the most work left choose first; a receiver that found no free candidate is retried only once
    one of its candidates frees.
-4. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
+4. Levelling (``schedule.balance``): where a sender port would be the bottleneck, the busiest hands part of a
+   flexible chunk to its least busy candidate, enough to bring the two level, until no move lowers it.
+5. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
    sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
    when each transfer is issued and each gather made.)
 The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per receiver.
@@ -21,17 +23,12 @@ The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per recei
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 import gc
-import heapq
 import operator
 from collections import defaultdict
-from itertools import accumulate
-from typing import Mapping, Optional, Sequence
-
-import numpy as np
+from typing import Mapping, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
 from weightsync.wire.schema import trusted_maker
@@ -41,6 +38,7 @@ from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, build_pieces
+from .schedule import Segment, balance, schedule
 
 MiB = 1 << 20
 
@@ -65,22 +63,6 @@ class RoutingPlan:
     @property
     def transfer_count(self) -> int:
         return sum(len(t.transfers) for t in self.senders.values())
-
-
-class Segment:
-    """Pieces one sender sends one receiver back to back, from ``start`` in the schedule's time."""
-
-    __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start", "cands")
-
-    def __init__(self, receiver: int, cls: LinkClass, pieces: list[Piece], sender: int, nbytes: int,
-                 cands: frozenset[int] = frozenset()) -> None:
-        self.sender = sender
-        self.receiver = receiver
-        self.cls = cls
-        self.pieces = pieces
-        self.nbytes = nbytes
-        self.start = 0.0
-        self.cands = cands  # the senders that could send it (its stream's), when more than one
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -205,325 +187,6 @@ def _fill(piece: Piece, classes: list[LinkClass], room: dict[LinkClass, float]) 
     cls = max(classes, key=lambda c: (room[c], -c))  # no room anywhere: where most is left
     room[cls] -= piece.nbytes
     return [*out, (piece, cls)]
-
-
-class _Stream:
-    """A receiver's queue of pieces that the senders in ``cands`` may supply. ``ends`` holds each
-    piece's end offset in the stream, so a take finds its whole pieces by bisection."""
-
-    __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq")
-
-    def __init__(self, cands: frozenset[int], pieces: list[Piece], seq: int = 0) -> None:
-        self.cands = cands
-        self.seq = seq  # breaks ties between streams of equal bytes left
-        self.pieces = pieces
-        self.ends = list(accumulate(p.nbytes for p in pieces))
-        self.at = 0  # the next piece
-        self.done = 0  # bytes taken so far: where pieces[at] starts
-        self.nbytes = self.ends[-1] if pieces else 0  # bytes left
-
-    @property
-    def empty(self) -> bool:
-        return self.at == len(self.pieces)
-
-    def take(self, quantum: int, min_bytes: int) -> tuple[list[Piece], int]:
-        """Pop about ``quantum`` bytes, cutting a splittable tensor at a row boundary; the pieces and
-        their bytes."""
-        at, ends, pieces = self.at, self.ends, self.pieces
-        if self.nbytes <= quantum:  # the rest fits: all of it (most streams are taken whole, at once)
-            out = pieces[at:] if at else pieces
-            taken = self.nbytes
-            self.at, self.done, self.nbytes = len(pieces), self.done + taken, 0
-            return out, taken
-        j = bisect.bisect_right(ends, self.done + quantum, at, len(pieces))  # pieces at..j-1 fit whole
-        out = pieces[at:j]
-        taken = ends[j - 1] - self.done if j > at else 0
-        if j < len(pieces):
-            p = pieces[j]
-            if not out and not p.row_bytes:  # an unsplittable head larger than the quantum goes whole
-                out.append(p)
-                taken += p.nbytes
-                j += 1
-            else:
-                cut = int((quantum - taken) // p.row_bytes) * p.row_bytes if p.row_bytes else 0
-                if p.row_bytes and 0 < cut < p.nbytes and (cut >= min_bytes or not out):
-                    head, pieces[j] = p.split(cut)
-                    out.append(head)
-                    taken += cut
-                elif not out:
-                    out.append(p)
-                    taken += p.nbytes
-                    j += 1
-        self.at = j
-        self.done += taken
-        self.nbytes -= taken
-        return out, taken
-
-
-def schedule(groups, link: LinkModel, options: PlanOptions) -> list[Segment]:
-    """Work-conserving list scheduling, one link class at a time (ports of classes are independent)."""
-    by_cls: dict[LinkClass, dict] = defaultdict(dict)
-    for key, pieces in groups.items():
-        by_cls[key[1]][key] = pieces
-    segments: list[Segment] = []
-    for cls in sorted(by_cls):
-        segments.extend(_ClassSchedule(cls, by_cls[cls], link, options).run())
-    return segments
-
-
-class _ClassSchedule:
-    """The list schedule of one link class. At each event (a transfer ends, freeing its sender and
-    receiver ports), the free receivers with work left, most work first, each take a free candidate
-    sender: one of their forced senders (the one with most forced work left), else, of their largest
-    stream with a free candidate, the candidate with the least work (busy time so far plus the forced
-    work it alone must still send: a sender owed elsewhere is spared). A receiver that found none is
-    retried only once one of its candidates is freed (``watchers``): until then it would find none again."""
-
-    def __init__(self, cls: LinkClass, groups, link: LinkModel, options: PlanOptions) -> None:
-        self.cls, self.link, self.options = cls, link, options
-        self.forced: dict[int, dict[int, _Stream]] = defaultdict(dict)  # receiver -> sender -> stream
-        self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
-        self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
-        self.ties: dict[tuple[int, int], int] = defaultdict(int)  # (receiver, sender) -> live streams joining them
-        for seq, ((receiver, _, cands), pieces) in enumerate(sorted(groups.items())):
-            if not pieces:
-                continue
-            for s in cands:
-                self.ties[(receiver, s)] += 1
-                self.watchers[s].add(receiver)
-            if len(cands) == 1:
-                self.forced[receiver][cands[0]] = _Stream(frozenset(cands), pieces)
-            else:
-                self.flex[receiver].append(_Stream(frozenset(cands), pieces, seq))
-        for streams in self.flex.values():
-            streams.sort(key=_largest_first)
-        self.receivers = sorted(set(self.forced) | set(self.flex))
-        self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
-        need = {r: sum(s.nbytes for s in self.forced[r].values()) + sum(s.nbytes for s in self.flex[r])
-                for r in self.receivers}
-        self.left = {r: need[r] / self.bw_r[r] for r in self.receivers}
-        self.quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver))
-                        for r in self.receivers}
-        # senders as array positions (in rank order), so a receiver's forced senders are one array
-        self.rank_of = sorted(self.watchers)
-        self.idx = {s: i for i, s in enumerate(self.rank_of)}
-        self.free_mask = np.ones(len(self.rank_of), dtype=bool)
-        self.forced_left = np.zeros(len(self.rank_of))  # bytes each sender alone must still send
-        self.forced_ids: dict[int, np.ndarray] = {}  # receiver -> its forced senders' positions, sorted
-        self.forced_live: dict[int, np.ndarray] = {}  # ... and whether each still has pieces for it
-        self.forced_at: dict[int, dict[int, int]] = {}  # ... and where each sender is in those arrays
-        for r, by_s in self.forced.items():
-            for s, st in by_s.items():
-                self.forced_left[self.idx[s]] += st.nbytes
-            ids = sorted(self.idx[s] for s in by_s)
-            self.forced_ids[r] = np.array(ids, dtype=np.int64)
-            self.forced_live[r] = np.ones(len(by_s), dtype=bool)
-            self.forced_at[r] = {self.rank_of[i]: at for at, i in enumerate(ids)}
-        self.load = {s: 0.0 for s in self.watchers}
-        self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.watchers}
-
-    def run(self) -> list[Segment]:
-        free_s = set(self.watchers)
-        free_r = set(self.receivers)  # free receivers with work left
-        # of those, the ones that may find a sender now: None, any free candidate; else only these senders
-        to_try: dict[int, Optional[set[int]]] = dict.fromkeys(self.receivers)
-        events: list[tuple[float, int, int]] = []
-        now = 0.0
-        out: list[Segment] = []
-        while True:
-            for r in sorted(to_try, key=lambda r: (-self.left[r], r)):
-                seg = self._match(r, free_s, to_try[r])
-                if seg is None:
-                    continue
-                s = seg.sender
-                busy = seg.nbytes / self.link.bandwidth(self.cls, s, r)
-                seg.start = now
-                out.append(seg)
-                free_s.discard(s)
-                self.free_mask[self.idx[s]] = False
-                free_r.discard(r)
-                self.left[r] -= seg.nbytes / self.bw_r[r]
-                self.load[s] += busy
-                heapq.heappush(events, (now + max(busy, len(seg.pieces) * self.link.per_transfer_s), s, r))
-            if not events:
-                return out
-            now, s, r = heapq.heappop(events)
-            freed_s, freed_r = [s], [r]
-            while events and events[0][0] <= now:
-                _, s2, r2 = heapq.heappop(events)
-                freed_s.append(s2)
-                freed_r.append(r2)
-            free_s.update(freed_s)
-            self.free_mask[[self.idx[s] for s in freed_s]] = True
-            free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
-            to_try = dict.fromkeys(r for r in freed_r if r in free_r)
-            waiting = free_r.difference(to_try)
-            for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
-                for r in self.watchers[s].intersection(waiting):
-                    only = to_try.get(r)
-                    if only is None:
-                        to_try[r] = {s}
-                    else:
-                        only.add(s)
-
-    def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
-        """Pick a free sender for receiver r (among ``only``, if given): its own forced work first, else
-        the candidate with the least work (so far, plus forced work still to send)."""
-        forced_r, forced_left, idx = self.forced[r], self.forced_left, self.idx
-        ready = None  # positions of its free forced senders, ascending (argmax: the lowest rank on a tie)
-        if only is None:
-            if forced_r:
-                ids = self.forced_ids[r]
-                ready = ids[self.free_mask[ids] & self.forced_live[r]]
-        else:
-            free_s = only & free_s
-            if not free_s:
-                return None
-            hits = [idx[s] for s in free_s if s in forced_r]
-            if hits:
-                ready = np.array(sorted(hits), dtype=np.int64)
-        best = None  # the free forced sender with the most forced work left
-        if ready is not None and len(ready):
-            best = self.rank_of[ready[np.argmax(forced_left[ready])]]
-        if best is not None:
-            st = forced_r[best]
-            pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
-            forced_left[idx[best]] -= nbytes
-            if st.empty:
-                del forced_r[best]
-                self.forced_live[r][self.forced_at[r][best]] = False
-                self._untie(r, st.cands)
-            return Segment(r, self.cls, pieces, best, nbytes)
-        flex_r = self.flex[r]
-        for i, st in enumerate(flex_r):
-            if st.cands.isdisjoint(free_s):
-                continue
-            s = min(st.cands & free_s, key=lambda s: (self.load[s] + forced_left[idx[s]] / self.bw_s[s], s))
-            pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
-            del flex_r[i]
-            if not st.empty:  # back in its place among the others, by the bytes it has left
-                bisect.insort(flex_r, st, key=_largest_first)
-            else:
-                self._untie(r, st.cands)
-            return Segment(r, self.cls, pieces, s, nbytes, st.cands)
-        return None
-
-    def _untie(self, r: int, cands: frozenset[int]) -> None:
-        """Stream of ``r`` over ``cands`` is done: ``r`` stops watching senders no live stream of it names
-        (freeing one of them can no longer give it work)."""
-        ties = self.ties
-        for s in cands:
-            ties[(r, s)] -= 1
-            if not ties[(r, s)]:
-                self.watchers[s].discard(r)
-
-
-def balance(segments: list[Segment], link: LinkModel, options: PlanOptions = PlanOptions()) -> None:
-    """Even out sender ports where one would be the bottleneck (busier than every receiver port): the
-    busiest sender port hands part of a flexible segment to its least busy candidate, enough to bring
-    the two level (water-filling, cut at a row boundary, never a part under ``min_chunk_bytes`` unless
-    the whole segment moves), until no such move lowers it. The list schedule gives a flexible segment
-    only to a candidate free at that moment, so a pair of senders sharing work can end apart (Kimi-K2
-    128 -> 128 from FSDP+EP64: 0.409 against 0.425 s); this levels them. A move goes only to a port as
-    fast for that receiver and leaves the pair no further apart than it found them, so the sum of
-    squared port times falls at every move: it ends. A moved part keeps its place in the schedule's
-    time (after what stays), which orders it in its new sender's table."""
-    load: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    floor: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    movable: dict[tuple[int, LinkClass], list[Segment]] = defaultdict(list)
-    for seg in segments:
-        t = seg.nbytes / link.bandwidth(seg.cls, seg.sender, seg.receiver)
-        load[seg.sender, seg.cls] += t
-        floor[seg.receiver, seg.cls] += t
-        if len(seg.cands) > 1:
-            movable[seg.sender, seg.cls].append(seg)
-    top_r = max(floor.values(), default=0.0)  # the busiest receiver port: no makespan is shorter
-    heap = [(-v, key) for key, v in load.items() if v > top_r]
-    heapq.heapify(heap)
-    while heap:
-        top, key = heapq.heappop(heap)
-        if -top != load[key]:
-            continue  # an outdated entry
-        move = _best_move(movable[key], key, load, link, options.min_chunk_bytes)
-        if move is None:
-            continue
-        seg, to, nbytes = move
-        part = _cut_tail(seg, nbytes) if nbytes < seg.nbytes else seg
-        d_from = part.nbytes / link.bandwidth(part.cls, key[0], part.receiver)
-        load[key] -= d_from
-        load[to, seg.cls] += part.nbytes / link.bandwidth(part.cls, to, part.receiver)
-        if part is seg:
-            movable[key].remove(seg)
-        else:
-            part.start = seg.start + seg.nbytes / link.bandwidth(seg.cls, key[0], seg.receiver)
-            segments.append(part)
-        part.sender = to
-        movable[to, seg.cls].append(part)
-        for k in (key, (to, seg.cls)):
-            if load[k] > top_r:
-                heapq.heappush(heap, (-load[k], k))
-
-
-def _best_move(segs: list[Segment], key, load, link: LinkModel, min_bytes: int):
-    """(segment, candidate, bytes): the largest of ``segs`` (sent by ``key``'s port) that a candidate as
-    fast and less busy can take part of; the least busy such candidate, and the bytes that level the two
-    (all of the segment at most; a part of ``min_bytes`` at least, cut at a row boundary)."""
-    s, top = key[0], load[key]
-    for seg in sorted(segs, key=lambda g: (-g.nbytes, g.start, g.receiver)):
-        bw_from = link.bandwidth(seg.cls, s, seg.receiver)
-        best = None
-        for t in sorted(seg.cands):
-            bw_to = link.bandwidth(seg.cls, t, seg.receiver)
-            if t == s or bw_to < bw_from or (best is not None and load[t, seg.cls] >= load[best, seg.cls]):
-                continue
-            if load[t, seg.cls] + min(seg.nbytes, min_bytes) / bw_to < top - min(seg.nbytes, min_bytes) / bw_from:
-                best = t
-        if best is None:
-            continue
-        # x bytes level them: load[best] + x / bw_to = top - x / bw_from
-        bw_to = link.bandwidth(seg.cls, best, seg.receiver)
-        x = (top - load[best, seg.cls]) / (1 / bw_from + 1 / bw_to)
-        nbytes = _tail_bytes(seg, min(int(x), seg.nbytes))
-        if nbytes == seg.nbytes or nbytes >= min_bytes:
-            return seg, best, nbytes
-    return None
-
-
-def _tail_bytes(seg: Segment, want: int) -> int:
-    """The bytes of the largest tail of ``seg`` of at most ``want`` bytes that ends on piece or row
-    boundaries."""
-    got = 0
-    for p in reversed(seg.pieces):
-        if got + p.nbytes <= want:
-            got += p.nbytes
-            continue
-        if p.row_bytes and p.slice is not None:
-            got += (want - got) // p.row_bytes * p.row_bytes
-        break
-    return got
-
-
-def _cut_tail(seg: Segment, nbytes: int) -> Segment:
-    """Take the last ``nbytes`` (from ``_tail_bytes``) off ``seg``, as a new segment of the same stream."""
-    tail: list[Piece] = []
-    left = nbytes
-    seg.pieces = list(seg.pieces)  # (may be its stream's own list)
-    while left:
-        p = seg.pieces[-1]
-        if p.nbytes <= left:
-            tail.append(seg.pieces.pop())
-            left -= p.nbytes
-        else:
-            head, rest = p.split(p.nbytes - left)
-            seg.pieces[-1] = head
-            tail.append(rest)
-            left = 0
-    seg.nbytes -= nbytes
-    return Segment(seg.receiver, seg.cls, tail[::-1], seg.sender, nbytes, seg.cands)
-
-
-def _largest_first(st: _Stream) -> tuple[int, int]:
-    return -st.nbytes, st.seq
 
 
 def build_tables(

@@ -472,7 +472,7 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
     """Sender 0 has 12 units for receiver 0 and 4 for receiver 1, both also sendable by sender 1, which
     has 4 units of its own: 16 against 4. Levelling hands sender 1 the last 6 units of receiver 0's
     segment (rows cut where the two meet), 10 and 10, the moved rows right after the kept ones."""
-    from weightsync.engine.plan.planner import Segment, balance
+    from weightsync.engine.plan.schedule import Segment, balance
     from weightsync.engine.plan.sources import Piece
 
     link, row = LinkModel(net_bw=1e9, per_transfer_s=0.0), 1024  # bytes per row; a unit is 256 rows
