@@ -172,7 +172,7 @@ class _ClassSchedule:
                 if seg is None:
                     continue
                 s = seg.sender
-                busy = seg.nbytes / self.link.bandwidth(self.cls, s, r)
+                busy = seg.nbytes / min(self.bw_s[s], self.bw_r[r])  # (``LinkModel.bandwidth``, from the ports)
                 seg.start = now
                 out.append(seg)
                 free_s.discard(s)
@@ -190,7 +190,8 @@ class _ClassSchedule:
                 freed_s.append(s2)
                 freed_r.append(r2)
             free_s.update(freed_s)
-            self.free_mask[[self.idx[s] for s in freed_s]] = True
+            for s in freed_s:
+                self.free_mask[self.idx[s]] = True
             free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
             waiting = free_r.difference(to_try)
@@ -265,15 +266,15 @@ def balance(segments: list[Segment], link: LinkModel, options: "PlanOptions") ->
     squared port times falls at every move: it ends. A moved part keeps its place in the schedule's
     time (after what stays), which orders it in its new sender's table."""
     load: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    floor: dict[tuple[int, LinkClass], float] = defaultdict(float)
+    received: dict[tuple[int, LinkClass], float] = defaultdict(float)
     movable: dict[tuple[int, LinkClass], list[Segment]] = defaultdict(list)
     for seg in segments:
         t = seg.nbytes / link.bandwidth(seg.cls, seg.sender, seg.receiver)
         load[seg.sender, seg.cls] += t
-        floor[seg.receiver, seg.cls] += t
+        received[seg.receiver, seg.cls] += t
         if len(seg.cands) > 1:
             movable[seg.sender, seg.cls].append(seg)
-    top_r = max(floor.values(), default=0.0)  # the busiest receiver port: no makespan is shorter
+    top_r = max(received.values(), default=0.0)  # the busiest receiver port: no makespan is shorter
     heap = [(-v, key) for key, v in load.items() if v > top_r]
     heapq.heapify(heap)
     while heap:
@@ -320,7 +321,7 @@ def _best_move(segs: list[Segment], key, load, link: LinkModel, min_bytes: int):
         bw_to = link.bandwidth(seg.cls, best, seg.receiver)
         x = (top - load[best, seg.cls]) / (1 / bw_from + 1 / bw_to)
         nbytes = _tail_bytes(seg, min(int(x), seg.nbytes))
-        if nbytes == seg.nbytes or nbytes >= min_bytes:
+        if nbytes and (nbytes == seg.nbytes or nbytes >= min_bytes):  # (nothing to move: not a move)
             return seg, best, nbytes
     return None
 

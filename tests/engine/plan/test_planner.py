@@ -489,3 +489,17 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
     assert to_r0 == [(0, 6 * 256, 0), (6 * 256, 12 * 256, 1)]
     moved = next(g for g in segments if g.receiver == 0 and g.sender == 1)
     assert moved.start == pytest.approx(6 * 256 * row / link.net_bw)  # after the kept part
+
+
+def test_levelling_never_cuts_what_cannot_be_cut():
+    """A segment of one piece that cannot be split (no row size) either moves whole or stays, even with
+    no floor on a part's size: 3 units against 0 moves nothing (whole, it would end at 3 too)."""
+    from weightsync.engine.plan.schedule import Segment, balance
+    from weightsync.engine.plan.sources import Piece
+
+    link, n = LinkModel(net_bw=1e9, per_transfer_s=0.0), 3 << 20
+    piece = Piece(0, "w", "w", None, n, 0, 0, 0, "", (0, 1))
+    segments = [Segment(0, LinkClass.NET, [piece], 0, n, frozenset({0, 1})),
+                Segment(1, LinkClass.NET, [Piece(1, "v", "v", None, 1, 0, 0, 0, "", (0,))], 0, 1)]
+    balance(segments, link, PlanOptions(min_chunk_bytes=0))
+    assert [(g.sender, g.nbytes) for g in segments] == [(0, n), (0, 1)]
