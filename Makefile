@@ -89,6 +89,7 @@ bench-faults: $(STAMP)
 
 bench-planner: $(STAMP)
 	($(BIN)/python bench/planner_scale.py && $(BIN)/python bench/planner_scale.py --large) | tee docs/results/planner_scale.jsonl
+	$(BIN)/python bench/planner_levelling.py | tee docs/results/planner_levelling.jsonl
 
 # The GPU machine reaches no package registry: fetch its wheels here (into .whl, git-ignored), carry
 # .whl there, then run bench-gpu from the project root (see docs/TRANSPORTS.md).

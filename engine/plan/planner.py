@@ -48,6 +48,7 @@ class PlanOptions:
     min_chunk_bytes: int = 32 * MiB  # never cut a tensor into pieces smaller than this
     chunks_per_receiver: int = 8  # a receiver's bytes go out in about this many chunks
     prefer_locality: bool = True
+    level: bool = True  # even out sender ports after the schedule (``schedule.balance``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,8 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping) -> Ro
     pieces, _ = build_pieces(senders, receivers, transforms, mapping)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link)
     segments = schedule(groups, link, options)
-    balance(segments, link, options)
+    if options.level:
+        balance(segments, link, options)
     return build_tables(segments, senders, receivers, plan_id)
 
 

@@ -466,6 +466,8 @@ def test_a_busy_senders_flexible_work_is_levelled_onto_its_idle_candidate():
     routing = plan(senders, receivers, link)
     assert sorted((t.name, t.dst_rank) for t in routing.senders[0].transfers) == [("x", 0), ("x", 1)]
     assert makespan(routing.senders, senders, receivers, link) == pytest.approx(12 * unit / link.net_bw)
+    unlevelled = plan(senders, receivers, link, PlanOptions(level=False))
+    assert makespan(unlevelled.senders, senders, receivers, link) == pytest.approx(17 * unit / link.net_bw)
 
 
 def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
