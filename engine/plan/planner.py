@@ -7,14 +7,12 @@ How this works, in five steps:
    (water-filling to the receiver's lower bound, ``model.receiver_bound``): a piece goes to its fastest
    class with room left, cut at a row boundary where it straddles; it keeps only the candidates of
    that class. Pieces are grouped by (receiver, link class, candidates); a group is a byte stream.
-3. Schedule (``schedule.py``), one link class at a time: a list schedule over virtual time; whenever
-   a receiver's port is free it takes a free candidate sender (its forced senders first, else the
-   candidate of its largest stream with the least work: sent so far plus forced work still to send)
-   and the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries). Receivers
-   with the most work left choose first; a receiver that found no free candidate is retried only once
-   one of its candidates frees.
-4. Levelling (``schedule.balance``): where a sender port would be the bottleneck, the busiest hands part of a
-   flexible chunk to its least busy candidate, enough to bring the two level, until no move lowers it.
+3. Schedule (``schedule.py``), one link class at a time: a list schedule over virtual time gives each
+   chunk of a receiver's streams (about 1/8 of its bytes) a free candidate sender, forced senders
+   first, else the least loaded counting the forced work it still owes.
+4. Levelling (``schedule.balance``): where a sender port would be the bottleneck, the busiest hands
+   part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
+   lowers it.
 5. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
    sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
    when each transfer is issued and each gather made.)

@@ -481,7 +481,8 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
 
     def seg(receiver, rows, sender, cands):
         p = Piece(receiver, "w", "w", Slice(0, 0, rows), rows * row, 0, 0, row, "", tuple(sorted(cands)))
-        return Segment(receiver, LinkClass.NET, [p], sender, rows * row, frozenset(cands) if len(cands) > 1 else frozenset())
+        flexible = frozenset(cands) if len(cands) > 1 else frozenset()
+        return Segment(receiver, LinkClass.NET, [p], sender, rows * row, flexible)
 
     segments = [seg(0, 12 * 256, 0, {0, 1}), seg(1, 4 * 256, 0, {0, 1}), seg(2, 4 * 256, 1, {1})]
     balance(segments, link, PlanOptions(min_chunk_bytes=row))
