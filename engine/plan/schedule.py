@@ -284,15 +284,14 @@ def balance(segments: list[Segment], link: LinkModel, options: "PlanOptions") ->
         move = _best_move(movable[key], key, load, link, options.min_chunk_bytes)
         if move is None:
             continue
-        seg, to, nbytes = move
+        seg, to, nbytes, bw_from, bw_to = move
         part = _cut_tail(seg, nbytes) if nbytes < seg.nbytes else seg
-        d_from = part.nbytes / link.bandwidth(part.cls, key[0], part.receiver)
-        load[key] -= d_from
-        load[to, seg.cls] += part.nbytes / link.bandwidth(part.cls, to, part.receiver)
+        load[key] -= nbytes / bw_from
+        load[to, seg.cls] += nbytes / bw_to
         if part is seg:
             movable[key].remove(seg)
         else:
-            part.start = seg.start + seg.nbytes / link.bandwidth(seg.cls, key[0], seg.receiver)
+            part.start = seg.start + seg.nbytes / bw_from  # after what stays
             segments.append(part)
         part.sender = to
         movable[to, seg.cls].append(part)
@@ -302,27 +301,28 @@ def balance(segments: list[Segment], link: LinkModel, options: "PlanOptions") ->
 
 
 def _best_move(segs: list[Segment], key, load, link: LinkModel, min_bytes: int):
-    """(segment, candidate, bytes): the largest of ``segs`` (sent by ``key``'s port) that a candidate as
-    fast and less busy can take part of; the least busy such candidate, and the bytes that level the two
-    (all of the segment at most; a part of ``min_bytes`` at least, cut at a row boundary)."""
+    """(segment, candidate, bytes, the two bandwidths): the largest of ``segs`` (sent by ``key``'s port)
+    that a candidate as fast and less busy can take part of; the least busy such candidate, and the
+    bytes that level the two (all of the segment at most; a part of ``min_bytes`` at least, cut at a
+    row boundary)."""
     s, top = key[0], load[key]
     for seg in sorted(segs, key=lambda g: (-g.nbytes, g.start, g.receiver)):
         bw_from = link.bandwidth(seg.cls, s, seg.receiver)
-        best = None
+        least = min(seg.nbytes, min_bytes)  # the smallest part that may move must already help
+        best = None  # (candidate, its bandwidth)
         for t in sorted(seg.cands):
-            bw_to = link.bandwidth(seg.cls, t, seg.receiver)
-            if t == s or bw_to < bw_from or (best is not None and load[t, seg.cls] >= load[best, seg.cls]):
+            if t == s or (best is not None and load[t, seg.cls] >= load[best[0], seg.cls]):
                 continue
-            if load[t, seg.cls] + min(seg.nbytes, min_bytes) / bw_to < top - min(seg.nbytes, min_bytes) / bw_from:
-                best = t
+            bw_to = link.bandwidth(seg.cls, t, seg.receiver)
+            if bw_to >= bw_from and load[t, seg.cls] + least / bw_to < top - least / bw_from:
+                best = (t, bw_to)
         if best is None:
             continue
-        # x bytes level them: load[best] + x / bw_to = top - x / bw_from
-        bw_to = link.bandwidth(seg.cls, best, seg.receiver)
-        x = (top - load[best, seg.cls]) / (1 / bw_from + 1 / bw_to)
+        t, bw_to = best
+        x = (top - load[t, seg.cls]) / (1 / bw_from + 1 / bw_to)  # load[t] + x / bw_to = top - x / bw_from
         nbytes = _tail_bytes(seg, min(int(x), seg.nbytes))
         if nbytes and (nbytes == seg.nbytes or nbytes >= min_bytes):  # (nothing to move: not a move)
-            return seg, best, nbytes
+            return seg, t, nbytes, bw_from, bw_to
     return None
 
 
