@@ -26,7 +26,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-faults bench-gpu bench-mn bench-gpu-mn gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-gpu bench-mn bench-gpu-mn gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -90,6 +90,9 @@ bench-faults: $(STAMP)
 bench-planner: $(STAMP)
 	($(BIN)/python bench/planner_scale.py && $(BIN)/python bench/planner_scale.py --large) | tee docs/results/planner_scale.jsonl
 	$(BIN)/python bench/planner_levelling.py | tee docs/results/planner_levelling.jsonl
+
+bench-joins: $(STAMP)
+	$(BIN)/python bench/join_scale.py | tee docs/results/join_scale.jsonl
 
 # The GPU machine reaches no package registry: fetch its wheels here (into .whl, git-ignored), carry
 # .whl there, then run bench-gpu from the project root (see docs/TRANSPORTS.md).

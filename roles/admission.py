@@ -2,8 +2,10 @@
 
 How this works: ``admission_problem`` returns ``(None, "")`` to admit, or a reject code and a text
 naming the culprit: another major protocol version, a rank outside the configured range, a rank that
-is already joined and alive, or a manifest that disagrees with those already joined (checked by the
-planner's own validation, so the same rules apply at join and at plan time, before any byte moves).
+is already joined and alive, or a manifest that disagrees with those already joined (``Catalog``: the
+planner's own rules, checked against what the joined members hold, in time that grows with the
+newcomer's manifest only). A receiver asking for a name or rows no joined sender holds is rejected
+only once every configured sender has joined: before that the holder may be one still to come.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Optional
 
 from weightsync.engine.errors import PlanError
-from weightsync.engine.plan import Mapping as NameMapping, Participant, build_pieces
+from weightsync.engine.plan import Catalog, Participant
 from weightsync.wire import PROTOCOL_VERSION, Role
 from weightsync.wire import messages as m
 
@@ -24,8 +26,9 @@ def participants(hellos: Iterable[m.Hello]) -> tuple[list[Participant], list[Par
 
 
 def admission_problem(hello: m.Hello, expected: Mapping[Role, int], joined: Mapping[tuple[Role, int], object],
-                      senders: list[Participant], receivers: list[Participant],
-                      mapping: "str | NameMapping" = "identity") -> tuple[Optional[m.RejectCode], str]:
+                      catalog: Catalog) -> tuple[Optional[m.RejectCode], str]:
+    """Admit ``hello`` or say why not; an admitted newcomer is recorded in ``catalog`` (which must hold
+    exactly the members in ``joined``: ``Catalog.sync``)."""
     if hello.proto_major != PROTOCOL_VERSION[0]:
         return m.RejectCode.VERSION_MISMATCH, f"protocol {hello.proto_major}.{hello.proto_minor} is not compatible"
     limit = expected[hello.role]
@@ -33,14 +36,12 @@ def admission_problem(hello: m.Hello, expected: Mapping[Role, int], joined: Mapp
         return m.RejectCode.BAD_RANK, f"{hello.role.value} rank {hello.rank} is outside 0..{limit - 1}"
     if (hello.role, hello.rank) in joined:
         return m.RejectCode.DUPLICATE_RANK, f"{hello.role.value}/{hello.rank} is already joined (and alive)"
-    newcomer = Participant(hello.rank, hello.manifest, hello.transport)
-    if hello.role is Role.SENDER:
-        senders = [*senders, newcomer]
-    else:
-        receivers = [*receivers, newcomer]
     try:
-        if senders:
-            build_pieces(senders, receivers, mapping=mapping)
+        if hello.role is Role.SENDER:
+            catalog.admit_sender(hello.rank, hello.manifest)
+        else:
+            senders = sum(1 for role, _ in joined if role is Role.SENDER)
+            catalog.admit_receiver(hello.rank, hello.manifest, senders == expected[Role.SENDER])
     except PlanError as exc:
         return m.RejectCode.MANIFEST_MISMATCH, str(exc)
     return None, ""

@@ -24,7 +24,7 @@ import zmq
 
 from weightsync.engine.datapath.aio import AsyncResource, Spinner
 from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
-from weightsync.engine.plan import LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping
+from weightsync.engine.plan import Catalog, LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping
 from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
@@ -92,6 +92,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.address = ""
         self.peers: dict[bytes, Peer] = {}
         self.by_rank: dict[tuple[Role, int], bytes] = {}
+        self.catalog = Catalog(options.mapping)  # what the joined members hold: a join is checked against it
         self.plan: Optional[RoutingPlan] = None
         self.plan_error: Optional[PlanError] = None
         self.plan_members: frozenset[tuple[Role, int]] = frozenset()
@@ -318,7 +319,11 @@ class Controller(Planner, RoundRunner, AsyncResource):
     def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
         if not self._joins.allow(hello.host, time.monotonic()):
             return m.RejectCode.LIMIT_EXCEEDED, f"too many joins from host {hello.host!r} in the last minute"
-        return admission_problem(hello, self.expected, self.by_rank, *self._participants(), self.options.mapping)
+        members: dict[Role, dict] = {Role.SENDER: {}, Role.RECEIVER: {}}
+        for p in self.peers.values():
+            members[p.hello.role][p.hello.rank] = p.hello.manifest
+        self.catalog.sync(members[Role.SENDER], members[Role.RECEIVER])  # (those gone since are released)
+        return admission_problem(hello, self.expected, self.by_rank, self.catalog)
 
     def _participants(self) -> tuple[list[Participant], list[Participant]]:
         return participants(p.hello for p in self.peers.values())

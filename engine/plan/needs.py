@@ -24,20 +24,20 @@ Every failure is a ``PlanError`` naming the parameter and ranks.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import bisect
 from math import prod
 
-from weightsync.wire import Slice, TensorSpec, dtype_size
+from weightsync.wire import Manifest, Slice, TensorSpec, dtype_size
 
-from ..errors import Unsuppliable
+from ..errors import UnknownParameter, Unsuppliable
 from .links import Participant
 from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, Part, SourceShape, components, dtype_transform
 from .mapping import get_mapping, parts_for
 from .sources import Interned, Piece, Source, Spans, index_sources
 
-__all__ = ["Piece", "Source", "build_pieces", "index_sources"]
+__all__ = ["Piece", "Resolver", "Source", "build_pieces", "index_sources"]
 
 STITCH_MIN_BYTES = 1 << 20  # a shard-to-shard part smaller than this is not worth its own write ...
 STITCH_SMALL_GROUP = 8  # ... unless the FSDP group has this many shards at most: then a need takes a few
@@ -52,37 +52,62 @@ def build_pieces(
     mapping: "str | NameMapping" = "identity",
 ) -> tuple[list[Piece], dict[str, Source]]:
     sources = index_sources(senders)
-    shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
-    rules = get_mapping(mapping)
-    intern = Interned()
-    # Receivers with the same layout share their pieces (pure): per tensor layout, the pieces' templates
-    # (source, rows, bytes, offset from the tensor's, row size, transform, candidates), made once.
-    templates: dict[tuple, list[tuple]] = {}
-    comps_of: dict[str, tuple] = {}
-    pieces: list[Piece] = []
-    add = pieces.append
-    for rp in receivers:
-        rank = rp.rank
-        specs = rp.manifest.by_name()
-        names = frozenset(specs)
-        for t in rp.manifest.tensors:
-            if t.tied_to is not None:
-                continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
-            name, dtype, sh = t.name, t.dtype, t.shard
-            scale_of = _scales_of(t, specs, sources) if name.endswith(SCALE_SUFFIX) else None
-            # what the pieces depend on (a shard as plain values: hashing the struct costs a Python call)
-            key = (name, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
-                   scale_of, dtype == FP8 and name + SCALE_SUFFIX in names)
-            made = templates.get(key)
-            if made is None:
-                made = templates[key] = _templates(t, rank, scale_of, names, rules, shapes, sources, transforms,
-                                                   intern, comps_of)
-            region = t.region if t.region is not None else 0
-            base = t.offset
-            for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
-                add(Piece(rank, name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
-    _designate_gatherers(pieces, sources, len(senders), intern)
+    resolver = Resolver(sources, transforms, mapping)
+    pieces = resolver.pieces((p.rank, p.manifest) for p in receivers)
+    _designate_gatherers(pieces, sources, len(senders), resolver.intern)
     return pieces, sources
+
+
+class Resolver:
+    """Receivers' tensors resolved against one set of sources, into pieces. Receivers with the same
+    layout share them (pure): per tensor layout, the pieces' templates (source, rows, bytes, offset
+    from the tensor's, row size, transform, candidates) are made once. ``absent_ok``: a name no sender
+    has, or rows no sender holds, resolve to no pieces instead of raising (``catalog``: while senders
+    are still joining, the holder may be one of those to come)."""
+
+    def __init__(self, sources: dict[str, Source], transforms: Mapping[tuple[str, str], str] = {},
+                 mapping: "str | NameMapping" = "identity", absent_ok: bool = False) -> None:
+        self.sources, self.transforms, self.absent_ok = sources, transforms, absent_ok
+        self.shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
+        self.rules = get_mapping(mapping)
+        self.intern = Interned()
+        self.templates: dict[tuple, list[tuple]] = {}
+        self.comps_of: dict[str, tuple] = {}
+
+    def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
+        sources, templates = self.sources, self.templates
+        pieces: list[Piece] = []
+        add = pieces.append
+        for rank, manifest in receivers:
+            specs = manifest.by_name()
+            names = frozenset(specs)
+            for t in manifest.tensors:
+                if t.tied_to is not None:
+                    continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
+                name, dtype, sh = t.name, t.dtype, t.shard
+                scale_of = _scales_of(t, specs, sources) if name.endswith(SCALE_SUFFIX) else None
+                # what the pieces depend on (a shard as plain values: hashing the struct costs a Python call)
+                key = (name, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
+                       scale_of, dtype == FP8 and name + SCALE_SUFFIX in names)
+                made = templates.get(key)
+                if made is None:
+                    made = templates[key] = self._templates(t, rank, scale_of, names)
+                region = t.region if t.region is not None else 0
+                base = t.offset
+                for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
+                    add(Piece(rank, name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
+        return pieces
+
+    def _templates(self, t: TensorSpec, rank: int, scale_of, names) -> list[tuple]:
+        if self.absent_ok and not all(src in self.shapes for src in self.rules.recipe((scale_of or t).name)[1]):
+            return []  # a name no sender has (yet): told before the error's name hints are looked for
+        try:
+            return _templates(t, rank, scale_of, names, self.rules, self.shapes, self.sources, self.transforms,
+                              self.intern, self.comps_of)
+        except (UnknownParameter, Unsuppliable):
+            if not self.absent_ok:
+                raise
+            return []
 
 
 def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources, transforms, intern,

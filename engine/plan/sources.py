@@ -11,6 +11,7 @@ write into a receiver with its candidate senders; ``needs.build_pieces`` makes t
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional, Sequence
 
 from weightsync.wire import Slice
@@ -91,6 +92,75 @@ class Source:
         if self._spans is None:
             self._spans = intern.spans(self.gshards)
         return self._spans
+
+    # --- one sender at a time (``catalog.Catalog``; ``index_sources`` fills the fields in one pass) ---
+
+    def hold(self, rank: int, shard: Optional[tuple[int, int, int]], gatherable: bool) -> None:
+        """Sender ``rank`` holds this parameter: whole (``shard`` None) or the shard (dim, start, stop)."""
+        if shard is None or gatherable:
+            self.full.append(rank)
+            self.replicas += shard is None
+            if shard is not None:
+                self.gshards.setdefault(shard, []).append(rank)
+        else:
+            holders = self.shards.get(shard)
+            if holders is None:
+                holders = self.shards[shard] = []
+                if self._cuts is not None:  # kept in order in place: a sender's join costs log(shards)
+                    starts, rows = self._cuts.setdefault(shard[0], ([], []))
+                    i = bisect.bisect_right(starts, shard[1])
+                    starts.insert(i, shard[1])
+                    rows.insert(i, (shard[1], shard[2], holders))
+            holders.append(rank)
+        self._full_cands = self._spans = None
+
+    def release(self, rank: int, shard: Optional[tuple[int, int, int]], gatherable: bool) -> None:
+        """Undo ``hold``: sender ``rank`` left."""
+        if shard is None or gatherable:
+            self.full.remove(rank)
+            self.replicas -= shard is None
+        where = self.gshards if gatherable else self.shards
+        if shard is not None:
+            where[shard].remove(rank)
+            if not where[shard]:
+                del where[shard]
+                if not gatherable and self._cuts is not None:
+                    starts, rows = self._cuts[shard[0]]
+                    i = bisect.bisect_left(starts, shard[1])
+                    while rows[i][:2] != shard[1:]:
+                        i += 1
+                    del starts[i], rows[i]
+                    if not rows:
+                        del self._cuts[shard[0]]
+        self._full_cands = self._spans = None
+
+    def held(self) -> bool:
+        return bool(self.full or self.shards)
+
+    def a_holder(self) -> int:
+        """One sender that holds some of it (errors name it)."""
+        return self.full[0] if self.full else next(iter(self.shards.values()))[0]
+
+    def overlap(self, rank: int, shard: tuple[int, int, int]) -> Optional[BadTiling]:
+        """The error a new non-gatherable ``shard`` of sender ``rank`` would make: cut along another dim
+        than the others, or overlapping one (naming its holders); None if it tiles (or is a replica)."""
+        dim, a, b = shard
+        if shard in self.shards:
+            return None
+        cuts = self.cuts()
+        if cuts and dim not in cuts:
+            other = next(iter(cuts))
+            return BadTiling(f"shard along dim {dim} where the others are cut along dim {other}", param=self.name,
+                             ranks=[f"sender/{rank}", f"sender/{cuts[other][1][0][2][0]}"])
+        if not cuts:
+            return None
+        starts, rows = cuts[dim]
+        i = bisect.bisect_right(starts, a)
+        for a0, b0, holders in rows[max(0, i - 1): i + 1]:
+            if a0 < b and a < b0:
+                return BadTiling(f"shards [{a0}:{b0}] and [{a}:{b}] overlap", param=self.name,
+                                 ranks=[f"sender/{rank}", *(f"sender/{r}" for r in holders)])
+        return None
 
     def full_cands(self, intern: "Interned") -> tuple[int, ...]:
         """The full holders as one shared (interned) tuple: pieces compare and hash it cheaply."""

@@ -169,6 +169,28 @@ async def test_manifest_disagreements_are_rejected_before_any_byte_moves():
     assert "blocks.0.norm" in dtype.text and "int32" in dtype.text and "no transform" in dtype.text
 
 
+async def test_a_receiver_may_join_before_the_sender_that_holds_its_experts():
+    """Expert-parallel senders each hold some experts' rows: a receiver that joins while the holder of
+    the others is still to come is admitted, and the first round fills it from both."""
+    from weightsync.wire import ShardSpec
+
+    experts = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    norm = torch.full((4,), 3.0)
+    dst = {"experts": torch.zeros(8, 4), "norm": torch.zeros(4)}
+
+    def ep_sender(ctl, rank):
+        rows = slice(4 * rank, 4 * rank + 4)
+        return WeightSender(ctl.address, {"experts": experts[rows].clone(), "norm": norm.clone()}, rank=rank,
+                            shards={"experts": ShardSpec((8, 4), 0, rows.start, rows.stop)})
+
+    async with Controller(senders=2, receivers=1, options=FAST) as ctl, ep_sender(ctl, 0) as s0, \
+            WeightReceiver(ctl.address, dst, rank=0) as receiver, ep_sender(ctl, 1) as s1:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await asyncio.wait_for(asyncio.gather(*await asyncio.gather(s0.push(1), s1.push(1))), WATCHDOG)
+        assert receiver.version == 1
+        assert torch.equal(dst["experts"], experts) and torch.equal(dst["norm"], norm)
+
+
 async def test_duplicate_and_out_of_range_ranks():
     async with Controller(senders=1, receivers=1, options=FAST) as ctl:
         async with WeightSender(ctl.address, sender_tensors(0), rank=0):

@@ -1,0 +1,130 @@
+"""The admission catalog: members checked one at a time against what the joined ones hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from weightsync.engine import errors
+from weightsync.engine.plan import Catalog, build_pieces
+from weightsync.engine.plan.sources import Interned, index_sources
+from plan_helpers import participant, tensor
+
+EXPERTS = (8, 4)  # a fused expert tensor: 8 experts of 4 columns, split over EP ranks by rows
+
+
+def _ep_sender(rank, n, cut=None, dtype="float32"):
+    """Sender ``rank`` of ``n`` expert-parallel ranks: its own rows of the experts (``cut`` overrides
+    them), an FSDP shard of the attention weight, and a replica of the norm."""
+    lo, hi = cut or (8 * rank // n, 8 * (rank + 1) // n)
+    attn = (8 * rank // n, 8 * (rank + 1) // n)
+    return participant(rank, [tensor("experts", EXPERTS, dtype, shard=(0, lo, hi)),
+                              tensor("attn", (8, 2), shard=(0, *attn), gatherable=True),
+                              tensor("norm", (4,))], host=f"t{rank}")
+
+
+def _receiver(rank, names=("experts", "attn", "norm"), dtype="float32"):
+    shapes = {"experts": EXPERTS, "attn": (8, 2), "norm": (4,)}
+    return participant(rank, [tensor(n, shapes[n], dtype if n == "experts" else "float32") for n in names],
+                       host=f"i{rank}")
+
+
+def _holdings(sources):
+    """Every field a plan reads from the senders' sources, as plain values."""
+    intern = Interned()
+    return {name: (s.dtype, s.full_shape, sorted(s.full), s.replicas,
+                   {k: sorted(v) for k, v in s.shards.items()}, {k: sorted(v) for k, v in s.gshards.items()},
+                   {d: (starts, [(a, b, sorted(h)) for a, b, h in rows]) for d, (starts, rows) in s.cuts().items()},
+                   s.full_cands(intern), s.spans(intern).rows)
+            for name, s in sorted(sources.items())}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_catalog_kept_through_joins_and_leaves_holds_what_a_fresh_index_would(seed):
+    rng = random.Random(seed)
+    n = rng.choice([2, 3, 5])
+    pool = {r: _ep_sender(r, n) for r in range(n)}
+    catalog, joined = Catalog(), {}
+    for _ in range(30):
+        rank = rng.randrange(n)
+        if rank in joined and rng.random() < 0.5:
+            del joined[rank]  # it left
+        elif rank not in joined:
+            joined[rank] = pool[rank].manifest
+            if rng.random() < 0.5:  # admitted through the checks, or recorded by sync
+                catalog.admit_sender(rank, joined[rank])
+        catalog.sync(joined, {})
+        fresh = index_sources([participant for r, participant in sorted(pool.items()) if r in joined])
+        assert _holdings(catalog.sources) == _holdings(fresh)
+
+
+def test_a_receiver_may_join_before_the_experts_holder_and_not_once_all_senders_are_in():
+    catalog = Catalog()
+    catalog.admit_sender(0, _ep_sender(0, 2).manifest)
+    catalog.admit_receiver(0, _receiver(0).manifest, senders_complete=False)  # rows 4:8 come with sender 1
+    with pytest.raises(errors.Unsuppliable, match="rows 4:8"):  # the same, with every sender in
+        catalog.admit_receiver(1, _receiver(1).manifest, senders_complete=True)
+    catalog.admit_sender(1, _ep_sender(1, 2).manifest)
+    catalog.admit_receiver(1, _receiver(1).manifest, senders_complete=True)
+    assert sorted(catalog.receivers) == [0, 1]
+    build_pieces([_ep_sender(r, 2) for r in range(2)], [_receiver(r) for r in range(2)])  # and it plans
+
+
+def test_a_name_no_sender_has_waits_for_the_last_sender_too():
+    catalog = Catalog()
+    catalog.admit_sender(0, _ep_sender(0, 2).manifest)
+    stray = participant(0, [tensor("norm", (4,)), tensor("atn", (8, 2))]).manifest
+    catalog.admit_receiver(0, stray, senders_complete=False)  # (a pipeline stage still to come may hold it)
+    with pytest.raises(errors.UnknownParameter, match="closest: attn .parameter 'atn'"):
+        catalog.admit_receiver(1, stray, senders_complete=True)
+
+
+def test_senders_that_disagree_are_refused_naming_the_parameter_and_both_ranks():
+    catalog = Catalog()
+    catalog.admit_sender(0, _ep_sender(0, 2).manifest)
+    with pytest.raises(errors.ManifestMismatch, match="float32.*float16") as e:
+        catalog.admit_sender(1, _ep_sender(1, 2, dtype="float16").manifest)
+    assert e.value.param == "experts" and e.value.ranks == ("sender/0", "sender/1")
+    with pytest.raises(errors.BadTiling, match=r"shards \[0:4\] and \[2:6\] overlap") as e:
+        catalog.admit_sender(1, _ep_sender(1, 2, cut=(2, 6)).manifest)
+    assert e.value.ranks == ("sender/1", "sender/0")
+    across = participant(1, [tensor("experts", EXPERTS, shard=(1, 0, 2))]).manifest
+    with pytest.raises(errors.BadTiling, match="along dim 1 where the others are cut along dim 0"):
+        catalog.admit_sender(1, across)
+    assert sorted(catalog.senders) == [0]  # nothing refused was recorded
+    catalog.admit_sender(1, _ep_sender(0, 2).manifest)  # the same rows again: a replica, not an overlap
+    assert catalog.sources["experts"].shards[(0, 0, 4)] == [0, 1]
+
+
+def test_rows_freed_by_a_sender_that_left_may_be_taken_by_another():
+    catalog = Catalog()
+    catalog.admit_sender(0, _ep_sender(0, 2).manifest)
+    with pytest.raises(errors.BadTiling):
+        catalog.admit_sender(1, _ep_sender(1, 2, cut=(2, 6)).manifest)
+    catalog.sync({}, {})  # rank 0 left
+    catalog.admit_sender(1, _ep_sender(1, 2, cut=(2, 6)).manifest)
+    assert catalog.sources["experts"].shards == {(0, 2, 6): [1]} and catalog.sources["norm"].full == [1]
+
+
+def test_a_sender_whose_new_name_a_joined_receiver_cannot_take_is_refused_and_not_recorded():
+    catalog = Catalog()
+    catalog.admit_receiver(0, _receiver(0, dtype="int32").manifest, senders_complete=False)  # no senders yet
+    with pytest.raises(errors.ManifestMismatch, match="receiver cannot take what sender/0 holds") as e:
+        catalog.admit_sender(0, _ep_sender(0, 2).manifest)
+    assert e.value.param == "experts" and e.value.ranks[:2] == ("sender/0", "receiver/0")
+    assert not catalog.senders and not catalog.sources
+
+
+def test_receivers_of_one_layout_are_resolved_once():
+    catalog = Catalog()
+    catalog.admit_sender(0, _ep_sender(0, 2).manifest)
+    catalog.admit_receiver(0, _receiver(0).manifest, senders_complete=False)
+    first = catalog.resolved
+    catalog.admit_sender(1, _ep_sender(1, 2).manifest)  # no new name: what was checked still stands
+    catalog.admit_receiver(1, _receiver(1).manifest, senders_complete=False)
+    assert first == 3 and catalog.resolved == first
+    for r in range(2, 6):  # every sender in: resolved once more, with rows and holders, then shared
+        catalog.admit_receiver(r, _receiver(r).manifest, senders_complete=True)
+    assert catalog.resolved == 2 * first
+    assert repr(catalog) == "<Catalog senders=2 receivers=6 params=3 resolved=6>"
