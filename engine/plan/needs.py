@@ -5,7 +5,8 @@ How this works: ``index_sources`` (``sources.py``) checks that all senders agree
 names the receiver ties to another: one storage moves once), resolves each tensor through the name
 mapping into parts (``mapping.py``: fused components, transposes, TP shards, casts, FP8 weight and
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
-covers it. A piece
+covers it. ``Resolver`` does that walk (receivers of one layout share it); ``catalog.py`` uses it to check
+one joining receiver. A piece
 lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that FSDP ranks hold as
 gatherable shards is cut at their shard boundaries and each part sent by the ranks whose own shard holds
 it; a plain slice along a later dim (a row-parallel TP slice) is cut the same way into blocks, each
