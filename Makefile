@@ -86,6 +86,7 @@ bench-depth: $(STAMP)
 # SIGKILL a random role 300 times, restart it; exits non-zero on a half-applied version, rollback or stall
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults.py --trials 300 --out docs/results/faults_cpu.json
+	$(BIN)/python bench/faults.py --trials 300 --experts --out docs/results/faults_experts_cpu.json
 
 bench-planner: $(STAMP)
 	($(BIN)/python bench/planner_scale.py && $(BIN)/python bench/planner_scale.py --large) | tee docs/results/planner_scale.jsonl

@@ -15,6 +15,11 @@ process taking part (a restarted sender in a committed round). Resume times coun
 the restarted process has joined (its imports take about 2.5 s here, and are not the engine's). Half the trials run
 with crc32 checksums, half without (``--checksum``). Exit status 1 on any half-applied version,
 rollback or unresumed trial.
+
+``--experts``: the trainers are expert-parallel: besides the replicated tensors each sender holds only
+its own rows of an ``experts`` tensor (a non-gatherable shard), so no round can go without every
+sender. The processes start in a random order, and a trial may kill a sender and a receiver at once:
+the receiver then joins again while that sender is down (admission must not refuse it).
 """
 
 from __future__ import annotations
@@ -35,13 +40,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SHAPES = {f"layer{i}.w": (64 * (i + 1), 96) for i in range(6)} | {"norm": (96,), "step": ()}
+EXPERT_ROWS = 16  # ``--experts``: rows of the experts tensor each sender holds alone
 
 
-def expected(name: str, version: int):
+def shapes(args) -> dict:
+    return SHAPES | ({"experts": (EXPERT_ROWS * args.senders, 96)} if args.experts else {})
+
+
+def expected(name: str, shape: tuple, version: int):
     import torch
 
     gen = torch.Generator().manual_seed(sum(map(ord, name)) * 1_000_003 + version)
-    return torch.randn(SHAPES[name], generator=gen)
+    return torch.randn(shape, generator=gen)
 
 
 def say(**event) -> None:
@@ -72,15 +82,25 @@ def _diagnosable(worker) -> None:
 
 async def sender_child(args) -> None:
     from weightsync.roles import SenderOptions, WeightSender
+    from weightsync.wire import ShardSpec
 
-    tensors = {name: expected(name, 0) for name in SHAPES}
-    async with WeightSender(args.addr, tensors, rank=args.rank, options=SenderOptions(rejoin_deadline_s=120)) as sender:
+    full = shapes(args)
+    rows = {"experts": slice(EXPERT_ROWS * args.rank, EXPERT_ROWS * (args.rank + 1))} if args.experts else {}
+
+    def own(name: str, version: int):  # what this sender holds of ``name`` at ``version``
+        value = expected(name, full[name], version)
+        return value[rows[name]].clone() if name in rows else value
+
+    tensors = {name: own(name, 0) for name in full}
+    shards = {name: ShardSpec(full[name], 0, r.start, r.stop) for name, r in rows.items()}
+    async with WeightSender(args.addr, tensors, rank=args.rank, shards=shards,
+                            options=SenderOptions(rejoin_deadline_s=120)) as sender:
         _diagnosable(sender)
         say(event="ready")
         while True:
             version = max(sender.committed or 0, sender._last_version) + 1
             for name, t in tensors.items():
-                t.copy_(expected(name, version))
+                t.copy_(own(name, version))
             try:
                 await (await sender.push(version))
                 say(event="committed", version=version)
@@ -95,10 +115,10 @@ async def receiver_child(args) -> None:
 
     from weightsync.roles import WeightReceiver
 
-    tensors = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    tensors = {name: torch.zeros(shape) for name, shape in shapes(args).items()}
 
     def check(version) -> None:
-        ok = version is None or all(torch.equal(t, expected(n, version)) for n, t in tensors.items())
+        ok = version is None or all(torch.equal(t, expected(n, t.shape, version)) for n, t in tensors.items())
         say(event="check", version=version, ok=ok)
 
     async with WeightReceiver(args.addr, tensors, rank=args.rank, on_update=check) as receiver:
@@ -138,7 +158,7 @@ class Cluster:
         a = self.args
         cmd = [sys.executable, __file__, "child", role, "--rank", str(rank), "--addr", self.addr,
                "--senders", str(a.senders), "--receivers", str(a.receivers), "--checksum", self.checksum,
-               "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout)]
+               "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout), *(["--experts"] if a.experts else [])]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env={
             **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         key = (role, rank)
@@ -171,14 +191,25 @@ class Cluster:
                     self.version[key[1]] = v
                     self.changed.set()
 
-    async def kill_and_restart(self, role: str, rank: int) -> float:
-        proc = self.procs[(role, rank)]
-        proc.send_signal(signal.SIGKILL)
-        await proc.wait()
-        await self.readers[(role, rank)]
-        (self.version if role == "receiver" else self.pushed).pop(rank, None)  # a new process starts with none
-        await self.start(role, rank)
-        await self.ready[(role, rank)].wait()
+    def victims(self) -> list[list[tuple[str, int]]]:
+        """What a trial may kill: one process; with ``--experts``, also a sender and a receiver at once."""
+        one = [[key] for key in self.roles()]
+        if not self.args.experts:
+            return one
+        return one + [[("sender", s), ("receiver", r)] for s in range(self.args.senders)
+                      for r in range(self.args.receivers)]
+
+    async def kill_and_restart(self, keys: list[tuple[str, int]]) -> float:
+        for key in keys:
+            self.procs[key].send_signal(signal.SIGKILL)
+        for role, rank in keys:
+            await self.procs[(role, rank)].wait()
+            await self.readers[(role, rank)]
+            (self.version if role == "receiver" else self.pushed).pop(rank, None)  # a new process starts with none
+        for role, rank in keys:
+            await self.start(role, rank)
+        for key in keys:
+            await self.ready[key].wait()
         return time.monotonic()
 
     async def until(self, predicate, timeout: float) -> bool:
@@ -234,23 +265,27 @@ def _free_port() -> int:
 async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows: list) -> None:
     cluster = Cluster(args, checksum)
     try:
-        for role, rank in cluster.roles():
+        order = cluster.roles()
+        if args.experts:  # as a launcher does: in any order (the controller first: workers need its address)
+            order = order[:1] + rng.sample(order[1:], len(order) - 1)
+        for role, rank in order:
             await cluster.start(role, rank)
         if not await cluster.until(lambda: cluster.all_past(0), args.resume_limit * 4):
-            rows.append({"checksum": checksum, "victim": "start", "resumed": False})
+            rows.append({"checksum": checksum, "start": "no round went through", "stuck": await cluster.diagnose()})
             return
         for _ in range(trials):
             floor = max(cluster.version.values())
-            role, rank = rng.choice(cluster.roles())
+            keys = rng.choice(cluster.victims())
             await asyncio.sleep(rng.uniform(0, args.max_delay))  # a random moment, often mid-round
             t_kill = time.monotonic()
             before = len(cluster.failures)
-            t_ready = await cluster.kill_and_restart(role, rank)
-            victim = rank if role == "sender" else None
+            t_ready = await cluster.kill_and_restart(keys)
+            victim = next((rank for role, rank in keys if role == "sender"), None)
             resumed = await cluster.until(lambda: cluster.all_past(floor, victim), args.resume_limit)
             t_resumed = time.monotonic()
             surfaced = [t - t_kill for t in cluster.failures[before:] if t >= t_kill]
-            rows.append({"checksum": checksum, "victim": f"{role}/{rank}", "resumed": resumed,
+            name = "+".join(f"{role}/{rank}" for role, rank in keys)
+            rows.append({"checksum": checksum, "victim": name, "resumed": resumed,
                          "restart_s": t_ready - t_kill, "resume_after_restart_s": t_resumed - t_ready,
                          "resume_after_kill_s": t_resumed - t_kill,
                          "failure_surfaced_s": min(surfaced) if surfaced else None})
@@ -286,12 +321,13 @@ def summarize(rows: list, args) -> dict:
         "victims": {v: sum(1 for r in trials if r["victim"] == v) for v in sorted({r["victim"] for r in trials})},
         "problems": [r.get("half_applied") or r.get("rollback") for r in rows
                      if "half_applied" in r or "rollback" in r][:10],
-        "stuck": [{"victim": r["victim"], "checksum": r["checksum"], **r["stuck"]} for r in trials if "stuck" in r],
+        "stuck": [{"victim": r.get("victim", "start"), "checksum": r["checksum"], **r["stuck"]} for r in rows
+                  if "stuck" in r],
     }
 
 
 def ok(summary: dict) -> bool:
-    return (summary["half_applied"] == 0 and summary["rollbacks"] == 0 and summary["trials"] > 0
+    return (summary["half_applied"] == 0 and summary["rollbacks"] == 0 and summary["trials"] > 0 and not summary["stuck"]
             and summary["resumed_within_limit"] == summary["trials"])
 
 
@@ -319,6 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-limit", type=float, default=20.0, help="give a trial up after this (s)")
     ap.add_argument("--max-delay", type=float, default=0.3, help="kill after a random delay up to this (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", action="store_true", help="expert-parallel senders; random start order, paired kills")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     ap.add_argument("--out", default="", help="also write the figures (JSON) to this file")
     ap.add_argument("--rank", type=int, default=0)
@@ -330,7 +367,8 @@ def main(argv=None) -> int:
         return 0
     summary = asyncio.run(drive(args))
     summary["command"] = (f"bench/faults.py --trials {args.trials} --senders {args.senders} --receivers "
-                          f"{args.receivers} --checksum '{args.checksum}' --timeout {args.timeout} --seed {args.seed}")
+                          f"{args.receivers} --checksum '{args.checksum}' --timeout {args.timeout} --seed {args.seed}"
+                          + (" --experts" if args.experts else ""))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     if not args.json:

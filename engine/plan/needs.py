@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Optional, Sequence
 
 import bisect
+from collections import defaultdict
 from math import prod
 
 from weightsync.wire import Manifest, Slice, TensorSpec, dtype_size
@@ -139,7 +140,7 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
     receivers dealt out among them."""
     gather_only = {name for name, s in sources.items() if s.gshards and not s.replicas}
     by_name: dict[str, list[Piece]] = {}
-    load: dict[int, int] = {}
+    load: dict[int, int] = defaultdict(int)
     received: dict[int, int] = {}
     full = {name: sources[name].full_cands(intern) for name in gather_only}
     for p in pieces:
@@ -148,7 +149,7 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
         if full.get(p.src_name) is cands:
             by_name.setdefault(p.src_name, []).append(p)
         elif len(cands) == 1:
-            load[cands[0]] = load.get(cands[0], 0) + nbytes
+            load[cands[0]] += nbytes
     if not by_name:
         return
     total_all = sum(received.values())
@@ -167,12 +168,12 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
         k = min(len(holders), max(1, -(-total // fair)))
         if k == len(holders):
             continue
-        chosen = tuple(sorted(sorted(holders, key=lambda s: (load.get(s, 0), s))[:k]))
+        chosen = tuple(sorted(sorted(holders, key=load.__getitem__)[:k]))  # (holders ascend: ties by rank)
         chosen = intern.setdefault(chosen, chosen)
         for p in group:
             p.cands = chosen
         for s in chosen:
-            load[s] = load.get(s, 0) + total // k
+            load[s] += total // k
 
 
 def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optional[TensorSpec]:
