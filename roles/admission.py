@@ -40,8 +40,7 @@ def admission_problem(hello: m.Hello, expected: Mapping[Role, int], joined: Mapp
         if hello.role is Role.SENDER:
             catalog.admit_sender(hello.rank, hello.manifest)
         else:
-            senders = sum(1 for role, _ in joined if role is Role.SENDER)
-            catalog.admit_receiver(hello.rank, hello.manifest, senders == expected[Role.SENDER])
+            catalog.admit_receiver(hello.rank, hello.manifest, len(catalog.senders) == expected[Role.SENDER])
     except PlanError as exc:
         return m.RejectCode.MANIFEST_MISMATCH, str(exc)
     return None, ""

@@ -93,7 +93,7 @@ class Catalog:
                     f"senders disagree: {src.dtype}{list(src.full_shape)} vs {t.dtype}{list(full_shape)}",
                     param=t.name, ranks=[f"sender/{src.a_holder()}", f"sender/{rank}"])
             if shard is not None and not t.gatherable:
-                problem = src.overlap(rank, (shard.dim, shard.start, shard.stop))
+                problem = src.overlap(rank, _key(shard))
                 if problem is not None:
                     raise problem
         return new_names
@@ -106,16 +106,15 @@ class Catalog:
             if src is None:
                 full_shape = tuple(t.shape if shard is None else shard.full_shape)
                 src = sources[t.name] = Source(t.name, t.dtype, full_shape, rank)
-            src.hold(rank, None if shard is None else (shard.dim, shard.start, shard.stop), t.gatherable)
+            src.hold(rank, _key(shard), t.gatherable)
         self.senders[rank] = manifest
         self._changed(len(sources) != names)
 
     def _release(self, rank: int) -> None:
         sources, names = self.sources, len(self.sources)
         for t in self.senders.pop(rank).tensors:
-            shard = t.shard
             src = sources[t.name]
-            src.release(rank, None if shard is None else (shard.dim, shard.start, shard.stop), t.gatherable)
+            src.release(rank, _key(t.shard), t.gatherable)
             if not src.held():
                 del sources[t.name]
         self._changed(len(sources) != names)
@@ -135,3 +134,8 @@ class Catalog:
         before = len(resolver.templates)
         resolver.pieces(receivers)
         self.resolved += len(resolver.templates) - before
+
+
+def _key(shard) -> "tuple[int, int, int] | None":
+    """A shard as ``Source`` keys it: (dim, start, stop)."""
+    return None if shard is None else (shard.dim, shard.start, shard.stop)

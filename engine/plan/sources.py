@@ -148,12 +148,12 @@ class Source:
         if shard in self.shards:
             return None
         cuts = self.cuts()
-        if cuts and dim not in cuts:
+        if not cuts:
+            return None
+        if dim not in cuts:
             other = next(iter(cuts))
             return BadTiling(f"shard along dim {dim} where the others are cut along dim {other}", param=self.name,
                              ranks=[f"sender/{rank}", f"sender/{cuts[other][1][0][2][0]}"])
-        if not cuts:
-            return None
         starts, rows = cuts[dim]
         i = bisect.bisect_right(starts, a)
         for a0, b0, holders in rows[max(0, i - 1): i + 1]:
