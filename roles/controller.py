@@ -24,7 +24,7 @@ import zmq
 
 from weightsync.engine.datapath.aio import AsyncResource, Spinner
 from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
-from weightsync.engine.plan import Catalog, LinkModel, Mapping, Participant, PlanOptions, RoutingPlan, get_mapping
+from weightsync.engine.plan import Catalog, LinkModel, Mapping, Participant, PlanCache, PlanOptions, RoutingPlan, get_mapping
 from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
@@ -93,6 +93,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.peers: dict[bytes, Peer] = {}
         self.by_rank: dict[tuple[Role, int], bytes] = {}
         self.catalog = Catalog(options.mapping)  # what the joined members hold: a join is checked against it
+        self.plan_cache = PlanCache()  # what the last plan resolved (the planning thread's own; one plan at a time)
         self.plan: Optional[RoutingPlan] = None
         self.plan_error: Optional[PlanError] = None
         self.plan_members: frozenset[tuple[Role, int]] = frozenset()

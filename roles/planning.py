@@ -49,7 +49,7 @@ class Planner:
         plan_id = self._plan_ids
         try:
             routing = await asyncio.to_thread(plan, senders, receivers, self.options.link, self.options.plan,
-                                              {}, plan_id, self.options.mapping)
+                                              {}, plan_id, self.options.mapping, self.plan_cache)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
             self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions

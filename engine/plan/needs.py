@@ -39,7 +39,7 @@ from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, Part, SourceShap
 from .mapping import get_mapping, parts_for
 from .sources import Interned, Piece, Source, Spans, index_sources
 
-__all__ = ["Piece", "Resolver", "Source", "build_pieces", "index_sources"]
+__all__ = ["PlanCache", "Piece", "Resolver", "Source", "build_pieces", "index_sources"]
 
 STITCH_MIN_BYTES = 1 << 20  # a shard-to-shard part smaller than this is not worth its own write ...
 STITCH_SMALL_GROUP = 8  # ... unless the FSDP group has this many shards at most: then a need takes a few
@@ -52,12 +52,51 @@ def build_pieces(
     receivers: Sequence[Participant],
     transforms: Mapping[tuple[str, str], str] = {},
     mapping: "str | NameMapping" = "identity",
+    cache: "Optional[PlanCache]" = None,
 ) -> tuple[list[Piece], dict[str, Source]]:
-    sources = index_sources(senders)
-    resolver = Resolver(sources, transforms, mapping)
+    """``cache``: what the previous plan resolved, reused while the senders are the same."""
+    if cache is None:
+        resolver = Resolver(index_sources(senders), transforms, mapping)
+    else:
+        resolver = cache.resolver(senders, transforms, mapping)
     pieces = resolver.pieces((p.rank, p.manifest) for p in receivers)
-    _designate_gatherers(pieces, sources, len(senders), resolver.intern)
-    return pieces, sources
+    _designate_gatherers(pieces, resolver.sources, len(senders), resolver.intern)
+    return pieces, resolver.sources
+
+
+class PlanCache:
+    """What one plan leaves to the next: the senders' index and every receiver tensor layout resolved
+    against it (``Resolver``), kept while the senders are the same (the same manifest objects, rank
+    for rank) and so are the transforms and the name mapping. A controller replans when a receiver
+    leaves or joins (a restarted inference worker): then the pieces are made from what is kept, and
+    only a layout never seen is resolved. Used by one planning thread at a time."""
+
+    def __init__(self) -> None:
+        self._senders: list[tuple[int, Manifest]] = []
+        self._rules: tuple = ()
+        self._resolver: Optional[Resolver] = None
+        self.hits = self.misses = 0
+
+    def __repr__(self) -> str:
+        return f"<PlanCache senders={len(self._senders)} layouts={self.layouts} hits={self.hits} misses={self.misses}>"
+
+    @property
+    def layouts(self) -> int:
+        """Receiver tensor layouts resolved and kept."""
+        return len(self._resolver.templates) if self._resolver is not None else 0
+
+    def resolver(self, senders: Sequence[Participant], transforms, mapping) -> "Resolver":
+        same = (len(senders) == len(self._senders) and self._rules == (dict(transforms), mapping)
+                and all(p.rank == r and p.manifest is m for p, (r, m) in zip(senders, self._senders)))
+        if same and self._resolver is not None:
+            self.hits += 1
+            return self._resolver
+        self.misses += 1
+        self._resolver = None  # (a failed index leaves nothing behind)
+        self._resolver = Resolver(index_sources(senders), transforms, mapping)
+        self._senders = [(p.rank, p.manifest) for p in senders]
+        self._rules = (dict(transforms), mapping)
+        return self._resolver
 
 
 class Resolver:

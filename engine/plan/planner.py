@@ -7,9 +7,10 @@ How this works, in five steps:
    (water-filling to the receiver's lower bound, ``model.receiver_bound``): a piece goes to its fastest
    class with room left, cut at a row boundary where it straddles; it keeps only the candidates of
    that class. Pieces are grouped by (receiver, link class, candidates); a group is a byte stream.
-3. Schedule (``schedule.py``), one link class at a time: a list schedule over virtual time gives each
-   chunk of a receiver's streams (about 1/8 of its bytes) a free candidate sender, forced senders
-   first, else the least loaded counting the forced work it still owes.
+3. Schedule (``schedule.py``), one link class at a time: forced streams (one candidate) are placed
+   in bulk, each receiver's rotated over its senders; then a list schedule over virtual time gives
+   each chunk of a receiver's flexible streams (about 1/8 of its bytes) a free candidate sender, the
+   least loaded counting its forced work.
 4. Levelling (``schedule.balance``): where a sender port would be the bottleneck, the busiest hands
    part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
    lowers it.
@@ -26,7 +27,8 @@ import dataclasses
 import gc
 import operator
 from collections import defaultdict
-from typing import Mapping, Sequence
+from itertools import groupby
+from typing import Mapping, Optional, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
 from weightsync.wire.schema import trusted_maker
@@ -35,7 +37,7 @@ from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
-from .needs import Piece, build_pieces
+from .needs import Piece, PlanCache, build_pieces
 from .schedule import Segment, balance, schedule
 
 MiB = 1 << 20
@@ -83,12 +85,15 @@ def plan(
     transforms: Mapping[tuple[str, str], str] = {},
     plan_id: int = 0,
     mapping: "str | NameMapping" = "identity",
+    cache: Optional[PlanCache] = None,
 ) -> RoutingPlan:
     """Compute routing tables; raises ``PlanError`` (naming parameter and ranks) before any byte moves.
 
-    ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``)."""
+    ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``).
+    ``cache``: a ``PlanCache`` kept from plan to plan (a replan with the same senders resolves only
+    receiver layouts it has not seen); the tables are the same with or without it."""
     with _gc_paused():
-        return _plan(senders, receivers, link, options, transforms, plan_id, mapping)
+        return _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache)
 
 
 @contextlib.contextmanager
@@ -104,11 +109,11 @@ def _gc_paused():
             gc.enable()
 
 
-def _plan(senders, receivers, link, options, transforms, plan_id, mapping) -> RoutingPlan:
+def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache) -> RoutingPlan:
     check_ranks(senders, receivers)
     senders = sorted(senders, key=lambda p: p.rank)
     receivers = sorted(receivers, key=lambda p: p.rank)
-    pieces, _ = build_pieces(senders, receivers, transforms, mapping)
+    pieces, _ = build_pieces(senders, receivers, transforms, mapping, cache)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link)
     segments = schedule(groups, link, options)
     if options.level:
@@ -126,19 +131,33 @@ def group_by_locality(
             groups[(piece.receiver, LinkClass.NET, piece.cands)].append(piece)
         return dict(groups)
     mates = host_mates(senders, receivers)
-    raw: dict[tuple[int, int], list[Piece]] = {}  # (receiver, id(cands)) -> pieces, in order
-    for piece in pieces:
-        key = (piece.receiver, id(piece.cands))  # candidate tuples are interned by build_pieces
-        same = raw.get(key)
-        if same is None:
-            same = raw[key] = []
-        same.append(piece)
-    by_class = {key: classes_of(same[0].cands, mates[key[0]]) for key, same in raw.items()}
-    spread = {r for (r, _), split in by_class.items() if len(split) > 1}  # receivers with a choice to make
-    for key, same in raw.items():
-        if key[0] not in spread:
-            ((cls, cands),) = by_class[key].items()
-            groups[(key[0], cls, cands)].extend(same)
+    raw: dict[int, dict[int, list[Piece]]] = {}  # receiver -> id(cands) -> pieces, in order
+    for r, run in groupby(pieces, _receiver):
+        by_cands = raw.get(r)
+        if by_cands is None:
+            by_cands = raw[r] = {}
+        for piece in run:
+            key = id(piece.cands)  # candidate tuples are interned by build_pieces
+            same = by_cands.get(key)
+            if same is None:
+                by_cands[key] = [piece]
+            else:
+                same.append(piece)
+    by_class: dict[tuple[int, int], dict] = {}
+    spread = set()  # receivers with a choice to make
+    for r, by_cands in raw.items():
+        if not mates[r]:  # no sender on its host: every piece comes by the network, as it is
+            for same in by_cands.values():
+                groups[(r, LinkClass.NET, same[0].cands)] = same
+            continue
+        for key, same in by_cands.items():
+            split = by_class[(r, key)] = classes_of(same[0].cands, mates[r])
+            if len(split) > 1:
+                spread.add(r)
+        if r not in spread:
+            for key, same in by_cands.items():
+                ((cls, cands),) = by_class[(r, key)].items()
+                groups[(r, cls, cands)].extend(same)
     if spread:
         per_receiver: dict[int, list[Piece]] = defaultdict(list)
         for piece in pieces:
@@ -148,6 +167,9 @@ def group_by_locality(
             for piece, cls in _spread(r, rpieces, by_class, link):
                 groups[(r, cls, by_class[(r, id(piece.cands))][cls])].append(piece)
     return dict(groups)
+
+
+_receiver = operator.attrgetter("receiver")
 
 
 def _spread(r: int, pieces: list[Piece], by_class, link: LinkModel) -> list[tuple[Piece, LinkClass]]:
@@ -209,20 +231,19 @@ def tables_from_assignment(
     plan_id: int = 0,
 ) -> RoutingPlan:
     """Number each sender's pieces in order and mirror them into the receivers' expected entries."""
-    r_by_rank = {p.rank: p for p in receivers}
-    sender_tables: dict[int, SenderTable] = {}
-    expected: dict[int, list[ExpectedEntry]] = {p.rank: [] for p in receivers}
     transfer, entry = trusted_maker(Transfer), trusted_maker(ExpectedEntry)  # values from validated manifests
+    peer_of = {p.rank: PeerInfo(p.rank, p.transport, p.manifest.regions) for p in receivers}  # (frozen: shared)
+    sender_tables: dict[int, SenderTable] = {}
+    expected: dict[int, list[tuple]] = {p.rank: [] for p in receivers}  # (region, offset, sender, index, entry)
     for sp in senders:
         pieces = assignment.get(sp.rank, [])
         s = sp.rank
         transfers = [transfer(i, p.src_name, p.slice, p.receiver, p.dst_name, p.region, p.offset, p.nbytes,
                               p.transform) for i, p in enumerate(pieces)]
         for i, p in enumerate(pieces):
-            expected[p.receiver].append(entry(p.dst_name, s, i, p.slice, p.region, p.offset, p.nbytes, p.transform))
-        dsts = sorted({p.receiver for p in pieces})
-        peers = tuple(PeerInfo(r, r_by_rank[r].transport, r_by_rank[r].manifest.regions) for r in dsts)
+            expected[p.receiver].append((p.region, p.offset, s, i, entry(p.dst_name, s, i, p.slice, p.region,
+                                                                         p.offset, p.nbytes, p.transform)))
+        peers = tuple(peer_of[r] for r in sorted({p.receiver for p in pieces}))
         sender_tables[s] = SenderTable(s, tuple(transfers), peers)
-    by_place = operator.attrgetter("region", "offset", "src_rank", "index")
-    receiver_tables = {r: ReceiverTable(r, tuple(sorted(es, key=by_place))) for r, es in expected.items()}
+    receiver_tables = {r: ReceiverTable(r, tuple(e[4] for e in sorted(es))) for r, es in expected.items()}
     return RoutingPlan(plan_id, sender_tables, receiver_tables)

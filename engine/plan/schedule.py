@@ -1,27 +1,31 @@
 """The list schedule and the levelling after it: which sender sends each chunk of a receiver's streams.
 
 How this works: ``schedule`` runs one list schedule per link class (``_ClassSchedule``) over virtual
-time: whenever a receiver's port is free it takes a free candidate sender (its forced senders first,
-else the candidate of its largest stream with the least work: sent so far plus forced work still to
-send) and the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries,
-``_Stream.take``). Receivers with the most work left choose first; a receiver that found no free
-candidate is retried only once one of its candidates frees. The result is a list of ``Segment``s
-(sender, receiver, pieces, start). ``balance`` then levels sender ports where one would be the
-bottleneck (see its docstring). ``planner.build_tables`` turns segments into tables.
+time. Forced streams (pieces only one sender has) leave nothing to choose and are placed in bulk
+first (``_place_forced``): each receiver takes its forced senders back to back, rotated so that
+receivers of the same senders start on different ones; a port is free for flexible work once its
+forced work is done. Then, whenever a receiver's port is free it takes, of its largest stream with a
+free candidate, the candidate with the least work (its forced work and what it was given so far) and
+the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries, ``_Stream.take``).
+Receivers with the most work left choose first; a receiver that found no free candidate is retried
+only once one of its candidates frees. The result is a list of ``Segment``s (sender, receiver,
+pieces, start). ``balance`` then levels sender ports where one would be the bottleneck (see its
+docstring). ``planner.build_tables`` turns segments into tables.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import operator
 from collections import defaultdict
 from itertools import accumulate
 from typing import TYPE_CHECKING, Optional
 
-import numpy as np
-
 from .links import LinkClass, LinkModel
 from .sources import Piece
+
+_nbytes = operator.attrgetter("nbytes")
 
 if TYPE_CHECKING:
     from .planner import PlanOptions
@@ -108,79 +112,72 @@ def schedule(groups, link: LinkModel, options: "PlanOptions") -> list[Segment]:
 
 
 class _ClassSchedule:
-    """The list schedule of one link class. At each event (a transfer ends, freeing its sender and
-    receiver ports), the free receivers with work left, most work first, each take a free candidate
-    sender: one of their forced senders (the one with most forced work left), else, of their largest
-    stream with a free candidate, the candidate with the least work (busy time so far plus the forced
-    work it alone must still send: a sender owed elsewhere is spared). A receiver that found none is
-    retried only once one of its candidates is freed (``watchers``): until then it would find none again."""
+    """The list schedule of one link class, after forced work is placed (``_place_forced``). At each
+    event (a transfer ends, or a port's forced work does, freeing its sender and receiver ports), the
+    free receivers with flexible work left, most work first, each take, of their largest stream with a
+    free candidate, the candidate with the least work (its forced work and what it was given so far).
+    A receiver that found none is retried only once one of its candidates is freed (``watchers``):
+    until then it would find none again."""
 
     def __init__(self, cls: LinkClass, groups, link: LinkModel, options: "PlanOptions") -> None:
         self.cls, self.link, self.options = cls, link, options
-        self.forced: dict[int, dict[int, _Stream]] = defaultdict(dict)  # receiver -> sender -> stream
+        # receiver -> sender -> (its pieces, their bytes)
+        self.forced: dict[int, dict[int, tuple[list[Piece], int]]] = defaultdict(dict)
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
         self.ties: dict[tuple[int, int], int] = defaultdict(int)  # (receiver, sender) -> live streams joining them
-        for seq, ((receiver, _, cands), pieces) in enumerate(sorted(groups.items())):
+        need: dict[int, int] = defaultdict(int)  # receiver -> bytes
+        flexible = []
+        for key, pieces in groups.items():
             if not pieces:
                 continue
+            receiver, _, cands = key
+            if len(cands) == 1:
+                nbytes = sum(map(_nbytes, pieces))
+                self.forced[receiver][cands[0]] = (pieces, nbytes)
+                need[receiver] += nbytes
+            else:
+                flexible.append(key)
+        for seq, key in enumerate(sorted(flexible)):
+            receiver, _, cands = key
             for s in cands:
                 self.ties[(receiver, s)] += 1
                 self.watchers[s].add(receiver)
-            if len(cands) == 1:
-                self.forced[receiver][cands[0]] = _Stream(frozenset(cands), pieces)
-            else:
-                self.flex[receiver].append(_Stream(frozenset(cands), pieces, seq))
+            stream = _Stream(frozenset(cands), groups[key], seq)
+            self.flex[receiver].append(stream)
+            need[receiver] += stream.nbytes
         for streams in self.flex.values():
             streams.sort(key=_largest_first)
-        self.receivers = sorted(set(self.forced) | set(self.flex))
+        self.receivers = sorted(need)
+        self.senders = sorted({s for by_s in self.forced.values() for s in by_s}.union(self.watchers))
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
-        need = {r: sum(s.nbytes for s in self.forced[r].values()) + sum(s.nbytes for s in self.flex[r])
-                for r in self.receivers}
-        self.left = {r: need[r] / self.bw_r[r] for r in self.receivers}
+        self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
+        self.left = {r: sum(s.nbytes for s in self.flex[r]) / self.bw_r[r] for r in self.receivers}
         self.quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver))
                         for r in self.receivers}
-        # senders as array positions (in rank order), so a receiver's forced senders are one array
-        self.rank_of = sorted(self.watchers)
-        self.idx = {s: i for i, s in enumerate(self.rank_of)}
-        self.free_mask = np.ones(len(self.rank_of), dtype=bool)
-        self.forced_left = np.zeros(len(self.rank_of))  # bytes each sender alone must still send
-        self.forced_ids: dict[int, np.ndarray] = {}  # receiver -> its forced senders' positions, sorted
-        self.forced_live: dict[int, np.ndarray] = {}  # ... and whether each still has pieces for it
-        self.forced_at: dict[int, dict[int, int]] = {}  # ... and where each sender is in those arrays
-        for r, by_s in self.forced.items():
-            for s, st in by_s.items():
-                self.forced_left[self.idx[s]] += st.nbytes
-            ids = sorted(self.idx[s] for s in by_s)
-            self.forced_ids[r] = np.array(ids, dtype=np.int64)
-            self.forced_live[r] = np.ones(len(by_s), dtype=bool)
-            self.forced_at[r] = {self.rank_of[i]: at for at, i in enumerate(ids)}
-        self.load = {s: 0.0 for s in self.watchers}
-        self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.watchers}
+        self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
 
     def run(self) -> list[Segment]:
-        free_s = set(self.watchers)
-        free_r = set(self.receivers)  # free receivers with work left
+        out, free_at = self._place_forced()
+        events = [(t, s, r) for (s, r), t in free_at.items()]  # ports busy with forced work free then
+        heapq.heapify(events)
+        free_s = {s for s in self.senders if (s, -1) not in free_at}
+        free_r = {r for r in self.flex if (-1, r) not in free_at}  # free receivers with flexible work left
         # of those, the ones that may find a sender now: None, any free candidate; else only these senders
-        to_try: dict[int, Optional[set[int]]] = dict.fromkeys(self.receivers)
-        events: list[tuple[float, int, int]] = []
+        to_try: dict[int, Optional[set[int]]] = dict.fromkeys(free_r)
         now = 0.0
-        out: list[Segment] = []
         while True:
             for r in sorted(to_try, key=lambda r: (-self.left[r], r)):
                 seg = self._match(r, free_s, to_try[r])
                 if seg is None:
                     continue
                 s = seg.sender
-                busy = seg.nbytes / min(self.bw_s[s], self.bw_r[r])  # (``LinkModel.bandwidth``, from the ports)
                 seg.start = now
                 out.append(seg)
                 free_s.discard(s)
-                self.free_mask[self.idx[s]] = False
                 free_r.discard(r)
                 self.left[r] -= seg.nbytes / self.bw_r[r]
-                self.load[s] += busy
-                heapq.heappush(events, (now + max(busy, len(seg.pieces) * self.link.per_transfer_s), s, r))
+                heapq.heappush(events, (now + self._busy(seg), s, r))
             if not events:
                 return out
             now, s, r = heapq.heappop(events)
@@ -189,10 +186,9 @@ class _ClassSchedule:
                 _, s2, r2 = heapq.heappop(events)
                 freed_s.append(s2)
                 freed_r.append(r2)
+            freed_s = [s for s in freed_s if s >= 0]  # (-1: an event that frees a receiver port only)
             free_s.update(freed_s)
-            for s in freed_s:
-                self.free_mask[self.idx[s]] = True
-            free_r.update(r for r in freed_r if self.forced[r] or self.flex[r])
+            free_r.update(r for r in freed_r if self.flex.get(r))
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
             waiting = free_r.difference(to_try)
             for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
@@ -203,39 +199,59 @@ class _ClassSchedule:
                     else:
                         only.add(s)
 
+    def _place_forced(self) -> tuple[list[Segment], dict[tuple[int, int], float]]:
+        """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each
+        receiver takes its forced senders back to back, in rank order rotated by the receiver's
+        position (receivers of the same senders start on different ones, and each sender's table, in
+        start order, goes round its receivers), each stream in chunks cut as ``_Stream.take``
+        cuts them. A port with forced work is free for flexible work once all of it is done: the
+        segments, and when each such port frees, keyed (sender, -1) or (-1, receiver)."""
+        out: list[Segment] = []
+        free_at: dict[tuple[int, int], float] = {}
+        min_bytes, per_transfer, cls, load, bw_s = self.options.min_chunk_bytes, self.link.per_transfer_s, self.cls, self.load, self.bw_s
+        for i, r in enumerate(self.receivers):
+            by_s = self.forced.get(r)
+            if not by_s:
+                continue
+            ranks = sorted(by_s)
+            at, quantum, bw_r, t = i % len(ranks), self.quantum[r], self.bw_r[r], 0.0
+            for s in ranks[at:] + ranks[:at]:
+                pieces, nbytes = by_s[s]
+                if nbytes <= quantum:  # (taken whole, as most are)
+                    chunks = [(pieces, nbytes)]
+                else:
+                    st, chunks = _Stream(frozenset((s,)), pieces), []
+                    while not st.empty:
+                        chunks.append(st.take(quantum, min_bytes))
+                for pieces, nbytes in chunks:
+                    seg = Segment(r, cls, pieces, s, nbytes)
+                    seg.start = t
+                    data = nbytes / min(bw_s[s], bw_r)  # (as ``_busy``)
+                    load[s] += data
+                    t += max(data, len(pieces) * per_transfer)
+                    out.append(seg)
+            free_at[(-1, r)] = t
+        free_at.update(((s, -1), t) for s, t in load.items() if t)
+        return out, free_at
+
+    def _busy(self, seg: Segment) -> float:
+        """How long ``seg`` holds its ports in the schedule's time (its sender's load grows by its data)."""
+        data = seg.nbytes / min(self.bw_s[seg.sender], self.bw_r[seg.receiver])  # (``LinkModel.bandwidth``)
+        self.load[seg.sender] += data
+        return max(data, len(seg.pieces) * self.link.per_transfer_s)
+
     def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
-        """Pick a free sender for receiver r (among ``only``, if given): its own forced work first, else
-        the candidate with the least work (so far, plus forced work still to send)."""
-        forced_r, forced_left, idx = self.forced[r], self.forced_left, self.idx
-        ready = None  # positions of its free forced senders, ascending (argmax: the lowest rank on a tie)
-        if only is None:
-            if forced_r:
-                ids = self.forced_ids[r]
-                ready = ids[self.free_mask[ids] & self.forced_live[r]]
-        else:
+        """Of receiver r's largest stream with a free candidate (among ``only``, if given), the next
+        chunk, from the candidate with the least work (forced, and given so far)."""
+        if only is not None:
             free_s = only & free_s
             if not free_s:
                 return None
-            hits = [idx[s] for s in free_s if s in forced_r]
-            if hits:
-                ready = np.array(sorted(hits), dtype=np.int64)
-        best = None  # the free forced sender with the most forced work left
-        if ready is not None and len(ready):
-            best = self.rank_of[ready[np.argmax(forced_left[ready])]]
-        if best is not None:
-            st = forced_r[best]
-            pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
-            forced_left[idx[best]] -= nbytes
-            if st.empty:
-                del forced_r[best]
-                self.forced_live[r][self.forced_at[r][best]] = False
-                self._untie(r, st.cands)
-            return Segment(r, self.cls, pieces, best, nbytes)
-        flex_r = self.flex[r]
+        flex_r, load = self.flex[r], self.load
         for i, st in enumerate(flex_r):
             if st.cands.isdisjoint(free_s):
                 continue
-            s = min(st.cands & free_s, key=lambda s: (self.load[s] + forced_left[idx[s]] / self.bw_s[s], s))
+            s = min(st.cands & free_s, key=lambda s: (load[s], s))
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left

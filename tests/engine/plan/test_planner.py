@@ -452,22 +452,51 @@ def test_a_flexible_piece_goes_to_the_candidate_without_forced_work_left():
     assert makespan(routing.senders, senders, receivers, link) == pytest.approx(2 * n / link.net_bw)
 
 
+def test_forced_work_goes_round_the_receivers():
+    """Each of 4 senders alone holds a quarter of w's rows (a non-gatherable shard), and 4 receivers on
+    other hosts need all of w: every piece has one candidate. Placed in bulk, receiver i takes its
+    senders from sender i on, so each sender's table starts with a different receiver (and not all
+    with receiver 0, whose port would be the only one busy while every other lane waits to be issued):
+    every step is a matching, and the round ends at the bound."""
+    link = LinkModel(net_bw=1e9, per_transfer_s=1e-6)
+    shape = (4 * 256, 256)
+    senders = [participant(s, [tensor("w", shape, shard=(0, 256 * s, 256 * s + 256))], host=f"s{s}")
+               for s in range(4)]
+    receivers = [participant(r, [tensor("w", shape)], host=f"r{r}") for r in range(4)]
+    routing = plan(senders, receivers, link)
+    check_coverage(routing, receivers)
+    for s in range(4):  # receiver r has sender r first, r + 1 next, ...: sender s serves s, s - 1, ...
+        assert [t.dst_rank for t in routing.senders[s].transfers] == [(s - k) % 4 for k in range(4)]
+    pieces, _ = build_pieces(senders, receivers)
+    bound = lower_bound(pieces, senders, receivers, link)
+    assert makespan(routing.senders, senders, receivers, link) == pytest.approx(bound, rel=1e-3)
+
+
 def test_a_busy_senders_flexible_work_is_levelled_onto_its_idle_candidate():
-    """Sender 1 alone holds y, which receivers 0, 2 and 3 need (3 x 4 units); x (5 units), which
-    receivers 0 and 1 need, sender 0 holds too. The list schedule gives receiver 0's x to sender 1, the
-    one candidate free when receiver 0 is, and sender 1 ends at 17 units. Levelling moves it to sender
-    0 (10 units), and sender 1's own 12 units are the makespan."""
+    """Sender 0 alone holds a (10 units, for receiver 1), sender 1 alone holds y (4 units each for
+    receivers 2 and 3); both hold x (5 units, for receiver 0). Forced work first: sender 1 frees at 8
+    units, sender 0 at 10, so the list schedule gives x to sender 1, the one free first, which ends at
+    13. Levelling hands the last 1.5 units of x (rows, cut where the two meet) to sender 0: 11.5 each,
+    the lower bound (23 units over two ports)."""
     link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
     unit = 256 * 256 * 4  # 256 rows of 256 float32
-    x, y = tensor("x", (5 * 256, 256)), tensor("y", (4 * 256, 256))
-    senders = [participant(0, [x], host="s0"), participant(1, [x, y], host="s1")]
-    receivers = [participant(0, [x, y], host="r0"), participant(1, [x], host="r1"),
+    a, x, y = tensor("a", (10 * 256, 256)), tensor("x", (5 * 256, 256)), tensor("y", (4 * 256, 256))
+    senders = [participant(0, [a, x], host="s0"), participant(1, [x, y], host="s1")]
+    receivers = [participant(0, [x], host="r0"), participant(1, [a], host="r1"),
                  participant(2, [y], host="r2"), participant(3, [y], host="r3")]
-    routing = plan(senders, receivers, link)
-    assert sorted((t.name, t.dst_rank) for t in routing.senders[0].transfers) == [("x", 0), ("x", 1)]
-    assert makespan(routing.senders, senders, receivers, link) == pytest.approx(12 * unit / link.net_bw)
-    unlevelled = plan(senders, receivers, link, PlanOptions(level=False))
-    assert makespan(unlevelled.senders, senders, receivers, link) == pytest.approx(17 * unit / link.net_bw)
+    options = PlanOptions(min_chunk_bytes=unit, chunks_per_receiver=1)  # (x whole, then cut where it levels)
+    pieces, _ = build_pieces(senders, receivers)
+    bound = lower_bound(pieces, senders, receivers, link)
+    assert bound == pytest.approx(11.5 * unit / link.net_bw)
+    unlevelled = plan(senders, receivers, link, PlanOptions(min_chunk_bytes=unit, chunks_per_receiver=1, level=False))
+    assert [(t.name, t.dst_rank) for t in unlevelled.senders[1].transfers] == [("y", 2), ("y", 3), ("x", 0)]
+    routing = plan(senders, receivers, link, options)
+    check_coverage(routing, receivers)
+    x_from = sorted((t.slice.start, t.slice.stop, s) for s, tab in routing.senders.items()
+                    for t in tab.transfers if t.name == "x")
+    assert x_from == [(0, 896, 1), (896, 1280, 0)]
+    assert makespan(unlevelled.senders, senders, receivers, link) == pytest.approx(13 * unit / link.net_bw)
+    assert makespan(routing.senders, senders, receivers, link) == pytest.approx(11.5 * unit / link.net_bw)
 
 
 def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():

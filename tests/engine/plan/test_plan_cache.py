@@ -1,0 +1,81 @@
+"""PlanCache: a replan with the same senders reuses their index and the receiver layouts resolved,
+and its tables are exactly those of a plan made from scratch."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync.engine import errors
+from weightsync.engine.plan import LinkModel, PlanCache, plan
+from plan_helpers import check_coverage, participant, tensor
+
+MODEL = {"embed": (256, 64), "w1": (128, 64), "w2": (64, 128), "experts": (16, 32, 32), "norm": (64,)}
+
+
+def _senders(n=4, model=MODEL):
+    """FSDP ranks (gatherable dim-0 shards) of the dense tensors; each holds its own experts alone."""
+    out = []
+    for r in range(n):
+        ts = []
+        for name, shape in model.items():
+            rows = shape[0] // n
+            ts.append(tensor(name, shape, shard=(0, rows * r, rows * r + rows), gatherable=name != "experts"))
+        out.append(participant(r, ts, host=f"t{r}"))
+    return out
+
+
+def _receiver(rank, tp=2, model=MODEL, host=None):
+    """TP ranks: w1 by rows, w2 by columns, experts by expert over EP = TP."""
+    def part(dim, name):
+        size = model[name][dim] // tp
+        return (dim, size * (rank % tp), size * (rank % tp) + size)
+
+    cut = {"w1": part(0, "w1"), "w2": part(1, "w2"), "experts": part(0, "experts")}
+    return participant(rank, [tensor(name, shape, shard=cut.get(name)) for name, shape in model.items()],
+                       host=host or f"i{rank}")
+
+
+def test_a_replan_after_a_receiver_restarts_reuses_the_senders_and_layouts():
+    senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    cache, link = PlanCache(), LinkModel()
+    first = plan(senders, receivers, link, cache=cache)
+    assert first == plan(senders, receivers, link)
+    layouts = cache.layouts
+    receivers[3] = _receiver(3, host="i3-restarted")  # a new manifest object, the same layout
+    again = plan(senders, receivers, link, cache=cache)
+    assert again == plan(senders, receivers, link)
+    check_coverage(again, receivers)
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert cache.layouts == layouts  # nothing resolved again
+    assert "hits=1 misses=1" in repr(cache)
+
+
+def test_a_new_receiver_layout_is_resolved_once_and_kept():
+    senders, cache, link = _senders(), PlanCache(), LinkModel()
+    plan(senders, [_receiver(r, tp=2) for r in range(2)], link, cache=cache)
+    before = cache.layouts
+    wider = [_receiver(r, tp=4) for r in range(4)]  # layouts of TP 4 (ranks 2 and 3 are new)
+    assert plan(senders, wider, link, cache=cache) == plan(senders, wider, link)
+    assert cache.hits == 1 and cache.layouts > before
+
+
+def test_a_sender_that_restarts_or_other_rules_index_again():
+    senders, receivers, cache, link = _senders(), [_receiver(r) for r in range(4)], PlanCache(), LinkModel()
+    plan(senders, receivers, link, cache=cache)
+    senders[1] = _senders()[1]  # the same holdings, a new manifest: it may not be the same
+    assert plan(senders, receivers, link, cache=cache) == plan(senders, receivers, link)
+    assert (cache.hits, cache.misses) == (0, 2)
+    plan(senders, receivers, link, cache=cache, transforms={("embed", "float32"): "cast"})
+    assert cache.misses == 3
+
+
+def test_a_failed_index_leaves_nothing_behind():
+    """Senders that cannot be indexed (two ranks claim overlapping expert rows) raise, and the cache
+    holds nothing of them: the next plan indexes again."""
+    senders, receivers, cache = _senders(), [_receiver(r) for r in range(4)], PlanCache()
+    bad = list(senders)
+    bad[1] = participant(1, [tensor("experts", MODEL["experts"], shard=(0, 0, 8))], host="t1")
+    with pytest.raises(errors.BadTiling):
+        plan(bad, receivers, LinkModel(), cache=cache)
+    assert plan(senders, receivers, LinkModel(), cache=cache) == plan(senders, receivers, LinkModel())
+    assert (cache.hits, cache.misses) == (0, 2)
