@@ -22,7 +22,6 @@ The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per recei
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import operator
@@ -92,20 +91,14 @@ def plan(
     ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``).
     ``cache``: a ``PlanCache`` kept from plan to plan (a replan with the same senders resolves only
     receiver layouts it has not seen); the tables are the same with or without it."""
-    with _gc_paused():
-        return _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache)
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Planning allocates ~10^5 acyclic objects next to ~10^6 live manifest objects; cyclic GC passes
-    over the latter would triple the plan time. Nothing here makes cycles, so pause it."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    gc_was_enabled = gc.isenabled()  # (paused first thing: a collection that earlier allocations call for
+    gc.disable()  #                    is not run inside the plan)
     try:
-        yield
+        # Planning allocates ~10^5-10^6 acyclic objects next to ~10^6 live manifest objects; cyclic GC
+        # passes over the latter would triple the plan time. Nothing here makes cycles, so pause it.
+        return _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache)
     finally:
-        if was_enabled:
+        if gc_was_enabled:
             gc.enable()
 
 
