@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from weightsync.engine import dataauth
 from weightsync.engine.errors import PlanError
 from weightsync.engine.plan import plan
 from weightsync.wire import Envelope, Role, State
 from weightsync.wire import messages as m
+
+if TYPE_CHECKING:
+    from .controller import Peer
 
 log = logging.getLogger("weightsync")
 
