@@ -152,7 +152,7 @@ class _ClassSchedule:
         self.senders = sorted({s for by_s in self.forced.values() for s in by_s}.union(self.watchers))
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
-        self.left = {r: sum(s.nbytes for s in self.flex[r]) / self.bw_r[r] for r in self.receivers}
+        self.left = {r: sum(s.nbytes for s in self.flex.get(r, ())) / self.bw_r[r] for r in self.receivers}
         self.quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver))
                         for r in self.receivers}
         self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
