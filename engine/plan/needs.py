@@ -86,16 +86,15 @@ class PlanCache:
         return len(self._resolver.templates) if self._resolver is not None else 0
 
     def resolver(self, senders: Sequence[Participant], transforms, mapping) -> "Resolver":
-        same = (len(senders) == len(self._senders) and self._rules == (dict(transforms), mapping)
-                and all(p.rank == r and p.manifest is m for p, (r, m) in zip(senders, self._senders)))
-        if same and self._resolver is not None:
+        rules = (dict(transforms), mapping)
+        if (self._resolver is not None and rules == self._rules and len(senders) == len(self._senders)
+                and all(p.rank == r and p.manifest is m for p, (r, m) in zip(senders, self._senders))):
             self.hits += 1
             return self._resolver
         self.misses += 1
         self._resolver = None  # (a failed index leaves nothing behind)
         self._resolver = Resolver(index_sources(senders), transforms, mapping)
-        self._senders = [(p.rank, p.manifest) for p in senders]
-        self._rules = (dict(transforms), mapping)
+        self._senders, self._rules = [(p.rank, p.manifest) for p in senders], rules
         return self._resolver
 
 
