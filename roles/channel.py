@@ -58,9 +58,10 @@ class ControlChannel:
         self.sock.connect(addr)
 
     async def send(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
-                   parent_id: Optional[int] = None) -> int:
+                   parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> int:
+        """``body_frame``: ``encode_body(body)`` made beforehand (off the event loop)."""
         msg_id = next(self._ids)
-        frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits)
+        frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits, body_frame)
         if self.auth_key is not None:
             frames = sign(frames, self.auth_key)
         if self.router:

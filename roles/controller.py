@@ -104,7 +104,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.round: Optional[RoundState] = None
         self._plan_ids = 0
         self._acks_pending: set[tuple[Role, int]] = set()
-        self._sender_plans: dict[bytes, m.Plan] = {}  # held back until the receivers have acknowledged theirs
+        self._sender_plans: dict[bytes, tuple[m.Plan, bytes]] = {}  # held back until the receivers have acknowledged theirs
         self._planning: Optional[asyncio.Task] = None
         self._round_task: Optional[asyncio.Task] = None
         self.pushes = PushBook()  # pending pushes, by the session that made them
@@ -423,9 +423,9 @@ class Controller(Planner, RoundRunner, AsyncResource):
     # --- sending ----------------------------------------------------------------------------------
 
     async def _send(self, peer: Peer, body: m.Message, *, version: Optional[int] = None,
-                    parent_id: Optional[int] = None) -> None:
+                    parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> None:
         peer.session.send(body.TYPE)
-        await self._chan.send(body, to=peer.identity, version=version, parent_id=parent_id)
+        await self._chan.send(body, to=peer.identity, version=version, parent_id=parent_id, body_frame=body_frame)
         self.timeline.mark(version, f"send:{body.TYPE}>{peer.name}")
         if peer.session.state is State.CLOSED:
             self.peers.pop(peer.identity, None)

@@ -3,8 +3,8 @@
 How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decides whether the
 membership calls for a (re-)plan (never during a round, never before the previous plan is
 acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
-worker thread, makes this plan's data-plane keys (one per sender/receiver pair it routes) and sends
-each receiver its table; senders get theirs (``_send_sender_plans``) only once every receiver has
+worker thread, which also makes this plan's data-plane keys (one per sender/receiver pair it routes)
+and encodes every member's message (off the event loop); it sends each receiver its table; senders get theirs (``_send_sender_plans``) only once every receiver has
 acknowledged, so no sender connects before its receiver accepts the key. ``_on_plan_ack`` marks the
 plan ready when every worker has acknowledged it, and starts rounds that were waiting.
 """
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from weightsync.engine import dataauth
 from weightsync.engine.errors import PlanError
-from weightsync.engine.plan import plan
-from weightsync.wire import Envelope, Role, State
+from weightsync.engine.plan import RoutingPlan, plan
+from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Role, State, encode_body
 from weightsync.wire import messages as m
 
 if TYPE_CHECKING:
@@ -52,8 +52,7 @@ class Planner:
         self._plan_ids += 1
         plan_id = self._plan_ids
         try:
-            routing = await asyncio.to_thread(plan, senders, receivers, self.options.link, self.options.plan,
-                                              {}, plan_id, self.options.mapping, self.plan_cache)
+            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
             self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
@@ -64,23 +63,25 @@ class Planner:
         self.plan, self.plan_error, self.planned_once = routing, None, True
         self.plan_members, self.plan_sessions = members, sessions
         self._acks_pending = set()
-        secret = dataauth.new_secret()  # this plan's data-plane keys: one per (sender, receiver) pair it routes
         self._sender_plans = {}
         for peer in list(self.peers.values()):
-            rank = peer.hello.rank
+            prepared = bodies.get(peer.key)
+            if prepared is None:
+                continue  # joined while the plan was made: the membership differs, the next plan has it
             self._acks_pending.add(peer.key)
             if peer.hello.role is Role.SENDER:
-                table = routing.senders[rank]
-                keys = tuple(m.DataKey(p.rank, dataauth.pair_key(secret, rank, p.rank)) for p in table.peers)
-                self._sender_plans[peer.identity] = m.Plan(plan_id, table, None, keys)
+                self._sender_plans[peer.identity] = prepared
             else:
-                table = routing.receivers[rank]
-                srcs = sorted({e.src_rank for e in table.entries})
-                keys = tuple(m.DataKey(s, dataauth.pair_key(secret, s, rank)) for s in srcs)
-                await self._send(peer, m.Plan(plan_id, None, table, keys))
+                await self._send(peer, prepared[0], body_frame=prepared[1])
         await self._send_sender_plans()
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
+
+    def _plan_and_encode(self, senders, receivers, plan_id: int) -> tuple[RoutingPlan, dict]:
+        """In the planning thread: the routing tables, then every member's message (``plan_messages``)."""
+        routing = plan(senders, receivers, self.options.link, self.options.plan, {}, plan_id, self.options.mapping,
+                       self.plan_cache)
+        return routing, plan_messages(routing, self.options.limits)
 
     async def _send_sender_plans(self) -> None:
         """Senders get their tables (and connect) only once every receiver has acknowledged its own:
@@ -88,9 +89,9 @@ class Planner:
         if any(role is Role.RECEIVER for role, _ in self._acks_pending):
             return
         plans, self._sender_plans = self._sender_plans, {}
-        for identity, body in plans.items():
+        for identity, (body, frame) in plans.items():
             if identity in self.peers:
-                await self._send(self.peers[identity], body)
+                await self._send(self.peers[identity], body, body_frame=frame)
 
     async def _on_plan_ack(self, peer: "Peer", env: Envelope) -> None:
         current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
@@ -105,3 +106,20 @@ class Planner:
                 self._wake()
                 self._maybe_start_rounds()
         self._maybe_plan()
+
+
+def plan_messages(routing: RoutingPlan,
+                  limits: Limits = DEFAULT_LIMITS) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
+    """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
+    event loop: at 1,000 ranks that is seconds), with this plan's data-plane keys: a fresh secret, one
+    key per sender/receiver pair the plan routes."""
+    secret = dataauth.new_secret()
+    bodies: dict[tuple[Role, int], m.Plan] = {}
+    for rank, table in routing.senders.items():
+        keys = tuple(m.DataKey(p.rank, dataauth.pair_key(secret, rank, p.rank)) for p in table.peers)
+        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, keys)
+    for rank, rtable in routing.receivers.items():
+        srcs = sorted({e.src_rank for e in rtable.entries})
+        keys = tuple(m.DataKey(s, dataauth.pair_key(secret, s, rank)) for s in srcs)
+        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, keys)
+    return {key: (body, encode_body(body, limits)) for key, body in bodies.items()}

@@ -4,7 +4,7 @@ Imports neither zmq nor asyncio. See docs/PROTOCOL.md for the specification.
 """
 
 from . import errors
-from .codec import DEFAULT_LIMITS, PROTOCOL_VERSION, Envelope, Header, Limits, decode, encode
+from .codec import DEFAULT_LIMITS, PROTOCOL_VERSION, Envelope, Header, Limits, decode, encode, encode_body
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError, WeightSyncError
 from .manifest import DTYPE_SIZES, Manifest, RegionInfo, ShardSpec, Slice, TensorSpec, TransportInfo, dtype_size
 from .messages import *  # noqa: F401,F403  (the message catalogue)
@@ -21,6 +21,7 @@ __all__ = [
     "Limits",
     "decode",
     "encode",
+    "encode_body",
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",

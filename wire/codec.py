@@ -69,8 +69,11 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
-    """Validate and serialise; raises ``InvalidMessage`` naming the field that is wrong."""
+def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS, body_frame: Optional[bytes] = None) -> list[bytes]:
+    """Validate and serialise; raises ``InvalidMessage`` naming the field that is wrong.
+
+    ``body_frame``: ``encode_body(env.body)``, made earlier (a controller encodes a plan's tables in its
+    planning thread, off the event loop)."""
     body_type = type(env.body)
     if MESSAGE_TYPES.get(getattr(body_type, "TYPE", None)) is not body_type:
         raise errors.InvalidMessage("<body>", f"{body_type.__name__} is not a protocol message")
@@ -83,9 +86,20 @@ def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
         sender=env.sender,
         version=env.version,
     )
-    frames = [_encode_struct(header, "header"), _encode_struct(env.body, body_type.TYPE)]
+    body = body_frame if body_frame is not None else _encode_struct(env.body, body_type.TYPE)
+    frames = [_encode_struct(header, "header"), body]
     _check_sizes(frames, limits, errors.InvalidMessage)
     return frames
+
+
+def encode_body(body: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """A message's body frame alone, validated (for ``encode(..., body_frame=)``)."""
+    body_type = type(body)
+    if MESSAGE_TYPES.get(getattr(body_type, "TYPE", None)) is not body_type:
+        raise errors.InvalidMessage("<body>", f"{body_type.__name__} is not a protocol message")
+    frame = _encode_struct(body, body_type.TYPE)
+    _check_sizes([frame], limits, errors.InvalidMessage)
+    return frame
 
 
 def _encode_struct(obj: Any, label: str) -> bytes:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 from weightsync import wire
 from strategies import bodies
-from weightsync.wire import Envelope, TensorSpec, decode, encode, errors
+from weightsync.wire import Envelope, TensorSpec, decode, encode, encode_body, errors
 from weightsync.wire import messages as m
 from wire_samples import MANIFEST, TRANSPORT, samples
 
@@ -162,6 +162,21 @@ def test_encode_refuses_invalid_messages_locally():
         encode(Envelope(m.Plan(1, None, None), 1, "x"))
     assert issubclass(errors.InvalidMessage, errors.LocalProtocolError)
     assert issubclass(errors.FieldError, errors.RemoteProtocolError)
+
+
+@pytest.mark.parametrize("name", sorted(samples()))
+def test_a_body_encoded_beforehand_gives_the_same_frames(name):
+    env = samples()[name]
+    assert encode(env, body_frame=encode_body(env.body)) == encode(env)
+
+
+def test_encode_body_refuses_what_encode_refuses():
+    with pytest.raises(errors.InvalidMessage, match="plan.sender"):
+        encode_body(m.Plan(1, None, None))
+    with pytest.raises(errors.InvalidMessage, match="frames.0.*frame limit"):
+        encode_body(m.Heartbeat(1), wire.Limits(max_frame_bytes=2, max_message_bytes=100))
+    with pytest.raises(errors.InvalidMessage, match="not a protocol message"):
+        encode_body(MANIFEST)
 
 
 def test_manifest_rules():

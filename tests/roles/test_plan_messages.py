@@ -1,0 +1,43 @@
+"""The controller's plan messages, made and encoded in its planning thread (``planning.plan_messages``)."""
+
+from __future__ import annotations
+
+from plan_helpers import participant, tensor
+from weightsync.engine.plan import plan
+from weightsync.roles.planning import plan_messages
+from weightsync.wire import Envelope, Role, decode, encode
+
+
+def _routing():
+    senders = [participant(s, [tensor("w", (8, 4), shard=(0, 4 * s, 4 * s + 4), gatherable=True),
+                               tensor("b", (4,))], host=f"t{s}") for s in range(2)]
+    receivers = [participant(r, [tensor("w", (8, 4)), tensor("b", (4,))], host=f"i{r}") for r in range(3)]
+    return plan(senders, receivers, plan_id=7)
+
+
+def test_every_member_gets_its_table_and_the_frame_is_its_body_encoded():
+    routing = _routing()
+    messages = plan_messages(routing)
+    assert set(messages) == {(Role.SENDER, s) for s in routing.senders} | {(Role.RECEIVER, r) for r in routing.receivers}
+    for (role, rank), (body, frame) in messages.items():
+        assert body.plan_id == 7
+        table = body.sender if role is Role.SENDER else body.receiver
+        assert table == (routing.senders if role is Role.SENDER else routing.receivers)[rank]
+        env = Envelope(body, 1, "controller")
+        assert encode(env, body_frame=frame) == encode(env)
+        assert decode(encode(env, body_frame=frame)).body == body
+
+
+def test_each_pair_the_plan_routes_shares_one_key_and_each_plan_has_fresh_keys():
+    routing = _routing()
+    first, second = plan_messages(routing), plan_messages(routing)
+    for (role, rank), (body, _) in first.items():
+        if role is not Role.SENDER:
+            continue
+        assert {k.rank for k in body.keys} == {p.rank for p in body.sender.peers}
+        for key in body.keys:
+            receiver_keys = {k.rank: k.key for k in first[(Role.RECEIVER, key.rank)][0].keys}
+            assert receiver_keys[rank] == key.key
+            assert key.key not in {k.key for k in second[(Role.SENDER, rank)][0].keys}
+    pairs = sum(len(body.keys) for (role, _), (body, _) in first.items() if role is Role.SENDER)
+    assert pairs == sum(len(t.peers) for t in routing.senders.values()) > 0
