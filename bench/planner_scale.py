@@ -1,7 +1,8 @@
 """Planner at scale: real architectures' shapes, M trainer GPUs -> N inference GPUs.
 
 For each scenario, prints one JSON line: plan time (then the collector's pass over what the plan
-made, and the controller's replan after a receiver restarts, with the first plan's ``PlanCache``), the modeled makespan of our tables, the lower bound,
+made, the controller's plan messages made and encoded, and its replan after a receiver restarts, with
+the first plan's ``PlanCache``), the modeled makespan of our tables, the lower bound,
 and the same model's makespan for the seeds' byte-balanced greedy and for rank-0 broadcast.
 
     .venv/bin/python bench/planner_scale.py                 # all scenarios
@@ -38,6 +39,7 @@ from weightsync.engine.plan import (  # noqa: E402
     tables_from_assignment,
 )
 from weightsync.engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
+from weightsync.roles.planning import plan_messages  # noqa: E402
 from weightsync.engine.models.shapes import state_dict_shapes, tp_slice  # noqa: E402
 from weightsync.wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
 
@@ -102,6 +104,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     routing = plan(senders, receivers, link, PlanOptions(), cache=cache)
     plan_s = time.process_time() - t0
     gc_s = young_gc_seconds()
+    messages_s, messages_mb = messages_cost(routing)
     replan_s = replan_seconds(senders, receivers, link, cache, tp, ep, where, params)
     pieces, _ = build_pieces(senders, receivers)
     stats: dict = {}
@@ -122,6 +125,8 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "transfers": routing.transfer_count,
         "plan_seconds": round(plan_s, 3),
         "gc_after_plan_seconds": round(gc_s, 3),
+        "messages_seconds": round(messages_s, 3),
+        "messages_MB": round(messages_mb, 1),
         "replan_seconds": round(replan_s, 3),
         "makespan_s": round(ours, 5),
         "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
@@ -141,6 +146,15 @@ def young_gc_seconds() -> float:
     t0 = time.process_time()
     gc.collect(0)
     return time.process_time() - t0
+
+
+def messages_cost(routing) -> tuple[float, float]:
+    """What the controller does with a plan next, in its planning thread: every member's ``Plan``
+    message made (with its data-plane keys) and encoded; the CPU seconds and the megabytes."""
+    t0 = time.process_time()
+    frames = plan_messages(routing)  # (under the default limits, as a controller is)
+    seconds = time.process_time() - t0
+    return seconds, sum(len(frame) for _, frame in frames.values()) / 1e6
 
 
 def replan_seconds(senders, receivers, link, cache, tp, ep, where, params) -> float:
@@ -175,11 +189,13 @@ def run_large(name, arch, layout, n_recv, tp, ep, colocated, link):
     plan_s = time.process_time() - t0
     gc_s = young_gc_seconds()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    messages_s, messages_mb = messages_cost(routing)
     transfers = routing.transfer_count
     del routing  # (the controller replaces its plan)
     replan_s = replan_seconds(senders, receivers, link, cache, tp, ep, "infer", params)
     return {"scenario": name, "trainers": layout.describe(), "senders": layout.world, "receivers": n_recv,
             "transfers": transfers, "plan_seconds": round(plan_s, 2), "gc_after_plan_seconds": round(gc_s, 2),
+            "messages_seconds": round(messages_s, 2), "messages_MB": round(messages_mb, 1),
             "replan_seconds": round(replan_s, 2),
             "manifests_rss_GB": round(before / 1e6, 2), "planning_adds_GB": round((after - before) / 1e6, 2),
             "targets": "plan < 2 s, < 1 GB (1024 -> 512)"}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from weightsync.engine import dataauth
 from weightsync.engine.errors import PlanError
 from weightsync.engine.plan import RoutingPlan, plan
+from weightsync.engine.plan.planner import collector_paused
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Role, State, encode_body
 from weightsync.wire import messages as m
 
@@ -112,7 +113,12 @@ def plan_messages(routing: RoutingPlan,
                   limits: Limits = DEFAULT_LIMITS) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
     event loop: at 1,000 ranks that is seconds), with this plan's data-plane keys: a fresh secret, one
-    key per sender/receiver pair the plan routes."""
+    key per sender/receiver pair the plan routes. (With the collector paused, as ``plan`` is: each
+    collection it would set off walks every manifest object.)"""
+    return collector_paused(_plan_messages, routing, limits)
+
+
+def _plan_messages(routing: RoutingPlan, limits: Limits) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     secret = dataauth.new_secret()
     bodies: dict[tuple[Role, int], m.Plan] = {}
     for rank, table in routing.senders.items():

@@ -91,12 +91,18 @@ def plan(
     ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``).
     ``cache``: a ``PlanCache`` kept from plan to plan (a replan with the same senders resolves only
     receiver layouts it has not seen); the tables are the same with or without it."""
-    gc_was_enabled = gc.isenabled()  # (paused first thing: a collection that earlier allocations call for
-    gc.disable()  #                    is not run inside the plan)
+    # Planning allocates ~10^5-10^6 acyclic objects next to ~10^6 live manifest objects; cyclic GC
+    # passes over the latter would triple the plan time. Nothing here makes cycles, so pause it.
+    return collector_paused(_plan, senders, receivers, link, options, transforms, plan_id, mapping, cache)
+
+
+def collector_paused(fn, *args):
+    """``fn(*args)`` with the cyclic collector paused: for work that makes many acyclic objects while
+    many others live (the manifests), which the collections it would set off would walk over and over."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        # Planning allocates ~10^5-10^6 acyclic objects next to ~10^6 live manifest objects; cyclic GC
-        # passes over the latter would triple the plan time. Nothing here makes cycles, so pause it.
-        return _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache)
+        return fn(*args)
     finally:
         if gc_was_enabled:
             gc.enable()
