@@ -20,7 +20,6 @@ channels answer the challenge too. No I/O here.
 from __future__ import annotations
 
 import collections
-import hashlib
 import hmac
 import logging
 import os
@@ -39,7 +38,7 @@ def new_secret() -> bytes:
 
 def pair_key(secret: bytes, sender: int, receiver: int) -> bytes:
     """The key of one (sender, receiver) pair under a plan's secret."""
-    return hmac.new(secret, b"weightsync-data:%d>%d" % (sender, receiver), hashlib.sha256).digest()
+    return hmac.digest(secret, b"weightsync-data:%d>%d" % (sender, receiver), "sha256")
 
 
 def new_nonce() -> bytes:
@@ -48,7 +47,7 @@ def new_nonce() -> bytes:
 
 def prove(key: bytes, nonce: bytes, sender: int) -> bytes:
     """A sender's answer to a target's challenge."""
-    return hmac.new(key, nonce + sender.to_bytes(4, "little"), hashlib.sha256).digest()
+    return hmac.digest(key, nonce + sender.to_bytes(4, "little"), "sha256")
 
 
 class DataGuard:

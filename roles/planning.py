@@ -121,11 +121,14 @@ def plan_messages(routing: RoutingPlan,
 def _plan_messages(routing: RoutingPlan, limits: Limits) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     secret = dataauth.new_secret()
     bodies: dict[tuple[Role, int], m.Plan] = {}
-    for rank, table in routing.senders.items():
-        keys = tuple(m.DataKey(p.rank, dataauth.pair_key(secret, rank, p.rank)) for p in table.peers)
-        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, keys)
-    for rank, rtable in routing.receivers.items():
-        srcs = sorted({e.src_rank for e in rtable.entries})
-        keys = tuple(m.DataKey(s, dataauth.pair_key(secret, s, rank)) for s in srcs)
-        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, keys)
+    keys_of: dict[int, list[m.DataKey]] = {r: [] for r in routing.receivers}  # receiver -> its senders' keys
+    for rank, table in sorted(routing.senders.items()):
+        keys = []
+        for p in table.peers:
+            key = dataauth.pair_key(secret, rank, p.rank)
+            keys.append(m.DataKey(p.rank, key))
+            keys_of[p.rank].append(m.DataKey(rank, key))
+        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, tuple(keys))
+    for rank, rtable in routing.receivers.items():  # (a receiver's senders are exactly those whose peers name it)
+        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, tuple(keys_of[rank]))
     return {key: (body, encode_body(body, limits)) for key, body in bodies.items()}

@@ -32,7 +32,8 @@ def test_each_pair_the_plan_routes_shares_one_key_and_each_plan_has_fresh_keys()
     routing = _routing()
     first, second = plan_messages(routing), plan_messages(routing)
     for (role, rank), (body, _) in first.items():
-        if role is not Role.SENDER:
+        if role is Role.RECEIVER:
+            assert [k.rank for k in body.keys] == sorted({e.src_rank for e in body.receiver.entries})
             continue
         assert {k.rank for k in body.keys} == {p.rank for p in body.sender.peers}
         for key in body.keys:
