@@ -104,7 +104,8 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.round: Optional[RoundState] = None
         self._plan_ids = 0
         self._acks_pending: set[tuple[Role, int]] = set()
-        self._sender_plans: dict[bytes, tuple[m.Plan, bytes]] = {}  # held back until the receivers have acknowledged theirs
+        # senders' plans (each with its body frame) held back until the receivers have acknowledged theirs
+        self._sender_plans: dict[bytes, tuple[m.Plan, bytes]] = {}
         self._planning: Optional[asyncio.Task] = None
         self._round_task: Optional[asyncio.Task] = None
         self.pushes = PushBook()  # pending pushes, by the session that made them

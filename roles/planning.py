@@ -4,8 +4,9 @@ How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decide
 membership calls for a (re-)plan (never during a round, never before the previous plan is
 acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
 worker thread, which also makes this plan's data-plane keys (one per sender/receiver pair it routes)
-and encodes every member's message (off the event loop); it sends each receiver its table; senders get theirs (``_send_sender_plans``) only once every receiver has
-acknowledged, so no sender connects before its receiver accepts the key. ``_on_plan_ack`` marks the
+and encodes every member's message (``plan_messages``, off the event loop); it sends each receiver
+its table; senders get theirs (``_send_sender_plans``) only once every receiver has acknowledged, so
+no sender connects before its receiver accepts the key. ``_on_plan_ack`` marks the
 plan ready when every worker has acknowledged it, and starts rounds that were waiting.
 """
 
@@ -20,6 +21,7 @@ from weightsync.engine.errors import PlanError
 from weightsync.engine.plan import RoutingPlan, plan
 from weightsync.engine.plan.planner import collector_paused
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Role, State, encode_body
+from weightsync.wire.errors import InvalidMessage
 from weightsync.wire import messages as m
 
 if TYPE_CHECKING:
@@ -114,7 +116,8 @@ def plan_messages(routing: RoutingPlan,
     """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
     event loop: at 1,000 ranks that is seconds), with this plan's data-plane keys: a fresh secret, one
     key per sender/receiver pair the plan routes. (With the collector paused, as ``plan`` is: each
-    collection it would set off walks every manifest object.)"""
+    collection it would set off walks every manifest object.) Raises ``PlanError`` naming the member
+    whose message the control channel's limits refuse."""
     return collector_paused(_plan_messages, routing, limits)
 
 
@@ -131,4 +134,11 @@ def _plan_messages(routing: RoutingPlan, limits: Limits) -> dict[tuple[Role, int
         bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, tuple(keys))
     for rank, rtable in routing.receivers.items():  # (a receiver's senders are exactly those whose peers name it)
         bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, tuple(keys_of[rank]))
-    return {key: (body, encode_body(body, limits)) for key, body in bodies.items()}
+    out = {}
+    for (role, rank), body in bodies.items():
+        try:
+            out[(role, rank)] = (body, encode_body(body, limits))
+        except InvalidMessage as exc:  # (a table larger than the control channel's frame limit)
+            raise PlanError(f"the plan for {role.value}/{rank} cannot be sent: {exc}",
+                            ranks=[f"{role.value}/{rank}"]) from exc
+    return out

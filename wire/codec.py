@@ -74,9 +74,7 @@ def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS, body_frame: Optional[
 
     ``body_frame``: ``encode_body(env.body)``, made earlier (a controller encodes a plan's tables in its
     planning thread, off the event loop)."""
-    body_type = type(env.body)
-    if MESSAGE_TYPES.get(getattr(body_type, "TYPE", None)) is not body_type:
-        raise errors.InvalidMessage("<body>", f"{body_type.__name__} is not a protocol message")
+    body_type = _message_type(env.body)
     header = Header(
         major=env.proto[0],
         minor=env.proto[1],
@@ -94,12 +92,16 @@ def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS, body_frame: Optional[
 
 def encode_body(body: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """A message's body frame alone, validated (for ``encode(..., body_frame=)``)."""
+    frame = _encode_struct(body, _message_type(body).TYPE)
+    _check_sizes([frame], limits, errors.InvalidMessage)
+    return frame
+
+
+def _message_type(body: Any) -> type:
     body_type = type(body)
     if MESSAGE_TYPES.get(getattr(body_type, "TYPE", None)) is not body_type:
         raise errors.InvalidMessage("<body>", f"{body_type.__name__} is not a protocol message")
-    frame = _encode_struct(body, body_type.TYPE)
-    _check_sizes([frame], limits, errors.InvalidMessage)
-    return frame
+    return body_type
 
 
 def _encode_struct(obj: Any, label: str) -> bytes:

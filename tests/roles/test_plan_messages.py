@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from plan_helpers import participant, tensor
+from weightsync.engine.errors import PlanError
 from weightsync.engine.plan import plan
 from weightsync.roles.planning import plan_messages
-from weightsync.wire import Envelope, Role, decode, encode
+from weightsync.wire import Envelope, Limits, Role, decode, encode
+from weightsync.wire.errors import InvalidMessage
 
 
 def _routing():
@@ -42,3 +46,14 @@ def test_each_pair_the_plan_routes_shares_one_key_and_each_plan_has_fresh_keys()
             assert key.key not in {k.key for k in second[(Role.SENDER, rank)][0].keys}
     pairs = sum(len(body.keys) for (role, _), (body, _) in first.items() if role is Role.SENDER)
     assert pairs == sum(len(t.peers) for t in routing.senders.values()) > 0
+
+
+def test_a_table_the_control_channel_would_refuse_is_a_plan_error_naming_its_member():
+    routing = _routing()
+    biggest = max(routing.receivers, key=lambda r: len(routing.receivers[r].entries))
+    small = Limits(max_frame_bytes=200, max_message_bytes=400)
+    with pytest.raises(PlanError, match="cannot be sent.*frame limit") as info:
+        plan_messages(routing, small)
+    assert info.value.ranks and info.value.ranks[0].split("/")[0] in ("sender", "receiver")
+    assert isinstance(info.value.__cause__, InvalidMessage)
+    assert plan_messages(routing, Limits())[(Role.RECEIVER, biggest)][1]  # (the default limits take it)
