@@ -1,8 +1,10 @@
 """Data-plane authentication: who may write into a receiver's registered memory, and where.
 
-How this works. The controller makes one random secret per plan and derives a key for each (sender,
-receiver) pair the plan routes bytes between (``pair_key``); each worker gets the keys of its own
-pairs in its (HMAC-authenticated) ``plan`` message. A receiver hands its keys to its transport's
+How this works. The controller makes one random secret when it starts and derives a key for each
+(sender, receiver) pair a plan routes bytes between, bound to both ends' control sessions
+(``pair_key``): a pair of the same two processes keeps its key from plan to plan (and the sender its
+connection), a restarted process gets new keys. Each worker gets the keys of its own pairs in its
+(HMAC-authenticated) ``plan`` message. A receiver hands its keys to its transport's
 ``DataGuard`` (``authorize``). A connection proves its pair's key by answering a fresh random
 challenge from the target (``prove``: HMAC-SHA256 over the nonce and the claimed sender rank), so the
 key itself never travels on the data port and a recorded answer is useless on another connection.
@@ -36,9 +38,12 @@ def new_secret() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
-def pair_key(secret: bytes, sender: int, receiver: int) -> bytes:
-    """The key of one (sender, receiver) pair under a plan's secret."""
-    return hmac.digest(secret, b"weightsync-data:%d>%d" % (sender, receiver), "sha256")
+def pair_key(secret: bytes, sender: int, receiver: int, sessions: tuple[bytes, bytes] = (b"", b"")) -> bytes:
+    """The key of one (sender, receiver) pair under the controller's secret, bound to both ends'
+    control sessions (``sessions``: the sender's and the receiver's): a restarted process has a new
+    session, so its pairs get new keys, while the pairs of processes that stay keep theirs."""
+    return hmac.digest(secret, b"weightsync-data:%d>%d:%s>%s" % (sender, receiver, sessions[0].hex().encode(),
+                                                                  sessions[1].hex().encode()), "sha256")
 
 
 def new_nonce() -> bytes:

@@ -3,8 +3,9 @@
 How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decides whether the
 membership calls for a (re-)plan (never during a round, never before the previous plan is
 acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
-worker thread, which also makes this plan's data-plane keys (one per sender/receiver pair it routes)
-and encodes every member's message (``plan_messages``, off the event loop); it sends each receiver
+worker thread, which also makes the plan's data-plane keys (one per sender/receiver pair it routes,
+bound to both members' sessions: a pair of the same two processes keeps its key, and its connection,
+from plan to plan) and encodes every member's message (``plan_messages``, off the event loop); it sends each receiver
 its table; senders get theirs (``_send_sender_plans``) only once every receiver has acknowledged, so
 no sender connects before its receiver accepts the key. ``_on_plan_ack`` marks the
 plan ready when every worker has acknowledged it, and starts rounds that were waiting.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from weightsync.engine import dataauth
 from weightsync.engine.errors import PlanError
@@ -55,7 +56,8 @@ class Planner:
         self._plan_ids += 1
         plan_id = self._plan_ids
         try:
-            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id)
+            identities = {peer.key: peer.identity for peer in self.peers.values()}
+            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, identities)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
             self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
@@ -69,8 +71,8 @@ class Planner:
         self._sender_plans = {}
         for peer in list(self.peers.values()):
             prepared = bodies.get(peer.key)
-            if prepared is None:
-                continue  # joined while the plan was made: the membership differs, the next plan has it
+            if prepared is None or identities.get(peer.key) != peer.identity:
+                continue  # joined (or rejoined) while the plan was made: the sessions differ, the next plan has it
             self._acks_pending.add(peer.key)
             if peer.hello.role is Role.SENDER:
                 self._sender_plans[peer.identity] = prepared
@@ -80,11 +82,12 @@ class Planner:
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
 
-    def _plan_and_encode(self, senders, receivers, plan_id: int) -> tuple[RoutingPlan, dict]:
-        """In the planning thread: the routing tables, then every member's message (``plan_messages``)."""
+    def _plan_and_encode(self, senders, receivers, plan_id: int, identities) -> tuple[RoutingPlan, dict]:
+        """In the planning thread: the routing tables, then every member's message (``plan_messages``),
+        its keys bound to the members' sessions (``identities``)."""
         routing = plan(senders, receivers, self.options.link, self.options.plan, {}, plan_id, self.options.mapping,
                        self.plan_cache)
-        return routing, plan_messages(routing, self.options.limits)
+        return routing, plan_messages(routing, self.options.limits, self._data_secret, identities)
 
     async def _send_sender_plans(self) -> None:
         """Senders get their tables (and connect) only once every receiver has acknowledged its own:
@@ -111,24 +114,26 @@ class Planner:
         self._maybe_plan()
 
 
-def plan_messages(routing: RoutingPlan,
-                  limits: Limits = DEFAULT_LIMITS) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
+def plan_messages(routing: RoutingPlan, limits: Limits = DEFAULT_LIMITS, secret: Optional[bytes] = None,
+                  sessions: Mapping[tuple[Role, int], bytes] = {}) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
-    event loop: at 1,000 ranks that is seconds), with this plan's data-plane keys: a fresh secret, one
-    key per sender/receiver pair the plan routes. (With the collector paused, as ``plan`` is: each
+    event loop: at 1,000 ranks that is seconds), with the plan's data-plane keys: one per
+    sender/receiver pair it routes, from ``secret`` (the controller's; a fresh one if None) and both
+    members' ``sessions`` (their control sessions' identities: ``dataauth.pair_key``). (With the collector paused, as ``plan`` is: each
     collection it would set off walks every manifest object.) Raises ``PlanError`` naming the member
     whose message the control channel's limits refuse."""
-    return collector_paused(_plan_messages, routing, limits)
+    return collector_paused(_plan_messages, routing, limits, secret or dataauth.new_secret(), sessions)
 
 
-def _plan_messages(routing: RoutingPlan, limits: Limits) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
-    secret = dataauth.new_secret()
+def _plan_messages(routing: RoutingPlan, limits: Limits, secret: bytes,
+                   sessions: Mapping[tuple[Role, int], bytes]) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     bodies: dict[tuple[Role, int], m.Plan] = {}
     keys_of: dict[int, list[m.DataKey]] = {r: [] for r in routing.receivers}  # receiver -> its senders' keys
     for rank, table in sorted(routing.senders.items()):
         keys = []
+        mine = sessions.get((Role.SENDER, rank), b"")
         for p in table.peers:
-            key = dataauth.pair_key(secret, rank, p.rank)
+            key = dataauth.pair_key(secret, rank, p.rank, (mine, sessions.get((Role.RECEIVER, p.rank), b"")))
             keys.append(m.DataKey(p.rank, key))
             keys_of[p.rank].append(m.DataKey(rank, key))
         bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, tuple(keys))

@@ -174,8 +174,9 @@ class WeightSender(Worker):
 
     async def _connect_peers(self, peers: tuple[PeerInfo, ...], keys: Mapping[int, bytes]) -> None:
         """One connection per receiver of the table, proving the plan's key for the pair. A connection
-        is kept while the plan keeps the receiver's address and key; a new plan (a member left, joined
-        or restarted) brings new keys, so every connection is remade and a dead peer's is dropped."""
+        is kept while the plan keeps the receiver's address and key: a pair's key is bound to both
+        processes' sessions, so a replan keeps the connections to receivers that stayed, and a restarted
+        receiver (a new session: a new key) is connected to again; one the plan no longer names is closed."""
         named = {p.rank for p in peers}
         for rank in [r for r in self.conns if r not in named]:
             await self.conns.pop(rank).close()

@@ -138,6 +138,15 @@ async def test_strangers_on_the_data_port_cannot_touch_weights(mode):
         assert receiver.version == 2 and mismatches(recv_t, 2) == []
 
 
+def test_a_pair_key_is_bound_to_the_ranks_and_both_sessions():
+    secret = dataauth.new_secret()
+    key = dataauth.pair_key(secret, 0, 1, (b"s-a", b"r-a"))
+    assert key == dataauth.pair_key(secret, 0, 1, (b"s-a", b"r-a"))  # the same two processes: the same key
+    others = [dataauth.pair_key(secret, 0, 1, (b"s-b", b"r-a")), dataauth.pair_key(secret, 0, 1, (b"s-a", b"r-b")),
+              dataauth.pair_key(secret, 1, 0, (b"s-a", b"r-a")), dataauth.pair_key(dataauth.new_secret(), 0, 1, (b"s-a", b"r-a"))]
+    assert len({key, *others}) == 5
+
+
 def test_a_proof_is_bound_to_the_key_the_nonce_and_the_rank():
     guard = dataauth.DataGuard()
     key = dataauth.new_secret()
@@ -176,6 +185,28 @@ async def test_a_restarted_receiver_rejoins_and_rounds_resume():
             assert again.version == 2 and mismatches(recv2_t, 2) == []
         # the replan reused the sender's index and the receiver's layout (the sender never changed)
         assert ctl.plan_cache.misses == 1 and ctl.plan_cache.hits >= 1, ctl.plan_cache
+
+
+async def test_a_replan_keeps_the_connections_of_pairs_whose_processes_stayed():
+    """Keys are bound to both ends' sessions: after one receiver restarts, the sender keeps its
+    connection (and key) to the other and connects to the new process with a new key."""
+    send_t = sender_tensors(0)
+    recv_t = {r: receiver_tensors() for r in (0, 1)}
+    async with Controller(senders=1, receivers=2, options=FAST) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0) as sender, \
+            WeightReceiver(ctl.address, recv_t[0], rank=0) as stays:
+        leaves = await WeightReceiver(ctl.address, recv_t[1], rank=1).__aenter__()
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        plan, kept, kept_key, old_key = ctl.plan.plan_id, sender.conns[0], sender._conn_keys[0], sender._conn_keys[1]
+        await _crash(leaves)
+        async with WeightReceiver(ctl.address, receiver_tensors(), rank=1) as again:
+            await asyncio.wait_for(ctl.wait_plan(after=plan), WATCHDOG)
+            await push(sender, send_t, 2)
+            assert sender.conns[0] is kept and sender._conn_keys[0] == kept_key
+            assert sender._conn_keys[1][1] != old_key[1]  # the new process's pair has a new key
+            assert stays.version == again.version == 2 and mismatches(recv_t[0], 2) == []
+            assert stays.transport.guard.refused == 0
 
 
 @pytest.mark.parametrize("how", ["closed", "crashed"])

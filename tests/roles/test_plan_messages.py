@@ -57,3 +57,20 @@ def test_a_table_the_control_channel_would_refuse_is_a_plan_error_naming_its_mem
     assert info.value.ranks and info.value.ranks[0].split("/")[0] in ("sender", "receiver")
     assert isinstance(info.value.__cause__, InvalidMessage)
     assert plan_messages(routing, Limits())[(Role.RECEIVER, biggest)][1]  # (the default limits take it)
+
+
+def test_keys_follow_the_secret_and_both_sessions():
+    routing = _routing()
+    secret = bytes(32)
+    sessions = {(Role.SENDER, 0): b"s0", (Role.SENDER, 1): b"s1", (Role.RECEIVER, 0): b"r0",
+                (Role.RECEIVER, 1): b"r1", (Role.RECEIVER, 2): b"r2"}
+
+    def keys(messages):
+        return {(role, rank, k.rank): k.key for (role, rank), (body, _) in messages.items() for k in body.keys}
+
+    first = keys(plan_messages(routing, Limits(), secret, sessions))
+    assert keys(plan_messages(routing, Limits(), secret, sessions)) == first  # the same processes: the same keys
+    restarted = keys(plan_messages(routing, Limits(), secret, {**sessions, (Role.RECEIVER, 2): b"r2-again"}))
+    changed = {k for k in first if first[k] != restarted[k]}
+    assert changed and all((role is Role.RECEIVER and rank == 2) or (role is Role.SENDER and peer == 2)
+                           for role, rank, peer in changed)
