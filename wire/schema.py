@@ -182,52 +182,69 @@ def _struct_kind(cls: type) -> tuple[Converter, Converter]:
     return to, frm
 
 
-def _compile_annotation(tp: Any) -> tuple[Converter, Converter]:
+def _kind(tp: Any) -> tuple:
+    """An annotation as the converters and the generator read it: ("int", lo, hi), ("type", t),
+    ("float",), ("call", to, from) (enums, JSON), ("struct", cls), ("opt", kind), ("tuple", kind)."""
     origin = typing.get_origin(tp)
     if origin is Annotated:
         base, *meta = typing.get_args(tp)
         for m in meta:
             if isinstance(m, Range):
-                return _ranged_int(m)
+                return ("int", m.lo, m.hi)
             if isinstance(m, _JsonMarker):
-                return _json()
-        return _compile_annotation(base)
+                return ("call", _json_check, _json_check)
+        return _kind(base)
     if origin is Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) != 1:
             raise TypeError(f"unsupported union {tp}")
-        return _optional(_compile_annotation(args[0]))
+        return ("opt", _kind(args[0]))
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) != 2 or args[1] is not Ellipsis:
             raise TypeError(f"only tuple[X, ...] is supported, not {tp}")
-        return _tuple(_compile_annotation(args[0]))
+        return ("tuple", _kind(args[0]))
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
-            return _enum(tp)
+            return ("call", *_enum(tp))
         if dataclasses.is_dataclass(tp):
-            return _struct_kind(tp)
-        if tp is bool:
-            return _scalar(bool, (bool,))
-        if tp is str:
-            return _scalar(str, (str,))
-        if tp is bytes:
-            return _scalar(bytes, (bytes,))
+            return ("struct", tp)
+        if tp in (bool, str, bytes):
+            return ("type", tp)
         if tp is float:
-            return _scalar(float, (float, int))
+            return ("float",)
         if tp is int:
-            return _ranged_int(Range(-(2**63), 2**64 - 1))
+            return ("int", -(2**63), 2**64 - 1)
     raise TypeError(f"unsupported wire annotation {tp!r}")
 
 
+def _converters(kind: tuple) -> tuple[Converter, Converter]:
+    """The checked walk's pair of converters for one annotation, read by ``_kind``."""
+    tag = kind[0]
+    if tag == "int":
+        return _ranged_int(Range(kind[1], kind[2]))
+    if tag == "type":
+        return _scalar(kind[1], (kind[1],))
+    if tag == "float":
+        return _scalar(float, (float, int))
+    if tag == "call":
+        return kind[1], kind[2]
+    if tag == "struct":
+        return _struct_kind(kind[1])
+    if tag == "opt":
+        return _optional(_converters(kind[1]))
+    return _tuple(_converters(kind[1]))
+
+
 class _Compiled:
-    __slots__ = ("names", "fields", "name_set", "defaults")
+    __slots__ = ("names", "kinds", "fields", "name_set", "defaults")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
         fields = dataclasses.fields(cls)
         self.names = tuple(f.name for f in fields)
-        self.fields = tuple((n, *_compile_annotation(hints[n])) for n in self.names)
+        self.kinds = tuple(_kind(hints[n]) for n in self.names)
+        self.fields = tuple((n, *_converters(k)) for n, k in zip(self.names, self.kinds))
         self.name_set = frozenset(self.names)
         self.defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
@@ -363,35 +380,6 @@ def _fast(cls: type) -> _Fast:
     return f
 
 
-def _kind(tp: Any) -> tuple:
-    """An annotation as the generator reads it (what ``_compile_annotation`` compiles, kind by kind)."""
-    origin = typing.get_origin(tp)
-    if origin is Annotated:
-        base, *meta = typing.get_args(tp)
-        for m in meta:
-            if isinstance(m, Range):
-                return ("int", m.lo, m.hi)
-            if isinstance(m, _JsonMarker):
-                return ("call", _json_check, _json_check)
-        return _kind(base)
-    if origin is Union:
-        (arg,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return ("opt", _kind(arg))
-    if origin is tuple:
-        return ("tuple", _kind(typing.get_args(tp)[0]))
-    if issubclass(tp, enum.Enum):
-        return ("call", *_enum(tp))
-    if dataclasses.is_dataclass(tp):
-        return ("struct", tp)
-    if tp in (bool, str, bytes):
-        return ("type", tp)
-    if tp is float:
-        return ("float",)
-    if tp is int:
-        return ("int", -(2**63), 2**64 - 1)
-    raise TypeError(f"unsupported wire annotation {tp!r}")
-
-
 def _emit(kind: tuple, v: str, ind: str, env: dict, enc: bool) -> list[str]:
     """Lines that check variable ``v`` against ``kind`` and convert it in place (raising ``_Decline``)."""
     tag, name = kind[0], f"h{len(env)}"
@@ -411,8 +399,7 @@ def _emit(kind: tuple, v: str, ind: str, env: dict, enc: bool) -> list[str]:
         return [f"{ind}{v} = {name}({v}, '')"]
     if tag == "opt":
         return [f"{ind}if {v} is not None:", *_emit(kind[1], v, ind + "    ", env, enc)]
-    assert tag == "tuple", kind
-    env[name] = _element(kind[1], enc)
+    env[name] = _element(kind[1], enc)  # ("tuple", element kind)
     if enc:
         return [f"{ind}if not isinstance({v}, (tuple, list)): raise _Decline", f"{ind}{v} = [{name}(x) for x in {v}]"]
     return [f"{ind}if type({v}) is not list: raise _Decline", f"{ind}{v} = tuple([{name}(x) for x in {v}])"]
@@ -434,9 +421,8 @@ def _define(fn: str, args: list[str], body: list[str], env: dict) -> Callable:
 
 def _generate(cls: type) -> tuple[Callable, Callable]:
     c = _compiled(cls)
-    hints = typing.get_type_hints(cls, include_extras=True)
     env: dict[str, Any] = {"C": cls}
-    kinds = [(i, n, _kind(hints[n])) for i, n in enumerate(c.names)]
+    kinds = [(i, n, k) for i, (n, k) in enumerate(zip(c.names, c.kinds))]
     required = [(i, n, k) for i, n, k in kinds if n not in c.defaults]
     optional = [(i, n, k) for i, n, k in kinds if n in c.defaults]
     for i, n, _ in optional:
