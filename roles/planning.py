@@ -55,8 +55,8 @@ class Planner:
         senders, receivers = self._participants()
         self._plan_ids += 1
         plan_id = self._plan_ids
+        identities = {peer.key: peer.identity for peer in self.peers.values()}  # (the sessions the keys bind)
         try:
-            identities = {peer.key: peer.identity for peer in self.peers.values()}
             routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, identities)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
@@ -119,9 +119,9 @@ def plan_messages(routing: RoutingPlan, limits: Limits = DEFAULT_LIMITS, secret:
     """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
     event loop: at 1,000 ranks that is seconds), with the plan's data-plane keys: one per
     sender/receiver pair it routes, from ``secret`` (the controller's; a fresh one if None) and both
-    members' ``sessions`` (their control sessions' identities: ``dataauth.pair_key``). (With the collector paused, as ``plan`` is: each
-    collection it would set off walks every manifest object.) Raises ``PlanError`` naming the member
-    whose message the control channel's limits refuse."""
+    members' ``sessions`` (their control sessions' identities: ``dataauth.pair_key``). The collector
+    is paused, as in ``plan``: each collection it would set off walks every manifest object. Raises
+    ``PlanError`` naming the member whose message the control channel's limits refuse."""
     return collector_paused(_plan_messages, routing, limits, secret or dataauth.new_secret(), sessions)
 
 
