@@ -2,8 +2,9 @@
 
 For each scenario, prints one JSON line: plan time (then the collector's pass over what the plan
 made, the controller's plan messages made and encoded, and its replan after a receiver restarts, with
-the first plan's ``PlanCache``), the modeled makespan of our tables, the lower bound,
-and the same model's makespan for the seeds' byte-balanced greedy and for rank-0 broadcast.
+the first plan's ``PlanCache``: on the same host, and on another), the modeled makespan of our tables,
+the lower bound, and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
+broadcast.
 
     .venv/bin/python bench/planner_scale.py                 # all scenarios
     .venv/bin/python bench/planner_scale.py --only kimi     # scenarios whose name contains "kimi"
@@ -16,6 +17,7 @@ has a 400 Gb/s NIC; trainers and inference ranks live on different hosts (8 GPUs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -106,6 +108,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     gc_s = young_gc_seconds()
     messages_s, messages_mb = messages_cost(routing)
     replan_s = replan_seconds(senders, receivers, link, cache, tp, ep, where, params)
+    moved_s = replan_seconds(senders, receivers, link, cache, tp, ep, where, params, moved=True)
     pieces, _ = build_pieces(senders, receivers)
     stats: dict = {}
     ours = makespan(routing.senders, senders, receivers, link, stats)
@@ -128,6 +131,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "messages_seconds": round(messages_s, 3),
         "messages_MB": round(messages_mb, 1),
         "replan_seconds": round(replan_s, 3),
+        "replan_moved_seconds": round(moved_s, 3),
         "makespan_s": round(ours, 5),
         "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
         "gather_s": round(stats["gather_s"], 4),
@@ -157,14 +161,22 @@ def messages_cost(routing) -> tuple[float, float]:
     return seconds, sum(len(frame) for _, frame in frames.values()) / 1e6
 
 
-def replan_seconds(senders, receivers, link, cache, tp, ep, where, params) -> float:
-    """The controller's replan after the last receiver restarts (a new manifest of the same layout),
-    with the ``PlanCache`` of the first plan."""
+def replan_seconds(senders, receivers, link, cache, tp, ep, where, params, moved=False) -> float:
+    """The controller's replan after the last receiver restarts (a new manifest of the same layout, a
+    new process), with the ``PlanCache`` of the plans before: on the same host the last plan's tables
+    are patched (``planner.patched_plan``); ``moved``, on another host, it plans again with the kept index
+    and layouts."""
     rank = receivers[-1].rank
-    restarted = [*receivers[:-1], Participant(rank, receiver_manifest(params, rank, tp, ep), _transport(where, rank))]
+    transport = _transport(where, rank)
+    if moved:
+        transport = dataclasses.replace(transport, host=f"{where}-host-spare")
+    restarted = [*receivers[:-1], Participant(rank, receiver_manifest(params, rank, tp, ep), transport)]
+    patched = cache.patched
     t0 = time.process_time()
     routing = plan(senders, restarted, link, PlanOptions(), cache=cache)
     seconds = time.process_time() - t0
+    if (cache.patched > patched) == moved:
+        raise RuntimeError(f"the replan {'patched' if moved else 'did not patch'} the last plan")
     del routing  # (after the clock: the first plan's tables are not freed inside its time either)
     return seconds
 
@@ -193,10 +205,11 @@ def run_large(name, arch, layout, n_recv, tp, ep, colocated, link):
     transfers = routing.transfer_count
     del routing  # (the controller replaces its plan)
     replan_s = replan_seconds(senders, receivers, link, cache, tp, ep, "infer", params)
+    moved_s = replan_seconds(senders, receivers, link, cache, tp, ep, "infer", params, moved=True)
     return {"scenario": name, "trainers": layout.describe(), "senders": layout.world, "receivers": n_recv,
             "transfers": transfers, "plan_seconds": round(plan_s, 2), "gc_after_plan_seconds": round(gc_s, 2),
             "messages_seconds": round(messages_s, 2), "messages_MB": round(messages_mb, 1),
-            "replan_seconds": round(replan_s, 2),
+            "replan_seconds": round(replan_s, 2), "replan_moved_seconds": round(moved_s, 2),
             "manifests_rss_GB": round(before / 1e6, 2), "planning_adds_GB": round((after - before) / 1e6, 2),
             "targets": "plan < 2 s, < 1 GB (1024 -> 512)"}
 

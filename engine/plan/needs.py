@@ -76,9 +76,18 @@ class PlanCache:
         self._rules: tuple = ()
         self._resolver: Optional[Resolver] = None
         self.hits = self.misses = 0
+        self.last: Optional[tuple] = None  # (receivers, (link, options), routing) of the last plan (``planner``)
+        self.patched = 0  # replans that only patched the last plan's tables (``planner.patched_plan``)
 
     def __repr__(self) -> str:
-        return f"<PlanCache senders={len(self._senders)} layouts={self.layouts} hits={self.hits} misses={self.misses}>"
+        return (f"<PlanCache senders={len(self._senders)} layouts={self.layouts} hits={self.hits} "
+                f"misses={self.misses} patched={self.patched}>")
+
+    def same_senders(self, senders: Sequence[Participant], transforms, mapping) -> bool:
+        """Whether ``senders`` (and the rules) are those the kept index was made from."""
+        return (self._resolver is not None and (dict(transforms), mapping) == self._rules
+                and len(senders) == len(self._senders)
+                and all(p.rank == r and p.manifest is m for p, (r, m) in zip(senders, self._senders)))
 
     @property
     def layouts(self) -> int:
@@ -86,15 +95,13 @@ class PlanCache:
         return len(self._resolver.templates) if self._resolver is not None else 0
 
     def resolver(self, senders: Sequence[Participant], transforms, mapping) -> "Resolver":
-        rules = (dict(transforms), mapping)
-        if (self._resolver is not None and rules == self._rules and len(senders) == len(self._senders)
-                and all(p.rank == r and p.manifest is m for p, (r, m) in zip(senders, self._senders))):
+        if self.same_senders(senders, transforms, mapping):
             self.hits += 1
             return self._resolver
         self.misses += 1
-        self._resolver = None  # (a failed index leaves nothing behind)
+        self._resolver, self.last = None, None  # (a failed index leaves nothing behind)
         self._resolver = Resolver(index_sources(senders), transforms, mapping)
-        self._senders, self._rules = [(p.rank, p.manifest) for p in senders], rules
+        self._senders, self._rules = [(p.rank, p.manifest) for p in senders], (dict(transforms), mapping)
         return self._resolver
 
 

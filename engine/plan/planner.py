@@ -112,12 +112,55 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
     check_ranks(senders, receivers)
     senders = sorted(senders, key=lambda p: p.rank)
     receivers = sorted(receivers, key=lambda p: p.rank)
+    if cache is not None and cache.same_senders(senders, transforms, mapping):
+        routing = patched_plan(cache, receivers, link, options, plan_id)
+        if routing is not None:
+            return routing
     pieces, _ = build_pieces(senders, receivers, transforms, mapping, cache)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link)
     segments = schedule(groups, link, options)
     if options.level:
         balance(segments, link, options)
-    return build_tables(segments, senders, receivers, plan_id)
+    routing = build_tables(segments, senders, receivers, plan_id)
+    if cache is not None:
+        cache.last = (receivers, (link, options), routing)
+    return routing
+
+
+def patched_plan(cache: PlanCache, receivers: Sequence[Participant], link: LinkModel, options: PlanOptions,
+                 plan_id: int) -> Optional[RoutingPlan]:
+    """The last plan's tables, if the senders are the same (the caller checks) and every receiver is the
+    same process or a restarted one that the planner cannot tell apart: the same rank, tensors, region
+    sizes, host, device and transport kind (a new address, new region descriptors). Then a plan from
+    scratch would make the same tables, the restarted receivers' ``PeerInfo`` aside: only those are
+    replaced. None otherwise."""
+    if cache.last is None or cache.last[1] != (link, options) or len(cache.last[0]) != len(receivers):
+        return None
+    before, _, routing = cache.last
+    new_peers: dict[int, PeerInfo] = {}
+    for old, new in zip(before, receivers):
+        if old.rank != new.rank:
+            return None
+        if old.manifest is new.manifest and old.transport == new.transport:
+            continue
+        if not _same_to_the_planner(old, new):
+            return None
+        new_peers[new.rank] = PeerInfo(new.rank, new.transport, new.manifest.regions)
+    senders = {s: t if not any(p.rank in new_peers for p in t.peers)
+               else SenderTable(s, t.transfers, tuple(new_peers.get(p.rank, p) for p in t.peers))
+               for s, t in routing.senders.items()}
+    patched = RoutingPlan(plan_id, senders, dict(routing.receivers))
+    cache.last, cache.patched = (list(receivers), (link, options), patched), cache.patched + 1
+    return patched
+
+
+def _same_to_the_planner(old: Participant, new: Participant) -> bool:
+    """Whether the planner reads the same from both (all but addresses and region descriptors)."""
+    a, b = old.transport, new.transport
+    return ((a.kind, a.host, a.device) == (b.kind, b.host, b.device)
+            and [(r.region_id, r.nbytes, r.device) for r in old.manifest.regions]
+            == [(r.region_id, r.nbytes, r.device) for r in new.manifest.regions]
+            and old.manifest.tensors == new.manifest.tensors)
 
 
 def group_by_locality(

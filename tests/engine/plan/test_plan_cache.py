@@ -3,10 +3,12 @@ and its tables are exactly those of a plan made from scratch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from weightsync.engine import errors
-from weightsync.engine.plan import LinkModel, PlanCache, plan
+from weightsync.engine.plan import LinkModel, Participant, PlanCache, PlanOptions, plan
 from plan_helpers import check_coverage, participant, tensor
 
 MODEL = {"embed": (256, 64), "w1": (128, 64), "w2": (64, 128), "experts": (16, 32, 32), "norm": (64,)}
@@ -79,3 +81,52 @@ def test_a_failed_index_leaves_nothing_behind():
         plan(bad, receivers, LinkModel(), cache=cache)
     assert plan(senders, receivers, LinkModel(), cache=cache) == plan(senders, receivers, LinkModel())
     assert (cache.hits, cache.misses) == (0, 2)
+
+
+def _restarted(p, host=None, device=None, nbytes=None):
+    """The same rank's new process: a new manifest object (equal tensors), a new address and region
+    descriptors; optionally on another host or device, or with another region size."""
+    regions = tuple(dataclasses.replace(r, descriptor=b"new", nbytes=nbytes or r.nbytes) for r in p.manifest.regions)
+    manifest = dataclasses.replace(p.manifest, tensors=tuple(p.manifest.tensors), regions=regions)
+    transport = dataclasses.replace(p.transport, address="h:1234", host=host or p.transport.host,
+                                    device=device or p.transport.device)
+    return Participant(p.rank, manifest, transport)
+
+
+def test_a_restarted_receiver_the_planner_cannot_tell_apart_patches_the_last_plan():
+    senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    cache, link = PlanCache(), LinkModel()
+    first = plan(senders, receivers, link, plan_id=1, cache=cache)
+    receivers[2] = _restarted(receivers[2])
+    again = plan(senders, receivers, link, plan_id=2, cache=cache)
+    assert again == plan(senders, receivers, link, plan_id=2)  # what a plan from scratch makes
+    assert cache.patched == 1 and (cache.hits, cache.misses) == (0, 1)
+    assert again.plan_id == 2 and again.receivers == first.receivers
+    for s, table in again.senders.items():
+        names_it = any(p.rank == 2 for p in table.peers)
+        assert (table is first.senders[s]) != names_it  # only the tables naming the restarted receiver change
+        assert table.transfers is first.senders[s].transfers
+    assert "patched=1" in repr(cache)
+
+
+@pytest.mark.parametrize("change", ["host", "device", "region size", "tensors", "options", "sender"])
+def test_what_the_planner_reads_differently_plans_again(change):
+    senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    cache, link = PlanCache(), LinkModel()
+    plan(senders, receivers, link, cache=cache)
+    options = PlanOptions()
+    if change == "host":
+        receivers[1] = _restarted(receivers[1], host="elsewhere")
+    elif change == "device":
+        receivers[1] = _restarted(receivers[1], device="cuda:3")
+    elif change == "region size":
+        receivers[1] = _restarted(receivers[1], nbytes=receivers[1].manifest.regions[0].nbytes + 64)
+    elif change == "tensors":
+        receivers[1] = _receiver(1, tp=4)
+    elif change == "options":
+        options = PlanOptions(chunks_per_receiver=2)
+    else:
+        senders[0] = _senders()[0]  # a restarted sender: a new manifest object
+    again = plan(senders, receivers, link, options, cache=cache)
+    assert cache.patched == 0
+    assert again == plan(senders, receivers, link, options)
