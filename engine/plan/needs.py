@@ -69,7 +69,9 @@ class PlanCache:
     against it (``Resolver``), kept while the senders are the same (the same manifest objects, rank
     for rank) and so are the transforms and the name mapping. A controller replans when a receiver
     leaves or joins (a restarted inference worker): then the pieces are made from what is kept, and
-    only a layout never seen is resolved. Used by one planning thread at a time."""
+    only a layout never seen is resolved; or, when the receivers are those of the last plan (restarted
+    ones the planner cannot tell apart included), that plan is patched (``planner.patched_plan``).
+    Used by one planning thread at a time."""
 
     def __init__(self) -> None:
         self._senders: list[tuple[int, Manifest]] = []

@@ -90,7 +90,8 @@ def plan(
 
     ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``).
     ``cache``: a ``PlanCache`` kept from plan to plan (a replan with the same senders resolves only
-    receiver layouts it has not seen); the tables are the same with or without it."""
+    receiver layouts it has not seen, or patches the last plan: ``patched_plan``); the tables are the
+    same with or without it."""
     # Planning allocates ~10^5-10^6 acyclic objects next to ~10^6 live manifest objects; cyclic GC
     # passes over the latter would triple the plan time. Nothing here makes cycles, so pause it.
     return collector_paused(_plan, senders, receivers, link, options, transforms, plan_id, mapping, cache)
