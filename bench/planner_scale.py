@@ -2,7 +2,8 @@
 
 For each scenario, prints one JSON line: plan time (then the collector's pass over what the plan
 made, the controller's plan messages made and encoded, and its replan after a receiver restarts, with
-the first plan's ``PlanCache``: on the same host, and on another), the modeled makespan of our tables,
+the first plan's ``PlanCache`` and ``MessageCache``: on the same host, and on another, each with its
+messages), the modeled makespan of our tables,
 the lower bound, and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
 broadcast.
 
@@ -41,7 +42,8 @@ from weightsync.engine.plan import (  # noqa: E402
     tables_from_assignment,
 )
 from weightsync.engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
-from weightsync.roles.planning import plan_messages  # noqa: E402
+from weightsync.roles.planning import MessageCache, plan_messages  # noqa: E402
+from weightsync.wire import Role  # noqa: E402
 from weightsync.engine.models.shapes import state_dict_shapes, tp_slice  # noqa: E402
 from weightsync.wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
 
@@ -106,9 +108,10 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     routing = plan(senders, receivers, link, PlanOptions(), cache=cache)
     plan_s = time.process_time() - t0
     gc_s = young_gc_seconds()
-    messages_s, messages_mb = messages_cost(routing)
-    replan_s = replan_seconds(senders, receivers, link, cache, tp, ep, where, params)
-    moved_s = replan_seconds(senders, receivers, link, cache, tp, ep, where, params, moved=True)
+    messages = MessageCache()
+    messages_s, messages_mb = messages_cost(routing, messages, sessions_of(senders, receivers))
+    replan_s, replan_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, where, params)
+    moved_s, moved_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, where, params, True)
     pieces, _ = build_pieces(senders, receivers)
     stats: dict = {}
     ours = makespan(routing.senders, senders, receivers, link, stats)
@@ -131,7 +134,9 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "messages_seconds": round(messages_s, 3),
         "messages_MB": round(messages_mb, 1),
         "replan_seconds": round(replan_s, 3),
+        "replan_messages_seconds": round(replan_messages_s, 3),
         "replan_moved_seconds": round(moved_s, 3),
+        "replan_moved_messages_seconds": round(moved_messages_s, 3),
         "makespan_s": round(ours, 5),
         "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
         "gather_s": round(stats["gather_s"], 4),
@@ -152,20 +157,27 @@ def young_gc_seconds() -> float:
     return time.process_time() - t0
 
 
-def messages_cost(routing) -> tuple[float, float]:
+def messages_cost(routing, cache: MessageCache, sessions) -> tuple[float, float]:
     """What the controller does with a plan next, in its planning thread: every member's ``Plan``
-    message made (with its data-plane keys) and encoded; the CPU seconds and the megabytes."""
+    message made (with its data-plane keys, bound to the members' ``sessions``) and encoded, with the
+    controller's ``MessageCache`` of the plans before; the CPU seconds and the megabytes."""
     t0 = time.process_time()
-    frames = plan_messages(routing)  # (under the default limits, as a controller is)
+    frames = plan_messages(routing, sessions=sessions, cache=cache)  # (under the default limits, as a controller is)
     seconds = time.process_time() - t0
     return seconds, sum(len(frame) for _, frame in frames.values()) / 1e6
 
 
-def replan_seconds(senders, receivers, link, cache, tp, ep, where, params, moved=False) -> float:
+def sessions_of(senders, receivers) -> dict:
+    """Each member's control session identity (what its data-plane keys are bound to)."""
+    return {**{(Role.SENDER, p.rank): b"sender-%d" % p.rank for p in senders},
+            **{(Role.RECEIVER, p.rank): b"receiver-%d" % p.rank for p in receivers}}
+
+
+def replan_seconds(senders, receivers, link, cache, messages, tp, ep, where, params, moved=False) -> tuple[float, float]:
     """The controller's replan after the last receiver restarts (a new manifest of the same layout, a
-    new process), with the ``PlanCache`` of the plans before: on the same host the last plan's tables
-    are patched (``planner.patched_plan``); ``moved``, on another host, it plans again with the kept index
-    and layouts."""
+    new process, a new session), with the ``PlanCache`` and ``MessageCache`` of the plans before: on the
+    same host the last plan's tables are patched (``planner.patched_plan``); ``moved``, on another host,
+    it plans again with the kept index and layouts. The CPU seconds of the plan, then of its messages."""
     rank = receivers[-1].rank
     transport = _transport(where, rank)
     if moved:
@@ -177,8 +189,10 @@ def replan_seconds(senders, receivers, link, cache, tp, ep, where, params, moved
     seconds = time.process_time() - t0
     if (cache.patched > patched) == moved:
         raise RuntimeError(f"the replan {'patched' if moved else 'did not patch'} the last plan")
+    sessions = {**sessions_of(senders, receivers), (Role.RECEIVER, rank): b"receiver-%d-%s" % (rank, transport.host.encode())}
+    messages_s, _ = messages_cost(routing, messages, sessions)
     del routing  # (after the clock: the first plan's tables are not freed inside its time either)
-    return seconds
+    return seconds, messages_s
 
 
 LARGE = [  # plan time and memory only (their baselines' makespans take minutes)
@@ -201,15 +215,17 @@ def run_large(name, arch, layout, n_recv, tp, ep, colocated, link):
     plan_s = time.process_time() - t0
     gc_s = young_gc_seconds()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    messages_s, messages_mb = messages_cost(routing)
+    messages = MessageCache()
+    messages_s, messages_mb = messages_cost(routing, messages, sessions_of(senders, receivers))
     transfers = routing.transfer_count
     del routing  # (the controller replaces its plan)
-    replan_s = replan_seconds(senders, receivers, link, cache, tp, ep, "infer", params)
-    moved_s = replan_seconds(senders, receivers, link, cache, tp, ep, "infer", params, moved=True)
+    replan_s, replan_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, "infer", params)
+    moved_s, moved_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, "infer", params, True)
     return {"scenario": name, "trainers": layout.describe(), "senders": layout.world, "receivers": n_recv,
             "transfers": transfers, "plan_seconds": round(plan_s, 2), "gc_after_plan_seconds": round(gc_s, 2),
             "messages_seconds": round(messages_s, 2), "messages_MB": round(messages_mb, 1),
-            "replan_seconds": round(replan_s, 2), "replan_moved_seconds": round(moved_s, 2),
+            "replan_seconds": round(replan_s, 2), "replan_messages_seconds": round(replan_messages_s, 2),
+            "replan_moved_seconds": round(moved_s, 2), "replan_moved_messages_seconds": round(moved_messages_s, 2),
             "manifests_rss_GB": round(before / 1e6, 2), "planning_adds_GB": round((after - before) / 1e6, 2),
             "targets": "plan < 2 s, < 1 GB (1024 -> 512)"}
 

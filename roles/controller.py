@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from weightsync.engine import dataauth
 from weightsync.engine.datapath.aio import AsyncResource, Spinner
 from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
 from weightsync.engine.plan import Catalog, LinkModel, Mapping, Participant, PlanCache, PlanOptions, RoutingPlan, get_mapping
@@ -34,7 +33,7 @@ from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 from .admission import admission_problem, participants
 from .channel import ControlChannel
 from .limits import JoinLimiter, PeerLimits, RateLimiter
-from .planning import Planner
+from .planning import MessageCache, Planner
 from .pushes import PushBook
 from .rounds import RoundReport, RoundRunner, RoundState
 from .status import controller_status
@@ -104,7 +103,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.committed: Optional[int] = None
         self.round: Optional[RoundState] = None
         self._plan_ids = 0
-        self._data_secret = dataauth.new_secret()  # the data-plane keys' secret (``planning.plan_messages``)
+        self._messages = MessageCache()  # the data-plane keys' secret, and what the last plan's messages made
         self._acks_pending: set[tuple[Role, int]] = set()
         # senders' plans (each with its body frame) held back until the receivers have acknowledged theirs
         self._sender_plans: dict[bytes, tuple[m.Plan, bytes]] = {}

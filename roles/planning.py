@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Mapping, Optional
+import operator
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional
 
 from weightsync.engine import dataauth
 from weightsync.engine.errors import PlanError
 from weightsync.engine.plan import RoutingPlan, plan
 from weightsync.engine.plan.planner import collector_paused
-from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Role, State, encode_body
+from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, PeerInfo, ReceiverTable, Role, SenderTable, State
 from weightsync.wire.errors import InvalidMessage
 from weightsync.wire import messages as m
+from weightsync.wire.splice import PartsEncoder
 
 if TYPE_CHECKING:
     from .controller import Peer
@@ -87,7 +89,7 @@ class Planner:
         its keys bound to the members' sessions (``identities``)."""
         routing = plan(senders, receivers, self.options.link, self.options.plan, {}, plan_id, self.options.mapping,
                        self.plan_cache)
-        return routing, plan_messages(routing, self.options.limits, self._data_secret, identities)
+        return routing, plan_messages(routing, self.options.limits, sessions=identities, cache=self._messages)
 
     async def _send_sender_plans(self) -> None:
         """Senders get their tables (and connect) only once every receiver has acknowledged its own:
@@ -114,36 +116,93 @@ class Planner:
         self._maybe_plan()
 
 
+class MessageCache:
+    """What a controller keeps from one plan's messages to the next (one planning thread uses it): each
+    sender's data-plane keys, by both members' sessions, and the encodings of the tables, peers and
+    key lists (``wire.splice.PartsEncoder``). Each plan keeps only what it used, so a replan that keeps
+    most tables (a restarted receiver back on its host: ``patched_plan``) makes and encodes only the
+    keys and tables that changed."""
+
+    def __init__(self, secret: Optional[bytes] = None) -> None:
+        self.secret = secret or dataauth.new_secret()
+        self.parts = PartsEncoder(split=(m.Plan, SenderTable, ReceiverTable), shared=(PeerInfo,))
+        self.senders: dict[int, _SenderKeys] = {}
+        self.receivers: dict[int, tuple[m.DataKey, ...]] = {}
+
+    def __repr__(self) -> str:
+        return f"<MessageCache senders={len(self.senders)} receivers={len(self.receivers)} parts={self.parts!r}>"
+
+
+class _SenderKeys(NamedTuple):
+    """One sender's keys: its session, its receivers and theirs (the pairs), its side and theirs."""
+
+    session: bytes
+    peers: tuple[int, ...]
+    sessions: tuple[bytes, ...]
+    mine: tuple[m.DataKey, ...]
+    theirs: list[m.DataKey]
+
+    def remake(self, secret: bytes, rank: int, session: bytes, peers: tuple, sessions: tuple) -> "_SenderKeys":
+        """These keys for the pairs given: the same if they are, each pair's kept if it stayed."""
+        if (session, peers, sessions) == (self.session, self.peers, self.sessions):
+            return self
+        kept = dict(zip(zip(self.peers, self.sessions), zip(self.mine, self.theirs))) if session == self.session else {}
+        mine, theirs = [], []
+        for pair in zip(peers, sessions):
+            keys = kept.get(pair)
+            if keys is None:
+                key = dataauth.pair_key(secret, rank, pair[0], (session, pair[1]))
+                keys = (m.DataKey(pair[0], key), m.DataKey(rank, key))
+            mine.append(keys[0])
+            theirs.append(keys[1])
+        return _SenderKeys(session, peers, sessions, tuple(mine), theirs)
+
+
+_NO_KEYS = _SenderKeys(b"", (), (), (), [])
+
+
 def plan_messages(routing: RoutingPlan, limits: Limits = DEFAULT_LIMITS, secret: Optional[bytes] = None,
-                  sessions: Mapping[tuple[Role, int], bytes] = {}) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
+                  sessions: Mapping[tuple[Role, int], bytes] = {},
+                  cache: Optional[MessageCache] = None) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
     event loop: at 1,000 ranks that is seconds), with the plan's data-plane keys: one per
     sender/receiver pair it routes, from ``secret`` (the controller's; a fresh one if None) and both
-    members' ``sessions`` (their control sessions' identities: ``dataauth.pair_key``). The collector
-    is paused, as in ``plan``: each collection it would set off walks every manifest object. Raises
-    ``PlanError`` naming the member whose message the control channel's limits refuse."""
-    return collector_paused(_plan_messages, routing, limits, secret or dataauth.new_secret(), sessions)
+    members' ``sessions`` (their control sessions' identities: ``dataauth.pair_key``). ``cache``: the
+    previous plan's keys and encodings (its secret is the one used). The collector is paused, as in
+    ``plan``: each collection it would set off walks every manifest object. Raises ``PlanError``
+    naming the member whose message the control channel's limits refuse."""
+    if cache is None:
+        cache = MessageCache(secret)
+    elif secret is not None and secret != cache.secret:
+        raise ValueError("plan_messages: the cache holds keys of another secret")
+    return collector_paused(_plan_messages, routing, limits, cache, sessions)
 
 
-def _plan_messages(routing: RoutingPlan, limits: Limits, secret: bytes,
+def _plan_messages(routing: RoutingPlan, limits: Limits, cache: MessageCache,
                    sessions: Mapping[tuple[Role, int], bytes]) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     bodies: dict[tuple[Role, int], m.Plan] = {}
     keys_of: dict[int, list[m.DataKey]] = {r: [] for r in routing.receivers}  # receiver -> its senders' keys
+    theirs = {r: sessions.get((Role.RECEIVER, r), b"") for r in routing.receivers}
+    senders = {}
     for rank, table in sorted(routing.senders.items()):
-        keys = []
-        mine = sessions.get((Role.SENDER, rank), b"")
-        for p in table.peers:
-            key = dataauth.pair_key(secret, rank, p.rank, (mine, sessions.get((Role.RECEIVER, p.rank), b"")))
-            keys.append(m.DataKey(p.rank, key))
-            keys_of[p.rank].append(m.DataKey(rank, key))
-        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, tuple(keys))
+        peers = tuple([p.rank for p in table.peers])
+        keys = senders[rank] = cache.senders.get(rank, _NO_KEYS).remake(
+            cache.secret, rank, sessions.get((Role.SENDER, rank), b""), peers, tuple([theirs.get(r, b"") for r in peers]))
+        for r, key in zip(peers, keys.theirs):
+            keys_of[r].append(key)
+        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, keys.mine)
+    receivers = {}
     for rank, rtable in routing.receivers.items():  # (a receiver's senders are exactly those whose peers name it)
-        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, tuple(keys_of[rank]))
+        keys, last = tuple(keys_of[rank]), cache.receivers.get(rank, ())
+        receivers[rank] = keys = last if len(last) == len(keys) and all(map(operator.is_, keys, last)) else keys
+        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, keys)
+    cache.senders, cache.receivers = senders, receivers
     out = {}
     for (role, rank), body in bodies.items():
         try:
-            out[(role, rank)] = (body, encode_body(body, limits))
+            out[(role, rank)] = (body, cache.parts.encode_body(body, limits))
         except InvalidMessage as exc:  # (a table larger than the control channel's frame limit)
             raise PlanError(f"the plan for {role.value}/{rank} cannot be sent: {exc}",
                             ranks=[f"{role.value}/{rank}"]) from exc
+    cache.parts.retain()
     return out

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from plan_helpers import participant, tensor
 from weightsync.engine.errors import PlanError
-from weightsync.engine.plan import plan
-from weightsync.roles.planning import plan_messages
+from weightsync.engine.plan import PlanCache, plan
+from weightsync.roles.planning import MessageCache, plan_messages
 from weightsync.wire import Envelope, Limits, Role, decode, encode
 from weightsync.wire.errors import InvalidMessage
 
 
-def _routing():
+def _members():
     senders = [participant(s, [tensor("w", (8, 4), shard=(0, 4 * s, 4 * s + 4), gatherable=True),
                                tensor("b", (4,))], host=f"t{s}") for s in range(2)]
     receivers = [participant(r, [tensor("w", (8, 4)), tensor("b", (4,))], host=f"i{r}") for r in range(3)]
-    return plan(senders, receivers, plan_id=7)
+    return senders, receivers
+
+
+def _routing():
+    return plan(*_members(), plan_id=7)
 
 
 def test_every_member_gets_its_table_and_the_frame_is_its_body_encoded():
@@ -74,3 +80,36 @@ def test_keys_follow_the_secret_and_both_sessions():
     changed = {k for k in first if first[k] != restarted[k]}
     assert changed and all((role is Role.RECEIVER and rank == 2) or (role is Role.SENDER and peer == 2)
                            for role, rank, peer in changed)
+
+
+def _sessions(senders, receivers, restarted=None):
+    out = {(Role.SENDER, p.rank): b"s%d" % p.rank for p in senders}
+    out.update({(Role.RECEIVER, p.rank): b"r%d" % p.rank + (b"-again" if p.rank == restarted else b"") for p in receivers})
+    return out
+
+
+def test_with_the_cache_a_replan_is_a_fresh_encodes_bytes_and_only_a_restarted_members_keys_change():
+    senders, receivers = _members()
+    plans, messages = PlanCache(), MessageCache()
+    first = plan_messages(plan(senders, receivers, plan_id=7, cache=plans), sessions=_sessions(senders, receivers),
+                          cache=messages)
+    moved = dataclasses.replace(receivers[2].transport, address="i2:1234")  # (the same host: patched)
+    receivers[2] = dataclasses.replace(receivers[2], manifest=dataclasses.replace(receivers[2].manifest), transport=moved)
+    routing = plan(senders, receivers, plan_id=8, cache=plans)
+    assert plans.patched == 1
+    reused = messages.parts.reused
+    second = plan_messages(routing, sessions=_sessions(senders, receivers, restarted=2), cache=messages)
+    assert messages.parts.reused > reused  # (the tables, peers and keys that stayed)
+    fresh = plan_messages(routing, secret=messages.secret, sessions=_sessions(senders, receivers, restarted=2))
+    assert {k: frame for k, (_, frame) in second.items()} == {k: frame for k, (_, frame) in fresh.items()}
+    for s in routing.senders:
+        before = {k.rank: k.key for k in first[(Role.SENDER, s)][0].keys}
+        after = {k.rank: k.key for k in second[(Role.SENDER, s)][0].keys}
+        assert set(before) == set(after) and 2 in after
+        assert {r for r in after if after[r] != before[r]} == {2}
+    assert "senders=2" in repr(messages)
+
+
+def test_a_cache_serves_one_secret():
+    with pytest.raises(ValueError, match="another secret"):
+        plan_messages(_routing(), secret=b"x" * 32, cache=MessageCache(b"y" * 32))
