@@ -46,6 +46,14 @@ def pair_key(secret: bytes, sender: int, receiver: int, sessions: tuple[bytes, b
                                                                   sessions[1].hex().encode()), "sha256")
 
 
+def pair_keys(secret: bytes, sender: int, session: bytes, receivers: Iterable[tuple[int, bytes]]) -> list[bytes]:
+    """``pair_key`` of one sender with each of ``receivers`` ((rank, session) pairs), made at once."""
+    head = b"weightsync-data:%d>" % sender
+    mine = b":" + session.hex().encode() + b">"
+    digest = hmac.digest
+    return [digest(secret, head + b"%d" % r + mine + s.hex().encode(), "sha256") for r, s in receivers]
+
+
 def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 

@@ -147,15 +147,12 @@ class _SenderKeys(NamedTuple):
         if (session, peers, sessions) == (self.session, self.peers, self.sessions):
             return self
         kept = dict(zip(zip(self.peers, self.sessions), zip(self.mine, self.theirs))) if session == self.session else {}
-        mine, theirs = [], []
-        for pair in zip(peers, sessions):
-            keys = kept.get(pair)
-            if keys is None:
-                key = dataauth.pair_key(secret, rank, pair[0], (session, pair[1]))
-                keys = (m.DataKey(pair[0], key), m.DataKey(rank, key))
-            mine.append(keys[0])
-            theirs.append(keys[1])
-        return _SenderKeys(session, peers, sessions, tuple(mine), theirs)
+        pairs = list(zip(peers, sessions))
+        new = [pair for pair in pairs if pair not in kept]
+        for pair, key in zip(new, dataauth.pair_keys(secret, rank, session, new)):
+            kept[pair] = (m.DataKey(pair[0], key), m.DataKey(rank, key))
+        keys = [kept[pair] for pair in pairs]
+        return _SenderKeys(session, peers, sessions, tuple([k[0] for k in keys]), [k[1] for k in keys])
 
 
 _NO_KEYS = _SenderKeys(b"", (), (), (), [])

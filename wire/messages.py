@@ -14,7 +14,7 @@ from typing import ClassVar, Optional
 
 from .manifest import Manifest, TransportInfo
 from .routing import ReceiverTable, SenderTable
-from .schema import U32, U64, Json, Violation, struct
+from .schema import U32, U64, Columns, Json, Violation, struct
 
 
 class Role(str, enum.Enum):
@@ -137,7 +137,7 @@ class Plan(Message):
     plan_id: U64
     sender: Optional[SenderTable]
     receiver: Optional[ReceiverTable]
-    keys: tuple[DataKey, ...] = ()
+    keys: Columns[DataKey] = ()
 
     def _check(self) -> None:
         if (self.sender is None) == (self.receiver is None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .manifest import RegionInfo, Slice, TransportInfo
-from .schema import U32, U64, Violation, struct
+from .schema import U32, U64, Columns, Violation, struct
 
 
 @struct
@@ -56,7 +56,7 @@ class PeerInfo:
 @struct
 class SenderTable:
     rank: U32
-    transfers: tuple[Transfer, ...]
+    transfers: Columns[Transfer]
     peers: tuple[PeerInfo, ...]
 
     def _check(self) -> None:
@@ -76,7 +76,7 @@ class SenderTable:
 @struct
 class ReceiverTable:
     rank: U32
-    entries: tuple[ExpectedEntry, ...]
+    entries: Columns[ExpectedEntry]
 
     def _check(self) -> None:
         seen: set[tuple[int, int]] = set()

@@ -8,7 +8,8 @@ names in declaration order, so encoding is deterministic byte for byte.
 
 Supported annotations: ``bool``, ``str``, ``bytes``, ``float``, ranged ints (``U8``, ``U32``,
 ``U64``, ``I64``), ``tuple[X, ...]``, ``Optional[X]``, enums (``IntEnum`` travel as ints, ``str``
-enums as strings), nested structs, and ``Json`` (nested maps/lists of scalars, depth-limited).
+enums as strings), nested structs, ``Json`` (nested maps/lists of scalars, depth-limited), and
+``Columns[X]`` (a tuple of a flat struct X as one array per field: ``wire.columns``).
 
 A violation raises ``Violation(kind, path, detail)``; the codec turns it into a typed
 ``FieldError`` (decode, the peer's fault) or ``InvalidMessage`` (encode, ours). A struct may define
@@ -33,6 +34,7 @@ __all__ = [
     "U64",
     "I64",
     "Json",
+    "Columns",
     "Violation",
     "struct",
     "to_wire",
@@ -48,6 +50,18 @@ class Range:
 
 class _JsonMarker:
     pass
+
+
+class _ColumnsMarker:
+    pass
+
+
+class Columns:
+    """``Columns[X]``: a tuple of struct X that travels as columns, one array per field
+    (``wire.columns``), for tuples of 10^5 elements."""
+
+    def __class_getitem__(cls, item: type) -> Any:
+        return Annotated[tuple[item, ...], _ColumnsMarker()]
 
 
 U8 = Annotated[int, Range(0, 2**8 - 1)]
@@ -184,7 +198,8 @@ def _struct_kind(cls: type) -> tuple[Converter, Converter]:
 
 def _kind(tp: Any) -> tuple:
     """An annotation as the converters and the generator read it: ("int", lo, hi), ("type", t),
-    ("float",), ("call", to, from) (enums, JSON), ("struct", cls), ("opt", kind), ("tuple", kind)."""
+    ("float",), ("call", to, from) (enums, JSON), ("struct", cls), ("opt", kind), ("tuple", kind),
+    ("columns", cls)."""
     origin = typing.get_origin(tp)
     if origin is Annotated:
         base, *meta = typing.get_args(tp)
@@ -193,6 +208,8 @@ def _kind(tp: Any) -> tuple:
                 return ("int", m.lo, m.hi)
             if isinstance(m, _JsonMarker):
                 return ("call", _json_check, _json_check)
+            if isinstance(m, _ColumnsMarker):
+                return ("columns", typing.get_args(base)[0])
         return _kind(base)
     if origin is Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -229,6 +246,10 @@ def _converters(kind: tuple) -> tuple[Converter, Converter]:
         return _scalar(float, (float, int))
     if tag == "call":
         return kind[1], kind[2]
+    if tag == "columns":
+        from .columns import converters  # (columns build on this module)
+
+        return converters(kind[1])
     if tag == "struct":
         return _struct_kind(kind[1])
     if tag == "opt":
@@ -394,8 +415,8 @@ def _emit(kind: tuple, v: str, ind: str, env: dict, enc: bool) -> list[str]:
         f = _fast(kind[1])
         env[name] = f.encode if enc else f.decode
         return [f"{ind}{v} = {name}({v})"]
-    if tag == "call":
-        env[name] = kind[1] if enc else kind[2]
+    if tag in ("call", "columns"):
+        env[name] = (kind[1] if enc else kind[2]) if tag == "call" else _converters(kind)[0 if enc else 1]
         return [f"{ind}{v} = {name}({v}, '')"]
     if tag == "opt":
         return [f"{ind}if {v} is not None:", *_emit(kind[1], v, ind + "    ", env, enc)]

@@ -6,7 +6,7 @@ encodings of its parts and be, byte for byte, the frame ``codec.encode_body`` ma
 ``PartsEncoder`` walks the struct types it is told to ``split`` field by field (each field checked
 by the schema's converter, each struct's own check run, fields in the order ``to_wire`` gives them)
 and keeps the encoding of the parts it meets, keyed by the object's identity with the object held:
-a tuple of structs whole, or, for element types named ``shared``, each element. Wire structs are
+a tuple of structs (or ``Columns``) whole, or, for element types named ``shared``, each element. Wire structs are
 frozen and tuples immutable, so an object's encoding cannot change while it is kept. A controller
 hands out hundreds of plan messages whose tables, peers and keys recur across members and across
 replans; with the parts kept, a replan that keeps most tables encodes only what changed.
@@ -18,7 +18,7 @@ without parts. ``retain()`` drops every part not used since the previous call.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgpack
 
@@ -84,7 +84,7 @@ class PartsEncoder:
         self._layouts = {cls: _Layout(cls) for cls in split}
         self._shared = frozenset(shared)
         self._pack = msgpack.Packer(use_bin_type=True).pack  # (codec's settings)
-        self._kept: dict[Any, _Kept] = {}  # by struct type (elements), (type, tuple) (whole tuples), "checked"
+        self._kept: dict[Any, _Kept] = {}  # by struct type (elements), field kind (whole tuples), "checked"
         self.reused = self.encoded = self.fallbacks = 0
 
     def __repr__(self) -> str:
@@ -138,16 +138,29 @@ class PartsEncoder:
             kind = kind[1]
         if kind[0] == "struct" and type(value) is kind[1] and kind[1] in self._layouts:
             return self._struct(value)
+        if kind[0] == "columns" and type(value) is tuple:
+            return self._parts((value,), kind, lambda v: self._pack(to(v, name)))[0]
         if kind[0] == "tuple" and kind[1][0] == "struct" and type(value) is tuple:
             cls = kind[1][1]
             if cls in self._shared:  # (made from its elements' parts; the tuple itself is not kept)
-                return array_header(len(value)) + b"".join(self._parts(value, cls))
-            return self._parts((value,), cls, whole=True)[0]
+                return array_header(len(value)) + b"".join(self._parts(value, cls, self._element(cls)))
+            enc = _fast(cls).encode  # (declines anything invalid: the caller falls back to encode_body)
+            return self._parts((value,), kind, lambda v: self._pack([enc(x) for x in v]))[0]
         return self._pack(to(value, name))
 
-    def _parts(self, objs: tuple, cls: type, whole: bool = False) -> list[bytes]:
-        """The encodings of ``objs`` (each a ``cls``, or with ``whole`` a tuple of them), kept by identity."""
-        kept = self._store((cls, tuple) if whole else cls)
+    def _element(self, cls: type) -> Callable[[Any], bytes]:
+        enc = _fast(cls).encode
+
+        def encode(x: Any) -> bytes:
+            if type(x) is not cls:
+                raise TypeError(f"{type(x).__name__} where {cls.__name__} is expected")
+            return self._pack(enc(x))
+
+        return encode
+
+    def _parts(self, objs: tuple, slot: Any, encode: Callable[[Any], bytes]) -> list[bytes]:
+        """The encodings of ``objs`` (each of what ``slot`` names), kept by identity."""
+        kept = self._store(slot)
         get = kept.parts.get
         parts = [get(id(x)) for x in objs]
         kept.seen.update(map(id, objs))
@@ -156,14 +169,6 @@ class PartsEncoder:
         self.encoded += len(missing)
         for i in missing:
             x = objs[i]
-            parts[i] = kept.parts[id(x)] = self._encode(x, cls, whole)
+            parts[i] = kept.parts[id(x)] = encode(x)
             kept.held[id(x)] = x  # (held: its id stays its own while the encoding is kept)
         return parts
-
-    def _encode(self, x: Any, cls: type, whole: bool) -> bytes:
-        enc = _fast(cls).encode  # (declines anything invalid: the caller falls back to encode_body)
-        if whole:
-            return self._pack([enc(e) for e in x])
-        if type(x) is not cls:
-            raise TypeError(f"{type(x).__name__} where {cls.__name__} is expected")
-        return self._pack(enc(x))

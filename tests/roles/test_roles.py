@@ -15,7 +15,7 @@ from weightsync.engine.errors import ConfigError, JoinRejected, RoundAborted, St
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from weightsync.roles import Controller, ControllerOptions, SenderOptions, WeightReceiver, WeightSender
 from weightsync.roles.channel import ControlChannel
-from weightsync.wire import Envelope, Limits, decode, encode
+from weightsync.wire import PROTOCOL_VERSION, Envelope, Limits, decode, encode
 from weightsync.wire import messages as m
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, checksum="crc32")
@@ -224,7 +224,7 @@ async def test_protocol_version_mismatch_gets_reject_with_both_versions():
         reply = decode(frames)
         assert isinstance(reply.body, m.Reject) and reply.parent_id == 1
         assert reply.body.code == m.RejectCode.VERSION_MISMATCH
-        assert (reply.body.local_major, reply.body.peer_major) == (1, 9)
+        assert (reply.body.local_major, reply.body.peer_major) == (PROTOCOL_VERSION[0], 9)
 
 
 async def test_status_and_messages_before_hello():

@@ -1,0 +1,102 @@
+"""``Columns[X]`` (``wire.columns``): a table as one array per field. Round trips, the per-element
+walk naming a bad value at encode, and every malformed column refused at decode with its field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from strategies import from_type
+from weightsync.wire import ExpectedEntry, Envelope, Slice, Transfer, decode, encode, errors
+from weightsync.wire import messages as m
+from weightsync.wire.columns import converters
+from weightsync.wire.schema import Violation, to_wire
+from wire_samples import samples
+
+TO, FROM = converters(Transfer)
+
+
+@given(st.lists(from_type(Transfer), max_size=20), st.lists(from_type(ExpectedEntry), max_size=20))
+def test_tables_round_trip_through_columns(transfers, entries):
+    assert FROM(msgpack.unpackb(msgpack.packb(TO(tuple(transfers), "t")), raw=False), "t") == tuple(transfers)
+    to, frm = converters(ExpectedEntry)
+    assert frm(to(tuple(entries), "e"), "e") == tuple(entries)
+
+
+def test_columns_hold_one_array_per_field_and_each_string_once():
+    names = ["a.weight", "b.weight", "a.weight", "a.weight"]
+    table = tuple(Transfer(i, n, Slice(0, i, i + 1) if i % 2 else None, 1, n, 0, 64 * i, 64, "")
+                  for i, n in enumerate(names))
+    cols = TO(table, "transfers")
+    assert cols["n"] == 4 and set(cols) == {"n", *(f.name for f in dataclasses.fields(Transfer))}
+    assert cols["name"]["strings"] == ["a.weight", "b.weight"]
+    assert cols["name"]["index"] == bytes([0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])  # (u32, little-endian)
+    assert cols["nbytes"] == (64).to_bytes(8, "little") * 4
+    assert cols["slice"]["present"] == b"\x00\x01\x00\x01" and cols["slice"]["values"]["n"] == 2
+    big = tuple(Transfer(i, f"layers.{i // 4}.mlp.w{i % 4}", None, i % 8, f"layers.{i // 4}.mlp.w{i % 4}", 0,
+                         4096 * i, 4096, "") for i in range(256))
+    assert len(msgpack.packb(TO(big, ""))) < 0.7 * len(msgpack.packb([to_wire(t) for t in big]))
+
+
+@pytest.mark.parametrize("bad, field", [
+    (lambda t: dataclasses.replace(t, nbytes=-1), r"transfers\[1\].nbytes"),
+    (lambda t: dataclasses.replace(t, dst_rank=True), r"transfers\[1\].dst_rank"),
+    (lambda t: dataclasses.replace(t, name=b"x"), r"transfers\[1\].name"),
+    (lambda t: dataclasses.replace(t, slice=Slice(0, 5, 2)), r"transfers\[1\].slice.stop"),
+    (lambda t: m.DataKey(1, bytes(32)), r"transfers\[1\]"),
+])
+def test_encode_names_the_bad_element_and_field(bad, field):
+    good = samples()["plan"].body.sender.transfers
+    with pytest.raises(Violation, match=field):
+        TO((good[0], bad(good[1])), "transfers")
+
+
+def _plan_frames(mutate):
+    env = samples()["plan"]
+    header, body = encode(env)
+    data = msgpack.unpackb(body, raw=False)
+    mutate(data["sender"]["transfers"])
+    return [header, msgpack.packb(data, use_bin_type=True)]
+
+
+@pytest.mark.parametrize("mutate, error, field", [
+    (lambda c: c.update(n=3), errors.InvalidValue, "plan.sender.transfers.index"),
+    (lambda c: c.update(n=-1), errors.InvalidValue, "plan.sender.transfers.n"),
+    (lambda c: c.update(n=True), errors.InvalidValue, "plan.sender.transfers.n"),
+    (lambda c: c.pop("nbytes"), errors.MissingField, "plan.sender.transfers"),
+    (lambda c: c.update(extra=b""), errors.ExtraField, "plan.sender.transfers"),
+    (lambda c: c.update(nbytes=c["nbytes"][:-1]), errors.InvalidValue, "plan.sender.transfers.nbytes"),
+    (lambda c: c.update(nbytes=[1, 2]), errors.WrongType, "plan.sender.transfers.nbytes"),
+    (lambda c: c["name"].update(index=(7).to_bytes(4, "little") * 2), errors.InvalidValue,
+     "plan.sender.transfers.name.index"),
+    (lambda c: c["name"].update(strings=[1, 2]), errors.WrongType, "plan.sender.transfers.name.strings"),
+    (lambda c: c["slice"].update(present=b"\x00\x02"), errors.InvalidValue, "plan.sender.transfers.slice.present"),
+    (lambda c: c["slice"].update(present=b"\x01\x01"), errors.InvalidValue, "plan.sender.transfers.slice.values"),
+    (lambda c: c["slice"]["values"].update(stop=(1).to_bytes(8, "little")), errors.InvalidValue,
+     r"plan.sender.transfers.slice.values\[0\].stop"),
+    (lambda c: c.update(index=(5).to_bytes(4, "little") + (1).to_bytes(4, "little")), errors.InvalidValue,
+     r"plan.sender.transfers\[0\].index"),
+])
+def test_decode_names_the_malformed_column(mutate, error, field):
+    with pytest.raises(error, match=field):
+        decode(_plan_frames(mutate))
+
+
+def test_keys_travel_as_columns_of_bytes_and_a_short_key_is_named():
+    env = samples()["plan_keys"]
+    assert decode(encode(env)).body == env.body
+    header, body = encode(env)
+    data = msgpack.unpackb(body, raw=False)
+    assert data["keys"]["key"]["data"] == bytes(range(32)) and data["keys"]["key"]["lengths"] == b"\x20\0\0\0"
+    data["keys"]["key"] = {"lengths": b"\x05\0\0\0", "data": bytes(5)}
+    with pytest.raises(errors.InvalidValue, match=r"plan.keys\[0\].key"):
+        decode([header, msgpack.packb(data, use_bin_type=True)])
+    data["keys"]["key"] = {"lengths": b"\x20\0\0\0", "data": bytes(31)}
+    with pytest.raises(errors.InvalidValue, match="plan.keys.key.data"):
+        decode([header, msgpack.packb(data, use_bin_type=True)])
+    with pytest.raises(errors.InvalidMessage, match=r"plan.keys\[0\].key"):
+        encode(Envelope(dataclasses.replace(env.body, keys=(m.DataKey(1, b"short"),)), 1, "c"))
