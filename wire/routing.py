@@ -4,13 +4,15 @@ How this works: the controller's planner (``weightsync.engine.plan``) turns mani
 per sender and one ``ReceiverTable`` per receiver; both travel inside a ``Plan`` message. A sender's
 ``transfers`` are in the order it should issue them; ``index`` numbers them per sender so that a
 receiver's ``ExpectedEntry`` (and a ``WritesDone`` checksum) can name a transfer as (src_rank, index).
-Tables are plain data: sorting and deduplication are the planner's job, validation is here.
+Tables are plain data: sorting and deduplication are the planner's job, validation is here. Rows
+travel as columns (``wire.columns``); the planner keeps them so (``Rows``) from the start.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from .columns import column
 from .manifest import RegionInfo, Slice, TransportInfo
 from .schema import U32, U64, Columns, Violation, struct
 
@@ -60,17 +62,19 @@ class SenderTable:
     peers: tuple[PeerInfo, ...]
 
     def _check(self) -> None:
-        for i, t in enumerate(self.transfers):
-            if t.index != i:
-                raise Violation("value", f"transfers[{i}].index", f"index {t.index} at position {i}")
+        index = column(self.transfers, "index")
+        if tuple(index) != tuple(range(len(index))):
+            i = next(i for i, x in enumerate(index) if x != i)
+            raise Violation("value", f"transfers[{i}].index", f"index {index[i]} at position {i}")
         ranks = {p.rank for p in self.peers}
-        for i, t in enumerate(self.transfers):
-            if t.dst_rank not in ranks:
-                raise Violation("value", f"transfers[{i}].dst_rank", f"no peer info for receiver {t.dst_rank}")
+        dst = column(self.transfers, "dst_rank")
+        if not ranks.issuperset(dst):
+            i = next(i for i, r in enumerate(dst) if r not in ranks)
+            raise Violation("value", f"transfers[{i}].dst_rank", f"no peer info for receiver {dst[i]}")
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+        return sum(column(self.transfers, "nbytes"))
 
 
 @struct
@@ -79,13 +83,14 @@ class ReceiverTable:
     entries: Columns[ExpectedEntry]
 
     def _check(self) -> None:
-        seen: set[tuple[int, int]] = set()
-        for i, e in enumerate(self.entries):
-            key = (e.src_rank, e.index)
-            if key in seen:
-                raise Violation("value", f"entries[{i}]", f"transfer {key} expected twice")
-            seen.add(key)
+        keys = list(zip(column(self.entries, "src_rank"), column(self.entries, "index")))
+        if len(set(keys)) != len(keys):
+            seen: set[tuple[int, int]] = set()
+            for i, key in enumerate(keys):
+                if key in seen:
+                    raise Violation("value", f"entries[{i}]", f"transfer {key} expected twice")
+                seen.add(key)
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        return sum(column(self.entries, "nbytes"))

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 import msgpack
 
 from . import errors
+from .columns import Rows
 from .codec import DEFAULT_LIMITS, Limits, _check_sizes, _message_type, _pack, encode_body
 from .schema import _compiled, _fast, _run_check
 
@@ -138,7 +139,7 @@ class PartsEncoder:
             kind = kind[1]
         if kind[0] == "struct" and type(value) is kind[1] and kind[1] in self._layouts:
             return self._struct(value)
-        if kind[0] == "columns" and type(value) is tuple:
+        if kind[0] == "columns" and type(value) in (tuple, Rows):
             return self._parts((value,), kind, lambda v: self._pack(to(v, name)))[0]
         if kind[0] == "tuple" and kind[1][0] == "struct" and type(value) is tuple:
             cls = kind[1][1]

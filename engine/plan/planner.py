@@ -26,11 +26,12 @@ import dataclasses
 import gc
 import operator
 from collections import defaultdict
+from operator import attrgetter
 from itertools import groupby
 from typing import Mapping, Optional, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
-from weightsync.wire.schema import trusted_maker
+from weightsync.wire.columns import Rows
 
 from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
@@ -269,24 +270,36 @@ def _by_start(seg: Segment) -> tuple:
     return seg.start, seg.receiver
 
 
+_TRANSFER = [(f, attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
+              ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
+              ("transform", "transform"))]
+_ENTRY = [(f, attrgetter(a)) for f, a in (("name", "dst_name"), ("slice", "slice"), ("nbytes", "nbytes"),
+                                          ("transform", "transform"))]
+
+
+def _entries(expected: list[tuple]) -> Rows:
+    """A receiver's rows, sorted by (region, offset): ``expected`` holds (region, offset, sender, index, piece)."""
+    region, offset, src, index, pieces = zip(*sorted(expected)) if expected else ((),) * 5
+    return Rows(ExpectedEntry, {"src_rank": src, "index": index, "region": region, "offset": offset,
+                                **{f: tuple(map(get, pieces)) for f, get in _ENTRY}})
+
+
 def tables_from_assignment(
     assignment: Mapping[int, list[Piece]], senders: Sequence[Participant], receivers: Sequence[Participant],
     plan_id: int = 0,
 ) -> RoutingPlan:
-    """Number each sender's pieces in order and mirror them into the receivers' expected entries."""
-    transfer, entry = trusted_maker(Transfer), trusted_maker(ExpectedEntry)  # values from validated manifests
+    """Number each sender's pieces in order and mirror them into the receivers' expected entries.
+    The tables' rows are kept as columns (``Rows``: no object per transfer), as they travel."""
     peer_of = {p.rank: PeerInfo(p.rank, p.transport, p.manifest.regions) for p in receivers}  # (frozen: shared)
     sender_tables: dict[int, SenderTable] = {}
-    expected: dict[int, list[tuple]] = {p.rank: [] for p in receivers}  # (region, offset, sender, index, entry)
+    expected: dict[int, list[tuple]] = {p.rank: [] for p in receivers}  # (region, offset, sender, index, piece)
     for sp in senders:
         pieces = assignment.get(sp.rank, [])
         s = sp.rank
-        transfers = [transfer(i, p.src_name, p.slice, p.receiver, p.dst_name, p.region, p.offset, p.nbytes,
-                              p.transform) for i, p in enumerate(pieces)]
+        transfers = Rows(Transfer, {"index": range(len(pieces)), **{f: tuple(map(get, pieces)) for f, get in _TRANSFER}})
         for i, p in enumerate(pieces):
-            expected[p.receiver].append((p.region, p.offset, s, i, entry(p.dst_name, s, i, p.slice, p.region,
-                                                                         p.offset, p.nbytes, p.transform)))
-        peers = tuple(peer_of[r] for r in sorted({p.receiver for p in pieces}))
-        sender_tables[s] = SenderTable(s, tuple(transfers), peers)
-    receiver_tables = {r: ReceiverTable(r, tuple(e[4] for e in sorted(es))) for r, es in expected.items()}
+            expected[p.receiver].append((p.region, p.offset, s, i, p))
+        peers = tuple(peer_of[r] for r in sorted(set(transfers.columns["dst_rank"])))
+        sender_tables[s] = SenderTable(s, transfers, peers)
+    receiver_tables = {r: ReceiverTable(r, _entries(es)) for r, es in expected.items()}
     return RoutingPlan(plan_id, sender_tables, receiver_tables)

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from strategies import from_type
-from weightsync.wire import ExpectedEntry, Envelope, Slice, Transfer, decode, encode, errors
+from weightsync.wire import ExpectedEntry, Envelope, Slice, Transfer, decode, encode, encode_body, errors
 from weightsync.wire import messages as m
-from weightsync.wire.columns import converters
+from weightsync.wire.columns import Rows, converters
 from weightsync.wire.schema import Violation, to_wire
 from wire_samples import samples
 
@@ -100,3 +100,40 @@ def test_keys_travel_as_columns_of_bytes_and_a_short_key_is_named():
         decode([header, msgpack.packb(data, use_bin_type=True)])
     with pytest.raises(errors.InvalidMessage, match=r"plan.keys\[0\].key"):
         encode(Envelope(dataclasses.replace(env.body, keys=(m.DataKey(1, b"short"),)), 1, "c"))
+
+
+def _rows(elements, cls=Transfer):
+    return Rows(cls, {f.name: [getattr(x, f.name) for x in elements] for f in dataclasses.fields(cls)})
+
+
+@given(st.lists(from_type(Transfer), max_size=20))
+def test_rows_read_as_the_tuple_of_their_elements_and_encode_to_its_bytes(transfers):
+    rows = _rows(transfers)
+    assert len(rows) == len(transfers) and tuple(rows) == tuple(transfers) and list(rows[:3]) == transfers[:3]
+    assert rows == tuple(transfers) and tuple(transfers) == rows and rows == _rows(transfers)
+    assert all(rows[i] == t for i, t in enumerate(transfers)) and hash(rows) == hash(tuple(transfers))
+    assert msgpack.packb(TO(rows, "t")) == msgpack.packb(TO(tuple(transfers), "t"))
+
+
+def test_a_table_of_rows_is_checked_and_encoded_as_its_tuple():
+    plan = samples()["plan"].body
+    table = plan.sender
+    as_rows = dataclasses.replace(plan, sender=dataclasses.replace(table, transfers=_rows(table.transfers)))
+    assert encode_body(as_rows) == encode_body(plan) and "Rows[Transfer](2 rows)" in repr(as_rows)
+    swapped = _rows(table.transfers[::-1])
+    with pytest.raises(errors.InvalidMessage, match=r"transfers\[0\].index"):
+        encode_body(dataclasses.replace(plan, sender=dataclasses.replace(table, transfers=swapped)))
+    elsewhere = _rows([dataclasses.replace(t, dst_rank=4) for t in table.transfers])
+    with pytest.raises(errors.InvalidMessage, match=r"transfers\[0\].dst_rank.*receiver 4"):
+        encode_body(dataclasses.replace(plan, sender=dataclasses.replace(table, transfers=elsewhere)))
+    bad = _rows([table.transfers[0], dataclasses.replace(table.transfers[1], nbytes=-1)])
+    with pytest.raises(errors.InvalidMessage, match=r"transfers\[1\].nbytes"):
+        encode_body(dataclasses.replace(plan, sender=dataclasses.replace(table, transfers=bad)))
+
+
+def test_rows_need_every_column_at_one_length():
+    with pytest.raises(TypeError, match="needs the columns"):
+        Rows(Transfer, {"index": (0,)})
+    cols = {f.name: (0,) for f in dataclasses.fields(Transfer)}
+    with pytest.raises(ValueError, match="different lengths"):
+        Rows(Transfer, {**cols, "nbytes": (1, 2)})
