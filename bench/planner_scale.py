@@ -1,9 +1,9 @@
 """Planner at scale: real architectures' shapes, M trainer GPUs -> N inference GPUs.
 
 For each scenario, prints one JSON line: plan time (then the collector's pass over what the plan
-made, the controller's plan messages made and encoded, and its replan after a receiver restarts, with
-the first plan's ``PlanCache`` and ``MessageCache``: on the same host, and on another, each with its
-messages), the modeled makespan of our tables,
+made, the controller's plan messages made and encoded, and its replans after a receiver restarts on the
+same host, a sender restarts on the same host, and the receiver comes back on another host, each with
+its messages, with the ``PlanCache`` and ``MessageCache`` of the plans before), the modeled makespan of our tables,
 the lower bound, and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
 broadcast.
 
@@ -110,8 +110,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     gc_s = young_gc_seconds()
     messages = MessageCache()
     messages_s, messages_mb = messages_cost(routing, messages, sessions_of(senders, receivers))
-    replan_s, replan_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, where, params)
-    moved_s, moved_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, where, params, True)
+    replans = restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where)
     pieces, _ = build_pieces(senders, receivers)
     stats: dict = {}
     ours = makespan(routing.senders, senders, receivers, link, stats)
@@ -133,10 +132,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "gc_after_plan_seconds": round(gc_s, 3),
         "messages_seconds": round(messages_s, 3),
         "messages_MB": round(messages_mb, 1),
-        "replan_seconds": round(replan_s, 3),
-        "replan_messages_seconds": round(replan_messages_s, 3),
-        "replan_moved_seconds": round(moved_s, 3),
-        "replan_moved_messages_seconds": round(moved_messages_s, 3),
+        **{k: round(v, 3) for k, v in replans.items()},
         "makespan_s": round(ours, 5),
         "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
         "gather_s": round(stats["gather_s"], 4),
@@ -173,26 +169,38 @@ def sessions_of(senders, receivers) -> dict:
             **{(Role.RECEIVER, p.rank): b"receiver-%d" % p.rank for p in receivers}}
 
 
-def replan_seconds(senders, receivers, link, cache, messages, tp, ep, where, params, moved=False) -> tuple[float, float]:
-    """The controller's replan after the last receiver restarts (a new manifest of the same layout, a
-    new process, a new session), with the ``PlanCache`` and ``MessageCache`` of the plans before: on the
-    same host the last plan's tables are patched (``planner.patched_plan``); ``moved``, on another host,
-    it plans again with the kept index and layouts. The CPU seconds of the plan, then of its messages."""
-    rank = receivers[-1].rank
-    transport = _transport(where, rank)
-    if moved:
-        transport = dataclasses.replace(transport, host=f"{where}-host-spare")
-    restarted = [*receivers[:-1], Participant(rank, receiver_manifest(params, rank, tp, ep), transport)]
-    patched = cache.patched
-    t0 = time.process_time()
-    routing = plan(senders, restarted, link, PlanOptions(), cache=cache)
-    seconds = time.process_time() - t0
-    if (cache.patched > patched) == moved:
-        raise RuntimeError(f"the replan {'patched' if moved else 'did not patch'} the last plan")
-    sessions = {**sessions_of(senders, receivers), (Role.RECEIVER, rank): b"receiver-%d-%s" % (rank, transport.host.encode())}
-    messages_s, _ = messages_cost(routing, messages, sessions)
-    del routing  # (after the clock: the first plan's tables are not freed inside its time either)
-    return seconds, messages_s
+def restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where) -> dict:
+    """The controller's replans after a process restarts (a new manifest of the same layout, a new
+    address, a new session), each with the ``PlanCache`` and ``MessageCache`` of the plans before: the
+    last receiver back on its host (the last plan patched: ``planner.patched_plan``), then the last
+    sender back on its host (patched too: no table changes, only its keys), then that receiver on
+    another host (planned again with the kept index and layouts). The CPU seconds of each plan, and
+    of its messages."""
+    r, s = receivers[-1].rank, senders[-1].rank
+    back = _transport(where, r)
+    moved = dataclasses.replace(back, host=f"{where}-host-spare")
+    sessions = sessions_of(senders, receivers)
+    out = {}
+    for label, who, transport, patched in (("replan", "receiver", back, True),
+                                           ("replan_sender", "sender", _transport("train", s), True),
+                                           ("replan_moved", "receiver", moved, False)):
+        transport = dataclasses.replace(transport, address=f"{transport.address}-{label}")
+        if who == "receiver":
+            new = Participant(r, receiver_manifest(params, r, tp, ep), transport)
+            receivers = [*receivers[:-1], new]
+        else:
+            new = Participant(s, sender_manifest(params, s, layout), transport)
+            senders = [*senders[:-1], new]
+        sessions = {**sessions, (Role.RECEIVER if who == "receiver" else Role.SENDER, new.rank): label.encode()}
+        before = cache.patched
+        t0 = time.process_time()
+        routing = plan(senders, receivers, link, PlanOptions(), cache=cache)
+        out[f"{label}_seconds"] = time.process_time() - t0
+        if (cache.patched > before) != patched:
+            raise RuntimeError(f"{label}: the replan {'did not patch' if patched else 'patched'} the last plan")
+        out[f"{label}_messages_seconds"], _ = messages_cost(routing, messages, sessions)
+        del routing  # (after the clock: the first plan's tables are not freed inside its time either)
+    return out
 
 
 LARGE = [  # plan time and memory only (their baselines' makespans take minutes)
@@ -219,13 +227,11 @@ def run_large(name, arch, layout, n_recv, tp, ep, colocated, link):
     messages_s, messages_mb = messages_cost(routing, messages, sessions_of(senders, receivers))
     transfers = routing.transfer_count
     del routing  # (the controller replaces its plan)
-    replan_s, replan_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, "infer", params)
-    moved_s, moved_messages_s = replan_seconds(senders, receivers, link, cache, messages, tp, ep, "infer", params, True)
+    replans = restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, "infer")
     return {"scenario": name, "trainers": layout.describe(), "senders": layout.world, "receivers": n_recv,
             "transfers": transfers, "plan_seconds": round(plan_s, 2), "gc_after_plan_seconds": round(gc_s, 2),
             "messages_seconds": round(messages_s, 2), "messages_MB": round(messages_mb, 1),
-            "replan_seconds": round(replan_s, 2), "replan_messages_seconds": round(replan_messages_s, 2),
-            "replan_moved_seconds": round(moved_s, 2), "replan_moved_messages_seconds": round(moved_messages_s, 2),
+            **{k: round(v, 2) for k, v in replans.items()},
             "manifests_rss_GB": round(before / 1e6, 2), "planning_adds_GB": round((after - before) / 1e6, 2),
             "targets": "plan < 2 s, < 1 GB (1024 -> 512)"}
 

@@ -14,6 +14,9 @@ Encoding checks what the per-element schema checks (each value's type and range,
 (``transfers[3].nbytes``). Decoding checks the columns (every length is ``n``, every index within
 its table, every value within its field's range), builds the elements and runs their checks. The
 elements are equal to those the per-element encoding would give.
+
+``Rows`` keeps such a tuple as its columns in memory (the planner makes its tables so): it reads like
+the tuple and encodes column by column, without an object per element.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .schema import Violation, _compiled, _run_check, _struct_kind, trusted_maker
 
-# (typecode, lo, hi) from narrowest; array's "I" and "Q" are 4 and 8 bytes wherever CPython runs
-_CODES = (("B", 0, 2**8 - 1), ("I", 0, 2**32 - 1), ("Q", 0, 2**64 - 1), ("q", -(2**63), 2**63 - 1))
+_CODES = (("B", 0, 2**8 - 1), ("I", 0, 2**32 - 1), ("Q", 0, 2**64 - 1), ("q", -(2**63), 2**63 - 1))  # narrowest first
 _SWAP = sys.byteorder == "big"
+if [array.array(code).itemsize for code, _, _ in _CODES] != [1, 4, 8, 8]:
+    raise ImportError("wire.columns needs array typecodes B, I, Q, q of 1, 4, 8, 8 bytes")
 
 
 def _code(lo: int, hi: int, where: str) -> str:

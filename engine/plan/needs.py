@@ -66,8 +66,9 @@ def build_pieces(
 
 class PlanCache:
     """What one plan leaves to the next: the senders' index and every receiver tensor layout resolved
-    against it (``Resolver``), kept while the senders are the same (the same manifest objects, rank
-    for rank) and so are the transforms and the name mapping. A controller replans when a receiver
+    against it (``Resolver``), kept while the senders are the same (rank for rank, the same manifest
+    objects or, for a restarted sender, one with the same tensors) and so are the transforms and the
+    name mapping. A controller replans when a receiver
     leaves or joins (a restarted inference worker): then the pieces are made from what is kept, and
     only a layout never seen is resolved; or, when the receivers are those of the last plan (restarted
     ones the planner cannot tell apart included), that plan is patched (``planner.patched_plan``).
@@ -78,7 +79,7 @@ class PlanCache:
         self._rules: tuple = ()
         self._resolver: Optional[Resolver] = None
         self.hits = self.misses = 0
-        self.last: Optional[tuple] = None  # (receivers, (link, options), routing) of the last plan (``planner``)
+        self.last: Optional[tuple] = None  # (receivers, (link, options, where the senders are), routing) (``planner``)
         self.patched = 0  # replans that only patched the last plan's tables (``planner.patched_plan``)
 
     def __repr__(self) -> str:
@@ -86,10 +87,18 @@ class PlanCache:
                 f"misses={self.misses} patched={self.patched}>")
 
     def same_senders(self, senders: Sequence[Participant], transforms, mapping) -> bool:
-        """Whether ``senders`` (and the rules) are those the kept index was made from."""
-        return (self._resolver is not None and (dict(transforms), mapping) == self._rules
-                and len(senders) == len(self._senders)
-                and all(p.rank == r and p.manifest is m for p, (r, m) in zip(senders, self._senders)))
+        """Whether ``senders`` (and the rules) are those the kept index was made from: the same manifests,
+        or a restarted process's with the same tensors (then kept in its place)."""
+        if (self._resolver is None or (dict(transforms), mapping) != self._rules
+                or len(senders) != len(self._senders)
+                or any(p.rank != r for p, (r, _) in zip(senders, self._senders))):
+            return False
+        changed = [i for i, (p, (_, m)) in enumerate(zip(senders, self._senders)) if p.manifest is not m]
+        if any(senders[i].manifest.tensors != self._senders[i][1].tensors for i in changed):
+            return False
+        for i in changed:  # (the index read only the tensors: it holds for the new process's manifest)
+            self._senders[i] = (senders[i].rank, senders[i].manifest)
+        return True
 
     @property
     def layouts(self) -> int:

@@ -115,7 +115,7 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
     senders = sorted(senders, key=lambda p: p.rank)
     receivers = sorted(receivers, key=lambda p: p.rank)
     if cache is not None and cache.same_senders(senders, transforms, mapping):
-        routing = patched_plan(cache, receivers, link, options, plan_id)
+        routing = patched_plan(cache, senders, receivers, link, options, plan_id)
         if routing is not None:
             return routing
     pieces, _ = build_pieces(senders, receivers, transforms, mapping, cache)
@@ -125,18 +125,25 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
         balance(segments, link, options)
     routing = build_tables(segments, senders, receivers, plan_id)
     if cache is not None:
-        cache.last = (receivers, (link, options), routing)
+        cache.last = (receivers, (link, options, _placed(senders)), routing)
     return routing
 
 
-def patched_plan(cache: PlanCache, receivers: Sequence[Participant], link: LinkModel, options: PlanOptions,
-                 plan_id: int) -> Optional[RoutingPlan]:
-    """The last plan's tables, if the senders are the same (the caller checks) and every receiver is the
-    same process or a restarted one that the planner cannot tell apart: the same rank, tensors, region
-    sizes, host, device and transport kind (a new address, new region descriptors). Then a plan from
-    scratch would make the same tables, the restarted receivers' ``PeerInfo`` aside: only those are
-    replaced. None otherwise."""
-    if cache.last is None or cache.last[1] != (link, options) or len(cache.last[0]) != len(receivers):
+def _placed(senders: Sequence[Participant]) -> list[tuple]:
+    """What the planner reads of the senders beyond their tensors: where each is."""
+    return [(p.transport.kind, p.transport.host, p.transport.device) for p in senders]
+
+
+def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Sequence[Participant],
+                 link: LinkModel, options: PlanOptions, plan_id: int) -> Optional[RoutingPlan]:
+    """The last plan's tables, if the senders have the same tensors (the caller checks) on the same
+    hosts and devices, and every receiver is the same process or a restarted one that the planner
+    cannot tell apart: the same rank, tensors, region sizes, host, device and transport kind (a new
+    address, new region descriptors). Then a plan from scratch would make the same tables, the
+    restarted receivers' ``PeerInfo`` aside: only those are replaced (a restarted sender changes no
+    table, only its keys). None otherwise."""
+    if (cache.last is None or cache.last[1] != (link, options, _placed(senders))
+            or len(cache.last[0]) != len(receivers)):
         return None
     before, _, routing = cache.last
     new_peers: dict[int, PeerInfo] = {}
@@ -152,7 +159,7 @@ def patched_plan(cache: PlanCache, receivers: Sequence[Participant], link: LinkM
                else SenderTable(s, t.transfers, tuple(new_peers.get(p.rank, p) for p in t.peers))
                for s, t in routing.senders.items()}
     patched = RoutingPlan(plan_id, senders, dict(routing.receivers))
-    cache.last, cache.patched = (list(receivers), (link, options), patched), cache.patched + 1
+    cache.last, cache.patched = (list(receivers), cache.last[1], patched), cache.patched + 1
     return patched
 
 

@@ -191,6 +191,25 @@ async def test_a_restarted_receiver_rejoins_and_rounds_resume():
         assert (ctl.plan_cache.misses, ctl.plan_cache.patched) == (1, 1), ctl.plan_cache
 
 
+async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_gets_new_keys():
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightReceiver(ctl.address, recv_t, rank=0) as receiver:
+        sender = await WeightSender(ctl.address, send_t, rank=0).__aenter__()
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        plan, old_key = ctl.plan.plan_id, sender._conn_keys[0]
+        await _crash(sender)
+        send2_t = sender_tensors(0)
+        async with WeightSender(ctl.address, send2_t, rank=0) as again:
+            await asyncio.wait_for(ctl.wait_plan(after=plan), WATCHDOG)
+            await push(again, send2_t, 2)
+            assert receiver.version == 2 and mismatches(recv_t, 2) == []
+            assert again._conn_keys[0][1] != old_key[1]  # the new process's pair has a new key
+        # the replan patched the last plan: nothing the planner reads of the sender changed
+        assert (ctl.plan_cache.misses, ctl.plan_cache.patched) == (1, 1), ctl.plan_cache
+
+
 async def test_a_replan_keeps_the_connections_of_pairs_whose_processes_stayed():
     """Keys are bound to both ends' sessions: after one receiver restarts, the sender keeps its
     connection (and key) to the other and connects to the new process with a new key."""

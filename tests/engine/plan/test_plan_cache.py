@@ -61,10 +61,10 @@ def test_a_new_receiver_layout_is_resolved_once_and_kept():
     assert cache.hits == 1 and cache.layouts > before
 
 
-def test_a_sender_that_restarts_or_other_rules_index_again():
+def test_a_sender_with_other_tensors_or_other_rules_index_again():
     senders, receivers, cache, link = _senders(), [_receiver(r) for r in range(4)], PlanCache(), LinkModel()
     plan(senders, receivers, link, cache=cache)
-    senders[1] = _senders()[1]  # the same holdings, a new manifest: it may not be the same
+    senders[1] = participant(1, [*senders[1].manifest.tensors, tensor("extra", (8,))], host="t1")
     assert plan(senders, receivers, link, cache=cache) == plan(senders, receivers, link)
     assert (cache.hits, cache.misses) == (0, 2)
     plan(senders, receivers, link, cache=cache, transforms={("embed", "float32"): "cast"})
@@ -109,7 +109,22 @@ def test_a_restarted_receiver_the_planner_cannot_tell_apart_patches_the_last_pla
     assert "patched=1" in repr(cache)
 
 
-@pytest.mark.parametrize("change", ["host", "device", "region size", "tensors", "options", "sender"])
+def test_a_restarted_sender_with_the_same_tensors_where_it_was_keeps_the_tables_and_the_index():
+    senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    cache, link = PlanCache(), LinkModel()
+    first = plan(senders, receivers, link, plan_id=1, cache=cache)
+    senders[1] = _restarted(_senders()[1])  # a new process: a new manifest object and address
+    again = plan(senders, receivers, link, plan_id=2, cache=cache)
+    assert again == plan(senders, receivers, link, plan_id=2)
+    assert (cache.patched, cache.hits, cache.misses) == (1, 0, 1)
+    assert all(again.senders[s] is first.senders[s] for s in again.senders) and again.plan_id == 2
+    receivers[3] = _restarted(receivers[3], host="elsewhere")  # (then planned again: the index is kept)
+    assert plan(senders, receivers, link, plan_id=3, cache=cache) == plan(senders, receivers, link, plan_id=3)
+    assert (cache.patched, cache.hits, cache.misses) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("change", ["host", "device", "region size", "tensors", "options", "sender host",
+                                    "sender tensors"])
 def test_what_the_planner_reads_differently_plans_again(change):
     senders, receivers = _senders(), [_receiver(r) for r in range(4)]
     cache, link = PlanCache(), LinkModel()
@@ -125,8 +140,10 @@ def test_what_the_planner_reads_differently_plans_again(change):
         receivers[1] = _receiver(1, tp=4)
     elif change == "options":
         options = PlanOptions(chunks_per_receiver=2)
+    elif change == "sender host":
+        senders[0] = _restarted(_senders()[0], host="elsewhere")  # a restarted sender on another host
     else:
-        senders[0] = _senders()[0]  # a restarted sender: a new manifest object
+        senders[0] = participant(0, [*senders[0].manifest.tensors, tensor("extra", (8,))], host="t0")
     again = plan(senders, receivers, link, options, cache=cache)
     assert cache.patched == 0
     assert again == plan(senders, receivers, link, options)
