@@ -110,6 +110,14 @@ async def sender_child(args) -> None:
                     return
 
 
+def _which(t, name: str, version: int) -> str:
+    """What a tensor that is not ``version``'s holds instead: a nearby version's bytes, zeros, or other."""
+    import torch
+
+    near = [v for v in range(max(0, version - 3), version + 4) if torch.equal(t, expected(name, t.shape, v))]
+    return f"v{near[0]}" if near else "zeros" if not t.any() else "other"
+
+
 async def receiver_child(args) -> None:
     import torch
 
@@ -118,8 +126,8 @@ async def receiver_child(args) -> None:
     tensors = {name: torch.zeros(shape) for name, shape in shapes(args).items()}
 
     def check(version) -> None:
-        ok = version is None or all(torch.equal(t, expected(n, t.shape, version)) for n, t in tensors.items())
-        say(event="check", version=version, ok=ok)
+        bad = [] if version is None else [n for n, t in tensors.items() if not torch.equal(t, expected(n, t.shape, version))]
+        say(event="check", version=version, ok=not bad, bad={n: _which(tensors[n], n, version) for n in bad})
 
     async with WeightReceiver(args.addr, tensors, rank=args.rank, on_update=check) as receiver:
         _diagnosable(receiver)
@@ -145,6 +153,7 @@ class Cluster:
         self.ready: dict[tuple[str, int], asyncio.Event] = {}
         self.failures: list[float] = []  # when senders saw a failed push
         self.half_applied: list[str] = []
+        self.trial = "start"  # (the trial running: what was killed, to name it in a problem)
         self.rollbacks: list[str] = []
         self.changed = asyncio.Event()
         port = _free_port()
@@ -183,7 +192,7 @@ class Cluster:
             elif e["event"] == "check":
                 v = e["version"]
                 if not e["ok"]:
-                    self.half_applied.append(f"{key} serves v{v} with other bytes")
+                    self.half_applied.append(f"{key} serves v{v} with other bytes ({e.get('bad')}; trial {self.trial})")
                 if last is not None and v is not None and v < last or last is not None and v is None:
                     self.rollbacks.append(f"{key} went from v{last} to v{v}")
                 if v is not None:
@@ -276,6 +285,8 @@ async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows:
         for _ in range(trials):
             floor = max(cluster.version.values())
             keys = rng.choice(cluster.victims())
+            name = "+".join(f"{role}/{rank}" for role, rank in keys)
+            cluster.trial = f"{len(rows)}: {name} killed after v{floor}"
             await asyncio.sleep(rng.uniform(0, args.max_delay))  # a random moment, often mid-round
             t_kill = time.monotonic()
             before = len(cluster.failures)
@@ -284,7 +295,6 @@ async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows:
             resumed = await cluster.until(lambda: cluster.all_past(floor, victim), args.resume_limit)
             t_resumed = time.monotonic()
             surfaced = [t - t_kill for t in cluster.failures[before:] if t >= t_kill]
-            name = "+".join(f"{role}/{rank}" for role, rank in keys)
             rows.append({"checksum": checksum, "victim": name, "resumed": resumed,
                          "restart_s": t_ready - t_kill, "resume_after_restart_s": t_resumed - t_ready,
                          "resume_after_kill_s": t_resumed - t_kill,

@@ -150,14 +150,17 @@ class WeightSender(Worker):
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
         self._spin(True)  # until our pipeline starts: begin comes sooner to a polling loop
-        task = asyncio.ensure_future(self._push_when_ready(version))
+        task = asyncio.ensure_future(self._push_when_ready(handle))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
         return handle
 
-    async def _push_when_ready(self, version: int) -> None:
-        """A push is legal once the plan is acknowledged and no round is writing: wait for that."""
+    async def _push_when_ready(self, handle: PushHandle) -> None:
+        """A push is legal once the plan is acknowledged and no round is writing: wait for that. A push
+        that failed meanwhile (its session was lost: its caller has been told, and may have moved the
+        tensors on) is never sent, to this controller or a restarted one."""
         await self._wait_state(State.READY)
-        await self._send(m.Push(version), version=version)
+        if not handle.committed.done():
+            await self._send(m.Push(handle.version), version=handle.version)
 
     # --- protocol handlers ------------------------------------------------------------------------
 

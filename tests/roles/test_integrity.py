@@ -16,6 +16,7 @@ from weightsync.engine.errors import TransportError, VersionError
 from weightsync.engine.transports import tcp
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.roles.sender import PushHandle
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5, checksum="crc32")
 WATCHDOG = 30
@@ -34,7 +35,7 @@ async def test_a_departed_senders_pending_push_never_starts_a_round():
         a = await WeightSender(ctl.address, a_t, rank=0).__aenter__()
         async with WeightSender(ctl.address, b_t, rank=1) as b:
             await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
-            await a._push_when_ready(50)  # pending: sender/1 has not pushed 50
+            await a._push_when_ready(PushHandle(50))  # pending: sender/1 has not pushed 50
             await a.close()  # sender/0 goes away with its push pending (its leave follows the push)
             for v in (1, 2, 3):  # sender/1 alone goes on
                 await push(b, b_t, v)
@@ -230,6 +231,30 @@ async def test_a_replan_keeps_the_connections_of_pairs_whose_processes_stayed():
             assert sender._conn_keys[1][1] != old_key[1]  # the new process's pair has a new key
             assert stays.version == again.version == 2 and mismatches(recv_t[0], 2) == []
             assert stays.transport.guard.refused == 0
+
+
+async def test_a_push_that_failed_with_its_controller_is_never_sent_to_the_next_one():
+    """A push waiting for a plan fails when its controller is lost, and its caller moves the tensors on.
+    Sent to the restarted controller once the sender is ready again, it would start a round of the old
+    version with the new bytes: a receiver would serve v1 holding v2."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    send_t, recv_t, seen = sender_tensors(0), receiver_tensors(), []
+    ctl = await Controller(addr, senders=1, receivers=1, options=FAST).__aenter__()
+    async with WeightSender(addr, send_t, rank=0) as sender:
+        update_in_place(send_t, 1)
+        handle = sender.push_nowait(1)  # (no receiver yet: no plan, the push waits)
+        for task in ctl._tasks:  # the controller crashes
+            task.cancel()
+        await asyncio.gather(*ctl._tasks, return_exceptions=True)
+        ctl._chan.close()
+        with pytest.raises(Exception):
+            await asyncio.wait_for(handle, WATCHDOG)
+        async with Controller(addr, senders=1, receivers=1, options=FAST) as ctl2, \
+                WeightReceiver(addr, recv_t, rank=0, on_update=seen.append):
+            await asyncio.wait_for(ctl2.wait_ready(), WATCHDOG)
+            await push(sender, send_t, 2)
+            assert seen == [2] and mismatches(recv_t, 2) == []
+            assert [r.version for r in ctl2.reports] == [2]
 
 
 @pytest.mark.parametrize("how", ["closed", "crashed"])
