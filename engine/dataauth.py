@@ -42,8 +42,7 @@ def pair_key(secret: bytes, sender: int, receiver: int, sessions: tuple[bytes, b
     """The key of one (sender, receiver) pair under the controller's secret, bound to both ends'
     control sessions (``sessions``: the sender's and the receiver's): a restarted process has a new
     session, so its pairs get new keys, while the pairs of processes that stay keep theirs."""
-    return hmac.digest(secret, b"weightsync-data:%d>%d:%s>%s" % (sender, receiver, sessions[0].hex().encode(),
-                                                                  sessions[1].hex().encode()), "sha256")
+    return pair_keys(secret, sender, sessions[0], [(receiver, sessions[1])])[0]
 
 
 def pair_keys(secret: bytes, sender: int, session: bytes, receivers: Iterable[tuple[int, bytes]]) -> list[bytes]:

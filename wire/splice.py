@@ -6,8 +6,8 @@ encodings of its parts and be, byte for byte, the frame ``codec.encode_body`` ma
 ``PartsEncoder`` walks the struct types it is told to ``split`` field by field (each field checked
 by the schema's converter, each struct's own check run, fields in the order ``to_wire`` gives them)
 and keeps the encoding of the parts it meets, keyed by the object's identity with the object held:
-a tuple of structs (or ``Columns``) whole, or, for element types named ``shared``, each element. Wire structs are
-frozen and tuples immutable, so an object's encoding cannot change while it is kept. A controller
+a ``Columns`` field's rows whole, or, for element types named ``shared``, each element of a tuple.
+Wire structs are frozen and tuples immutable, so an object's encoding cannot change while it is kept. A controller
 hands out hundreds of plan messages whose tables, peers and keys recur across members and across
 replans; with the parts kept, a replan that keeps most tables encodes only what changed.
 
@@ -78,14 +78,14 @@ class PartsEncoder:
 
     ``split``: struct types walked field by field (the message types and the tables inside them; a
     table met again is not checked again); ``shared``: struct types kept element by element inside
-    tuples (what many messages repeat). Tuples of any other struct are kept whole. Not thread-safe:
-    one planning thread uses it."""
+    tuples (what many messages repeat). ``Columns`` fields are kept whole; other fields are packed each
+    time. Not thread-safe: one planning thread uses it."""
 
     def __init__(self, split: Iterable[type], shared: Iterable[type] = ()) -> None:
         self._layouts = {cls: _Layout(cls) for cls in split}
         self._shared = frozenset(shared)
         self._pack = msgpack.Packer(use_bin_type=True).pack  # (codec's settings)
-        self._kept: dict[Any, _Kept] = {}  # by struct type (elements), field kind (whole tuples), "checked"
+        self._kept: dict[Any, _Kept] = {}  # by struct type (elements), field kind (columns), "checked"
         self.reused = self.encoded = self.fallbacks = 0
 
     def __repr__(self) -> str:
@@ -141,12 +141,9 @@ class PartsEncoder:
             return self._struct(value)
         if kind[0] == "columns" and type(value) in (tuple, Rows):
             return self._parts((value,), kind, lambda v: self._pack(to(v, name)))[0]
-        if kind[0] == "tuple" and kind[1][0] == "struct" and type(value) is tuple:
-            cls = kind[1][1]
-            if cls in self._shared:  # (made from its elements' parts; the tuple itself is not kept)
-                return array_header(len(value)) + b"".join(self._parts(value, cls, self._element(cls)))
-            enc = _fast(cls).encode  # (declines anything invalid: the caller falls back to encode_body)
-            return self._parts((value,), kind, lambda v: self._pack([enc(x) for x in v]))[0]
+        if kind[0] == "tuple" and kind[1][0] == "struct" and kind[1][1] in self._shared and type(value) is tuple:
+            cls = kind[1][1]  # (made from its elements' parts; the tuple itself is not kept)
+            return array_header(len(value)) + b"".join(self._parts(value, cls, self._element(cls)))
         return self._pack(to(value, name))
 
     def _element(self, cls: type) -> Callable[[Any], bytes]:

@@ -26,7 +26,6 @@ import dataclasses
 import gc
 import operator
 from collections import defaultdict
-from operator import attrgetter
 from itertools import groupby
 from typing import Mapping, Optional, Sequence
 
@@ -277,10 +276,10 @@ def _by_start(seg: Segment) -> tuple:
     return seg.start, seg.receiver
 
 
-_TRANSFER = [(f, attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
+_TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
               ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
               ("transform", "transform"))]
-_ENTRY = [(f, attrgetter(a)) for f, a in (("name", "dst_name"), ("slice", "slice"), ("nbytes", "nbytes"),
+_ENTRY = [(f, operator.attrgetter(a)) for f, a in (("name", "dst_name"), ("slice", "slice"), ("nbytes", "nbytes"),
                                           ("transform", "transform"))]
 
 

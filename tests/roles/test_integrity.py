@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import socket
 
 import pytest
@@ -147,8 +148,9 @@ def test_a_pair_key_is_bound_to_the_ranks_and_both_sessions():
               dataauth.pair_key(secret, 1, 0, (b"s-a", b"r-a")), dataauth.pair_key(dataauth.new_secret(), 0, 1, (b"s-a", b"r-a"))]
     assert len({key, *others}) == 5
     receivers = [(1, b"r-a"), (12, b""), (7, b"r-b")]
-    assert dataauth.pair_keys(secret, 0, b"s-a", receivers) == [dataauth.pair_key(secret, 0, r, (b"s-a", s))
-                                                                for r, s in receivers]
+    assert dataauth.pair_keys(secret, 0, b"s-a", receivers) == [  # (the message the keys are made of, spelled out)
+        hmac.digest(secret, b"weightsync-data:0>%d:%s>%s" % (r, b"s-a".hex().encode(), s.hex().encode()), "sha256")
+        for r, s in receivers]
 
 
 def test_a_proof_is_bound_to_the_key_the_nonce_and_the_rank():
