@@ -26,7 +26,7 @@ import dataclasses
 import gc
 import operator
 from collections import defaultdict
-from itertools import groupby
+from itertools import chain, count, groupby, repeat
 from typing import Mapping, Optional, Sequence
 
 from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
@@ -37,7 +37,7 @@ from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_pieces
-from .schedule import Segment, balance, schedule
+from .schedule import Schedule, balance, schedule
 
 MiB = 1 << 20
 
@@ -119,10 +119,10 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
             return routing
     pieces, _ = build_pieces(senders, receivers, transforms, mapping, cache)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link)
-    segments = schedule(groups, link, options)
+    sched = schedule(groups, link, options)
     if options.level:
-        balance(segments, link, options)
-    routing = build_tables(segments, senders, receivers, plan_id)
+        balance(sched, link, options)
+    routing = build_tables(sched, senders, receivers, plan_id)
     if cache is not None:
         cache.last = (receivers, (link, options, _placed(senders)), routing)
     return routing
@@ -171,15 +171,20 @@ def _same_to_the_planner(old: Participant, new: Participant) -> bool:
             and old.manifest.tensors == new.manifest.tensors)
 
 
+Groups = dict[LinkClass, dict[int, dict[tuple[int, ...], list[Piece]]]]
+
+
 def group_by_locality(
     pieces: Sequence[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool,
     link: LinkModel = LinkModel(),
-) -> dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]]:
-    groups: dict[tuple[int, LinkClass, tuple[int, ...]], list[Piece]] = defaultdict(list)
+) -> Groups:
+    """The pieces as byte streams: by link class, receiver, and candidate senders (of that class)."""
+    groups: Groups = defaultdict(dict)
     if not prefer:
+        net = groups[LinkClass.NET]
         for piece in pieces:
-            groups[(piece.receiver, LinkClass.NET, piece.cands)].append(piece)
-        return dict(groups)
+            net.setdefault(piece.receiver, {}).setdefault(piece.cands, []).append(piece)
+        return groups
     mates = host_mates(senders, receivers)
     raw: dict[int, dict[int, list[Piece]]] = {}  # receiver -> id(cands) -> pieces, in order
     for r, run in groupby(pieces, _receiver):
@@ -197,8 +202,7 @@ def group_by_locality(
     spread = set()  # receivers with a choice to make
     for r, by_cands in raw.items():
         if not mates[r]:  # no sender on its host: every piece comes by the network, as it is
-            for same in by_cands.values():
-                groups[(r, LinkClass.NET, same[0].cands)] = same
+            groups[LinkClass.NET][r] = {same[0].cands: same for same in by_cands.values()}
             continue
         for key, same in by_cands.items():
             split = by_class[(r, key)] = classes_of(same[0].cands, mates[r])
@@ -207,7 +211,7 @@ def group_by_locality(
         if r not in spread:
             for key, same in by_cands.items():
                 ((cls, cands),) = by_class[(r, key)].items()
-                groups[(r, cls, cands)].extend(same)
+                groups[cls].setdefault(r, {}).setdefault(cands, []).extend(same)
     if spread:
         per_receiver: dict[int, list[Piece]] = defaultdict(list)
         for piece in pieces:
@@ -215,8 +219,9 @@ def group_by_locality(
                 per_receiver[piece.receiver].append(piece)
         for r, rpieces in per_receiver.items():
             for piece, cls in _spread(r, rpieces, by_class, link):
-                groups[(r, cls, by_class[(r, id(piece.cands))][cls])].append(piece)
-    return dict(groups)
+                cands = by_class[(r, id(piece.cands))][cls]
+                groups[cls].setdefault(r, {}).setdefault(cands, []).append(piece)
+    return groups
 
 
 _receiver = operator.attrgetter("receiver")
@@ -262,18 +267,15 @@ def _fill(piece: Piece, classes: list[LinkClass], room: dict[LinkClass, float]) 
 
 
 def build_tables(
-    segments: list[Segment], senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int
+    sched: Schedule, senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int
 ) -> RoutingPlan:
-    """Each sender's pieces in the order their segments start in the schedule."""
-    by_sender: dict[int, list[Segment]] = defaultdict(list)
-    for seg in segments:
-        by_sender[seg.sender].append(seg)
-    ordered = {s: [p for seg in sorted(segs, key=_by_start) for p in seg.pieces] for s, segs in by_sender.items()}
+    """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie)."""
+    ordered = {s: list(chain.from_iterable(map(_pieces, sorted(runs, key=_by_start))))
+               for s, runs in sched.runs().items()}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
 
-def _by_start(seg: Segment) -> tuple:
-    return seg.start, seg.receiver
+_by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
 
 
 _TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
@@ -302,10 +304,12 @@ def tables_from_assignment(
     for sp in senders:
         pieces = assignment.get(sp.rank, [])
         s = sp.rank
-        transfers = Rows(Transfer, {"index": range(len(pieces)), **{f: tuple(map(get, pieces)) for f, get in _TRANSFER}})
-        for i, p in enumerate(pieces):
-            expected[p.receiver].append((p.region, p.offset, s, i, p))
-        peers = tuple(peer_of[r] for r in sorted(set(transfers.columns["dst_rank"])))
+        columns = {f: tuple(map(get, pieces)) for f, get in _TRANSFER}
+        transfers = Rows(Transfer, {"index": range(len(pieces)), **columns})
+        rows = zip(columns["dst_region"], columns["dst_offset"], repeat(s), count(), pieces)
+        for r, row in zip(columns["dst_rank"], rows):
+            expected[r].append(row)
+        peers = tuple(peer_of[r] for r in sorted(set(columns["dst_rank"])))
         sender_tables[s] = SenderTable(s, transfers, peers)
     receiver_tables = {r: ReceiverTable(r, _entries(es)) for r, es in expected.items()}
     return RoutingPlan(plan_id, sender_tables, receiver_tables)

@@ -8,14 +8,16 @@ forced work is done. Then, whenever a receiver's port is free it takes, of its l
 free candidate, the candidate with the least work (its forced work and what it was given so far) and
 the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries, ``_Stream.take``).
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
-only once one of its candidates frees. The result is a list of ``Segment``s (sender, receiver,
-pieces, start). ``balance`` then levels sender ports where one would be the bottleneck (see its
-docstring). ``planner.build_tables`` turns segments into tables.
+only once one of its candidates frees. The result is a ``Schedule``: the flexible work as
+``Segment``s (sender, receiver, pieces, start), the forced work as runs per sender, and each port's
+busy time, summed as the work is placed. ``balance`` then levels sender ports where one would be the
+bottleneck (see its docstring), reading those sums. ``planner.build_tables`` turns it into tables.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import operator
 from collections import defaultdict
@@ -100,15 +102,48 @@ class _Stream:
         return out, taken
 
 
-def schedule(groups, link: LinkModel, options: "PlanOptions") -> list[Segment]:
-    """Work-conserving list scheduling, one link class at a time (ports of classes are independent)."""
-    by_cls: dict[LinkClass, dict] = defaultdict(dict)
-    for key, pieces in groups.items():
-        by_cls[key[1]][key] = pieces
-    segments: list[Segment] = []
-    for cls in sorted(by_cls):
-        segments.extend(_ClassSchedule(cls, by_cls[cls], link, options).run())
-    return segments
+@dataclasses.dataclass
+class Schedule:
+    """What the schedule made: the flexible work as ``segments`` (what levelling may move), the forced
+    work as runs per sender, ``forced[s]``: (start, receiver, pieces), and each port's busy time in
+    both (seconds of data at the pair's bandwidth) keyed (sender or receiver, class): the sums ``of``
+    makes from segments, which the schedule keeps as it goes."""
+
+    segments: list[Segment]
+    sending: dict[tuple[int, LinkClass], float]
+    receiving: dict[tuple[int, LinkClass], float]
+    forced: dict[int, list[tuple[float, int, list[Piece]]]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, segments: list[Segment], link: LinkModel) -> "Schedule":
+        sending: dict[tuple[int, LinkClass], float] = defaultdict(float)
+        receiving: dict[tuple[int, LinkClass], float] = defaultdict(float)
+        for seg in segments:
+            t = seg.nbytes / link.bandwidth(seg.cls, seg.sender, seg.receiver)
+            sending[seg.sender, seg.cls] += t
+            receiving[seg.receiver, seg.cls] += t
+        return cls(segments, sending, receiving)
+
+    def runs(self) -> dict[int, list[tuple[float, int, list[Piece]]]]:
+        """Per sender, its work as (start, receiver, pieces): forced runs, then segments."""
+        out: dict[int, list[tuple[float, int, list[Piece]]]] = defaultdict(list)
+        for s, runs in self.forced.items():
+            out[s].extend(runs)
+        for seg in self.segments:
+            out[seg.sender].append((seg.start, seg.receiver, seg.pieces))
+        return out
+
+
+def schedule(groups, link: LinkModel, options: "PlanOptions") -> Schedule:
+    """Work-conserving list scheduling, one link class at a time (ports of classes are independent).
+    ``groups``: class -> receiver -> candidate senders -> pieces (``planner.group_by_locality``)."""
+    out = Schedule([], defaultdict(float), defaultdict(float), defaultdict(list))
+    for cls in sorted(groups):
+        one = _ClassSchedule(cls, groups[cls], link, options)
+        out.segments.extend(one.run(out.forced))
+        out.sending.update(((s, cls), t) for s, t in one.load.items() if t)
+        out.receiving.update(((r, cls), t) for r, t in one.received.items() if t)
+    return out
 
 
 class _ClassSchedule:
@@ -117,33 +152,32 @@ class _ClassSchedule:
     free receivers with flexible work left, most work first, each take, of their largest stream with a
     free candidate, the candidate with the least work (its forced work and what it was given so far).
     A receiver that found none is retried only once one of its candidates is freed (``watchers``):
-    until then it would find none again."""
+    until then it would find none again. A receiver stops watching a sender when, woken by it, it
+    finds nothing from it: then no stream it has left names that sender (``_match``)."""
 
-    def __init__(self, cls: LinkClass, groups, link: LinkModel, options: "PlanOptions") -> None:
+    def __init__(self, cls: LinkClass, groups: dict[int, dict[tuple[int, ...], list[Piece]]], link: LinkModel,
+                 options: "PlanOptions") -> None:
         self.cls, self.link, self.options = cls, link, options
         # receiver -> sender -> (its pieces, their bytes)
         self.forced: dict[int, dict[int, tuple[list[Piece], int]]] = defaultdict(dict)
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
-        self.ties: dict[tuple[int, int], int] = defaultdict(int)  # (receiver, sender) -> live streams joining them
         need: dict[int, int] = defaultdict(int)  # receiver -> bytes
         flexible = []
-        for key, pieces in groups.items():
-            if not pieces:
-                continue
-            receiver, _, cands = key
-            if len(cands) == 1:
-                nbytes = sum(map(_nbytes, pieces))
-                self.forced[receiver][cands[0]] = (pieces, nbytes)
-                need[receiver] += nbytes
-            else:
-                flexible.append(key)
-        for seq, key in enumerate(sorted(flexible)):
-            receiver, _, cands = key
+        for receiver, streams in groups.items():
+            for cands, pieces in streams.items():
+                if not pieces:
+                    continue
+                if len(cands) == 1:
+                    nbytes = sum(map(_nbytes, pieces))
+                    self.forced[receiver][cands[0]] = (pieces, nbytes)
+                    need[receiver] += nbytes
+                else:
+                    flexible.append((receiver, cands))
+        for seq, (receiver, cands) in enumerate(sorted(flexible)):
             for s in cands:
-                self.ties[(receiver, s)] += 1
                 self.watchers[s].add(receiver)
-            stream = _Stream(frozenset(cands), groups[key], seq)
+            stream = _Stream(frozenset(cands), groups[receiver][cands], seq)
             self.flex[receiver].append(stream)
             need[receiver] += stream.nbytes
         for streams in self.flex.values():
@@ -156,9 +190,12 @@ class _ClassSchedule:
         self.quantum = {r: max(options.min_chunk_bytes, -(-need[r] // options.chunks_per_receiver))
                         for r in self.receivers}
         self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
+        self.received = dict.fromkeys(self.receivers, 0.0)  # each receiver port's (the same sums)
 
-    def run(self) -> list[Segment]:
-        out, free_at = self._place_forced()
+    def run(self, forced: dict[int, list]) -> list[Segment]:
+        """The flexible segments; the forced runs go to ``forced`` (sender -> runs)."""
+        out: list[Segment] = []
+        free_at = self._place_forced(forced)
         events = [(t, s, r) for (s, r), t in free_at.items()]  # ports busy with forced work free then
         heapq.heapify(events)
         free_s = {s for s in self.senders if (s, -1) not in free_at}
@@ -167,7 +204,8 @@ class _ClassSchedule:
         to_try: dict[int, Optional[set[int]]] = dict.fromkeys(free_r)
         now = 0.0
         while True:
-            for r in sorted(to_try, key=lambda r: (-self.left[r], r)):
+            left = self.left
+            for _, r in sorted([(-left[r], r) for r in to_try]):  # the most work left first
                 seg = self._match(r, free_s, to_try[r])
                 if seg is None:
                     continue
@@ -199,16 +237,17 @@ class _ClassSchedule:
                     else:
                         only.add(s)
 
-    def _place_forced(self) -> tuple[list[Segment], dict[tuple[int, int], float]]:
+    def _place_forced(self, out: dict[int, list]) -> dict[tuple[int, int], float]:
         """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each
         receiver takes its forced senders back to back, in rank order rotated by the receiver's
         position (receivers of the same senders start on different ones, and each sender's table, in
         start order, goes round its receivers), each stream in chunks cut as ``_Stream.take``
-        cuts them. A port with forced work is free for flexible work once all of it is done: the
-        segments, and when each such port frees, keyed (sender, -1) or (-1, receiver)."""
-        out: list[Segment] = []
+        cuts them. A port with forced work is free for flexible work once all of it is done. Each
+        sender's runs, (start, receiver, pieces), go to ``out[sender]``; returns when each port with
+        forced work frees, keyed (sender, -1) or (-1, receiver)."""
         free_at: dict[tuple[int, int], float] = {}
-        min_bytes, per_transfer, cls, load, bw_s = self.options.min_chunk_bytes, self.link.per_transfer_s, self.cls, self.load, self.bw_s
+        min_bytes, per_transfer, load, bw_s = self.options.min_chunk_bytes, self.link.per_transfer_s, self.load, self.bw_s
+        received = self.received
         for i, r in enumerate(self.receivers):
             by_s = self.forced.get(r)
             if not by_s:
@@ -223,26 +262,29 @@ class _ClassSchedule:
                     st, chunks = _Stream(frozenset((s,)), pieces), []
                     while not st.empty:
                         chunks.append(st.take(quantum, min_bytes))
+                runs = out[s]
                 for pieces, nbytes in chunks:
-                    seg = Segment(r, cls, pieces, s, nbytes)
-                    seg.start = t
                     data = nbytes / min(bw_s[s], bw_r)  # (as ``_busy``)
                     load[s] += data
+                    received[r] += data
+                    runs.append((t, r, pieces))
                     t += max(data, len(pieces) * per_transfer)
-                    out.append(seg)
             free_at[(-1, r)] = t
         free_at.update(((s, -1), t) for s, t in load.items() if t)
-        return out, free_at
+        return free_at
 
     def _busy(self, seg: Segment) -> float:
         """How long ``seg`` holds its ports in the schedule's time (its sender's load grows by its data)."""
         data = seg.nbytes / min(self.bw_s[seg.sender], self.bw_r[seg.receiver])  # (``LinkModel.bandwidth``)
         self.load[seg.sender] += data
+        self.received[seg.receiver] += data
         return max(data, len(seg.pieces) * self.link.per_transfer_s)
 
     def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
         """Of receiver r's largest stream with a free candidate (among ``only``, if given), the next
-        chunk, from the candidate with the least work (forced, and given so far)."""
+        chunk, from the candidate with the least work (forced, and given so far). A receiver that
+        finds nothing from the free senders in ``only`` stops watching them: no stream it has left
+        names them."""
         if only is not None:
             free_s = only & free_s
             if not free_s:
@@ -256,22 +298,14 @@ class _ClassSchedule:
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left
                 bisect.insort(flex_r, st, key=_largest_first)
-            else:
-                self._untie(r, st.cands)
             return Segment(r, self.cls, pieces, s, nbytes, st.cands)
+        if only is not None:
+            for s in free_s:
+                self.watchers[s].discard(r)
         return None
 
-    def _untie(self, r: int, cands: frozenset[int]) -> None:
-        """Stream of ``r`` over ``cands`` is done: ``r`` stops watching senders no live stream of it names
-        (freeing one of them can no longer give it work)."""
-        ties = self.ties
-        for s in cands:
-            ties[(r, s)] -= 1
-            if not ties[(r, s)]:
-                self.watchers[s].discard(r)
 
-
-def balance(segments: list[Segment], link: LinkModel, options: "PlanOptions") -> None:
+def balance(sched: Schedule, link: LinkModel, options: "PlanOptions") -> None:
     """Even out sender ports where one would be the bottleneck (busier than every receiver port): the
     busiest sender port hands part of a flexible segment to its least busy candidate, enough to bring
     the two level (water-filling, cut at a row boundary, never a part under ``min_chunk_bytes`` unless
@@ -280,17 +314,14 @@ def balance(segments: list[Segment], link: LinkModel, options: "PlanOptions") ->
     128 -> 128 from FSDP+EP64: 0.409 against 0.425 s); this levels them. A move goes only to a port as
     fast for that receiver and leaves the pair no further apart than it found them, so the sum of
     squared port times falls at every move: it ends. A moved part keeps its place in the schedule's
-    time (after what stays), which orders it in its new sender's table."""
-    load: dict[tuple[int, LinkClass], float] = defaultdict(float)
-    received: dict[tuple[int, LinkClass], float] = defaultdict(float)
+    time (after what stays), which orders it in its new sender's table. ``sched``'s segments and
+    sending times are updated in place."""
+    segments, load = sched.segments, sched.sending
     movable: dict[tuple[int, LinkClass], list[Segment]] = defaultdict(list)
     for seg in segments:
-        t = seg.nbytes / link.bandwidth(seg.cls, seg.sender, seg.receiver)
-        load[seg.sender, seg.cls] += t
-        received[seg.receiver, seg.cls] += t
         if len(seg.cands) > 1:
             movable[seg.sender, seg.cls].append(seg)
-    top_r = max(received.values(), default=0.0)  # the busiest receiver port: no makespan is shorter
+    top_r = max(sched.receiving.values(), default=0.0)  # the busiest receiver port: no makespan is shorter
     heap = [(-v, key) for key, v in load.items() if v > top_r]
     heapq.heapify(heap)
     while heap:

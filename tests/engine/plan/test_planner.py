@@ -305,6 +305,35 @@ def test_makespan_is_never_below_the_bound_with_mixed_locality(scenario, prefer_
         assert makespan(routing.senders, senders, receivers, link) >= bound * (1 - 1e-9)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixed_locality(), st.integers(1, 64), st.booleans())
+def test_the_schedule_keeps_each_ports_busy_time_as_its_work_sums(scenario, min_chunk, prefer):
+    """Levelling reads each port's busy time from the schedule, which sums it as it places work:
+    exactly what summing its forced runs and segments in their order gives (as ``Schedule.of``)."""
+    from collections import defaultdict
+
+    from weightsync.engine.plan.links import link_class
+    from weightsync.engine.plan.planner import group_by_locality
+    from weightsync.engine.plan.schedule import schedule
+
+    senders, receivers, link = scenario
+    pieces, _ = build_pieces(senders, receivers)
+    options = PlanOptions(min_chunk_bytes=min_chunk * 16, chunks_per_receiver=4)
+    sched = schedule(group_by_locality(pieces, senders, receivers, prefer, link), link, options)
+    sender_of, receiver_of = {p.rank: p for p in senders}, {p.rank: p for p in receivers}
+    sending, receiving = defaultdict(float), defaultdict(float)
+    forced = [(start, s, r, pieces) for s, runs in sched.forced.items() for start, r, pieces in runs]
+    flexible = [(g.start, g.sender, g.receiver, g.pieces) for g in sched.segments]
+    for sums, port, work in ((sending, 1, forced), (receiving, 2, sorted(forced, key=lambda w: (w[2], w[0]))),
+                             (sending, 1, flexible), (receiving, 2, flexible)):  # (in the order placed)
+        for w in work:
+            s, r, pieces = w[1:]
+            cls = link_class(sender_of[s], receiver_of[r]) if prefer else LinkClass.NET
+            sums[w[port], cls] += sum(p.nbytes for p in pieces) / link.bandwidth(cls, s, r)
+    assert {k: v for k, v in sched.sending.items() if v} == dict(sending)
+    assert {k: v for k, v in sched.receiving.items() if v} == dict(receiving)
+
+
 def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
     """A receiver on a sender's GPU, with a second sender on another GPU of its host: both ports can
     work at once, so the bound is the bytes over both bandwidths, not over the faster one alone."""
@@ -503,7 +532,7 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
     """Sender 0 has 12 units for receiver 0 and 4 for receiver 1, both also sendable by sender 1, which
     has 4 units of its own: 16 against 4. Levelling hands sender 1 the last 6 units of receiver 0's
     segment (rows cut where the two meet), 10 and 10, the moved rows right after the kept ones."""
-    from weightsync.engine.plan.schedule import Segment, balance
+    from weightsync.engine.plan.schedule import Schedule, Segment, balance
     from weightsync.engine.plan.sources import Piece
 
     link, row = LinkModel(net_bw=1e9, per_transfer_s=0.0), 1024  # bytes per row; a unit is 256 rows
@@ -514,7 +543,7 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
         return Segment(receiver, LinkClass.NET, [p], sender, rows * row, flexible)
 
     segments = [seg(0, 12 * 256, 0, {0, 1}), seg(1, 4 * 256, 0, {0, 1}), seg(2, 4 * 256, 1, {1})]
-    balance(segments, link, PlanOptions(min_chunk_bytes=row))
+    balance(Schedule.of(segments, link), link, PlanOptions(min_chunk_bytes=row))
     load = {s: sum(g.nbytes for g in segments if g.sender == s) // (256 * row) for s in (0, 1)}
     assert load == {0: 10, 1: 10}
     to_r0 = sorted((p.slice.start, p.slice.stop, g.sender) for g in segments if g.receiver == 0 for p in g.pieces)
@@ -526,12 +555,12 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
 def test_levelling_never_cuts_what_cannot_be_cut():
     """A segment of one piece that cannot be split (no row size) either moves whole or stays, even with
     no floor on a part's size: 3 units against 0 moves nothing (whole, it would end at 3 too)."""
-    from weightsync.engine.plan.schedule import Segment, balance
+    from weightsync.engine.plan.schedule import Schedule, Segment, balance
     from weightsync.engine.plan.sources import Piece
 
     link, n = LinkModel(net_bw=1e9, per_transfer_s=0.0), 3 << 20
     piece = Piece(0, "w", "w", None, n, 0, 0, 0, "", (0, 1))
     segments = [Segment(0, LinkClass.NET, [piece], 0, n, frozenset({0, 1})),
                 Segment(1, LinkClass.NET, [Piece(1, "v", "v", None, 1, 0, 0, 0, "", (0,))], 0, 1)]
-    balance(segments, link, PlanOptions(min_chunk_bytes=0))
+    balance(Schedule.of(segments, link), link, PlanOptions(min_chunk_bytes=0))
     assert [(g.sender, g.nbytes) for g in segments] == [(0, n), (0, 1)]
