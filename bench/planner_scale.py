@@ -1,11 +1,12 @@
 """Planner at scale: real architectures' shapes, M trainer GPUs -> N inference GPUs.
 
-For each scenario, prints one JSON line: plan time (then the collector's pass over what the plan
-made, the controller's plan messages made and encoded, and its replans after a receiver restarts on the
-same host, a sender restarts on the same host, and the receiver comes back on another host, each with
-its messages, with the ``PlanCache`` and ``MessageCache`` of the plans before), the modeled makespan of our tables,
-the lower bound, and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
-broadcast.
+For each scenario, prints one JSON line: plan time (the median of three cold plans, and each run;
+then the collector's pass over what the first made, the controller's plan messages made and encoded,
+and its replans after a receiver restarts on the same host, a sender restarts on the same host, and
+the receiver comes back on another host, each with its messages, with the ``PlanCache`` and
+``MessageCache`` of the plans before), the modeled makespan of our tables, the lower bound, and the
+same model's makespan for the seeds' byte-balanced greedy and for rank-0 broadcast; then the worst
+ratio and the slowest Kimi-K2 256 -> 128 plan against their targets.
 
     .venv/bin/python bench/planner_scale.py                 # all scenarios
     .venv/bin/python bench/planner_scale.py --only kimi     # scenarios whose name contains "kimi"
@@ -23,6 +24,7 @@ import gc
 import json
 import math
 import pathlib
+import statistics
 import sys
 import time
 
@@ -106,8 +108,9 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     cache = PlanCache()
     t0 = time.process_time()
     routing = plan(senders, receivers, link, PlanOptions(), cache=cache)
-    plan_s = time.process_time() - t0
+    runs = [time.process_time() - t0]
     gc_s = young_gc_seconds()
+    runs += cold_plans(senders, receivers, link, PLAN_RUNS - 1)
     messages = MessageCache()
     messages_s, messages_mb = messages_cost(routing, messages, sessions_of(senders, receivers))
     replans = restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where)
@@ -128,7 +131,8 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "tensors": len(params),
         "bytes": routing.nbytes,
         "transfers": routing.transfer_count,
-        "plan_seconds": round(plan_s, 3),
+        "plan_seconds": round(statistics.median(runs), 3),
+        "plan_seconds_runs": [round(t, 3) for t in runs],
         "gc_after_plan_seconds": round(gc_s, 3),
         "messages_seconds": round(messages_s, 3),
         "messages_MB": round(messages_mb, 1),
@@ -143,6 +147,22 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
         "broadcast_makespan_s": round(bcast_s, 5),
         "broadcast_over_bound": round(bcast_s / bound, 4),
     }
+
+
+PLAN_RUNS = 3  # cold plans per scenario: the median is reported, and every run
+
+
+def cold_plans(senders, receivers, link, n: int) -> list[float]:
+    """The CPU seconds of ``n`` more plans from scratch (a new ``PlanCache`` each): this machine is
+    shared, and one run's time can be off by a fifth or more."""
+    out = []
+    for _ in range(n):
+        t0 = time.process_time()
+        routing = plan(senders, receivers, link, PlanOptions(), cache=PlanCache())
+        out.append(time.process_time() - t0)
+        del routing
+        gc.collect(0)  # (what the plan left, outside the clock, as after the first)
+    return out
 
 
 def young_gc_seconds() -> float:
@@ -249,14 +269,19 @@ def main(argv=None) -> int:
             if args.only in scenario[0]:
                 print(json.dumps(run_large(*scenario, link)), flush=True)
         return 0
-    worst = 0.0
+    worst, kimi = 0.0, 0.0
     for scenario in SCENARIOS:
         if args.only in scenario[0]:
             row = run(*scenario, link)
             worst = max(worst, row["makespan_over_bound"])
+            if scenario[0].startswith("kimi-k2 256->128"):
+                kimi = max(kimi, row["plan_seconds"])
             print(json.dumps(row), flush=True)
     print(json.dumps({"summary": "worst makespan/lower_bound", "value": worst, "target": 1.02,
                       "met": worst <= 1.02}), flush=True)
+    if kimi:
+        print(json.dumps({"summary": "slowest Kimi-K2 256->128 plan, seconds (median of its runs)", "value": kimi,
+                          "target": 1.0, "met": kimi < 1.0}), flush=True)
     return 0
 
 

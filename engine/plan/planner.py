@@ -281,15 +281,14 @@ _by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
 _TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
               ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
               ("transform", "transform"))]
-_ENTRY = [(f, operator.attrgetter(a)) for f, a in (("name", "dst_name"), ("slice", "slice"), ("nbytes", "nbytes"),
-                                          ("transform", "transform"))]
+_ENTRY = ("src_rank", "index", "region", "offset", "name", "slice", "nbytes", "transform")  # (as ``expected`` holds them)
 
 
 def _entries(expected: list[tuple]) -> Rows:
-    """A receiver's rows, sorted by (region, offset): ``expected`` holds (region, offset, sender, index, piece)."""
-    region, offset, src, index, pieces = zip(*sorted(expected)) if expected else ((),) * 5
-    return Rows(ExpectedEntry, {"src_rank": src, "index": index, "region": region, "offset": offset,
-                                **{f: tuple(map(get, pieces)) for f, get in _ENTRY}})
+    """A receiver's rows, sorted by (region, offset): ``expected`` holds tuples of (region, offset,
+    sender, index, name, slice, bytes, transform)."""
+    region, offset, src, index, *rest = zip(*sorted(expected)) if expected else ((),) * len(_ENTRY)
+    return Rows(ExpectedEntry, dict(zip(_ENTRY, (src, index, region, offset, *rest))))
 
 
 def tables_from_assignment(
@@ -300,13 +299,14 @@ def tables_from_assignment(
     The tables' rows are kept as columns (``Rows``: no object per transfer), as they travel."""
     peer_of = {p.rank: PeerInfo(p.rank, p.transport, p.manifest.regions) for p in receivers}  # (frozen: shared)
     sender_tables: dict[int, SenderTable] = {}
-    expected: dict[int, list[tuple]] = {p.rank: [] for p in receivers}  # (region, offset, sender, index, piece)
+    expected: dict[int, list[tuple]] = {p.rank: [] for p in receivers}  # (as ``_entries`` reads them)
     for sp in senders:
         pieces = assignment.get(sp.rank, [])
         s = sp.rank
         columns = {f: tuple(map(get, pieces)) for f, get in _TRANSFER}
         transfers = Rows(Transfer, {"index": range(len(pieces)), **columns})
-        rows = zip(columns["dst_region"], columns["dst_offset"], repeat(s), count(), pieces)
+        rows = zip(columns["dst_region"], columns["dst_offset"], repeat(s), count(), columns["dst_name"],
+                   columns["slice"], columns["nbytes"], columns["transform"])
         for r, row in zip(columns["dst_rank"], rows):
             expected[r].append(row)
         peers = tuple(peer_of[r] for r in sorted(set(columns["dst_rank"])))
