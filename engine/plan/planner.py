@@ -281,7 +281,7 @@ _by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
 _TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
               ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
               ("transform", "transform"))]
-_ENTRY = ("src_rank", "index", "region", "offset", "name", "slice", "nbytes", "transform")  # (as ``expected`` holds them)
+_ENTRY = ("src_rank", "index", "region", "offset", "name", "slice", "nbytes", "transform")
 
 
 def _entries(expected: list[tuple]) -> Rows:

@@ -246,8 +246,8 @@ class _ClassSchedule:
         sender's runs, (start, receiver, pieces), go to ``out[sender]``; returns when each port with
         forced work frees, keyed (sender, -1) or (-1, receiver)."""
         free_at: dict[tuple[int, int], float] = {}
-        min_bytes, per_transfer, load, bw_s = self.options.min_chunk_bytes, self.link.per_transfer_s, self.load, self.bw_s
-        received = self.received
+        min_bytes, per_transfer = self.options.min_chunk_bytes, self.link.per_transfer_s
+        load, received, bw_s = self.load, self.received, self.bw_s
         for i, r in enumerate(self.receivers):
             by_s = self.forced.get(r)
             if not by_s:
