@@ -39,11 +39,11 @@ NAMES = [  # trainer layouts whose senders each hold a part (EP, PP), and an FSD
 ]
 
 
-def hellos(arch, layout, n_recv, tp, ep, seed=0) -> list[m.Hello]:
+def hellos(arch, layout, n_recv, tp, ep, fp8=False, seed=0) -> list[m.Hello]:
     params = state_dict_shapes(arch)
     out = []
     for role, count, make, where in ((Role.SENDER, layout.world, lambda r: sender_manifest(params, r, layout), "train"),
-                                     (Role.RECEIVER, n_recv, lambda r: receiver_manifest(params, r, tp, ep), "infer")):
+                                     (Role.RECEIVER, n_recv, lambda r: receiver_manifest(params, r, tp, ep, fp8), "infer")):
         for rank in range(count):
             transport = _transport(where, rank)
             out.append(m.Hello(role, rank, transport.host, transport.device, 1000 + rank, PROTOCOL_VERSION[0],
@@ -71,8 +71,8 @@ def by_revalidation(hello, expected, joined, state) -> bool:
     return True
 
 
-def run(name, arch, layout, n_recv, tp, ep, colocated) -> list[dict]:
-    joins = hellos(arch, layout, n_recv, tp, ep)
+def run(name, arch, layout, n_recv, tp, ep, colocated, fp8=False) -> list[dict]:
+    joins = hellos(arch, layout, n_recv, tp, ep, fp8)
     expected = {Role.SENDER: layout.world, Role.RECEIVER: n_recv}
     rows = []
     for way, admit, state in (("catalog", by_catalog, Catalog()), ("revalidate", by_revalidation, ([], []))):

@@ -24,6 +24,7 @@ import gc
 import json
 import math
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ from weightsync.engine.plan.trainer import TrainerLayout, holdings  # noqa: E402
 from weightsync.roles.planning import MessageCache, plan_messages  # noqa: E402
 from weightsync.wire import Role  # noqa: E402
 from weightsync.engine.models.shapes import state_dict_shapes, tp_slice  # noqa: E402
+from weightsync.engine.plan.mapping import BLOCK, FP8, SCALE_SUFFIX  # noqa: E402
 from weightsync.wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size  # noqa: E402
 
 
@@ -74,37 +76,52 @@ def sender_manifest(params, rank, layout: TrainerLayout):
                       for p, shard, gatherable in holdings(params, rank, layout)])
 
 
-def receiver_manifest(params, rank, tp, ep):
+def receiver_manifest(params, rank, tp, ep, fp8=False):
+    """Inference rank ``rank``'s tensors; with ``fp8``, its linear layers' 2-D weights in block FP8
+    (128 x 128 blocks) with their float32 scales, as FP8 checkpoints hold them (the embeddings, the
+    head, the router and the norms stay as they are; so do fused 3-D expert tensors: the planner's
+    block-FP8 transform quantizes 2-D weights only)."""
     out = []
     for p in params:
         cut = tp_slice(p.name, p.shape, rank % tp, tp, rank % ep if ep > 1 else None, ep)
         shard = ShardSpec(p.shape, *cut) if cut else None
-        out.append(_spec(p.name, p.shape, p.dtype, shard))
+        if fp8 and _FP8_LINEAR.search(p.name) and len(p.shape) == 2:
+            spec = _spec(p.name, p.shape, FP8, shard)
+            local = spec[0].shape
+            out += [spec, _spec(p.name + SCALE_SUFFIX, (-(-local[0] // BLOCK), -(-local[1] // BLOCK)), "float32")]
+        else:
+            out.append(_spec(p.name, p.shape, p.dtype, shard))
     return _manifest(out)
+
+
+_FP8_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(?!gate\.weight).*weight$")
 
 
 SCENARIOS = [
     # name, arch, trainer layout, receivers, inference TP, inference EP, colocated on the same GPUs
+    # (and, when given, FP8 inference: ``receiver_manifest(fp8=True)``)
     ("qwen2.5-7b 1->1", "qwen2.5-7b", TrainerLayout(1, fsdp=False), 1, 1, 1, False),
     ("qwen2.5-7b 8->8", "qwen2.5-7b", TrainerLayout(8, fsdp=False), 8, 1, 1, False),
     ("qwen2.5-7b 16->16 colocated", "qwen2.5-7b", TrainerLayout(16), 16, 1, 1, True),
     ("qwen3-235b 128->32 tp8+ep8", "qwen3-235b-a22b", TrainerLayout(128, ep=128), 32, 8, 8, False),
     ("qwen3-235b 128->32 tp4+ep4", "qwen3-235b-a22b", TrainerLayout(128, ep=128), 32, 4, 4, False),
+    ("qwen3-235b 128->32 tp8+ep8 fp8", "qwen3-235b-a22b", TrainerLayout(128, ep=128), 32, 8, 8, False, True),
     ("qwen3-235b 96->32 ep96 (uneven) tp8+ep8", "qwen3-235b-a22b", TrainerLayout(96, ep=96), 32, 8, 8, False),
     ("qwen3-235b 128->32 pp4+ep32 tp8+ep8", "qwen3-235b-a22b", TrainerLayout(128, pp=4, ep=32), 32, 8, 8, False),
     ("kimi-k2 256->128 tp8+ep128", "kimi-k2", TrainerLayout(256), 128, 8, 128, False),
     ("kimi-k2 256->128 tp8", "kimi-k2", TrainerLayout(256), 128, 8, 1, False),
+    ("kimi-k2 256->128 tp8+ep128 fp8", "kimi-k2", TrainerLayout(256), 128, 8, 128, False, True),
     ("kimi-k2 256->128 ep256 (uneven) tp8+ep128", "kimi-k2", TrainerLayout(256, ep=256), 128, 8, 128, False),
     ("kimi-k2 128->128 fsdp+ep64 tp8+ep128", "kimi-k2", TrainerLayout(128, ep=64), 128, 8, 128, False),
 ]
 
 
-def run(name, arch, layout, n_recv, tp, ep, colocated, link):
+def run(name, arch, layout, n_recv, tp, ep, colocated, fp8=False, *, link):
     params = state_dict_shapes(arch)
     n_send = layout.world
     senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(n_send)]
     where = "train" if colocated else "infer"  # colocated: inference rank r shares trainer r's GPU
-    receivers = [Participant(r, receiver_manifest(params, r, tp, ep), _transport(where, r)) for r in range(n_recv)]
+    receivers = [Participant(r, receiver_manifest(params, r, tp, ep, fp8), _transport(where, r)) for r in range(n_recv)]
     cache = PlanCache()
     t0 = time.process_time()
     routing = plan(senders, receivers, link, PlanOptions(), cache=cache)
@@ -113,7 +130,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     runs += cold_plans(senders, receivers, link, PLAN_RUNS - 1)
     messages = MessageCache()
     messages_s, messages_mb = messages_cost(routing, messages, sessions_of(senders, receivers))
-    replans = restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where)
+    replans = restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where, fp8)
     pieces, _ = build_pieces(senders, receivers)
     stats: dict = {}
     ours = makespan(routing.senders, senders, receivers, link, stats)
@@ -125,7 +142,8 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, link):
     return {
         "scenario": name,
         "trainers": layout.describe(),
-        "inference": f"tp{tp}" + (f"+ep{ep}" if ep > 1 else "") + (" colocated" if colocated else ""),
+        "inference": f"tp{tp}" + (f"+ep{ep}" if ep > 1 else "") + (" fp8" if fp8 else "")
+                     + (" colocated" if colocated else ""),
         "senders": n_send,
         "receivers": n_recv,
         "tensors": len(params),
@@ -189,7 +207,7 @@ def sessions_of(senders, receivers) -> dict:
             **{(Role.RECEIVER, p.rank): b"receiver-%d" % p.rank for p in receivers}}
 
 
-def restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where) -> dict:
+def restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, where, fp8=False) -> dict:
     """The controller's replans after a process restarts (a new manifest of the same layout, a new
     address, a new session), each with the ``PlanCache`` and ``MessageCache`` of the plans before: the
     last receiver back on its host (the last plan patched: ``planner.patched_plan``), then the last
@@ -206,7 +224,7 @@ def restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, 
                                            ("replan_moved", "receiver", moved, False)):
         transport = dataclasses.replace(transport, address=f"{transport.address}-{label}")
         if who == "receiver":
-            new = Participant(r, receiver_manifest(params, r, tp, ep), transport)
+            new = Participant(r, receiver_manifest(params, r, tp, ep, fp8), transport)
             receivers = [*receivers[:-1], new]
         else:
             new = Participant(s, sender_manifest(params, s, layout), transport)
@@ -272,7 +290,7 @@ def main(argv=None) -> int:
     worst, kimi = 0.0, 0.0
     for scenario in SCENARIOS:
         if args.only in scenario[0]:
-            row = run(*scenario, link)
+            row = run(*scenario, link=link)
             worst = max(worst, row["makespan_over_bound"])
             if scenario[0].startswith("kimi-k2 256->128"):
                 kimi = max(kimi, row["plan_seconds"])
