@@ -144,9 +144,9 @@ class Resolver:
                     continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
                 name, dtype, sh = t.name, t.dtype, t.shard
                 scale_of = _scales_of(t, specs, sources) if name.endswith(SCALE_SUFFIX) else None
-                # what the pieces depend on (a shard as plain values: hashing the struct costs a Python call)
+                # what the pieces depend on, as plain values (hashing a struct costs Python calls)
                 key = (name, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
-                       scale_of, dtype == FP8 and name + SCALE_SUFFIX in names)
+                       None if scale_of is None else _layout(scale_of), dtype == FP8 and name + SCALE_SUFFIX in names)
                 made = templates.get(key)
                 if made is None:
                     made = templates[key] = self._templates(t, rank, scale_of, names)
@@ -230,6 +230,12 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
             p.cands = chosen
         for s in chosen:
             load[s] += total // k
+
+
+def _layout(t: TensorSpec) -> tuple:
+    """What a tensor's pieces depend on of the weight that ``t``'s block scales belong to."""
+    sh = t.shard
+    return t.name, t.dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop)
 
 
 def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optional[TensorSpec]:
