@@ -416,7 +416,7 @@ def _emit(kind: tuple, v: str, ind: str, env: dict, enc: bool) -> list[str]:
         env[name] = f.encode if enc else f.decode
         return [f"{ind}{v} = {name}({v})"]
     if tag in ("call", "columns"):
-        env[name] = (kind[1] if enc else kind[2]) if tag == "call" else _converters(kind)[0 if enc else 1]
+        env[name] = _converters(kind)[0 if enc else 1]
         return [f"{ind}{v} = {name}({v}, '')"]
     if tag == "opt":
         return [f"{ind}if {v} is not None:", *_emit(kind[1], v, ind + "    ", env, enc)]
