@@ -119,7 +119,10 @@ class PlanCache:
 class Resolver:
     """Receivers' tensors resolved against one set of sources, into pieces. Receivers with the same
     layout share them (pure): per tensor layout, the pieces' templates (source, rows, bytes, offset
-    from the tensor's, row size, transform, candidates) are made once. ``absent_ok``: a name no sender
+    from the tensor's, row size, transform, candidates) are made once, and a tensor that differs from
+    one made before only in its names (the same mapping rule and layout, from sources alike: ``_alike``)
+    takes that one's, renamed: every layer's q_proj of one TP rank, or every layer's slice of one EP
+    rank's experts, is resolved once. ``absent_ok``: a name no sender
     has, or rows no sender holds, resolve to no pieces instead of raising (``catalog``: while senders
     are still joining, the holder may be one of those to come)."""
 
@@ -131,6 +134,9 @@ class Resolver:
         self.intern = Interned()
         self.templates: dict[tuple, list[tuple]] = {}
         self.comps_of: dict[str, tuple] = {}
+        self.renamed: dict[tuple, tuple[tuple[str, ...], list[tuple]]] = {}  # the key less names -> (sources, templates)
+        self._alike_of: dict[str, int] = {}  # source name -> its kind (``_likeness``), numbered
+        self._kinds: dict[tuple, int] = {}
 
     def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
         sources, templates = self.sources, self.templates
@@ -150,12 +156,43 @@ class Resolver:
                        None if scale_of is None else _layout(scale_of), dtype == FP8 and name + SCALE_SUFFIX in names)
                 made = templates.get(key)
                 if made is None:
-                    made = templates[key] = self._templates(t, rank, scale_of, names)
+                    made = templates[key] = self._made(t, rank, scale_of, names, key)
                 region = t.region if t.region is not None else 0
                 base = t.offset
                 for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
                     add(Piece(rank, name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
         return pieces
+
+    def _made(self, t: TensorSpec, rank: int, scale_of, names, key: tuple) -> list[tuple]:
+        """``t``'s templates (``key``: its layout, as ``pieces`` makes it): those of a tensor made
+        before from the same rule, with the same layout and sources alike, with the source names
+        replaced; else made."""
+        rule, srcs = self.rules.recipe((scale_of or t).name)
+        kinds = self._alike(srcs)
+        if kinds is None:
+            return self._templates(t, rank, scale_of, names)
+        like = (id(rule), key[1:4], None if key[4] is None else key[4][1:], key[5], kinds)
+        seen = self.renamed.get(like)
+        if seen is not None:
+            rename = dict(zip(seen[0], srcs))
+            return [(rename[src], *rest) for src, *rest in seen[1]]
+        made = self._templates(t, rank, scale_of, names)
+        if made:
+            self.renamed[like] = (srcs, made)
+        return made
+
+    def _alike(self, srcs: tuple[str, ...]) -> Optional[tuple[int, ...]]:
+        """The kind of each source (held alike: ``_likeness``); None if one is missing or named twice."""
+        out = []
+        for name in srcs:
+            kind = self._alike_of.get(name)
+            if kind is None:
+                src = self.sources.get(name)
+                if src is None:
+                    return None
+                kind = self._alike_of[name] = self._kinds.setdefault(_likeness(src, self.intern), len(self._kinds))
+            out.append(kind)
+        return tuple(out) if len(set(srcs)) == len(srcs) else None
 
     def _templates(self, t: TensorSpec, rank: int, scale_of, names) -> list[tuple]:
         if self.absent_ok and not all(src in self.shapes for src in self.rules.recipe((scale_of or t).name)[1]):
@@ -231,6 +268,15 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
             p.cands = chosen
         for s in chosen:
             load[s] += total // k
+
+
+def _likeness(src: Source, intern: "Interned") -> tuple:
+    """All that a piece template reads of a source besides its name (``_pieces_for`` and the cuts it
+    calls): dtype and full shape, the full holders, the gatherable shards (their ``Spans``, shared by
+    every source sharded alike) and the other shards with their holders."""
+    return (src.dtype, src.full_shape, src.full_cands(intern) if src.full else (),
+            id(src.spans(intern)) if src.gshards else None,
+            tuple(sorted((key, tuple(holders)) for key, holders in src.shards.items())))
 
 
 def _layout(t: TensorSpec) -> tuple:

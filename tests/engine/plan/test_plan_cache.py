@@ -8,7 +8,10 @@ import dataclasses
 import pytest
 
 from weightsync.engine import errors
+from weightsync.engine.models.shapes import ParamShape
 from weightsync.engine.plan import LinkModel, Participant, PlanCache, PlanOptions, plan
+from weightsync.engine.plan.needs import Piece, Resolver, index_sources
+from weightsync.engine.plan.trainer import TrainerLayout, holdings
 from plan_helpers import check_coverage, participant, tensor
 
 MODEL = {"embed": (256, 64), "w1": (128, 64), "w2": (64, 128), "experts": (16, 32, 32), "norm": (64,)}
@@ -147,3 +150,61 @@ def test_what_the_planner_reads_differently_plans_again(change):
     again = plan(senders, receivers, link, options, cache=cache)
     assert cache.patched == 0
     assert again == plan(senders, receivers, link, options)
+
+
+def _layered_senders():
+    """8 trainer ranks in 2 pipeline stages (layers 0-1, 2-3), FSDP inside a stage (a scalar: replicated)
+    and the fused experts split over EP 2: tensors of equal shapes that different ranks hold, or hold
+    differently (the routers of a stage: the same ranks, cut at other rows)."""
+    params = [ParamShape(f"model.layers.{i}.{kind}", shape, "float32") for i in range(4) for kind, shape in (
+        ("self_attn.q_proj.weight", (64, 64)), ("self_attn.k_proj.weight", (64, 64)),
+        ("self_attn.v_proj.weight", (64, 64)), ("mlp.experts.down_proj", (8, 32, 32)),
+        ("mlp.down_proj.weight", (128, 128)), ("self_attn.scale", ()))]
+    layout = TrainerLayout(8, pp=2, ep=2)
+    cuts = ([0, 4, 8, 12, 16], [0, 2, 8, 14, 16])  # the router of odd layers is cut elsewhere, same holders
+    return [participant(r, [*(tensor(p.name, p.shape, shard=None if shard is None else
+                                     (shard.dim, shard.start, shard.stop), gatherable=gatherable)
+                              for p, shard, gatherable in holdings(params, r, layout)),
+                            *(tensor(f"model.layers.{i}.mlp.gate.weight", (16, 64), gatherable=True,
+                                     shard=(0, cuts[i % 2][r % 4], cuts[i % 2][r % 4 + 1])) for i in range(4)
+                              if i // 2 == r // 4)], host=f"t{r}")
+            for r in range(8)]
+
+
+def _layered_receiver(rank):
+    """TP 2 with q, k and v fused (the llama rule: three sources a tensor), experts by EP, and the MLP's
+    down_proj in block FP8 with its scales."""
+    i = rank % 2
+    out = []
+    for layer in range(4):
+        p = f"model.layers.{layer}."
+        out += [tensor(p + "self_attn.qkv_proj.weight", (192, 64), shard=(0, 96 * i, 96 * i + 96)),
+                tensor(p + "mlp.experts.down_proj", (8, 32, 32), shard=(0, 4 * i, 4 * i + 4)),
+                tensor(p + "mlp.down_proj.weight", (128, 128), dtype="float8_e4m3fn", shard=(1, 64 * i, 64 * i + 64)),
+                tensor(p + "mlp.down_proj.weight_scale_inv", (1, 1)), tensor(p + "self_attn.scale", ()),
+                tensor(p + "mlp.gate.weight", (16, 64))]
+    return participant(rank, out, host=f"i{rank}")
+
+
+class _EachMadeAfresh(Resolver):
+    """Every tensor layout's templates made from its own sources: nothing taken from another's."""
+
+    def _made(self, t, rank, scale_of, names, key):
+        return self._templates(t, rank, scale_of, names)
+
+
+def test_tensors_alike_but_for_their_names_share_templates_and_the_pieces_are_those_made_afresh():
+    senders, receivers = _layered_senders(), [_layered_receiver(r) for r in range(4)]
+    shared = Resolver(index_sources(senders), mapping="llama")
+    got = shared.pieces((p.rank, p.manifest) for p in receivers)
+    want = _EachMadeAfresh(index_sources(senders), mapping="llama").pieces((p.rank, p.manifest) for p in receivers)
+
+    def fields(pieces):
+        return [tuple(getattr(p, f) for f in Piece.__slots__) for p in pieces]
+
+    assert fields(got) == fields(want)
+    # the two layers of a stage share (q, k, v and the scales too, not the routers); the stages hold them on
+    # other ranks
+    assert len(shared.templates) == 40 and len(shared.renamed) == 22
+    assert {p.cands for p in got if ".layers.0." in p.src_name}.isdisjoint(
+        {p.cands for p in got if ".layers.2." in p.src_name})
