@@ -45,8 +45,9 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                 want = trained(initial, v)
                 _check_receivers(receivers, tp, want)
                 largest = max(t.numel() * t.element_size() for t in initial.values())
-                needs = needs if v > 1 else _gathers_per_round(ctl)  # (the children leave after the last round)
-                if v == 1:  # the TP receivers (row-parallel slices as blocks, FP8 ones too) need no gather;
+                if v == 1:  # (asked in the first round: the children leave after the last)
+                    needs = _gathers_per_round(ctl)
+                    # the TP receivers (row-parallel slices as blocks, FP8 ones too) need no gather;
                     assert _rows_outside_shards(ctl, receiver=0) == []  # the whole-tensor FP8 one only where a
                     assert _rows_outside_shards(ctl, receiver=2) == []  # 128-row block spans both ranks' rows
                     outside = _rows_outside_shards(ctl, receiver=1)  # (k/v: 128 rows, 64 a rank)
