@@ -5,14 +5,15 @@ How this works: ``index_sources`` (``sources.py``) checks that all senders agree
 names the receiver ties to another: one storage moves once), resolves each tensor through the name
 mapping into parts (``mapping.py``: fused components, transposes, TP shards, casts, FP8 weight and
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
-covers it. ``Resolver`` does that walk (receivers of one layout share it); ``catalog.py`` uses it to check
-one joining receiver. A piece
-lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that FSDP ranks hold as
-gatherable shards is cut at their shard boundaries and each part sent by the ranks whose own shard holds
-it; a plain slice along a later dim (a row-parallel TP slice) is cut the same way into blocks, each
-rank's dim-0 rows of it (``Slice.dim0_start:dim0_stop``), which land back to back in the receiver. No
-gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each dim-0 part must have
-``STITCH_MIN_BYTES`` at least, and there are no blocks, else one gathering rank sends the need whole.
+covers it. ``Resolver`` does that walk (receivers of one layout share it, and tensors alike but for their
+names, every layer's q_proj of one TP rank, share it too); ``catalog.py`` uses it to check one joining
+receiver. A piece lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that
+FSDP ranks hold as gatherable shards is cut at their shard boundaries and each part sent by the ranks
+whose own shard holds it; a plain slice along a later dim (a row-parallel TP slice) is cut the same way
+into blocks, each rank's dim-0 rows of it (``Slice.dim0_start:dim0_stop``), which land back to back in
+the receiver. No gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each
+dim-0 part must have ``STITCH_MIN_BYTES`` at least, and there are no blocks, else one gathering rank
+sends the need whole.
 Block-FP8 parts (weights and their scales) are cut the same way in a small group where every cut falls
 on a 128-row block of the part's grid: each rank quantizes its own whole blocks (``_quantized_runs``).
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
@@ -134,7 +135,8 @@ class Resolver:
         self.intern = Interned()
         self.templates: dict[tuple, list[tuple]] = {}
         self.comps_of: dict[str, tuple] = {}
-        self.renamed: dict[tuple, tuple[tuple[str, ...], list[tuple]]] = {}  # the key less names -> (sources, templates)
+        # a layout less its names -> (the sources it was made from, its templates): ``_made``
+        self.renamed: dict[tuple, tuple[tuple[str, ...], list[tuple]]] = {}
         self._alike_of: dict[str, int] = {}  # source name -> its kind (``_likeness``), numbered
         self._kinds: dict[tuple, int] = {}
 
