@@ -137,7 +137,7 @@ class Resolver:
         self.comps_of: dict[str, tuple] = {}
         # a layout less its names -> (the sources it was made from, its templates): ``_made``
         self.renamed: dict[tuple, tuple[tuple[str, ...], list[tuple]]] = {}
-        self._alike_of: dict[str, int] = {}  # source name -> its kind (``_likeness``), numbered
+        self._alike_of: dict[str, int] = {}  # source name -> its kind (``Source.likeness``), numbered
         self._kinds: dict[tuple, int] = {}
 
     def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
@@ -184,7 +184,9 @@ class Resolver:
         return made
 
     def _alike(self, srcs: tuple[str, ...]) -> Optional[tuple[int, ...]]:
-        """The kind of each source (held alike: ``_likeness``); None if one is missing or named twice."""
+        """The kind of each source (held alike: ``Source.likeness``); None if one is missing or named twice."""
+        if len(set(srcs)) != len(srcs):
+            return None
         out = []
         for name in srcs:
             kind = self._alike_of.get(name)
@@ -192,9 +194,9 @@ class Resolver:
                 src = self.sources.get(name)
                 if src is None:
                     return None
-                kind = self._alike_of[name] = self._kinds.setdefault(_likeness(src, self.intern), len(self._kinds))
+                kind = self._alike_of[name] = self._kinds.setdefault(src.likeness(self.intern), len(self._kinds))
             out.append(kind)
-        return tuple(out) if len(set(srcs)) == len(srcs) else None
+        return tuple(out)
 
     def _templates(self, t: TensorSpec, rank: int, scale_of, names) -> list[tuple]:
         if self.absent_ok and not all(src in self.shapes for src in self.rules.recipe((scale_of or t).name)[1]):
@@ -270,15 +272,6 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
             p.cands = chosen
         for s in chosen:
             load[s] += total // k
-
-
-def _likeness(src: Source, intern: "Interned") -> tuple:
-    """All that a piece template reads of a source besides its name (``_pieces_for`` and the cuts it
-    calls): dtype and full shape, the full holders, the gatherable shards (their ``Spans``, shared by
-    every source sharded alike) and the other shards with their holders."""
-    return (src.dtype, src.full_shape, src.full_cands(intern) if src.full else (),
-            id(src.spans(intern)) if src.gshards else None,
-            tuple(sorted((key, tuple(holders)) for key, holders in src.shards.items())))
 
 
 def _layout(t: TensorSpec) -> tuple:

@@ -162,6 +162,15 @@ class Source:
                                  ranks=[f"sender/{rank}", *(f"sender/{r}" for r in holders)])
         return None
 
+    def likeness(self, intern: "Interned") -> tuple:
+        """All that a piece template reads of this source besides its name (``needs._pieces_for`` and the
+        cuts it calls): dtype and full shape, the full holders, the gatherable shards (their ``Spans``,
+        shared by every source sharded alike) and the other shards with their holders. Sources alike
+        give the same templates under their own names (``needs.Resolver``)."""
+        return (self.dtype, self.full_shape, self.full_cands(intern) if self.full else (),
+                id(self.spans(intern)) if self.gshards else None,
+                tuple(sorted((key, tuple(holders)) for key, holders in self.shards.items())))
+
     def full_cands(self, intern: "Interned") -> tuple[int, ...]:
         """The full holders as one shared (interned) tuple: pieces compare and hash it cheaply."""
         if self._full_cands is None:
