@@ -29,6 +29,13 @@ async def push(sender, tensors, version):
     return await asyncio.wait_for(handle, WATCHDOG)
 
 
+async def applied(version, *receivers):
+    """Wait until each receiver has applied ``version``: a push returns at the commit, which a receiver
+    of a two-phase round applies on its own message, not always before the sender hears of it."""
+    for receiver in receivers:
+        await asyncio.wait_for(receiver.wait_for(version), WATCHDOG)
+
+
 async def test_a_departed_senders_pending_push_never_starts_a_round():
     a_t, b_t, a2_t, recv_t = sender_tensors(0), sender_tensors(0), sender_tensors(0), receiver_tensors()
     async with Controller(senders=2, receivers=1, options=FAST) as ctl, \
@@ -137,6 +144,7 @@ async def test_strangers_on_the_data_port_cannot_touch_weights(mode):
         assert receiver.version == 1 and mismatches(recv_t, 1) == []
         assert "refused=" in repr(receiver.transport)
         await push(sender, send_t, 2)  # the real round still goes through
+        await applied(2, receiver)
         assert receiver.version == 2 and mismatches(recv_t, 2) == []
 
 
@@ -188,6 +196,7 @@ async def test_a_restarted_receiver_rejoins_and_rounds_resume():
         async with WeightReceiver(ctl.address, recv2_t, rank=0) as again:
             await asyncio.wait_for(ctl.wait_plan(after=plan), WATCHDOG)
             await push(sender, send_t, 2)  # the sender reconnected with the new plan's key
+            await applied(2, again)
             assert again.version == 2 and mismatches(recv2_t, 2) == []
         # the replan patched the last plan: the same sender, and a receiver the planner cannot tell from the
         # old one but for its address and region descriptors (and the round above went through with it)
@@ -207,6 +216,7 @@ async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_get
         async with WeightSender(ctl.address, send2_t, rank=0) as again:
             await asyncio.wait_for(ctl.wait_plan(after=plan), WATCHDOG)
             await push(again, send2_t, 2)
+            await applied(2, receiver)
             assert receiver.version == 2 and mismatches(recv_t, 2) == []
             assert again._conn_keys[0][1] != old_key[1]  # the new process's pair has a new key
         # the replan patched the last plan: nothing the planner reads of the sender changed
@@ -231,6 +241,7 @@ async def test_a_replan_keeps_the_connections_of_pairs_whose_processes_stayed():
             await push(sender, send_t, 2)
             assert sender.conns[0] is kept and sender._conn_keys[0] == kept_key
             assert sender._conn_keys[1][1] != old_key[1]  # the new process's pair has a new key
+            await applied(2, stays, again)
             assert stays.version == again.version == 2 and mismatches(recv_t[0], 2) == []
             assert stays.transport.guard.refused == 0
 
@@ -281,6 +292,7 @@ async def test_workers_rejoin_a_restarted_controller_and_continue(how):
             assert ctl2.committed == 3  # learned from the workers' hellos before any round
             assert sender.sessions == receiver.sessions == 2 and sender.lost is None
             await push(sender, send_t, 4)
+            await applied(4, receiver)
             assert receiver.version == 4 and mismatches(recv_t, 4) == []
             assert receiver.storage_swaps == 4  # (re-registered after an odd number of memory exchanges)
             with pytest.raises(Exception):
