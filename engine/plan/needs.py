@@ -7,15 +7,8 @@ mapping into parts (``mapping.py``: fused components, transposes, TP shards, cas
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
 covers it. ``Resolver`` does that walk (receivers of one layout share it, and tensors alike but for their
 names, every layer's q_proj of one TP rank, share it too); ``catalog.py`` uses it to check one joining
-receiver. A piece lists its candidate senders. Shard-to-shard: a plain dim-0 piece of a parameter that
-FSDP ranks hold as gatherable shards is cut at their shard boundaries and each part sent by the ranks
-whose own shard holds it; a plain slice along a later dim (a row-parallel TP slice) is cut the same way
-into blocks, each rank's dim-0 rows of it (``Slice.dim0_start:dim0_stop``), which land back to back in
-the receiver. No gather either way; in an FSDP group of more than ``STITCH_SMALL_GROUP`` shards each
-dim-0 part must have ``STITCH_MIN_BYTES`` at least, and there are no blocks, else one gathering rank
-sends the need whole.
-Block-FP8 parts (weights and their scales) are cut the same way in a small group where every cut falls
-on a 128-row block of the part's grid: each rank quantizes its own whole blocks (``_quantized_runs``).
+receiver. A piece lists its candidate senders; how a part is cut along the senders' shards (shard-to-shard,
+blocks, block-FP8 runs) is ``cuts.py``'s.
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
 bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
@@ -28,24 +21,20 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence
 
-import bisect
 from collections import defaultdict
 from math import prod
 
-from weightsync.wire import Manifest, Slice, TensorSpec, dtype_size
+from weightsync.wire import Manifest, TensorSpec, dtype_size
 
 from ..errors import UnknownParameter, Unsuppliable
 from .links import Participant
-from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, Part, SourceShape, components, dtype_transform
+from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, SourceShape, components, dtype_transform
 from .mapping import get_mapping, parts_for
-from .sources import Interned, Piece, Source, Spans, index_sources
+from .cuts import pieces_for
+from .sources import Interned, Piece, Source, index_sources
 
 __all__ = ["PlanCache", "Piece", "Resolver", "Source", "build_pieces", "index_sources"]
 
-STITCH_MIN_BYTES = 1 << 20  # a shard-to-shard part smaller than this is not worth its own write ...
-STITCH_SMALL_GROUP = 8  # ... unless the FSDP group has this many shards at most: then a need takes a few
-#                          writes, which cost less than a gather (a collective every rank of the group
-#                          joins, a latency the byte model leaves out, and the tensor on an inbound port)
 
 
 def build_pieces(
@@ -223,7 +212,7 @@ def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources
     step = dtype_transform(src_dtype, weight, where, transforms, names)
     out = []
     for part in parts_for(t, comps, step, where, scale_of):
-        for p in _pieces_for(sources[part.src], t, rank, part, intern):
+        for p in pieces_for(sources[part.src], t, rank, part, intern):
             out.append((p.src_name, p.slice, p.nbytes, p.offset - t.offset, p.row_bytes, p.transform, p.cands))
     return out
 
@@ -288,155 +277,3 @@ def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optio
         return None
     weight = specs.get(t.name[: -len(SCALE_SUFFIX)])
     return weight if weight is not None and weight.dtype == FP8 else None
-
-
-def _pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: "Interned") -> list[Piece]:
-    need = part.slice
-    region = t.region if t.region is not None else 0
-    offset = t.offset + part.offset
-    if src.gshards and part.row_bytes and need is not None and need.dim == 0:
-        stitched = _stitch(src, t, rank, need, region, offset, part.row_bytes, intern)
-        if stitched is not None:
-            return stitched
-    if src.gshards and not part.transform and need is not None and need.dim > 0 and src.full_shape:
-        blocks = _blocks(src, t, rank, need, region, offset, part.nbytes, intern)
-        if blocks is not None:
-            return blocks
-    if src.gshards and need is not None and part.transform.partition(":")[0] in ("fp8w", "fp8s"):
-        quantized = _quantized_runs(src, t, rank, part, region, offset, intern)
-        if quantized is not None:
-            return quantized
-    if not src.shards and src.full:
-        cands = src.full_cands(intern)
-    else:
-        found = set(src.full)
-        if need is not None and need.dim in src.cuts():
-            starts, rows = src.cuts()[need.dim]
-            i = bisect.bisect_right(starts, need.start) - 1
-            if i >= 0 and need.stop <= rows[i][1]:  # the one span that starts at or before the need
-                found.update(rows[i][2])
-        key = tuple(sorted(found))
-        cands = intern.setdefault(key, key)
-    if cands:
-        return [Piece(rank, t.name, src.name, need, part.nbytes, region, offset, part.row_bytes, part.transform,
-                      cands)]
-    return _cover_with_shards(src, t, rank, need, region, offset, part.row_bytes, part.transform, intern)
-
-
-def _stitch(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, row_bytes: int,
-            intern: "Interned") -> Optional[list[Piece]]:
-    """Rows ``need`` of a plain dim-0 part, each run sent by the FSDP ranks whose own shard holds it;
-    None where the shards are not cut along dim 0, leave a gap, or would make a part too small. The runs
-    depend only on the rows, so receivers that need the same rows share them (``Spans.runs``)."""
-    runs = _runs(src, need.start, need.stop, row_bytes, intern)
-    if runs is None:
-        return None
-    return [Piece(rank, t.name, src.name, Slice(0, at, stop), (stop - at) * row_bytes, region,
-                  offset + (at - need.start) * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
-
-
-def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, offset: int, nbytes: int,
-            intern: "Interned") -> Optional[list[Piece]]:
-    """A plain slice along a later dim (a row-parallel TP slice: all dim-0 rows, some columns), sent as
-    blocks: each FSDP rank sends its own dim-0 rows of it (a pitched source) to where they land, back to
-    back in the receiver's slice; no gather. Only in a group of ``STITCH_SMALL_GROUP`` shards at most;
-    None there too where ``_stitch_runs`` says no."""
-    rows = src.full_shape[0]
-    if rows == 0 or nbytes % rows or len(src.spans(intern).rows) > STITCH_SMALL_GROUP:
-        return None  # (a large group would cut every slice into a block per rank: Kimi-K2 256 -> 128 tp8 had
-        #              4 M transfers, 30x, and planned in a minute; there the rank that gathers sends it)
-    row_bytes = nbytes // rows  # one dim-0 row of the slice, as it lies in the receiver
-    runs = _runs(src, 0, rows, row_bytes, intern)
-    if runs is None:
-        return None
-    return [Piece(rank, t.name, src.name, Slice(need.dim, need.start, need.stop, at, stop), (stop - at) * row_bytes,
-                  region, offset + at * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
-
-
-def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: int, offset: int,
-                    intern: "Interned") -> Optional[list[Piece]]:
-    """An FP8 weight or scale part (``fp8w:B`` / ``fp8s:B``) of FSDP dim-0 shards, cut where the shards
-    are, when every cut falls on a B-row block boundary of the part's grid (anchored at its first row):
-    each rank quantizes its own rows, which are whole blocks of that grid, so its weight rows and block
-    scales are those of the whole part, and no rank gathers. Weight rows land at row offsets, scale rows
-    at block-row offsets. Only in a group of ``STITCH_SMALL_GROUP`` shards at most; None otherwise."""
-    need, block = part.slice, int(part.transform.partition(":")[2])
-    origin, rows = (need.start, need.stop - need.start) if need.dim == 0 else (0, src.full_shape[0])
-    if rows == 0 or len(src.spans(intern).rows) > STITCH_SMALL_GROUP:
-        return None
-    runs = _runs(src, origin, origin + rows, 1, intern)  # (row size: only a large group's size rule reads it)
-    if runs is None or any((at - origin) % block for at, _, _ in runs):
-        return None
-    scales = part.transform.startswith("fp8s")
-    unit = -(-rows // block) if scales else rows  # the part's rows: block rows of scales, or weight rows
-    if part.nbytes % unit:
-        return None
-    row_bytes = part.nbytes // unit
-    out = []
-    for at, stop, holders in runs:
-        first, count = (at - origin, stop - at) if not scales else ((at - origin) // block, -(-(stop - at) // block))
-        piece_slice = Slice(0, at, stop) if need.dim == 0 else Slice(need.dim, need.start, need.stop, at, stop)
-        out.append(Piece(rank, t.name, src.name, piece_slice, count * row_bytes, region, offset + first * row_bytes,
-                         0, part.transform, holders))
-    return out
-
-
-def _runs(src: Source, start: int, stop: int, row_bytes: int, intern: "Interned") -> Optional[list[tuple[int, int, tuple]]]:
-    """``_stitch_runs`` of dim-0 rows ``start:stop``, once per sharding: they depend only on the rows, so
-    receivers that need the same rows, and parameters sharded alike, share them (``Spans.runs``)."""
-    spans = src.spans(intern)
-    key = (start, stop, row_bytes)
-    runs = spans.runs.get(key, False)
-    if runs is False:
-        runs = spans.runs[key] = _stitch_runs(spans, Slice(0, start, stop), row_bytes)
-    return runs
-
-
-def _stitch_runs(layout: Spans, need: Slice, row_bytes: int) -> Optional[list[tuple[int, int, tuple]]]:
-    starts, spans = layout.starts, layout.rows
-    out: list[tuple[int, int, tuple]] = []
-    at = need.start
-    for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:
-        if b <= at:
-            continue
-        if a >= need.stop:
-            break
-        if a > at:
-            return None
-        stop = min(b, need.stop)
-        out.append((at, stop, holders))
-        at = stop
-    if at != need.stop or not out:
-        return None
-    if len(spans) > STITCH_SMALL_GROUP and len(out) > 1 and any((b - a) * row_bytes < STITCH_MIN_BYTES
-                                                                 for a, b, _ in out):
-        return None  # small parts of a large group: one gathering rank sends the need whole
-    return out
-
-
-def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform, intern) -> list[Piece]:
-    """No single sender covers the need: stitch it from dim-0 shards, or fail."""
-    def holders() -> list[str]:
-        return [f"receiver/{rank}", *(f"sender/{r}" for rs in src.shards.values() for r in rs)]
-
-    if need is None or need.dim != 0 or not src.shards or next(iter(src.shards))[0] != 0 or not row_bytes:
-        raise Unsuppliable("no sender holds or can gather the needed part", param=t.name, ranks=holders())
-    out: list[Piece] = []
-    at = need.start
-    starts, rows = src.cuts()[0]
-    for a, b, senders in rows[max(0, bisect.bisect_right(starts, at) - 1):]:
-        if b <= at:
-            continue
-        if a >= need.stop:
-            break
-        if a > at:
-            raise Unsuppliable(f"rows {at}:{a} of dim 0 are held by no sender", param=t.name, ranks=holders())
-        stop = min(b, need.stop)
-        nbytes = (stop - at) * row_bytes
-        cands = tuple(sorted(senders))
-        out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
-                         offset + (at - need.start) * row_bytes, row_bytes, transform, intern.setdefault(cands, cands)))
-        at = stop
-    if at < need.stop:
-        raise Unsuppliable(f"rows {at}:{need.stop} of dim 0 are held by no sender", param=t.name, ranks=holders())
-    return out

@@ -163,7 +163,7 @@ class Source:
         return None
 
     def likeness(self, intern: "Interned") -> tuple:
-        """All that a piece template reads of this source besides its name (``needs._pieces_for`` and the
+        """All that a piece template reads of this source besides its name (``cuts.pieces_for`` and the
         cuts it calls): dtype and full shape, the full holders, the gatherable shards (their ``Spans``,
         shared by every source sharded alike) and the other shards with their holders. Sources alike
         give the same templates under their own names (``needs.Resolver``)."""
