@@ -135,19 +135,8 @@ def _runs(src: Source, start: int, stop: int, row_bytes: int, intern: "Interned"
 
 
 def _stitch_runs(layout: Spans, need: Slice, row_bytes: int) -> Optional[list[tuple[int, int, tuple]]]:
-    starts, spans = layout.starts, layout.rows
-    out: list[tuple[int, int, tuple]] = []
-    at = need.start
-    for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:
-        if b <= at:
-            continue
-        if a >= need.stop:
-            break
-        if a > at:
-            return None
-        stop = min(b, need.stop)
-        out.append((at, stop, holders))
-        at = stop
+    spans = layout.rows
+    out, at, _ = _covering(layout.starts, spans, need.start, need.stop)
     if at != need.stop or not out:
         return None
     if len(spans) > STITCH_SMALL_GROUP and len(out) > 1 and any((b - a) * row_bytes < STITCH_MIN_BYTES
@@ -163,22 +152,27 @@ def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform,
 
     if need is None or need.dim != 0 or not src.shards or next(iter(src.shards))[0] != 0 or not row_bytes:
         raise Unsuppliable("no sender holds or can gather the needed part", param=t.name, ranks=holders())
+    runs, at, gap_end = _covering(*src.cuts()[0], need.start, need.stop)
+    if at < need.stop:
+        raise Unsuppliable(f"rows {at}:{gap_end} of dim 0 are held by no sender", param=t.name, ranks=holders())
     out: list[Piece] = []
-    at = need.start
-    starts, rows = src.cuts()[0]
-    for a, b, senders in rows[max(0, bisect.bisect_right(starts, at) - 1):]:
+    for at, stop, senders in runs:
+        cands = tuple(sorted(senders))
+        out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), (stop - at) * row_bytes, region,
+                         offset + (at - need.start) * row_bytes, row_bytes, transform, intern.setdefault(cands, cands)))
+    return out
+
+
+def _covering(starts: list[int], spans: list[tuple[int, int, object]], start: int, stop: int):
+    """Rows ``start:stop`` as runs of the sorted, non-overlapping ``spans`` (start, stop, holders) that
+    cover them back to back from ``start``: (runs, where the cover ends, where the gap after it ends)."""
+    out, at = [], start
+    for a, b, holders in spans[max(0, bisect.bisect_right(starts, at) - 1):]:
         if b <= at:
             continue
-        if a >= need.stop:
-            break
-        if a > at:
-            raise Unsuppliable(f"rows {at}:{a} of dim 0 are held by no sender", param=t.name, ranks=holders())
-        stop = min(b, need.stop)
-        nbytes = (stop - at) * row_bytes
-        cands = tuple(sorted(senders))
-        out.append(Piece(rank, t.name, src.name, Slice(0, at, stop), nbytes, region,
-                         offset + (at - need.start) * row_bytes, row_bytes, transform, intern.setdefault(cands, cands)))
-        at = stop
-    if at < need.stop:
-        raise Unsuppliable(f"rows {at}:{need.stop} of dim 0 are held by no sender", param=t.name, ranks=holders())
-    return out
+        if a > at or a >= stop:
+            return out, at, min(a, stop)
+        end = min(b, stop)
+        out.append((at, end, holders))
+        at = end
+    return out, at, stop
