@@ -286,9 +286,19 @@ _ENTRY = ("src_rank", "index", "region", "offset", "name", "slice", "nbytes", "t
 
 def _entries(expected: list[tuple]) -> Rows:
     """A receiver's rows, sorted by (region, offset): ``expected`` holds tuples of (region, offset,
-    sender, index, name, slice, bytes, transform)."""
-    region, offset, src, index, *rest = zip(*sorted(expected)) if expected else ((),) * len(_ENTRY)
+    sender, index, name, slice, bytes, transform), added by sender and index (a tie keeps that order,
+    as sorting the whole tuples would). Sorted by the offset alone, then (stable) by the region where
+    there are several: comparing ints, not tuples whose first items are mostly equal, halves the sort."""
+    if not expected:
+        return Rows(ExpectedEntry, dict.fromkeys(_ENTRY, ()))
+    rows = sorted(expected, key=_OFFSET)
+    if len(set(map(_REGION, rows))) > 1:
+        rows.sort(key=_REGION)
+    region, offset, src, index, *rest = zip(*rows)
     return Rows(ExpectedEntry, dict(zip(_ENTRY, (src, index, region, offset, *rest))))
+
+
+_REGION, _OFFSET = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def tables_from_assignment(
