@@ -77,24 +77,25 @@ def sender_manifest(params, rank, layout: TrainerLayout):
 
 
 def receiver_manifest(params, rank, tp, ep, fp8=False):
-    """Inference rank ``rank``'s tensors; with ``fp8``, its linear layers' 2-D weights in block FP8
-    (128 x 128 blocks) with their float32 scales, as FP8 checkpoints hold them (the embeddings, the
-    head, the router and the norms stay as they are; so do fused 3-D expert tensors: the planner's
-    block-FP8 transform quantizes 2-D weights only)."""
+    """Inference rank ``rank``'s tensors; with ``fp8``, its linear layers' weights in block FP8 (128 x 128
+    blocks) with their float32 scales, as FP8 checkpoints hold them: 2-D weights, and the fused expert
+    stacks matrix by matrix (scales [E, R/128, C/128]); the embeddings, the head, the router and the
+    norms stay as they are."""
     out = []
     for p in params:
         cut = tp_slice(p.name, p.shape, rank % tp, tp, rank % ep if ep > 1 else None, ep)
         shard = ShardSpec(p.shape, *cut) if cut else None
-        if fp8 and _FP8_LINEAR.search(p.name) and len(p.shape) == 2:
+        if fp8 and (_FP8_LINEAR.search(p.name) and len(p.shape) == 2 or _FP8_STACK.search(p.name)):
             spec = _spec(p.name, p.shape, FP8, shard)
-            local = spec[0].shape
-            out += [spec, _spec(p.name + SCALE_SUFFIX, (-(-local[0] // BLOCK), -(-local[1] // BLOCK)), "float32")]
+            *stack, rows, cols = spec[0].shape
+            out += [spec, _spec(p.name + SCALE_SUFFIX, (*stack, -(-rows // BLOCK), -(-cols // BLOCK)), "float32")]
         else:
             out.append(_spec(p.name, p.shape, p.dtype, shard))
     return _manifest(out)
 
 
 _FP8_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(?!gate\.weight).*weight$")
+_FP8_STACK = re.compile(r"\.mlp\.experts\.(gate_up|down)_proj$")
 
 
 SCENARIOS = [

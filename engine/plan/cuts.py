@@ -10,7 +10,8 @@ the receiver. No gather either way; in an FSDP group of more than ``STITCH_SMALL
 dim-0 part must have ``STITCH_MIN_BYTES`` at least, and there are no blocks, else one gathering rank
 sends the need whole.
 Block-FP8 parts (weights and their scales) are cut the same way in a small group where every cut falls
-on a 128-row block of the part's grid: each rank quantizes its own whole blocks (``_quantized_runs``).
+on a 128-row block of the part's grid (of a 3-D stack of matrices, fused experts, every cut between
+matrices does): each rank quantizes its own whole blocks (``_quantized_runs``).
 ``pieces_for`` is the entry (``needs._templates`` calls it per part); what it reads of a source is what
 ``Source.likeness`` lists. Every failure is a ``PlanError`` naming the parameter and ranks.
 """
@@ -18,6 +19,7 @@ on a 128-row block of the part's grid: each rank quantizes its own whole blocks 
 from __future__ import annotations
 
 import bisect
+from math import prod
 from typing import Optional
 
 from weightsync.wire import Slice, TensorSpec
@@ -44,7 +46,7 @@ def pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: "Inter
         blocks = _blocks(src, t, rank, need, region, offset, part.nbytes, intern)
         if blocks is not None:
             return blocks
-    if src.gshards and need is not None and part.transform.partition(":")[0] in ("fp8w", "fp8s"):
+    if (src.gshards or src.shards) and need is not None and part.transform.partition(":")[0] in ("fp8w", "fp8s"):
         quantized = _quantized_runs(src, t, rank, part, region, offset, intern)
         if quantized is not None:
             return quantized
@@ -101,16 +103,26 @@ def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: i
     are, when every cut falls on a B-row block boundary of the part's grid (anchored at its first row):
     each rank quantizes its own rows, which are whole blocks of that grid, so its weight rows and block
     scales are those of the whole part, and no rank gathers. Weight rows land at row offsets, scale rows
-    at block-row offsets. Only in a group of ``STITCH_SMALL_GROUP`` shards at most; None otherwise."""
+    at block-row offsets. Only in a group of ``STITCH_SMALL_GROUP`` shards at most, but for a stack of
+    matrices (fused experts: each rank quantizes its own experts, a run of a matrix at least, sized as
+    ``_stitch_runs`` sizes plain runs), which expert-parallel ranks holding whole experts (not
+    gatherable) cut the same way; None otherwise."""
     need, block = part.slice, int(part.transform.partition(":")[2])
     origin, rows = (need.start, need.stop - need.start) if need.dim == 0 else (0, src.full_shape[0])
-    if rows == 0 or len(src.spans(intern).rows) > STITCH_SMALL_GROUP:
+    stack = len(src.full_shape) == 3  # matrices (fused experts), each on its own grid: every cut is on one
+    if rows == 0:
         return None
-    runs = _runs(src, origin, origin + rows, 1, intern)  # (row size: only a large group's size rule reads it)
-    if runs is None or any((at - origin) % block for at, _, _ in runs):
+    if not src.gshards:  # experts held whole by their expert-parallel ranks: each quantizes its own
+        runs = _held_runs(src, origin, origin + rows, intern) if stack else None
+    elif stack or len(src.spans(intern).rows) <= STITCH_SMALL_GROUP:
+        # (row size: only a large group's size rule reads it; a stack's weight and scales alike go by a matrix)
+        runs = _runs(src, origin, origin + rows, prod(src.full_shape[1:]) if stack else 1, intern)
+    else:
         return None
-    scales = part.transform.startswith("fp8s")
-    unit = -(-rows // block) if scales else rows  # the part's rows: block rows of scales, or weight rows
+    if runs is None or not stack and any((at - origin) % block for at, _, _ in runs):
+        return None
+    scales = part.transform.startswith("fp8s") and not stack  # (a stack's scales go matrix by matrix too)
+    unit = -(-rows // block) if scales else rows  # the part's rows: block rows of scales, weight rows, or matrices
     if part.nbytes % unit:
         return None
     row_bytes = part.nbytes // unit
@@ -120,6 +132,22 @@ def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: i
         piece_slice = Slice(0, at, stop) if need.dim == 0 else Slice(need.dim, need.start, need.stop, at, stop)
         out.append(Piece(rank, t.name, src.name, piece_slice, count * row_bytes, region, offset + first * row_bytes,
                          0, part.transform, holders))
+    return out
+
+
+def _held_runs(src: Source, start: int, stop: int, intern: "Interned") -> Optional[list[tuple[int, int, tuple]]]:
+    """Dim-0 rows ``start:stop`` as runs of the (non-gatherable) shards that cover them, with their holders;
+    None where they leave a gap or one shard holds them all (then its holders are the part's candidates)."""
+    cuts = src.cuts().get(0)
+    if cuts is None:
+        return None
+    runs, at, _ = _covering(*cuts, start, stop)
+    if at != stop or len(runs) < 2:
+        return None
+    out = []
+    for a, b, holders in runs:
+        key = tuple(sorted(holders))
+        out.append((a, b, intern.setdefault(key, key)))
     return out
 
 

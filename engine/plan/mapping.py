@@ -12,7 +12,9 @@ tensor. Tensor parallelism: a receiver declares a ``ShardSpec`` of its tensor; a
 tensor is taken per component (shard ``i`` of ``w`` gets the ``i``-th ``w``-th of q, of k and of v), any
 other dim slices every component. Dtypes: a different float dtype is a cast; ``float8_e4m3fn`` with a
 ``<name>_scale_inv`` float32 tensor next to it is 128x128 block quantization, each part on its own grid
-(DeepSeek-V3 / vLLM block FP8), and the scale tensor's parts are derived from the weight's.
+(DeepSeek-V3 / vLLM block FP8), and the scale tensor's parts are derived from the weight's; a 3-D stack of
+matrices (fused MoE experts [E, R, C], R whole blocks) is quantized matrix by matrix, its scales [E, R/128,
+ceil(C/128)].
 """
 
 from __future__ import annotations
@@ -234,9 +236,12 @@ def dtype_transform(src_dtype: str, t: TensorSpec, where: str, custom: MappingT[
         if t.name + SCALE_SUFFIX not in names:
             raise ManifestMismatch(f"an {FP8} weight needs its block scales as {t.name + SCALE_SUFFIX!r}",
                                    param=t.name, ranks=[where])
-        if len(t.shape) != 2:
-            raise ManifestMismatch(f"block FP8 quantizes 2-D weights, this one is {len(t.shape)}-D",
-                                   param=t.name, ranks=[where])
+        if len(t.shape) not in (2, 3):
+            raise ManifestMismatch(f"block FP8 quantizes 2-D weights and 3-D stacks of them (fused experts), "
+                                   f"this one is {len(t.shape)}-D", param=t.name, ranks=[where])
+        if len(t.shape) == 3 and t.shape[1] % BLOCK:
+            raise BadTiling(f"a stack of matrices {list(t.shape)} is quantized per matrix: its {t.shape[1]} rows "
+                            f"(dim 1) must be whole {BLOCK}-row blocks", param=t.name, ranks=[where])
         return f"fp8w:{BLOCK}"
     if t.dtype in FLOATS and src_dtype in FLOATS:
         return f"cast:{t.dtype}"
@@ -266,16 +271,17 @@ def parts_for(t: TensorSpec, comps: Sequence[Component], step: str, where: str,
     return out
 
 
-def block_scale_shape(name: str, shard: Optional[ShardSpec], comps: Sequence[Component]) -> tuple[int, int]:
+def block_scale_shape(name: str, shard: Optional[ShardSpec], comps: Sequence[Component]) -> tuple[int, ...]:
     """The float32 ``<name>_scale_inv`` a receiver holding ``shard`` of weight ``name`` needs."""
     blocks = [_blocks(_local_shape(c, rows, cols)) for c, rows, cols in _shard_regions(name, shard, comps, "layout")]
-    return sum(br for br, _ in blocks), blocks[-1][1]
+    return (sum(b[0] for b in blocks), *blocks[-1][1:])
 
 
-def _blocks(local: tuple[int, ...]) -> tuple[int, int]:
-    """Block rows and columns of a 2-D region (edge blocks ragged)."""
-    r, c = local
-    return -(-r // BLOCK), -(-c // BLOCK)
+def _blocks(local: tuple[int, ...]) -> tuple[int, ...]:
+    """The block grid of a region: block rows and columns of a 2-D one (edge blocks ragged); of a 3-D
+    stack of matrices (fused experts, each on its own grid), the matrices and each one's grid."""
+    *stack, r, c = local
+    return (*stack, -(-r // BLOCK), -(-c // BLOCK))
 
 
 def _shard_regions(name: str, shard: Optional[ShardSpec], comps: Sequence[Component], where: str):
@@ -340,20 +346,20 @@ def _scale_parts(t: TensorSpec, regions, step: str, where: str) -> list[Part]:
     if not step.startswith("fp8w:"):
         raise ManifestMismatch(f"{t.name} looks like block scales, but its weight is not quantized to {FP8}",
                                param=t.name, ranks=[where])
-    rows_total, cols_blocks, offset, out = 0, None, 0, []
+    rows_total, grid, offset, out = 0, (), 0, []
     for k, (comp, rows, cols) in enumerate(regions):
         local = _local_shape(comp, rows, cols)
-        if k < len(regions) - 1 and local[0] % BLOCK:
+        if k < len(regions) - 1 and len(local) == 2 and local[0] % BLOCK:  # (a stack's matrices: each its own grid)
             raise BadTiling(f"fused component {comp.src} has {local[0]} rows: block FP8 needs a multiple of "
                             f"{BLOCK} to keep the components' blocks apart", param=t.name, ranks=[where])
-        br, bc = _blocks(local)
-        cols_blocks = bc
-        nbytes = br * bc * 4
+        grid = _blocks(local)
+        nbytes = prod(grid) * 4
         steps = [s for s in ("t" if comp.transpose else "", "fp8s" + step[4:]) if s]
         out.append(Part(comp.src, _source_slice(comp, rows, cols), offset, nbytes, ",".join(steps), 0))
-        rows_total += br
+        rows_total += grid[0]
         offset += nbytes
-    if t.dtype != "float32" or tuple(t.shape) != (rows_total, cols_blocks):
-        raise ManifestMismatch(f"block scales must be float32 {[rows_total, cols_blocks]}, receiver has "
+    want = (rows_total, *grid[1:])
+    if t.dtype != "float32" or tuple(t.shape) != want:
+        raise ManifestMismatch(f"block scales must be float32 {list(want)}, receiver has "
                                f"{t.dtype}{list(t.shape)}", param=t.name, ranks=[where])
     return out

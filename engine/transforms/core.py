@@ -44,7 +44,7 @@ from weightsync.wire import Transfer
 
 from ..datapath.tensors import dtype_from_name
 from ..errors import StagingError
-from .fp8 import FP8_MAX, MIN_AMAX, Quantizer, dequantize_blocks, fp8_error_bound, quantize_blocks, within_fp8_bound
+from .fp8 import FP8_MAX, MIN_AMAX, Quantizer, as_matrix, dequantize_blocks, fp8_error_bound, quantize_blocks, within_fp8_bound
 
 __all__ = ["FP8_MAX", "MIN_AMAX", "Quantizer", "TransformSet", "dequantize_blocks", "fp8_error_bound",
            "group_bytes_for", "parse", "plan_quant_groups", "quantize_blocks", "within_fp8_bound"]  # (the
@@ -316,8 +316,10 @@ class TransformSet:
         key = self._key(t)
         both = self.kept.get(key)
         if both is None:
-            if x.dim() != 2:
-                raise StagingError(t.name, f"block FP8 needs a 2-D weight, got {list(x.shape)}")
+            try:  # (a stack of matrices, fused experts, as its 2-D view: the same grid and bytes)
+                x = as_matrix(x, block)
+            except ValueError as exc:
+                raise StagingError(t.name, str(exc)) from exc
             both = self._quantize_group(key, x, block)
         self.pending[key] -= 1
         if self.pending[key] > 0:  # more rows of this round want this quantization: keep it for them

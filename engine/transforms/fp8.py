@@ -25,10 +25,27 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale instead of a division by zero
 
 
-def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-D ``x`` -> (float8_e4m3fn tensor of x's shape, float32 scale_inv [ceil(R/B), ceil(C/B)])."""
+def as_matrix(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``x`` as the 2-D tensor its block grid is that of: a matrix as it is; a stack of matrices [E, R, C]
+    (fused MoE experts, each on its own grid: DeepSeek-V3 / vLLM) as its [E * R, C] view, whose grid is
+    the matrices' when R is whole blocks (a ``ValueError`` otherwise: a block would span two matrices)."""
+    if x.dim() == 3:
+        if x.shape[1] % block:
+            raise ValueError(f"a stack of matrices {list(x.shape)} is quantized per matrix: its {x.shape[1]} "
+                             f"rows (dim 1) must be whole {block}-row blocks")
+        return x.reshape(-1, x.shape[2])
     if x.dim() != 2:
-        raise ValueError(f"block quantization needs a 2-D tensor, got shape {list(x.shape)}")
+        raise ValueError(f"block quantization needs a 2-D tensor or a 3-D stack of them, got shape {list(x.shape)}")
+    return x
+
+
+def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``x`` -> (float8_e4m3fn tensor of x's shape, float32 scale_inv [ceil(R/B), ceil(C/B)]); a 3-D
+    stack [E, R, C] -> each matrix quantized on its own grid, scale_inv [E, R/B, ceil(C/B)] (``as_matrix``)."""
+    if x.dim() == 3:
+        q, scale_inv = quantize_blocks(as_matrix(x, block), block)
+        return q.view(x.shape), scale_inv.view(x.shape[0], x.shape[1] // block, -1)
+    x = as_matrix(x, block)
     rows, cols = x.shape
     br, bc = -(-rows // block), -(-cols // block)
     if rows % block or cols % block:
@@ -131,10 +148,12 @@ def _copy_to_address(x: torch.Tensor, address: int) -> None:
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """The reference inverse: float32 ``q * scale_inv`` with each scale spread over its block."""
-    rows, cols = q.shape
-    full = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    return q.float() * full
+    """The reference inverse: float32 ``q * scale_inv`` with each scale spread over its block (a 3-D
+    stack, matrix by matrix)."""
+    flat, scales = as_matrix(q, block), scale_inv.reshape(-1, scale_inv.shape[-1])
+    rows, cols = flat.shape
+    full = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return (flat.float() * full).view(q.shape)
 
 
 def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -142,9 +161,10 @@ def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) 
 
     Normal range: 3 mantissa bits, so half a step is at most 2^-4 of |x|; below it the subnormal step
     is 2^-9 of the block scale, half of it 2^-10. Plus float32 rounding of the division (negligible)."""
-    rows, cols = x.shape
-    scale = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    return x.float().abs() * 2.0 ** -4 + scale * 2.0 ** -10 + 1e-30
+    flat, scales = as_matrix(x, block), scale_inv.reshape(-1, scale_inv.shape[-1])
+    rows, cols = flat.shape
+    scale = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return (flat.float().abs() * 2.0 ** -4 + scale * 2.0 ** -10 + 1e-30).view(x.shape)
 
 
 def within_fp8_bound(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> bool:

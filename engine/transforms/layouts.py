@@ -63,11 +63,11 @@ class TensorParallel:
 class FP8Policy:
     """Which receiver weights are served in block FP8 (patterns are full-match regular expressions)."""
 
-    include: tuple[str, ...] = (r".*\.weight",)
+    include: tuple[str, ...] = (r".*\.weight", r".*\.w(13|2)_weight")  # (the latter: vLLM's fused MoE experts)
     exclude: tuple[str, ...] = FP8_EXCLUDE
 
     def wants(self, name: str, ndim: int) -> bool:
-        return (ndim == 2 and any(re.fullmatch(p, name) for p in self.include)
+        return (ndim in (2, 3) and any(re.fullmatch(p, name) for p in self.include)
                 and not any(re.fullmatch(p, name) for p in self.exclude))
 
 

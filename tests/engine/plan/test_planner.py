@@ -406,6 +406,52 @@ def test_fp8_parts_of_fsdp_rows_are_cut_where_shards_fall_on_whole_blocks(rows, 
                                                                   ("w_scale_inv", Slice(0, 0, rows), 3 * 2 * 4)]
 
 
+@pytest.mark.parametrize("gatherable", [True, False], ids=["fsdp", "expert-parallel"])
+def test_fp8_stacks_of_expert_matrices_are_quantized_matrix_by_matrix(gatherable):
+    """Fused experts [E, R, C] in block FP8: each matrix on its own grid, scales [E, R/128, C/128]. Two
+    FSDP (or expert-parallel) ranks hold three experts each: any cut between experts is one between grids, so each rank
+    quantizes and sends its own experts' weights and scales, for an expert-parallel slice (experts 2:6)
+    and for a slice inside every expert (rows 128:256 of dim 1) alike, in a large FSDP group too;
+    nothing is gathered."""
+    from weightsync.engine.plan.mapping import FP8
+
+    full, m = (6, 256, 256), 256 * 256  # (one expert's FP8 bytes)
+    senders = [participant(r, [tensor("experts", full, "bfloat16", shard=(0, 3 * r, 3 * r + 3), gatherable=gatherable)])
+               for r in range(2)]
+    ep = participant(0, [tensor("experts", full, FP8, shard=(0, 2, 6)), tensor("experts_scale_inv", (4, 2, 2))])
+    inside = participant(1, [tensor("experts", full, FP8, shard=(1, 128, 256)), tensor("experts_scale_inv", (6, 1, 2))])
+    pieces, _ = build_pieces(senders, [ep, inside])
+    got = {(p.receiver, p.dst_name, p.slice, p.offset - (0 if p.dst_name == "experts" else 4 * m if p.receiver == 0
+                                                         else 6 * m // 2), p.nbytes, p.cands, p.transform)
+           for p in pieces}
+    assert got == {
+        (0, "experts", Slice(0, 2, 3), 0, m, (0,), "fp8w:128"), (0, "experts", Slice(0, 3, 6), m, 3 * m, (1,), "fp8w:128"),
+        (0, "experts_scale_inv", Slice(0, 2, 3), 0, 16, (0,), "fp8s:128"),
+        (0, "experts_scale_inv", Slice(0, 3, 6), 16, 48, (1,), "fp8s:128"),
+        (1, "experts", Slice(1, 128, 256, 0, 3), 0, 3 * m // 2, (0,), "fp8w:128"),
+        (1, "experts", Slice(1, 128, 256, 3, 6), 3 * m // 2, 3 * m // 2, (1,), "fp8w:128"),
+        (1, "experts_scale_inv", Slice(1, 128, 256, 0, 3), 0, 24, (0,), "fp8s:128"),
+        (1, "experts_scale_inv", Slice(1, 128, 256, 3, 6), 24, 24, (1,), "fp8s:128")}
+    check_coverage(plan(senders, [ep, inside]), [ep, inside])
+    # a block may not span two matrices: rows (dim 1) not whole blocks are refused, naming the parameter
+    ragged = participant(0, [tensor("experts", (6, 192, 256), FP8), tensor("experts_scale_inv", (6, 2, 2))])
+    src = [participant(0, [tensor("experts", (6, 192, 256), "bfloat16")])]
+    with pytest.raises(errors.BadTiling, match="whole 128-row blocks") as err:
+        build_pieces(src, [ragged])
+    assert err.value.param == "experts"
+    # a large FSDP group (12 ranks, an expert each, 1 MiB in FP8): each rank still sends its own expert
+    big = [participant(r, [tensor("experts", (12, 1024, 1024), "bfloat16", shard=(0, r, r + 1), gatherable=True)])
+           for r in range(12)]
+    ep = participant(0, [tensor("experts", (12, 1024, 1024), FP8, shard=(0, 4, 10)),
+                         tensor("experts_scale_inv", (6, 8, 8))])
+    pieces, _ = build_pieces(big, [ep])
+    assert sorted((p.dst_name, p.slice.start, p.nbytes, p.cands) for p in pieces) == [
+        *(("experts", e, 1 << 20, (e,)) for e in range(4, 10)), *(("experts_scale_inv", e, 256, (e,)) for e in range(4, 10))]
+    flat = participant(0, [tensor("experts", full, FP8, shard=(0, 2, 6)), tensor("experts_scale_inv", (8, 2))])
+    with pytest.raises(errors.ManifestMismatch, match=r"block scales must be float32 \[4, 2, 2\]"):
+        build_pieces(senders, [flat])
+
+
 def test_colocated_receivers_get_local_nvlink_and_network_bytes_at_once():
     """FSDP trainers on two hosts of 8 GPUs, each with an inference rank on its GPU needing whole
     tensors: its own rows come by a local copy, its host mates' by NVLink, the other host's by the NIC,

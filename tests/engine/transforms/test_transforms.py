@@ -51,6 +51,21 @@ def test_fp8_zero_and_huge_blocks():
         quantize_blocks(torch.zeros(4))
 
 
+def test_a_stack_of_matrices_is_quantized_matrix_by_matrix():
+    """Fused experts [E, R, C]: every matrix on its own 128 x 128 grid (its own scales, its own ragged
+    last block column), exactly as quantizing each alone; rows that are not whole blocks are refused."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 256, 200, generator=g) * torch.tensor([1e-3, 1.0, 1e3])[:, None, None]).to(torch.bfloat16)
+    q, s = quantize_blocks(x)
+    assert q.shape == x.shape and s.shape == (3, 2, 2)
+    for e in range(3):
+        qe, se = quantize_blocks(x[e])
+        assert torch.equal(q[e].view(torch.uint8), qe.view(torch.uint8)) and torch.equal(s[e], se)
+    assert within_fp8_bound(x, q, s) and dequantize_blocks(q, s).shape == x.shape
+    with pytest.raises(ValueError, match="whole 128-row blocks"):
+        quantize_blocks(torch.zeros(2, 192, 128))
+
+
 # --- mapping rules ----------------------------------------------------------------------------------
 
 
@@ -191,6 +206,56 @@ async def test_bf16_to_block_fp8_receivers(grouped):
             fp8 = check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
             assert any("qkv_proj" in n for n in fp8) and "lm_head.weight" in fp8
             assert not any("norm" in n or "embed" in n for n in fp8)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+async def test_fused_experts_to_block_fp8_receivers_matrix_by_matrix(grouped):
+    """Stacks of expert matrices [E, R, C] (vLLM's fused MoE w13 / w2 names) in block FP8: an expert-parallel
+    receiver (experts 2:4) and one holding rows 128:256 of every expert (a slice inside each matrix,
+    quantized from a strided source) get each matrix quantized on its own grid, bit for bit what the
+    reference quantizer makes of their slice of the trainer's experts, scales [E, R/128, C/128]."""
+    gen = torch.Generator().manual_seed(7)
+    src = {"experts.w13_weight": torch.randn(4, 256, 192, generator=gen).to(torch.bfloat16),
+           "experts.w2_weight": torch.randn(4, 128, 256, generator=gen).to(torch.bfloat16),
+           "norm.weight": torch.randn(192, generator=gen).to(torch.bfloat16)}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    layout = receiver_layout(shapes, fp8=FP8Policy())
+    ep = _cut(_cut(layout, "experts.w13_weight", 0, 2, 4), "experts.w2_weight", 0, 2, 4)
+    inside = _cut(layout, "experts.w13_weight", 1, 128, 256)
+    wants = [lambda n: src[n][2:4] if n.startswith("experts") else src[n],
+             lambda n: src[n][:, 128:256] if n == "experts.w13_weight" else src[n]]
+    async with _cluster(src, [ep, inside], "identity") as (ctl, sender, receivers):
+        if grouped:
+            sender.sources.transforms.group_devices = frozenset({"cpu"})
+        await _one_round(sender, receivers)
+        for r, want in zip(receivers, wants):
+            state = r.state_dict()
+            assert check_fp8_receiver(state, want) == ["experts.w13_weight", "experts.w2_weight"]
+            for name in ("experts.w13_weight", "experts.w2_weight"):
+                q, scales = quantize_blocks(want(name))
+                assert state[name + "_scale_inv"].shape == scales.shape == (2 if r is receivers[0] else 4,
+                                                                           q.shape[1] // 128, -(-q.shape[2] // 128))
+                assert torch.equal(state[name].view(torch.uint8), q.view(torch.uint8)), name
+                assert torch.equal(state[name + "_scale_inv"], scales), name
+
+
+def _cut(layout, name: str, dim: int, start: int, stop: int):
+    """``layout`` with weight ``name`` cut to ``start:stop`` of ``dim`` (0: matrices of a stack, 1: rows
+    of each, whole blocks) and its block scales to match."""
+    from weightsync.engine.transforms.layouts import LayoutEntry
+    from weightsync.wire import ShardSpec
+
+    out = []
+    for e in layout:
+        if e.name == name:
+            shard = ShardSpec(e.shape, dim, start, stop)
+            e = LayoutEntry(e.name, e.dtype, shard.local_shape(), shard)
+        elif e.name == name + "_scale_inv":
+            shape = list(e.shape)
+            shape[dim] = (stop - start) // (128 if dim else 1)
+            e = LayoutEntry(e.name, e.dtype, tuple(shape), None)
+        out.append(e)
+    return out
 
 
 async def _fp8_states(src, tps, checksum, grouped):
