@@ -308,3 +308,49 @@ async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
                 assert check_fp8_receiver(state, lambda n: expected_qwen2(cpu_src, n))
             written = sender.sources.transforms.written
             assert (written > 0) == (not checksum), written  # without checksums: stored in the receiver
+
+
+async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
+    """Stacks of expert matrices (vLLM's fused MoE w13 / w2) into block-FP8 receivers over cuda_ipc, an
+    expert-parallel one (experts 2:4) and one holding rows 128:256 of every w13 matrix (a strided
+    source): the kernel quantizes them as their 2-D views, each matrix on its own grid, within the FP8
+    bound and with the reference quantizer's scales."""
+    from weightsync.engine.transforms import quantize_blocks
+    from weightsync.engine.transforms.layouts import LayoutEntry, allocate
+    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+    from weightsync.wire import ShardSpec
+    from layout_oracle import check_fp8_receiver
+
+    g = torch.Generator(device="cuda:0").manual_seed(8)
+    src = {"experts.w13_weight": (torch.randn(4, 256, 384, generator=g, device="cuda:0") * 2).to(torch.bfloat16),
+           "experts.w2_weight": torch.randn(4, 128, 256, generator=g, device="cuda:0").to(torch.bfloat16)}
+    fp8, f32 = "float8_e4m3fn", "float32"
+
+    def stack(name, full, dim, start, stop):
+        shard = ShardSpec(full, dim, start, stop)
+        *lead, rows, cols = shard.local_shape()
+        return [LayoutEntry(name, fp8, shard.local_shape(), shard),
+                LayoutEntry(name + "_scale_inv", f32, (*lead, rows // 128, -(-cols // 128)), None)]
+
+    layouts = [stack("experts.w13_weight", (4, 256, 384), 0, 2, 4) + stack("experts.w2_weight", (4, 128, 256), 0, 2, 4),
+               stack("experts.w13_weight", (4, 256, 384), 1, 128, 256)
+               + stack("experts.w2_weight", (4, 128, 256), 0, 0, 4)]
+    wants = [lambda n: src[n][2:4].cpu(), lambda n: src[n][:, 128:256].cpu() if "w13" in n else src[n].cpu()]
+    dst = "cuda:1" if TWO_GPUS else "cuda:0"
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0)
+    async with Controller(senders=1, receivers=2, options=opts) as ctl:
+        sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc"))
+        receivers = [WeightReceiver(ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],
+                                    options=ReceiverOptions(transport="cuda_ipc")) for r, lay in enumerate(layouts)]
+        async with sender, receivers[0], receivers[1]:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            await asyncio.wait_for(await sender.push(1), WATCHDOG)
+            for r in receivers:
+                await asyncio.wait_for(r.wait_for(1), WATCHDOG)
+            for r, want in zip(receivers, wants):
+                state = {k: v.cpu() for k, v in r.state_dict().items()}
+                assert sorted(check_fp8_receiver(state, want)) == ["experts.w13_weight", "experts.w2_weight"]
+                for name in ("experts.w13_weight", "experts.w2_weight"):
+                    assert torch.allclose(state[name + "_scale_inv"], quantize_blocks(want(name))[1], rtol=2e-7, atol=0)
+            quantizer = sender.sources.transforms.quantizer
+            assert quantizer.fallback is None and quantizer.launches > 0  # the kernel ran
