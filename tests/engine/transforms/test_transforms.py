@@ -239,6 +239,43 @@ async def test_fused_experts_to_block_fp8_receivers_matrix_by_matrix(grouped):
                 assert torch.equal(state[name + "_scale_inv"], scales), name
 
 
+async def test_expert_parallel_trainers_quantize_their_own_experts():
+    """Two expert-parallel trainers hold two experts each (not gatherable): an FP8 receiver of experts
+    1:3 gets expert 1 quantized by rank 0 and expert 2 by rank 1 (no gather: neither holds the other's),
+    and one holding rows 128:256 of every expert gets each rank's experts likewise."""
+    from weightsync.wire import ShardSpec
+
+    gen = torch.Generator().manual_seed(9)
+    full = torch.randn(4, 256, 192, generator=gen).to(torch.bfloat16)
+    name, shape = "experts.w13_weight", (4, 256, 192)
+    layout = receiver_layout({name: ("bfloat16", shape)}, fp8=FP8Policy())
+    layouts = [_cut(layout, name, 0, 1, 3), _cut(layout, name, 1, 128, 256)]
+    wants = [lambda n: full[1:3], lambda n: full[:, 128:256]]
+    options = ControllerOptions(heartbeat_s=0.05, timeout_s=5.0, checksum="crc32")
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(Controller(senders=2, receivers=2, options=options))
+        senders = [await stack.enter_async_context(WeightSender(
+            ctl.address, {name: full[2 * r:2 * r + 2].clone()}, rank=r, shards={name: ShardSpec(shape, 0, 2 * r, 2 * r + 2)}))
+            for r in range(2)]
+        receivers = []
+        for r, lay in enumerate(layouts):
+            tensors, shards = allocate(lay)
+            receivers.append(await stack.enter_async_context(WeightReceiver(ctl.address, tensors, rank=r, shards=shards)))
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        handles = await asyncio.wait_for(asyncio.gather(*(s.push(1) for s in senders)), WATCHDOG)  # (a round: all push)
+        await asyncio.wait_for(asyncio.gather(*handles), WATCHDOG)
+        for r, want in zip(receivers, wants):
+            await asyncio.wait_for(r.wait_for(1), WATCHDOG)
+            state = r.state_dict()
+            q, scales = quantize_blocks(want(name))
+            assert torch.equal(state[name].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(state[name + "_scale_inv"], scales)
+        for rank, s in enumerate(senders):  # each sent its own experts' rows, weights and scales
+            rows = {(t.slice.dim0_start, t.slice.dim0_stop) if t.slice.block else (t.slice.start, t.slice.stop)
+                    for t in s.table.transfers}
+            assert rows == ({(1, 2), (0, 2)} if rank == 0 else {(2, 3), (2, 4)}), (rank, rows)
+
+
 def _cut(layout, name: str, dim: int, start: int, stop: int):
     """``layout`` with weight ``name`` cut to ``start:stop`` of ``dim`` (0: matrices of a stack, 1: rows
     of each, whole blocks) and its block scales to match."""
