@@ -222,14 +222,18 @@ class TransformSet:
             return None  # (two receivers want it, or only one of its outputs is wanted: a buffer it is)
         weight, scales = (rows[0], rows[1]) if ops[0] == "fp8w" else (rows[1], rows[0])
         view = self._view_of(weight)
-        if view is None or view.dim() != 2 or not self.quantizer.writes_to(view.device):
+        if view is None or view.dim() not in (2, 3) or not self.quantizer.writes_to(view.device):
             return None
         if self.moves_to_device(weight, view):
             return None  # (quantized on another device than the source's: through a buffer)
-        rows_, cols = view.shape
-        if sum(op == "t" for op, _ in parse(weight.transform)) % 2:
-            rows_, cols = cols, rows_
         block = int(parse(weight.transform)[-1][1])
+        rows_, cols = view.shape[-2:]
+        if view.dim() == 3:  # a stack of matrices, quantized as its 2-D view (``as_matrix``)
+            if rows_ % block:
+                return None  # (the round raises a typed error for it on the buffered path)
+            rows_ *= view.shape[0]
+        elif sum(op == "t" for op, _ in parse(weight.transform)) % 2:
+            rows_, cols = cols, rows_
         if weight.nbytes != rows_ * cols or scales.nbytes != 4 * -(-rows_ // block) * -(-cols // block):
             return None  # (the round raises a typed error for it on the buffered path)
         q_at, s_at = self._resolve(weight, view.device), self._resolve(scales, view.device)

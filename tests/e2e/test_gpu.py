@@ -314,7 +314,7 @@ async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
     """Stacks of expert matrices (vLLM's fused MoE w13 / w2) into block-FP8 receivers over cuda_ipc, an
     expert-parallel one (experts 2:4) and one holding rows 128:256 of every w13 matrix (a strided
     source): the kernel quantizes them as their 2-D views, each matrix on its own grid, within the FP8
-    bound and with the reference quantizer's scales."""
+    bound and with the reference quantizer's scales, and stores them straight into the receivers."""
     from weightsync.engine.transforms import quantize_blocks
     from weightsync.engine.transforms.layouts import LayoutEntry, allocate
     from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
@@ -352,5 +352,7 @@ async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
                 assert sorted(check_fp8_receiver(state, want)) == ["experts.w13_weight", "experts.w2_weight"]
                 for name in ("experts.w13_weight", "experts.w2_weight"):
                     assert torch.allclose(state[name + "_scale_inv"], quantize_blocks(want(name))[1], rtol=2e-7, atol=0)
-            quantizer = sender.sources.transforms.quantizer
-            assert quantizer.fallback is None and quantizer.launches > 0  # the kernel ran
+            transforms = sender.sources.transforms
+            assert transforms.quantizer.fallback is None and transforms.quantizer.launches > 0  # the kernel ran
+            fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
+            assert transforms.written == fp8_rows  # no checksums: stored straight into the receivers

@@ -208,12 +208,14 @@ async def test_bf16_to_block_fp8_receivers(grouped):
             assert not any("norm" in n or "embed" in n for n in fp8)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "written-in-place"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
-async def test_fused_experts_to_block_fp8_receivers_matrix_by_matrix(grouped):
+async def test_fused_experts_to_block_fp8_receivers_matrix_by_matrix(grouped, direct):
     """Stacks of expert matrices [E, R, C] (vLLM's fused MoE w13 / w2 names) in block FP8: an expert-parallel
     receiver (experts 2:4) and one holding rows 128:256 of every expert (a slice inside each matrix,
     quantized from a strided source) get each matrix quantized on its own grid, bit for bit what the
-    reference quantizer makes of their slice of the trainer's experts, scales [E, R/128, C/128]."""
+    reference quantizer makes of their slice of the trainer's experts, scales [E, R/128, C/128]; over the
+    memory transport without checksums, stored straight into the receivers by the quantizing code."""
     gen = torch.Generator().manual_seed(7)
     src = {"experts.w13_weight": torch.randn(4, 256, 192, generator=gen).to(torch.bfloat16),
            "experts.w2_weight": torch.randn(4, 128, 256, generator=gen).to(torch.bfloat16),
@@ -224,10 +226,14 @@ async def test_fused_experts_to_block_fp8_receivers_matrix_by_matrix(grouped):
     inside = _cut(layout, "experts.w13_weight", 1, 128, 256)
     wants = [lambda n: src[n][2:4] if n.startswith("experts") else src[n],
              lambda n: src[n][:, 128:256] if n == "experts.w13_weight" else src[n]]
-    async with _cluster(src, [ep, inside], "identity") as (ctl, sender, receivers):
+    way = {"checksum": "", "transport": "memory"} if direct else {}
+    async with _cluster(src, [ep, inside], "identity", **way) as (ctl, sender, receivers):
+        transforms = sender.sources.transforms
         if grouped:
-            sender.sources.transforms.group_devices = frozenset({"cpu"})
+            transforms.group_devices = frozenset({"cpu"})
         await _one_round(sender, receivers)
+        fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
+        assert transforms.written == (fp8_rows if direct else 0) and transforms.kept == {}
         for r, want in zip(receivers, wants):
             state = r.state_dict()
             assert check_fp8_receiver(state, want) == ["experts.w13_weight", "experts.w2_weight"]
