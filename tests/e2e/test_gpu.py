@@ -6,6 +6,7 @@ Run on a CUDA machine (the 2-GPU one for cross-GPU cases); skipped cleanly witho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -278,10 +279,9 @@ async def test_cpu_held_sources_are_quantized_on_the_gpu():
 @pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
-    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout
     from weightsync.engine.datapath.tensors import dtype_name
     from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
-    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
     src = {k: v.to("cuda:0") for k, v in qwen2_state().items()}
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
@@ -289,11 +289,7 @@ async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
     layouts = [receiver_layout(shapes, "qwen2", tp=tp), receiver_layout(shapes, "qwen2", fp8=FP8Policy())]
     opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, checksum=checksum, mapping="qwen2")
     async with Controller(senders=1, receivers=2, options=opts) as ctl:
-        sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc"))
-        receivers = [WeightReceiver(ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],
-                                    options=ReceiverOptions(transport="cuda_ipc")) for r, lay in enumerate(layouts)]
-        async with sender, receivers[0], receivers[1]:
-            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        async with _over_cuda_ipc(ctl, src, layouts, dst) as (sender, receivers):
             for version in (1, 2):  # the second round reuses the prepared launches (written in place too)
                 if version == 2:
                     for v in src.values():
@@ -316,8 +312,7 @@ async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
     source): the kernel quantizes them as their 2-D views, each matrix on its own grid, within the FP8
     bound and with the reference quantizer's scales, and stores them straight into the receivers."""
     from weightsync.engine.transforms import quantize_blocks
-    from weightsync.engine.transforms.layouts import LayoutEntry, allocate
-    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+    from weightsync.engine.transforms.layouts import LayoutEntry
     from weightsync.wire import ShardSpec
     from layout_oracle import check_fp8_receiver
 
@@ -339,11 +334,7 @@ async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
     dst = "cuda:1" if TWO_GPUS else "cuda:0"
     opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0)
     async with Controller(senders=1, receivers=2, options=opts) as ctl:
-        sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc"))
-        receivers = [WeightReceiver(ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],
-                                    options=ReceiverOptions(transport="cuda_ipc")) for r, lay in enumerate(layouts)]
-        async with sender, receivers[0], receivers[1]:
-            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        async with _over_cuda_ipc(ctl, src, layouts, dst) as (sender, receivers):
             await asyncio.wait_for(await sender.push(1), WATCHDOG)
             for r in receivers:
                 await asyncio.wait_for(r.wait_for(1), WATCHDOG)
@@ -356,3 +347,19 @@ async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
             assert transforms.quantizer.fallback is None and transforms.quantizer.launches > 0  # the kernel ran
             fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
             assert transforms.written == fp8_rows  # no checksums: stored straight into the receivers
+
+
+@contextlib.asynccontextmanager
+async def _over_cuda_ipc(ctl, src: dict, layouts: list, dst: str):
+    """A sender of ``src`` (rank 0) and a receiver per layout on ``dst``, over cuda_ipc, all joined."""
+    from weightsync.engine.transforms.layouts import allocate
+    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+    async with contextlib.AsyncExitStack() as stack:
+        sender = await stack.enter_async_context(
+            WeightSender(ctl.address, src, rank=0, options=SenderOptions(transport="cuda_ipc")))
+        receivers = [await stack.enter_async_context(WeightReceiver(
+            ctl.address, allocate(lay, dst)[0], rank=r, shards=allocate(lay)[1],
+            options=ReceiverOptions(transport="cuda_ipc"))) for r, lay in enumerate(layouts)]
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        yield sender, receivers
