@@ -44,7 +44,8 @@ from weightsync.wire import Transfer
 
 from ..datapath.tensors import dtype_from_name
 from ..errors import StagingError
-from .fp8 import FP8_MAX, MIN_AMAX, Quantizer, as_matrix, dequantize_blocks, fp8_error_bound, quantize_blocks, within_fp8_bound
+from .fp8 import FP8_MAX, MIN_AMAX, Quantizer, as_matrix, dequantize_blocks, fp8_error_bound, quantize_blocks
+from .fp8 import within_fp8_bound
 
 __all__ = ["FP8_MAX", "MIN_AMAX", "Quantizer", "TransformSet", "dequantize_blocks", "fp8_error_bound",
            "group_bytes_for", "parse", "plan_quant_groups", "quantize_blocks", "within_fp8_bound"]  # (the

@@ -3,7 +3,8 @@ and ``Quantizer``, which quantizes lists of tensors (one Triton launch on CUDA, 
 
 How this works: ``quantize_blocks`` is the eager reference (any device): per B x B block, the scale is
 the block's absolute max over 448 and the weight is rounded to e4m3 after dividing by it; ragged edge
-blocks are padded with zeros for the max. ``Quantizer.many`` runs the same for many tensors at once
+blocks are padded with zeros for the max; a 3-D stack of matrices (fused MoE experts) is quantized
+matrix by matrix as its 2-D view (``as_matrix``). ``Quantizer.many`` runs the same for many tensors at once
 through ``weightsync.engine.transforms.fp8_kernel`` where Triton can run, keeps prepared launches under a caller's ``reuse``
 key, and can write its outputs to given addresses instead of returning them (``dests``: a receiver's
 memory); where the kernel cannot run it warns once and quantizes eagerly (then copies to the
@@ -150,10 +151,8 @@ def _copy_to_address(x: torch.Tensor, address: int) -> None:
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
     """The reference inverse: float32 ``q * scale_inv`` with each scale spread over its block (a 3-D
     stack, matrix by matrix)."""
-    flat, scales = as_matrix(q, block), scale_inv.reshape(-1, scale_inv.shape[-1])
-    rows, cols = flat.shape
-    full = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    return (flat.float() * full).view(q.shape)
+    flat = as_matrix(q, block)
+    return (flat.float() * _spread(scale_inv, flat, block)).view(q.shape)
 
 
 def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -161,10 +160,15 @@ def fp8_error_bound(x: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) 
 
     Normal range: 3 mantissa bits, so half a step is at most 2^-4 of |x|; below it the subnormal step
     is 2^-9 of the block scale, half of it 2^-10. Plus float32 rounding of the division (negligible)."""
-    flat, scales = as_matrix(x, block), scale_inv.reshape(-1, scale_inv.shape[-1])
+    flat = as_matrix(x, block)
+    return (flat.float().abs() * 2.0 ** -4 + _spread(scale_inv, flat, block) * 2.0 ** -10 + 1e-30).view(x.shape)
+
+
+def _spread(scale_inv: torch.Tensor, flat: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block's scale over its elements, in the shape of ``flat`` (``as_matrix``'s 2-D view)."""
     rows, cols = flat.shape
-    scale = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    return (flat.float().abs() * 2.0 ** -4 + scale * 2.0 ** -10 + 1e-30).view(x.shape)
+    scales = scale_inv.reshape(-1, scale_inv.shape[-1])
+    return scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
 
 
 def within_fp8_bound(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> bool:
