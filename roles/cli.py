@@ -100,7 +100,7 @@ def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
     or a JSON spec of shapes) and the tensor-parallel shard specs of the layout."""
     import torch
 
-    if args.arch and (args.mapping != "identity" or args.tp or args.fp8 or args.dtype):
+    if args.arch and (args.mapping != "identity" or args.tp or args.ep or args.fp8 or args.dtype):
         return _layout_params(args)
     if args.arch:
         from transformers import AutoModelForCausalLM
@@ -117,21 +117,27 @@ def daemon_params(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def _layout_params(args: argparse.Namespace) -> tuple[dict, dict]:
-    """``--arch`` in an inference engine's layout: ``--mapping`` names, ``--tp I/W`` shards, ``--fp8``."""
-    from weightsync.engine.errors import ConfigError
-    from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+    """``--arch`` in an inference engine's layout: ``--mapping`` names, ``--tp I/W`` and ``--ep I/W`` shards,
+    ``--fp8``."""
+    from weightsync.engine.transforms.layouts import ExpertParallel, FP8Policy, TensorParallel, allocate, receiver_layout
     from weightsync.engine.models.shapes import state_dict_shapes
 
-    tp = None
-    if args.tp:
-        index, sep, world = args.tp.partition("/")
-        if not sep or not index.isdigit() or not world.isdigit():
-            raise ConfigError("tp", f"expected INDEX/WORLD such as 0/2, got {args.tp!r}")
-        tp = TensorParallel(int(index), int(world))
+    tp = TensorParallel(*_position("tp", args.tp)) if args.tp else None
+    ep = ExpertParallel(*_position("ep", args.ep)) if args.ep else None
     dtype = args.dtype or "float32"
     shapes = {p.name: (dtype, p.shape) for p in state_dict_shapes(args.arch, dtype)}
-    layout = receiver_layout(shapes, args.mapping, tp=tp, fp8=FP8Policy() if args.fp8 else None)
+    layout = receiver_layout(shapes, args.mapping, tp=tp, fp8=FP8Policy() if args.fp8 else None, ep=ep)
     return allocate(layout, args.device)
+
+
+def _position(flag: str, text: str) -> tuple[int, int]:
+    """``INDEX/WORLD`` (``--tp``, ``--ep``) as two ints; a ``ConfigError`` naming the flag otherwise."""
+    from weightsync.engine.errors import ConfigError
+
+    index, sep, world = text.partition("/")
+    if not sep or not index.isdigit() or not world.isdigit():
+        raise ConfigError(flag, f"expected INDEX/WORLD such as 0/2, got {text!r}")
+    return int(index), int(world)
 
 
 def _daemon(args: argparse.Namespace) -> int:
@@ -304,7 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     dmn.add_argument("--mapping", default="identity", choices=sorted(MAPPINGS),
                      help="with --arch: hold the inference engine's names (fused qkv_proj / gate_up_proj, ...)")
     dmn.add_argument("--tp", default="", help="with --arch: this rank's tensor-parallel shard, INDEX/WORLD")
-    dmn.add_argument("--fp8", action="store_true", help="with --arch: serve 2-D weights in block FP8 (+ scales)")
+    dmn.add_argument("--ep", default="", help="with --arch: this rank's expert-parallel shard of the fused experts, "
+                                             "INDEX/WORLD")
+    dmn.add_argument("--fp8", action="store_true",
+                     help="with --arch: serve linear weights and fused expert stacks in block FP8 (+ scales)")
     dmn.add_argument("--dtype", default="", help="with --arch: the float dtype of the buffers (default float32)")
     dmn.add_argument("--hook", help="module:function called with (version, [(name, tensor), ...])")
     dmn.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])

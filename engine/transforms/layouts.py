@@ -8,9 +8,11 @@ tensors. Tensor parallelism follows vLLM's Linear classes: column-parallel layer
 gate/up and fused gate_up, GPT-2 c_attn and c_fc, vocab-parallel embeddings and lm_head) shard dim 0
 and their biases; row-parallel layers (o_proj, down_proj, GPT-2 attn/mlp c_proj) shard dim 1 of the
 weight and replicate the bias; everything else (norms, positions) is replicated, and so is a
-vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). FP8: 2-D weights the
-policy includes become float8_e4m3fn with a float32 ``<name>_scale_inv`` of 128x128 blocks next to
-them; norms, embeddings and lm_head are excluded by default.
+vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). Expert
+parallelism (``ExpertParallel``) cuts fused expert stacks [E, R, C] along their experts. FP8: 2-D
+weights and 3-D expert stacks the policy includes become float8_e4m3fn with a float32
+``<name>_scale_inv`` of 128x128 blocks next to them (a stack's, matrix by matrix: [E, R/128, C/128]);
+norms, embeddings and lm_head are excluded by default.
 """
 
 from __future__ import annotations
@@ -46,8 +48,7 @@ class TensorParallel:
     row: tuple[str, ...] = ROW
 
     def __post_init__(self) -> None:
-        if self.world < 1 or not 0 <= self.index < self.world:
-            raise ConfigError("tensor_parallel", f"index {self.index} is not within world {self.world}")
+        _check_position("tensor_parallel", self.index, self.world)
 
     def dim_for(self, name: str, ndim: int) -> Optional[int]:
         if self.world == 1 or ndim == 0:
@@ -60,10 +61,33 @@ class TensorParallel:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """This receiver holds expert shard ``index`` of ``world``: every fused expert stack (a 3-D tensor
+    whose name ``stacks`` matches, [E, R, C]) is cut along its experts, E / world each (vLLM's expert
+    parallelism: the experts are not cut by tensor parallelism then)."""
+
+    index: int
+    world: int
+    stacks: tuple[str, ...] = (r"(.*\.)?experts\.[^.]+",)
+
+    def __post_init__(self) -> None:
+        _check_position("expert_parallel", self.index, self.world)
+
+    def holds(self, name: str, ndim: int) -> bool:
+        return self.world > 1 and ndim == 3 and any(re.fullmatch(p, name) for p in self.stacks)
+
+
+def _check_position(field: str, index: int, world: int) -> None:
+    if world < 1 or not 0 <= index < world:
+        raise ConfigError(field, f"index {index} is not within world {world}")
+
+
+@dataclasses.dataclass(frozen=True)
 class FP8Policy:
     """Which receiver weights are served in block FP8 (patterns are full-match regular expressions)."""
 
-    include: tuple[str, ...] = (r".*\.weight", r".*\.w(13|2)_weight")  # (the latter: vLLM's fused MoE experts)
+    # (the latter: fused MoE expert stacks, vLLM's and transformers' names)
+    include: tuple[str, ...] = (r".*\.weight", r"(.*\.)?experts\.(w13_weight|w2_weight|gate_up_proj|down_proj)")
     exclude: tuple[str, ...] = FP8_EXCLUDE
 
     def wants(self, name: str, ndim: int) -> bool:
@@ -81,7 +105,7 @@ class LayoutEntry:
 
 def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: "str | Mapping" = "identity",
                     tp: Optional[TensorParallel] = None, fp8: Optional[FP8Policy] = None,
-                    dtype: Optional[str] = None) -> list[LayoutEntry]:
+                    dtype: Optional[str] = None, ep: Optional[ExpertParallel] = None) -> list[LayoutEntry]:
     """``sources``: trainer name -> (dtype, shape). ``dtype``: the receiver's float dtype, if it differs."""
     rules = get_mapping(mapping)
     shapes = {n: SourceShape(d, tuple(s)) for n, (d, s) in sources.items()}
@@ -90,7 +114,7 @@ def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: 
         comps, src_dtype = components(rules, name, shapes, "layout")
         full = full_shape(comps)
         want = dtype if dtype and src_dtype.startswith(("float", "bfloat")) else src_dtype
-        shard = _shard(name, full, len(comps), tp)
+        shard = _experts(name, full, ep) if ep is not None and ep.holds(name, len(full)) else _shard(name, full, tp)
         local = shard.local_shape() if shard is not None else full
         if fp8 is not None and fp8.wants(name, len(full)):
             out.append(LayoutEntry(name, FP8, local, shard))
@@ -101,7 +125,14 @@ def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: 
     return out
 
 
-def _shard(name: str, full: tuple[int, ...], parts: int, tp: Optional[TensorParallel]) -> Optional[ShardSpec]:
+def _experts(name: str, full: tuple[int, ...], ep: ExpertParallel) -> ShardSpec:
+    if full[0] % ep.world:
+        raise ConfigError("expert_parallel", f"{name}: {full[0]} experts do not divide by {ep.world}")
+    each = full[0] // ep.world
+    return ShardSpec(full, 0, ep.index * each, (ep.index + 1) * each)
+
+
+def _shard(name: str, full: tuple[int, ...], tp: Optional[TensorParallel]) -> Optional[ShardSpec]:
     dim = tp.dim_for(name, len(full)) if tp is not None else None
     if dim is None:
         return None

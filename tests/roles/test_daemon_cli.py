@@ -288,3 +288,24 @@ def test_status_renders_peers_and_rounds_as_tables():
     assert "trainer-0" in text and "cuda_ipc" in text and "0.2s ago" in text
     assert "ABORTED TIMEOUT" in text and "transfer=400.0ms" in text and "sender_stage_max" not in text
     assert "sender/0 -> receiver/0: 2000.0 MB, 4.00 GB/s" in text
+
+
+def test_daemon_layout_of_an_moe_rank_with_expert_parallel_fp8():
+    """--arch of an MoE with --ep/--fp8 (buffers on the meta device: only the layout is asked for): each
+    fused expert stack holds this rank's quarter of the experts in block FP8, matrix by matrix, and a
+    malformed --ep is refused naming the flag."""
+    from roles.cli import build_parser, daemon_params
+    from weightsync.engine.errors import ConfigError
+
+    args = build_parser().parse_args(["daemon", "--controller", "tcp://127.0.0.1:1", "--rank", "0",
+                                      "--arch", "qwen3-30b-a3b", "--ep", "1/4", "--fp8", "--device", "meta"])
+    tensors, shards = daemon_params(args)
+    gate_up, scales = (tensors["model.layers.0.mlp.experts.gate_up_proj" + s] for s in ("", "_scale_inv"))
+    assert gate_up.dtype == torch.float8_e4m3fn and gate_up.shape[0] == 128 // 4
+    assert tuple(scales.shape) == (32, gate_up.shape[1] // 128, -(-gate_up.shape[2] // 128))
+    shard = shards["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (shard.dim, shard.start, shard.stop) == (0, 32, 64)
+    assert "model.layers.0.mlp.gate.weight" not in shards  # the router is whole on every rank
+    args.ep = "1of4"
+    with pytest.raises(ConfigError, match="ep"):
+        daemon_params(args)

@@ -16,7 +16,7 @@ from weightsync.engine.datapath.tensors import dtype_name
 from weightsync.engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
 from weightsync.engine.plan import Rule, Mapping, get_mapping, plan
 from weightsync.engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
-from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout
+from weightsync.engine.transforms.layouts import ExpertParallel, FP8Policy, TensorParallel, allocate, receiver_layout
 from layout_oracle import check_fp8_receiver, expected_gpt2, expected_qwen2, qwen2_state
 from plan_helpers import participant, tensor
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
@@ -221,9 +221,8 @@ async def test_fused_experts_to_block_fp8_receivers_matrix_by_matrix(grouped, di
            "experts.w2_weight": torch.randn(4, 128, 256, generator=gen).to(torch.bfloat16),
            "norm.weight": torch.randn(192, generator=gen).to(torch.bfloat16)}
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
-    layout = receiver_layout(shapes, fp8=FP8Policy())
-    ep = _cut(_cut(layout, "experts.w13_weight", 0, 2, 4), "experts.w2_weight", 0, 2, 4)
-    inside = _cut(layout, "experts.w13_weight", 1, 128, 256)
+    ep = receiver_layout(shapes, fp8=FP8Policy(), ep=ExpertParallel(1, 2))  # experts 2:4 of every stack
+    inside = _cut(receiver_layout(shapes, fp8=FP8Policy()), "experts.w13_weight", 1, 128, 256)
     wants = [lambda n: src[n][2:4] if n.startswith("experts") else src[n],
              lambda n: src[n][:, 128:256] if n == "experts.w13_weight" else src[n]]
     way = {"checksum": "", "transport": "memory"} if direct else {}
@@ -365,6 +364,21 @@ def test_layout_tp_rules_and_refusals():
         receiver_layout(shapes, "gpt2", tp=TensorParallel(0, 4))
     with pytest.raises(ConfigError, match="index 2 is not within world 2"):
         TensorParallel(2, 2)
+
+
+def test_layout_expert_parallel_cuts_fused_expert_stacks_by_expert():
+    shapes = {"l.0.mlp.experts.w13_weight": ("bfloat16", (8, 256, 128)), "l.0.mlp.gate.weight": ("bfloat16", (8, 128)),
+              "l.0.mlp.experts.w2_weight": ("bfloat16", (8, 128, 128))}
+    layout = {e.name: e for e in receiver_layout(shapes, ep=ExpertParallel(3, 4), fp8=FP8Policy())}
+    w13 = layout["l.0.mlp.experts.w13_weight"]
+    assert (w13.dtype, w13.shape, w13.shard.dim, w13.shard.start, w13.shard.stop) == ("float8_e4m3fn", (2, 256, 128), 0, 6, 8)
+    assert layout["l.0.mlp.experts.w13_weight_scale_inv"].shape == (2, 2, 1)  # each expert's own grid
+    assert layout["l.0.mlp.experts.w2_weight"].shape == (2, 128, 128)
+    assert layout["l.0.mlp.gate.weight"].shard is None  # the router is not an expert stack: whole on every rank
+    with pytest.raises(ConfigError, match="l.0.mlp.experts.w13_weight: 8 experts do not divide by 3"):
+        receiver_layout(shapes, ep=ExpertParallel(0, 3))
+    with pytest.raises(ConfigError, match="index 4 is not within world 4"):
+        ExpertParallel(4, 4)
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
