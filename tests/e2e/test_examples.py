@@ -30,6 +30,15 @@ async def test_transforms_example_with_an_nn_module_trainer():
     assert summary[2]["bytes"] == sum(summary[k]["bytes"] for k in ("tp0/2", "tp1/2", "fp8"))
 
 
+async def test_moe_fp8_example_with_expert_parallel_ranks():
+    summary = await _load("moe_fp8_cpu").run(steps=2)
+    ranks = [summary["ep0/2"], summary["ep1/2"]]
+    assert all(r["version"] == 2 and r["experts_within_fp8_bound"] for r in ranks)
+    assert all(r["fp8"] == 12 for r in ranks)  # q, k, v, o and the two expert stacks of each of 2 layers
+    assert ranks[0]["expert_stacks"] == [[4, 256, 256], [4, 256, 128]]  # half of the 8 experts each
+    assert summary[2]["bytes"] == ranks[0]["bytes"] + ranks[1]["bytes"]  # each rank's own, nothing more
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_rl_loop_learns_and_tags_rollouts_with_their_version(tmp_path):
