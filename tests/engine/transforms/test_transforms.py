@@ -374,7 +374,8 @@ def test_layout_expert_parallel_cuts_fused_expert_stacks_by_expert():
     assert (w13.dtype, w13.shape, w13.shard.dim, w13.shard.start, w13.shard.stop) == ("float8_e4m3fn", (2, 256, 128), 0, 6, 8)
     assert layout["l.0.mlp.experts.w13_weight_scale_inv"].shape == (2, 2, 1)  # each expert's own grid
     assert layout["l.0.mlp.experts.w2_weight"].shape == (2, 128, 128)
-    assert layout["l.0.mlp.gate.weight"].shard is None  # the router is not an expert stack: whole on every rank
+    gate = layout["l.0.mlp.gate.weight"]  # the router: not an expert stack, whole on every rank, not quantized
+    assert gate.shard is None and gate.dtype == "bfloat16"
     with pytest.raises(ConfigError, match="l.0.mlp.experts.w13_weight: 8 experts do not divide by 3"):
         receiver_layout(shapes, ep=ExpertParallel(0, 3))
     with pytest.raises(ConfigError, match="index 4 is not within world 4"):
