@@ -12,17 +12,18 @@ senders slice, fuse by addressing, transpose and quantize before writing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
-from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, allocate, receiver_layout  # noqa: E402
+from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout  # noqa: E402
 from weightsync.engine.datapath.tensors import dtype_name  # noqa: E402
-from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender  # noqa: E402
+from weightsync.roles import ControllerOptions  # noqa: E402
+
+from harness import print_summary, push_rounds  # noqa: E402
 
 
 def trainer_model(seed: int = 0) -> torch.nn.Module:
@@ -43,38 +44,11 @@ async def run(steps: int = 2) -> dict:
         "fp8": receiver_layout(shapes, "qwen2", fp8=FP8Policy()),
     }
     options = ControllerOptions(checksum="crc32", mapping="qwen2")
-    summary = {}
-    async with contextlib.AsyncExitStack() as stack:
-        ctl = await stack.enter_async_context(Controller(senders=1, receivers=len(layouts), options=options))
-        sender = await stack.enter_async_context(WeightSender(ctl.address, model, rank=0))
-        receivers = {}
-        for rank, (label, layout) in enumerate(layouts.items()):
-            tensors, shards = allocate(layout)
-            receivers[label] = await stack.enter_async_context(
-                WeightReceiver(ctl.address, tensors, rank=rank, shards=shards))
-        for step in range(1, steps + 1):
-            with torch.no_grad():  # stands in for an optimizer step
-                for p in model.parameters():
-                    p.mul_(0.5)
-            handle = await sender.push(step)
-            await handle
-            report = await ctl.wait_round(step)
-            summary[step] = {"ms": round(report.seconds * 1e3, 1), "bytes": report.nbytes}
-        for label, r in receivers.items():
-            state = r.state_dict()
-            fp8 = sum(1 for t in state.values() if t.dtype == torch.float8_e4m3fn)
-            summary[label] = {"tensors": len(state), "fp8": fp8, "version": r.version,
-                              "bytes": sum(t.numel() * t.element_size() for t in state.values())}
-    return summary
+    return await push_rounds(model, layouts, options, steps, lambda label, state: {})
 
 
 def main() -> int:
-    summary = asyncio.run(run())
-    trainer_bytes = sum(v.numel() * v.element_size() for v in trainer_model().state_dict().values())
-    print(f"trainer: {trainer_bytes / 1e6:.1f} MB of bf16 under transformers names")
-    for key, row in summary.items():
-        print(f"  {key}: {row}")
-    return 0
+    return print_summary(asyncio.run(run()), trainer_model())
 
 
 if __name__ == "__main__":
