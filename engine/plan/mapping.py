@@ -133,11 +133,17 @@ _GPT2 = (  # transformers' GPT-2 uses Conv1D ([in, out]); Linear-based engines h
     Rule("{p}.{m}.weight", transpose=True, where=(("m", r"attn\.c_proj|mlp\.c_fc|mlp\.c_proj"),)),
 )
 
+_VLLM_EXPERTS = (  # Qwen3-MoE: transformers' fused experts are vLLM's (gate_up [E, 2I, H] is w13, gate first)
+    Rule("{p}.mlp.experts.routed_experts.w13_weight", ("{p}.mlp.experts.gate_up_proj",)),
+    Rule("{p}.mlp.experts.routed_experts.w2_weight", ("{p}.mlp.experts.down_proj",)),
+)
+
 MAPPINGS: dict[str, Mapping] = {
     "identity": Mapping("identity"),
     "llama": Mapping("llama", _DECODER),
     "qwen2": Mapping("qwen2", _DECODER),
     "qwen3": Mapping("qwen3", _DECODER),
+    "qwen3_moe": Mapping("qwen3_moe", _DECODER + _VLLM_EXPERTS),
     "mistral": Mapping("mistral", _DECODER),
     "gpt2": Mapping("gpt2", _GPT2),
 }

@@ -9,7 +9,8 @@ gate/up and fused gate_up, GPT-2 c_attn and c_fc, vocab-parallel embeddings and 
 and their biases; row-parallel layers (o_proj, down_proj, GPT-2 attn/mlp c_proj) shard dim 1 of the
 weight and replicate the bias; everything else (norms, positions) is replicated, and so is a
 vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). Expert
-parallelism (``ExpertParallel``) cuts fused expert stacks [E, R, C] along their experts. FP8: 2-D
+parallelism (``ExpertParallel``) cuts fused expert stacks [E, R, C] along their experts; tensor
+parallelism inside each expert of a stack is refused (a ``ConfigError`` naming it). FP8: 2-D
 weights and 3-D expert stacks the policy includes become float8_e4m3fn with a float32
 ``<name>_scale_inv`` of 128x128 blocks next to them (a stack's, matrix by matrix: [E, R/128, C/128]);
 norms, embeddings and lm_head are excluded by default.
@@ -35,6 +36,7 @@ COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)\.
           r".*(embed_tokens|lm_head|wte)\.weight")
 VOCAB = r".*(embed_tokens|lm_head|wte)\.weight"
 ROW = (r".*\.(o_proj|down_proj|attn\.c_proj|mlp\.c_proj)\.weight",)
+EXPERT_STACKS = (r"(.*\.)?experts\.(routed_experts\.)?[^.]+",)  # fused [E, R, C]: transformers' and vLLM's names
 FP8_EXCLUDE = (r".*norm.*", r".*embed.*", r".*lm_head.*", r".*\.wte\..*", r".*\.wpe\..*", r".*\.ln_.*",
                r".*\.mlp\.gate\.weight")  # (the last: MoE routers, which FP8 checkpoints keep as they are)
 
@@ -69,7 +71,7 @@ class ExpertParallel:
 
     index: int
     world: int
-    stacks: tuple[str, ...] = (r"(.*\.)?experts\.[^.]+",)
+    stacks: tuple[str, ...] = EXPERT_STACKS
 
     def __post_init__(self) -> None:
         _check_position("expert_parallel", self.index, self.world)
@@ -88,7 +90,8 @@ class FP8Policy:
     """Which receiver weights are served in block FP8 (patterns are full-match regular expressions)."""
 
     # (the latter: fused MoE expert stacks, vLLM's and transformers' names)
-    include: tuple[str, ...] = (r".*\.weight", r"(.*\.)?experts\.(w13_weight|w2_weight|gate_up_proj|down_proj)")
+    include: tuple[str, ...] = (r".*\.weight",
+                                r"(.*\.)?experts\.((routed_experts\.)?(w13_weight|w2_weight)|gate_up_proj|down_proj)")
     exclude: tuple[str, ...] = FP8_EXCLUDE
 
     def wants(self, name: str, ndim: int) -> bool:
@@ -115,7 +118,11 @@ def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: 
         comps, src_dtype = components(rules, name, shapes, "layout")
         full = full_shape(comps)
         want = dtype if dtype and src_dtype.startswith(("float", "bfloat")) else src_dtype
-        shard = _experts(name, full, ep) if ep is not None and ep.holds(name, len(full)) else _shard(name, full, tp)
+        if ep is not None and ep.holds(name, len(full)):
+            shard = _experts(name, full, ep)
+        else:
+            _check_not_inside_experts(name, full, tp)
+            shard = _shard(name, full, tp)
         local = shard.local_shape() if shard is not None else full
         if fp8 is not None and fp8.wants(name, len(full)):
             out.append(LayoutEntry(name, FP8, local, shard))
@@ -131,6 +138,14 @@ def _experts(name: str, full: tuple[int, ...], ep: ExpertParallel) -> ShardSpec:
         raise ConfigError("expert_parallel", f"{name}: {full[0]} experts do not divide by {ep.world}")
     each = full[0] // ep.world
     return ShardSpec(full, 0, ep.index * each, (ep.index + 1) * each)
+
+
+def _check_not_inside_experts(name: str, full: tuple[int, ...], tp: Optional[TensorParallel]) -> None:
+    """Tensor parallelism inside each expert of a fused stack (vLLM's MoE without expert parallelism cuts
+    gate and up of every expert apart) is not a layout rule: refused, naming the stack."""
+    if tp is not None and tp.world > 1 and len(full) == 3 and any(re.fullmatch(p, name) for p in EXPERT_STACKS):
+        raise ConfigError("tensor_parallel", f"{name}: a fused expert stack {list(full)} under tensor parallelism "
+                                             f"needs expert parallelism (vLLM: enable_expert_parallel=True)")
 
 
 def _shard(name: str, full: tuple[int, ...], tp: Optional[TensorParallel]) -> Optional[ShardSpec]:

@@ -48,7 +48,7 @@ from weightsync.engine.datapath.tensors import dtype_name
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.models.shapes import config_shapes
 from weightsync.engine.plan.mapping import MAPPINGS
-from weightsync.engine.transforms.layouts import LayoutEntry, TensorParallel, receiver_layout
+from weightsync.engine.transforms.layouts import ExpertParallel, LayoutEntry, TensorParallel, receiver_layout
 
 from ..receiver import ReceiverOptions, WeightReceiver
 from .threads import BackgroundLoop, GenerationGate
@@ -67,10 +67,17 @@ def hf_sources(hf_config: Any, dtype: str) -> dict[str, tuple[str, tuple[int, ..
 
 @dataclasses.dataclass
 class Binding:
-    """What one worker's receiver holds: tensor per name, shard specs, and layers to re-process at commit."""
+    """What one worker's receiver holds: tensor per name, shard specs, and the layers to re-process at
+    commit, each with the plain tensors it is rebuilt from (attribute -> tensor)."""
     tensors: dict[str, torch.Tensor]
     shards: dict[str, Any]
-    repack: list[tuple[torch.nn.Module, torch.Tensor]]  # (layer, the plain weight it is rebuilt from)
+    repack: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]
+
+
+def fused_experts(layer: torch.nn.Module) -> bool:
+    """A vLLM fused-MoE experts layer: ``w13_weight`` / ``w2_weight`` stacks whose kernel may keep them in
+    its own form (on CPU, prepacked in tensors of the same shape, or padded)."""
+    return hasattr(layer, "w13_weight") and hasattr(getattr(layer, "quant_method", None), "moe_kernel")
 
 
 def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Binding:
@@ -78,7 +85,7 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
     tensors of packed layers)."""
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
-    repack: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    repack: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
     for entry in layout:
         param = params.get(entry.name)
         if param is None:
@@ -88,35 +95,58 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
                                            f"(it has e.g. {sorted(params)[:4]})")
         want = (entry.shape, entry.dtype)
         have = (tuple(param.shape), dtype_name(param.dtype))
-        layer = model.get_submodule(entry.name.rpartition(".")[0])
-        packed = hasattr(layer, "cpu_linear") and entry.name.endswith(".weight")
-        if have == want:
-            tensors[entry.name] = param
-            if packed:  # the kernel reads a packed copy made from this parameter
-                repack.append((layer, param))
-        elif param.numel() == 0 and packed:  # the parameter was emptied after packing
+        path, _, attr = entry.name.rpartition(".")
+        layer = model.get_submodule(path)
+        if fused_experts(layer):  # always rebuilt from plain stacks: a packed one looks like a plain one
+            if (have[1] != want[1] or len(have[0]) != 3 or have[0][0] != want[0][0]
+                    or any(h < w for h, w in zip(have[0], want[0]))):  # (a kernel may pad, never cut)
+                raise ConfigError("parameter", f"{entry.name}: the layout says {want[0]} {want[1]}, "
+                                               f"the vLLM model holds {have[0]} {have[1]}")
             plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)
-            tensors[entry.name] = plain
-            repack.append((layer, plain))
+        elif hasattr(layer, "cpu_linear") and attr == "weight" and param.numel() == 0:
+            plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)  # emptied after packing
+        elif have == want:
+            plain = param
+            if not (hasattr(layer, "cpu_linear") and attr == "weight"):
+                tensors[entry.name] = param
+                continue
         else:
             raise ConfigError("parameter", f"{entry.name}: the layout says {want[0]} {want[1]}, "
                                            f"the vLLM model holds {have[0]} {have[1]}")
+        tensors[entry.name] = plain
+        repack.setdefault(id(layer), (layer, {}))[1][attr] = plain  # the kernel's form is made from it
     return Binding(tensors, {e.name: e.shard for e in layout if e.shard is not None and e.name in tensors},
-                   repack)
+                   list(repack.values()))
 
 
-def repack_layers(repack: list[tuple[torch.nn.Module, torch.Tensor]]) -> None:
-    """Rebuild each packed layer's kernel form from its plain weight (vLLM's post-load processing)."""
-    for layer, plain in repack:
-        if layer.weight is not plain:
-            layer.weight = torch.nn.Parameter(plain, requires_grad=False)
+def repack_layers(repack: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]) -> None:
+    """Rebuild each packed layer's kernel form from its plain weights (vLLM's post-load processing). A
+    fused-MoE layer's kernel is made again, as at load: processing it as a weight update would copy the
+    plain stacks into the packed ones."""
+    for layer, plains in repack:
+        for attr, plain in plains.items():
+            if getattr(layer, attr) is not plain:
+                setattr(layer, attr, torch.nn.Parameter(plain, requires_grad=False))
+        if fused_experts(layer):
+            layer.quant_method.moe_kernel = None
         layer.quant_method.process_weights_after_loading(layer)
+
+
+def expert_parallel(parallel_config: Any, tp: Optional[TensorParallel]) -> Optional[ExpertParallel]:
+    """This worker's expert shard: with ``enable_expert_parallel`` vLLM spreads the experts over the
+    tensor-parallel ranks (one data-parallel rank: its expert-parallel group is its TP group)."""
+    if not getattr(parallel_config, "enable_expert_parallel", False) or tp is None:
+        return None
+    if getattr(parallel_config, "data_parallel_size", 1) > 1:
+        raise ConfigError("data_parallel_size", "expert parallelism across data-parallel ranks is not bound: "
+                                                "serve one data-parallel rank per engine")
+    return ExpertParallel(tp.index, tp.world)
 
 
 class _Joined:
     def __init__(self, receiver: WeightReceiver, loop: BackgroundLoop, gate: GenerationGate,
-                 binding: Binding, tp: Optional[TensorParallel]) -> None:
-        self.receiver, self.loop, self.gate, self.binding, self.tp = receiver, loop, gate, binding, tp
+                 binding: Binding, tp: Optional[TensorParallel], ep: Optional[ExpertParallel]) -> None:
+        self.receiver, self.loop, self.gate, self.binding, self.tp, self.ep = receiver, loop, gate, binding, tp, ep
         self.repack_s = 0.0
         self.updates = "anytime"
         self.generation_holds = False  # on_wait: the worker's thread holds the gate outside weightsync_wait
@@ -150,16 +180,17 @@ class WeightSyncWorkerExtension:
 
         world = get_tensor_model_parallel_world_size()
         tp = TensorParallel(get_tensor_model_parallel_rank(), world) if world > 1 else None
+        ep = expert_parallel(self.vllm_config.parallel_config, tp)
         hf_config = model_config.hf_config
         mapping = mapping or (hf_config.model_type if hf_config.model_type in MAPPINGS else "identity")
         dtype = dtype_name(model_config.dtype)
-        layout = receiver_layout(hf_sources(hf_config, dtype), mapping, tp=tp)
+        layout = receiver_layout(hf_sources(hf_config, dtype), mapping, tp=tp, ep=ep)
         model = self.model_runner.model
         binding = bind(model, layout, bool(getattr(hf_config, "tie_word_embeddings", False)))
         updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
         gate = GenerationGate(windows=updates == "on_wait")
         loop = BackgroundLoop(f"weightsync-worker-{self.rank}")
-        joined = _Joined(None, loop, gate, binding, tp)  # type: ignore[arg-type]
+        joined = _Joined(None, loop, gate, binding, tp, ep)  # type: ignore[arg-type]
         rank = rank_offset + self.rank if rank is None else rank
         options = ReceiverOptions(transport=transport, join_timeout_s=join_timeout_s,
                                   auth_key=bytes.fromhex(auth_key_hex) if auth_key_hex else None)
@@ -181,8 +212,8 @@ class WeightSyncWorkerExtension:
             gate.hold()  # generation owns the gate; weightsync_wait lends it to updates
             joined.generation_holds = True
         self._weightsync = joined
-        log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, tp=%s)",
-                 self.rank, controller, rank, len(binding.tensors), len(binding.repack), tp)
+        log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, tp=%s, ep=%s)",
+                 self.rank, controller, rank, len(binding.tensors), len(binding.repack), tp, ep)
         return self.weightsync_status()
 
     def weightsync_wait(self, version: int, timeout_s: float = 600.0) -> int:
@@ -205,6 +236,9 @@ class WeightSyncWorkerExtension:
         return {"rank": r.rank, "version": r.version, "state": r.session.state.value, "dirty": r.dirty,
                 "committed": r.rounds_committed, "aborted": r.rounds_aborted, "tensors": len(r.tensors),
                 "tp": None if joined.tp is None else [joined.tp.index, joined.tp.world],
+                "ep": None if joined.ep is None else [joined.ep.index, joined.ep.world],
+                "expert_bytes": sum(t.nbytes for layer, plains in joined.binding.repack if fused_experts(layer)
+                                    for t in plains.values()),
                 "updates": joined.updates, "paused": gate.held, "pauses": gate.updates, "paused_s": round(gate.paused_s, 6),
                 "repacked_layers": len(joined.binding.repack), "repack_s": round(joined.repack_s, 6)}
 

@@ -137,3 +137,65 @@ async def test_join_errors_name_their_cause(served):
         # with the identity mapping the layout keeps q/k/v apart, which vLLM does not: the error names one
         with pytest.raises(Exception, match="q_proj.weight: in the layout but not in the vLLM model"):
             await rpc(llm, "weightsync_join", ctl.address, mapping="identity")
+
+
+def tiny_moe(seed: int) -> torch.nn.Module:
+    """A Qwen3-MoE: fused experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's ``w13_weight``
+    / ``w2_weight``) and a router in every layer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(params=[1, 2], ids=["moe-tp1", "moe-tp2"], scope="module")
+def served_moe(request, tmp_path_factory):
+    """A saved Qwen3-MoE checkpoint (seed 0) served by vLLM at the given tensor-parallel size (vLLM CPU
+    0.32 crashes in its first step with ``enable_expert_parallel``, so expert parallelism is not served)."""
+    tp = request.param
+    path = tmp_path_factory.mktemp(f"tiny-moe-tp{tp}")
+    tiny_moe(0).save_pretrained(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        llm = vllm.LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+                       enforce_eager=True, tensor_parallel_size=tp, kv_cache_memory_bytes=128 << 20,
+                       worker_extension_cls=EXTENSION, seed=0)
+    yield llm, tp
+    llm.llm_engine.engine_core.shutdown()
+
+
+async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_generates(served_moe):
+    """vLLM's fused experts (prepacked by the CPU kernel) and routers are bound: after each push the
+    engine generates what the trainer does, token for token. Tensor parallelism inside each expert
+    (vLLM's MoE without expert parallelism) is refused at join, naming the stack and the remedy."""
+    llm, tp = served_moe
+    if tp > 1:
+        async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="qwen3_moe")) as ctl:
+            with pytest.raises(Exception, match=r"experts\.routed_experts\.w13_weight.*enable_expert_parallel"):
+                await rpc(llm, "weightsync_join", ctl.address)
+        assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(0))  # serving on, untouched
+        return
+    assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(0))
+    trainers = {1: tiny_moe(1), 2: tiny_moe(2)}
+    async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="qwen3_moe", checksum="crc32")) as ctl:
+        async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
+            joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's qwen3_moe)
+            assert [s["ep"] for s in joined] == ([None] if tp == 1 else [[0, 2], [1, 2]])
+            experts = 2 * 4 * (2 * 64 * 128 + 128 * 64) * 4  # two layers' w13 and w2 stacks, float32
+            for version, model in trainers.items():
+                with torch.no_grad():
+                    for name, t in model.state_dict().items():
+                        sender.tensors[name].copy_(t)
+                waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))
+                handle = await sender.push(version)
+                assert await handle == version
+                assert await waiting == [version] * tp
+                assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(model), f"version {version}"
+            status = await rpc(llm, "weightsync_status")
+            assert all(s["version"] == 2 and not s["dirty"] for s in status), status
+            assert sum(s["expert_bytes"] for s in status) == experts  # each expert lands on one worker only
+            await rpc(llm, "weightsync_leave")

@@ -380,6 +380,46 @@ def test_layout_expert_parallel_cuts_fused_expert_stacks_by_expert():
         receiver_layout(shapes, ep=ExpertParallel(0, 3))
     with pytest.raises(ConfigError, match="index 4 is not within world 4"):
         ExpertParallel(4, 4)
+    vllm_stack = "model.layers.3.mlp.experts.routed_experts.w13_weight"  # vLLM 0.32's name of the stack
+    assert ExpertParallel(0, 2).holds(vllm_stack, 3) and FP8Policy().wants(vllm_stack, 3)
+    assert not ExpertParallel(0, 2).holds("model.layers.3.mlp.gate.weight", 2)
+
+
+async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
+    """transformers' Qwen3-MoE (fused experts) -> vLLM's names (``qwen3_moe``: q/k/v fused, the experts'
+    ``gate_up_proj`` / ``down_proj`` as ``routed_experts.w13_weight`` / ``w2_weight``): two TP ranks that
+    hold half the experts each (vLLM's ``enable_expert_parallel``), and one rank holding all; bit exact.
+    Tensor parallelism inside the experts is refused, naming the stack."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    src = {k: v.detach().clone() for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts.routed_experts.w13_weight: a fused expert stack "
+                       r"\[4, 32, 32\] under tensor parallelism needs expert parallelism .*enable_expert_parallel"):
+        receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(0, 2))
+    layouts = [receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(i, 2), ep=ExpertParallel(i, 2)) for i in range(2)]
+    layouts.append(receiver_layout(shapes, "qwen3_moe"))
+    assert {e.name: e.shape for e in layouts[1]}[w13] == (2, 32, 32)  # experts 2:4, gate and up whole
+    async with _cluster(src, layouts, "qwen3_moe") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        held = [r.state_dict() for r in receivers]
+    for i in range(2):
+        for layer in range(2):
+            experts = f"model.layers.{layer}.mlp.experts"
+            assert torch.equal(held[i][f"{experts}.routed_experts.w13_weight"], src[f"{experts}.gate_up_proj"][2 * i:2 * i + 2])
+            assert torch.equal(held[i][f"{experts}.routed_experts.w2_weight"], src[f"{experts}.down_proj"][2 * i:2 * i + 2])
+            assert torch.equal(held[i][f"model.layers.{layer}.mlp.gate.weight"], src[f"model.layers.{layer}.mlp.gate.weight"])
+        qkv = held[i]["model.layers.0.self_attn.qkv_proj.weight"]  # column-parallel: each rank's rows of q, k, v
+        want = torch.cat([src[f"model.layers.0.self_attn.{w}_proj.weight"].chunk(2)[i] for w in "qkv"])
+        assert torch.equal(qkv, want)
+    whole = held[2]
+    assert torch.equal(whole[w13], src["model.layers.1.mlp.experts.gate_up_proj"])
+    assert sum(t.nbytes for t in held[0].values()) < sum(t.nbytes for t in whole.values())
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
