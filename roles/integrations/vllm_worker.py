@@ -29,7 +29,10 @@ commits, or until ``weightsync_leave``. When updates may land (``updates``):
 Where vLLM keeps a layer's weights in a kernel-specific form (on CPU, linear layers are packed for
 oneDNN and their ``weight`` parameter emptied), the receiver holds a plain tensor for that weight and
 the commit re-runs the layer's ``process_weights_after_loading`` from it while the gate is still
-closed: what vLLM itself does after loading weights.
+closed: what vLLM itself does after loading weights. Fused-MoE layers (``w13_weight`` / ``w2_weight``
+stacks; Qwen3-MoE through the ``qwen3_moe`` mapping) are always held so, since the CPU kernel prepacks them
+in tensors of the same shape: the commit makes the layer's MoE kernel again from the plain stacks. With
+``enable_expert_parallel`` each worker holds and receives its share of the experts (``expert_parallel``).
 
 vLLM must run eagerly (``enforce_eager=True``): joining re-homes the parameters into one registered
 buffer, which moves them, and captured CUDA graphs or compiled code would keep reading the old memory.
