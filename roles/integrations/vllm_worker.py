@@ -100,17 +100,18 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
         have = (tuple(param.shape), dtype_name(param.dtype))
         path, _, attr = entry.name.rpartition(".")
         layer = model.get_submodule(path)
+        packed = hasattr(layer, "cpu_linear") and attr == "weight"  # the kernel reads a copy packed from it
         if fused_experts(layer):  # always rebuilt from plain stacks: a packed one looks like a plain one
             if (have[1] != want[1] or len(have[0]) != 3 or have[0][0] != want[0][0]
                     or any(h < w for h, w in zip(have[0], want[0]))):  # (a kernel may pad, never cut)
                 raise ConfigError("parameter", f"{entry.name}: the layout says {want[0]} {want[1]}, "
                                                f"the vLLM model holds {have[0]} {have[1]}")
             plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)
-        elif hasattr(layer, "cpu_linear") and attr == "weight" and param.numel() == 0:
+        elif packed and param.numel() == 0:
             plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)  # emptied after packing
         elif have == want:
             plain = param
-            if not (hasattr(layer, "cpu_linear") and attr == "weight"):
+            if not packed:
                 tensors[entry.name] = param
                 continue
         else:
