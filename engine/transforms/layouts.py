@@ -77,7 +77,12 @@ class ExpertParallel:
         _check_position("expert_parallel", self.index, self.world)
 
     def holds(self, name: str, ndim: int) -> bool:
-        return self.world > 1 and ndim == 3 and any(re.fullmatch(p, name) for p in self.stacks)
+        return self.world > 1 and _stack(name, ndim, self.stacks)
+
+
+def _stack(name: str, ndim: int, patterns: tuple[str, ...]) -> bool:
+    """Whether ``name`` (``ndim``-D) is a fused expert stack [E, R, C] by ``patterns``."""
+    return ndim == 3 and any(re.fullmatch(p, name) for p in patterns)
 
 
 def _check_position(field: str, index: int, world: int) -> None:
@@ -143,7 +148,7 @@ def _experts(name: str, full: tuple[int, ...], ep: ExpertParallel) -> ShardSpec:
 def _check_not_inside_experts(name: str, full: tuple[int, ...], tp: Optional[TensorParallel]) -> None:
     """Tensor parallelism inside each expert of a fused stack (vLLM's MoE without expert parallelism cuts
     gate and up of every expert apart) is not a layout rule: refused, naming the stack."""
-    if tp is not None and tp.world > 1 and len(full) == 3 and any(re.fullmatch(p, name) for p in EXPERT_STACKS):
+    if tp is not None and tp.world > 1 and _stack(name, len(full), EXPERT_STACKS):
         raise ConfigError("tensor_parallel", f"{name}: a fused expert stack {list(full)} under tensor parallelism "
                                              f"needs expert parallelism (vLLM: enable_expert_parallel=True)")
 
