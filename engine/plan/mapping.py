@@ -138,6 +138,15 @@ _VLLM_EXPERTS = (  # Qwen3-MoE: transformers' fused experts are vLLM's (gate_up 
     Rule("{p}.mlp.experts.routed_experts.w2_weight", ("{p}.mlp.experts.down_proj",)),
 )
 
+_DEEPSEEK = (  # DeepSeek-V3 / Kimi-K2 (MLA): vLLM fuses the two down-projections q_a and kv_a (with the
+    # shared rope key) and the shared experts' gate and up; kv_b_proj stays whole (MLA derives its absorbed
+    # matrices from it after loading: the vLLM worker remakes them at commit)
+    Rule("{p}.self_attn.fused_qkv_a_proj.weight",
+         ("{p}.self_attn.q_a_proj.weight", "{p}.self_attn.kv_a_proj_with_mqa.weight")),
+    Rule("{p}.mlp.shared_experts.gate_up_proj.weight",
+         ("{p}.mlp.shared_experts.gate_proj.weight", "{p}.mlp.shared_experts.up_proj.weight")),
+)
+
 MAPPINGS: dict[str, Mapping] = {
     "identity": Mapping("identity"),
     "llama": Mapping("llama", _DECODER),
@@ -145,6 +154,7 @@ MAPPINGS: dict[str, Mapping] = {
     "qwen3": Mapping("qwen3", _DECODER),
     "qwen3_moe": Mapping("qwen3_moe", _DECODER + _VLLM_EXPERTS),
     "mistral": Mapping("mistral", _DECODER),
+    "deepseek_v3": Mapping("deepseek_v3", _DECODER + _DEEPSEEK + _VLLM_EXPERTS),
     "gpt2": Mapping("gpt2", _GPT2),
 }
 

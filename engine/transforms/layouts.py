@@ -5,9 +5,10 @@ mapping (``weightsync.engine.plan.mapping``), and optionally a tensor-parallel p
 an FP8 policy (``FP8Policy``); it returns one ``LayoutEntry`` per receiver tensor: name (fused names
 included), dtype, local shape and the ``ShardSpec`` a receiver declares. ``allocate`` makes the
 tensors. Tensor parallelism follows vLLM's Linear classes: column-parallel layers (q/k/v and fused qkv,
-gate/up and fused gate_up, GPT-2 c_attn and c_fc, vocab-parallel embeddings and lm_head) shard dim 0
-and their biases; row-parallel layers (o_proj, down_proj, GPT-2 attn/mlp c_proj) shard dim 1 of the
-weight and replicate the bias; everything else (norms, positions) is replicated, and so is a
+gate/up and fused gate_up, MLA's q_b_proj and kv_b_proj, GPT-2 c_attn and c_fc, vocab-parallel
+embeddings and lm_head) shard dim 0 and their biases; row-parallel layers (o_proj, down_proj, GPT-2
+attn/mlp c_proj) shard dim 1 of the weight and replicate the bias; everything else (norms, positions,
+MLA's fused q_a/kv_a down-projection, MoE routers) is replicated, and so is a
 vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). Expert
 parallelism (``ExpertParallel``) cuts fused expert stacks [E, R, C] along their experts; tensor
 parallelism inside each expert of a stack is refused (a ``ConfigError`` naming it). FP8: 2-D
@@ -31,7 +32,7 @@ from ..errors import ConfigError
 from ..plan.mapping import FP8, SCALE_SUFFIX, Mapping, SourceShape, block_scale_shape, components, full_shape
 from ..plan.mapping import get_mapping
 
-COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)\.(weight|bias)",
+COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj)\.(weight|bias)",
           r".*\.(attn\.c_attn|mlp\.c_fc)\.(weight|bias)",
           r".*(embed_tokens|lm_head|wte)\.weight")
 VOCAB = r".*(embed_tokens|lm_head|wte)\.weight"

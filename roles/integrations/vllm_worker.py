@@ -30,9 +30,14 @@ Where vLLM keeps a layer's weights in a kernel-specific form (on CPU, linear lay
 oneDNN and their ``weight`` parameter emptied), the receiver holds a plain tensor for that weight and
 the commit re-runs the layer's ``process_weights_after_loading`` from it while the gate is still
 closed: what vLLM itself does after loading weights. Fused-MoE layers (``w13_weight`` / ``w2_weight``
-stacks; Qwen3-MoE through the ``qwen3_moe`` mapping) are always held so, since the CPU kernel prepacks them
-in tensors of the same shape: the commit makes the layer's MoE kernel again from the plain stacks. With
-``enable_expert_parallel`` each worker holds and receives its share of the experts (``expert_parallel``).
+stacks; Qwen3-MoE through the ``qwen3_moe`` mapping, DeepSeek-V3 through ``deepseek_v3``) are always held
+so, since the CPU kernel prepacks them in tensors of the same shape: the commit makes the layer's MoE
+kernel again from the plain stacks. With ``enable_expert_parallel`` each worker holds and receives its
+share of the experts (``expert_parallel``). Multi-head latent attention (DeepSeek-V3, Kimi-K2) keeps
+matrices derived from ``kv_b_proj`` after loading (``W_UK_T``, ``W_UV``); the commit derives them again
+from the pushed ``kv_b_proj`` (``mla_layers``), after the layers are repacked. A parameter vLLM keeps in
+another float dtype than the model's (the router's ``e_score_correction_bias``, float32) is received in
+its own dtype: the senders cast.
 
 vLLM must run eagerly (``enforce_eager=True``): joining re-homes the parameters into one registered
 buffer, which moves them, and captured CUDA graphs or compiled code would keep reading the old memory.
@@ -70,11 +75,30 @@ def hf_sources(hf_config: Any, dtype: str) -> dict[str, tuple[str, tuple[int, ..
 
 @dataclasses.dataclass
 class Binding:
-    """What one worker's receiver holds: tensor per name, shard specs, and the layers to re-process at
-    commit, each with the plain tensors it is rebuilt from (attribute -> tensor)."""
+    """What one worker's receiver holds: tensor per name, shard specs, the layers to re-process at
+    commit, each with the plain tensors it is rebuilt from (attribute -> tensor), and the attention
+    layers whose weights vLLM derives from a bound layer after loading (``derived``: MLA)."""
     tensors: dict[str, torch.Tensor]
     shards: dict[str, Any]
     repack: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]
+    derived: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _held(have: str, want: str) -> bool:
+    """Whether a parameter of dtype ``have`` can hold what the layout says is ``want``: the same dtype,
+    or another float one (vLLM keeps some tensors in float32 whatever the model's dtype, MoE routers'
+    correction bias: the receiver declares what it holds and the senders cast)."""
+    return have == want or (have in FLOATS and want in FLOATS)
+
+
+def mla_layers(model: torch.nn.Module, bound: set[int]) -> list[torch.nn.Module]:
+    """vLLM's MLA attention layers whose ``kv_b_proj`` is bound: after loading, vLLM derives their
+    absorbed matrices (``W_UK_T``, ``W_UV``) from it, so a commit must derive them again."""
+    return [m for m in model.modules()
+            if id(getattr(m, "kv_b_proj", None)) in bound and callable(getattr(m, "process_weights_after_loading", None))]
 
 
 def fused_experts(layer: torch.nn.Module) -> bool:
@@ -89,6 +113,7 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     repack: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
+    bound: set[int] = set()  # the layers of bound parameters
     for entry in layout:
         param = params.get(entry.name)
         if param is None:
@@ -100,16 +125,17 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
         have = (tuple(param.shape), dtype_name(param.dtype))
         path, _, attr = entry.name.rpartition(".")
         layer = model.get_submodule(path)
+        bound.add(id(layer))
         packed = hasattr(layer, "cpu_linear") and attr == "weight"  # the kernel reads a copy packed from it
         if fused_experts(layer):  # always rebuilt from plain stacks: a packed one looks like a plain one
-            if (have[1] != want[1] or len(have[0]) != 3 or have[0][0] != want[0][0]
+            if (not _held(have[1], want[1]) or len(have[0]) != 3 or have[0][0] != want[0][0]
                     or any(h < w for h, w in zip(have[0], want[0]))):  # (a kernel may pad, never cut)
                 raise ConfigError("parameter", f"{entry.name}: the layout says {want[0]} {want[1]}, "
                                                f"the vLLM model holds {have[0]} {have[1]}")
             plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)
         elif packed and param.numel() == 0:
             plain = torch.empty(entry.shape, dtype=param.dtype, device=param.device)  # emptied after packing
-        elif have == want:
+        elif have[0] == want[0] and _held(have[1], want[1]):
             plain = param
             if not packed:
                 tensors[entry.name] = param
@@ -120,20 +146,23 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
         tensors[entry.name] = plain
         repack.setdefault(id(layer), (layer, {}))[1][attr] = plain  # the kernel's form is made from it
     return Binding(tensors, {e.name: e.shard for e in layout if e.shard is not None and e.name in tensors},
-                   list(repack.values()))
+                   list(repack.values()), mla_layers(model, bound))
 
 
-def repack_layers(repack: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]) -> None:
-    """Rebuild each packed layer's kernel form from its plain weights (vLLM's post-load processing). A
-    fused-MoE layer's kernel is made again, as at load: processing it as a weight update would copy the
-    plain stacks into the packed ones."""
-    for layer, plains in repack:
+def commit_layers(binding: Binding, dtype: torch.dtype) -> None:
+    """What vLLM does after loading weights, for the layers a round wrote: each packed layer's kernel
+    form rebuilt from its plain weights (a fused-MoE layer's kernel made again, as at load: processing
+    it as a weight update would copy the plain stacks into the packed ones), then the weights attention
+    layers derive from them (MLA's absorbed matrices, computed in ``dtype``, vLLM's activation dtype)."""
+    for layer, plains in binding.repack:
         for attr, plain in plains.items():
             if getattr(layer, attr) is not plain:
                 setattr(layer, attr, torch.nn.Parameter(plain, requires_grad=False))
         if fused_experts(layer):
             layer.quant_method.moe_kernel = None
         layer.quant_method.process_weights_after_loading(layer)
+    for layer in binding.derived:
+        layer.process_weights_after_loading(dtype)
 
 
 def expert_parallel(parallel_config: Any, tp: Optional[TensorParallel]) -> Optional[ExpertParallel]:
@@ -149,8 +178,10 @@ def expert_parallel(parallel_config: Any, tp: Optional[TensorParallel]) -> Optio
 
 class _Joined:
     def __init__(self, receiver: WeightReceiver, loop: BackgroundLoop, gate: GenerationGate,
-                 binding: Binding, tp: Optional[TensorParallel], ep: Optional[ExpertParallel]) -> None:
+                 binding: Binding, tp: Optional[TensorParallel], ep: Optional[ExpertParallel],
+                 dtype: torch.dtype) -> None:
         self.receiver, self.loop, self.gate, self.binding, self.tp, self.ep = receiver, loop, gate, binding, tp, ep
+        self.dtype = dtype  # vLLM's activation dtype (derived weights are computed in it)
         self.repack_s = 0.0
         self.updates = "anytime"
         self.generation_holds = False  # on_wait: the worker's thread holds the gate outside weightsync_wait
@@ -158,7 +189,7 @@ class _Joined:
     async def after_update(self, version: int, ok: bool) -> None:
         if ok:
             started = time.perf_counter()
-            repack_layers(self.binding.repack)
+            commit_layers(self.binding, self.dtype)
             self.repack_s = time.perf_counter() - started
         self.gate.after_update(version, ok)  # an abort keeps it closed: parameters are half written
 
@@ -194,7 +225,7 @@ class WeightSyncWorkerExtension:
         updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
         gate = GenerationGate(windows=updates == "on_wait")
         loop = BackgroundLoop(f"weightsync-worker-{self.rank}")
-        joined = _Joined(None, loop, gate, binding, tp, ep)  # type: ignore[arg-type]
+        joined = _Joined(None, loop, gate, binding, tp, ep, model_config.dtype)  # type: ignore[arg-type]
         rank = rank_offset + self.rank if rank is None else rank
         options = ReceiverOptions(transport=transport, join_timeout_s=join_timeout_s,
                                   auth_key=bytes.fromhex(auth_key_hex) if auth_key_hex else None)
@@ -216,8 +247,9 @@ class WeightSyncWorkerExtension:
             gate.hold()  # generation owns the gate; weightsync_wait lends it to updates
             joined.generation_holds = True
         self._weightsync = joined
-        log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, tp=%s, ep=%s)",
-                 self.rank, controller, rank, len(binding.tensors), len(binding.repack), tp, ep)
+        log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, %d derived, "
+                 "tp=%s, ep=%s)", self.rank, controller, rank, len(binding.tensors), len(binding.repack),
+                 len(binding.derived), tp, ep)
         return self.weightsync_status()
 
     def weightsync_wait(self, version: int, timeout_s: float = 600.0) -> int:
@@ -244,7 +276,8 @@ class WeightSyncWorkerExtension:
                 "expert_bytes": sum(t.nbytes for layer, plains in joined.binding.repack if fused_experts(layer)
                                     for t in plains.values()),
                 "updates": joined.updates, "paused": gate.held, "pauses": gate.updates, "paused_s": round(gate.paused_s, 6),
-                "repacked_layers": len(joined.binding.repack), "repack_s": round(joined.repack_s, 6)}
+                "repacked_layers": len(joined.binding.repack), "derived_layers": len(joined.binding.derived),
+                "repack_s": round(joined.repack_s, 6)}
 
     def weightsync_leave(self) -> None:
         """Leave the controller, unwrap the model and open the gate (generation continues on what it has)."""

@@ -9,6 +9,7 @@ the trainer's own ``generate`` with the pushed weights, token for token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -198,4 +199,83 @@ async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_
             status = await rpc(llm, "weightsync_status")
             assert all(s["version"] == 2 and not s["dirty"] for s in status), status
             assert sum(s["expert_bytes"] for s in status) == experts  # each expert lands on one worker only
+            await rpc(llm, "weightsync_leave")
+
+
+def tiny_deepseek(seed: int, dense_layers: int) -> torch.nn.Module:
+    """A DeepSeek-V3 (Kimi-K2's architecture) of two layers, the first ``dense_layers`` dense, the rest with
+    routed and shared experts: multi-head latent attention (vLLM's CPU kernel takes only a latent of 512
+    and a rope head of 64), a router with a correction bias (random here: pushing it changes which experts
+    a token takes)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=2, first_k_dense_replace=dense_layers, n_routed_experts=4,
+                           num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=2,
+                           num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
+                           qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
+                           topk_method="noaux_tc")
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) / 2)
+    return model
+
+
+@contextlib.contextmanager
+def engine(path: str, tp: int):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))  # one core per worker
+        llm = make_llm(path, tp)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(params=[(1, 1), (2, 2)], ids=["deepseek-moe-tp1", "deepseek-dense-tp2"], scope="module")
+def served_deepseek(request, tmp_path_factory):
+    """Checkpoints of seeds 0 and 1; what an engine loaded from seed 1's generates (then shut down), and an
+    engine serving seed 0's. The MoE model is served at TP 1 (vLLM's MoE needs expert parallelism under
+    TP, which vLLM CPU does not run), a dense one at TP 2 (MLA's heads split over the ranks)."""
+    tp, dense = request.param
+    paths = []
+    for seed in (0, 1):
+        paths.append(str(tmp_path_factory.mktemp(f"deepseek-{seed}-tp{tp}")))
+        tiny_deepseek(seed, dense).save_pretrained(paths[-1])
+    with engine(paths[1], tp) as llm:
+        loaded = vllm_greedy(llm)
+    with engine(paths[0], tp) as llm:
+        yield llm, tp, dense, loaded
+
+
+async def test_an_mla_model_takes_pushed_weights_and_generates_what_a_loaded_one_generates(served_deepseek):
+    """DeepSeek-V3's fused q_a/kv_a and shared experts, its routed experts and router bias are bound, and
+    the commit derives MLA's absorbed matrices again from the pushed ``kv_b_proj``: after a push of seed 1's
+    weights the engine generates what an engine loaded from seed 1's checkpoint generates, token for
+    token, and after a push of seed 0's what it generated before any push. (vLLM's MLA and
+    transformers' round differently: on these random weights their greedy tokens part after a few
+    steps, so the engine's own load is the reference, not the trainer's ``generate``.)"""
+    llm, tp, dense, loaded = served_deepseek
+    before = await asyncio.to_thread(vllm_greedy, llm)
+    assert before != loaded
+    trainers = {1: tiny_deepseek(1, dense), 2: tiny_deepseek(0, dense)}
+    want = {1: loaded, 2: before}
+    async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="deepseek_v3", checksum="crc32")) as ctl:
+        async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
+            joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's deepseek_v3)
+            assert [s["derived_layers"] for s in joined] == [2] * tp  # every layer's MLA
+            for version, model in trainers.items():
+                with torch.no_grad():
+                    for name, t in model.state_dict().items():
+                        sender.tensors[name].copy_(t)
+                waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))
+                handle = await sender.push(version)
+                assert await handle == version
+                assert await waiting == [version] * tp
+                assert await asyncio.to_thread(vllm_greedy, llm) == want[version], f"version {version}"
+            status = await rpc(llm, "weightsync_status")
+            assert all(s["version"] == 2 and not s["dirty"] for s in status), status
             await rpc(llm, "weightsync_leave")

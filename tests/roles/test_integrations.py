@@ -13,7 +13,7 @@ from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.engine.transforms.layouts import LayoutEntry
 from weightsync.roles import ReceiverOptions, SenderOptions
 from weightsync.roles.integrations.threads import BackgroundLoop, GenerationGate
-from weightsync.roles.integrations.vllm_worker import bind
+from weightsync.roles.integrations.vllm_worker import bind, commit_layers
 
 
 async def test_an_update_waits_for_the_pass_in_progress_and_blocks_the_next():
@@ -132,12 +132,46 @@ def test_bind_uses_parameters_in_place_and_plain_tensors_for_packed_layers():
 
 @pytest.mark.parametrize("entry, match", [
     (LayoutEntry("proj.weight", "float32", (4, 9), None), r"proj.weight: the layout says \(4, 9\) float32, the vLLM model holds \(4, 8\) float32"),
-    (LayoutEntry("proj.weight", "bfloat16", (4, 8), None), "proj.weight: the layout says .* bfloat16"),
+    (LayoutEntry("proj.weight", "float8_e4m3fn", (4, 8), None), "proj.weight: the layout says .* float8_e4m3fn"),
     (LayoutEntry("mlp.up.weight", "float32", (4, 8), None), "mlp.up.weight: in the layout but not in the vLLM model"),
 ])
 def test_bind_names_the_parameter_that_does_not_match(entry, match):
     with pytest.raises(ConfigError, match=match):
         bind(_model(), [entry], tied=False)
+
+
+def test_bind_takes_a_parameter_held_in_another_float_dtype_as_it_is():
+    """vLLM keeps some tensors in float32 whatever the model's dtype (MoE routers' correction bias): the
+    receiver declares the parameter's own dtype, and the senders cast."""
+    model = _model()
+    binding = bind(model, [LayoutEntry("norm.weight", "bfloat16", (8,), None)], tied=False)
+    assert binding.tensors["norm.weight"] is model.norm.weight and model.norm.weight.dtype == torch.float32
+
+
+class _MLA(torch.nn.Module):
+    """What the worker reads of vLLM's MLA attention: a ``kv_b_proj`` it derives matrices from after loading."""
+
+    def __init__(self, kv_b_proj):
+        super().__init__()
+        self.kv_b_proj = kv_b_proj
+        self.derived_in: list[torch.dtype] = []
+
+    def process_weights_after_loading(self, act_dtype):
+        self.derived_in.append(act_dtype)
+
+
+def test_the_commit_derives_mla_matrices_again_from_a_bound_kv_b_proj():
+    model = _model(emptied=True)
+    model.attn = _MLA(model.proj)
+    model.other = _MLA(_Linear((4, 8)))  # (its kv_b_proj is not bound: left alone)
+    binding = bind(model, [LayoutEntry("proj.weight", "float32", (4, 8), None)], tied=False)
+    assert binding.derived == [model.attn]
+    calls: list[str] = []
+    model.proj.quant_method = type("Q", (), {"process_weights_after_loading": lambda self, layer: calls.append("repack")})()
+    model.attn.process_weights_after_loading = lambda dtype: calls.append(f"derive {dtype}")
+    commit_layers(binding, torch.bfloat16)
+    assert calls == ["repack", "derive torch.bfloat16"]  # (derived from the repacked layer)
+    assert model.proj.weight is not None and model.proj.weight.shape == (4, 8)
 
 
 def test_bind_skips_lm_head_when_embeddings_are_tied():

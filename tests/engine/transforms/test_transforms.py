@@ -422,6 +422,44 @@ async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
     assert sum(t.nbytes for t in held[0].values()) < sum(t.nbytes for t in whole.values())
 
 
+async def test_deepseek_v3_to_vllm_layouts_over_tensor_parallel_ranks():
+    """transformers' DeepSeek-V3 (Kimi-K2's architecture: MLA, shared and routed experts) -> vLLM's names
+    (``deepseek_v3``): q_a and kv_a fused into ``fused_qkv_a_proj`` (replicated), the shared experts'
+    gate and up fused, q_b/kv_b column-parallel, o_proj row-parallel; two TP ranks of a model whose
+    layers are all dense, and experts held whole by one rank (EP over one); bit exact."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=2, num_key_value_heads=2,
+                           q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                           tie_word_embeddings=False, topk_method="noaux_tc")
+    torch.manual_seed(6)
+    src = {k: torch.randn(v.shape) for k, v in DeepseekV3ForCausalLM(cfg).state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    dense = {k: v for k, v in shapes.items() if "layers.1." not in k}  # (layer 0 is dense)
+    layouts = [receiver_layout(dense, "deepseek_v3", tp=TensorParallel(i, 2)) for i in range(2)]
+    layouts.append(receiver_layout(shapes, "deepseek_v3"))
+    async with _cluster(src, layouts, "deepseek_v3") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        held = [r.state_dict() for r in receivers]
+    attn = "model.layers.0.self_attn"
+    for i in range(2):
+        assert torch.equal(held[i][f"{attn}.fused_qkv_a_proj.weight"],
+                           torch.cat([src[f"{attn}.q_a_proj.weight"], src[f"{attn}.kv_a_proj_with_mqa.weight"]]))
+        for name in ("q_b_proj", "kv_b_proj"):  # column-parallel: each rank's heads
+            assert torch.equal(held[i][f"{attn}.{name}.weight"], src[f"{attn}.{name}.weight"].chunk(2)[i])
+        assert torch.equal(held[i][f"{attn}.o_proj.weight"], src[f"{attn}.o_proj.weight"].chunk(2, dim=1)[i])
+        assert torch.equal(held[i][f"{attn}.kv_a_layernorm.weight"], src[f"{attn}.kv_a_layernorm.weight"])
+    whole, mlp = held[2], "model.layers.1.mlp"
+    assert torch.equal(whole[f"{mlp}.shared_experts.gate_up_proj.weight"],
+                       torch.cat([src[f"{mlp}.shared_experts.gate_proj.weight"], src[f"{mlp}.shared_experts.up_proj.weight"]]))
+    assert torch.equal(whole[f"{mlp}.experts.routed_experts.w13_weight"], src[f"{mlp}.experts.gate_up_proj"])
+    assert torch.equal(whole[f"{mlp}.experts.routed_experts.w2_weight"], src[f"{mlp}.experts.down_proj"])
+    assert torch.equal(whole[f"{mlp}.gate.e_score_correction_bias"], src[f"{mlp}.gate.e_score_correction_bias"])
+    assert "model.layers.1.self_attn.q_a_proj.weight" not in whole  # (fused, under vLLM's name only)
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
 async def test_gpt2_conv1d_to_fp8_transposes_then_quantizes(grouped):
     from weightsync.engine.models.shapes import gpt2_config
