@@ -48,12 +48,16 @@ class Rule:
     transpose: bool = False  # the sources are Conv1D weights [in, out]; the receiver holds [out, in]
     split: int = 1  # each part holds this many equal fused components along its output dim
     where: tuple[tuple[str, str], ...] = ()
+    # each part is a stack of matrices [E, R, C] whose R rows hold this many fused components (an expert's
+    # gate and up): a shard of R (tensor parallelism inside every expert) takes its share of each
+    stack_split: int = 1
 
     def __post_init__(self) -> None:
         if not self.parts:
             object.__setattr__(self, "parts", (self.dst,))
-        if self.split < 1:
-            raise ConfigError("split", f"rule {self.dst!r}: split must be >= 1, got {self.split}")
+        if self.split < 1 or self.stack_split < 1:
+            raise ConfigError("split", f"rule {self.dst!r}: split and stack_split must be >= 1, got "
+                                       f"{self.split}, {self.stack_split}")
         groups = dict(self.where)
         object.__setattr__(self, "_dst_re", _template_regex(self.dst, groups))
         object.__setattr__(self, "_part_re", _template_regex(self.parts[0], groups))
@@ -133,8 +137,9 @@ _GPT2 = (  # transformers' GPT-2 uses Conv1D ([in, out]); Linear-based engines h
     Rule("{p}.{m}.weight", transpose=True, where=(("m", r"attn\.c_proj|mlp\.c_fc|mlp\.c_proj"),)),
 )
 
-_VLLM_EXPERTS = (  # Qwen3-MoE: transformers' fused experts are vLLM's (gate_up [E, 2I, H] is w13, gate first)
-    Rule("{p}.mlp.experts.routed_experts.w13_weight", ("{p}.mlp.experts.gate_up_proj",)),
+_VLLM_EXPERTS = (  # Qwen3-MoE: transformers' fused experts are vLLM's (gate_up [E, 2I, H] is w13, gate first;
+    # under TP without EP, each rank's w13 holds every expert's share of gate, then of up)
+    Rule("{p}.mlp.experts.routed_experts.w13_weight", ("{p}.mlp.experts.gate_up_proj",), stack_split=2),
     Rule("{p}.mlp.experts.routed_experts.w2_weight", ("{p}.mlp.experts.down_proj",)),
 )
 
@@ -185,6 +190,7 @@ class Component:
     out_dim: int  # the source dim that becomes the receiver's dim 0 (-1: a scalar)
     rest: tuple[int, ...]  # the receiver-orientation shape after dim 0
     src_size: int  # the source's size along out_dim
+    stack_split: int = 1  # a stack of matrices holding this many fused components along dim 1 (``Rule``)
 
     @property
     def rows(self) -> int:
@@ -224,7 +230,8 @@ def components(mapping: Mapping, dst: str, sources: MappingT[str, SourceShape], 
         if size % rule.split:
             raise BadTiling(f"{size} rows cannot be split into {rule.split} fused components", param=src)
         step = size // rule.split
-        out.extend(Component(src, k * step, (k + 1) * step, transpose, out_dim, rest, size)
+        stack = rule.stack_split if len(s.shape) == 3 else 1
+        out.extend(Component(src, k * step, (k + 1) * step, transpose, out_dim, rest, size, stack)
                    for k in range(rule.split))
     if len(dtypes) > 1 or len({c.rest for c in out}) > 1:
         raise ManifestMismatch(f"parts {list(names)} disagree in dtype or trailing shape", param=dst, ranks=[where])
@@ -273,6 +280,8 @@ def parts_for(t: TensorSpec, comps: Sequence[Component], step: str, where: str,
         raise ManifestMismatch(f"receiver wants full shape {list(weight.full_shape)}, the mapping gives "
                                f"{list(full_shape(comps))} from {sorted({c.src for c in comps})}",
                                param=weight.name, ranks=[where])
+    if weight.shard is not None and weight.shard.dim == 1 and comps[0].stack_split > 1:
+        return _inside_matrices(t, comps, weight.shard, step, where, scale_of is not None)
     regions = _shard_regions(weight.name, weight.shard, comps, where)
     if scale_of is not None:
         return _scale_parts(t, regions, step, where)
@@ -285,6 +294,29 @@ def parts_for(t: TensorSpec, comps: Sequence[Component], step: str, where: str,
         out.append(_part(comp, rows, cols, offset, nbytes, step, size))
         offset += nbytes
     return out
+
+
+def _inside_matrices(t: TensorSpec, comps: Sequence[Component], shard: ShardSpec, step: str, where: str,
+                     scales: bool) -> list[Part]:
+    """A tensor-parallel shard of every matrix of a stack [E, R, C] whose R rows hold fused components
+    (``Rule.stack_split``: an expert's gate and up): shard ``i`` of ``w`` holds, matrix after matrix, the
+    ``i``-th ``w``-th of each component's rows (vLLM's w13 without expert parallelism). Each is one block
+    of the source (one matrix's rows), so a stack of E matrices is E x components parts."""
+    comp = comps[0]
+    if len(comps) > 1 or step.startswith("fp8") or scales:
+        raise ManifestMismatch("a shard inside every matrix of a fused stack is made from one source and "
+                               "not quantized to block FP8 here", param=t.name, ranks=[where])
+    experts, rows, cols = shard.full_shape
+    span, k = shard.stop - shard.start, comp.stack_split
+    if span == 0 or rows % span or shard.start % span or rows % k or (rows // k) % (rows // span):
+        raise BadTiling(f"rows {shard.start}:{shard.stop} of dim 1 ({rows} rows in {k} fused components) are "
+                        f"not one of equal tensor-parallel shards of each component", param=t.name, ranks=[where])
+    world, each = rows // span, rows // k
+    share, index = each // world, shard.start // span
+    nbytes = share * cols * dtype_size(t.dtype)
+    return [Part(comp.src, Slice(1, j * each + index * share, j * each + (index + 1) * share, e, e + 1),
+                 (e * k + j) * nbytes, nbytes, step, 0)
+            for e in range(experts) for j in range(k)]
 
 
 def block_scale_shape(name: str, shard: Optional[ShardSpec], comps: Sequence[Component]) -> tuple[int, ...]:

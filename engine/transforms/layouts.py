@@ -10,8 +10,10 @@ embeddings and lm_head) shard dim 0 and their biases; row-parallel layers (o_pro
 attn/mlp c_proj) shard dim 1 of the weight and replicate the bias; everything else (norms, positions,
 MLA's fused q_a/kv_a down-projection, MoE routers) is replicated, and so is a
 vocabulary whose size does not divide by the TP world (vLLM pads it; GPT-2's 50257 rows). Expert
-parallelism (``ExpertParallel``) cuts fused expert stacks [E, R, C] along their experts; tensor
-parallelism inside each expert of a stack is refused (a ``ConfigError`` naming it). FP8: 2-D
+parallelism (``ExpertParallel``) cuts fused expert stacks [E, R, C] along their experts; without it,
+tensor parallelism goes inside every expert: a fused gate-and-up stack whose components the mapping
+names (vLLM's w13) takes each rank's share of gate and of up, a down stack (w2) its columns; any other
+stack is refused (a ``ConfigError`` naming it). FP8: 2-D
 weights and 3-D expert stacks the policy includes become float8_e4m3fn with a float32
 ``<name>_scale_inv`` of 128x128 blocks next to them (a stack's, matrix by matrix: [E, R/128, C/128]);
 norms, embeddings and lm_head are excluded by default.
@@ -38,6 +40,7 @@ COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_
 VOCAB = r".*(embed_tokens|lm_head|wte)\.weight"
 ROW = (r".*\.(o_proj|down_proj|attn\.c_proj|mlp\.c_proj)\.weight",)
 EXPERT_STACKS = (r"(.*\.)?experts\.(routed_experts\.)?[^.]+",)  # fused [E, R, C]: transformers' and vLLM's names
+DOWN_STACKS = (r"(.*\.)?experts\.(routed_experts\.)?(w2_weight|down_proj)",)  # [E, H, I]: row-parallel inside
 FP8_EXCLUDE = (r".*norm.*", r".*embed.*", r".*lm_head.*", r".*\.wte\..*", r".*\.wpe\..*", r".*\.ln_.*",
                r".*\.mlp\.gate\.weight")  # (the last: MoE routers, which FP8 checkpoints keep as they are)
 
@@ -126,11 +129,15 @@ def receiver_layout(sources: MappingT[str, tuple[str, Sequence[int]]], mapping: 
         want = dtype if dtype and src_dtype.startswith(("float", "bfloat")) else src_dtype
         if ep is not None and ep.holds(name, len(full)):
             shard = _experts(name, full, ep)
+        elif tp is not None and tp.world > 1 and _stack(name, len(full), EXPERT_STACKS):
+            shard = _inside_experts(name, full, tp, comps[0].stack_split)
         else:
-            _check_not_inside_experts(name, full, tp)
             shard = _shard(name, full, tp)
         local = shard.local_shape() if shard is not None else full
         if fp8 is not None and fp8.wants(name, len(full)):
+            if shard is not None and shard.dim == 1 and comps[0].stack_split > 1:
+                raise ConfigError("fp8", f"{name}: block FP8 of a shard inside every expert of a fused stack is "
+                                         f"not derived; use expert parallelism")
             out.append(LayoutEntry(name, FP8, local, shard))
             scales = block_scale_shape(name, shard, comps)
             out.append(LayoutEntry(name + SCALE_SUFFIX, "float32", scales, None))
@@ -146,12 +153,25 @@ def _experts(name: str, full: tuple[int, ...], ep: ExpertParallel) -> ShardSpec:
     return ShardSpec(full, 0, ep.index * each, (ep.index + 1) * each)
 
 
-def _check_not_inside_experts(name: str, full: tuple[int, ...], tp: Optional[TensorParallel]) -> None:
-    """Tensor parallelism inside each expert of a fused stack (vLLM's MoE without expert parallelism cuts
-    gate and up of every expert apart) is not a layout rule: refused, naming the stack."""
-    if tp is not None and tp.world > 1 and _stack(name, len(full), EXPERT_STACKS):
+def _inside_experts(name: str, full: tuple[int, ...], tp: TensorParallel, components: int) -> ShardSpec:
+    """Tensor parallelism inside every expert of a fused stack (vLLM's MoE without expert parallelism): a
+    stack of fused gate and up (its mapping rule names the components, ``Rule.stack_split``: vLLM's
+    w13) shards dim 1, each rank its share of each component of every expert; a down stack (w2, [E, H,
+    I]) dim 2, row-parallel. Any other stack (one whose components the mapping does not name) is
+    refused, naming it."""
+    if components > 1:
+        dim = 1
+    elif _stack(name, len(full), DOWN_STACKS):
+        dim = 2
+    else:
         raise ConfigError("tensor_parallel", f"{name}: a fused expert stack {list(full)} under tensor parallelism "
-                                             f"needs expert parallelism (vLLM: enable_expert_parallel=True)")
+                                             f"needs its fused components named by the mapping (qwen3_moe, "
+                                             f"deepseek_v3) or expert parallelism (vLLM: enable_expert_parallel=True)")
+    if full[dim] % (tp.world * components):
+        raise ConfigError("tensor_parallel", f"{name}: dim {dim} of size {full[dim]} does not divide into "
+                                             f"{components} component(s) of {tp.world} shards")
+    each = full[dim] // tp.world
+    return ShardSpec(full, dim, tp.index * each, (tp.index + 1) * each)
 
 
 def _shard(name: str, full: tuple[int, ...], tp: Optional[TensorParallel]) -> Optional[ShardSpec]:

@@ -33,7 +33,8 @@ closed: what vLLM itself does after loading weights. Fused-MoE layers (``w13_wei
 stacks; Qwen3-MoE through the ``qwen3_moe`` mapping, DeepSeek-V3 through ``deepseek_v3``) are always held
 so, since the CPU kernel prepacks them in tensors of the same shape: the commit makes the layer's MoE
 kernel again from the plain stacks. With ``enable_expert_parallel`` each worker holds and receives its
-share of the experts (``expert_parallel``). Multi-head latent attention (DeepSeek-V3, Kimi-K2) keeps
+share of the experts (``expert_parallel``); without it, its share of every expert (its rows of each
+expert's gate and up in w13, its columns of w2). Multi-head latent attention (DeepSeek-V3, Kimi-K2) keeps
 matrices derived from ``kv_b_proj`` after loading (``W_UK_T``, ``W_UV``); the commit derives them again
 from the pushed ``kv_b_proj`` (``mla_layers``), after the layers are repacked. A parameter vLLM keeps in
 another float dtype than the model's (the router's ``e_score_correction_bias``, float32) is received in

@@ -155,8 +155,8 @@ def tiny_moe(seed: int) -> torch.nn.Module:
 
 @pytest.fixture(params=[1, 2], ids=["moe-tp1", "moe-tp2"], scope="module")
 def served_moe(request, tmp_path_factory):
-    """A saved Qwen3-MoE checkpoint (seed 0) served by vLLM at the given tensor-parallel size (vLLM CPU
-    0.32 crashes in its first step with ``enable_expert_parallel``, so expert parallelism is not served)."""
+    """A saved Qwen3-MoE checkpoint (seed 0) served by vLLM at the given tensor-parallel size, without
+    expert parallelism (vLLM CPU 0.32 crashes in its first step with ``enable_expert_parallel``)."""
     tp = request.param
     path = tmp_path_factory.mktemp(f"tiny-moe-tp{tp}")
     tiny_moe(0).save_pretrained(path)
@@ -171,21 +171,15 @@ def served_moe(request, tmp_path_factory):
 
 async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_generates(served_moe):
     """vLLM's fused experts (prepacked by the CPU kernel) and routers are bound: after each push the
-    engine generates what the trainer does, token for token. Tensor parallelism inside each expert
-    (vLLM's MoE without expert parallelism) is refused at join, naming the stack and the remedy."""
+    engine generates what the trainer does, token for token. At TP 2 (vLLM's MoE without expert
+    parallelism) each worker holds its share of every expert: of gate and of up in w13, of w2's columns."""
     llm, tp = served_moe
-    if tp > 1:
-        async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="qwen3_moe")) as ctl:
-            with pytest.raises(Exception, match=r"experts\.routed_experts\.w13_weight.*enable_expert_parallel"):
-                await rpc(llm, "weightsync_join", ctl.address)
-        assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(0))  # serving on, untouched
-        return
     assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(0))
     trainers = {1: tiny_moe(1), 2: tiny_moe(2)}
     async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="qwen3_moe", checksum="crc32")) as ctl:
         async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
             joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's qwen3_moe)
-            assert [s["ep"] for s in joined] == ([None] if tp == 1 else [[0, 2], [1, 2]])
+            assert [s["ep"] for s in joined] == [None] * tp
             experts = 2 * 4 * (2 * 64 * 128 + 128 * 64) * 4  # two layers' w13 and w2 stacks, float32
             for version, model in trainers.items():
                 with torch.no_grad():
@@ -198,19 +192,19 @@ async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_
                 assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(model), f"version {version}"
             status = await rpc(llm, "weightsync_status")
             assert all(s["version"] == 2 and not s["dirty"] for s in status), status
-            assert sum(s["expert_bytes"] for s in status) == experts  # each expert lands on one worker only
+            assert sum(s["expert_bytes"] for s in status) == experts  # every expert byte lands on one worker only
             await rpc(llm, "weightsync_leave")
 
 
-def tiny_deepseek(seed: int, dense_layers: int) -> torch.nn.Module:
-    """A DeepSeek-V3 (Kimi-K2's architecture) of two layers, the first ``dense_layers`` dense, the rest with
-    routed and shared experts: multi-head latent attention (vLLM's CPU kernel takes only a latent of 512
+def tiny_deepseek(seed: int) -> torch.nn.Module:
+    """A DeepSeek-V3 (Kimi-K2's architecture) of two layers, the first dense, the second with routed and
+    shared experts: multi-head latent attention (vLLM's CPU kernel takes only a latent of 512
     and a rope head of 64), a router with a correction bias (random here: pushing it changes which experts
     a token takes)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                           num_hidden_layers=2, first_k_dense_replace=dense_layers, n_routed_experts=4,
+                           num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
                            num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=2,
                            num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
                            qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
@@ -235,20 +229,19 @@ def engine(path: str, tp: int):
         llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.fixture(params=[(1, 1), (2, 2)], ids=["deepseek-moe-tp1", "deepseek-dense-tp2"], scope="module")
+@pytest.fixture(params=[1, 2], ids=["deepseek-tp1", "deepseek-tp2"], scope="module")
 def served_deepseek(request, tmp_path_factory):
     """Checkpoints of seeds 0 and 1; what an engine loaded from seed 1's generates (then shut down), and an
-    engine serving seed 0's. The MoE model is served at TP 1 (vLLM's MoE needs expert parallelism under
-    TP, which vLLM CPU does not run), a dense one at TP 2 (MLA's heads split over the ranks)."""
-    tp, dense = request.param
+    engine serving seed 0's, at TP 1 or 2 (MLA's heads, and a share of every expert, on each worker)."""
+    tp = request.param
     paths = []
     for seed in (0, 1):
         paths.append(str(tmp_path_factory.mktemp(f"deepseek-{seed}-tp{tp}")))
-        tiny_deepseek(seed, dense).save_pretrained(paths[-1])
+        tiny_deepseek(seed).save_pretrained(paths[-1])
     with engine(paths[1], tp) as llm:
         loaded = vllm_greedy(llm)
     with engine(paths[0], tp) as llm:
-        yield llm, tp, dense, loaded
+        yield llm, tp, loaded
 
 
 async def test_an_mla_model_takes_pushed_weights_and_generates_what_a_loaded_one_generates(served_deepseek):
@@ -258,10 +251,10 @@ async def test_an_mla_model_takes_pushed_weights_and_generates_what_a_loaded_one
     token, and after a push of seed 0's what it generated before any push. (vLLM's MLA and
     transformers' round differently: on these random weights their greedy tokens part after a few
     steps, so the engine's own load is the reference, not the trainer's ``generate``.)"""
-    llm, tp, dense, loaded = served_deepseek
+    llm, tp, loaded = served_deepseek
     before = await asyncio.to_thread(vllm_greedy, llm)
     assert before != loaded
-    trainers = {1: tiny_deepseek(1, dense), 2: tiny_deepseek(0, dense)}
+    trainers = {1: tiny_deepseek(1), 2: tiny_deepseek(0)}
     want = {1: loaded, 2: before}
     async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="deepseek_v3", checksum="crc32")) as ctl:
         async with WeightSender(ctl.address, trainers[1], rank=0) as sender:

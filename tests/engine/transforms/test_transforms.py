@@ -389,7 +389,7 @@ async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
     """transformers' Qwen3-MoE (fused experts) -> vLLM's names (``qwen3_moe``: q/k/v fused, the experts'
     ``gate_up_proj`` / ``down_proj`` as ``routed_experts.w13_weight`` / ``w2_weight``): two TP ranks that
     hold half the experts each (vLLM's ``enable_expert_parallel``), and one rank holding all; bit exact.
-    Tensor parallelism inside the experts is refused, naming the stack."""
+    Without expert parallelism, tensor parallelism goes inside every expert (below)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -399,9 +399,6 @@ async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
     src = {k: v.detach().clone() for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
-    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts.routed_experts.w13_weight: a fused expert stack "
-                       r"\[4, 32, 32\] under tensor parallelism needs expert parallelism .*enable_expert_parallel"):
-        receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(0, 2))
     layouts = [receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(i, 2), ep=ExpertParallel(i, 2)) for i in range(2)]
     layouts.append(receiver_layout(shapes, "qwen3_moe"))
     assert {e.name: e.shape for e in layouts[1]}[w13] == (2, 32, 32)  # experts 2:4, gate and up whole
@@ -420,6 +417,38 @@ async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
     whole = held[2]
     assert torch.equal(whole[w13], src["model.layers.1.mlp.experts.gate_up_proj"])
     assert sum(t.nbytes for t in held[0].values()) < sum(t.nbytes for t in whole.values())
+
+
+async def test_qwen3_moe_to_vllm_layouts_with_tensor_parallelism_inside_every_expert():
+    """vLLM's MoE without expert parallelism: each TP rank's w13 holds, expert after expert, its share of
+    the gate rows and then of the up rows (``Rule.stack_split``), its w2 its share of every expert's
+    columns; bit exact, each expert's share one block of the source. A fused stack whose components the
+    mapping does not name (transformers' own gate_up_proj under identity) is refused, naming it, and so
+    is block FP8 of such a shard."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    src = {k: v.detach().clone() for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts.gate_up_proj: a fused expert stack \[4, 32, 32\] "
+                       r"under tensor parallelism needs its fused components named by the mapping"):
+        receiver_layout(shapes, "identity", tp=TensorParallel(0, 2))
+    with pytest.raises(ConfigError, match=r"routed_experts.w13_weight: block FP8 of a shard inside every expert"):
+        receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(0, 2), fp8=FP8Policy())
+    layouts = [receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(i, 2)) for i in range(2)]
+    async with _cluster(src, layouts, "qwen3_moe") as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        held = [r.state_dict() for r in receivers]
+    for i in range(2):
+        for layer in range(2):
+            experts = f"model.layers.{layer}.mlp.experts"
+            gate, up = src[f"{experts}.gate_up_proj"].chunk(2, dim=1)  # [E, I, H] each
+            want = torch.cat([gate.chunk(2, dim=1)[i], up.chunk(2, dim=1)[i]], dim=1)
+            assert torch.equal(held[i][f"{experts}.routed_experts.w13_weight"], want)
+            assert torch.equal(held[i][f"{experts}.routed_experts.w2_weight"], src[f"{experts}.down_proj"].chunk(2, dim=2)[i])
 
 
 async def test_deepseek_v3_to_vllm_layouts_over_tensor_parallel_ranks():
