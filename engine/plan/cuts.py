@@ -12,9 +12,9 @@ sends the need whole.
 Block-FP8 parts (weights and their scales) are cut the same way in a small group where every cut falls
 on a 128-row block of the part's grid (of a 3-D stack of matrices, fused experts, every cut between
 matrices does): each rank quantizes its own whole blocks (``_quantized_runs``).
-A part that is a block already (one expert's share of a fused gate-and-up stack under TP inside every
-expert, ``mapping._inside_matrices``) comes from the ranks that hold that expert whole, a replica or a
-shard of either kind, with no gather; else from a rank that gathers (``_block_need``).
+A TP rank's share of every expert of a fused gate-and-up stack (the ``share`` transform,
+``mapping._inside_matrices``) is cut between experts the same way, from FSDP or expert-parallel
+shards: each rank takes the shares of its own experts (``_matrix_runs``).
 ``pieces_for`` is the entry (``needs._templates`` calls it per part); what it reads of a source is what
 ``Source.likeness`` lists. Every failure is a ``PlanError`` naming the parameter and ranks.
 """
@@ -25,7 +25,7 @@ import bisect
 from math import prod
 from typing import Optional
 
-from weightsync.wire import Slice, TensorSpec
+from weightsync.wire import Slice, TensorSpec, dtype_size
 
 from ..errors import Unsuppliable
 from .mapping import Part
@@ -41,8 +41,10 @@ def pieces_for(src: Source, t: TensorSpec, rank: int, part: Part, intern: "Inter
     need = part.slice
     region = t.region if t.region is not None else 0
     offset = t.offset + part.offset
-    if need is not None and need.block:  # (a matrix's share of a fused stack: ``mapping._inside_matrices``)
-        return [_block_need(src, t, rank, part, region, offset, intern)]
+    if part.transform.startswith("share:") and (src.gshards or src.shards):
+        shares = _matrix_runs(src, t, rank, part, region, offset, intern)
+        if shares is not None:
+            return shares
     if src.gshards and part.row_bytes and need is not None and need.dim == 0:
         stitched = _stitch(src, t, rank, need, region, offset, part.row_bytes, intern)
         if stitched is not None:
@@ -102,32 +104,24 @@ def _blocks(src: Source, t: TensorSpec, rank: int, need: Slice, region: int, off
                   region, offset + at * row_bytes, row_bytes, "", holders) for at, stop, holders in runs]
 
 
-def _block_need(src: Source, t: TensorSpec, rank: int, part: Part, region: int, offset: int,
-                intern: "Interned") -> Piece:
-    """A block a receiver needs as such (some rows of a later dim of dim-0 rows ``dim0_start:dim0_stop``:
-    one expert's share of a fused component) from the senders that hold those dim-0 rows whole — a
-    replica, or a shard, gatherable (FSDP) or not (EP), that contains them: no gather — else from a rank
-    that gathers the tensor."""
-    need = part.slice
-    a, b = need.dim0_start, need.dim0_stop
-    found: set[int] = set()
-    if src.replicas:
-        sharded = {r for holders in src.gshards.values() for r in holders}
-        found.update(r for r in src.full if r not in sharded)
-    for starts, rows in ((src.spans(intern).starts, src.spans(intern).rows) if src.gshards else ([], []),
-                         src.cuts().get(0, ([], []))):
-        i = bisect.bisect_right(starts, a) - 1
-        if i >= 0 and b <= rows[i][1]:
-            found.update(rows[i][2])
-    if found:
-        key = tuple(sorted(found))
-        cands = intern.setdefault(key, key)
-    elif src.full:
-        cands = src.full_cands(intern)
+def _matrix_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: int, offset: int,
+                 intern: "Interned") -> Optional[list[Piece]]:
+    """A transform of every matrix of a stack on its own (``share``: a TP rank's share of every expert)
+    from trainers that hold runs of whole matrices, FSDP or expert-parallel shards: each rank transforms
+    and sends its own experts, landing at their place (runs sized as ``_stitch_runs`` sizes plain ones);
+    None where one rank holds them all or the shards do not cover them."""
+    experts = src.full_shape[0]
+    if part.slice is not None or len(src.full_shape) != 3 or experts == 0 or part.nbytes % experts:
+        return None
+    if src.gshards:
+        runs = _runs(src, 0, experts, prod(src.full_shape[1:]) * dtype_size(src.dtype), intern)
     else:
-        raise Unsuppliable(f"rows {a}:{b} of dim 0 are held whole by no sender", param=t.name,
-                           ranks=[f"receiver/{rank}", *(f"sender/{r}" for rs in src.shards.values() for r in rs)])
-    return Piece(rank, t.name, src.name, need, part.nbytes, region, offset, 0, part.transform, cands)
+        runs = _held_runs(src, 0, experts, intern)
+    if runs is None:
+        return None
+    each = part.nbytes // experts  # (one matrix's share, as it lands)
+    return [Piece(rank, t.name, src.name, Slice(0, at, stop), (stop - at) * each, region, offset + at * each, 0,
+                  part.transform, holders) for at, stop, holders in runs]
 
 
 def _quantized_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: int, offset: int,

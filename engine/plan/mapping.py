@@ -300,8 +300,9 @@ def _inside_matrices(t: TensorSpec, comps: Sequence[Component], shard: ShardSpec
                      scales: bool) -> list[Part]:
     """A tensor-parallel shard of every matrix of a stack [E, R, C] whose R rows hold fused components
     (``Rule.stack_split``: an expert's gate and up): shard ``i`` of ``w`` holds, matrix after matrix, the
-    ``i``-th ``w``-th of each component's rows (vLLM's w13 without expert parallelism). Each is one block
-    of the source (one matrix's rows), so a stack of E matrices is E x components parts."""
+    ``i``-th ``w``-th of each component's rows (vLLM's w13 without expert parallelism). One part, the
+    whole stack through the ``share`` transform, which a sender may apply to any run of whole matrices
+    (``cuts._matrix_runs``)."""
     comp = comps[0]
     if len(comps) > 1 or step.startswith("fp8") or scales:
         raise ManifestMismatch("a shard inside every matrix of a fused stack is made from one source and "
@@ -311,12 +312,8 @@ def _inside_matrices(t: TensorSpec, comps: Sequence[Component], shard: ShardSpec
     if span == 0 or rows % span or shard.start % span or rows % k or (rows // k) % (rows // span):
         raise BadTiling(f"rows {shard.start}:{shard.stop} of dim 1 ({rows} rows in {k} fused components) are "
                         f"not one of equal tensor-parallel shards of each component", param=t.name, ranks=[where])
-    world, each = rows // span, rows // k
-    share, index = each // world, shard.start // span
-    nbytes = share * cols * dtype_size(t.dtype)
-    return [Part(comp.src, Slice(1, j * each + index * share, j * each + (index + 1) * share, e, e + 1),
-                 (e * k + j) * nbytes, nbytes, step, 0)
-            for e in range(experts) for j in range(k)]
+    share = f"share:{k}.{shard.start // span}.{rows // span}"
+    return [Part(comp.src, None, 0, experts * span * cols * dtype_size(t.dtype), ",".join(filter(None, (share, step))), 0)]
 
 
 def block_scale_shape(name: str, shard: Optional[ShardSpec], comps: Sequence[Component]) -> tuple[int, ...]:

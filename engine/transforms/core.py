@@ -1,7 +1,9 @@
 """Transforms on the sender: the steps a routing-table row names, applied to a source slice.
 
 How this works. A transform string (made by the planner, ``weightsync.engine.plan.mapping``) is comma-separated
-steps: ``t`` transposes a 2-D view (GPT-2 Conv1D -> Linear), ``cast:<dtype>`` converts, and
+steps: ``t`` transposes a 2-D view (GPT-2 Conv1D -> Linear), ``cast:<dtype>`` converts,
+``share:<k>.<i>.<w>`` takes, of every matrix of a stack whose rows hold k fused components (an expert's
+gate and up), the i-th w-th of each component (a TP rank's share of every expert: vLLM's w13), and
 ``fp8w:<B>`` / ``fp8s:<B>`` are the two outputs of B x B block FP8 quantization: the float8_e4m3fn weight
 and its float32 scale-inverse (``weight ~= fp8 * scale_inv`` per block, DeepSeek-V3 / vLLM layout, the
 grid anchored at the slice's origin; ragged edge blocks are padded with zeros for the max).
@@ -69,6 +71,29 @@ def _copy_to_device(view: torch.Tensor, device: torch.device) -> tuple[torch.Ten
     return moved, copied
 
 
+def share_arg(name: str, arg: str) -> tuple[int, int, int]:
+    """``"k.i.w"`` (the ``share`` step's argument) -> (components, index, world)."""
+    try:
+        k, i, w = (int(v) for v in arg.split("."))
+    except ValueError:
+        raise StagingError(name, f"share needs components.index.world, got {arg!r}") from None
+    if k < 1 or w < 1 or not 0 <= i < w:
+        raise StagingError(name, f"share {arg!r}: index must be within world, counts >= 1")
+    return k, i, w
+
+
+def share(name: str, x: torch.Tensor, k: int, i: int, w: int) -> torch.Tensor:
+    """Of every matrix of a stack ``x`` [E, R, C] whose R rows hold ``k`` fused components (an expert's
+    gate and up), the ``i``-th ``w``-th of each component's rows, back to back: [E, R / w, C] (a
+    tensor-parallel rank's share of every expert, vLLM's w13 without expert parallelism)."""
+    if x.dim() != 3 or x.shape[1] % (k * w):
+        raise StagingError(name, f"share {k}.{i}.{w} needs a stack whose rows divide into {k} components of "
+                                 f"{w} shares, got {list(x.shape)}")
+    each = x.shape[1] // k
+    part = each // w
+    return torch.cat([x[:, j * each + i * part: j * each + (i + 1) * part] for j in range(k)], dim=1)
+
+
 @functools.lru_cache(maxsize=256)
 def parse(transform: str) -> tuple[tuple[str, str], ...]:
     """``"t,fp8w:128"`` -> ``(("t", ""), ("fp8w", "128"))`` (a table has a handful of distinct strings)."""
@@ -78,7 +103,7 @@ def parse(transform: str) -> tuple[tuple[str, str], ...]:
 class TransformSet:
     """Applies transform strings to source views; built-in steps plus the user's ``custom`` ones."""
 
-    BUILTIN = frozenset({"t", "cast", "fp8w", "fp8s"})
+    BUILTIN = frozenset({"t", "cast", "share", "fp8w", "fp8s"})
 
     def __init__(self, custom: Mapping[str, Transform] = {}, use_kernel: bool = True,
                  group_devices: frozenset = frozenset({"cuda"}), group_bytes: int = GROUP_BYTES,
@@ -120,6 +145,8 @@ class TransformSet:
                 raise StagingError(name, f"unknown transform {transform!r} (step {op!r})")
             if op == "cast":
                 dtype_from_name(arg)
+            if op == "share":
+                share_arg(name, arg)
             if op in ("fp8w", "fp8s") and i != len(steps) - 1:
                 raise StagingError(name, f"transform {transform!r}: a quantization must be the last step")
 
@@ -311,6 +338,8 @@ class TransformSet:
                 x = x.t()
             elif op == "cast":
                 x = x.to(dtype_from_name(arg))
+            elif op == "share":
+                x = share(t.name, x, *share_arg(t.name, arg))
             elif op in ("fp8w", "fp8s"):
                 break
             else:

@@ -453,11 +453,11 @@ def test_fp8_stacks_of_expert_matrices_are_quantized_matrix_by_matrix(gatherable
 
 
 @pytest.mark.parametrize("trainers", ["fsdp", "ep", "replicas"])
-def test_a_share_inside_every_expert_of_a_fused_stack_comes_expert_by_expert_from_its_holders(trainers):
+def test_a_share_inside_every_expert_of_a_fused_stack_comes_from_the_ranks_that_hold_the_experts(trainers):
     """vLLM's w13 under TP without EP (``qwen3_moe``'s ``stack_split``): rank 1 of 2 holds, expert after
-    expert, rows 8:16 of the gate (0:16) and 24:32 of the up (16:32). Each is one block of the source,
-    sent by the ranks whose own shard holds that expert (FSDP or expert-parallel trainers: no gather) or
-    by a replica; tables cover the receiver."""
+    expert, rows 8:16 of the gate (0:16) and 24:32 of the up (16:32): the ``share`` transform of the
+    whole stack, which each FSDP or expert-parallel trainer rank applies to its own experts (no gather),
+    or a replica to all; tables cover the receiver."""
     full, mapping = (4, 32, 8), "qwen3_moe"
     dst = "layers.0.mlp.experts.routed_experts.w13_weight"
     src = "layers.0.mlp.experts.gate_up_proj"
@@ -468,11 +468,11 @@ def test_a_share_inside_every_expert_of_a_fused_stack_comes_expert_by_expert_fro
                    for r in range(2)]
     receiver = participant(0, [tensor(dst, full, shard=(1, 16, 32))])
     pieces, _ = build_pieces(senders, [receiver], mapping=mapping)
-    row = 8 * 4  # (one row of a matrix: 8 float32)
-    holders = {e: (0, 1) if trainers == "replicas" else (e // 2,) for e in range(4)}
-    assert [(p.slice, p.offset, p.nbytes, p.cands) for p in sorted(pieces, key=lambda p: p.offset)] == [
-        (Slice(1, a, a + 8, e, e + 1), (2 * e + j) * 8 * row, 8 * row, holders[e])
-        for e in range(4) for j, a in enumerate((8, 24))]
+    expert = 16 * 8 * 4  # (one expert's share: 16 rows of 8 float32)
+    want = ([(None, 0, 4 * expert, (0, 1))] if trainers == "replicas" else
+            [(Slice(0, 2 * r, 2 * r + 2), 2 * r * expert, 2 * expert, (r,)) for r in range(2)])
+    assert [(p.slice, p.offset, p.nbytes, p.cands) for p in sorted(pieces, key=lambda p: p.offset)] == want
+    assert {p.transform for p in pieces} == {"share:2.1.2"}
     check_coverage(plan(senders, [receiver], mapping=mapping), [receiver])
     torn = participant(0, [tensor(dst, full, shard=(1, 12, 24))])
     with pytest.raises(errors.BadTiling, match="not one of equal tensor-parallel shards of each component"):

@@ -529,6 +529,27 @@ async def test_custom_and_unknown_transforms_on_the_sender():
         await sources.stage(Transfer(0, "w", None, 0, "w", 0, 0, 40, "t"), StagingPool())
 
 
+async def test_share_takes_a_ranks_rows_of_every_fused_component_of_every_matrix():
+    """``share:k.i.w`` (a TP rank's w13 without expert parallelism): of each matrix of a stack whose rows
+    hold k fused components, the i-th w-th of each component's rows, back to back, cast after it; a
+    stack that does not divide, or a malformed argument, is a ``StagingError`` naming the tensor."""
+    from weightsync.engine.errors import StagingError
+    from weightsync.engine.datapath.staging import SourceSet, StagingPool
+    from weightsync.wire import Slice, Transfer
+
+    stack = torch.arange(3 * 8 * 2, dtype=torch.float32).reshape(3, 8, 2)  # gate rows 0:4, up rows 4:8
+    sources = SourceSet({"w": stack})
+    row = Transfer(0, "w", Slice(0, 1, 3), 0, "w", 0, 0, 2 * 4 * 2 * 2, "share:2.1.2,cast:bfloat16")
+    sources.begin([row])
+    staged = await sources.stage(row, StagingPool())
+    want = torch.cat([stack[1:3, 2:4], stack[1:3, 6:8]], dim=1).to(torch.bfloat16)  # experts 1:3, rank 1 of 2
+    assert torch.equal(staged.tensor, want) and staged.tensor.is_contiguous()
+    with pytest.raises(StagingError, match="'w'.*share 2.1.3 needs a stack whose rows divide into 2 components of 3"):
+        await sources.stage(Transfer(0, "w", None, 0, "w", 0, 0, 8, "share:2.1.3"), StagingPool())
+    with pytest.raises(StagingError, match="'w'.*share needs components.index.world, got '2.1'"):
+        sources.begin([Transfer(0, "w", None, 0, "w", 0, 0, 8, "share:2.1")])
+
+
 def test_quantization_groups_are_consecutive_and_bounded():
     from weightsync.wire import Slice, Transfer
 
