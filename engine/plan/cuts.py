@@ -108,10 +108,13 @@ def _matrix_runs(src: Source, t: TensorSpec, rank: int, part: Part, region: int,
                  intern: "Interned") -> Optional[list[Piece]]:
     """A transform of every matrix of a stack on its own (``share``: a TP rank's share of every expert)
     from trainers that hold runs of whole matrices, FSDP or expert-parallel shards: each rank transforms
-    and sends its own experts, landing at their place (runs sized as ``_stitch_runs`` sizes plain ones);
-    None where one rank holds them all or the shards do not cover them."""
+    and sends its own experts, landing at their place; None where one rank holds them all, the shards do
+    not cover them, or an FSDP group has more than ``STITCH_SMALL_GROUP`` shards (every receiver needs
+    a share of every expert: a write per rank per stack and receiver, where a gathering rank sends one)."""
     experts = src.full_shape[0]
     if part.slice is not None or len(src.full_shape) != 3 or experts == 0 or part.nbytes % experts:
+        return None
+    if src.gshards and len(src.spans(intern).rows) > STITCH_SMALL_GROUP:
         return None
     if src.gshards:
         runs = _runs(src, 0, experts, prod(src.full_shape[1:]) * dtype_size(src.dtype), intern)

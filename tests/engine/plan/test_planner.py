@@ -477,6 +477,10 @@ def test_a_share_inside_every_expert_of_a_fused_stack_comes_from_the_ranks_that_
     torn = participant(0, [tensor(dst, full, shard=(1, 12, 24))])
     with pytest.raises(errors.BadTiling, match="not one of equal tensor-parallel shards of each component"):
         build_pieces(senders, [torn], mapping=mapping)
+    # a large FSDP group (12 ranks, an expert of 1 MiB each): one write from a rank that gathers, not one per rank
+    big = [participant(r, [tensor(src, (12, 512, 512), shard=(0, r, r + 1), gatherable=True)]) for r in range(12)]
+    pieces, _ = build_pieces(big, [participant(0, [tensor(dst, (12, 512, 512), shard=(1, 256, 512))])], mapping=mapping)
+    assert [(p.slice, p.nbytes, p.transform) for p in pieces] == [(None, 12 << 19, "share:2.1.2")]
 
 
 def test_colocated_receivers_get_local_nvlink_and_network_bytes_at_once():
