@@ -72,6 +72,22 @@ async def rpc(llm, method: str, *args, **kwargs):
     return await asyncio.to_thread(llm.collective_rpc, method, args=args, kwargs=kwargs)
 
 
+async def push_each(llm, sender, tp: int, trainers: dict, want) -> list[dict]:
+    """Push each trainer's weights as its version (the sender's tensors are the first trainer's: the new
+    weights are loaded into them), wait for every worker to commit it, and check that the engine then
+    generates ``want(version, model)``; the workers' status after the last."""
+    for version, model in trainers.items():
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                sender.tensors[name].copy_(t)
+        waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))  # (TP: updates land in it)
+        handle = await sender.push(version)
+        assert await handle == version
+        assert await waiting == [version] * tp
+        assert await asyncio.to_thread(vllm_greedy, llm) == want(version, model), f"version {version}"
+    return await rpc(llm, "weightsync_status")
+
+
 async def test_pushed_weights_generate_what_the_trainer_generates(served):
     llm, tp = served
     assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_model(0))  # the checkpoint, before any push
@@ -81,17 +97,7 @@ async def test_pushed_weights_generate_what_the_trainer_generates(served):
         async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
             joined = await rpc(llm, "weightsync_join", ctl.address)
             assert [s["tp"] for s in joined] == ([None] if tp == 1 else [[0, 2], [1, 2]])
-            for version, model in trainers.items():
-                with torch.no_grad():  # the sender's tensors are the first trainer's: load the new weights into them
-                    for name, t in model.state_dict().items():
-                        sender.tensors[name].copy_(t)
-                waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))  # (TP: updates land in it)
-                handle = await sender.push(version)
-                assert await handle == version
-                assert await waiting == [version] * tp
-                want = hf_greedy(model)
-                assert await asyncio.to_thread(vllm_greedy, llm) == want, f"version {version}"
-            status = await rpc(llm, "weightsync_status")
+            status = await push_each(llm, sender, tp, trainers, lambda version, model: hf_greedy(model))
             assert all(s["version"] == 2 and s["committed"] == 2 and not s["dirty"] and not s["paused"]
                        and s["pauses"] == 2 for s in status), status
             assert all(s["repacked_layers"] > 0 for s in status)  # vLLM CPU packs linear weights for oneDNN
@@ -181,16 +187,7 @@ async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_
             joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's qwen3_moe)
             assert [s["ep"] for s in joined] == [None] * tp
             experts = 2 * 4 * (2 * 64 * 128 + 128 * 64) * 4  # two layers' w13 and w2 stacks, float32
-            for version, model in trainers.items():
-                with torch.no_grad():
-                    for name, t in model.state_dict().items():
-                        sender.tensors[name].copy_(t)
-                waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))
-                handle = await sender.push(version)
-                assert await handle == version
-                assert await waiting == [version] * tp
-                assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(model), f"version {version}"
-            status = await rpc(llm, "weightsync_status")
+            status = await push_each(llm, sender, tp, trainers, lambda version, model: hf_greedy(model))
             assert all(s["version"] == 2 and not s["dirty"] for s in status), status
             assert sum(s["expert_bytes"] for s in status) == experts  # every expert byte lands on one worker only
             await rpc(llm, "weightsync_leave")
@@ -260,15 +257,6 @@ async def test_an_mla_model_takes_pushed_weights_and_generates_what_a_loaded_one
         async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
             joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's deepseek_v3)
             assert [s["derived_layers"] for s in joined] == [2] * tp  # every layer's MLA
-            for version, model in trainers.items():
-                with torch.no_grad():
-                    for name, t in model.state_dict().items():
-                        sender.tensors[name].copy_(t)
-                waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))
-                handle = await sender.push(version)
-                assert await handle == version
-                assert await waiting == [version] * tp
-                assert await asyncio.to_thread(vllm_greedy, llm) == want[version], f"version {version}"
-            status = await rpc(llm, "weightsync_status")
+            status = await push_each(llm, sender, tp, trainers, lambda version, model: want[version])
             assert all(s["version"] == 2 and not s["dirty"] for s in status), status
             await rpc(llm, "weightsync_leave")

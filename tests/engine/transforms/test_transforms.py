@@ -152,6 +152,13 @@ async def _one_round(sender, receivers, version=1):
     return handle
 
 
+async def _held_after_a_round(src: dict, layouts: list, mapping: str) -> list[dict]:
+    """What each receiver of ``layouts`` holds after one round from a sender of ``src``."""
+    async with _cluster(src, layouts, mapping) as (ctl, sender, receivers):
+        await _one_round(sender, receivers)
+        return [r.state_dict() for r in receivers]
+
+
 async def test_qwen2_fused_and_tensor_parallel_bit_exact():
     src = qwen2_state()
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
@@ -385,26 +392,29 @@ def test_layout_expert_parallel_cuts_fused_expert_stacks_by_expert():
     assert not ExpertParallel(0, 2).holds("model.layers.3.mlp.gate.weight", 2)
 
 
-async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
-    """transformers' Qwen3-MoE (fused experts) -> vLLM's names (``qwen3_moe``: q/k/v fused, the experts'
-    ``gate_up_proj`` / ``down_proj`` as ``routed_experts.w13_weight`` / ``w2_weight``): two TP ranks that
-    hold half the experts each (vLLM's ``enable_expert_parallel``), and one rank holding all; bit exact.
-    Without expert parallelism, tensor parallelism goes inside every expert (below)."""
+def _qwen3_moe(seed: int) -> tuple[dict, dict]:
+    """A tiny transformers Qwen3-MoE's state (4 fused experts, 2 layers) and its names' dtypes and shapes."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                          num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     src = {k: v.detach().clone() for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
-    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    return src, {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+
+
+async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
+    """transformers' Qwen3-MoE (fused experts) -> vLLM's names (``qwen3_moe``: q/k/v fused, the experts'
+    ``gate_up_proj`` / ``down_proj`` as ``routed_experts.w13_weight`` / ``w2_weight``): two TP ranks that
+    hold half the experts each (vLLM's ``enable_expert_parallel``), and one rank holding all; bit exact.
+    Without expert parallelism, tensor parallelism goes inside every expert (below)."""
+    src, shapes = _qwen3_moe(5)
     w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
     layouts = [receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(i, 2), ep=ExpertParallel(i, 2)) for i in range(2)]
     layouts.append(receiver_layout(shapes, "qwen3_moe"))
     assert {e.name: e.shape for e in layouts[1]}[w13] == (2, 32, 32)  # experts 2:4, gate and up whole
-    async with _cluster(src, layouts, "qwen3_moe") as (ctl, sender, receivers):
-        await _one_round(sender, receivers)
-        held = [r.state_dict() for r in receivers]
+    held = await _held_after_a_round(src, layouts, "qwen3_moe")
     for i in range(2):
         for layer in range(2):
             experts = f"model.layers.{layer}.mlp.experts"
@@ -422,26 +432,17 @@ async def test_qwen3_moe_to_vllm_layouts_with_expert_parallel_ranks():
 async def test_qwen3_moe_to_vllm_layouts_with_tensor_parallelism_inside_every_expert():
     """vLLM's MoE without expert parallelism: each TP rank's w13 holds, expert after expert, its share of
     the gate rows and then of the up rows (``Rule.stack_split``), its w2 its share of every expert's
-    columns; bit exact, each expert's share one block of the source. A fused stack whose components the
+    columns; bit exact (the senders cut the shares out with the ``share`` step). A fused stack whose components the
     mapping does not name (transformers' own gate_up_proj under identity) is refused, naming it, and so
     is block FP8 of such a shard."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
-    torch.manual_seed(7)
-    src = {k: v.detach().clone() for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
-    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    src, shapes = _qwen3_moe(7)
     with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts.gate_up_proj: a fused expert stack \[4, 32, 32\] "
                        r"under tensor parallelism needs its fused components named by the mapping"):
         receiver_layout(shapes, "identity", tp=TensorParallel(0, 2))
     with pytest.raises(ConfigError, match=r"routed_experts.w13_weight: block FP8 of a shard inside every expert"):
         receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(0, 2), fp8=FP8Policy())
     layouts = [receiver_layout(shapes, "qwen3_moe", tp=TensorParallel(i, 2)) for i in range(2)]
-    async with _cluster(src, layouts, "qwen3_moe") as (ctl, sender, receivers):
-        await _one_round(sender, receivers)
-        held = [r.state_dict() for r in receivers]
+    held = await _held_after_a_round(src, layouts, "qwen3_moe")
     for i in range(2):
         for layer in range(2):
             experts = f"model.layers.{layer}.mlp.experts"
@@ -469,9 +470,7 @@ async def test_deepseek_v3_to_vllm_layouts_over_tensor_parallel_ranks():
     dense = {k: v for k, v in shapes.items() if "layers.1." not in k}  # (layer 0 is dense)
     layouts = [receiver_layout(dense, "deepseek_v3", tp=TensorParallel(i, 2)) for i in range(2)]
     layouts.append(receiver_layout(shapes, "deepseek_v3"))
-    async with _cluster(src, layouts, "deepseek_v3") as (ctl, sender, receivers):
-        await _one_round(sender, receivers)
-        held = [r.state_dict() for r in receivers]
+    held = await _held_after_a_round(src, layouts, "deepseek_v3")
     attn = "model.layers.0.self_attn"
     for i in range(2):
         assert torch.equal(held[i][f"{attn}.fused_qkv_a_proj.weight"],
