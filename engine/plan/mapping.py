@@ -152,13 +152,29 @@ _DEEPSEEK = (  # DeepSeek-V3 / Kimi-K2 (MLA): vLLM fuses the two down-projection
          ("{p}.mlp.shared_experts.gate_proj.weight", "{p}.mlp.shared_experts.up_proj.weight")),
 )
 
+_QWEN2_MOE = (  # Qwen2-MoE: one shared expert beside the routed ones, its gate and up fused by vLLM
+    # (its sigmoid gate ``shared_expert_gate`` keeps its name)
+    Rule("{p}.mlp.shared_expert.gate_up_proj.weight",
+         ("{p}.mlp.shared_expert.gate_proj.weight", "{p}.mlp.shared_expert.up_proj.weight")),
+)
+
+_MIXTRAL = (  # Mixtral: vLLM keeps the MoE block under its checkpoint name, block_sparse_moe (transformers 5:
+    # mlp); its experts are vLLM's fused stacks as in Qwen3-MoE
+    Rule("{p}.block_sparse_moe.gate.weight", ("{p}.mlp.gate.weight",)),
+    Rule("{p}.block_sparse_moe.experts.routed_experts.w13_weight", ("{p}.mlp.experts.gate_up_proj",),
+         stack_split=2),
+    Rule("{p}.block_sparse_moe.experts.routed_experts.w2_weight", ("{p}.mlp.experts.down_proj",)),
+)
+
 MAPPINGS: dict[str, Mapping] = {
     "identity": Mapping("identity"),
     "llama": Mapping("llama", _DECODER),
     "qwen2": Mapping("qwen2", _DECODER),
     "qwen3": Mapping("qwen3", _DECODER),
+    "qwen2_moe": Mapping("qwen2_moe", _DECODER + _QWEN2_MOE + _VLLM_EXPERTS),
     "qwen3_moe": Mapping("qwen3_moe", _DECODER + _VLLM_EXPERTS),
     "mistral": Mapping("mistral", _DECODER),
+    "mixtral": Mapping("mixtral", _DECODER + _MIXTRAL),
     "deepseek_v3": Mapping("deepseek_v3", _DECODER + _DEEPSEEK + _VLLM_EXPERTS),
     "gpt2": Mapping("gpt2", _GPT2),
 }

@@ -32,7 +32,7 @@ from weightsync.wire import ShardSpec
 from ..datapath.tensors import dtype_from_name
 from ..errors import ConfigError
 from ..plan.mapping import FP8, SCALE_SUFFIX, Mapping, SourceShape, block_scale_shape, components, full_shape
-from ..plan.mapping import get_mapping
+from ..plan.mapping import MAPPINGS, get_mapping
 
 COLUMN = (r".*\.(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj)\.(weight|bias)",
           r".*\.(attn\.c_attn|mlp\.c_fc)\.(weight|bias)",
@@ -42,7 +42,8 @@ ROW = (r".*\.(o_proj|down_proj|attn\.c_proj|mlp\.c_proj)\.weight",)
 EXPERT_STACKS = (r"(.*\.)?experts\.(routed_experts\.)?[^.]+",)  # fused [E, R, C]: transformers' and vLLM's names
 DOWN_STACKS = (r"(.*\.)?experts\.(routed_experts\.)?(w2_weight|down_proj)",)  # [E, H, I]: row-parallel inside
 FP8_EXCLUDE = (r".*norm.*", r".*embed.*", r".*lm_head.*", r".*\.wte\..*", r".*\.wpe\..*", r".*\.ln_.*",
-               r".*\.mlp\.gate\.weight")  # (the last: MoE routers, which FP8 checkpoints keep as they are)
+               r".*\.(mlp|block_sparse_moe)\.gate\.weight", r".*\.shared_expert_gate\.weight")
+# (the last two: MoE routers and Qwen2-MoE's shared-expert gate, which FP8 checkpoints keep as they are)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,9 @@ def _experts(name: str, full: tuple[int, ...], ep: ExpertParallel) -> ShardSpec:
     return ShardSpec(full, 0, ep.index * each, (ep.index + 1) * each)
 
 
+_STACK_MAPPINGS = sorted(name for name, m in MAPPINGS.items() if any(r.stack_split > 1 for r in m.rules))
+
+
 def _inside_experts(name: str, full: tuple[int, ...], tp: TensorParallel, components: int) -> ShardSpec:
     """Tensor parallelism inside every expert of a fused stack (vLLM's MoE without expert parallelism): a
     stack of fused gate and up (its mapping rule names the components, ``Rule.stack_split``: vLLM's
@@ -165,8 +169,8 @@ def _inside_experts(name: str, full: tuple[int, ...], tp: TensorParallel, compon
         dim = 2
     else:
         raise ConfigError("tensor_parallel", f"{name}: a fused expert stack {list(full)} under tensor parallelism "
-                                             f"needs its fused components named by the mapping (qwen3_moe, "
-                                             f"deepseek_v3) or expert parallelism (vLLM: enable_expert_parallel=True)")
+                                             f"needs its fused components named by the mapping ({', '.join(_STACK_MAPPINGS)}) "
+                                             f"or expert parallelism (vLLM: enable_expert_parallel=True)")
     if full[dim] % (tp.world * components):
         raise ConfigError("tensor_parallel", f"{name}: dim {dim} of size {full[dim]} does not divide into "
                                              f"{components} component(s) of {tp.world} shards")

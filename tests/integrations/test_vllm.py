@@ -146,47 +146,54 @@ async def test_join_errors_name_their_cause(served):
             await rpc(llm, "weightsync_join", ctl.address, mapping="identity")
 
 
-def tiny_moe(seed: int) -> torch.nn.Module:
-    """A Qwen3-MoE: fused experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's ``w13_weight``
-    / ``w2_weight``) and a router in every layer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
+    """A Qwen3-MoE, a Mixtral or a Qwen2-MoE (its shared expert and the expert's sigmoid gate too): fused
+    experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's ``w13_weight`` / ``w2_weight``; vLLM's
+    Mixtral keeps them under ``block_sparse_moe``) and a router in every layer."""
+    import transformers
 
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
+    config, model = {
+        "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, head_dim=64,
+                                                          num_experts=4, **common), transformers.Qwen3MoeForCausalLM),
+        "mixtral": (lambda: transformers.MixtralConfig(intermediate_size=64, num_local_experts=4, **common),
+                    transformers.MixtralForCausalLM),
+        "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                                                          shared_expert_intermediate_size=96, **common),
+                      transformers.Qwen2MoeForCausalLM),
+    }[arch]
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(cfg).float().eval()
+    return model(config()).float().eval()
 
 
-@pytest.fixture(params=[1, 2], ids=["moe-tp1", "moe-tp2"], scope="module")
+MOE = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe") for tp in (1, 2)]
+
+
+@pytest.fixture(params=MOE, ids=[f"{arch}-tp{tp}" for arch, tp in MOE], scope="module")
 def served_moe(request, tmp_path_factory):
-    """A saved Qwen3-MoE checkpoint (seed 0) served by vLLM at the given tensor-parallel size, without
+    """A saved MoE checkpoint (seed 0) served by vLLM at the given tensor-parallel size, without
     expert parallelism (vLLM CPU 0.32 crashes in its first step with ``enable_expert_parallel``)."""
-    tp = request.param
-    path = tmp_path_factory.mktemp(f"tiny-moe-tp{tp}")
-    tiny_moe(0).save_pretrained(path)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-        llm = vllm.LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-                       enforce_eager=True, tensor_parallel_size=tp, kv_cache_memory_bytes=128 << 20,
-                       worker_extension_cls=EXTENSION, seed=0)
-    yield llm, tp
-    llm.llm_engine.engine_core.shutdown()
+    arch, tp = request.param
+    path = str(tmp_path_factory.mktemp(f"tiny-{arch}-tp{tp}"))
+    tiny_moe(arch, 0).save_pretrained(path)
+    with engine(path, tp) as llm:
+        yield llm, arch, tp
 
 
 async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_generates(served_moe):
-    """vLLM's fused experts (prepacked by the CPU kernel) and routers are bound: after each push the
-    engine generates what the trainer does, token for token. At TP 2 (vLLM's MoE without expert
-    parallelism) each worker holds its share of every expert: of gate and of up in w13, of w2's columns."""
-    llm, tp = served_moe
-    assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(0))
-    trainers = {1: tiny_moe(1), 2: tiny_moe(2)}
-    async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping="qwen3_moe", checksum="crc32")) as ctl:
+    """vLLM's fused experts (prepacked by the CPU kernel), routers (and Qwen2-MoE's shared expert) are
+    bound, through the mapping of the config's model type: after each push the engine generates what the
+    trainer does, token for token. At TP 2 (vLLM's MoE without expert parallelism) each worker holds its
+    share of every expert: of gate and of up in w13, of w2's columns."""
+    llm, arch, tp = served_moe
+    assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(arch, 0))
+    trainers = {1: tiny_moe(arch, 1), 2: tiny_moe(arch, 2)}
+    experts = sum(v.nbytes for k, v in trainers[1].state_dict().items() if ".experts." in k)  # the fused stacks
+    async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping=arch, checksum="crc32")) as ctl:
         async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
-            joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's qwen3_moe)
+            joined = await rpc(llm, "weightsync_join", ctl.address)  # (the mapping: the config's model type)
             assert [s["ep"] for s in joined] == [None] * tp
-            experts = 2 * 4 * (2 * 64 * 128 + 128 * 64) * 4  # two layers' w13 and w2 stacks, float32
             status = await push_each(llm, sender, tp, trainers, lambda version, model: hf_greedy(model))
             assert all(s["version"] == 2 and not s["dirty"] for s in status), status
             assert sum(s["expert_bytes"] for s in status) == experts  # every expert byte lands on one worker only

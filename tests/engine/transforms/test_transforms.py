@@ -452,6 +452,60 @@ async def test_qwen3_moe_to_vllm_layouts_with_tensor_parallelism_inside_every_ex
             assert torch.equal(held[i][f"{experts}.routed_experts.w2_weight"], src[f"{experts}.down_proj"].chunk(2, dim=2)[i])
 
 
+def _moe_state(arch: str, seed: int) -> dict:
+    """A tiny transformers Mixtral or Qwen2-MoE's state (4 fused experts; Qwen2-MoE's shared expert too)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "mixtral":
+        model = MixtralForCausalLM, MixtralConfig(intermediate_size=16, num_local_experts=4, **common)
+    else:
+        model = Qwen2MoeForCausalLM, Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                                                    shared_expert_intermediate_size=48, **common)
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in model[0](model[1]).state_dict().items()}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+async def test_mixtral_and_qwen2_moe_to_vllm_layouts_over_tensor_parallel_ranks(arch):
+    """transformers' Mixtral and Qwen2-MoE -> vLLM's names over two TP ranks, bit exact: the fused experts
+    (Mixtral's under vLLM's ``block_sparse_moe``, with its router) with each rank's share inside every
+    expert; Qwen2-MoE's shared expert fused (gate, up) and column-parallel, its sigmoid gate whole; q/k/v
+    fused with Qwen2-MoE's biases."""
+    src = _moe_state(arch, 8)
+    shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    layouts = [receiver_layout(shapes, arch, tp=TensorParallel(i, 2)) for i in range(2)]
+    held = await _held_after_a_round(src, layouts, arch)
+    for i in range(2):
+        for layer in range(2):
+            mlp, ours = f"model.layers.{layer}.mlp", f"model.layers.{layer}.{block}"
+            gate, up = src[f"{mlp}.experts.gate_up_proj"].chunk(2, dim=1)
+            want = torch.cat([gate.chunk(2, dim=1)[i], up.chunk(2, dim=1)[i]], dim=1)
+            assert torch.equal(held[i][f"{ours}.experts.routed_experts.w13_weight"], want)
+            assert torch.equal(held[i][f"{ours}.experts.routed_experts.w2_weight"],
+                               src[f"{mlp}.experts.down_proj"].chunk(2, dim=2)[i])
+            assert torch.equal(held[i][f"{ours}.gate.weight"], src[f"{mlp}.gate.weight"])
+        attn = "model.layers.0.self_attn"
+        for w in ("weight", "bias") if arch == "qwen2_moe" else ("weight",):
+            want = torch.cat([src[f"{attn}.{x}_proj.{w}"].chunk(2)[i] for x in "qkv"])
+            assert torch.equal(held[i][f"{attn}.qkv_proj.{w}"], want)
+        if arch == "qwen2_moe":
+            shared = "model.layers.1.mlp.shared_expert"
+            want = torch.cat([src[f"{shared}.{x}_proj.weight"].chunk(2)[i] for x in ("gate", "up")])
+            assert torch.equal(held[i][f"{shared}.gate_up_proj.weight"], want)
+            assert torch.equal(held[i][f"{shared}.down_proj.weight"], src[f"{shared}.down_proj.weight"].chunk(2, dim=1)[i])
+            assert torch.equal(held[i]["model.layers.1.mlp.shared_expert_gate.weight"],
+                               src["model.layers.1.mlp.shared_expert_gate.weight"])
+    if arch == "mixtral":  # the router and the experts, under vLLM's names only
+        assert not any(".mlp." in name for name in held[0])
+    fp8 = FP8Policy()  # FP8 checkpoints keep routers and the shared-expert gate as they are
+    assert not fp8.wants(f"model.layers.0.{block}.gate.weight", 2)
+    assert not fp8.wants("model.layers.0.mlp.shared_expert_gate.weight", 2)
+    assert fp8.wants(f"model.layers.0.{block}.experts.routed_experts.w13_weight", 3)
+
+
 async def test_deepseek_v3_to_vllm_layouts_over_tensor_parallel_ranks():
     """transformers' DeepSeek-V3 (Kimi-K2's architecture: MLA, shared and routed experts) -> vLLM's names
     (``deepseek_v3``): q_a and kv_a fused into ``fused_qkv_a_proj`` (replicated), the shared experts'
