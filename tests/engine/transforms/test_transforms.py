@@ -453,13 +453,19 @@ async def test_qwen3_moe_to_vllm_layouts_with_tensor_parallelism_inside_every_ex
 
 
 def _moe_state(arch: str, seed: int) -> dict:
-    """A tiny transformers Mixtral or Qwen2-MoE's state (4 fused experts; Qwen2-MoE's shared expert too)."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    """A tiny transformers Mixtral, Qwen2-MoE or GLM-4.5 (``glm4_moe``)'s state (4 fused experts in each
+    layer; the latter two with shared experts)."""
+    from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM)
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                   num_experts_per_tok=2, tie_word_embeddings=False)
     if arch == "mixtral":
         model = MixtralForCausalLM, MixtralConfig(intermediate_size=16, num_local_experts=4, **common)
+    elif arch == "glm4_moe":
+        model = Glm4MoeForCausalLM, Glm4MoeConfig(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                                                  n_shared_experts=1, first_k_dense_replace=0, attention_bias=True,
+                                                  **common)
     else:
         model = Qwen2MoeForCausalLM, Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4,
                                                     shared_expert_intermediate_size=48, **common)
@@ -467,12 +473,12 @@ def _moe_state(arch: str, seed: int) -> dict:
     return {k: v.detach().clone() for k, v in model[0](model[1]).state_dict().items()}
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-async def test_mixtral_and_qwen2_moe_to_vllm_layouts_over_tensor_parallel_ranks(arch):
-    """transformers' Mixtral and Qwen2-MoE -> vLLM's names over two TP ranks, bit exact: the fused experts
-    (Mixtral's under vLLM's ``block_sparse_moe``, with its router) with each rank's share inside every
-    expert; Qwen2-MoE's shared expert fused (gate, up) and column-parallel, its sigmoid gate whole; q/k/v
-    fused with Qwen2-MoE's biases."""
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "glm4_moe"])
+async def test_mixtral_qwen2_moe_and_glm4_moe_to_vllm_layouts_over_tensor_parallel_ranks(arch):
+    """transformers' Mixtral, Qwen2-MoE and GLM-4.5 -> vLLM's names over two TP ranks, bit exact: the fused
+    experts (Mixtral's under vLLM's ``block_sparse_moe``, with its router) with each rank's share inside
+    every expert; the shared experts' gate and up fused and column-parallel, their down row-parallel,
+    Qwen2-MoE's sigmoid gate and GLM's router bias whole; q/k/v fused with their biases."""
     src = _moe_state(arch, 8)
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     block = "block_sparse_moe" if arch == "mixtral" else "mlp"
@@ -488,16 +494,16 @@ async def test_mixtral_and_qwen2_moe_to_vllm_layouts_over_tensor_parallel_ranks(
                                src[f"{mlp}.experts.down_proj"].chunk(2, dim=2)[i])
             assert torch.equal(held[i][f"{ours}.gate.weight"], src[f"{mlp}.gate.weight"])
         attn = "model.layers.0.self_attn"
-        for w in ("weight", "bias") if arch == "qwen2_moe" else ("weight",):
+        for w in ("weight",) if arch == "mixtral" else ("weight", "bias"):
             want = torch.cat([src[f"{attn}.{x}_proj.{w}"].chunk(2)[i] for x in "qkv"])
             assert torch.equal(held[i][f"{attn}.qkv_proj.{w}"], want)
-        if arch == "qwen2_moe":
-            shared = "model.layers.1.mlp.shared_expert"
+        if arch != "mixtral":
+            shared = "model.layers.1.mlp." + ("shared_expert" if arch == "qwen2_moe" else "shared_experts")
             want = torch.cat([src[f"{shared}.{x}_proj.weight"].chunk(2)[i] for x in ("gate", "up")])
             assert torch.equal(held[i][f"{shared}.gate_up_proj.weight"], want)
             assert torch.equal(held[i][f"{shared}.down_proj.weight"], src[f"{shared}.down_proj.weight"].chunk(2, dim=1)[i])
-            assert torch.equal(held[i]["model.layers.1.mlp.shared_expert_gate.weight"],
-                               src["model.layers.1.mlp.shared_expert_gate.weight"])
+            whole = "mlp.shared_expert_gate.weight" if arch == "qwen2_moe" else "mlp.gate.e_score_correction_bias"
+            assert torch.equal(held[i][f"model.layers.1.{whole}"], src[f"model.layers.1.{whole}"])
     if arch == "mixtral":  # the router and the experts, under vLLM's names only
         assert not any(".mlp." in name for name in held[0])
     fp8 = FP8Policy()  # FP8 checkpoints keep routers and the shared-expert gate as they are
