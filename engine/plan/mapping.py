@@ -137,7 +137,7 @@ _GPT2 = (  # transformers' GPT-2 uses Conv1D ([in, out]); Linear-based engines h
     Rule("{p}.{m}.weight", transpose=True, where=(("m", r"attn\.c_proj|mlp\.c_fc|mlp\.c_proj"),)),
 )
 
-_VLLM_EXPERTS = (  # Qwen3-MoE: transformers' fused experts are vLLM's (gate_up [E, 2I, H] is w13, gate first;
+_VLLM_EXPERTS = (  # Qwen3-MoE, OLMoE: transformers' fused experts are vLLM's (gate_up [E, 2I, H] is w13, gate first;
     # under TP without EP, each rank's w13 holds every expert's share of gate, then of up)
     Rule("{p}.mlp.experts.routed_experts.w13_weight", ("{p}.mlp.experts.gate_up_proj",), stack_split=2),
     Rule("{p}.mlp.experts.routed_experts.w2_weight", ("{p}.mlp.experts.down_proj",)),
@@ -177,6 +177,7 @@ MAPPINGS: dict[str, Mapping] = {
     "qwen3": Mapping("qwen3", _DECODER),
     "qwen2_moe": Mapping("qwen2_moe", _DECODER + _QWEN2_MOE + _VLLM_EXPERTS),
     "qwen3_moe": Mapping("qwen3_moe", _DECODER + _VLLM_EXPERTS),
+    "olmoe": Mapping("olmoe", _DECODER + _VLLM_EXPERTS),  # (its q/k norms span every head: whole on each rank)
     "mistral": Mapping("mistral", _DECODER),
     "mixtral": Mapping("mixtral", _DECODER + _MIXTRAL),
     "deepseek_v3": Mapping("deepseek_v3", _DECODER + _DEEPSEEK + _VLLM_EXPERTS),

@@ -30,7 +30,7 @@ Where vLLM keeps a layer's weights in a kernel-specific form (on CPU, linear lay
 oneDNN and their ``weight`` parameter emptied), the receiver holds a plain tensor for that weight and
 the commit re-runs the layer's ``process_weights_after_loading`` from it while the gate is still
 closed: what vLLM itself does after loading weights. Fused-MoE layers (``w13_weight`` / ``w2_weight``
-stacks; Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5 and DeepSeek-V3 through their mappings) are always held
+stacks; Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 and DeepSeek-V3 through their mappings) are always held
 so, since the CPU kernel prepacks them in tensors of the same shape: the commit makes the layer's MoE
 kernel again from the plain stacks. With ``enable_expert_parallel`` each worker holds and receives its
 share of the experts (``expert_parallel``); without it, its share of every expert (its rows of each

