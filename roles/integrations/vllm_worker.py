@@ -34,11 +34,12 @@ stacks; Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 and DeepSeek-V3 through th
 so, since the CPU kernel prepacks them in tensors of the same shape: the commit makes the layer's MoE
 kernel again from the plain stacks. With ``enable_expert_parallel`` each worker holds and receives its
 share of the experts (``expert_parallel``); without it, its share of every expert (its rows of each
-expert's gate and up in w13, its columns of w2). Multi-head latent attention (DeepSeek-V3, Kimi-K2) keeps
-matrices derived from ``kv_b_proj`` after loading (``W_UK_T``, ``W_UV``); the commit derives them again
-from the pushed ``kv_b_proj`` (``mla_layers``), after the layers are repacked. A parameter vLLM keeps in
-another float dtype than the model's (the router's ``e_score_correction_bias``, float32) is received in
-its own dtype: the senders cast.
+expert's gate and up in w13, its columns of w2). A head tied to the embedding shares its parameter, but
+vLLM CPU packs a copy of it for the head's kernel: the commit packs the head again. Multi-head latent
+attention (DeepSeek-V3, Kimi-K2) keeps matrices derived from ``kv_b_proj`` after loading (``W_UK_T``,
+``W_UV``); the commit derives them again from the pushed ``kv_b_proj`` (``mla_layers``), after the layers
+are repacked. A parameter vLLM keeps in another float dtype than the model's (the router's
+``e_score_correction_bias``, float32) is received in its own dtype: the senders cast.
 
 vLLM must run eagerly (``enforce_eager=True``): joining re-homes the parameters into one registered
 buffer, which moves them, and captured CUDA graphs or compiled code would keep reading the old memory.
@@ -146,6 +147,10 @@ def bind(model: torch.nn.Module, layout: list[LayoutEntry], tied: bool) -> Bindi
                                            f"the vLLM model holds {have[0]} {have[1]}")
         tensors[entry.name] = plain
         repack.setdefault(id(layer), (layer, {}))[1][attr] = plain  # the kernel's form is made from it
+    head = getattr(model, "lm_head", None)
+    if tied and hasattr(head, "cpu_linear") and any(t is head.weight for t in tensors.values()):
+        # the head shares the embedding's parameter, but its kernel reads a copy packed from it at load
+        repack.setdefault(id(head), (head, {}))[1]["weight"] = head.weight
     return Binding(tensors, {e.name: e.shard for e in layout if e.shard is not None and e.name in tensors},
                    list(repack.values()), mla_layers(model, bound))
 

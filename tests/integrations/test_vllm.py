@@ -148,11 +148,13 @@ async def test_join_errors_name_their_cause(served):
             await rpc(llm, "weightsync_join", ctl.address, mapping="identity")
 
 
-def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
-    """A Qwen3-MoE, a Mixtral, a Qwen2-MoE (its shared expert and the expert's sigmoid gate too), an OLMoE
-    (q/k norms over every head) or a GLM-4.5 (a dense first layer, then shared experts, a sigmoid router
-    with a random correction bias, q/k/v biases, a half-rotary head): fused experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's
-    ``w13_weight`` / ``w2_weight``; vLLM's Mixtral keeps them under ``block_sparse_moe``) and a router."""
+def tiny_of(arch: str, seed: int) -> torch.nn.Module:
+    """A tiny model of ``arch``: a Qwen3-MoE, a Mixtral, a Qwen2-MoE (its shared expert and the expert's
+    sigmoid gate too), an OLMoE (q/k norms over every head), a GLM-4.5 (a dense first layer, then shared
+    experts, a sigmoid router with a random correction bias, q/k/v biases, a half-rotary head), with fused
+    experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's ``w13_weight`` / ``w2_weight``; vLLM's
+    Mixtral keeps them under ``block_sparse_moe``) and a router; or a dense Gemma 3 (its extra norms,
+    sliding-window layers, and the head tied to the embedding)."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -165,6 +167,9 @@ def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
         "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=4,
                                                           shared_expert_intermediate_size=96, **common),
                       transformers.Qwen2MoeForCausalLM),
+        "gemma3_text": (lambda: transformers.Gemma3TextConfig(intermediate_size=256, head_dim=64, sliding_window=8,
+                                                              **{**common, "tie_word_embeddings": True}),
+                        transformers.Gemma3ForCausalLM),
         "olmoe": (lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=4, pad_token_id=0, eos_token_id=None,
                                                    **common), transformers.OlmoeForCausalLM),
         "glm4_moe": (lambda: transformers.Glm4MoeConfig(intermediate_size=256, moe_intermediate_size=64, head_dim=64,
@@ -180,28 +185,29 @@ def tiny_moe(arch: str, seed: int) -> torch.nn.Module:
     return model
 
 
-MOE = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe") for tp in (1, 2)]
+ARCHS = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gemma3_text") for tp in (1, 2)]
 
 
-@pytest.fixture(params=MOE, ids=[f"{arch}-tp{tp}" for arch, tp in MOE], scope="module")
-def served_moe(request, tmp_path_factory):
-    """A saved MoE checkpoint (seed 0) served by vLLM at the given tensor-parallel size, without
+@pytest.fixture(params=ARCHS, ids=[f"{arch}-tp{tp}" for arch, tp in ARCHS], scope="module")
+def served_arch(request, tmp_path_factory):
+    """A saved checkpoint (seed 0) of one of those architectures served by vLLM at the given tensor-parallel size, without
     expert parallelism (vLLM CPU 0.32 crashes in its first step with ``enable_expert_parallel``)."""
     arch, tp = request.param
     path = str(tmp_path_factory.mktemp(f"tiny-{arch}-tp{tp}"))
-    tiny_moe(arch, 0).save_pretrained(path)
+    tiny_of(arch, 0).save_pretrained(path)
     with engine(path, tp) as llm:
         yield llm, arch, tp
 
 
-async def test_an_moe_model_takes_pushed_experts_and_generates_what_the_trainer_generates(served_moe):
-    """vLLM's fused experts (prepacked by the CPU kernel), routers (and Qwen2-MoE's shared expert) are
-    bound, through the mapping of the config's model type: after each push the engine generates what the
-    trainer does, token for token. At TP 2 (vLLM's MoE without expert parallelism) each worker holds its
-    share of every expert: of gate and of up in w13, of w2's columns."""
-    llm, arch, tp = served_moe
-    assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_moe(arch, 0))
-    trainers = {1: tiny_moe(arch, 1), 2: tiny_moe(arch, 2)}
+async def test_each_architecture_takes_pushed_weights_and_generates_what_the_trainer_generates(served_arch):
+    """Each architecture is bound through the mapping of the config's model type: after each push the
+    engine generates what the trainer does, token for token. vLLM's fused experts (prepacked by the CPU
+    kernel) are made again at commit, and so is a tied head (vLLM CPU packs a copy of the embedding for
+    it). At TP 2 (vLLM's MoE without expert parallelism) each worker holds its share of every expert: of
+    gate and of up in w13, of w2's columns, and every expert byte lands on one worker only."""
+    llm, arch, tp = served_arch
+    assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(tiny_of(arch, 0))
+    trainers = {1: tiny_of(arch, 1), 2: tiny_of(arch, 2)}
     experts = sum(v.nbytes for k, v in trainers[1].state_dict().items() if ".experts." in k)  # the fused stacks
     async with Controller(senders=1, receivers=tp, options=ControllerOptions(mapping=arch, checksum="crc32")) as ctl:
         async with WeightSender(ctl.address, trainers[1], rank=0) as sender:

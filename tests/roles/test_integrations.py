@@ -179,6 +179,26 @@ def test_bind_skips_lm_head_when_embeddings_are_tied():
     assert binding.tensors == {}
 
 
+def test_a_tied_head_packed_from_the_embedding_is_packed_again_at_commit():
+    """vLLM CPU packs a copy of the tied head's weight (the embedding's parameter) for its kernel at load:
+    the embedding is written in place, and the commit packs the head again from it."""
+    model = torch.nn.Module()
+    model.embed = _Linear((4, 8))
+    model.lm_head = torch.nn.Module()
+    model.lm_head.weight = model.embed.weight  # (vLLM's tie_weights)
+    calls: list[str] = []
+    for name in ("embed", "lm_head"):
+        layer = getattr(model, name)
+        layer.cpu_linear = torch.nn.functional.linear  # (packed, the weight kept: remove_weight=False)
+        layer.quant_method = type("Q", (), {"process_weights_after_loading": lambda self, lay, n=name: calls.append(n)})()
+    layout = [LayoutEntry("embed.weight", "float32", (4, 8), None), LayoutEntry("lm_head.weight", "float32", (4, 8), None)]
+    binding = bind(model, layout, tied=True)
+    assert binding.tensors == {"embed.weight": model.embed.weight}
+    assert [(layer, list(plains)) for layer, plains in binding.repack] == [(model.embed, ["weight"]), (model.lm_head, ["weight"])]
+    commit_layers(binding, torch.float32)
+    assert calls == ["embed", "lm_head"] and model.lm_head.weight is model.embed.weight
+
+
 async def test_a_slow_pause_keeps_the_session_and_the_round_commits():
     """``before_update`` runs off the receive loop: a serving engine that takes longer to pause than
     the controller's timeout keeps its session (heartbeats flow meanwhile) and the round commits."""
