@@ -179,7 +179,8 @@ MAPPINGS: dict[str, Mapping] = {
     "qwen3_moe": Mapping("qwen3_moe", _DECODER + _VLLM_EXPERTS),
     "olmoe": Mapping("olmoe", _DECODER + _VLLM_EXPERTS),  # (its q/k norms span every head: whole on each rank)
     "mistral": Mapping("mistral", _DECODER),
-    "gemma3_text": Mapping("gemma3_text", _DECODER),  # Gemma 3 (text): its extra norms keep their names
+    "gemma2": Mapping("gemma2", _DECODER),  # Gemma 2 and 3 (text): their extra norms keep their names
+    "gemma3_text": Mapping("gemma3_text", _DECODER),
     "mixtral": Mapping("mixtral", _DECODER + _MIXTRAL),
     "deepseek_v3": Mapping("deepseek_v3", _DECODER + _DEEPSEEK + _VLLM_EXPERTS),
     "glm4_moe": Mapping("glm4_moe", _DECODER + _SHARED_EXPERTS + _VLLM_EXPERTS),

@@ -153,7 +153,7 @@ def tiny_of(arch: str, seed: int) -> torch.nn.Module:
     sigmoid gate too), an OLMoE (q/k norms over every head), a GLM-4.5 (a dense first layer, then shared
     experts, a sigmoid router with a random correction bias, q/k/v biases, a half-rotary head), with fused
     experts (transformers' ``gate_up_proj`` / ``down_proj``, vLLM's ``w13_weight`` / ``w2_weight``; vLLM's
-    Mixtral keeps them under ``block_sparse_moe``) and a router; or a dense Gemma 3 (its extra norms,
+    Mixtral keeps them under ``block_sparse_moe``) and a router; or a dense Gemma 2 or 3 (their extra norms,
     sliding-window layers, and the head tied to the embedding)."""
     import transformers
 
@@ -170,6 +170,9 @@ def tiny_of(arch: str, seed: int) -> torch.nn.Module:
         "gemma3_text": (lambda: transformers.Gemma3TextConfig(intermediate_size=256, head_dim=64, sliding_window=8,
                                                               **{**common, "tie_word_embeddings": True}),
                         transformers.Gemma3ForCausalLM),
+        "gemma2": (lambda: transformers.Gemma2Config(intermediate_size=256, head_dim=64, sliding_window=8,
+                                                     **{**common, "tie_word_embeddings": True}),
+                   transformers.Gemma2ForCausalLM),
         "olmoe": (lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=4, pad_token_id=0, eos_token_id=None,
                                                    **common), transformers.OlmoeForCausalLM),
         "glm4_moe": (lambda: transformers.Glm4MoeConfig(intermediate_size=256, moe_intermediate_size=64, head_dim=64,
@@ -186,6 +189,7 @@ def tiny_of(arch: str, seed: int) -> torch.nn.Module:
 
 
 ARCHS = [(arch, tp) for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gemma3_text") for tp in (1, 2)]
+ARCHS.append(("gemma2", 2))  # (bound as Gemma 3 is: its attention's soft-capping aside, the same layers)
 
 
 @pytest.fixture(params=ARCHS, ids=[f"{arch}-tp{tp}" for arch, tp in ARCHS], scope="module")
