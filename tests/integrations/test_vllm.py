@@ -74,20 +74,24 @@ async def rpc(llm, method: str, *args, **kwargs):
     return await asyncio.to_thread(llm.collective_rpc, method, args=args, kwargs=kwargs)
 
 
-async def push_each(llm, sender, tp: int, trainers: dict, want) -> list[dict]:
+async def push_each(llm, sender, tp: int, trainers: dict, want, replicas=()) -> list[dict]:
     """Push each trainer's weights as its version (the sender's tensors are the first trainer's: the new
-    weights are loaded into them), wait for every worker to commit it, and check that the engine then
-    generates ``want(version, model)``; the workers' status after the last."""
+    weights are loaded into them), wait for every worker of the engine (and of its ``replicas``, engines
+    of the same TP size) to commit it, and check that each engine then generates ``want(version,
+    model)``; the workers' status after the last."""
+    engines = [llm, *replicas]
     for version, model in trainers.items():
         with torch.no_grad():
             for name, t in model.state_dict().items():
                 sender.tensors[name].copy_(t)
-        waiting = asyncio.ensure_future(rpc(llm, "weightsync_wait", version))  # (TP: updates land in it)
+        # (TP: updates land while the driver waits)
+        waiting = [asyncio.ensure_future(rpc(e, "weightsync_wait", version)) for e in engines]
         handle = await sender.push(version)
         assert await handle == version
-        assert await waiting == [version] * tp
-        assert await asyncio.to_thread(vllm_greedy, llm) == want(version, model), f"version {version}"
-    return await rpc(llm, "weightsync_status")
+        assert await asyncio.gather(*waiting) == [[version] * tp] * len(engines)
+        for e in engines:
+            assert await asyncio.to_thread(vllm_greedy, e) == want(version, model), f"version {version}"
+    return [s for e in engines for s in await rpc(e, "weightsync_status")]
 
 
 async def test_pushed_weights_generate_what_the_trainer_generates(served):
@@ -146,6 +150,24 @@ async def test_join_errors_name_their_cause(served):
         # with the identity mapping the layout keeps q/k/v apart, which vLLM does not: the error names one
         with pytest.raises(Exception, match="q_proj.weight: in the layout but not in the vLLM model"):
             await rpc(llm, "weightsync_join", ctl.address, mapping="identity")
+
+
+async def test_data_parallel_replicas_join_one_controller_each_with_its_ranks(tmp_path):
+    """An RL rollout fleet: engines of one model side by side (data-parallel replicas), each joining the
+    same controller with its own ``rank_offset``; every push reaches every engine, and each generates
+    what the trainer does."""
+    tiny_model(0).save_pretrained(tmp_path)
+    trainers = {1: tiny_model(1), 2: tiny_model(2)}
+    with engine(str(tmp_path), 1) as first, engine(str(tmp_path), 1, first_cpu=1) as second:
+        async with Controller(senders=1, receivers=2, options=ControllerOptions(mapping="qwen2")) as ctl:
+            async with WeightSender(ctl.address, trainers[1], rank=0) as sender:
+                joined = await asyncio.gather(*(rpc(e, "weightsync_join", ctl.address, rank_offset=i)
+                                                for i, e in enumerate((first, second))))
+                assert [s["rank"] for [s] in joined] == [0, 1]
+                status = await push_each(first, sender, 1, trainers, lambda version, model: hf_greedy(model),
+                                         replicas=[second])
+                assert [(s["rank"], s["version"], s["committed"]) for s in status] == [(0, 2, 2), (1, 2, 2)]
+                await asyncio.gather(rpc(first, "weightsync_leave"), rpc(second, "weightsync_leave"))
 
 
 def tiny_of(arch: str, seed: int) -> torch.nn.Module:
@@ -246,9 +268,9 @@ def tiny_deepseek(seed: int) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def engine(path: str, tp: int):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))  # one core per worker
+def engine(path: str, tp: int, first_cpu: int = 0):
+    with pytest.MonkeyPatch.context() as mp:  # one core per worker
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(first_cpu + i) for i in range(tp)))
         llm = make_llm(path, tp)
     try:
         yield llm
