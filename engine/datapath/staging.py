@@ -21,7 +21,8 @@ import torch
 from weightsync.wire import ShardSpec, Slice, Transfer
 
 from ..errors import StagingError
-from ..transforms.core import GROUP_BYTES, Transform, TransformSet
+from ..transforms.core import Transform, TransformSet
+from ..transforms.steps import GROUP_BYTES
 from ..transforms.gather import Gatherer
 from .checksums import checksum
 
