@@ -5,7 +5,8 @@ from .links import LinkClass, LinkModel, Participant, link_class
 from .mapping import MAPPINGS, Mapping, Rule, get_mapping
 from .model import broadcast_assignment, lower_bound, makespan, seed_greedy_assignment
 from .needs import Piece, PlanCache, build_pieces
-from .planner import PlanOptions, RoutingPlan, plan, tables_from_assignment
+from .planner import PlanOptions, plan
+from .tables import RoutingPlan, tables_from_assignment
 
 __all__ = [
     "Catalog", "LinkClass", "LinkModel", "Participant", "link_class", "broadcast_assignment", "lower_bound", "makespan",

@@ -107,14 +107,16 @@ class PlanCache:
 
 
 class Resolver:
-    """Receivers' tensors resolved against one set of sources, into pieces. Receivers with the same
-    layout share them (pure): per tensor layout, the pieces' templates (source, rows, bytes, offset
-    from the tensor's, row size, transform, candidates) are made once, and a tensor that differs from
-    one made before only in its names (the same mapping rule and layout, from sources alike: ``_alike``)
-    takes that one's, renamed: every layer's q_proj of one TP rank, or every layer's slice of one EP
-    rank's experts, is resolved once. ``absent_ok``: a name no sender
-    has, or rows no sender holds, resolve to no pieces instead of raising (``catalog``: while senders
-    are still joining, the holder may be one of those to come)."""
+    """Receivers' tensors resolved against one set of sources, into pieces. A tensor's pieces depend on
+    its layout (dtype, shape, shard; for block scales, the weight's) and on its sources, which enter by
+    how each is held (``Source.likeness``) and by name: per *kind* of tensor (the mapping rule and its
+    sources' likeness, ``_kind``) and layout, the pieces' templates (source slot, rows, bytes, offset
+    from the tensor's, row size, transform, candidates) are made once, and each tensor takes them with
+    its own sources' names. So receivers with the same layout share them, and so do tensors alike but
+    for their names: every layer's q_proj of one TP rank, or every layer's slice of one EP rank's
+    experts, is resolved once. A name whose sources are missing or repeated is its own kind.
+    ``absent_ok``: a name no sender has, or rows no sender holds, resolve to no pieces instead of
+    raising (``catalog``: while senders are still joining, the holder may be one of those to come)."""
 
     def __init__(self, sources: dict[str, Source], transforms: Mapping[tuple[str, str], str] = {},
                  mapping: "str | NameMapping" = "identity", absent_ok: bool = False) -> None:
@@ -122,15 +124,14 @@ class Resolver:
         self.shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
         self.rules = get_mapping(mapping)
         self.intern = Interned()
-        self.templates: dict[tuple, list[tuple]] = {}
+        self.templates: dict[tuple, list[tuple]] = {}  # (kind, layout) -> templates
         self.comps_of: dict[str, tuple] = {}
-        # a layout less its names -> (the sources it was made from, its templates): ``_made``
-        self.renamed: dict[tuple, tuple[tuple[str, ...], list[tuple]]] = {}
-        self._alike_of: dict[str, int] = {}  # source name -> its kind (``Source.likeness``), numbered
-        self._kinds: dict[tuple, int] = {}
+        self.kind_of: dict[str, tuple] = {}  # weight name -> (its kind, its sources): ``_kind``
+        self._likeness: dict[str, int] = {}  # source name -> its likeness, numbered
+        self._numbers: dict[tuple, int] = {}
 
     def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
-        sources, templates = self.sources, self.templates
+        sources, templates, kind_of = self.sources, self.templates, self.kind_of
         pieces: list[Piece] = []
         add = pieces.append
         for rank, manifest in receivers:
@@ -141,51 +142,47 @@ class Resolver:
                     continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
                 name, dtype, sh = t.name, t.dtype, t.shard
                 scale_of = _scales_of(t, specs, sources) if name.endswith(SCALE_SUFFIX) else None
-                # what the pieces depend on, as plain values (``_layout``'s, inline here: a call per tensor
-                # costs a tenth of this loop's time)
-                key = (name, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
-                       None if scale_of is None else _layout(scale_of), dtype == FP8 and name + SCALE_SUFFIX in names)
+                weight = name if scale_of is None else scale_of.name
+                kind = kind_of.get(weight)
+                if kind is None:
+                    kind = kind_of[weight] = self._kind(weight)
+                like, srcs = kind
+                # what the pieces depend on, as plain values (inline here: a call per tensor costs a tenth
+                # of this loop's time)
+                key = (like, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
+                       None if scale_of is None else _layout(scale_of),
+                       dtype == FP8 and name + SCALE_SUFFIX in names)
                 made = templates.get(key)
                 if made is None:
-                    made = templates[key] = self._made(t, rank, scale_of, names, key)
+                    made = templates[key] = self._made(t, rank, scale_of, names, srcs)
                 region = t.region if t.region is not None else 0
                 base = t.offset
-                for src_name, slice_, nbytes, at, row_bytes, transform, cands in made:
-                    add(Piece(rank, name, src_name, slice_, nbytes, region, base + at, row_bytes, transform, cands))
+                for slot, slice_, nbytes, at, row_bytes, transform, cands in made:
+                    add(Piece(rank, name, srcs[slot], slice_, nbytes, region, base + at, row_bytes, transform, cands))
         return pieces
 
-    def _made(self, t: TensorSpec, rank: int, scale_of, names, key: tuple) -> list[tuple]:
-        """``t``'s templates (``key``: its layout, as ``pieces`` makes it): those of a tensor made
-        before from the same rule, with the same layout and sources alike, with the source names
-        replaced; else made."""
-        rule, srcs = self.rules.recipe((scale_of or t).name)
-        kinds = self._alike(srcs)
-        if kinds is None:
-            return self._templates(t, rank, scale_of, names)
-        like = (id(rule), key[1:4], None if key[4] is None else key[4][1:], key[5], kinds)
-        seen = self.renamed.get(like)
-        if seen is not None:
-            rename = dict(zip(seen[0], srcs))
-            return [(rename[src], *rest) for src, *rest in seen[1]]
-        made = self._templates(t, rank, scale_of, names)
-        if made:
-            self.renamed[like] = (srcs, made)
-        return made
-
-    def _alike(self, srcs: tuple[str, ...]) -> Optional[tuple[int, ...]]:
-        """The kind of each source (held alike: ``Source.likeness``); None if one is missing or named twice."""
+    def _kind(self, name: str) -> tuple:
+        """(kind, sources) of receiver name ``name`` (a weight's, for its block scales): the kind numbers
+        the mapping rule with how each source is held, or is ``name`` itself where a source is missing
+        or named twice (then the tensor shares with no other name)."""
+        rule, srcs = self.rules.recipe(name)
         if len(set(srcs)) != len(srcs):
-            return None
-        out = []
-        for name in srcs:
-            kind = self._alike_of.get(name)
-            if kind is None:
-                src = self.sources.get(name)
+            return name, srcs
+        kinds = []
+        for src_name in srcs:
+            k = self._likeness.get(src_name)
+            if k is None:
+                src = self.sources.get(src_name)
                 if src is None:
-                    return None
-                kind = self._alike_of[name] = self._kinds.setdefault(src.likeness(self.intern), len(self._kinds))
-            out.append(kind)
-        return tuple(out)
+                    return name, srcs
+                k = self._likeness[src_name] = self._numbers.setdefault(src.likeness(self.intern), len(self._numbers))
+            kinds.append(k)
+        return self._numbers.setdefault((id(rule), *kinds), len(self._numbers)), srcs
+
+    def _made(self, t: TensorSpec, rank: int, scale_of, names, srcs: tuple[str, ...]) -> list[tuple]:
+        """``t``'s templates, each with its source as a slot in ``srcs`` (its tensor's sources in order)."""
+        slot = {src: i for i, src in reversed(list(enumerate(srcs)))}
+        return [(slot[src], *rest) for src, *rest in self._templates(t, rank, scale_of, names)]
 
     def _templates(self, t: TensorSpec, rank: int, scale_of, names) -> list[tuple]:
         if self.absent_ok and not all(src in self.shapes for src in self.rules.recipe((scale_of or t).name)[1]):
@@ -264,10 +261,10 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
 
 
 def _layout(t: TensorSpec) -> tuple:
-    """What a receiver tensor's pieces depend on of it (or of the weight its block scales are for),
-    as plain values: hashing the structs would cost Python calls."""
+    """What a receiver tensor's pieces depend on of the FP8 weight its block scales are for, but its
+    name (the tensor's kind holds that), as plain values: hashing the structs would cost Python calls."""
     sh = t.shard
-    return t.name, t.dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop)
+    return t.dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop)
 
 
 def _scales_of(t: TensorSpec, specs: Mapping[str, TensorSpec], sources) -> Optional[TensorSpec]:

@@ -26,18 +26,18 @@ import dataclasses
 import gc
 import operator
 from collections import defaultdict
-from itertools import chain, count, groupby, repeat
+from itertools import groupby
 from typing import Mapping, Optional, Sequence
 
-from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
-from weightsync.wire.columns import Rows
+from weightsync.wire import PeerInfo, SenderTable
 
 from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_pieces
-from .schedule import Schedule, balance, schedule
+from .schedule import balance, schedule
+from .tables import RoutingPlan, build_tables
 
 MiB = 1 << 20
 
@@ -48,21 +48,6 @@ class PlanOptions:
     chunks_per_receiver: int = 8  # a receiver's bytes go out in about this many chunks
     prefer_locality: bool = True
     level: bool = True  # even out sender ports after the schedule (``schedule.balance``)
-
-
-@dataclasses.dataclass(frozen=True)
-class RoutingPlan:
-    plan_id: int
-    senders: dict[int, SenderTable]
-    receivers: dict[int, ReceiverTable]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.senders.values())
-
-    @property
-    def transfer_count(self) -> int:
-        return sum(len(t.transfers) for t in self.senders.values())
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -264,62 +249,3 @@ def _fill(piece: Piece, classes: list[LinkClass], room: dict[LinkClass, float]) 
     cls = max(classes, key=lambda c: (room[c], -c))  # no room anywhere: where most is left
     room[cls] -= piece.nbytes
     return [*out, (piece, cls)]
-
-
-def build_tables(
-    sched: Schedule, senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int
-) -> RoutingPlan:
-    """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie)."""
-    ordered = {s: list(chain.from_iterable(map(_pieces, sorted(runs, key=_by_start))))
-               for s, runs in sched.runs().items()}
-    return tables_from_assignment(ordered, senders, receivers, plan_id)
-
-
-_by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
-
-
-_TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
-              ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
-              ("transform", "transform"))]
-_ENTRY = ("src_rank", "index", "region", "offset", "name", "slice", "nbytes", "transform")
-
-
-def _entries(expected: list[tuple]) -> Rows:
-    """A receiver's rows, sorted by (region, offset): ``expected`` holds tuples of (region, offset,
-    sender, index, name, slice, bytes, transform), added by sender and index (a tie keeps that order,
-    as sorting the whole tuples would). Sorted by the offset alone, then (stable) by the region where
-    there are several: comparing ints, not tuples whose first items are mostly equal, halves the sort."""
-    if not expected:
-        return Rows(ExpectedEntry, dict.fromkeys(_ENTRY, ()))
-    rows = sorted(expected, key=_OFFSET)
-    if len(set(map(_REGION, rows))) > 1:
-        rows.sort(key=_REGION)
-    region, offset, src, index, *rest = zip(*rows)
-    return Rows(ExpectedEntry, dict(zip(_ENTRY, (src, index, region, offset, *rest))))
-
-
-_REGION, _OFFSET = operator.itemgetter(0), operator.itemgetter(1)
-
-
-def tables_from_assignment(
-    assignment: Mapping[int, list[Piece]], senders: Sequence[Participant], receivers: Sequence[Participant],
-    plan_id: int = 0,
-) -> RoutingPlan:
-    """Number each sender's pieces in order and mirror them into the receivers' expected entries.
-    The tables' rows are kept as columns (``Rows``: no object per transfer), as they travel."""
-    peer_of = {p.rank: PeerInfo(p.rank, p.transport, p.manifest.regions) for p in receivers}  # (frozen: shared)
-    sender_tables: dict[int, SenderTable] = {}
-    expected: dict[int, list[tuple]] = {p.rank: [] for p in receivers}  # (as ``_entries`` reads them)
-    for sp in senders:
-        pieces = assignment.get(sp.rank, [])
-        s = sp.rank
-        columns = {f: tuple(map(get, pieces)) for f, get in _TRANSFER}
-        transfers = Rows(Transfer, {"index": range(len(pieces)), **columns})
-        rows = zip(columns["dst_region"], columns["dst_offset"], repeat(s), count(), columns["dst_name"],
-                   columns["slice"], columns["nbytes"], columns["transform"])
-        for r, row in zip(columns["dst_rank"], rows):
-            expected[r].append(row)
-        peers = tuple(peer_of[r] for r in sorted(set(columns["dst_rank"])))
-        sender_tables[s] = SenderTable(s, transfers, peers)
-    receiver_tables = {r: ReceiverTable(r, _entries(es)) for r, es in expected.items()}
-    return RoutingPlan(plan_id, sender_tables, receiver_tables)

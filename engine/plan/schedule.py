@@ -11,7 +11,7 @@ Receivers with the most work left choose first; a receiver that found no free ca
 only once one of its candidates frees. The result is a ``Schedule``: the flexible work as
 ``Segment``s (sender, receiver, pieces, start), the forced work as runs per sender, and each port's
 busy time, summed as the work is placed. ``balance`` then levels sender ports where one would be the
-bottleneck (see its docstring), reading those sums. ``planner.build_tables`` turns it into tables.
+bottleneck (see its docstring), reading those sums. ``tables.build_tables`` turns it into tables.
 """
 
 from __future__ import annotations

@@ -187,17 +187,19 @@ def _layered_receiver(rank):
 
 
 class _EachMadeAfresh(Resolver):
-    """Every tensor layout's templates made from its own sources: nothing taken from another's."""
+    """Every name its own kind: each tensor layout's templates made from its own sources, nothing taken
+    from another name's."""
 
-    def _made(self, t, rank, scale_of, names, key):
-        return self._templates(t, rank, scale_of, names)
+    def _kind(self, name):
+        return name, self.rules.recipe(name)[1]
 
 
 def test_tensors_alike_but_for_their_names_share_templates_and_the_pieces_are_those_made_afresh():
     senders, receivers = _layered_senders(), [_layered_receiver(r) for r in range(4)]
     shared = Resolver(index_sources(senders), mapping="llama")
     got = shared.pieces((p.rank, p.manifest) for p in receivers)
-    want = _EachMadeAfresh(index_sources(senders), mapping="llama").pieces((p.rank, p.manifest) for p in receivers)
+    afresh = _EachMadeAfresh(index_sources(senders), mapping="llama")
+    want = afresh.pieces((p.rank, p.manifest) for p in receivers)
 
     def fields(pieces):
         return [tuple(getattr(p, f) for f in Piece.__slots__) for p in pieces]
@@ -205,6 +207,6 @@ def test_tensors_alike_but_for_their_names_share_templates_and_the_pieces_are_th
     assert fields(got) == fields(want)
     # the two layers of a stage share (q, k, v and the scales too, not the routers); the stages hold them on
     # other ranks
-    assert len(shared.templates) == 40 and len(shared.renamed) == 22
+    assert len(afresh.templates) == 40 and len(shared.templates) == 22
     assert {p.cands for p in got if ".layers.0." in p.src_name}.isdisjoint(
         {p.cands for p in got if ".layers.2." in p.src_name})

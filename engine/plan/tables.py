@@ -1,0 +1,116 @@
+"""From the schedule to routing tables: each sender's ordered transfers, mirrored into each receiver's
+expected entries, kept as columns.
+
+How this works: ``build_tables`` orders each sender's work by when it starts in the schedule (by
+receiver at a tie) and ``tables_from_assignment`` numbers it: a sender's transfers are its pieces' fields
+read into columns (``wire.columns.Rows``: a tuple per field, no object per transfer). The receivers'
+entries are the same transfers seen from the other end, sorted by (receiver, region, offset), a tie
+kept in (sender, index) order: one stable ``numpy.lexsort`` over every transfer at once, each column
+then taken in that order by one C-level ``itemgetter`` and cut at the receivers' boundaries, so no
+Python object is made per entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from itertools import chain
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import numpy as np
+
+from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, SenderTable, Transfer
+from weightsync.wire.columns import Rows
+
+from .links import Participant
+from .needs import Piece
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+    plan_id: int
+    senders: dict[int, SenderTable]
+    receivers: dict[int, ReceiverTable]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.senders.values())
+
+    @property
+    def transfer_count(self) -> int:
+        return sum(len(t.transfers) for t in self.senders.values())
+
+
+def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: Sequence[Participant],
+                 plan_id: int) -> RoutingPlan:
+    """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie)."""
+    ordered = {s: list(chain.from_iterable(map(_pieces, sorted(runs, key=_by_start))))
+               for s, runs in sched.runs().items()}
+    return tables_from_assignment(ordered, senders, receivers, plan_id)
+
+
+_by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
+
+
+_TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
+              ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
+              ("transform", "transform"))]
+# a receiver's entry column <- the transfers' column it mirrors
+_MIRROR = {"region": "dst_region", "offset": "dst_offset", "name": "dst_name", "slice": "slice", "nbytes": "nbytes",
+           "transform": "transform"}
+_ENTRY = ("src_rank", "index", *_MIRROR)
+
+
+def tables_from_assignment(
+    assignment: Mapping[int, list[Piece]], senders: Sequence[Participant], receivers: Sequence[Participant],
+    plan_id: int = 0,
+) -> RoutingPlan:
+    """Number each sender's pieces in order and mirror them into the receivers' expected entries."""
+    peer_of = {p.rank: PeerInfo(p.rank, p.transport, p.manifest.regions) for p in receivers}  # (frozen: shared)
+    sender_tables: dict[int, SenderTable] = {}
+    tables: list[tuple[int, dict[str, tuple]]] = []
+    for sp in senders:
+        pieces = assignment.get(sp.rank, [])
+        columns = {f: tuple(map(get, pieces)) for f, get in _TRANSFER}
+        transfers = Rows(Transfer, {"index": range(len(pieces)), **columns})
+        unknown = set(columns["dst_rank"]).difference(peer_of)
+        if unknown:
+            raise KeyError(f"sender/{sp.rank} is assigned pieces for receivers {sorted(unknown)} not planned for")
+        peers = tuple(peer_of[r] for r in sorted(set(columns["dst_rank"])))
+        sender_tables[sp.rank] = SenderTable(sp.rank, transfers, peers)
+        tables.append((sp.rank, columns))
+    entries = receiver_entries(tables, sorted(peer_of))
+    receiver_tables = {p.rank: ReceiverTable(p.rank, entries[p.rank]) for p in receivers}
+    return RoutingPlan(plan_id, sender_tables, receiver_tables)
+
+
+def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int]) -> dict[int, Rows]:
+    """Each receiver's expected entries from the senders' transfer columns (``tables``: (sender, columns)
+    in sender order), sorted by (region, offset); a tie keeps (sender, index) order."""
+    counts = [len(cols["dst_rank"]) for _, cols in tables]
+    n = sum(counts)
+    out: dict[int, dict[str, tuple]] = {}
+    if n == 0:
+        return {r: Rows(ExpectedEntry, dict.fromkeys(_ENTRY, ())) for r in ranks}
+
+    def flat(field: str) -> list:
+        return list(chain.from_iterable(cols[field] for _, cols in tables))
+
+    dst = np.fromiter(chain.from_iterable(cols["dst_rank"] for _, cols in tables), np.int64, n)
+    region = np.fromiter(chain.from_iterable(cols["dst_region"] for _, cols in tables), np.int64, n)
+    offset = np.fromiter(chain.from_iterable(cols["dst_offset"] for _, cols in tables), np.int64, n)
+    order = np.lexsort((offset, region, dst))  # (stable: a tie keeps the concatenation's order)
+    cuts = np.searchsorted(dst[order], ranks, side="left").tolist() + [n]
+    take = operator.itemgetter(*order.tolist()) if n > 1 else (lambda col: tuple(col))
+    sorted_cols = {
+        "src_rank": np.repeat(np.array([s for s, _ in tables], np.int64), counts)[order].tolist(),
+        "index": np.concatenate([np.arange(c, dtype=np.int64) for c in counts])[order].tolist(),
+        **{entry: take(flat(field)) for entry, field in _MIRROR.items()},
+    }
+    for i, r in enumerate(ranks):
+        a, b = cuts[i], cuts[i + 1]
+        out[r] = {f: col[a:b] for f, col in sorted_cols.items()}
+    return {r: Rows(ExpectedEntry, cols) for r, cols in out.items()}
