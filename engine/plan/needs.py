@@ -127,8 +127,9 @@ class Resolver:
         self.templates: dict[tuple, list[tuple]] = {}  # (kind, layout) -> templates
         self.comps_of: dict[str, tuple] = {}
         self.kind_of: dict[str, tuple] = {}  # weight name -> (its kind, its sources): ``_kind``
-        self._likeness: dict[str, int] = {}  # source name -> its likeness, numbered
-        self._numbers: dict[tuple, int] = {}
+        self._likeness: dict[str, int] = {}  # source name -> its likeness, numbered (``_likenesses``)
+        self._likenesses: dict[tuple, int] = {}
+        self._kinds: dict[tuple, int] = {}  # (rule, each source's likeness) -> kind
 
     def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
         sources, templates, kind_of = self.sources, self.templates, self.kind_of
@@ -175,9 +176,10 @@ class Resolver:
                 src = self.sources.get(src_name)
                 if src is None:
                     return name, srcs
-                k = self._likeness[src_name] = self._numbers.setdefault(src.likeness(self.intern), len(self._numbers))
+                like = src.likeness(self.intern)
+                k = self._likeness[src_name] = self._likenesses.setdefault(like, len(self._likenesses))
             kinds.append(k)
-        return self._numbers.setdefault((id(rule), *kinds), len(self._numbers)), srcs
+        return self._kinds.setdefault((id(rule), *kinds), len(self._kinds)), srcs
 
     def _made(self, t: TensorSpec, rank: int, scale_of, names, srcs: tuple[str, ...]) -> list[tuple]:
         """``t``'s templates, each with its source as a slot in ``srcs`` (its tensor's sources in order)."""

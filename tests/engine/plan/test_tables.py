@@ -1,0 +1,59 @@
+"""Routing tables from an assignment: each sender's transfers in order, mirrored into the receivers'
+entries sorted by (region, offset) with a tie in (sender, index) order (``engine/plan/tables.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plan_helpers import participant, tensor
+from weightsync.engine.plan import Piece, tables_from_assignment
+from weightsync.wire import ExpectedEntry, Slice
+
+
+def _piece(receiver, name, region, offset, nbytes=8):
+    return Piece(receiver, name, name, Slice(0, 0, 1), nbytes, region, offset, nbytes, "", (0,))
+
+
+def _reference(assignment, ranks):
+    """Each receiver's entries the plain way: a row per transfer, sorted by (region, offset), a tie in
+    (sender, index) order."""
+    rows = {r: [] for r in ranks}
+    for s in sorted(assignment):
+        for i, p in enumerate(assignment[s]):
+            rows[p.receiver].append(((p.region, p.offset), ExpectedEntry(p.dst_name, s, i, p.slice, p.region, p.offset,
+                                                                        p.nbytes, p.transform)))
+    return {r: tuple(e for _, e in sorted(got, key=lambda kv: kv[0])) for r, got in rows.items()}
+
+
+def test_receiver_entries_are_sorted_by_region_and_offset_and_a_tie_keeps_sender_and_index_order():
+    rng = random.Random(7)
+    senders = [participant(s, [tensor("w", (4,))], host=f"t{s}") for s in range(3)]
+    receivers = [participant(r, [tensor("w", (4,))], host=f"i{r}") for r in range(4)]  # receiver 3 gets nothing
+    assignment = {s: [_piece(rng.randrange(3), f"p{s}.{i}", rng.randrange(2), rng.randrange(6) * 8)  # ties abound
+                      for i in range(40)] for s in range(3)}
+    routing = tables_from_assignment(assignment, senders, receivers)
+    want = _reference(assignment, range(4))
+    for r in range(4):
+        assert tuple(routing.receivers[r].entries) == want[r]
+    assert len(routing.receivers[3].entries) == 0
+    for s, pieces in assignment.items():
+        t = routing.senders[s]
+        assert [(x.index, x.name, x.dst_rank, x.dst_offset) for x in t.transfers] == [
+            (i, p.src_name, p.receiver, p.offset) for i, p in enumerate(pieces)]
+        assert [p.rank for p in t.peers] == sorted({p.receiver for p in pieces})
+
+
+def test_a_piece_for_a_receiver_not_planned_for_names_it_and_its_sender():
+    senders = [participant(0, [tensor("w", (4,))], host="t0")]
+    receivers = [participant(0, [tensor("w", (4,))], host="i0")]
+    with pytest.raises(KeyError, match=r"sender/0 .* receivers \[5\]"):
+        tables_from_assignment({0: [_piece(5, "w", 0, 0)]}, senders, receivers)
+
+
+def test_no_transfers_at_all_give_empty_tables():
+    senders = [participant(0, [tensor("w", (4,))], host="t0")]
+    receivers = [participant(r, [tensor("w", (4,))], host=f"i{r}") for r in range(2)]
+    routing = tables_from_assignment({}, senders, receivers)
+    assert routing.transfer_count == 0 and all(len(t.entries) == 0 for t in routing.receivers.values())
