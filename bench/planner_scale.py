@@ -2,9 +2,9 @@
 
 For each scenario, prints one JSON line: plan time (the median of three cold plans, and each run;
 then the collector's pass over what the first made, the controller's plan messages made and encoded,
-and its replans after a receiver restarts on the same host, a sender restarts on the same host, and
-the receiver comes back on another host, each with its messages, with the ``PlanCache`` and
-``MessageCache`` of the plans before), the modeled makespan of our tables, the lower bound, and the
+and its replans after a receiver restarts on the same host, a sender restarts on the same host, the
+receiver comes back on a spare host and then on a trainers' host, each with its messages, with the
+``PlanCache`` and ``MessageCache`` of the plans before), the modeled makespan of our tables, the lower bound, and the
 same model's makespan for the seeds' byte-balanced greedy and for rank-0 broadcast; then the worst
 ratio and the slowest Kimi-K2 256 -> 128 plan against their targets.
 
@@ -212,17 +212,21 @@ def restarts(senders, receivers, cache, messages, link, params, layout, tp, ep, 
     """The controller's replans after a process restarts (a new manifest of the same layout, a new
     address, a new session), each with the ``PlanCache`` and ``MessageCache`` of the plans before: the
     last receiver back on its host (the last plan patched: ``planner.patched_plan``), then the last
-    sender back on its host (patched too: no table changes, only its keys), then that receiver on
-    another host (planned again with the kept index and layouts). The CPU seconds of each plan, and
-    of its messages."""
+    sender back on its host (patched too: no table changes, only its keys), then that receiver on a
+    spare host with no trainer (patched where no sender's link class to it changes: disaggregated
+    inference; planned again where it shared a trainer's GPU), then on the first trainers' host
+    (planned again with the kept index and layouts: trainers there now reach it over NVLink). The CPU
+    seconds of each plan, and of its messages."""
     r, s = receivers[-1].rank, senders[-1].rank
     back = _transport(where, r)
     moved = dataclasses.replace(back, host=f"{where}-host-spare")
+    onto_trainers = dataclasses.replace(back, host=_transport("train", 0).host)
     sessions = sessions_of(senders, receivers)
     out = {}
     for label, who, transport, patched in (("replan", "receiver", back, True),
                                            ("replan_sender", "sender", _transport("train", s), True),
-                                           ("replan_moved", "receiver", moved, False)):
+                                           ("replan_moved", "receiver", moved, where == "infer"),
+                                           ("replan_onto_trainers", "receiver", onto_trainers, False)):
         transport = dataclasses.replace(transport, address=f"{transport.address}-{label}")
         if who == "receiver":
             new = Participant(r, receiver_manifest(params, r, tp, ep, fp8), transport)

@@ -77,12 +77,23 @@ def link_class(sender: Participant, receiver: Participant) -> LinkClass:
     return LinkClass.HOST
 
 
-def host_mates(senders: Sequence[Participant], receivers: Sequence[Participant]) -> dict[int, dict[int, LinkClass]]:
-    """Per receiver, the senders on its host with their link class; every other sender reaches it by NET."""
+def senders_by_host(senders: Sequence[Participant]) -> dict[str, list[Participant]]:
     by_host: dict[str, list[Participant]] = defaultdict(list)
     for sp in senders:
         by_host[sp.host].append(sp)
-    return {rp.rank: {sp.rank: link_class(sp, rp) for sp in by_host.get(rp.host, ())} for rp in receivers}
+    return by_host
+
+
+def mates_of(receiver: Participant, by_host: Mapping[str, Sequence[Participant]]) -> dict[int, LinkClass]:
+    """The senders on ``receiver``'s host with their link class (``by_host``: ``senders_by_host``); every
+    other sender reaches it by NET. All the planner reads of where a receiver is."""
+    return {sp.rank: link_class(sp, receiver) for sp in by_host.get(receiver.host, ())}
+
+
+def host_mates(senders: Sequence[Participant], receivers: Sequence[Participant]) -> dict[int, dict[int, LinkClass]]:
+    """Per receiver, the senders on its host with their link class (``mates_of``)."""
+    by_host = senders_by_host(senders)
+    return {rp.rank: mates_of(rp, by_host) for rp in receivers}
 
 
 def classes_of(cands: tuple[int, ...], mates: Mapping[int, LinkClass]) -> dict[LinkClass, tuple[int, ...]]:

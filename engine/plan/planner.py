@@ -32,7 +32,7 @@ from typing import Mapping, Optional, Sequence
 from weightsync.wire import PeerInfo, SenderTable
 
 from ..errors import PlanError
-from .links import LinkClass, LinkModel, Participant, classes_of, host_mates
+from .links import LinkClass, LinkModel, Participant, classes_of, host_mates, mates_of, senders_by_host
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_pieces
@@ -122,21 +122,26 @@ def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Se
                  link: LinkModel, options: PlanOptions, plan_id: int) -> Optional[RoutingPlan]:
     """The last plan's tables, if the senders have the same tensors (the caller checks) on the same
     hosts and devices, and every receiver is the same process or a restarted one that the planner
-    cannot tell apart: the same rank, tensors, region sizes, host, device and transport kind (a new
-    address, new region descriptors). Then a plan from scratch would make the same tables, the
-    restarted receivers' ``PeerInfo`` aside: only those are replaced (a restarted sender changes no
-    table, only its keys). None otherwise."""
+    cannot tell apart: the same rank, tensors, region sizes and transport kind, and the same link
+    class to every sender (a new address, new region descriptors; another host or device only where
+    no sender's class to it changes: an inference worker back on another host with no trainer on
+    either). Then a plan from scratch would make the same tables, the restarted receivers'
+    ``PeerInfo`` aside: only those are replaced (a restarted sender changes no table, only its keys).
+    None otherwise."""
     if (cache.last is None or cache.last[1] != (link, options, _placed(senders))
             or len(cache.last[0]) != len(receivers)):
         return None
     before, _, routing = cache.last
     new_peers: dict[int, PeerInfo] = {}
+    by_host: Optional[dict[str, list[Participant]]] = None
     for old, new in zip(before, receivers):
         if old.rank != new.rank:
             return None
         if old.manifest is new.manifest and old.transport == new.transport:
             continue
-        if not _same_to_the_planner(old, new):
+        if by_host is None:
+            by_host = senders_by_host(senders)
+        if not _same_to_the_planner(old, new, by_host):
             return None
         new_peers[new.rank] = PeerInfo(new.rank, new.transport, new.manifest.regions)
     senders = {s: t if not any(p.rank in new_peers for p in t.peers)
@@ -147,13 +152,15 @@ def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Se
     return patched
 
 
-def _same_to_the_planner(old: Participant, new: Participant) -> bool:
-    """Whether the planner reads the same from both (all but addresses and region descriptors)."""
-    a, b = old.transport, new.transport
-    return ((a.kind, a.host, a.device) == (b.kind, b.host, b.device)
+def _same_to_the_planner(old: Participant, new: Participant, by_host: dict[str, list[Participant]]) -> bool:
+    """Whether the planner reads the same from both: their tensors, regions (but descriptors) and
+    transport kind, and each sender's link class to them (the planner reads hosts and devices through
+    nothing else: ``links.host_mates``)."""
+    return (old.transport.kind == new.transport.kind
             and [(r.region_id, r.nbytes, r.device) for r in old.manifest.regions]
             == [(r.region_id, r.nbytes, r.device) for r in new.manifest.regions]
-            and old.manifest.tensors == new.manifest.tensors)
+            and old.manifest.tensors == new.manifest.tensors
+            and mates_of(old, by_host) == mates_of(new, by_host))
 
 
 Groups = dict[LinkClass, dict[int, dict[tuple[int, ...], list[Piece]]]]

@@ -46,7 +46,7 @@ def test_a_replan_after_a_receiver_restarts_reuses_the_senders_and_layouts():
     first = plan(senders, receivers, link, cache=cache)
     assert first == plan(senders, receivers, link)
     layouts = cache.layouts
-    receivers[3] = _receiver(3, host="i3-restarted")  # a new manifest object, the same layout
+    receivers[3] = _receiver(3, host="t3")  # a new manifest object, the same layout, on a trainer's host
     again = plan(senders, receivers, link, cache=cache)
     assert again == plan(senders, receivers, link)
     check_coverage(again, receivers)
@@ -121,20 +121,36 @@ def test_a_restarted_sender_with_the_same_tensors_where_it_was_keeps_the_tables_
     assert again == plan(senders, receivers, link, plan_id=2)
     assert (cache.patched, cache.hits, cache.misses) == (1, 0, 1)
     assert all(again.senders[s] is first.senders[s] for s in again.senders) and again.plan_id == 2
-    receivers[3] = _restarted(receivers[3], host="elsewhere")  # (then planned again: the index is kept)
+    receivers[3] = _restarted(receivers[3], host="t3")  # onto a trainer's host (planned again: the index is kept)
     assert plan(senders, receivers, link, plan_id=3, cache=cache) == plan(senders, receivers, link, plan_id=3)
     assert (cache.patched, cache.hits, cache.misses) == (1, 1, 1)
+
+
+def test_a_receiver_back_on_another_host_with_no_sender_on_either_patches_the_last_plan():
+    """The planner reads where a receiver is only as each sender's link class to it: an inference worker
+    that comes back on another inference host (another GPU there too) is reached as before."""
+    senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    cache, link = PlanCache(), LinkModel()
+    first = plan(senders, receivers, link, plan_id=1, cache=cache)
+    receivers[2] = _restarted(receivers[2], host="i-spare", device="cuda:5")
+    again = plan(senders, receivers, link, plan_id=2, cache=cache)
+    assert cache.patched == 1 and again == plan(senders, receivers, link, plan_id=2)
+    assert again.receivers == first.receivers
+    assert {p.transport.host for t in again.senders.values() for p in t.peers if p.rank == 2} == {"i-spare"}
 
 
 @pytest.mark.parametrize("change", ["host", "device", "region size", "tensors", "options", "sender host",
                                     "sender tensors"])
 def test_what_the_planner_reads_differently_plans_again(change):
     senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    if change == "device":  # receiver 1 on sender 1's GPU (a local copy), until it comes back on another GPU
+        senders[1] = _restarted(senders[1], device="cuda:1")
+        receivers[1] = _restarted(_receiver(1, host="t1"), device="cuda:1")
     cache, link = PlanCache(), LinkModel()
     plan(senders, receivers, link, cache=cache)
     options = PlanOptions()
     if change == "host":
-        receivers[1] = _restarted(receivers[1], host="elsewhere")
+        receivers[1] = _restarted(receivers[1], host="t0")  # onto a trainer's host: sender 0 is now a host-mate
     elif change == "device":
         receivers[1] = _restarted(receivers[1], device="cuda:3")
     elif change == "region size":
