@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     for r in rows:
         table.add_row(r["scenario"], str(r["this_s"]), str(r["base_s"]), str(r["this_over_base"]),
                       " ".join(map(str, r["rounds_this_over_base"])), "yes" if r["same_tables"] else "NO")
-    Console(stderr=True).print(table)
+    Console(stderr=True, width=140).print(table)
     return 0
 
 
