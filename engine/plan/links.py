@@ -77,23 +77,24 @@ def link_class(sender: Participant, receiver: Participant) -> LinkClass:
     return LinkClass.HOST
 
 
-def senders_by_host(senders: Sequence[Participant]) -> dict[str, list[Participant]]:
-    by_host: dict[str, list[Participant]] = defaultdict(list)
-    for sp in senders:
-        by_host[sp.host].append(sp)
-    return by_host
+def by_host(members: Sequence[Participant]) -> dict[str, list[Participant]]:
+    out: dict[str, list[Participant]] = defaultdict(list)
+    for p in members:
+        out[p.host].append(p)
+    return out
 
 
-def mates_of(receiver: Participant, by_host: Mapping[str, Sequence[Participant]]) -> dict[int, LinkClass]:
-    """The senders on ``receiver``'s host with their link class (``by_host``: ``senders_by_host``); every
-    other sender reaches it by NET. All the planner reads of where a receiver is."""
-    return {sp.rank: link_class(sp, receiver) for sp in by_host.get(receiver.host, ())}
+def mates_of(member: Participant, others: Mapping[str, Sequence[Participant]]) -> dict[int, LinkClass]:
+    """The members of the other role on ``member``'s host (``others``: ``by_host`` of them) with their
+    link class to it (the class is the same both ways); every other reaches it by NET. All the planner
+    reads of where a member is."""
+    return {p.rank: link_class(p, member) for p in others.get(member.host, ())}
 
 
 def host_mates(senders: Sequence[Participant], receivers: Sequence[Participant]) -> dict[int, dict[int, LinkClass]]:
     """Per receiver, the senders on its host with their link class (``mates_of``)."""
-    by_host = senders_by_host(senders)
-    return {rp.rank: mates_of(rp, by_host) for rp in receivers}
+    senders_at = by_host(senders)
+    return {rp.rank: mates_of(rp, senders_at) for rp in receivers}
 
 
 def classes_of(cands: tuple[int, ...], mates: Mapping[int, LinkClass]) -> dict[LinkClass, tuple[int, ...]]:

@@ -69,7 +69,7 @@ class PlanCache:
         self._rules: tuple = ()
         self._resolver: Optional[Resolver] = None
         self.hits = self.misses = 0
-        self.last: Optional[tuple] = None  # (receivers, (link, options, where the senders are), routing) (``planner``)
+        self.last: Optional[tuple] = None  # (receivers, (link, options), senders, routing) (``planner``)
         self.patched = 0  # replans that only patched the last plan's tables (``planner.patched_plan``)
 
     def __repr__(self) -> str:

@@ -32,7 +32,7 @@ from typing import Mapping, Optional, Sequence
 from weightsync.wire import PeerInfo, SenderTable
 
 from ..errors import PlanError
-from .links import LinkClass, LinkModel, Participant, classes_of, host_mates, mates_of, senders_by_host
+from .links import LinkClass, LinkModel, Participant, classes_of, by_host, host_mates, mates_of
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_pieces
@@ -109,58 +109,65 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
         balance(sched, link, options)
     routing = build_tables(sched, senders, receivers, plan_id)
     if cache is not None:
-        cache.last = (receivers, (link, options, _placed(senders)), routing)
+        cache.last = (receivers, (link, options), senders, routing)
     return routing
-
-
-def _placed(senders: Sequence[Participant]) -> list[tuple]:
-    """What the planner reads of the senders beyond their tensors: where each is."""
-    return [(p.transport.kind, p.transport.host, p.transport.device) for p in senders]
 
 
 def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Sequence[Participant],
                  link: LinkModel, options: PlanOptions, plan_id: int) -> Optional[RoutingPlan]:
-    """The last plan's tables, if the senders have the same tensors (the caller checks) on the same
-    hosts and devices, and every receiver is the same process or a restarted one that the planner
-    cannot tell apart: the same rank, tensors, region sizes and transport kind, and the same link
-    class to every sender (a new address, new region descriptors; another host or device only where
-    no sender's class to it changes: an inference worker back on another host with no trainer on
-    either). Then a plan from scratch would make the same tables, the restarted receivers'
-    ``PeerInfo`` aside: only those are replaced (a restarted sender changes no table, only its keys).
-    None otherwise."""
-    if (cache.last is None or cache.last[1] != (link, options, _placed(senders))
-            or len(cache.last[0]) != len(receivers)):
+    """The last plan's tables, if the senders have the same tensors (the caller checks) and every
+    receiver is the same process or a restarted one that the planner cannot tell apart (the same rank,
+    tensors, region sizes), every restarted member keeps its transport kind, and every sender reaches
+    every receiver by the link class it did (``_same_classes``: a new address, new region descriptors;
+    another host or device only where no class changes, as for an inference worker back on another
+    inference host, or a trainer on another trainers' host). Then a plan from scratch would make the
+    same tables, the restarted receivers' ``PeerInfo`` aside: only those are replaced (a restarted
+    sender changes no table, only its keys). None otherwise."""
+    if cache.last is None or cache.last[1] != (link, options) or len(cache.last[0]) != len(receivers):
         return None
-    before, _, routing = cache.last
+    before, _, senders_before, routing = cache.last
     new_peers: dict[int, PeerInfo] = {}
-    by_host: Optional[dict[str, list[Participant]]] = None
     for old, new in zip(before, receivers):
         if old.rank != new.rank:
             return None
         if old.manifest is new.manifest and old.transport == new.transport:
             continue
-        if by_host is None:
-            by_host = senders_by_host(senders)
-        if not _same_to_the_planner(old, new, by_host):
+        if not (old.transport.kind == new.transport.kind
+                and [(r.region_id, r.nbytes, r.device) for r in old.manifest.regions]
+                == [(r.region_id, r.nbytes, r.device) for r in new.manifest.regions]
+                and old.manifest.tensors == new.manifest.tensors):
             return None
         new_peers[new.rank] = PeerInfo(new.rank, new.transport, new.manifest.regions)
+    if not _same_classes(senders_before, senders, before, receivers):
+        return None
     senders = {s: t if not any(p.rank in new_peers for p in t.peers)
                else SenderTable(s, t.transfers, tuple(new_peers.get(p.rank, p) for p in t.peers))
                for s, t in routing.senders.items()}
     patched = RoutingPlan(plan_id, senders, dict(routing.receivers))
-    cache.last, cache.patched = (list(receivers), cache.last[1], patched), cache.patched + 1
+    cache.last, cache.patched = (list(receivers), cache.last[1], list(senders_before), patched), cache.patched + 1
     return patched
 
 
-def _same_to_the_planner(old: Participant, new: Participant, by_host: dict[str, list[Participant]]) -> bool:
-    """Whether the planner reads the same from both: their tensors, regions (but descriptors) and
-    transport kind, and each sender's link class to them (the planner reads hosts and devices through
-    nothing else: ``links.host_mates``)."""
-    return (old.transport.kind == new.transport.kind
-            and [(r.region_id, r.nbytes, r.device) for r in old.manifest.regions]
-            == [(r.region_id, r.nbytes, r.device) for r in new.manifest.regions]
-            and old.manifest.tensors == new.manifest.tensors
-            and mates_of(old, by_host) == mates_of(new, by_host))
+def _same_classes(senders_before: Sequence[Participant], senders: Sequence[Participant],
+                  before: Sequence[Participant], receivers: Sequence[Participant]) -> bool:
+    """Whether every sender reaches every receiver by the same link class as before (and every moved
+    sender keeps its transport kind): the planner reads where members are through nothing else
+    (``links.mates_of``). Only the pairs with a member whose transport changed are looked at."""
+    moved_r = [(o, n) for o, n in zip(before, receivers) if o.transport != n.transport]
+    moved_s = [(o, n) for o, n in zip(senders_before, senders) if o.transport != n.transport]
+    if not moved_r and not moved_s:
+        return True
+    if any(o.transport.kind != n.transport.kind for o, n in moved_s):
+        return False
+    if moved_r:
+        senders_then, senders_now = by_host(senders_before), by_host(senders)
+        if any(mates_of(o, senders_then) != mates_of(n, senders_now) for o, n in moved_r):
+            return False
+    if moved_s:  # a moved sender's classes, to the receivers on its host then and now
+        receivers_then, receivers_now = by_host(before), by_host(receivers)
+        if any(mates_of(o, receivers_then) != mates_of(n, receivers_now) for o, n in moved_s):
+            return False
+    return True
 
 
 Groups = dict[LinkClass, dict[int, dict[tuple[int, ...], list[Piece]]]]

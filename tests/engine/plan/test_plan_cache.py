@@ -139,6 +139,20 @@ def test_a_receiver_back_on_another_host_with_no_sender_on_either_patches_the_la
     assert {p.transport.host for t in again.senders.values() for p in t.peers if p.rank == 2} == {"i-spare"}
 
 
+def test_a_sender_back_on_another_host_with_no_receiver_on_either_keeps_the_tables():
+    senders, receivers = _senders(), [_receiver(r) for r in range(4)]
+    cache, link = PlanCache(), LinkModel()
+    first = plan(senders, receivers, link, plan_id=1, cache=cache)
+    senders[1] = _restarted(_senders()[1], host="t-spare")
+    receivers[0] = _restarted(receivers[0], host="i-spare")  # (both at once: every pair's class is looked at)
+    again = plan(senders, receivers, link, plan_id=2, cache=cache)
+    assert (cache.patched, cache.hits, cache.misses) == (1, 0, 1)
+    assert again == plan(senders, receivers, link, plan_id=2) and again.receivers == first.receivers
+    senders[1] = _restarted(_senders()[1], host="i-spare")  # now on receiver 0's host: planned again
+    assert plan(senders, receivers, link, plan_id=3, cache=cache) == plan(senders, receivers, link, plan_id=3)
+    assert cache.patched == 1
+
+
 @pytest.mark.parametrize("change", ["host", "device", "region size", "tensors", "options", "sender host",
                                     "sender tensors"])
 def test_what_the_planner_reads_differently_plans_again(change):
@@ -160,7 +174,7 @@ def test_what_the_planner_reads_differently_plans_again(change):
     elif change == "options":
         options = PlanOptions(chunks_per_receiver=2)
     elif change == "sender host":
-        senders[0] = _restarted(_senders()[0], host="elsewhere")  # a restarted sender on another host
+        senders[0] = _restarted(_senders()[0], host="i1")  # a restarted sender on receiver 1's host
     else:
         senders[0] = participant(0, [*senders[0].manifest.tensors, tensor("extra", (8,))], host="t0")
     again = plan(senders, receivers, link, options, cache=cache)
