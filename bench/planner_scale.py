@@ -117,12 +117,19 @@ SCENARIOS = [
 ]
 
 
-def run(name, arch, layout, n_recv, tp, ep, colocated, fp8=False, *, link):
+def participants(arch, layout, n_recv, tp, ep, colocated, fp8=False):
+    """A scenario's senders and receivers (colocated: inference rank r shares trainer r's GPU), and the
+    architecture's parameters."""
     params = state_dict_shapes(arch)
-    n_send = layout.world
-    senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(n_send)]
-    where = "train" if colocated else "infer"  # colocated: inference rank r shares trainer r's GPU
+    senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(layout.world)]
+    where = "train" if colocated else "infer"
     receivers = [Participant(r, receiver_manifest(params, r, tp, ep, fp8), _transport(where, r)) for r in range(n_recv)]
+    return senders, receivers, params
+
+
+def run(name, arch, layout, n_recv, tp, ep, colocated, fp8=False, *, link):
+    senders, receivers, params = participants(arch, layout, n_recv, tp, ep, colocated, fp8)
+    n_send, where = layout.world, "train" if colocated else "infer"
     cache = PlanCache()
     t0 = time.process_time()
     routing = plan(senders, receivers, link, PlanOptions(), cache=cache)
@@ -256,9 +263,7 @@ def run_large(name, arch, layout, n_recv, tp, ep, colocated, link):
     """Plan CPU seconds and the memory planning adds to the manifests (peak RSS before and after)."""
     import resource
 
-    params = state_dict_shapes(arch)
-    senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(layout.world)]
-    receivers = [Participant(r, receiver_manifest(params, r, tp, ep), _transport("infer", r)) for r in range(n_recv)]
+    senders, receivers, params = participants(arch, layout, n_recv, tp, ep, colocated)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cache = PlanCache()
     t0 = time.process_time()

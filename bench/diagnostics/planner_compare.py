@@ -36,18 +36,22 @@ def worker(root: str, which: str, plans: int) -> None:
     sys.path[:0] = [root + "/bench", root]
     import planner_scale as ps
     import weightsync
-    from weightsync.engine.models.shapes import state_dict_shapes
-    from weightsync.engine.plan import LinkModel, Participant, PlanCache, PlanOptions, plan
+    from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, plan
 
     if not weightsync.__file__.startswith(root):
         raise SystemExit(f"imported weightsync from {weightsync.__file__}, not from {root}")
-    name, arch, layout, n_recv, tp, ep, colocated, *fp8 = next(s for s in ps.SCENARIOS + ps.LARGE if s[0] == which)
-    params = state_dict_shapes(arch)
-    where = "train" if colocated else "infer"
-    senders = [Participant(r, ps.sender_manifest(params, r, layout), ps._transport("train", r))
-               for r in range(layout.world)]
-    receivers = [Participant(r, ps.receiver_manifest(params, r, tp, ep, bool(fp8 and fp8[0])), ps._transport(where, r))
-                 for r in range(n_recv)]
+    _, arch, layout, n_recv, tp, ep, colocated, *fp8 = next(s for s in ps.SCENARIOS + ps.LARGE if s[0] == which)
+    if hasattr(ps, "participants"):
+        senders, receivers, _ = ps.participants(arch, layout, n_recv, tp, ep, colocated, bool(fp8 and fp8[0]))
+    else:  # (a base from before ``participants``)
+        from weightsync.engine.models.shapes import state_dict_shapes
+        from weightsync.engine.plan import Participant
+
+        params, where = state_dict_shapes(arch), "train" if colocated else "infer"
+        senders = [Participant(r, ps.sender_manifest(params, r, layout), ps._transport("train", r))
+                   for r in range(layout.world)]
+        receivers = [Participant(r, ps.receiver_manifest(params, r, tp, ep, bool(fp8 and fp8[0])),
+                                 ps._transport(where, r)) for r in range(n_recv)]
     link = LinkModel(net_bw=400e9 / 8, per_transfer_s=2e-6)
     seconds, routing = [], None
     for _ in range(plans):

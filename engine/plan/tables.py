@@ -76,10 +76,11 @@ def tables_from_assignment(
         pieces = assignment.get(sp.rank, [])
         columns = {f: tuple(map(get, pieces)) for f, get in _TRANSFER}
         transfers = Rows(Transfer, {"index": range(len(pieces)), **columns})
-        unknown = set(columns["dst_rank"]).difference(peer_of)
-        if unknown:
-            raise KeyError(f"sender/{sp.rank} is assigned pieces for receivers {sorted(unknown)} not planned for")
-        peers = tuple(peer_of[r] for r in sorted(set(columns["dst_rank"])))
+        ranks = set(columns["dst_rank"])
+        if not ranks.issubset(peer_of):
+            raise KeyError(f"sender/{sp.rank} is assigned pieces for receivers {sorted(ranks.difference(peer_of))} "
+                           "not planned for")
+        peers = tuple(peer_of[r] for r in sorted(ranks))
         sender_tables[sp.rank] = SenderTable(sp.rank, transfers, peers)
         tables.append((sp.rank, columns))
     entries = receiver_entries(tables, sorted(peer_of))
