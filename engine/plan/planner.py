@@ -140,11 +140,11 @@ def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Se
         new_peers[new.rank] = PeerInfo(new.rank, new.transport, new.manifest.regions)
     if not _same_classes(senders_before, senders, before, receivers):
         return None
-    senders = {s: t if not any(p.rank in new_peers for p in t.peers)
-               else SenderTable(s, t.transfers, tuple(new_peers.get(p.rank, p) for p in t.peers))
-               for s, t in routing.senders.items()}
-    patched = RoutingPlan(plan_id, senders, dict(routing.receivers))
-    cache.last, cache.patched = (list(receivers), cache.last[1], list(senders_before), patched), cache.patched + 1
+    tables = {s: t if not any(p.rank in new_peers for p in t.peers)
+              else SenderTable(s, t.transfers, tuple(new_peers.get(p.rank, p) for p in t.peers))
+              for s, t in routing.senders.items()}
+    patched = RoutingPlan(plan_id, tables, dict(routing.receivers))
+    cache.last, cache.patched = (list(receivers), cache.last[1], list(senders), patched), cache.patched + 1
     return patched
 
 

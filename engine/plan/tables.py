@@ -93,16 +93,13 @@ def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int
     in sender order), sorted by (region, offset); a tie keeps (sender, index) order."""
     counts = [len(cols["dst_rank"]) for _, cols in tables]
     n = sum(counts)
-    out: dict[int, dict[str, tuple]] = {}
     if n == 0:
         return {r: Rows(ExpectedEntry, dict.fromkeys(_ENTRY, ())) for r in ranks}
 
     def flat(field: str) -> list:
         return list(chain.from_iterable(cols[field] for _, cols in tables))
 
-    dst = np.fromiter(chain.from_iterable(cols["dst_rank"] for _, cols in tables), np.int64, n)
-    region = np.fromiter(chain.from_iterable(cols["dst_region"] for _, cols in tables), np.int64, n)
-    offset = np.fromiter(chain.from_iterable(cols["dst_offset"] for _, cols in tables), np.int64, n)
+    dst, region, offset = (np.array(flat(f), np.int64) for f in ("dst_rank", "dst_region", "dst_offset"))
     order = np.lexsort((offset, region, dst))  # (stable: a tie keeps the concatenation's order)
     cuts = np.searchsorted(dst[order], ranks, side="left").tolist() + [n]
     take = operator.itemgetter(*order.tolist()) if n > 1 else (lambda col: tuple(col))
@@ -111,7 +108,5 @@ def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int
         "index": np.concatenate([np.arange(c, dtype=np.int64) for c in counts])[order].tolist(),
         **{entry: take(flat(field)) for entry, field in _MIRROR.items()},
     }
-    for i, r in enumerate(ranks):
-        a, b = cuts[i], cuts[i + 1]
-        out[r] = {f: col[a:b] for f, col in sorted_cols.items()}
-    return {r: Rows(ExpectedEntry, cols) for r, cols in out.items()}
+    return {r: Rows(ExpectedEntry, {f: col[a:b] for f, col in sorted_cols.items()})
+            for r, a, b in zip(ranks, cuts, cuts[1:])}
