@@ -132,7 +132,7 @@ class Catalog:
         if resolver is None:
             resolver = self._resolvers[absent_ok] = Resolver(self.sources, self.transforms, self.mapping, absent_ok)
         before = len(resolver.templates)
-        resolver.pieces(receivers)
+        resolver.tensors(receivers)  # (resolving is the check: no pieces are made)
         self.resolved += len(resolver.templates) - before
 
 

@@ -6,8 +6,9 @@ names the receiver ties to another: one storage moves once), resolves each tenso
 mapping into parts (``mapping.py``: fused components, transposes, TP shards, casts, FP8 weight and
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
 covers it. ``Resolver`` does that walk (receivers of one layout share it, and tensors alike but for their
-names, every layer's q_proj of one TP rank, share it too); ``catalog.py`` uses it to check one joining
-receiver. A piece lists its candidate senders; how a part is cut along the senders' shards (shard-to-shard,
+names, every layer's q_proj of one TP rank, share it too), resolving each tensor to templates
+(``Resolver.tensors``); ``made_pieces`` makes the pieces once the gatherers are designated; ``catalog.py``
+uses the walk to check one joining receiver. A piece lists its candidate senders; how a part is cut along the senders' shards (shard-to-shard,
 blocks, block-FP8 runs) is ``cuts.py``'s.
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
@@ -31,7 +32,7 @@ from .links import Participant
 from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, SourceShape, components, dtype_transform
 from .mapping import get_mapping, parts_for
 from .cuts import pieces_for
-from .sources import Interned, Piece, Source, index_sources
+from .sources import Interned, Piece, Source, index_sources, make_piece
 
 __all__ = ["PlanCache", "Piece", "Resolver", "Source", "build_pieces", "index_sources"]
 
@@ -49,9 +50,9 @@ def build_pieces(
         resolver = Resolver(index_sources(senders), transforms, mapping)
     else:
         resolver = cache.resolver(senders, transforms, mapping)
-    pieces = resolver.pieces((p.rank, p.manifest) for p in receivers)
-    _designate_gatherers(pieces, resolver.sources, len(senders), resolver.intern)
-    return pieces, resolver.sources
+    tensors = resolver.tensors((p.rank, p.manifest) for p in receivers)
+    narrowed = _designate_gatherers(tensors, resolver.sources, len(senders), resolver.intern)
+    return made_pieces(tensors, narrowed), resolver.sources
 
 
 class PlanCache:
@@ -132,9 +133,14 @@ class Resolver:
         self._kinds: dict[tuple, int] = {}  # (rule, each source's likeness) -> kind
 
     def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
+        return made_pieces(self.tensors(receivers))
+
+    def tensors(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Resolved]:
+        """Each receiver tensor that moves, resolved: (receiver, name, its sources, its templates, region,
+        offset); ``made_pieces`` makes the pieces."""
         sources, templates, kind_of = self.sources, self.templates, self.kind_of
-        pieces: list[Piece] = []
-        add = pieces.append
+        out: list[Resolved] = []
+        add = out.append
         for rank, manifest in receivers:
             specs = manifest.by_name()
             names = frozenset(specs)
@@ -156,11 +162,9 @@ class Resolver:
                 made = templates.get(key)
                 if made is None:
                     made = templates[key] = self._made(t, rank, scale_of, names, srcs)
-                region = t.region if t.region is not None else 0
-                base = t.offset
-                for slot, slice_, nbytes, at, row_bytes, transform, cands in made:
-                    add(Piece(rank, name, srcs[slot], slice_, nbytes, region, base + at, row_bytes, transform, cands))
-        return pieces
+                if made:
+                    add((rank, name, srcs, made, t.region if t.region is not None else 0, t.offset))
+        return out
 
     def _kind(self, name: str) -> tuple:
         """(kind, sources) of receiver name ``name`` (a weight's, for its block scales): the kind numbers
@@ -216,8 +220,30 @@ def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources
     return out
 
 
-def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_senders: int, intern: "Interned") -> None:
-    """Narrow gather-only pieces' candidates where the gathers would not fit. Every sender of such a
+Resolved = tuple[int, str, tuple[str, ...], list[tuple], int, int]  # ``Resolver.tensors``
+
+
+def made_pieces(tensors: list[Resolved], narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> list[Piece]:
+    """The pieces of resolved receiver tensors, each template with the tensor's sources, region and
+    offset; a piece of a source in ``narrowed`` (name -> (its full holders, those designated)) whose
+    candidates are its full holders gets the designated ones."""
+    pieces: list[Piece] = []
+    add = pieces.append
+    for rank, name, srcs, made, region, base in tensors:
+        for slot, slice_, nbytes, at, row_bytes, transform, cands in made:
+            src = srcs[slot]
+            if narrowed:
+                full_chosen = narrowed.get(src)
+                if full_chosen is not None and full_chosen[0] is cands:
+                    cands = full_chosen[1]
+            add(make_piece(Piece, (rank, name, src, slice_, nbytes, region, base + at, row_bytes, transform, cands)))
+    return pieces
+
+
+def _designate_gatherers(tensors: list[Resolved], sources: dict[str, Source], n_senders: int,
+                         intern: "Interned") -> dict[str, tuple[tuple, tuple]]:
+    """Which gather-only sources' pieces to narrow to fewer candidates, where the gathers would not fit:
+    name -> (its full holders, those designated), for ``made_pieces``. Every sender of such a
     parameter gathers it, and each gather costs the holders' outbound ports the full tensor. If the
     senders' spare room (their capacity, each sending as long as the busiest receiver receives, less
     all bytes sent) holds a gather for every receiver of every such parameter, every holder stays a
@@ -225,41 +251,44 @@ def _designate_gatherers(pieces: list[Piece], sources: dict[str, Source], n_send
     least-loaded first (k = its bytes to send over a fair share of all bytes, at least 1), its
     receivers dealt out among them."""
     gather_only = {name for name, s in sources.items() if s.gshards and not s.replicas}
-    by_name: dict[str, list[Piece]] = {}
+    by_name: dict[str, dict[int, int]] = {}  # name -> receiver -> bytes of its gather-only pieces
     load: dict[int, int] = defaultdict(int)
-    received: dict[int, int] = {}
+    received: dict[int, int] = defaultdict(int)
     full = {name: sources[name].full_cands(intern) for name in gather_only}
-    for p in pieces:
-        cands, nbytes = p.cands, p.nbytes
-        received[p.receiver] = received.get(p.receiver, 0) + nbytes
-        if full.get(p.src_name) is cands:
-            by_name.setdefault(p.src_name, []).append(p)
-        elif len(cands) == 1:
-            load[cands[0]] += nbytes
+    for rank, _, srcs, made, _, _ in tensors:
+        for slot, _, nbytes, _, _, _, cands in made:
+            received[rank] += nbytes
+            name = srcs[slot]
+            if full.get(name) is cands:
+                group = by_name.get(name)
+                if group is None:
+                    group = by_name[name] = defaultdict(int)
+                group[rank] += nbytes
+            elif len(cands) == 1:
+                load[cands[0]] += nbytes
+    narrowed: dict[str, tuple[tuple, tuple]] = {}
     if not by_name:
-        return
+        return narrowed
     total_all = sum(received.values())
     room = n_senders * max(received.values()) - total_all
     for name, group in by_name.items():
         src = sources[name]
-        gathers = min(len(src.full_cands(intern)), len({p.receiver for p in group}))
+        gathers = min(len(full[name]), len(group))
         room -= gathers * prod(src.full_shape) * dtype_size(src.dtype)
     if room >= 0:
-        return
+        return narrowed
     fair = max(1, total_all // max(1, n_senders))
-    totals = {name: sum(p.nbytes for p in group) for name, group in by_name.items()}
+    totals = {name: sum(group.values()) for name, group in by_name.items()}
     for name in sorted(by_name, key=lambda n: -totals[n]):
-        group, total = by_name[name], totals[name]
-        holders = sources[name].full_cands(intern)
+        total, holders = totals[name], full[name]
         k = min(len(holders), max(1, -(-total // fair)))
         if k == len(holders):
             continue
         chosen = tuple(sorted(sorted(holders, key=load.__getitem__)[:k]))  # (holders ascend: ties by rank)
-        chosen = intern.setdefault(chosen, chosen)
-        for p in group:
-            p.cands = chosen
+        narrowed[name] = (holders, intern.setdefault(chosen, chosen))
         for s in chosen:
             load[s] += total // k
+    return narrowed
 
 
 def _layout(t: TensorSpec) -> tuple:

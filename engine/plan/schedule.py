@@ -152,8 +152,8 @@ class _ClassSchedule:
     free receivers with flexible work left, most work first, each take, of their largest stream with a
     free candidate, the candidate with the least work (its forced work and what it was given so far).
     A receiver that found none is retried only once one of its candidates is freed (``watchers``):
-    until then it would find none again. A receiver stops watching a sender when, woken by it, it
-    finds nothing from it: then no stream it has left names that sender (``_match``)."""
+    until then it would find none again. A receiver watches a sender while a stream it has left names
+    that sender (``naming`` counts them), so a receiver woken by a sender finds work from it."""
 
     def __init__(self, cls: LinkClass, groups: dict[int, dict[tuple[int, ...], list[Piece]]], link: LinkModel,
                  options: "PlanOptions") -> None:
@@ -162,6 +162,8 @@ class _ClassSchedule:
         self.forced: dict[int, dict[int, tuple[list[Piece], int]]] = defaultdict(dict)
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
+        # receiver -> sender -> how many of its streams with work left name that sender
+        self.naming: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         need: dict[int, int] = defaultdict(int)  # receiver -> bytes
         flexible = []
         for receiver, streams in groups.items():
@@ -175,8 +177,10 @@ class _ClassSchedule:
                 else:
                     flexible.append((receiver, cands))
         for seq, (receiver, cands) in enumerate(sorted(flexible)):
+            naming = self.naming[receiver]
             for s in cands:
                 self.watchers[s].add(receiver)
+                naming[s] += 1
             stream = _Stream(frozenset(cands), groups[receiver][cands], seq)
             self.flex[receiver].append(stream)
             need[receiver] += stream.nbytes
@@ -206,6 +210,8 @@ class _ClassSchedule:
         while True:
             left = self.left
             for _, r in sorted([(-left[r], r) for r in to_try]):  # the most work left first
+                if not free_s:
+                    break  # (no receiver can find a sender now)
                 seg = self._match(r, free_s, to_try[r])
                 if seg is None:
                     continue
@@ -282,9 +288,8 @@ class _ClassSchedule:
 
     def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
         """Of receiver r's largest stream with a free candidate (among ``only``, if given), the next
-        chunk, from the candidate with the least work (forced, and given so far). A receiver that
-        finds nothing from the free senders in ``only`` stops watching them: no stream it has left
-        names them."""
+        chunk, from the candidate with the least work (forced, and given so far). A stream taken to
+        its end stops naming its candidates to the receiver (``naming``, ``watchers``)."""
         if only is not None:
             free_s = only & free_s
             if not free_s:
@@ -298,11 +303,21 @@ class _ClassSchedule:
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left
                 bisect.insort(flex_r, st, key=_largest_first)
+            else:
+                self._unname(r, st.cands)
             return Segment(r, self.cls, pieces, s, nbytes, st.cands)
-        if only is not None:
-            for s in free_s:
-                self.watchers[s].discard(r)
         return None
+
+    def _unname(self, r: int, cands: frozenset[int]) -> None:
+        """Receiver r's stream of ``cands`` is done: r stops watching the senders no other stream names."""
+        naming = self.naming[r]
+        for s in cands:
+            left = naming[s] - 1
+            if left:
+                naming[s] = left
+            else:
+                del naming[s]
+                self.watchers[s].discard(r)
 
 
 def balance(sched: Schedule, link: LinkModel, options: "PlanOptions") -> None:

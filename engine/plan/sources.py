@@ -12,6 +12,7 @@ write into a receiver with its candidate senders; ``needs.build_pieces`` makes t
 from __future__ import annotations
 
 import bisect
+from collections import namedtuple
 from typing import Optional, Sequence
 
 from weightsync.wire import Slice
@@ -20,25 +21,27 @@ from ..errors import BadTiling, ManifestMismatch
 from .links import Participant
 
 
-class Piece:
-    """One contiguous write into a receiver: rows of a source parameter, in full-tensor coordinates."""
+_PIECE_FIELDS = ("receiver", "dst_name", "src_name", "slice", "nbytes", "region", "offset", "row_bytes", "transform",
+                 "cands")
 
-    __slots__ = (
-        "receiver", "dst_name", "src_name", "slice", "nbytes", "region", "offset",
-        "row_bytes", "transform", "cands",
-    )
 
-    def __init__(self, receiver, dst_name, src_name, slice_, nbytes, region, offset, row_bytes, transform, cands):
-        self.receiver: int = receiver
-        self.dst_name: str = dst_name
-        self.src_name: str = src_name
-        self.slice: Optional[Slice] = slice_
-        self.nbytes: int = nbytes
-        self.region: int = region
-        self.offset: int = offset
-        self.row_bytes: int = row_bytes  # >0: may be split along dim 0 at multiples of this
-        self.transform: str = transform
-        self.cands: tuple[int, ...] = cands
+class Piece(namedtuple("Piece", _PIECE_FIELDS)):
+    """One contiguous write into a receiver: rows of a source parameter, in full-tensor coordinates.
+    ``row_bytes`` > 0: it may be split along dim 0 at multiples of this. A tuple, so that the hundreds of
+    thousands a plan makes cost one C call each (``make_piece``) and their fields come out as columns
+    by one transposition (``zip(*pieces)``)."""
+
+    __slots__ = ()
+    receiver: int
+    dst_name: str
+    src_name: str
+    slice: Optional[Slice]
+    nbytes: int
+    region: int
+    offset: int
+    row_bytes: int
+    transform: str
+    cands: tuple[int, ...]
 
     def split(self, nbytes: int) -> tuple["Piece", "Piece"]:
         """Cut after ``nbytes`` (a positive multiple of row_bytes, less than the size): along dim 0, the
@@ -51,11 +54,12 @@ class Piece:
         else:
             a = Slice(0, s.start, s.start + rows)
             b = Slice(0, s.start + rows, s.stop)
-        head = Piece(self.receiver, self.dst_name, self.src_name, a, nbytes, self.region, self.offset,
-                     self.row_bytes, self.transform, self.cands)
-        tail = Piece(self.receiver, self.dst_name, self.src_name, b, self.nbytes - nbytes, self.region,
-                     self.offset + nbytes, self.row_bytes, self.transform, self.cands)
-        return head, tail
+        r, dst, src, _, size, region, offset, row_bytes, transform, cands = self
+        return (make_piece(Piece, (r, dst, src, a, nbytes, region, offset, row_bytes, transform, cands)),
+                make_piece(Piece, (r, dst, src, b, size - nbytes, region, offset + nbytes, row_bytes, transform, cands)))
+
+
+make_piece = tuple.__new__  # make_piece(Piece, fields): a Piece without a Python call
 
 
 class Source:

@@ -2,8 +2,9 @@
 expected entries, kept as columns.
 
 How this works: ``build_tables`` orders each sender's work by when it starts in the schedule (by
-receiver at a tie) and ``tables_from_assignment`` numbers it: a sender's transfers are its pieces' fields
-read into columns (``wire.columns.Rows``: a tuple per field, no object per transfer). The receivers'
+receiver at a tie) and ``tables_from_assignment`` numbers it: a sender's transfers are its pieces
+(tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object
+per transfer). The receivers'
 entries are the same transfers seen from the other end, sorted by (receiver, region, offset), a tie
 kept in (sender, index) order: one stable ``numpy.lexsort`` over every transfer at once, each column
 then taken in that order by one C-level ``itemgetter`` and cut at the receivers' boundaries, so no
@@ -55,9 +56,9 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
 _by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
 
 
-_TRANSFER = [(f, operator.attrgetter(a)) for f, a in (("name", "src_name"), ("slice", "slice"), ("dst_rank", "receiver"),
-              ("dst_name", "dst_name"), ("dst_region", "region"), ("dst_offset", "offset"), ("nbytes", "nbytes"),
-              ("transform", "transform"))]
+# a transfer's column <- the piece field it is read from
+_TRANSFER = {"name": "src_name", "slice": "slice", "dst_rank": "receiver", "dst_name": "dst_name", "dst_region": "region",
+             "dst_offset": "offset", "nbytes": "nbytes", "transform": "transform"}
 # a receiver's entry column <- the transfers' column it mirrors
 _MIRROR = {"region": "dst_region", "offset": "dst_offset", "name": "dst_name", "slice": "slice", "nbytes": "nbytes",
            "transform": "transform"}
@@ -74,7 +75,8 @@ def tables_from_assignment(
     tables: list[tuple[int, dict[str, tuple]]] = []
     for sp in senders:
         pieces = assignment.get(sp.rank, [])
-        columns = {f: tuple(map(get, pieces)) for f, get in _TRANSFER}
+        fields = dict(zip(Piece._fields, zip(*pieces) if pieces else ((),) * len(Piece._fields)))  # (one transposition)
+        columns = {f: fields[field] for f, field in _TRANSFER.items()}
         transfers = Rows(Transfer, {"index": range(len(pieces)), **columns})
         ranks = set(columns["dst_rank"])
         if not ranks.issubset(peer_of):
@@ -99,7 +101,8 @@ def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int
     def flat(field: str) -> list:
         return list(chain.from_iterable(cols[field] for _, cols in tables))
 
-    dst, region, offset = (np.array(flat(f), np.int64) for f in ("dst_rank", "dst_region", "dst_offset"))
+    dst, region, offset = (np.fromiter(chain.from_iterable(cols[f] for _, cols in tables), np.int64, n)
+                           for f in ("dst_rank", "dst_region", "dst_offset"))
     order = np.lexsort((offset, region, dst))  # (stable: a tie keeps the concatenation's order)
     cuts = np.searchsorted(dst[order], ranks, side="left").tolist() + [n]
     take = operator.itemgetter(*order.tolist()) if n > 1 else (lambda col: tuple(col))
