@@ -8,9 +8,14 @@ worktree add /tmp/base main``), alternating the two trees ``--rounds`` times, ea
 process per tree making ``--plans`` cold plans (CPU seconds of ``plan()``, as the bench measures
 them). It prints per scenario each tree's median, their ratio and each round's ratio, and whether
 the two trees made the same tables (a digest of every sender's transfers and receiver's entries).
+Where the machine is so busy that even paired rounds disagree, ``--instructions`` counts what one
+cold plan executes in each tree under callgrind (valgrind; counting only inside ``plan()``, both trees
+at once, a few minutes per Kimi-K2 scenario): a count that does not move with the machine's load,
+though memory stalls, which it does not see, are part of the time.
 
     .venv/bin/python bench/diagnostics/planner_compare.py --against /tmp/base
     .venv/bin/python bench/diagnostics/planner_compare.py --against /tmp/base --only "1024->512" --rounds 2 --plans 1
+    .venv/bin/python bench/diagnostics/planner_compare.py --against /tmp/base --only "256->128" --instructions
 
 Prints one JSON line per scenario, then a table (rich).
 """
@@ -21,6 +26,7 @@ import argparse
 import hashlib
 import json
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -28,8 +34,10 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parents[2]
 
 
-def worker(root: str, which: str, plans: int) -> None:
-    """In a fresh process: ``plans`` cold plans of the scenario named ``which`` with ``root``'s planner."""
+def worker(root: str, which: str, plans: int, instructions: bool = False) -> None:
+    """In a fresh process: ``plans`` cold plans of the scenario named ``which`` with ``root``'s planner.
+    ``instructions``: under callgrind, which counts only while the plan runs (the collector off
+    throughout, so no pass it would set off afterwards is counted)."""
     import gc
     import time
 
@@ -57,10 +65,40 @@ def worker(root: str, which: str, plans: int) -> None:
     for _ in range(plans):
         routing = None
         gc.collect()
+        if instructions:
+            gc.disable()
+            _count("on")
         t0 = time.process_time()
         routing = plan(senders, receivers, link, PlanOptions(), cache=PlanCache())
         seconds.append(time.process_time() - t0)
+        if instructions:
+            _count("off")
+            gc.enable()
     print(json.dumps({"seconds": seconds, "tables": digest(routing)}))
+
+
+def _count(state: str) -> None:
+    """Callgrind's counting on or off in this process (it waits for callgrind to confirm)."""
+    import os
+
+    subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
+
+
+def counted(root: str, which: str) -> subprocess.Popen:
+    """One cold plan under callgrind, counting the instructions of ``plan()`` alone (``instructions``)."""
+    return subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null",
+                             sys.executable, __file__, "--worker", root, which, "1", "--instructions"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def instructions(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"the counted plan failed:\n{err[-2000:]}")
+    found = re.search(r"Collected : (\d+)", err)
+    if found is None:
+        raise SystemExit(f"callgrind reported no count:\n{err[-2000:]}")
+    return {**json.loads(out.strip().splitlines()[-1]), "instructions": int(found.group(1))}
 
 
 def digest(routing) -> str:
@@ -85,10 +123,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="kimi-k2 256->128", help="scenarios whose name contains this")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two trees")
     ap.add_argument("--plans", type=int, default=3, help="cold plans per process")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count the instructions of one plan per tree under callgrind (valgrind) instead of timing")
     ap.add_argument("--worker", nargs=3, metavar=("ROOT", "SCENARIO", "PLANS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.instructions)
         return 0
     if not args.against:
         ap.error("--against is required")
@@ -96,6 +136,8 @@ def main(argv=None) -> int:
     import planner_scale as ps
 
     trees = {"this": str(HERE), "base": str(pathlib.Path(args.against).resolve())}
+    if args.instructions:
+        return compare_instructions(trees, [s[0] for s in ps.SCENARIOS + ps.LARGE if args.only in s[0]])
     rows = []
     for scenario in ps.SCENARIOS + ps.LARGE:
         if args.only not in scenario[0]:
@@ -119,6 +161,27 @@ def main(argv=None) -> int:
     for r in rows:
         table.add_row(r["scenario"], str(r["this_s"]), str(r["base_s"]), str(r["this_over_base"]),
                       " ".join(map(str, r["rounds_this_over_base"])), "yes" if r["same_tables"] else "NO")
+    Console(stderr=True, width=140).print(table)
+    return 0
+
+
+def compare_instructions(trees: dict[str, str], scenarios: list[str]) -> int:
+    """Per scenario, the two trees' instruction counts for one cold plan, counted at once (a count does
+    not depend on what else the machine runs), their ratio, and whether the tables are the same."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("scenario", "this (10^9 instructions)", "base", "this / base", "same tables")
+    for which in scenarios:
+        procs = {label: counted(root, which) for label, root in trees.items()}
+        got = {label: instructions(proc) for label, proc in procs.items()}
+        row = {"scenario": which, "this_instructions": got["this"]["instructions"],
+               "base_instructions": got["base"]["instructions"],
+               "this_over_base": round(got["this"]["instructions"] / got["base"]["instructions"], 4),
+               "same_tables": got["this"]["tables"] == got["base"]["tables"]}
+        print(json.dumps(row), flush=True)
+        table.add_row(which, f"{row['this_instructions'] / 1e9:.3f}", f"{row['base_instructions'] / 1e9:.3f}",
+                      str(row["this_over_base"]), "yes" if row["same_tables"] else "NO")
     Console(stderr=True, width=140).print(table)
     return 0
 
