@@ -7,9 +7,9 @@ mapping into parts (``mapping.py``: fused components, transposes, TP shards, cas
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
 covers it. ``Resolver`` does that walk (receivers of one layout share it, and tensors alike but for their
 names, every layer's q_proj of one TP rank, share it too), resolving each tensor to templates
-(``Resolver.tensors``); ``made_pieces`` makes the pieces once the gatherers are designated; ``catalog.py``
-uses the walk to check one joining receiver. A piece lists its candidate senders; how a part is cut along the senders' shards (shard-to-shard,
-blocks, block-FP8 runs) is ``cuts.py``'s.
+(``Resolver.tensors``); ``made_pieces`` makes the pieces once the gatherers are designated;
+``catalog.py`` uses the walk to check one joining receiver. A piece lists its candidate senders; how a
+part is cut along the senders' shards (shard-to-shard, blocks, block-FP8 runs) is ``cuts.py``'s.
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
 bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
