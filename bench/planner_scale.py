@@ -117,10 +117,10 @@ SCENARIOS = [
 ]
 
 
-def participants(arch, layout, n_recv, tp, ep, colocated, fp8=False):
+def participants(arch, layout, n_recv, tp, ep, colocated, fp8=False, layers=None):
     """A scenario's senders and receivers (colocated: inference rank r shares trainer r's GPU), and the
-    architecture's parameters."""
-    params = state_dict_shapes(arch)
+    architecture's parameters (``layers``: only that many decoder layers)."""
+    params = state_dict_shapes(arch, layers=layers)
     senders = [Participant(r, sender_manifest(params, r, layout), _transport("train", r)) for r in range(layout.world)]
     where = "train" if colocated else "infer"
     receivers = [Participant(r, receiver_manifest(params, r, tp, ep, fp8), _transport(where, r)) for r in range(n_recv)]

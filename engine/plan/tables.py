@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from itertools import chain
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -98,18 +98,17 @@ def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int
     if n == 0:
         return {r: Rows(ExpectedEntry, dict.fromkeys(_ENTRY, ())) for r in ranks}
 
-    def flat(field: str) -> list:
-        return list(chain.from_iterable(cols[field] for _, cols in tables))
+    def flat(field: str) -> Iterator:
+        return chain.from_iterable(cols[field] for _, cols in tables)
 
-    dst, region, offset = (np.fromiter(chain.from_iterable(cols[f] for _, cols in tables), np.int64, n)
-                           for f in ("dst_rank", "dst_region", "dst_offset"))
+    dst, region, offset = (np.fromiter(flat(f), np.int64, n) for f in ("dst_rank", "dst_region", "dst_offset"))
     order = np.lexsort((offset, region, dst))  # (stable: a tie keeps the concatenation's order)
     cuts = np.searchsorted(dst[order], ranks, side="left").tolist() + [n]
     take = operator.itemgetter(*order.tolist()) if n > 1 else (lambda col: tuple(col))
     sorted_cols = {
         "src_rank": np.repeat(np.array([s for s, _ in tables], np.int64), counts)[order].tolist(),
         "index": np.concatenate([np.arange(c, dtype=np.int64) for c in counts])[order].tolist(),
-        **{entry: take(flat(field)) for entry, field in _MIRROR.items()},
+        **{entry: take(list(flat(field))) for entry, field in _MIRROR.items()},
     }
     return {r: Rows(ExpectedEntry, {f: col[a:b] for f, col in sorted_cols.items()})
             for r, a, b in zip(ranks, cuts, cuts[1:])}

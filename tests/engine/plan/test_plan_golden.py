@@ -27,8 +27,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "diagnostics")]
 import planner_scale as ps  # noqa: E402
 from planner_compare import digest  # noqa: E402
 
-from weightsync.engine.models.shapes import state_dict_shapes  # noqa: E402
-from weightsync.engine.plan import LinkModel, Participant, PlanCache, PlanOptions, build_pieces, plan  # noqa: E402
+from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, build_pieces, plan  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, _designate_gatherers, index_sources  # noqa: E402
 from weightsync.engine.plan.trainer import TrainerLayout  # noqa: E402
 
@@ -44,12 +43,7 @@ LINK = LinkModel(net_bw=400e9 / 8, per_transfer_s=2e-6)
 
 
 def participants(arch, layers, layout, n_recv, tp, ep, colocated, fp8):
-    params = state_dict_shapes(arch, layers=layers)
-    senders = [Participant(r, ps.sender_manifest(params, r, layout), ps._transport("train", r))
-               for r in range(layout.world)]
-    where = "train" if colocated else "infer"
-    receivers = [Participant(r, ps.receiver_manifest(params, r, tp, ep, fp8), ps._transport(where, r))
-                 for r in range(n_recv)]
+    senders, receivers, _ = ps.participants(arch, layout, n_recv, tp, ep, colocated, fp8, layers=layers)
     return senders, receivers
 
 
