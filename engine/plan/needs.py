@@ -6,15 +6,16 @@ names the receiver ties to another: one storage moves once), resolves each tenso
 mapping into parts (``mapping.py``: fused components, transposes, TP shards, casts, FP8 weight and
 scales), and turns each part into one ``Piece`` — or several, when only a combination of dim-0 shards
 covers it. ``Resolver`` does that walk (receivers of one layout share it, and tensors alike but for their
-names, every layer's q_proj of one TP rank, share it too), resolving each tensor to templates
-(``Resolver.tensors``); ``made_pieces`` makes the pieces once the gatherers are designated;
+names, every layer's q_proj of one TP rank, share it too), resolving each tensor to numbered templates
+(``Resolver.tensors``); ``expand.Expanded`` lays the templates out as arrays and expands every tensor
+into its pieces' rows, designates the gatherers on those rows and then makes the pieces (and, for the
+planner, the same pieces cut into per-receiver streams by candidate tuple: ``build_streams``);
 ``catalog.py`` uses the walk to check one joining receiver. A piece lists its candidate senders; how a
 part is cut along the senders' shards (shard-to-shard, blocks, block-FP8 runs) is ``cuts.py``'s.
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
-holders per parameter (``_designate_gatherers``), least-loaded first: k is the larger of what its
-bytes to send need (over a fair share of all bytes) and how many full copies of it fit in a fair
-share, so a small tensor keeps every holder as a candidate and a large one is gathered a few times,
-not by every sender that sends a slice of it.
+holders per parameter (``Expanded.designate``), least-loaded first, k its bytes to send over a fair
+share of all bytes, when a gather per receiver would not fit the senders' spare room; so a large
+parameter is gathered a few times, not by every sender that sends a slice of it.
 Every failure is a ``PlanError`` naming the parameter and ranks.
 """
 
@@ -22,19 +23,18 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence
 
-from collections import defaultdict
-from math import prod
 
-from weightsync.wire import Manifest, TensorSpec, dtype_size
+from weightsync.wire import Manifest, TensorSpec
 
 from ..errors import UnknownParameter, Unsuppliable
 from .links import Participant
 from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, SourceShape, components, dtype_transform
 from .mapping import get_mapping, parts_for
 from .cuts import pieces_for
-from .sources import Interned, Piece, Source, index_sources, make_piece
+from .expand import Expanded
+from .sources import Interned, Piece, Source, index_sources
 
-__all__ = ["PlanCache", "Piece", "Resolver", "Source", "build_pieces", "index_sources"]
+__all__ = ["PlanCache", "Piece", "Resolver", "Source", "build_pieces", "build_streams", "index_sources"]
 
 
 
@@ -46,13 +46,29 @@ def build_pieces(
     cache: "Optional[PlanCache]" = None,
 ) -> tuple[list[Piece], dict[str, Source]]:
     """``cache``: what the previous plan resolved, reused while the senders are the same."""
+    expanded, narrowed, resolver = _expanded(senders, receivers, transforms, mapping, cache)
+    return expanded.pieces(narrowed), resolver.sources
+
+
+def build_streams(
+    senders: Sequence[Participant],
+    receivers: Sequence[Participant],
+    transforms: Mapping[tuple[str, str], str] = {},
+    mapping: "str | NameMapping" = "identity",
+    cache: "Optional[PlanCache]" = None,
+) -> tuple[list[Piece], list[list[Piece]]]:
+    """``build_pieces``'s pieces, and the same pieces as streams (``Expanded.streams``)."""
+    expanded, narrowed, _ = _expanded(senders, receivers, transforms, mapping, cache)
+    return expanded.streams(narrowed)
+
+
+def _expanded(senders, receivers, transforms, mapping, cache) -> tuple[Expanded, dict, "Resolver"]:
     if cache is None:
         resolver = Resolver(index_sources(senders), transforms, mapping)
     else:
         resolver = cache.resolver(senders, transforms, mapping)
-    tensors = resolver.tensors((p.rank, p.manifest) for p in receivers)
-    narrowed = _designate_gatherers(tensors, resolver.sources, len(senders), resolver.intern)
-    return made_pieces(tensors, narrowed), resolver.sources
+    expanded = resolver.expanded((p.rank, p.manifest) for p in receivers)
+    return expanded, expanded.designate(resolver.sources, len(senders), resolver.intern), resolver
 
 
 class PlanCache:
@@ -125,20 +141,26 @@ class Resolver:
         self.shapes = {name: SourceShape(s.dtype, s.full_shape) for name, s in sources.items()}
         self.rules = get_mapping(mapping)
         self.intern = Interned()
-        self.templates: dict[tuple, list[tuple]] = {}  # (kind, layout) -> templates
+        self.templates: dict[tuple, int] = {}  # (kind, layout) -> its templates' number in made (-1: none)
+        self.made: list[list[tuple]] = []  # templates, numbered
+        self.srcs: list[tuple[str, ...]] = []  # each weight name's sources, numbered
         self.comps_of: dict[str, tuple] = {}
-        self.kind_of: dict[str, tuple] = {}  # weight name -> (its kind, its sources): ``_kind``
+        self.kind_of: dict[str, tuple] = {}  # weight name -> (its kind, its sources' number): ``_kind``
         self._likeness: dict[str, int] = {}  # source name -> its likeness, numbered (``_likenesses``)
         self._likenesses: dict[tuple, int] = {}
         self._kinds: dict[tuple, int] = {}  # (rule, each source's likeness) -> kind
 
     def pieces(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Piece]:
-        return made_pieces(self.tensors(receivers))
+        return self.expanded(receivers).pieces()
+
+    def expanded(self, receivers: Iterable[tuple[int, Manifest]]) -> Expanded:
+        """The receivers' pieces as columns, before any gatherer is designated (``expand.py``)."""
+        return Expanded(self.tensors(receivers), self.srcs, self.made)
 
     def tensors(self, receivers: Iterable[tuple[int, Manifest]]) -> list[Resolved]:
-        """Each receiver tensor that moves, resolved: (receiver, name, its sources, its templates, region,
-        offset); ``made_pieces`` makes the pieces."""
-        sources, templates, kind_of = self.sources, self.templates, self.kind_of
+        """Each receiver tensor that moves, resolved: (receiver, name, its sources' number in ``srcs``, its
+        templates' number in ``made``, region, offset); ``Expanded`` makes the pieces."""
+        sources, templates, kind_of, made_lists = self.sources, self.templates, self.kind_of, self.made
         out: list[Resolved] = []
         add = out.append
         for rank, manifest in receivers:
@@ -152,8 +174,9 @@ class Resolver:
                 weight = name if scale_of is None else scale_of.name
                 kind = kind_of.get(weight)
                 if kind is None:
-                    kind = kind_of[weight] = self._kind(weight)
-                like, srcs = kind
+                    kind = kind_of[weight] = (*self._kind(weight), len(self.srcs))
+                    self.srcs.append(kind[1])
+                like, srcs, srcs_at = kind
                 # what the pieces depend on, as plain values (inline here: a call per tensor costs a tenth
                 # of this loop's time)
                 key = (like, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
@@ -161,9 +184,12 @@ class Resolver:
                        dtype == FP8 and name + SCALE_SUFFIX in names)
                 made = templates.get(key)
                 if made is None:
-                    made = templates[key] = self._made(t, rank, scale_of, names, srcs)
-                if made:
-                    add((rank, name, srcs, made, t.region if t.region is not None else 0, t.offset))
+                    got = self._made(t, rank, scale_of, names, srcs)
+                    made = templates[key] = len(made_lists) if got else -1
+                    if got:
+                        made_lists.append(got)
+                if made >= 0:
+                    add((rank, name, srcs_at, made, t.region if t.region is not None else 0, t.offset))
         return out
 
     def _kind(self, name: str) -> tuple:
@@ -220,75 +246,7 @@ def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources
     return out
 
 
-Resolved = tuple[int, str, tuple[str, ...], list[tuple], int, int]  # ``Resolver.tensors``
-
-
-def made_pieces(tensors: list[Resolved], narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> list[Piece]:
-    """The pieces of resolved receiver tensors, each template with the tensor's sources, region and
-    offset; a piece of a source in ``narrowed`` (name -> (its full holders, those designated)) whose
-    candidates are its full holders gets the designated ones."""
-    pieces: list[Piece] = []
-    add = pieces.append
-    for rank, name, srcs, made, region, base in tensors:
-        for slot, slice_, nbytes, at, row_bytes, transform, cands in made:
-            src = srcs[slot]
-            if narrowed:
-                full_chosen = narrowed.get(src)
-                if full_chosen is not None and full_chosen[0] is cands:
-                    cands = full_chosen[1]
-            add(make_piece(Piece, (rank, name, src, slice_, nbytes, region, base + at, row_bytes, transform, cands)))
-    return pieces
-
-
-def _designate_gatherers(tensors: list[Resolved], sources: dict[str, Source], n_senders: int,
-                         intern: "Interned") -> dict[str, tuple[tuple, tuple]]:
-    """Which gather-only sources' pieces to narrow to fewer candidates, where the gathers would not fit:
-    name -> (its full holders, those designated), for ``made_pieces``. Every sender of such a
-    parameter gathers it, and each gather costs the holders' outbound ports the full tensor. If the
-    senders' spare room (their capacity, each sending as long as the busiest receiver receives, less
-    all bytes sent) holds a gather for every receiver of every such parameter, every holder stays a
-    candidate: the schedule keeps its choice. Otherwise each parameter gets k holders, chosen
-    least-loaded first (k = its bytes to send over a fair share of all bytes, at least 1), its
-    receivers dealt out among them."""
-    gather_only = {name for name, s in sources.items() if s.gshards and not s.replicas}
-    by_name: dict[str, dict[int, int]] = {}  # name -> receiver -> bytes of its gather-only pieces
-    load: dict[int, int] = defaultdict(int)
-    received: dict[int, int] = defaultdict(int)
-    full = {name: sources[name].full_cands(intern) for name in gather_only}
-    for rank, _, srcs, made, _, _ in tensors:
-        for slot, _, nbytes, _, _, _, cands in made:
-            received[rank] += nbytes
-            name = srcs[slot]
-            if full.get(name) is cands:
-                group = by_name.get(name)
-                if group is None:
-                    group = by_name[name] = defaultdict(int)
-                group[rank] += nbytes
-            elif len(cands) == 1:
-                load[cands[0]] += nbytes
-    narrowed: dict[str, tuple[tuple, tuple]] = {}
-    if not by_name:
-        return narrowed
-    total_all = sum(received.values())
-    room = n_senders * max(received.values()) - total_all
-    for name, group in by_name.items():
-        src = sources[name]
-        gathers = min(len(full[name]), len(group))
-        room -= gathers * prod(src.full_shape) * dtype_size(src.dtype)
-    if room >= 0:
-        return narrowed
-    fair = max(1, total_all // max(1, n_senders))
-    totals = {name: sum(group.values()) for name, group in by_name.items()}
-    for name in sorted(by_name, key=lambda n: -totals[n]):
-        total, holders = totals[name], full[name]
-        k = min(len(holders), max(1, -(-total // fair)))
-        if k == len(holders):
-            continue
-        chosen = tuple(sorted(sorted(holders, key=load.__getitem__)[:k]))  # (holders ascend: ties by rank)
-        narrowed[name] = (holders, intern.setdefault(chosen, chosen))
-        for s in chosen:
-            load[s] += total // k
-    return narrowed
+Resolved = tuple[int, str, int, int, int, int]  # ``Resolver.tensors``
 
 
 def _layout(t: TensorSpec) -> tuple:

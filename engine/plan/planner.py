@@ -35,7 +35,7 @@ from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, classes_of, by_host, host_mates, mates_of
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
-from .needs import Piece, PlanCache, build_pieces
+from .needs import Piece, PlanCache, build_pieces, build_streams
 from .schedule import balance, schedule
 from .tables import RoutingPlan, build_tables
 
@@ -102,8 +102,8 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
         routing = patched_plan(cache, senders, receivers, link, options, plan_id)
         if routing is not None:
             return routing
-    pieces, _ = build_pieces(senders, receivers, transforms, mapping, cache)
-    groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link)
+    pieces, streams = build_streams(senders, receivers, transforms, mapping, cache)
+    groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link, streams)
     sched = schedule(groups, link, options)
     if options.level:
         balance(sched, link, options)
@@ -175,28 +175,30 @@ Groups = dict[LinkClass, dict[int, dict[tuple[int, ...], list[Piece]]]]
 
 def group_by_locality(
     pieces: Sequence[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool,
-    link: LinkModel = LinkModel(),
+    link: LinkModel = LinkModel(), streams: Optional[list[list[Piece]]] = None,
 ) -> Groups:
-    """The pieces as byte streams: by link class, receiver, and candidate senders (of that class)."""
+    """The pieces as byte streams: by link class, receiver, and candidate senders (of that class).
+    ``streams``: the pieces already cut by receiver and candidate tuple (``needs.build_streams``)."""
     groups: Groups = defaultdict(dict)
-    if not prefer:
+    if not prefer and streams is None:
         net = groups[LinkClass.NET]
         for piece in pieces:
             net.setdefault(piece.receiver, {}).setdefault(piece.cands, []).append(piece)
         return groups
-    mates = host_mates(senders, receivers)
     raw: dict[int, dict[int, list[Piece]]] = {}  # receiver -> id(cands) -> pieces, in order
-    for r, run in groupby(pieces, _receiver):
-        by_cands = raw.get(r)
-        if by_cands is None:
-            by_cands = raw[r] = {}
-        for piece in run:
-            key = id(piece.cands)  # candidate tuples are interned by build_pieces
-            same = by_cands.get(key)
-            if same is None:
-                by_cands[key] = [piece]
-            else:
-                same.append(piece)
+    if streams is None:
+        _cut(pieces, raw)
+    else:
+        for same in streams:
+            head = same[0]
+            by_cands = raw.get(head.receiver)
+            if by_cands is None:
+                by_cands = raw[head.receiver] = {}
+            by_cands[id(head.cands)] = same
+    if not prefer:
+        groups[LinkClass.NET] = {r: {same[0].cands: same for same in by_cands.values()} for r, by_cands in raw.items()}
+        return groups
+    mates = host_mates(senders, receivers)
     by_class: dict[tuple[int, int], dict] = {}
     spread = set()  # receivers with a choice to make
     for r, by_cands in raw.items():
@@ -224,6 +226,21 @@ def group_by_locality(
 
 
 _receiver = operator.attrgetter("receiver")
+
+
+def _cut(pieces: Sequence[Piece], raw: dict[int, dict[int, list[Piece]]]) -> None:
+    """``pieces`` into ``raw``: by receiver, then candidate tuple, each in order."""
+    for r, run in groupby(pieces, _receiver):
+        by_cands = raw.get(r)
+        if by_cands is None:
+            by_cands = raw[r] = {}
+        for piece in run:
+            key = id(piece.cands)  # candidate tuples are interned by build_pieces
+            same = by_cands.get(key)
+            if same is None:
+                by_cands[key] = [piece]
+            else:
+                same.append(piece)
 
 
 def _spread(r: int, pieces: list[Piece], by_class, link: LinkModel) -> list[tuple[Piece, LinkClass]]:

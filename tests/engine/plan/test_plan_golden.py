@@ -5,7 +5,7 @@ against the digests in tests/golden/plans.json.
 The planner is deterministic, and most changes to it are meant to make the same tables faster: this
 fails on any change of any table, where the other planner tests check properties a wrong table could
 still have. The jobs take every path: FSDP trainers with and without EP, gatherers designated where the
-gathers do not fit (``needs._designate_gatherers``), flexible streams through the list schedule,
+gathers do not fit (``expand.Expanded.designate``), flexible streams through the list schedule,
 block FP8 receivers with their scales, and a colocated job spread over local, NVLink and network ports.
 After a change that is meant to change tables, regenerate (and say why in the commit):
 
@@ -28,7 +28,7 @@ import planner_scale as ps  # noqa: E402
 from planner_compare import digest  # noqa: E402
 
 from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, build_pieces, plan  # noqa: E402
-from weightsync.engine.plan.needs import Resolver, _designate_gatherers, index_sources  # noqa: E402
+from weightsync.engine.plan.needs import Resolver, index_sources  # noqa: E402
 from weightsync.engine.plan.trainer import TrainerLayout  # noqa: E402
 
 # name -> (arch, decoder layers, trainer layout, receivers, inference TP, EP, colocated, fp8)
@@ -70,8 +70,8 @@ def test_the_jobs_designate_gatherers_and_cut_pieces():
     than pieces: spread over its classes, taken in chunks)."""
     senders, receivers = participants(*JOBS["kimi-k2 3 layers 32->16 tp8"])
     resolver = Resolver(index_sources(senders))
-    tensors = resolver.tensors((p.rank, p.manifest) for p in receivers)
-    assert _designate_gatherers(tensors, resolver.sources, len(senders), resolver.intern)
+    expanded = resolver.expanded((p.rank, p.manifest) for p in receivers)
+    assert expanded.designate(resolver.sources, len(senders), resolver.intern)
     senders, receivers = participants(*JOBS["qwen2.5-7b 2 layers 16->16 colocated"])
     pieces, _ = build_pieces(senders, receivers)
     assert tables_of("qwen2.5-7b 2 layers 16->16 colocated")["transfers"] > len(pieces)

@@ -1,0 +1,216 @@
+"""Resolved receiver tensors to pieces, column by column.
+
+How this works: ``Resolver.tensors`` gives one row per receiver tensor that moves (receiver, name, its
+sources' number, its templates' number, region, offset); the templates are shared (every receiver of
+one layout, every layer's tensor of one kind, uses the same list). ``Expanded`` lays the template
+lists and source tuples out as flat arrays and expands every tensor into its pieces' rows with
+``numpy.repeat``, so each piece's source name, candidates, bytes and offset are array indexing, not a
+Python loop over 10^5-10^6 pieces. On those rows ``designate`` decides which gather-only parameters
+go to fewer holders; ``pieces`` makes the ``Piece`` tuples from the columns (in the tensors' order,
+each tensor's in its templates' order) with the designated candidates in place of the full holders,
+and ``streams`` also cuts them per receiver and candidate tuple by one stable sort, the grouping the
+schedule starts from (``planner.group_by_locality``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from itertools import repeat
+from math import prod
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from weightsync.wire import dtype_size
+
+from .sources import Interned, Piece, Source, make_piece
+
+__all__ = ["Expanded"]
+
+
+class Expanded:
+    """The pieces of resolved tensors (``needs.Resolved``), as columns; see the module docstring."""
+
+    def __init__(self, tensors: Sequence[tuple], srcs_lists: Sequence[tuple[str, ...]],
+                 made_lists: Sequence[list[tuple]]) -> None:
+        self.rows = 0
+        if not tensors:
+            return
+        ranks, names, srcs_of, made_of, regions, bases = zip(*tensors)
+        srcs_of, made_of = np.asarray(srcs_of, np.int64), np.asarray(made_of, np.int64)
+        # the templates, flat: list u's rows are start[u]:start[u] + length[u]
+        length = np.fromiter(map(len, made_lists), np.int64, len(made_lists))
+        start = np.cumsum(length) - length
+        slot, slices, nbytes, at, row_bytes, transforms, cands = zip(*(t for made in made_lists for t in made))
+        # the sources' names, flat: source tuple v's slot j is name number src_name[src_start[v] + j]
+        src_start = np.fromiter(map(len, srcs_lists), np.int64, len(srcs_lists))
+        src_start = np.cumsum(src_start) - src_start
+        name_ids: dict[str, int] = {}
+        src_name = np.fromiter((name_ids.setdefault(s, len(name_ids)) for srcs in srcs_lists for s in srcs),
+                               np.int64)
+        self.names = list(name_ids)
+        # every piece's row: the tensor it is of, and its template
+        per = length[made_of]
+        self.rows = rows = int(per.sum())
+        tensor = np.repeat(np.arange(len(tensors)), per)
+        trow = np.repeat(start[made_of] - (np.cumsum(per) - per), per) + np.arange(rows)
+        self.tensor, self.trow = tensor, trow
+        self.receiver = np.asarray(ranks, np.int64)[tensor]
+        self.src = src_name[src_start[srcs_of][tensor] + np.asarray(slot, np.int64)[trow]]
+        self.nbytes = np.asarray(nbytes, np.int64)[trow]
+        self.cands, self.cands_key = cands, _keys(cands)
+        self.cands_row = self.cands_key[trow]
+        self._t = (names, regions, bases, slices, at, row_bytes, transforms)
+        self._ranks, self._nbytes = ranks, nbytes
+
+    def designate(self, sources: Mapping[str, Source], n_senders: int,
+                  intern: Interned) -> dict[str, tuple[tuple, tuple]]:
+        """Which gather-only sources' pieces to narrow to fewer candidates, where the gathers would not
+        fit: name -> (its full holders, those designated), for ``pieces``. Every sender of such a
+        parameter gathers it, and each gather costs the holders' outbound ports the full tensor. If the
+        senders' spare room (their capacity, each sending as long as the busiest receiver receives,
+        less all bytes sent) holds a gather for every receiver of every such parameter, every holder
+        stays a candidate: the schedule keeps its choice. Otherwise each parameter, the most bytes
+        first, gets k holders, chosen least-loaded first (k = its bytes to send over a fair share of
+        all bytes, at least 1; a sender's load is what it alone can send, and its share of the
+        parameters designated before)."""
+        if not self.rows:
+            return {}
+        names, cands = self.names, self.cands
+        full = {}
+        for i, name in enumerate(names):
+            s = sources.get(name)
+            if s is not None and s.gshards and not s.replicas:
+                full[i] = s.full_cands(intern)
+        if not full:
+            return {}
+        full_key = np.full(len(names), -1, np.int64)
+        keys = dict(zip(map(id, cands), self.cands_key.tolist()))
+        for i, holders in full.items():
+            full_key[i] = keys.get(id(holders), -2)
+        receiver, src, nbytes = self.receiver, self.src, self.nbytes
+        gather = full_key[src] == self.cands_row
+        _, at = np.unique(receiver, return_inverse=True)
+        got = np.zeros(int(at.max()) + 1, np.int64)
+        np.add.at(got, at, nbytes)
+        total_all, busiest = int(got.sum()), int(got.max())
+        g_name, g_rank, g_bytes = src[gather], receiver[gather], nbytes[gather]
+        if not len(g_name):
+            return {}
+        order, first = np.unique(g_name, return_index=True)
+        order = order[np.argsort(first, kind="stable")]  # the names as they first occur
+        totals = np.zeros(len(names), np.int64)
+        np.add.at(totals, g_name, g_bytes)
+        pairs = np.unique(g_name * (int(receiver.max()) + 1) + g_rank)
+        groups = np.bincount(pairs // (int(receiver.max()) + 1), minlength=len(names))
+        room = n_senders * busiest - total_all
+        for i in order.tolist():
+            s = sources[names[i]]
+            room -= min(len(full[i]), int(groups[i])) * prod(s.full_shape) * dtype_size(s.dtype)
+        if room >= 0:
+            return {}
+        load = defaultdict(int, _forced_load(self, cands, gather))
+        fair = max(1, total_all // max(1, n_senders))
+        narrowed: dict[str, tuple[tuple, tuple]] = {}
+        for i in sorted(order.tolist(), key=lambda i: -int(totals[i])):
+            total, holders = int(totals[i]), full[i]
+            k = min(len(holders), max(1, -(-total // fair)))
+            if k == len(holders):
+                continue
+            chosen = tuple(sorted(sorted(holders, key=load.__getitem__)[:k]))  # (holders ascend: ties by rank)
+            narrowed[names[i]] = (holders, intern.setdefault(chosen, chosen))
+            for s in chosen:
+                load[s] += total // k
+        return narrowed
+
+    def pieces(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> list[Piece]:
+        """The pieces, a piece of a source in ``narrowed`` whose candidates are its full holders with the
+        designated ones instead."""
+        return self._made(narrowed)[0]
+
+    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> tuple[list[Piece], list[list[Piece]]]:
+        """The pieces (as ``pieces``), and the same pieces as streams: each receiver's (receivers in the
+        tensors' order) split by candidate tuple, the tuples in the order they first occur in its
+        pieces, each stream's pieces in their order (``planner.group_by_locality``)."""
+        pieces, cands_row = self._made(narrowed)
+        return pieces, self._runs(pieces, cands_row) if pieces else []
+
+    def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray]:
+        """The pieces, and a number per piece for its (final) candidate tuple."""
+        if not self.rows:
+            return [], np.zeros(0, np.int64)
+        names, regions, bases, slices, at, row_bytes, transforms = self._t
+        tensor, trow = self.tensor, self.trow
+        cands_col, cands_row = _objects(self.cands)[trow], self.cands_row
+        if narrowed:
+            keys = dict(zip(map(id, self.cands), self.cands_key.tolist()))
+            full_key = np.full(len(self.names), -1, np.int64)
+            chosen = np.empty(len(self.names), object)
+            chosen_key = np.zeros(len(self.names), np.int64)
+            for i, name in enumerate(self.names):
+                pair = narrowed.get(name)
+                if pair is not None:
+                    full_key[i], chosen[i] = keys.get(id(pair[0]), -2), pair[1]
+                    chosen_key[i] = keys.setdefault(id(pair[1]), len(keys))
+            swap = full_key[self.src] == cands_row
+            cands_col[swap] = chosen[self.src[swap]]
+            cands_row = cands_row.copy()
+            cands_row[swap] = chosen_key[self.src[swap]]
+        per_tensor = _objects(self._ranks)[tensor], _objects(names)[tensor], _objects(regions)[tensor]
+        offsets = np.asarray(bases, np.int64)[tensor] + np.asarray(at, np.int64)[trow]
+        columns = (
+            per_tensor[0].tolist(), per_tensor[1].tolist(), _objects(self.names)[self.src].tolist(),
+            _objects(slices)[trow].tolist(), _objects(self._nbytes)[trow].tolist(), per_tensor[2].tolist(),
+            offsets.tolist(), _objects(row_bytes)[trow].tolist(), _objects(transforms)[trow].tolist(),
+            cands_col.tolist(),
+        )
+        return list(map(make_piece, repeat(Piece, self.rows), zip(*columns))), cands_row
+
+    def _runs(self, pieces: list[Piece], cands_row: np.ndarray) -> list[list[Piece]]:
+        """``pieces`` cut into streams (``streams``): rows ordered by their (receiver, candidates) pair's
+        first row, a tie in row order (one stable sort; a receiver's rows are contiguous), then cut
+        where the pair changes."""
+        rows = self.rows
+        _, receiver_at = np.unique(self.receiver, return_inverse=True)
+        stream = receiver_at.reshape(-1) * (int(cands_row.max()) + 1) + cands_row
+        _, first, at = np.unique(stream, return_index=True, return_inverse=True)
+        first = first[at.reshape(-1)]  # each row's stream, as the stream's first row
+        order = np.argsort(first, kind="stable")
+        starts = np.flatnonzero(np.diff(first[order], prepend=-1))
+        grouped = list(operator.itemgetter(*order.tolist())(pieces)) if rows > 1 else list(pieces)
+        bounds = [*starts.tolist(), rows]
+        return [grouped[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _forced_load(ex: Expanded, cands: tuple, gather: np.ndarray) -> dict[int, int]:
+    """Bytes each sender must send as the one candidate of a piece (not a gather-only one)."""
+    single = np.fromiter((c[0] if len(c) == 1 else -1 for c in cands), np.int64, len(cands))
+    who = single[ex.trow]
+    pick = (who >= 0) & ~gather
+    senders, at = np.unique(who[pick], return_inverse=True)
+    sums = np.zeros(len(senders), np.int64)
+    np.add.at(sums, at, ex.nbytes[pick])
+    return dict(zip(senders.tolist(), sums.tolist()))
+
+
+def _numbered(objects: Sequence) -> tuple[np.ndarray, list]:
+    """Each object's number among the distinct ones (by identity), and those, in first-seen order."""
+    ids = np.fromiter(map(id, objects), np.int64, len(objects))
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return rank[inverse.reshape(-1)], [objects[i] for i in first[order].tolist()]
+
+
+def _keys(objects: Sequence) -> np.ndarray:
+    """A number per object, the same for the same object (candidate tuples are interned)."""
+    if not objects:
+        return np.zeros(0, np.int64)
+    return _numbered(objects)[0]
+
+
+def _objects(values: Sequence) -> np.ndarray:
+    """``values`` as a 1-D object array (tuples stay elements)."""
+    return np.fromiter(values, object, len(values))
