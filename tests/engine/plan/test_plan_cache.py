@@ -231,12 +231,43 @@ def test_tensors_alike_but_for_their_names_share_templates_and_the_pieces_are_th
     afresh = _EachMadeAfresh(index_sources(senders), mapping="llama")
     want = afresh.pieces((p.rank, p.manifest) for p in receivers)
 
-    def fields(pieces):
-        return [tuple(getattr(p, f) for f in Piece.__slots__) for p in pieces]
-
-    assert fields(got) == fields(want)
+    assert got == want and len(got) > 0 and all(type(p) is Piece for p in got)
     # the two layers of a stage share (q, k, v and the scales too, not the routers); the stages hold them on
     # other ranks
     assert len(afresh.templates) == 40 and len(shared.templates) == 22
     assert {p.cands for p in got if ".layers.0." in p.src_name}.isdisjoint(
         {p.cands for p in got if ".layers.2." in p.src_name})
+
+
+class _Walks(Resolver):
+    """Counts the receivers walked tensor by tensor (the others reuse the facts of the one before)."""
+
+    walks = 0
+
+    def _walk(self, *args):
+        self.walks += 1
+        return super()._walk(*args)
+
+
+def _tied(p, name, to):
+    """``p`` with tensor ``name`` tied to ``to`` (same names and dtypes: only the tie differs)."""
+    tensors = [dataclasses.replace(t, tied_to=to, offset=0) if t.name == name else t for t in p.manifest.tensors]
+    return participant(p.rank, tensors, host=p.transport.host)
+
+
+def test_receivers_with_the_same_names_share_what_depends_on_names_and_get_the_pieces_made_alone():
+    """A receiver whose tensors have the names, dtypes and ties of the one before reuses what was worked
+    out by name (kind, sources, block scales' weight); one whose ties differ is walked again: its tied
+    tensor moves under the name it is tied to, once."""
+    senders = _layered_senders()
+    gate = "model.layers.{}.mlp.gate.weight"
+    receivers = [_layered_receiver(0), _layered_receiver(1), _tied(_layered_receiver(2), gate.format(1), gate.format(0)),
+                 _layered_receiver(3)]
+    index = index_sources(senders)
+    shared = _Walks(index, mapping="llama")
+    got = shared.pieces((p.rank, p.manifest) for p in receivers)
+    want = [piece for p in receivers for piece in Resolver(index, mapping="llama").pieces([(p.rank, p.manifest)])]
+    assert got == want
+    assert shared.walks == 3  # receiver 1 is alike receiver 0; receiver 2's tie differs, and so receiver 3's
+    assert not any(p.receiver == 2 and p.dst_name == gate.format(1) for p in got)
+    assert any(p.receiver == 3 and p.dst_name == gate.format(1) for p in got)

@@ -1,0 +1,65 @@
+"""Pieces made from columns (``engine/plan/expand.py``): the streams the schedule starts from are the
+pieces grouped by receiver and candidate tuple, in order, and the designated candidates replace the full
+holders in exactly the pieces that had them."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "bench")]
+
+import planner_scale as ps  # noqa: E402
+
+from weightsync.engine.plan import build_pieces  # noqa: E402
+from weightsync.engine.plan.needs import Resolver, build_streams, index_sources  # noqa: E402
+from weightsync.engine.plan.planner import _cut  # noqa: E402
+from weightsync.engine.plan.trainer import TrainerLayout  # noqa: E402
+
+JOBS = {  # (arch, layers, trainer layout, receivers, TP, EP, colocated, fp8), as in test_plan_golden
+    "kimi-k2 tp8 designated": ("kimi-k2", 2, TrainerLayout(32), 16, 8, 1, False, False),
+    "kimi-k2 tp8+ep16 fp8": ("kimi-k2", 2, TrainerLayout(32), 16, 8, 16, False, True),
+    "qwen2.5-7b colocated": ("qwen2.5-7b", 2, TrainerLayout(16), 16, 1, 1, True, False),
+}
+
+
+def _job(name):
+    arch, layers, layout, n_recv, tp, ep, colocated, fp8 = JOBS[name]
+    senders, receivers, _ = ps.participants(arch, layout, n_recv, tp, ep, colocated, fp8, layers=layers)
+    return senders, receivers
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_streams_are_the_pieces_by_receiver_and_candidates_in_order(name):
+    senders, receivers = _job(name)
+    pieces, streams = build_streams(senders, receivers)
+    assert pieces == build_pieces(senders, receivers)[0]
+    raw: dict = {}
+    _cut(pieces, raw)
+    want = [same for by_cands in raw.values() for same in by_cands.values()]
+    assert [[id(p) for p in same] for same in streams] == [[id(p) for p in same] for same in want]
+    assert len(streams) > len(receivers)  # (more than one candidate tuple per receiver)
+
+
+def test_designated_candidates_replace_the_full_holders_only():
+    """The tp8 job's gathers do not fit: its gather-only pieces go to their designated holders, and every
+    other piece keeps the candidates its template had."""
+    senders, receivers = _job("kimi-k2 tp8 designated")
+    resolver = Resolver(index_sources(senders))
+    expanded = resolver.expanded((p.rank, p.manifest) for p in receivers)
+    narrowed = expanded.designate(resolver.sources, len(senders), resolver.intern)
+    assert narrowed
+    before, after = expanded.pieces(), expanded.pieces(narrowed)
+    swapped = 0
+    for a, b in zip(before, after, strict=True):
+        assert a[:9] == b[:9]
+        pair = narrowed.get(a.src_name)
+        if pair is not None and a.cands is pair[0]:
+            assert b.cands is pair[1] and set(b.cands) < set(a.cands)
+            swapped += 1
+        else:
+            assert b.cands is a.cands
+    assert swapped > 0
