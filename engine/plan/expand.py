@@ -59,8 +59,9 @@ class Expanded:
         self.receiver = np.asarray(ranks, np.int64)[tensor]
         self.src = src_name[src_start[srcs_of][tensor] + np.asarray(slot, np.int64)[trow]]
         self.nbytes = np.asarray(nbytes, np.int64)[trow]
-        self.cands, self.cands_key = cands, _keys(cands)
-        self.cands_row = self.cands_key[trow]
+        self.cands, cands_key = cands, _keys(cands)
+        self.cands_row = cands_key[trow]
+        self.key_of = dict(zip(map(id, cands), cands_key.tolist()))  # id(candidate tuple) -> its number
         self._t = (names, regions, bases, slices, at, row_bytes, transforms)
         self._ranks, self._nbytes = ranks, nbytes
 
@@ -86,9 +87,8 @@ class Expanded:
         if not full:
             return {}
         full_key = np.full(len(names), -1, np.int64)
-        keys = dict(zip(map(id, cands), self.cands_key.tolist()))
         for i, holders in full.items():
-            full_key[i] = keys.get(id(holders), -2)
+            full_key[i] = self.key_of.get(id(holders), -2)
         receiver, src, nbytes = self.receiver, self.src, self.nbytes
         gather = full_key[src] == self.cands_row
         _, at = np.unique(receiver, return_inverse=True)
@@ -102,8 +102,8 @@ class Expanded:
         order = order[np.argsort(first, kind="stable")]  # the names as they first occur
         totals = np.zeros(len(names), np.int64)
         np.add.at(totals, g_name, g_bytes)
-        pairs = np.unique(g_name * (int(receiver.max()) + 1) + g_rank)
-        groups = np.bincount(pairs // (int(receiver.max()) + 1), minlength=len(names))
+        span = int(receiver.max()) + 1
+        groups = np.bincount(np.unique(g_name * span + g_rank) // span, minlength=len(names))  # receivers per name
         room = n_senders * busiest - total_all
         for i in order.tolist():
             s = sources[names[i]]
@@ -144,7 +144,7 @@ class Expanded:
         tensor, trow = self.tensor, self.trow
         cands_col, cands_row = _objects(self.cands)[trow], self.cands_row
         if narrowed:
-            keys = dict(zip(map(id, self.cands), self.cands_key.tolist()))
+            keys = dict(self.key_of)
             full_key = np.full(len(self.names), -1, np.int64)
             chosen = np.empty(len(self.names), object)
             chosen_key = np.zeros(len(self.names), np.int64)
@@ -194,21 +194,10 @@ def _forced_load(ex: Expanded, cands: tuple, gather: np.ndarray) -> dict[int, in
     return dict(zip(senders.tolist(), sums.tolist()))
 
 
-def _numbered(objects: Sequence) -> tuple[np.ndarray, list]:
-    """Each object's number among the distinct ones (by identity), and those, in first-seen order."""
-    ids = np.fromiter(map(id, objects), np.int64, len(objects))
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    rank = np.empty(len(order), np.int64)
-    rank[order] = np.arange(len(order))
-    return rank[inverse.reshape(-1)], [objects[i] for i in first[order].tolist()]
-
-
 def _keys(objects: Sequence) -> np.ndarray:
     """A number per object, the same for the same object (candidate tuples are interned)."""
-    if not objects:
-        return np.zeros(0, np.int64)
-    return _numbered(objects)[0]
+    ids = np.fromiter(map(id, objects), np.int64, len(objects))
+    return np.unique(ids, return_inverse=True)[1].reshape(-1)
 
 
 def _objects(values: Sequence) -> np.ndarray:
