@@ -1,7 +1,8 @@
 """The routing planner: pure, synchronous, deterministic. Manifests in, routing tables out.
 
 How this works, in five steps:
-1. ``build_pieces`` lists every (parameter slice, receiver) that must move and its candidate senders.
+1. ``build_streams`` lists every (parameter slice, receiver) that must move and its candidate senders,
+   and cuts them per receiver and candidate tuple.
 2. Locality: a receiver's ports of different classes (same GPU, same host, network) work at once, so
    its bytes are spread over the classes its candidates reach it by, in proportion to their bandwidth
    (water-filling to the receiver's lower bound, ``model.receiver_bound``): a piece goes to its fastest
@@ -35,7 +36,7 @@ from ..errors import PlanError
 from .links import LinkClass, LinkModel, Participant, classes_of, by_host, host_mates, mates_of
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
-from .needs import Piece, PlanCache, build_pieces, build_streams
+from .needs import Piece, PlanCache, build_streams
 from .schedule import balance, schedule
 from .tables import RoutingPlan, build_tables
 
