@@ -62,8 +62,9 @@ class Expanded:
         self.cands, cands_key = cands, _keys(cands)
         self.cands_row = cands_key[trow]
         self.key_of = dict(zip(map(id, cands), cands_key.tolist()))  # id(candidate tuple) -> its number
-        self._t = (names, regions, bases, slices, at, row_bytes, transforms)
-        self._ranks, self._nbytes = ranks, nbytes
+        # the rest, as the Python values the pieces take: per tensor, and per template
+        self._tensor_cols = (ranks, names, regions, bases)
+        self._template_cols = (slices, nbytes, at, row_bytes, transforms)
 
     def designate(self, sources: Mapping[str, Source], n_senders: int,
                   intern: Interned) -> dict[str, tuple[tuple, tuple]]:
@@ -140,7 +141,8 @@ class Expanded:
         """The pieces, and a number per piece for its (final) candidate tuple."""
         if not self.rows:
             return [], np.zeros(0, np.int64)
-        names, regions, bases, slices, at, row_bytes, transforms = self._t
+        (ranks, names, regions, bases), (slices, nbytes, at, row_bytes, transforms) = \
+            self._tensor_cols, self._template_cols
         tensor, trow = self.tensor, self.trow
         cands_col, cands_row = _objects(self.cands)[trow], self.cands_row
         if narrowed:
@@ -157,11 +159,10 @@ class Expanded:
             cands_col[swap] = chosen[self.src[swap]]
             cands_row = cands_row.copy()
             cands_row[swap] = chosen_key[self.src[swap]]
-        per_tensor = _objects(self._ranks)[tensor], _objects(names)[tensor], _objects(regions)[tensor]
         offsets = np.asarray(bases, np.int64)[tensor] + np.asarray(at, np.int64)[trow]
-        columns = (
-            per_tensor[0].tolist(), per_tensor[1].tolist(), _objects(self.names)[self.src].tolist(),
-            _objects(slices)[trow].tolist(), _objects(self._nbytes)[trow].tolist(), per_tensor[2].tolist(),
+        columns = (  # (object columns: each piece takes the template's own values, no new int per piece)
+            _objects(ranks)[tensor].tolist(), _objects(names)[tensor].tolist(), _objects(self.names)[self.src].tolist(),
+            _objects(slices)[trow].tolist(), _objects(nbytes)[trow].tolist(), _objects(regions)[tensor].tolist(),
             offsets.tolist(), _objects(row_bytes)[trow].tolist(), _objects(transforms)[trow].tolist(),
             cands_col.tolist(),
         )

@@ -163,24 +163,23 @@ class Resolver:
         row depends on by its name alone (its kind and sources, the weight a block scale is for, whether
         it has block scales, whether it is tied) is the same for a receiver whose tensors have the
         names, dtypes and ties of the one before (every receiver of a TP or EP layout): it is
-        worked out for the first and reused (``_alike``)."""
+        worked out for the first (``_facts``) and reused."""
         out: list[Resolved] = []
         add = out.append
         last: tuple = ((), [])  # (names, dtypes, ties) of the receiver before, and its tensors' facts
         for rank, manifest in receivers:
             ts = manifest.tensors
             sig = ([t.name for t in ts], [t.dtype for t in ts], [t.tied_to is None for t in ts])
-            if sig == last[0]:
-                self._alike(rank, ts, last[1], sig[0], add)
-            else:
-                last = (sig, self._walk(rank, manifest, add))
+            if sig != last[0]:
+                last = (sig, self._facts(manifest))
+            self._rows(rank, ts, last[1], sig[0], add)
         return out
 
-    def _walk(self, rank: int, manifest: Manifest, add) -> list[Optional[tuple]]:
-        """One receiver's rows (``tensors``), and each tensor's facts by name: None for a tied tensor,
-        else (kind, sources, sources' number, the position of the weight it holds block scales of or
-        -1, whether it has block scales)."""
-        sources, templates, kind_of = self.sources, self.templates, self.kind_of
+    def _facts(self, manifest: Manifest) -> list[Optional[tuple]]:
+        """Each of a receiver's tensors' facts by name: None for a tied tensor (it moves once, under the
+        name it is tied to), else (kind, sources, sources' number, the position of the weight it holds
+        block scales of or -1, whether it has block scales)."""
+        sources, kind_of = self.sources, self.kind_of
         specs = manifest.by_name()
         names = frozenset(specs)
         position = {t.name: i for i, t in enumerate(manifest.tensors)}
@@ -188,8 +187,8 @@ class Resolver:
         for t in manifest.tensors:
             if t.tied_to is not None:
                 facts.append(None)
-                continue  # the receiver shares this storage with t.tied_to: it moves once, under that name
-            name, dtype, sh = t.name, t.dtype, t.shard
+                continue
+            name = t.name
             scale_of = _scales_of(t, specs, sources) if name.endswith(SCALE_SUFFIX) else None
             weight = name if scale_of is None else scale_of.name
             kind = kind_of.get(weight)
@@ -197,22 +196,13 @@ class Resolver:
                 kind = kind_of[weight] = (*self._kind(weight), len(self.srcs))
                 self.srcs.append(kind[1])
             like, srcs, srcs_at = kind
-            has_scales = dtype == FP8 and name + SCALE_SUFFIX in names
-            facts.append((like, srcs, srcs_at, -1 if scale_of is None else position[weight], has_scales))
-            # what the pieces depend on, as plain values (inline here: a call per tensor costs a tenth
-            # of this loop's time)
-            key = (like, dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
-                   None if scale_of is None else _layout(scale_of), has_scales)
-            made = templates.get(key)
-            if made is None:
-                made = self._new_templates(key, t, rank, scale_of, names, srcs)
-            if made >= 0:
-                add((rank, name, srcs_at, made, t.region if t.region is not None else 0, t.offset))
+            facts.append((like, srcs, srcs_at, -1 if scale_of is None else position[weight],
+                          t.dtype == FP8 and name + SCALE_SUFFIX in names))
         return facts
 
-    def _alike(self, rank: int, ts, facts: list[Optional[tuple]], names: list[str], add) -> None:
-        """``_walk`` for a receiver whose tensors have the names, dtypes and ties of the one ``facts``
-        were worked out for."""
+    def _rows(self, rank: int, ts, facts: list[Optional[tuple]], names: list[str], add) -> None:
+        """One receiver's rows (``tensors``) from its tensors' ``facts`` (``_facts``, worked out for it or
+        for a receiver before it with the same names, dtypes and ties)."""
         templates = self.templates
         for t, fact in zip(ts, facts):
             if fact is None:
@@ -220,6 +210,8 @@ class Resolver:
             like, srcs, srcs_at, w, has_scales = fact
             sh = t.shard
             scale_of = None if w < 0 else ts[w]
+            # what the pieces depend on, as plain values (inline here: a call per tensor costs a tenth
+            # of this loop's time)
             key = (like, t.dtype, t.shape, None if sh is None else (sh.full_shape, sh.dim, sh.start, sh.stop),
                    None if scale_of is None else _layout(scale_of), has_scales)
             made = templates.get(key)

@@ -240,13 +240,13 @@ def test_tensors_alike_but_for_their_names_share_templates_and_the_pieces_are_th
 
 
 class _Walks(Resolver):
-    """Counts the receivers walked tensor by tensor (the others reuse the facts of the one before)."""
+    """Counts the receivers whose facts by name are worked out (the others reuse those of the one before)."""
 
     walks = 0
 
-    def _walk(self, *args):
+    def _facts(self, *args):
         self.walks += 1
-        return super()._walk(*args)
+        return super()._facts(*args)
 
 
 def _tied(p, name, to):
