@@ -2,14 +2,15 @@
 
 How this works: ``schedule`` runs one list schedule per link class (``_ClassSchedule``) over virtual
 time. Forced streams (pieces only one sender has) leave nothing to choose and are placed in bulk
-first (``_place_forced``): each receiver takes its forced senders back to back, rotated so that
-receivers of the same senders start on different ones; a port is free for flexible work once its
-forced work is done. Then, whenever a receiver's port is free it takes, of its largest stream with a
+first (``_place_forced``, on columns: every forced stream's start and its ports' busy time by numpy,
+the same additions in the same order as chunk by chunk): each receiver takes its forced senders back
+to back, rotated so that receivers of the same senders start on different ones; a port is free for
+flexible work once its forced work is done. Then, whenever a receiver's port is free it takes, of its largest stream with a
 free candidate, the candidate with the least work (its forced work and what it was given so far) and
 the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries, ``_Stream.take``).
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
 only once one of its candidates frees. The result is a ``Schedule``: the flexible work as
-``Segment``s (sender, receiver, pieces, start), the forced work as runs per sender, and each port's
+``Segment``s (sender, receiver, pieces, start), the forced work as ``Runs`` (columns), and each port's
 busy time, summed as the work is placed. ``balance`` then levels sender ports where one would be the
 bottleneck (see its docstring), reading those sums. ``tables.build_tables`` turns it into tables.
 """
@@ -20,9 +21,11 @@ import bisect
 import dataclasses
 import heapq
 import operator
-from collections import defaultdict
-from itertools import accumulate
-from typing import TYPE_CHECKING, Optional
+from collections import Counter, defaultdict
+from itertools import accumulate, chain
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import numpy as np
 
 from .links import LinkClass, LinkModel
 from .sources import Piece
@@ -59,7 +62,7 @@ class _Stream:
         self.cands = cands
         self.seq = seq  # breaks ties between streams of equal bytes left
         self.pieces = pieces
-        self.ends = list(accumulate(p.nbytes for p in pieces))
+        self.ends = list(accumulate(map(_nbytes, pieces)))
         self.at = 0  # the next piece
         self.done = 0  # bytes taken so far: where pieces[at] starts
         self.nbytes = self.ends[-1] if pieces else 0  # bytes left
@@ -103,16 +106,42 @@ class _Stream:
 
 
 @dataclasses.dataclass
+class Runs:
+    """Work as columns, a row per run (pieces one sender sends one receiver back to back): when it
+    starts in the schedule's time, its receiver, its sender, and its pieces."""
+
+    start: np.ndarray  # float64
+    receiver: np.ndarray  # int64
+    sender: np.ndarray  # int64
+    pieces: Sequence[list[Piece]]
+
+    @classmethod
+    def empty(cls) -> "Runs":
+        return cls(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+
+    @classmethod
+    def joined(cls, parts: Sequence["Runs"]) -> "Runs":
+        """``parts`` one after the other."""
+        if not parts:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(r, f) for r in parts]) for f in ("start", "receiver", "sender")),
+                   list(chain.from_iterable(r.pieces for r in parts)))
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+
+@dataclasses.dataclass
 class Schedule:
     """What the schedule made: the flexible work as ``segments`` (what levelling may move), the forced
-    work as runs per sender, ``forced[s]``: (start, receiver, pieces), and each port's busy time in
-    both (seconds of data at the pair's bandwidth) keyed (sender or receiver, class): the sums ``of``
-    makes from segments, which the schedule keeps as it goes."""
+    work as ``Runs``, one per link class in class order, each in the order placed, and each port's
+    busy time in both (seconds of data at the pair's bandwidth) keyed (sender or receiver, class): the
+    sums ``of`` makes from segments, which the schedule keeps as it goes."""
 
     segments: list[Segment]
     sending: dict[tuple[int, LinkClass], float]
     receiving: dict[tuple[int, LinkClass], float]
-    forced: dict[int, list[tuple[float, int, list[Piece]]]] = dataclasses.field(default_factory=dict)
+    forced: list[Runs] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, segments: list[Segment], link: LinkModel) -> "Schedule":
@@ -124,23 +153,24 @@ class Schedule:
             receiving[seg.receiver, seg.cls] += t
         return cls(segments, sending, receiving)
 
-    def runs(self) -> dict[int, list[tuple[float, int, list[Piece]]]]:
-        """Per sender, its work as (start, receiver, pieces): forced runs, then segments."""
-        out: dict[int, list[tuple[float, int, list[Piece]]]] = defaultdict(list)
-        for s, runs in self.forced.items():
-            out[s].extend(runs)
-        for seg in self.segments:
-            out[seg.sender].append((seg.start, seg.receiver, seg.pieces))
-        return out
+    def runs(self) -> Runs:
+        """All the work: the forced runs (class by class, each in the order placed), then the segments."""
+        segs = self.segments
+        flexible = Runs(np.fromiter((g.start for g in segs), np.float64, len(segs)),
+                        np.fromiter((g.receiver for g in segs), np.int64, len(segs)),
+                        np.fromiter((g.sender for g in segs), np.int64, len(segs)), [g.pieces for g in segs])
+        return Runs.joined([*self.forced, flexible])
 
 
 def schedule(groups, link: LinkModel, options: "PlanOptions") -> Schedule:
     """Work-conserving list scheduling, one link class at a time (ports of classes are independent).
     ``groups``: class -> receiver -> candidate senders -> pieces (``planner.group_by_locality``)."""
-    out = Schedule([], defaultdict(float), defaultdict(float), defaultdict(list))
+    out = Schedule([], defaultdict(float), defaultdict(float))
     for cls in sorted(groups):
         one = _ClassSchedule(cls, groups[cls], link, options)
-        out.segments.extend(one.run(out.forced))
+        segments, forced = one.run()
+        out.segments.extend(segments)
+        out.forced.append(forced)
         out.sending.update(((s, cls), t) for s, t in one.load.items() if t)
         out.receiving.update(((r, cls), t) for r, t in one.received.items() if t)
     return out
@@ -158,36 +188,40 @@ class _ClassSchedule:
     def __init__(self, cls: LinkClass, groups: dict[int, dict[tuple[int, ...], list[Piece]]], link: LinkModel,
                  options: "PlanOptions") -> None:
         self.cls, self.link, self.options = cls, link, options
-        # receiver -> sender -> (its pieces, their bytes)
-        self.forced: dict[int, dict[int, tuple[list[Piece], int]]] = defaultdict(dict)
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
         # receiver -> sender -> how many of its streams with work left name that sender
-        self.naming: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        need: dict[int, int] = defaultdict(int)  # receiver -> bytes
-        flexible = []
+        self.naming: dict[int, Counter[int]] = {}
+        forced_r, forced_s, flexible = [], [], []
+        self.forced_pieces: list[list[Piece]] = []  # the forced streams: (receiver, its one sender) unique
         for receiver, streams in groups.items():
             for cands, pieces in streams.items():
                 if not pieces:
                     continue
                 if len(cands) == 1:
-                    nbytes = sum(map(_nbytes, pieces))
-                    self.forced[receiver][cands[0]] = (pieces, nbytes)
-                    need[receiver] += nbytes
+                    forced_r.append(receiver)
+                    forced_s.append(cands[0])
+                    self.forced_pieces.append(pieces)
                 else:
                     flexible.append((receiver, cands))
+        self.forced_r, self.forced_s = np.asarray(forced_r, np.int64), np.asarray(forced_s, np.int64)
+        self.forced_count = np.fromiter(map(len, self.forced_pieces), np.int64, len(self.forced_pieces))
+        self.forced_bytes = _sums(self.forced_pieces, self.forced_count)
+        need: dict[int, int] = defaultdict(int)  # receiver -> bytes
+        got, at = np.unique(self.forced_r, return_inverse=True)
+        need.update(zip(got.tolist(), _by(at, self.forced_bytes, len(got)).tolist()))
         for seq, (receiver, cands) in enumerate(sorted(flexible)):
-            naming = self.naming[receiver]
-            for s in cands:
-                self.watchers[s].add(receiver)
-                naming[s] += 1
             stream = _Stream(frozenset(cands), groups[receiver][cands], seq)
             self.flex[receiver].append(stream)
             need[receiver] += stream.nbytes
+        for receiver, streams in self.flex.items():
+            self.naming[receiver] = naming = Counter(chain.from_iterable(st.cands for st in streams))
+            for s in naming:
+                self.watchers[s].add(receiver)
         for streams in self.flex.values():
             streams.sort(key=_largest_first)
         self.receivers = sorted(need)
-        self.senders = sorted({s for by_s in self.forced.values() for s in by_s}.union(self.watchers))
+        self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.watchers))
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
         self.left = {r: sum(s.nbytes for s in self.flex.get(r, ())) / self.bw_r[r] for r in self.receivers}
@@ -196,10 +230,10 @@ class _ClassSchedule:
         self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
         self.received = dict.fromkeys(self.receivers, 0.0)  # each receiver port's (the same sums)
 
-    def run(self, forced: dict[int, list]) -> list[Segment]:
-        """The flexible segments; the forced runs go to ``forced`` (sender -> runs)."""
+    def run(self) -> tuple[list[Segment], Runs]:
+        """The flexible segments, and the forced runs (``_place_forced``)."""
         out: list[Segment] = []
-        free_at = self._place_forced(forced)
+        forced, free_at = self._place_forced()
         events = [(t, s, r) for (s, r), t in free_at.items()]  # ports busy with forced work free then
         heapq.heapify(events)
         free_s = {s for s in self.senders if (s, -1) not in free_at}
@@ -223,7 +257,7 @@ class _ClassSchedule:
                 self.left[r] -= seg.nbytes / self.bw_r[r]
                 heapq.heappush(events, (now + self._busy(seg), s, r))
             if not events:
-                return out
+                return out, forced
             now, s, r = heapq.heappop(events)
             freed_s, freed_r = [s], [r]
             while events and events[0][0] <= now:
@@ -243,41 +277,75 @@ class _ClassSchedule:
                     else:
                         only.add(s)
 
-    def _place_forced(self, out: dict[int, list]) -> dict[tuple[int, int], float]:
+    def _place_forced(self) -> tuple[Runs, dict[tuple[int, int], float]]:
         """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each
         receiver takes its forced senders back to back, in rank order rotated by the receiver's
         position (receivers of the same senders start on different ones, and each sender's table, in
         start order, goes round its receivers), each stream in chunks cut as ``_Stream.take``
-        cuts them. A port with forced work is free for flexible work once all of it is done. Each
-        sender's runs, (start, receiver, pieces), go to ``out[sender]``; returns when each port with
-        forced work frees, keyed (sender, -1) or (-1, receiver)."""
-        free_at: dict[tuple[int, int], float] = {}
-        min_bytes, per_transfer = self.options.min_chunk_bytes, self.link.per_transfer_s
-        load, received, bw_s = self.load, self.received, self.bw_s
-        for i, r in enumerate(self.receivers):
-            by_s = self.forced.get(r)
-            if not by_s:
-                continue
-            ranks = sorted(by_s)
-            at, quantum, bw_r, t = i % len(ranks), self.quantum[r], self.bw_r[r], 0.0
-            for s in ranks[at:] + ranks[:at]:
-                pieces, nbytes = by_s[s]
-                if nbytes <= quantum:  # (taken whole, as most are)
-                    chunks = [(pieces, nbytes)]
-                else:
-                    st, chunks = _Stream(frozenset((s,)), pieces), []
-                    while not st.empty:
-                        chunks.append(st.take(quantum, min_bytes))
-                runs = out[s]
-                for pieces, nbytes in chunks:
-                    data = nbytes / min(bw_s[s], bw_r)  # (as ``_busy``)
-                    load[s] += data
-                    received[r] += data
-                    runs.append((t, r, pieces))
-                    t += max(data, len(pieces) * per_transfer)
-            free_at[(-1, r)] = t
-        free_at.update(((s, -1), t) for s, t in load.items() if t)
-        return free_at
+        cuts them. A port with forced work is free for flexible work once all of it is done. Returns
+        the runs in the order placed, and when each port with forced work frees, keyed (sender, -1)
+        or (-1, receiver). Done on columns: the start times and port sums are the same additions in
+        the same order as adding chunk by chunk (``numpy.cumsum`` and ``add.at`` add in order)."""
+        if not len(self.forced_pieces):
+            return Runs.empty(), {}
+        receivers, senders = np.asarray(self.receivers, np.int64), np.asarray(self.senders, np.int64)
+        pos = np.searchsorted(receivers, self.forced_r)  # each stream's receiver's position
+        order = np.lexsort((self.forced_s, pos))  # by receiver, then sender
+        pos = pos[order]
+        first = np.flatnonzero(np.diff(pos, prepend=-1))  # each receiver's first stream
+        k = np.diff(first, append=len(pos))  # its number of senders
+        j = np.arange(len(pos)) - np.repeat(first, k)  # a sender's place among them, in rank order
+        k_of = np.repeat(k, k)
+        # rotated by the receiver's position (``pos`` stays as it is: streams move only among a receiver's)
+        order = order[np.lexsort(((j - pos % k_of) % k_of, pos))]
+        quantum = np.asarray([self.quantum[r] for r in self.receivers], np.int64)
+        nbytes, count, pieces = self.forced_bytes[order], self.forced_count[order], _take(self.forced_pieces, order)
+        stream = order
+        big = np.flatnonzero(nbytes > quantum[pos])
+        if len(big):  # (rare: a stream of more than the receiver's chunk, cut as ``_Stream.take`` cuts)
+            stream, nbytes, count, pieces = self._chunked(big, stream, nbytes, count, pieces, quantum[pos])
+            pos = np.searchsorted(receivers, self.forced_r[stream])
+        send = np.searchsorted(senders, self.forced_s[stream])
+        bw_s = np.asarray([self.bw_s[s] for s in self.senders])
+        bw_r = np.asarray([self.bw_r[r] for r in self.receivers])
+        data = nbytes / np.minimum(bw_s[send], bw_r[pos])  # (as ``_busy``)
+        took = np.maximum(data, count * self.link.per_transfer_s)
+        start, free_at = np.empty(len(took)), {}
+        bounds = [*np.flatnonzero(np.diff(pos, prepend=-1)).tolist(), len(pos)]
+        for a, b in zip(bounds, bounds[1:]):  # each receiver's chunks back to back from 0
+            ends = np.cumsum(took[a:b])
+            start[a], start[a + 1:b] = 0.0, ends[:-1]
+            free_at[(-1, self.receivers[int(pos[a])])] = float(ends[-1])
+        load, received = np.zeros(len(senders)), np.zeros(len(receivers))
+        np.add.at(load, send, data)
+        np.add.at(received, pos, data)
+        self.load.update(zip(self.senders, load.tolist()))
+        self.received.update(zip(self.receivers, received.tolist()))
+        free_at.update(((s, -1), t) for s, t in self.load.items() if t)
+        return Runs(start, self.forced_r[stream], self.forced_s[stream], pieces), free_at
+
+    def _chunked(self, big: np.ndarray, stream, nbytes, count, pieces: list, quantum):
+        """The forced streams in placement order with those at ``big`` cut into chunks (``_Stream.take``):
+        each chunk's stream, bytes, piece count and pieces."""
+        min_bytes, reps, cut = self.options.min_chunk_bytes, np.ones(len(stream), np.int64), {}
+        for i in big.tolist():
+            st = _Stream(frozenset(), pieces[i])
+            chunks = cut[i] = []
+            while not st.empty:
+                chunks.append(st.take(int(quantum[i]), min_bytes))
+            reps[i] = len(chunks)
+        at = np.cumsum(reps) - reps
+        stream, nbytes, count = np.repeat(stream, reps), np.repeat(nbytes, reps), np.repeat(count, reps)
+        out, done = [], 0
+        for i, chunks in cut.items():
+            out.extend(pieces[done:i])
+            a = int(at[i])
+            nbytes[a:a + len(chunks)] = [n for _, n in chunks]
+            count[a:a + len(chunks)] = [len(p) for p, _ in chunks]
+            out.extend(p for p, _ in chunks)
+            done = i + 1
+        out.extend(pieces[done:])
+        return stream, nbytes, count, out
 
     def _busy(self, seg: Segment) -> float:
         """How long ``seg`` holds its ports in the schedule's time (its sender's load grows by its data)."""
@@ -423,3 +491,23 @@ def _cut_tail(seg: Segment, nbytes: int) -> Segment:
 
 def _largest_first(st: _Stream) -> tuple[int, int]:
     return -st.nbytes, st.seq
+
+
+def _sums(lists: list[list[Piece]], counts: np.ndarray) -> np.ndarray:
+    """Each list's bytes (exact: integer sums)."""
+    if not lists:
+        return np.zeros(0, np.int64)
+    flat = np.fromiter(map(_nbytes, chain.from_iterable(lists)), np.int64, int(counts.sum()))
+    return np.add.reduceat(flat, np.cumsum(counts) - counts)
+
+
+def _by(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """``values`` summed by ``at`` (integers, exact)."""
+    out = np.zeros(n, np.int64)
+    np.add.at(out, at, values)
+    return out
+
+
+def _take(items: list, order: np.ndarray) -> list:
+    """``items`` in ``order``."""
+    return list(operator.itemgetter(*order.tolist())(items)) if len(order) > 1 else [items[i] for i in order.tolist()]

@@ -2,7 +2,8 @@
 expected entries, kept as columns.
 
 How this works: ``build_tables`` orders each sender's work by when it starts in the schedule (by
-receiver at a tie) and ``tables_from_assignment`` numbers it: a sender's transfers are its pieces
+receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``), and
+``tables_from_assignment`` numbers it: a sender's transfers are its pieces
 (tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object
 per transfer). The receivers'
 entries are the same transfers seen from the other end, sorted by (receiver, region, offset), a tie
@@ -47,13 +48,20 @@ class RoutingPlan:
 
 def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: Sequence[Participant],
                  plan_id: int) -> RoutingPlan:
-    """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie)."""
-    ordered = {s: list(chain.from_iterable(map(_pieces, sorted(runs, key=_by_start))))
-               for s, runs in sched.runs().items()}
+    """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie; a tie
+    in both keeps ``Schedule.runs``' order): one stable sort of every run."""
+    runs = sched.runs()
+    if not len(runs):
+        return tables_from_assignment({}, senders, receivers, plan_id)
+    order = np.lexsort((runs.receiver, runs.start, runs.sender))
+    ordered_pieces = operator.itemgetter(*order.tolist())(runs.pieces) if len(order) > 1 else runs.pieces
+    flat = list(chain.from_iterable(ordered_pieces))
+    by = runs.sender[order]
+    firsts = np.flatnonzero(np.diff(by, prepend=-1))
+    counts = np.fromiter(map(len, ordered_pieces), np.int64, len(order))
+    bounds = [*(np.cumsum(counts) - counts)[firsts].tolist(), len(flat)]
+    ordered = {s: flat[a:b] for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:])}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
-
-
-_by_start, _pieces = operator.itemgetter(0, 1), operator.itemgetter(2)
 
 
 # a transfer's column <- the piece field it is read from

@@ -322,7 +322,9 @@ def test_the_schedule_keeps_each_ports_busy_time_as_its_work_sums(scenario, min_
     sched = schedule(group_by_locality(pieces, senders, receivers, prefer, link), link, options)
     sender_of, receiver_of = {p.rank: p for p in senders}, {p.rank: p for p in receivers}
     sending, receiving = defaultdict(float), defaultdict(float)
-    forced = [(start, s, r, pieces) for s, runs in sched.forced.items() for start, r, pieces in runs]
+    forced = [(start, s, r, pieces) for runs in sched.forced
+              for start, r, s, pieces in zip(runs.start.tolist(), runs.receiver.tolist(), runs.sender.tolist(),
+                                             runs.pieces)]
     flexible = [(g.start, g.sender, g.receiver, g.pieces) for g in sched.segments]
     for sums, port, work in ((sending, 1, forced), (receiving, 2, sorted(forced, key=lambda w: (w[2], w[0]))),
                              (sending, 1, flexible), (receiving, 2, flexible)):  # (in the order placed)
@@ -332,6 +334,58 @@ def test_the_schedule_keeps_each_ports_busy_time_as_its_work_sums(scenario, min_
             sums[w[port], cls] += sum(p.nbytes for p in pieces) / link.bandwidth(cls, s, r)
     assert {k: v for k, v in sched.sending.items() if v} == dict(sending)
     assert {k: v for k, v in sched.receiving.items() if v} == dict(receiving)
+
+
+def _forced_chunk_by_chunk(one):
+    """The forced placement as a plain loop, chunk by chunk (``_ClassSchedule._place_forced``'s rule):
+    (runs as (start, receiver, sender, pieces), each port's busy time, when each port frees)."""
+    from weightsync.engine.plan.schedule import _Stream
+
+    by_r: dict[int, dict[int, list]] = {}
+    for r, s, pieces in zip(one.forced_r.tolist(), one.forced_s.tolist(), one.forced_pieces):
+        by_r.setdefault(r, {})[s] = list(pieces)
+    load, received = dict.fromkeys(one.senders, 0.0), dict.fromkeys(one.receivers, 0.0)
+    runs, free_at = [], {}
+    for i, r in enumerate(one.receivers):
+        if r not in by_r:
+            continue
+        ranks, t, bw_r = sorted(by_r[r]), 0.0, one.bw_r[r]
+        for s in ranks[i % len(ranks):] + ranks[:i % len(ranks)]:
+            st = _Stream(frozenset((s,)), by_r[r][s])
+            while not st.empty:
+                pieces, nbytes = st.take(one.quantum[r], one.options.min_chunk_bytes)
+                data = nbytes / min(one.bw_s[s], bw_r)
+                load[s] += data
+                received[r] += data
+                runs.append((t, r, s, pieces))
+                t += max(data, len(pieces) * one.link.per_transfer_s)
+        free_at[(-1, r)] = t
+    free_at.update(((s, -1), t) for s, t in load.items() if t)
+    return runs, load, received, free_at
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixed_locality(), st.integers(1, 64), st.sampled_from([0.0, 1e-6]))
+def test_forced_work_is_placed_on_columns_as_chunk_by_chunk(scenario, min_chunk, per_transfer):
+    """``_place_forced`` works on columns (numpy): every run, its start, and every port's busy time
+    and free time are exactly those of placing the forced streams chunk by chunk, streams longer than
+    a receiver's chunk cut as ``_Stream.take`` cuts them (a small ``min_chunk`` makes such cuts), and
+    receivers in any order (spread receivers come after the others in ``groups``)."""
+    import dataclasses
+
+    from weightsync.engine.plan.planner import group_by_locality
+    from weightsync.engine.plan.schedule import _ClassSchedule
+
+    senders, receivers, link = scenario
+    link = dataclasses.replace(link, per_transfer_s=per_transfer)
+    options = PlanOptions(min_chunk_bytes=min_chunk * 16, chunks_per_receiver=4)
+    pieces, _ = build_pieces(senders, receivers)
+    for cls, groups in group_by_locality(pieces, senders, receivers, True, link).items():
+        want = _forced_chunk_by_chunk(_ClassSchedule(cls, groups, link, options))
+        one = _ClassSchedule(cls, groups, link, options)
+        runs, free_at = one._place_forced()
+        got = list(zip(runs.start.tolist(), runs.receiver.tolist(), runs.sender.tolist(), runs.pieces))
+        assert (got, one.load, one.received, free_at) == want
 
 
 def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
