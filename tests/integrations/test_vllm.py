@@ -51,10 +51,10 @@ def vllm_greedy(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def make_llm(path: str, tp: int):
+def make_llm(path: str, tp: int, **engine_args):
     return vllm.LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
                     tensor_parallel_size=tp, kv_cache_memory_bytes=128 << 20, worker_extension_cls=EXTENSION,
-                    seed=0)
+                    seed=0, **engine_args)
 
 
 @pytest.fixture(params=[1, 2], ids=["tp1", "tp2"], scope="module")
@@ -268,10 +268,10 @@ def tiny_deepseek(seed: int) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def engine(path: str, tp: int, first_cpu: int = 0):
+def engine(path: str, tp: int, first_cpu: int = 0, **engine_args):
     with pytest.MonkeyPatch.context() as mp:  # one core per worker
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(first_cpu + i) for i in range(tp)))
-        llm = make_llm(path, tp)
+        llm = make_llm(path, tp, **engine_args)
     try:
         yield llm
     finally:
@@ -287,9 +287,12 @@ def served_deepseek(request, tmp_path_factory):
     for seed in (0, 1):
         paths.append(str(tmp_path_factory.mktemp(f"deepseek-{seed}-tp{tp}")))
         tiny_deepseek(seed).save_pretrained(paths[-1])
-    with engine(paths[1], tp) as llm:
+    # vLLM's CPU MLA kernel by name: on a CPU with AMX tiles it would take its AMX kernel, which packs
+    # bf16 or fp16 weights only (these are float32); CPU_MLA is what a CPU without AMX runs anyway
+    mla = dict(attention_backend="CPU_MLA")
+    with engine(paths[1], tp, **mla) as llm:
         loaded = vllm_greedy(llm)
-    with engine(paths[0], tp) as llm:
+    with engine(paths[0], tp, **mla) as llm:
         yield llm, tp, loaded
 
 
