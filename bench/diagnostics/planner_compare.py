@@ -60,6 +60,8 @@ def worker(root: str, which: str, plans: int, instructions: bool = False) -> Non
                    for r in range(layout.world)]
         receivers = [Participant(r, ps.receiver_manifest(params, r, tp, ep, bool(fp8 and fp8[0])),
                                  ps._transport(where, r)) for r in range(n_recv)]
+    for p in (*senders, *receivers):  # both trees plan manifests checked as decoding checks them (names
+        p.manifest._check()  # hashed), whether or not their bench's ``participants`` did
     link = LinkModel(net_bw=400e9 / 8, per_transfer_s=2e-6)
     seconds, routing = [], None
     for _ in range(plans):

@@ -21,6 +21,7 @@ Every failure is a ``PlanError`` naming the parameter and ranks.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterable, Mapping, Optional, Sequence
 
 
@@ -169,7 +170,7 @@ class Resolver:
         last: tuple = ((), [])  # (names, dtypes, ties) of the receiver before, and its tensors' facts
         for rank, manifest in receivers:
             ts = manifest.tensors
-            sig = ([t.name for t in ts], [t.dtype for t in ts], [t.tied_to is None for t in ts])
+            sig = (list(map(_name, ts)), list(map(_dtype, ts)), list(map(_tied_to, ts)))
             if sig != last[0]:
                 last = (sig, self._facts(manifest))
             self._rows(rank, ts, last[1], sig[0], add)
@@ -283,6 +284,7 @@ def _templates(t: TensorSpec, rank: int, scale_of, names, rules, shapes, sources
 
 
 Resolved = tuple[int, str, int, int, int, int]  # ``Resolver.tensors``
+_name, _dtype, _tied_to = attrgetter("name"), attrgetter("dtype"), attrgetter("tied_to")
 
 
 def _layout(t: TensorSpec) -> tuple:
