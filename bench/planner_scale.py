@@ -125,7 +125,7 @@ def participants(arch, layout, n_recv, tp, ep, colocated, fp8=False, layers=None
     where = "train" if colocated else "infer"
     receivers = [Participant(r, receiver_manifest(params, r, tp, ep, fp8), _transport(where, r)) for r in range(n_recv)]
     for p in (*senders, *receivers):  # as a controller holds them: decoding a manifest checks it, which
-        p.manifest._check()  # hashes every tensor name (else the first plan would, ~0.8 s at 1024 -> 512)
+        p.manifest._check()  # hashes every tensor name (else the first plan would: about 1 s at 1024 -> 512)
     return senders, receivers, params
 
 

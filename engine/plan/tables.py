@@ -54,13 +54,13 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
     if not len(runs):
         return tables_from_assignment({}, senders, receivers, plan_id)
     order = np.lexsort((runs.receiver, runs.start, runs.sender))
-    ordered_pieces = operator.itemgetter(*order.tolist())(runs.pieces) if len(order) > 1 else runs.pieces
-    flat = list(chain.from_iterable(ordered_pieces))
     by = runs.sender[order]
-    firsts = np.flatnonzero(np.diff(by, prepend=-1))
-    counts = np.fromiter(map(len, ordered_pieces), np.int64, len(order))
-    bounds = [*(np.cumsum(counts) - counts)[firsts].tolist(), len(flat)]
-    ordered = {s: flat[a:b] for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:])}
+    firsts = np.flatnonzero(np.diff(by, prepend=-1))  # each sender's first run
+    bounds, pieces = [*firsts.tolist(), len(order)], runs.pieces
+    ordered = {}
+    for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:]):
+        at = order[a:b].tolist()
+        ordered[s] = list(chain.from_iterable(operator.itemgetter(*at)(pieces))) if b - a > 1 else list(pieces[at[0]])
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
 
