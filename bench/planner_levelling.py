@@ -1,4 +1,4 @@
-"""Levelling on random instances: the same plan with and without ``schedule.balance``, in the model.
+"""Levelling on random instances: the same plan with and without ``levelling.balance``, in the model.
 
 Levelling moves flexible work off a sender port that would be the bottleneck; it lowers the busiest
 port's time, and the lane replay (``model.makespan``) says whether the round ends sooner. This runs

@@ -31,7 +31,8 @@ from planner_compare import digest  # noqa: E402
 from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, plan  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, index_sources  # noqa: E402
 from weightsync.engine.plan.planner import group_by_locality  # noqa: E402
-from weightsync.engine.plan.schedule import _ClassSchedule, balance, schedule  # noqa: E402
+from weightsync.engine.plan.levelling import balance  # noqa: E402
+from weightsync.engine.plan.schedule import _ClassSchedule, schedule  # noqa: E402
 from weightsync.engine.plan.tables import build_tables  # noqa: E402
 
 

@@ -12,7 +12,7 @@ How this works, in five steps:
    in bulk, each receiver's rotated over its senders; then a list schedule over virtual time gives
    each chunk of a receiver's flexible streams (about 1/8 of its bytes) a free candidate sender, the
    least loaded counting its forced work.
-4. Levelling (``schedule.balance``): where a sender port would be the bottleneck, the busiest hands
+4. Levelling (``levelling.balance``): where a sender port would be the bottleneck, the busiest hands
    part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
    lowers it.
 5. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
@@ -37,7 +37,8 @@ from .links import LinkClass, LinkModel, Participant, classes_of, by_host, host_
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_streams
-from .schedule import balance, schedule
+from .levelling import balance
+from .schedule import schedule
 from .tables import RoutingPlan, build_tables
 
 MiB = 1 << 20
@@ -48,7 +49,7 @@ class PlanOptions:
     min_chunk_bytes: int = 32 * MiB  # never cut a tensor into pieces smaller than this
     chunks_per_receiver: int = 8  # a receiver's bytes go out in about this many chunks
     prefer_locality: bool = True
-    level: bool = True  # even out sender ports after the schedule (``schedule.balance``)
+    level: bool = True  # even out sender ports after the schedule (``levelling.balance``)
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:

@@ -11,8 +11,8 @@ the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundari
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
 only once one of its candidates frees. The result is a ``Schedule``: the flexible work as
 ``Segment``s (sender, receiver, pieces, start), the forced work as ``Runs`` (columns), and each port's
-busy time, summed as the work is placed. ``balance`` then levels sender ports where one would be the
-bottleneck (see its docstring), reading those sums. ``tables.build_tables`` turns it into tables.
+busy time, summed as the work is placed. ``levelling.balance`` then levels sender ports where one would
+be the bottleneck, reading those sums. ``tables.build_tables`` turns it into tables.
 """
 
 from __future__ import annotations
@@ -386,107 +386,6 @@ class _ClassSchedule:
             else:
                 del naming[s]
                 self.watchers[s].discard(r)
-
-
-def balance(sched: Schedule, link: LinkModel, options: "PlanOptions") -> None:
-    """Even out sender ports where one would be the bottleneck (busier than every receiver port): the
-    busiest sender port hands part of a flexible segment to its least busy candidate, enough to bring
-    the two level (water-filling, cut at a row boundary, never a part under ``min_chunk_bytes`` unless
-    the whole segment moves), until no such move lowers it. The list schedule gives a flexible segment
-    only to a candidate free at that moment, so a pair of senders sharing work can end apart (Kimi-K2
-    128 -> 128 from FSDP+EP64: 0.409 against 0.425 s); this levels them. A move goes only to a port as
-    fast for that receiver and leaves the pair no further apart than it found them, so the sum of
-    squared port times falls at every move: it ends. A moved part keeps its place in the schedule's
-    time (after what stays), which orders it in its new sender's table. ``sched``'s segments and
-    sending times are updated in place."""
-    segments, load = sched.segments, sched.sending
-    movable: dict[tuple[int, LinkClass], list[Segment]] = defaultdict(list)
-    for seg in segments:
-        if len(seg.cands) > 1:
-            movable[seg.sender, seg.cls].append(seg)
-    top_r = max(sched.receiving.values(), default=0.0)  # the busiest receiver port: no makespan is shorter
-    heap = [(-v, key) for key, v in load.items() if v > top_r]
-    heapq.heapify(heap)
-    while heap:
-        top, key = heapq.heappop(heap)
-        if -top != load[key]:
-            continue  # an outdated entry
-        move = _best_move(movable[key], key, load, link, options.min_chunk_bytes)
-        if move is None:
-            continue
-        seg, to, nbytes, bw_from, bw_to = move
-        part = _cut_tail(seg, nbytes) if nbytes < seg.nbytes else seg
-        load[key] -= nbytes / bw_from
-        load[to, seg.cls] += nbytes / bw_to
-        if part is seg:
-            movable[key].remove(seg)
-        else:
-            part.start = seg.start + seg.nbytes / bw_from  # after what stays
-            segments.append(part)
-        part.sender = to
-        movable[to, seg.cls].append(part)
-        for k in (key, (to, seg.cls)):
-            if load[k] > top_r:
-                heapq.heappush(heap, (-load[k], k))
-
-
-def _best_move(segs: list[Segment], key, load, link: LinkModel, min_bytes: int):
-    """(segment, candidate, bytes, the two bandwidths): the largest of ``segs`` (sent by ``key``'s port)
-    that a candidate as fast and less busy can take part of; the least busy such candidate, and the
-    bytes that level the two (all of the segment at most; a part of ``min_bytes`` at least, cut at a
-    row boundary)."""
-    s, top = key[0], load[key]
-    for seg in sorted(segs, key=lambda g: (-g.nbytes, g.start, g.receiver)):
-        bw_from = link.bandwidth(seg.cls, s, seg.receiver)
-        least = min(seg.nbytes, min_bytes)  # the smallest part that may move must already help
-        best = None  # (candidate, its bandwidth)
-        for t in sorted(seg.cands):
-            if t == s or (best is not None and load[t, seg.cls] >= load[best[0], seg.cls]):
-                continue
-            bw_to = link.bandwidth(seg.cls, t, seg.receiver)
-            if bw_to >= bw_from and load[t, seg.cls] + least / bw_to < top - least / bw_from:
-                best = (t, bw_to)
-        if best is None:
-            continue
-        t, bw_to = best
-        x = (top - load[t, seg.cls]) / (1 / bw_from + 1 / bw_to)  # load[t] + x / bw_to = top - x / bw_from
-        nbytes = _tail_bytes(seg, min(int(x), seg.nbytes))
-        if nbytes and (nbytes == seg.nbytes or nbytes >= min_bytes):  # (nothing to move: not a move)
-            return seg, t, nbytes, bw_from, bw_to
-    return None
-
-
-def _tail_bytes(seg: Segment, want: int) -> int:
-    """The bytes of the largest tail of ``seg`` of at most ``want`` bytes that ends on piece or row
-    boundaries."""
-    got = 0
-    for p in reversed(seg.pieces):
-        if got + p.nbytes <= want:
-            got += p.nbytes
-            continue
-        if p.row_bytes and p.slice is not None:
-            got += (want - got) // p.row_bytes * p.row_bytes
-        break
-    return got
-
-
-def _cut_tail(seg: Segment, nbytes: int) -> Segment:
-    """Take the last ``nbytes`` (from ``_tail_bytes``) off ``seg``, as a new segment of the same stream."""
-    tail: list[Piece] = []
-    left = nbytes
-    seg.pieces = list(seg.pieces)  # (may be its stream's own list)
-    while left:
-        p = seg.pieces[-1]
-        if p.nbytes <= left:
-            tail.append(seg.pieces.pop())
-            left -= p.nbytes
-        else:
-            head, rest = p.split(p.nbytes - left)
-            seg.pieces[-1] = head
-            tail.append(rest)
-            left = 0
-    seg.nbytes -= nbytes
-    return Segment(seg.receiver, seg.cls, tail[::-1], seg.sender, nbytes, seg.cands)
 
 
 def _largest_first(st: _Stream) -> tuple[int, int]:

@@ -663,7 +663,8 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
     """Sender 0 has 12 units for receiver 0 and 4 for receiver 1, both also sendable by sender 1, which
     has 4 units of its own: 16 against 4. Levelling hands sender 1 the last 6 units of receiver 0's
     segment (rows cut where the two meet), 10 and 10, the moved rows right after the kept ones."""
-    from weightsync.engine.plan.schedule import Schedule, Segment, balance
+    from weightsync.engine.plan.levelling import balance
+    from weightsync.engine.plan.schedule import Schedule, Segment
     from weightsync.engine.plan.sources import Piece
 
     link, row = LinkModel(net_bw=1e9, per_transfer_s=0.0), 1024  # bytes per row; a unit is 256 rows
@@ -686,7 +687,8 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
 def test_levelling_never_cuts_what_cannot_be_cut():
     """A segment of one piece that cannot be split (no row size) either moves whole or stays, even with
     no floor on a part's size: 3 units against 0 moves nothing (whole, it would end at 3 too)."""
-    from weightsync.engine.plan.schedule import Schedule, Segment, balance
+    from weightsync.engine.plan.levelling import balance
+    from weightsync.engine.plan.schedule import Schedule, Segment
     from weightsync.engine.plan.sources import Piece
 
     link, n = LinkModel(net_bw=1e9, per_transfer_s=0.0), 3 << 20
