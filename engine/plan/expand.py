@@ -14,7 +14,6 @@ schedule starts from (``planner.group_by_locality``).
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from itertools import repeat
 from math import prod
@@ -24,7 +23,7 @@ import numpy as np
 
 from weightsync.wire import dtype_size
 
-from .sources import Interned, Piece, Source, make_piece
+from .sources import Interned, Piece, Source, in_order, make_piece
 
 __all__ = ["Expanded"]
 
@@ -179,7 +178,7 @@ class Expanded:
         first = first[at.reshape(-1)]  # each row's stream, as the stream's first row
         order = np.argsort(first, kind="stable")
         starts = np.flatnonzero(np.diff(first[order], prepend=-1))
-        grouped = list(operator.itemgetter(*order.tolist())(pieces)) if rows > 1 else list(pieces)
+        grouped = in_order(pieces, order)
         bounds = [*starts.tolist(), rows]
         return [grouped[a:b] for a, b in zip(bounds, bounds[1:])]
 

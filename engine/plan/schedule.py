@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from .links import LinkClass, LinkModel
-from .sources import Piece
+from .sources import Piece, in_order
 
 _nbytes = operator.attrgetter("nbytes")
 
@@ -299,7 +299,7 @@ class _ClassSchedule:
         # rotated by the receiver's position (``pos`` stays as it is: streams move only among a receiver's)
         order = order[np.lexsort(((j - pos % k_of) % k_of, pos))]
         quantum = np.asarray([self.quantum[r] for r in self.receivers], np.int64)
-        nbytes, count, pieces = self.forced_bytes[order], self.forced_count[order], _take(self.forced_pieces, order)
+        nbytes, count, pieces = self.forced_bytes[order], self.forced_count[order], in_order(self.forced_pieces, order)
         stream = order
         big = np.flatnonzero(nbytes > quantum[pos])
         if len(big):  # (rare: a stream of more than the receiver's chunk, cut as ``_Stream.take`` cuts)
@@ -406,7 +406,3 @@ def _by(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     np.add.at(out, at, values)
     return out
 
-
-def _take(items: list, order: np.ndarray) -> list:
-    """``items`` in ``order``."""
-    return list(operator.itemgetter(*order.tolist())(items)) if len(order) > 1 else [items[i] for i in order.tolist()]

@@ -12,6 +12,7 @@ write into a receiver with its candidate senders; ``needs.build_pieces`` makes t
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import namedtuple
 from typing import Optional, Sequence
 
@@ -60,6 +61,13 @@ class Piece(namedtuple("Piece", _PIECE_FIELDS)):
 
 
 make_piece = tuple.__new__  # make_piece(Piece, fields): a Piece without a Python call
+
+
+def in_order(items: Sequence, order) -> list:
+    """``items`` taken at the positions in ``order`` (an integer array), as a list: one C call for
+    the 10^5-10^6 pieces or runs of a plan."""
+    at = order.tolist()
+    return list(operator.itemgetter(*at)(items)) if len(at) > 1 else [items[i] for i in at]
 
 
 class Source:

@@ -26,6 +26,7 @@ from weightsync.wire.columns import Rows
 
 from .links import Participant
 from .needs import Piece
+from .sources import in_order
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -59,8 +60,7 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
     bounds, pieces = [*firsts.tolist(), len(order)], runs.pieces
     ordered = {}
     for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:]):
-        at = order[a:b].tolist()
-        ordered[s] = list(chain.from_iterable(operator.itemgetter(*at)(pieces))) if b - a > 1 else list(pieces[at[0]])
+        ordered[s] = list(chain.from_iterable(in_order(pieces, order[a:b])))
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
 
