@@ -1,11 +1,14 @@
-"""Small builders for planner tests: participants from {name: shape} dicts, and a coverage checker."""
+"""Small builders for planner tests: participants from {name: shape} dicts, a coverage checker, and
+random instances with mixed locality (hypothesis)."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 
-from weightsync.engine.plan import Participant, RoutingPlan
+from hypothesis import strategies as st
+
+from weightsync.engine.plan import LinkModel, Participant, RoutingPlan
 from weightsync.wire import Manifest, RegionInfo, ShardSpec, TensorSpec, TransportInfo, dtype_size
 
 
@@ -57,3 +60,34 @@ def check_coverage(plan: RoutingPlan, receivers) -> None:
             assert at == t.offset + t.nbytes, f"{t.name} on receiver {rp.rank}: ends at {at}"
         assert not spans, f"unexpected names {sorted(spans)}"
     assert not mirrored, "transfers nobody expects"
+
+
+@st.composite
+def mixed_locality(draw):
+    """Replicas and FSDP shards spread over hosts and GPUs, so pieces can arrive over several link
+    classes, some only after a gather."""
+    n_send = draw(st.integers(1, 5))
+    names = {f"p{i}": (draw(st.integers(n_send, 64)), 16) for i in range(draw(st.integers(1, 5)))}
+    fsdp = {n for n in names if draw(st.booleans())}  # dim-0 shards over every sender, gathered if need be
+    place = st.tuples(st.sampled_from(["h0", "h1", "h2"]), st.sampled_from(["cuda:0", "cuda:1"]))
+    senders = []
+    for r in range(n_send):
+        host, device = draw(place)
+        specs = []
+        for n, shape in names.items():
+            if n in fsdp:
+                rows = (shape[0] * r // n_send, shape[0] * (r + 1) // n_send)
+                specs.append(tensor(n, shape, shard=(0, *rows), gatherable=True))
+            elif r == 0 or draw(st.booleans()):  # sender 0 holds everything: every need has a supplier
+                specs.append(tensor(n, shape))
+        senders.append(participant(r, specs, host=host, device=device))
+    receivers = []
+    for r in range(draw(st.integers(1, 4))):
+        host, device = draw(place)
+        # a cast or a column slice of FSDP rows needs a gather or blocks
+        need = [tensor(n, s, dtype=draw(st.sampled_from(["float32", "float16"])) if n in fsdp else "float32",
+                       shard=(1, 0, 8) if n in fsdp and draw(st.booleans()) else None) for n, s in names.items()]
+        receivers.append(participant(r, need, host=host, device=device))
+    link = LinkModel(net_bw=draw(st.sampled_from([1e9, 5e9])), host_bw=draw(st.sampled_from([2e9, 8e9])),
+                     local_bw=draw(st.sampled_from([4e9, 3e10])), per_transfer_s=0.0)
+    return senders, receivers, link

@@ -9,7 +9,8 @@ flexible work once its forced work is done. Then, whenever a receiver's port is 
 free candidate, the candidate with the least work (its forced work and what it was given so far) and
 the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries, ``_Stream.take``).
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
-only once one of its candidates frees. The result is a ``Schedule``: the flexible work as
+only once one of its candidates frees. A stream's candidates and the free senders are also kept as
+integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream. The result is a ``Schedule``: the flexible work as
 ``Segment``s (sender, receiver, pieces, start), the forced work as ``Runs`` (columns), and each port's
 busy time, summed as the work is placed. ``levelling.balance`` then levels sender ports where one would
 be the bottleneck, reading those sums. ``tables.build_tables`` turns it into tables.
@@ -22,7 +23,7 @@ import dataclasses
 import heapq
 import operator
 from collections import Counter, defaultdict
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress, count
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ from .links import LinkClass, LinkModel
 from .sources import Piece, in_order
 
 _nbytes = operator.attrgetter("nbytes")
+_mask = operator.attrgetter("mask")
 
 if TYPE_CHECKING:
     from .planner import PlanOptions
@@ -56,10 +58,11 @@ class _Stream:
     """A receiver's queue of pieces that the senders in ``cands`` may supply. ``ends`` holds each
     piece's end offset in the stream, so a take finds its whole pieces by bisection."""
 
-    __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq")
+    __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq", "mask")
 
     def __init__(self, cands: frozenset[int], pieces: list[Piece], seq: int = 0) -> None:
         self.cands = cands
+        self.mask = 0  # its candidates as bits (``_ClassSchedule.bit``)
         self.seq = seq  # breaks ties between streams of equal bytes left
         self.pieces = pieces
         self.ends = list(accumulate(map(_nbytes, pieces)))
@@ -190,8 +193,9 @@ class _ClassSchedule:
         self.cls, self.link, self.options = cls, link, options
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
-        # receiver -> sender -> how many of its streams with work left name that sender
-        self.naming: dict[int, Counter[int]] = {}
+        # receiver -> sender -> how many of its streams with work left name that sender, where two or more
+        # (a sender it watches and not here is named by one)
+        self.naming: dict[int, dict[int, int]] = {}
         forced_r, forced_s, flexible = [], [], []
         self.forced_pieces: list[list[Piece]] = []  # the forced streams: (receiver, its one sender) unique
         for receiver, streams in groups.items():
@@ -210,18 +214,28 @@ class _ClassSchedule:
         need: dict[int, int] = defaultdict(int)  # receiver -> bytes
         got, at = np.unique(self.forced_r, return_inverse=True)
         need.update(zip(got.tolist(), _by(at, self.forced_bytes, len(got)).tolist()))
+        watched: dict[int, Counter[int]] = {}  # receiver -> the senders its streams name
+        frozen: dict[tuple[int, ...], frozenset[int]] = {}  # (receivers of one layout share candidate tuples)
         for seq, (receiver, cands) in enumerate(sorted(flexible)):
-            stream = _Stream(frozenset(cands), groups[receiver][cands], seq)
+            fs = frozen.get(cands)
+            if fs is None:
+                fs = frozen[cands] = frozenset(cands)
+            stream = _Stream(fs, groups[receiver][cands], seq)
             self.flex[receiver].append(stream)
             need[receiver] += stream.nbytes
         for receiver, streams in self.flex.items():
-            self.naming[receiver] = naming = Counter(chain.from_iterable(st.cands for st in streams))
-            for s in naming:
-                self.watchers[s].add(receiver)
-        for streams in self.flex.values():
+            named = Counter(chain.from_iterable(st.cands for st in streams))
+            watched[receiver] = named
+            self.naming[receiver] = {k: n for k, n in named.items() if n > 1}
             streams.sort(key=_largest_first)
+        self.watchers.update(_watchers(watched))
         self.receivers = sorted(need)
         self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.watchers))
+        self.bit = {s: 1 << i for i, s in enumerate(self.senders)}  # a set of senders as one int: its bits
+        masks = {id(fs): _bits(fs, self.bit) for fs in frozen.values()}
+        for streams in self.flex.values():
+            for st in streams:
+                st.mask = masks[id(st.cands)]
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
         self.left = {r: sum(s.nbytes for s in self.flex.get(r, ())) / self.bw_r[r] for r in self.receivers}
@@ -240,19 +254,27 @@ class _ClassSchedule:
         free_r = {r for r in self.flex if (-1, r) not in free_at}  # free receivers with flexible work left
         # of those, the ones that may find a sender now: None, any free candidate; else only these senders
         to_try: dict[int, Optional[set[int]]] = dict.fromkeys(free_r)
+        bit = self.bit
+        free_bits = _bits(free_s, bit)  # free_s as bits: a stream's free candidates by one integer and
         now = 0.0
         while True:
             left = self.left
             for _, r in sorted([(-left[r], r) for r in to_try]):  # the most work left first
                 if not free_s:
                     break  # (no receiver can find a sender now)
-                seg = self._match(r, free_s, to_try[r])
+                only = to_try[r]
+                if only is not None:
+                    if only.isdisjoint(free_s):
+                        continue  # (woken by senders another receiver took first)
+                    only = only & free_s
+                seg = self._match(r, free_s, free_bits) if only is None else self._match(r, only, _bits(only, bit))
                 if seg is None:
                     continue
                 s = seg.sender
                 seg.start = now
                 out.append(seg)
                 free_s.discard(s)
+                free_bits ^= bit[s]
                 free_r.discard(r)
                 self.left[r] -= seg.nbytes / self.bw_r[r]
                 heapq.heappush(events, (now + self._busy(seg), s, r))
@@ -266,6 +288,8 @@ class _ClassSchedule:
                 freed_r.append(r2)
             freed_s = [s for s in freed_s if s >= 0]  # (-1: an event that frees a receiver port only)
             free_s.update(freed_s)
+            for s in freed_s:
+                free_bits |= bit[s]
             free_r.update(r for r in freed_r if self.flex.get(r))
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
             waiting = free_r.difference(to_try)
@@ -354,18 +378,16 @@ class _ClassSchedule:
         self.received[seg.receiver] += data
         return max(data, len(seg.pieces) * self.link.per_transfer_s)
 
-    def _match(self, r: int, free_s: set[int], only: Optional[set[int]]) -> Optional[Segment]:
-        """Of receiver r's largest stream with a free candidate (among ``only``, if given), the next
-        chunk, from the candidate with the least work (forced, and given so far). A stream taken to
-        its end stops naming its candidates to the receiver (``naming``, ``watchers``)."""
-        if only is not None:
-            free_s = only & free_s
-            if not free_s:
-                return None
+    def _match(self, r: int, free_s: set[int], free_bits: int) -> Optional[Segment]:
+        """Of receiver r's largest stream with a candidate in ``free_s`` (``free_bits``, as bits), the
+        next chunk, from the candidate with the least work (forced, and given so far). A stream taken
+        to its end stops naming its candidates to the receiver (``naming``, ``watchers``)."""
         flex_r, load = self.flex[r], self.load
-        for i, st in enumerate(flex_r):
-            if st.cands.isdisjoint(free_s):
-                continue
+        # the first stream with a free candidate: the scan is the hot loop, so it is one integer AND
+        # per stream, by C-level iterators
+        i = next(compress(count(), map(free_bits.__and__, map(_mask, flex_r))), None)
+        if i is not None:
+            st = flex_r[i]
             s = min(st.cands & free_s, key=lambda s: (load[s], s))
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
@@ -377,15 +399,48 @@ class _ClassSchedule:
         return None
 
     def _unname(self, r: int, cands: frozenset[int]) -> None:
-        """Receiver r's stream of ``cands`` is done: r stops watching the senders no other stream names."""
+        """Receiver r's stream of ``cands`` is done: r stops watching the senders no other stream names
+        (those not in ``naming[r]``, which counts only senders named by two or more streams left)."""
         naming = self.naming[r]
-        for s in cands:
-            left = naming[s] - 1
-            if left:
-                naming[s] = left
-            else:
-                del naming[s]
-                self.watchers[s].discard(r)
+        gone = cands
+        if naming and not naming.keys().isdisjoint(cands):
+            gone = []
+            for s in cands:
+                k = naming.get(s)
+                if k is None:
+                    gone.append(s)
+                elif k == 2:
+                    del naming[s]
+                else:
+                    naming[s] = k - 1
+        watchers = self.watchers
+        for s in gone:
+            watchers[s].discard(r)
+
+
+def _watchers(naming: dict[int, dict[int, int]]) -> dict[int, set[int]]:
+    """sender -> the receivers whose streams name it, from receiver -> sender -> count: the pairs
+    sorted by sender once (numpy), each sender's receivers made a set by one C call."""
+    receivers = list(naming)
+    if not receivers:
+        return {}
+    sizes = np.fromiter(map(len, naming.values()), np.int64, len(receivers))
+    s = np.fromiter(chain.from_iterable(naming.values()), np.int64, int(sizes.sum()))
+    r = np.repeat(np.asarray(receivers, np.int64), sizes)
+    order = np.argsort(s, kind="stable")
+    s, r = s[order], r[order]
+    firsts = np.flatnonzero(np.diff(s, prepend=-1))
+    bounds = [*firsts.tolist(), len(s)]
+    rs = r.tolist()
+    return {k: set(rs[a:b]) for k, a, b in zip(s[firsts].tolist(), bounds, bounds[1:])}
+
+
+def _bits(senders, bit: dict[int, int]) -> int:
+    """A set of senders as one integer: the OR of their bits."""
+    out = 0
+    for s in senders:
+        out |= bit[s]
+    return out
 
 
 def _largest_first(st: _Stream) -> tuple[int, int]:

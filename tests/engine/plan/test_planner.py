@@ -21,7 +21,7 @@ from weightsync.engine.plan import (
     seed_greedy_assignment,
     tables_from_assignment,
 )
-from plan_helpers import check_coverage, participant, tensor
+from plan_helpers import check_coverage, mixed_locality, participant, tensor
 from weightsync.wire import Envelope, Slice, encode
 from weightsync.wire import messages as m
 
@@ -259,37 +259,6 @@ def test_random_manifests_plan_fully_or_raise_plan_error(scenario, min_chunk):
 # --- property: the lower bound is one, for every table the model replays ---------------------------
 
 
-@st.composite
-def mixed_locality(draw):
-    """Replicas and FSDP shards spread over hosts and GPUs, so pieces can arrive over several link
-    classes, some only after a gather."""
-    n_send = draw(st.integers(1, 5))
-    names = {f"p{i}": (draw(st.integers(n_send, 64)), 16) for i in range(draw(st.integers(1, 5)))}
-    fsdp = {n for n in names if draw(st.booleans())}  # dim-0 shards over every sender, gathered if need be
-    place = st.tuples(st.sampled_from(["h0", "h1", "h2"]), st.sampled_from(["cuda:0", "cuda:1"]))
-    senders = []
-    for r in range(n_send):
-        host, device = draw(place)
-        specs = []
-        for n, shape in names.items():
-            if n in fsdp:
-                rows = (shape[0] * r // n_send, shape[0] * (r + 1) // n_send)
-                specs.append(tensor(n, shape, shard=(0, *rows), gatherable=True))
-            elif r == 0 or draw(st.booleans()):  # sender 0 holds everything: every need has a supplier
-                specs.append(tensor(n, shape))
-        senders.append(participant(r, specs, host=host, device=device))
-    receivers = []
-    for r in range(draw(st.integers(1, 4))):
-        host, device = draw(place)
-        # a cast or a column slice of FSDP rows needs a gather or blocks
-        need = [tensor(n, s, dtype=draw(st.sampled_from(["float32", "float16"])) if n in fsdp else "float32",
-                       shard=(1, 0, 8) if n in fsdp and draw(st.booleans()) else None) for n, s in names.items()]
-        receivers.append(participant(r, need, host=host, device=device))
-    link = LinkModel(net_bw=draw(st.sampled_from([1e9, 5e9])), host_bw=draw(st.sampled_from([2e9, 8e9])),
-                     local_bw=draw(st.sampled_from([4e9, 3e10])), per_transfer_s=0.0)
-    return senders, receivers, link
-
-
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mixed_locality(), st.booleans())
 def test_makespan_is_never_below_the_bound_with_mixed_locality(scenario, prefer_locality):
@@ -303,89 +272,6 @@ def test_makespan_is_never_below_the_bound_with_mixed_locality(scenario, prefer_
         tables.append(tables_from_assignment(broadcast_assignment(pieces, senders), senders, receivers))
     for routing in tables:
         assert makespan(routing.senders, senders, receivers, link) >= bound * (1 - 1e-9)
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mixed_locality(), st.integers(1, 64), st.booleans())
-def test_the_schedule_keeps_each_ports_busy_time_as_its_work_sums(scenario, min_chunk, prefer):
-    """Levelling reads each port's busy time from the schedule, which sums it as it places work:
-    exactly what summing its forced runs and segments in their order gives (as ``Schedule.of``)."""
-    from collections import defaultdict
-
-    from weightsync.engine.plan.links import link_class
-    from weightsync.engine.plan.planner import group_by_locality
-    from weightsync.engine.plan.schedule import schedule
-
-    senders, receivers, link = scenario
-    pieces, _ = build_pieces(senders, receivers)
-    options = PlanOptions(min_chunk_bytes=min_chunk * 16, chunks_per_receiver=4)
-    sched = schedule(group_by_locality(pieces, senders, receivers, prefer, link), link, options)
-    sender_of, receiver_of = {p.rank: p for p in senders}, {p.rank: p for p in receivers}
-    sending, receiving = defaultdict(float), defaultdict(float)
-    forced = [(start, s, r, pieces) for runs in sched.forced
-              for start, r, s, pieces in zip(runs.start.tolist(), runs.receiver.tolist(), runs.sender.tolist(),
-                                             runs.pieces)]
-    flexible = [(g.start, g.sender, g.receiver, g.pieces) for g in sched.segments]
-    for sums, port, work in ((sending, 1, forced), (receiving, 2, sorted(forced, key=lambda w: (w[2], w[0]))),
-                             (sending, 1, flexible), (receiving, 2, flexible)):  # (in the order placed)
-        for w in work:
-            s, r, pieces = w[1:]
-            cls = link_class(sender_of[s], receiver_of[r]) if prefer else LinkClass.NET
-            sums[w[port], cls] += sum(p.nbytes for p in pieces) / link.bandwidth(cls, s, r)
-    assert {k: v for k, v in sched.sending.items() if v} == dict(sending)
-    assert {k: v for k, v in sched.receiving.items() if v} == dict(receiving)
-
-
-def _forced_chunk_by_chunk(one):
-    """The forced placement as a plain loop, chunk by chunk (``_ClassSchedule._place_forced``'s rule):
-    (runs as (start, receiver, sender, pieces), each port's busy time, when each port frees)."""
-    from weightsync.engine.plan.schedule import _Stream
-
-    by_r: dict[int, dict[int, list]] = {}
-    for r, s, pieces in zip(one.forced_r.tolist(), one.forced_s.tolist(), one.forced_pieces):
-        by_r.setdefault(r, {})[s] = list(pieces)
-    load, received = dict.fromkeys(one.senders, 0.0), dict.fromkeys(one.receivers, 0.0)
-    runs, free_at = [], {}
-    for i, r in enumerate(one.receivers):
-        if r not in by_r:
-            continue
-        ranks, t, bw_r = sorted(by_r[r]), 0.0, one.bw_r[r]
-        for s in ranks[i % len(ranks):] + ranks[:i % len(ranks)]:
-            st = _Stream(frozenset((s,)), by_r[r][s])
-            while not st.empty:
-                pieces, nbytes = st.take(one.quantum[r], one.options.min_chunk_bytes)
-                data = nbytes / min(one.bw_s[s], bw_r)
-                load[s] += data
-                received[r] += data
-                runs.append((t, r, s, pieces))
-                t += max(data, len(pieces) * one.link.per_transfer_s)
-        free_at[(-1, r)] = t
-    free_at.update(((s, -1), t) for s, t in load.items() if t)
-    return runs, load, received, free_at
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mixed_locality(), st.integers(1, 64), st.sampled_from([0.0, 1e-6]))
-def test_forced_work_is_placed_on_columns_as_chunk_by_chunk(scenario, min_chunk, per_transfer):
-    """``_place_forced`` works on columns (numpy): every run, its start, and every port's busy time
-    and free time are exactly those of placing the forced streams chunk by chunk, streams longer than
-    a receiver's chunk cut as ``_Stream.take`` cuts them (a small ``min_chunk`` makes such cuts), and
-    receivers in any order (spread receivers come after the others in ``groups``)."""
-    import dataclasses
-
-    from weightsync.engine.plan.planner import group_by_locality
-    from weightsync.engine.plan.schedule import _ClassSchedule
-
-    senders, receivers, link = scenario
-    link = dataclasses.replace(link, per_transfer_s=per_transfer)
-    options = PlanOptions(min_chunk_bytes=min_chunk * 16, chunks_per_receiver=4)
-    pieces, _ = build_pieces(senders, receivers)
-    for cls, groups in group_by_locality(pieces, senders, receivers, True, link).items():
-        want = _forced_chunk_by_chunk(_ClassSchedule(cls, groups, link, options))
-        one = _ClassSchedule(cls, groups, link, options)
-        runs, free_at = one._place_forced()
-        got = list(zip(runs.start.tolist(), runs.receiver.tolist(), runs.sender.tolist(), runs.pieces))
-        assert (got, one.load, one.received, free_at) == want
 
 
 def test_a_receiver_fed_over_two_classes_at_once_has_a_bound_below_one_class():
