@@ -90,7 +90,7 @@ def tables_from_assignment(
         if not ranks.issubset(peer_of):
             raise KeyError(f"sender/{sp.rank} is assigned pieces for receivers {sorted(ranks.difference(peer_of))} "
                            "not planned for")
-        peers = tuple(peer_of[r] for r in sorted(ranks))
+        peers = tuple(map(peer_of.__getitem__, sorted(ranks)))
         sender_tables[sp.rank] = SenderTable(sp.rank, transfers, peers)
         tables.append((sp.rank, columns))
     entries = receiver_entries(tables, sorted(peer_of))
