@@ -91,19 +91,18 @@ class Expanded:
             full_key[i] = self.key_of.get(id(holders), -2)
         receiver, src, nbytes = self.receiver, self.src, self.nbytes
         gather = full_key[src] == self.cands_row
-        _, at = np.unique(receiver, return_inverse=True)
+        at = _positions(receiver)
         got = np.zeros(int(at.max()) + 1, np.int64)
         np.add.at(got, at, nbytes)
         total_all, busiest = int(got.sum()), int(got.max())
-        g_name, g_rank, g_bytes = src[gather], receiver[gather], nbytes[gather]
+        g_name, g_at, g_bytes = src[gather], at[gather], nbytes[gather]
         if not len(g_name):
             return {}
         order, first = np.unique(g_name, return_index=True)
         order = order[np.argsort(first, kind="stable")]  # the names as they first occur
         totals = np.zeros(len(names), np.int64)
         np.add.at(totals, g_name, g_bytes)
-        span = int(receiver.max()) + 1
-        groups = np.bincount(np.unique(g_name * span + g_rank) // span, minlength=len(names))  # receivers per name
+        groups = _distinct(g_name, g_at, len(names), len(got))  # receivers per name
         room = n_senders * busiest - total_all
         for i in order.tolist():
             s = sources[names[i]]
@@ -172,8 +171,7 @@ class Expanded:
         first row, a tie in row order (one stable sort; a receiver's rows are contiguous), then cut
         where the pair changes."""
         rows = self.rows
-        _, receiver_at = np.unique(self.receiver, return_inverse=True)
-        stream = receiver_at.reshape(-1) * (int(cands_row.max()) + 1) + cands_row
+        stream = _positions(self.receiver) * (int(cands_row.max()) + 1) + cands_row
         _, first, at = np.unique(stream, return_index=True, return_inverse=True)
         first = first[at.reshape(-1)]  # each row's stream, as the stream's first row
         order = np.argsort(first, kind="stable")
@@ -192,6 +190,25 @@ def _forced_load(ex: Expanded, cands: tuple, gather: np.ndarray) -> dict[int, in
     sums = np.zeros(len(senders), np.int64)
     np.add.at(sums, at, ex.nbytes[pick])
     return dict(zip(senders.tolist(), sums.tolist()))
+
+
+def _positions(values: np.ndarray) -> np.ndarray:
+    """Each value's position among the distinct values, ascending (``numpy.unique``'s inverse): by
+    counting changes where the values never decrease, as a plan's receiver column (receivers in rank
+    order, each one's rows together), else by sorting."""
+    if len(values) and (values[1:] >= values[:-1]).all():
+        return np.cumsum(np.diff(values, prepend=values[0]) != 0)
+    return np.unique(values, return_inverse=True)[1].reshape(-1)
+
+
+def _distinct(a: np.ndarray, b: np.ndarray, na: int, nb: int) -> np.ndarray:
+    """For each a in range(na), how many distinct b in range(nb) it occurs with (rows (a, b)): by
+    marking a table of the pairs where it is small (no sort), else by the distinct pairs."""
+    if na * nb <= 1 << 26:
+        seen = np.zeros((na, nb), bool)
+        seen[a, b] = True
+        return seen.sum(axis=1)
+    return np.bincount(np.unique(a * nb + b) // nb, minlength=na)
 
 
 def _keys(objects: Sequence) -> np.ndarray:

@@ -63,3 +63,21 @@ def test_designated_candidates_replace_the_full_holders_only():
         else:
             assert b.cands is a.cands
     assert swapped > 0
+
+
+def test_positions_and_distinct_counts_agree_with_sorting():
+    """``_positions`` counts changes where values never decrease (a plan's receiver column) and sorts
+    otherwise; ``_distinct`` marks a table of pairs where it is small and sorts pairs otherwise: both
+    ways give ``numpy.unique``'s answers."""
+    import numpy as np
+
+    from weightsync.engine.plan.expand import _distinct, _positions
+
+    rng = np.random.default_rng(7)
+    for values in (np.sort(rng.integers(0, 50, 400)), rng.integers(0, 50, 400), np.zeros(0, np.int64)):
+        want = np.unique(values, return_inverse=True)[1].reshape(-1)
+        assert np.array_equal(_positions(values), want)
+    a, b = rng.integers(0, 30, 2000), rng.integers(0, 40, 2000)
+    want = np.array([len(set(b[a == i].tolist())) for i in range(30)])
+    assert np.array_equal(_distinct(a, b, 30, 40), want)
+    assert np.array_equal(_distinct(a, b * (1 << 22), 30, 40 << 22), want)  # (too large a table: by sorting)
