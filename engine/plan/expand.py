@@ -203,7 +203,8 @@ def _positions(values: np.ndarray) -> np.ndarray:
 
 def _distinct(a: np.ndarray, b: np.ndarray, na: int, nb: int) -> np.ndarray:
     """For each a in range(na), how many distinct b in range(nb) it occurs with (rows (a, b)): by
-    marking a table of the pairs where it is small (no sort), else by the distinct pairs."""
+    marking a table of the pairs where it is small (64 MiB at most; no sort), else by the distinct
+    pairs."""
     if na * nb <= 1 << 26:
         seen = np.zeros((na, nb), bool)
         seen[a, b] = True

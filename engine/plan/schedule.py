@@ -10,9 +10,9 @@ free candidate, the candidate with the least work (its forced work and what it w
 the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundaries, ``_Stream.take``).
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
 only once one of its candidates frees. A stream's candidates and the free senders are also kept as
-integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream. The result is a ``Schedule``: the flexible work as
-``Segment``s (sender, receiver, pieces, start), the forced work as ``Runs`` (columns), and each port's
-busy time, summed as the work is placed. ``levelling.balance`` then levels sender ports where one would
+integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream.
+The result is a ``Schedule``: the flexible work as ``Segment``s (sender, receiver, pieces, start), the
+forced work as ``Runs`` (columns), and each port's busy time, summed as the work is placed. ``levelling.balance`` then levels sender ports where one would
 be the bottleneck, reading those sums. ``tables.build_tables`` turns it into tables.
 """
 
@@ -214,7 +214,6 @@ class _ClassSchedule:
         need: dict[int, int] = defaultdict(int)  # receiver -> bytes
         got, at = np.unique(self.forced_r, return_inverse=True)
         need.update(zip(got.tolist(), _by(at, self.forced_bytes, len(got)).tolist()))
-        watched: dict[int, Counter[int]] = {}  # receiver -> the senders its streams name
         frozen: dict[tuple[int, ...], frozenset[int]] = {}  # (receivers of one layout share candidate tuples)
         for seq, (receiver, cands) in enumerate(sorted(flexible)):
             fs = frozen.get(cands)
@@ -225,10 +224,10 @@ class _ClassSchedule:
             need[receiver] += stream.nbytes
         for receiver, streams in self.flex.items():
             named = Counter(chain.from_iterable(st.cands for st in streams))
-            watched[receiver] = named
             self.naming[receiver] = {k: n for k, n in named.items() if n > 1}
+            for s in named:
+                self.watchers[s].add(receiver)
             streams.sort(key=_largest_first)
-        self.watchers.update(_watchers(watched))
         self.receivers = sorted(need)
         self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.watchers))
         self.bit = {s: 1 << i for i, s in enumerate(self.senders)}  # a set of senders as one int: its bits
@@ -255,7 +254,7 @@ class _ClassSchedule:
         # of those, the ones that may find a sender now: None, any free candidate; else only these senders
         to_try: dict[int, Optional[set[int]]] = dict.fromkeys(free_r)
         bit = self.bit
-        free_bits = _bits(free_s, bit)  # free_s as bits: a stream's free candidates by one integer and
+        free_bits = _bits(free_s, bit)  # free_s as bits (a stream's free candidates: one integer AND)
         now = 0.0
         while True:
             left = self.left
@@ -416,23 +415,6 @@ class _ClassSchedule:
         watchers = self.watchers
         for s in gone:
             watchers[s].discard(r)
-
-
-def _watchers(naming: dict[int, dict[int, int]]) -> dict[int, set[int]]:
-    """sender -> the receivers whose streams name it, from receiver -> sender -> count: the pairs
-    sorted by sender once (numpy), each sender's receivers made a set by one C call."""
-    receivers = list(naming)
-    if not receivers:
-        return {}
-    sizes = np.fromiter(map(len, naming.values()), np.int64, len(receivers))
-    s = np.fromiter(chain.from_iterable(naming.values()), np.int64, int(sizes.sum()))
-    r = np.repeat(np.asarray(receivers, np.int64), sizes)
-    order = np.argsort(s, kind="stable")
-    s, r = s[order], r[order]
-    firsts = np.flatnonzero(np.diff(s, prepend=-1))
-    bounds = [*firsts.tolist(), len(s)]
-    rs = r.tolist()
-    return {k: set(rs[a:b]) for k, a, b in zip(s[firsts].tolist(), bounds, bounds[1:])}
 
 
 def _bits(senders, bit: dict[int, int]) -> int:
