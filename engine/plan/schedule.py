@@ -22,7 +22,7 @@ import bisect
 import dataclasses
 import heapq
 import operator
-from collections import Counter, defaultdict
+from collections import defaultdict
 from itertools import accumulate, chain, compress, count
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -58,11 +58,12 @@ class _Stream:
     """A receiver's queue of pieces that the senders in ``cands`` may supply. ``ends`` holds each
     piece's end offset in the stream, so a take finds its whole pieces by bisection."""
 
-    __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq", "mask")
+    __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq", "mask", "key")
 
     def __init__(self, cands: frozenset[int], pieces: list[Piece], seq: int = 0) -> None:
         self.cands = cands
         self.mask = 0  # its candidates as bits (``_ClassSchedule.bit``)
+        self.key: tuple[int, ...] = ()  # its candidates as the schedule's groups name them
         self.seq = seq  # breaks ties between streams of equal bytes left
         self.pieces = pieces
         self.ends = list(accumulate(map(_nbytes, pieces)))
@@ -184,18 +185,18 @@ class _ClassSchedule:
     event (a transfer ends, or a port's forced work does, freeing its sender and receiver ports), the
     free receivers with flexible work left, most work first, each take, of their largest stream with a
     free candidate, the candidate with the least work (its forced work and what it was given so far).
-    A receiver that found none is retried only once one of its candidates is freed (``watchers``):
-    until then it would find none again. A receiver watches a sender while a stream it has left names
-    that sender (``naming`` counts them), so a receiver woken by a sender finds work from it."""
+    A receiver that found none is retried only once one of its candidates is freed: until then it
+    would find none again. A freed sender wakes the receivers that have a stream left naming it: for
+    each candidate tuple naming the sender (``tuples_of``), the receivers with a stream of that tuple
+    left (``holders``; receivers of one layout share their tuples, so there are few), so a receiver
+    woken by a sender finds work from it."""
 
     def __init__(self, cls: LinkClass, groups: dict[int, dict[tuple[int, ...], list[Piece]]], link: LinkModel,
                  options: "PlanOptions") -> None:
         self.cls, self.link, self.options = cls, link, options
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
-        self.watchers: dict[int, set[int]] = defaultdict(set)  # sender -> receivers it may still serve
-        # receiver -> sender -> how many of its streams with work left name that sender, where two or more
-        # (a sender it watches and not here is named by one)
-        self.naming: dict[int, dict[int, int]] = {}
+        self.holders: dict[tuple[int, ...], set[int]] = defaultdict(set)  # candidates -> receivers with a stream left
+        self.tuples_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # sender -> candidate tuples naming it
         forced_r, forced_s, flexible = [], [], []
         self.forced_pieces: list[list[Piece]] = []  # the forced streams: (receiver, its one sender) unique
         for receiver, streams in groups.items():
@@ -220,16 +221,17 @@ class _ClassSchedule:
             if fs is None:
                 fs = frozen[cands] = frozenset(cands)
             stream = _Stream(fs, groups[receiver][cands], seq)
+            stream.key = cands
+            self.holders[cands].add(receiver)
             self.flex[receiver].append(stream)
             need[receiver] += stream.nbytes
-        for receiver, streams in self.flex.items():
-            named = Counter(chain.from_iterable(st.cands for st in streams))
-            self.naming[receiver] = {k: n for k, n in named.items() if n > 1}
-            for s in named:
-                self.watchers[s].add(receiver)
+        for cands in frozen:
+            for s in cands:
+                self.tuples_of[s].append(cands)
+        for streams in self.flex.values():
             streams.sort(key=_largest_first)
         self.receivers = sorted(need)
-        self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.watchers))
+        self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.tuples_of))
         self.bit = {s: 1 << i for i, s in enumerate(self.senders)}  # a set of senders as one int: its bits
         masks = {id(fs): _bits(fs, self.bit) for fs in frozen.values()}
         for streams in self.flex.values():
@@ -292,13 +294,15 @@ class _ClassSchedule:
             free_r.update(r for r in freed_r if self.flex.get(r))
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
             waiting = free_r.difference(to_try)
+            holders = self.holders
             for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
-                for r in self.watchers[s].intersection(waiting):
-                    only = to_try.get(r)
-                    if only is None:
-                        to_try[r] = {s}
-                    else:
-                        only.add(s)
+                for key in self.tuples_of.get(s, ()):
+                    for r in holders[key].intersection(waiting):
+                        only = to_try.get(r)
+                        if only is None:
+                            to_try[r] = {s}
+                        else:
+                            only.add(s)
 
     def _place_forced(self) -> tuple[Runs, dict[tuple[int, int], float]]:
         """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each
@@ -380,7 +384,7 @@ class _ClassSchedule:
     def _match(self, r: int, free_s: set[int], free_bits: int) -> Optional[Segment]:
         """Of receiver r's largest stream with a candidate in ``free_s`` (``free_bits``, as bits), the
         next chunk, from the candidate with the least work (forced, and given so far). A stream taken
-        to its end stops naming its candidates to the receiver (``naming``, ``watchers``)."""
+        to its end no longer holds the receiver among its tuple's ``holders``."""
         flex_r, load = self.flex[r], self.load
         # the first stream with a free candidate: the scan is the hot loop, so it is one integer AND
         # per stream, by C-level iterators
@@ -393,28 +397,9 @@ class _ClassSchedule:
             if not st.empty:  # back in its place among the others, by the bytes it has left
                 bisect.insort(flex_r, st, key=_largest_first)
             else:
-                self._unname(r, st.cands)
+                self.holders[st.key].discard(r)
             return Segment(r, self.cls, pieces, s, nbytes, st.cands)
         return None
-
-    def _unname(self, r: int, cands: frozenset[int]) -> None:
-        """Receiver r's stream of ``cands`` is done: r stops watching the senders no other stream names
-        (those not in ``naming[r]``, which counts only senders named by two or more streams left)."""
-        naming = self.naming[r]
-        gone = cands
-        if naming and not naming.keys().isdisjoint(cands):
-            gone = []
-            for s in cands:
-                k = naming.get(s)
-                if k is None:
-                    gone.append(s)
-                elif k == 2:
-                    del naming[s]
-                else:
-                    naming[s] = k - 1
-        watchers = self.watchers
-        for s in gone:
-            watchers[s].discard(r)
 
 
 def _bits(senders, bit: dict[int, int]) -> int:
