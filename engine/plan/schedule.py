@@ -12,8 +12,9 @@ Receivers with the most work left choose first; a receiver that found no free ca
 only once one of its candidates frees. A stream's candidates and the free senders are also kept as
 integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream.
 The result is a ``Schedule``: the flexible work as ``Segment``s (sender, receiver, pieces, start), the
-forced work as ``Runs`` (columns), and each port's busy time, summed as the work is placed. ``levelling.balance`` then levels sender ports where one would
-be the bottleneck, reading those sums. ``tables.build_tables`` turns it into tables.
+forced work as ``Runs`` (columns), and each port's busy time, summed as the work is placed.
+``levelling.balance`` then levels sender ports where one would be the bottleneck, reading those sums.
+``tables.build_tables`` turns it into tables.
 """
 
 from __future__ import annotations
@@ -233,10 +234,10 @@ class _ClassSchedule:
         self.receivers = sorted(need)
         self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.tuples_of))
         self.bit = {s: 1 << i for i, s in enumerate(self.senders)}  # a set of senders as one int: its bits
-        masks = {id(fs): _bits(fs, self.bit) for fs in frozen.values()}
+        masks = {cands: _bits(cands, self.bit) for cands in frozen}
         for streams in self.flex.values():
             for st in streams:
-                st.mask = masks[id(st.cands)]
+                st.mask = masks[st.key]
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
         self.left = {r: sum(s.nbytes for s in self.flex.get(r, ())) / self.bw_r[r] for r in self.receivers}
@@ -255,7 +256,7 @@ class _ClassSchedule:
         free_r = {r for r in self.flex if (-1, r) not in free_at}  # free receivers with flexible work left
         # of those, the ones that may find a sender now: None, any free candidate; else only these senders
         to_try: dict[int, Optional[set[int]]] = dict.fromkeys(free_r)
-        bit = self.bit
+        bit, holders, tuples_of = self.bit, self.holders, self.tuples_of
         free_bits = _bits(free_s, bit)  # free_s as bits (a stream's free candidates: one integer AND)
         now = 0.0
         while True:
@@ -294,9 +295,8 @@ class _ClassSchedule:
             free_r.update(r for r in freed_r if self.flex.get(r))
             to_try = dict.fromkeys(r for r in freed_r if r in free_r)
             waiting = free_r.difference(to_try)
-            holders = self.holders
             for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
-                for key in self.tuples_of.get(s, ()):
+                for key in tuples_of.get(s, ()):
                     for r in holders[key].intersection(waiting):
                         only = to_try.get(r)
                         if only is None:
