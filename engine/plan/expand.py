@@ -9,7 +9,8 @@ Python loop over 10^5-10^6 pieces. On those rows ``designate`` decides which gat
 go to fewer holders; ``pieces`` makes the ``Piece`` tuples from the columns (in the tensors' order,
 each tensor's in its templates' order) with the designated candidates in place of the full holders,
 and ``streams`` also cuts them per receiver and candidate tuple by one stable sort, the grouping the
-schedule starts from (``planner.group_by_locality``).
+schedule starts from (``planner.group_by_locality``), as columns (``sources.Streams``: each stream's
+receiver, candidates and bytes read off the rows, no list per stream).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import repeat
 from math import prod
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from weightsync.wire import dtype_size
 
-from .sources import Interned, Piece, Source, in_order, make_piece
+from .sources import Interned, Piece, Source, Streams, in_order, make_piece
 
 __all__ = ["Expanded"]
 
@@ -61,6 +62,7 @@ class Expanded:
         self.cands, cands_key = cands, _keys(cands)
         self.cands_row = cands_key[trow]
         self.key_of = dict(zip(map(id, cands), cands_key.tolist()))  # id(candidate tuple) -> its number
+        self.tuples = dict(zip(cands_key.tolist(), cands))  # its number -> candidate tuple
         # the rest, as the Python values the pieces take: per tensor, and per template
         self._tensor_cols = (ranks, names, regions, bases)
         self._template_cols = (slices, nbytes, at, row_bytes, transforms)
@@ -128,22 +130,23 @@ class Expanded:
         designated ones instead."""
         return self._made(narrowed)[0]
 
-    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> tuple[list[Piece], list[list[Piece]]]:
+    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> tuple[list[Piece], Optional[Streams]]:
         """The pieces (as ``pieces``), and the same pieces as streams: each receiver's (receivers in the
         tensors' order) split by candidate tuple, the tuples in the order they first occur in its
-        pieces, each stream's pieces in their order (``planner.group_by_locality``)."""
-        pieces, cands_row = self._made(narrowed)
-        return pieces, self._runs(pieces, cands_row) if pieces else []
+        pieces, each stream's pieces in their order (``planner.group_by_locality``); None if no pieces."""
+        pieces, cands_row, tuples = self._made(narrowed)
+        return pieces, self._runs(pieces, cands_row, tuples) if pieces else None
 
-    def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray]:
-        """The pieces, and a number per piece for its (final) candidate tuple."""
+    def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:
+        """The pieces, a number per piece for its (final) candidate tuple, and the tuple of each number."""
         if not self.rows:
-            return [], np.zeros(0, np.int64)
+            return [], np.zeros(0, np.int64), {}
         (ranks, names, regions, bases), (slices, nbytes, at, row_bytes, transforms) = \
             self._tensor_cols, self._template_cols
         tensor, trow = self.tensor, self.trow
-        cands_col, cands_row = _objects(self.cands)[trow], self.cands_row
+        cands_col, cands_row, tuples = _objects(self.cands)[trow], self.cands_row, self.tuples
         if narrowed:
+            tuples = dict(tuples)
             keys = dict(self.key_of)
             full_key = np.full(len(self.names), -1, np.int64)
             chosen = np.empty(len(self.names), object)
@@ -153,6 +156,7 @@ class Expanded:
                 if pair is not None:
                     full_key[i], chosen[i] = keys.get(id(pair[0]), -2), pair[1]
                     chosen_key[i] = keys.setdefault(id(pair[1]), len(keys))
+                    tuples[int(chosen_key[i])] = pair[1]
             swap = full_key[self.src] == cands_row
             cands_col[swap] = chosen[self.src[swap]]
             cands_row = cands_row.copy()
@@ -164,21 +168,22 @@ class Expanded:
             offsets.tolist(), _objects(row_bytes)[trow].tolist(), _objects(transforms)[trow].tolist(),
             cands_col.tolist(),
         )
-        return list(map(make_piece, repeat(Piece, self.rows), zip(*columns))), cands_row
+        return list(map(make_piece, repeat(Piece, self.rows), zip(*columns))), cands_row, tuples
 
-    def _runs(self, pieces: list[Piece], cands_row: np.ndarray) -> list[list[Piece]]:
+    def _runs(self, pieces: list[Piece], cands_row: np.ndarray, tuples: dict) -> Streams:
         """``pieces`` cut into streams (``streams``): rows ordered by their (receiver, candidates) pair's
         first row, a tie in row order (one stable sort; a receiver's rows are contiguous), then cut
-        where the pair changes."""
+        where the pair changes; each stream's receiver, candidates and bytes read at its rows."""
         rows = self.rows
         stream = _positions(self.receiver) * (int(cands_row.max()) + 1) + cands_row
         _, first, at = np.unique(stream, return_index=True, return_inverse=True)
         first = first[at.reshape(-1)]  # each row's stream, as the stream's first row
         order = np.argsort(first, kind="stable")
         starts = np.flatnonzero(np.diff(first[order], prepend=-1))
-        grouped = in_order(pieces, order)
-        bounds = [*starts.tolist(), rows]
-        return [grouped[a:b] for a, b in zip(bounds, bounds[1:])]
+        head = order[starts]
+        return Streams(in_order(pieces, order), starts, np.diff(starts, append=rows), self.receiver[head],
+                       cands_row[head], np.add.reduceat(self.nbytes[order], starts),
+                       [tuples.get(k) for k in range(max(tuples) + 1)])
 
 
 def _forced_load(ex: Expanded, cands: tuple, gather: np.ndarray) -> dict[int, int]:

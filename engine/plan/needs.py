@@ -33,7 +33,7 @@ from .mapping import FP8, SCALE_SUFFIX, Mapping as NameMapping, SourceShape, com
 from .mapping import get_mapping, parts_for
 from .cuts import pieces_for
 from .expand import Expanded
-from .sources import Interned, Piece, Source, index_sources
+from .sources import Interned, Piece, Source, Streams, index_sources
 
 __all__ = ["PlanCache", "Piece", "Resolver", "Source", "build_pieces", "build_streams", "index_sources"]
 
@@ -57,8 +57,8 @@ def build_streams(
     transforms: Mapping[tuple[str, str], str] = {},
     mapping: "str | NameMapping" = "identity",
     cache: "Optional[PlanCache]" = None,
-) -> tuple[list[Piece], list[list[Piece]]]:
-    """``build_pieces``'s pieces, and the same pieces as streams (``Expanded.streams``)."""
+) -> "tuple[list[Piece], Optional[Streams]]":
+    """``build_pieces``'s pieces, and the same pieces as streams (``Expanded.streams``; None if no pieces)."""
     expanded, narrowed, _ = _expanded(senders, receivers, transforms, mapping, cache)
     return expanded.streams(narrowed)
 

@@ -37,6 +37,7 @@ from .links import LinkClass, LinkModel, Participant, classes_of, by_host, host_
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_streams
+from .sources import Streams
 from .levelling import balance
 from .schedule import schedule
 from .tables import RoutingPlan, build_tables
@@ -172,35 +173,39 @@ def _same_classes(senders_before: Sequence[Participant], senders: Sequence[Parti
     return True
 
 
-Groups = dict[LinkClass, dict[int, dict[tuple[int, ...], list[Piece]]]]
+Groups = dict[LinkClass, "dict[int, dict[tuple[int, ...], list[Piece]]] | Streams"]
 
 
 def group_by_locality(
     pieces: Sequence[Piece], senders: Sequence[Participant], receivers: Sequence[Participant], prefer: bool,
-    link: LinkModel = LinkModel(), streams: Optional[list[list[Piece]]] = None,
+    link: LinkModel = LinkModel(), streams: Optional[Streams] = None,
 ) -> Groups:
     """The pieces as byte streams: by link class, receiver, and candidate senders (of that class).
-    ``streams``: the pieces already cut by receiver and candidate tuple (``needs.build_streams``)."""
+    ``streams``: the pieces already cut by receiver and candidate tuple (``needs.build_streams``); where
+    every piece comes by the network as it is (no preference, or no receiver has a sender on its host)
+    they are the network's streams as they are."""
     groups: Groups = defaultdict(dict)
+    if not pieces:
+        return groups
     if not prefer and streams is None:
         net = groups[LinkClass.NET]
         for piece in pieces:
             net.setdefault(piece.receiver, {}).setdefault(piece.cands, []).append(piece)
         return groups
+    mates = host_mates(senders, receivers) if prefer else {}
+    if streams is not None and not any(mates.values()):
+        groups[LinkClass.NET] = streams
+        return groups
     raw: dict[int, dict[int, list[Piece]]] = {}  # receiver -> id(cands) -> pieces, in order
     if streams is None:
         _cut(pieces, raw)
     else:
-        for same in streams:
+        for same in streams.lists():
             head = same[0]
             by_cands = raw.get(head.receiver)
             if by_cands is None:
                 by_cands = raw[head.receiver] = {}
             by_cands[id(head.cands)] = same
-    if not prefer:
-        groups[LinkClass.NET] = {r: {same[0].cands: same for same in by_cands.values()} for r, by_cands in raw.items()}
-        return groups
-    mates = host_mates(senders, receivers)
     by_class: dict[tuple[int, int], dict] = {}
     spread = set()  # receivers with a choice to make
     for r, by_cands in raw.items():

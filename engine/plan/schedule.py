@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from .links import LinkClass, LinkModel
-from .sources import Piece, in_order
+from .sources import Piece, Streams
 
 _nbytes = operator.attrgetter("nbytes")
 _mask = operator.attrgetter("mask")
@@ -113,27 +113,45 @@ class _Stream:
 @dataclasses.dataclass
 class Runs:
     """Work as columns, a row per run (pieces one sender sends one receiver back to back): when it
-    starts in the schedule's time, its receiver, its sender, and its pieces."""
+    starts in the schedule's time, its receiver, its sender, and its pieces, ``pool[first:first + count]``
+    (ranges of one list: no list per run)."""
 
     start: np.ndarray  # float64
-    receiver: np.ndarray  # int64
-    sender: np.ndarray  # int64
-    pieces: Sequence[list[Piece]]
+    receiver: np.ndarray  # int64, each column
+    sender: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+    pool: list[Piece]
 
     @classmethod
     def empty(cls) -> "Runs":
-        return cls(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+        return cls(np.zeros(0), *(np.zeros(0, np.int64) for _ in range(4)), [])
+
+    @classmethod
+    def of_lists(cls, start: np.ndarray, receiver: np.ndarray, sender: np.ndarray,
+                 pieces: Sequence[list[Piece]]) -> "Runs":
+        """Runs whose pieces are given as a list each."""
+        count = np.fromiter(map(len, pieces), np.int64, len(pieces))
+        return cls(start, receiver, sender, np.cumsum(count) - count, count, list(chain.from_iterable(pieces)))
 
     @classmethod
     def joined(cls, parts: Sequence["Runs"]) -> "Runs":
         """``parts`` one after the other."""
         if not parts:
             return cls.empty()
+        at = np.cumsum([0, *(len(r.pool) for r in parts[:-1])])  # where each part's pool lands in the one pool
         return cls(*(np.concatenate([getattr(r, f) for r in parts]) for f in ("start", "receiver", "sender")),
-                   list(chain.from_iterable(r.pieces for r in parts)))
+                   np.concatenate([r.first + a for r, a in zip(parts, at.tolist())]),
+                   np.concatenate([r.count for r in parts]), list(chain.from_iterable(r.pool for r in parts)))
+
+    @property
+    def pieces(self) -> list[list[Piece]]:
+        """Each run's pieces as a list of its own."""
+        pool = self.pool
+        return [pool[a:a + n] for a, n in zip(self.first.tolist(), self.count.tolist())]
 
     def __len__(self) -> int:
-        return len(self.pieces)
+        return len(self.first)
 
 
 @dataclasses.dataclass
@@ -161,15 +179,16 @@ class Schedule:
     def runs(self) -> Runs:
         """All the work: the forced runs (class by class, each in the order placed), then the segments."""
         segs = self.segments
-        flexible = Runs(np.fromiter((g.start for g in segs), np.float64, len(segs)),
-                        np.fromiter((g.receiver for g in segs), np.int64, len(segs)),
-                        np.fromiter((g.sender for g in segs), np.int64, len(segs)), [g.pieces for g in segs])
+        flexible = Runs.of_lists(np.fromiter((g.start for g in segs), np.float64, len(segs)),
+                                 np.fromiter((g.receiver for g in segs), np.int64, len(segs)),
+                                 np.fromiter((g.sender for g in segs), np.int64, len(segs)), [g.pieces for g in segs])
         return Runs.joined([*self.forced, flexible])
 
 
 def schedule(groups, link: LinkModel, options: "PlanOptions") -> Schedule:
     """Work-conserving list scheduling, one link class at a time (ports of classes are independent).
-    ``groups``: class -> receiver -> candidate senders -> pieces (``planner.group_by_locality``)."""
+    ``groups``: class -> streams, as ``Streams`` or receiver -> candidate senders -> pieces
+    (``planner.group_by_locality``)."""
     out = Schedule([], defaultdict(float), defaultdict(float))
     for cls in sorted(groups):
         one = _ClassSchedule(cls, groups[cls], link, options)
@@ -192,51 +211,50 @@ class _ClassSchedule:
     left (``holders``; receivers of one layout share their tuples, so there are few), so a receiver
     woken by a sender finds work from it."""
 
-    def __init__(self, cls: LinkClass, groups: dict[int, dict[tuple[int, ...], list[Piece]]], link: LinkModel,
-                 options: "PlanOptions") -> None:
+    def __init__(self, cls: LinkClass, groups: "Streams | dict[int, dict[tuple[int, ...], list[Piece]]]",
+                 link: LinkModel, options: "PlanOptions") -> None:
         self.cls, self.link, self.options = cls, link, options
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.holders: dict[tuple[int, ...], set[int]] = defaultdict(set)  # candidates -> receivers with a stream left
         self.tuples_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # sender -> candidate tuples naming it
-        forced_r, forced_s, flexible = [], [], []
-        self.forced_pieces: list[list[Piece]] = []  # the forced streams: (receiver, its one sender) unique
-        for receiver, streams in groups.items():
-            for cands, pieces in streams.items():
-                if not pieces:
-                    continue
-                if len(cands) == 1:
-                    forced_r.append(receiver)
-                    forced_s.append(cands[0])
-                    self.forced_pieces.append(pieces)
-                else:
-                    flexible.append((receiver, cands))
-        self.forced_r, self.forced_s = np.asarray(forced_r, np.int64), np.asarray(forced_s, np.int64)
-        self.forced_count = np.fromiter(map(len, self.forced_pieces), np.int64, len(self.forced_pieces))
-        self.forced_bytes = _sums(self.forced_pieces, self.forced_count)
-        need: dict[int, int] = defaultdict(int)  # receiver -> bytes
-        got, at = np.unique(self.forced_r, return_inverse=True)
-        need.update(zip(got.tolist(), _by(at, self.forced_bytes, len(got)).tolist()))
+        streams = groups if isinstance(groups, Streams) else Streams.of(groups)
+        self.pool, tuples, key = streams.pool, streams.tuples, streams.key
+        # the forced streams (one candidate; (receiver, its one sender) unique), as columns
+        one = np.fromiter((c[0] if c and len(c) == 1 else -1 for c in tuples), np.int64, len(tuples))[key]
+        forced = np.flatnonzero(one >= 0)
+        self.forced_r, self.forced_s = streams.receiver[forced], one[forced]
+        self.forced_first, self.forced_count = streams.first[forced], streams.count[forced]
+        self.forced_bytes = streams.nbytes[forced]
+        got, at = np.unique(streams.receiver, return_inverse=True)
+        need = dict(zip(got.tolist(), _by(at.reshape(-1), streams.nbytes, len(got)).tolist()))  # receiver -> bytes
+        # the flexible ones, by receiver and candidate tuple
+        flexible = np.flatnonzero(one < 0)
+        ranked = np.empty(len(tuples), np.int64)
+        ranked[np.asarray(sorted(range(len(tuples)), key=lambda k: tuples[k] or ()), np.int64)] = np.arange(len(tuples))
+        flexible = flexible[np.lexsort((ranked[key[flexible]], streams.receiver[flexible]))]
         frozen: dict[tuple[int, ...], frozenset[int]] = {}  # (receivers of one layout share candidate tuples)
-        for seq, (receiver, cands) in enumerate(sorted(flexible)):
+        pool = self.pool
+        for seq, (receiver, k, a, n) in enumerate(zip(*(col[flexible].tolist() for col in (
+                streams.receiver, key, streams.first, streams.count)))):
+            cands = tuples[k]
             fs = frozen.get(cands)
             if fs is None:
                 fs = frozen[cands] = frozenset(cands)
-            stream = _Stream(fs, groups[receiver][cands], seq)
+            stream = _Stream(fs, pool[a:a + n], seq)
             stream.key = cands
             self.holders[cands].add(receiver)
             self.flex[receiver].append(stream)
-            need[receiver] += stream.nbytes
         for cands in frozen:
             for s in cands:
                 self.tuples_of[s].append(cands)
-        for streams in self.flex.values():
-            streams.sort(key=_largest_first)
+        for mine in self.flex.values():
+            mine.sort(key=_largest_first)
         self.receivers = sorted(need)
         self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.tuples_of))
         self.bit = {s: 1 << i for i, s in enumerate(self.senders)}  # a set of senders as one int: its bits
         masks = {cands: _bits(cands, self.bit) for cands in frozen}
-        for streams in self.flex.values():
-            for st in streams:
+        for mine in self.flex.values():
+            for st in mine:
                 st.mask = masks[st.key]
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
@@ -245,6 +263,12 @@ class _ClassSchedule:
                         for r in self.receivers}
         self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
         self.received = dict.fromkeys(self.receivers, 0.0)  # each receiver port's (the same sums)
+
+    @property
+    def forced_pieces(self) -> list[list[Piece]]:
+        """Each forced stream's pieces as a list of its own."""
+        pool = self.pool
+        return [pool[a:a + n] for a, n in zip(self.forced_first.tolist(), self.forced_count.tolist())]
 
     def run(self) -> tuple[list[Segment], Runs]:
         """The flexible segments, and the forced runs (``_place_forced``)."""
@@ -313,7 +337,7 @@ class _ClassSchedule:
         the runs in the order placed, and when each port with forced work frees, keyed (sender, -1)
         or (-1, receiver). Done on columns: the start times and port sums are the same additions in
         the same order as adding chunk by chunk (``numpy.cumsum`` and ``add.at`` add in order)."""
-        if not len(self.forced_pieces):
+        if not len(self.forced_r):
             return Runs.empty(), {}
         receivers, senders = np.asarray(self.receivers, np.int64), np.asarray(self.senders, np.int64)
         pos = np.searchsorted(receivers, self.forced_r)  # each stream's receiver's position
@@ -326,11 +350,11 @@ class _ClassSchedule:
         # rotated by the receiver's position (``pos`` stays as it is: streams move only among a receiver's)
         order = order[np.lexsort(((j - pos % k_of) % k_of, pos))]
         quantum = np.asarray([self.quantum[r] for r in self.receivers], np.int64)
-        nbytes, count, pieces = self.forced_bytes[order], self.forced_count[order], in_order(self.forced_pieces, order)
-        stream = order
+        nbytes, count, first = self.forced_bytes[order], self.forced_count[order], self.forced_first[order]
+        stream, pool = order, self.pool
         big = np.flatnonzero(nbytes > quantum[pos])
         if len(big):  # (rare: a stream of more than the receiver's chunk, cut as ``_Stream.take`` cuts)
-            stream, nbytes, count, pieces = self._chunked(big, stream, nbytes, count, pieces, quantum[pos])
+            stream, nbytes, count, first, pool = self._chunked(big, stream, nbytes, count, first, quantum[pos])
             pos = np.searchsorted(receivers, self.forced_r[stream])
         send = np.searchsorted(senders, self.forced_s[stream])
         bw_s = np.asarray([self.bw_s[s] for s in self.senders])
@@ -349,30 +373,31 @@ class _ClassSchedule:
         self.load.update(zip(self.senders, load.tolist()))
         self.received.update(zip(self.receivers, received.tolist()))
         free_at.update(((s, -1), t) for s, t in self.load.items() if t)
-        return Runs(start, self.forced_r[stream], self.forced_s[stream], pieces), free_at
+        return Runs(start, self.forced_r[stream], self.forced_s[stream], first, count, pool), free_at
 
-    def _chunked(self, big: np.ndarray, stream, nbytes, count, pieces: list, quantum):
+    def _chunked(self, big: np.ndarray, stream, nbytes, count, first, quantum):
         """The forced streams in placement order with those at ``big`` cut into chunks (``_Stream.take``):
-        each chunk's stream, bytes, piece count and pieces."""
-        min_bytes, reps, cut = self.options.min_chunk_bytes, np.ones(len(stream), np.int64), {}
+        each chunk's stream, bytes, piece count and first piece, and the pool with the chunks' pieces
+        after the streams'."""
+        min_bytes, reps, cut, pool = self.options.min_chunk_bytes, np.ones(len(stream), np.int64), {}, self.pool
         for i in big.tolist():
-            st = _Stream(frozenset(), pieces[i])
+            a = int(first[i])
+            st = _Stream(frozenset(), pool[a:a + int(count[i])])
             chunks = cut[i] = []
             while not st.empty:
                 chunks.append(st.take(int(quantum[i]), min_bytes))
             reps[i] = len(chunks)
         at = np.cumsum(reps) - reps
-        stream, nbytes, count = np.repeat(stream, reps), np.repeat(nbytes, reps), np.repeat(count, reps)
-        out, done = [], 0
+        stream, nbytes, count, first = (np.repeat(col, reps) for col in (stream, nbytes, count, first))
+        extra: list[Piece] = []
         for i, chunks in cut.items():
-            out.extend(pieces[done:i])
             a = int(at[i])
             nbytes[a:a + len(chunks)] = [n for _, n in chunks]
             count[a:a + len(chunks)] = [len(p) for p, _ in chunks]
-            out.extend(p for p, _ in chunks)
-            done = i + 1
-        out.extend(pieces[done:])
-        return stream, nbytes, count, out
+            for j, (pieces, _) in enumerate(chunks, a):
+                first[j] = len(pool) + len(extra)
+                extra.extend(pieces)
+        return stream, nbytes, count, first, pool + extra
 
     def _busy(self, seg: Segment) -> float:
         """How long ``seg`` holds its ports in the schedule's time (its sender's load grows by its data)."""
@@ -412,14 +437,6 @@ def _bits(senders, bit: dict[int, int]) -> int:
 
 def _largest_first(st: _Stream) -> tuple[int, int]:
     return -st.nbytes, st.seq
-
-
-def _sums(lists: list[list[Piece]], counts: np.ndarray) -> np.ndarray:
-    """Each list's bytes (exact: integer sums)."""
-    if not lists:
-        return np.zeros(0, np.int64)
-    flat = np.fromiter(map(_nbytes, chain.from_iterable(lists)), np.int64, int(counts.sum()))
-    return np.add.reduceat(flat, np.cumsum(counts) - counts)
 
 
 def _by(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:

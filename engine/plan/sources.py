@@ -6,15 +6,21 @@ checking that all senders agree on dtype and full shape and that shards tile wit
 (``BadTiling`` / ``ManifestMismatch`` naming parameter and ranks). ``Interned`` keeps one object per
 candidate tuple (pieces compare and hash them by identity) and one ``Spans`` per distinct gatherable
 sharding, so parameters sharded alike find their stitched runs once. A ``Piece`` is one contiguous
-write into a receiver with its candidate senders; ``needs.build_pieces`` makes them.
+write into a receiver with its candidate senders; ``needs.build_pieces`` makes them. ``Streams`` holds
+pieces cut per receiver and candidate tuple as columns over one list of pieces, so the steps from the
+cut to the tables make no Python object per stream.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import operator
 from collections import namedtuple
+from itertools import chain
 from typing import Optional, Sequence
+
+import numpy as np
 
 from weightsync.wire import Slice
 
@@ -68,6 +74,43 @@ def in_order(items: Sequence, order) -> list:
     the 10^5-10^6 pieces or runs of a plan."""
     at = order.tolist()
     return list(operator.itemgetter(*at)(items)) if len(at) > 1 else [items[i] for i in at]
+
+
+@dataclasses.dataclass
+class Streams:
+    """Pieces cut into byte streams, as columns: stream i is ``pool[first[i]:first[i] + count[i]]``
+    (its pieces in order), of receiver ``receiver[i]``, from the candidates ``tuples[key[i]]``, of
+    ``nbytes[i]`` bytes. No stream is empty, and no two share a receiver and a candidate tuple."""
+
+    pool: list[Piece]
+    first: np.ndarray  # int64, each column
+    count: np.ndarray
+    receiver: np.ndarray
+    key: np.ndarray
+    nbytes: np.ndarray
+    tuples: list[tuple[int, ...]]
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def lists(self) -> list[list[Piece]]:
+        """Each stream's pieces as a list of its own."""
+        pool = self.pool
+        return [pool[a:a + n] for a, n in zip(self.first.tolist(), self.count.tolist())]
+
+    @classmethod
+    def of(cls, groups: dict[int, dict[tuple[int, ...], list[Piece]]]) -> "Streams":
+        """``groups`` (receiver -> candidate tuple -> pieces), empty streams left out."""
+        rows = [(r, cands, pieces) for r, streams in groups.items() for cands, pieces in streams.items() if pieces]
+        keys: dict[tuple[int, ...], int] = {}
+        count = np.fromiter((len(p) for _, _, p in rows), np.int64, len(rows))
+        return cls(list(chain.from_iterable(p for _, _, p in rows)), np.cumsum(count) - count, count,
+                   np.fromiter((r for r, _, _ in rows), np.int64, len(rows)),
+                   np.fromiter((keys.setdefault(c, len(keys)) for _, c, _ in rows), np.int64, len(rows)),
+                   np.fromiter((sum(map(_nbytes, p)) for _, _, p in rows), np.int64, len(rows)), list(keys))
+
+
+_nbytes = operator.attrgetter("nbytes")
 
 
 class Source:

@@ -2,7 +2,8 @@
 expected entries, kept as columns.
 
 How this works: ``build_tables`` orders each sender's work by when it starts in the schedule (by
-receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``), and
+receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``: ranges of one list
+of pieces, so every piece is taken in the senders' order by one C call), and
 ``tables_from_assignment`` numbers it: a sender's transfers are its pieces
 (tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object
 per transfer). The receivers'
@@ -55,12 +56,13 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
     if not len(runs):
         return tables_from_assignment({}, senders, receivers, plan_id)
     order = np.lexsort((runs.receiver, runs.start, runs.sender))
+    count = runs.count[order]
+    at = np.cumsum(count) - count  # each run's first piece in the senders' order
+    pieces = in_order(runs.pool, np.repeat(runs.first[order] - at, count) + np.arange(int(count.sum())))
     by = runs.sender[order]
     firsts = np.flatnonzero(np.diff(by, prepend=-1))  # each sender's first run
-    bounds, pieces = [*firsts.tolist(), len(order)], runs.pieces
-    ordered = {}
-    for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:]):
-        ordered[s] = list(chain.from_iterable(in_order(pieces, order[a:b])))
+    bounds = [*at[firsts].tolist(), len(pieces)]
+    ordered = {s: pieces[a:b] for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:])}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
 

@@ -40,8 +40,13 @@ def test_streams_are_the_pieces_by_receiver_and_candidates_in_order(name):
     raw: dict = {}
     _cut(pieces, raw)
     want = [same for by_cands in raw.values() for same in by_cands.values()]
-    assert [[id(p) for p in same] for same in streams] == [[id(p) for p in same] for same in want]
+    lists = streams.lists()
+    assert [[id(p) for p in same] for same in lists] == [[id(p) for p in same] for same in want]
     assert len(streams) > len(receivers)  # (more than one candidate tuple per receiver)
+    # each stream's columns are read off its pieces: receiver, candidate tuple (the same object), bytes
+    assert streams.receiver.tolist() == [same[0].receiver for same in lists]
+    assert all(streams.tuples[k] is same[0].cands for k, same in zip(streams.key.tolist(), lists))
+    assert streams.nbytes.tolist() == [sum(p.nbytes for p in same) for same in lists]
 
 
 def test_designated_candidates_replace_the_full_holders_only():
