@@ -1,6 +1,7 @@
 """Pieces made from columns (``engine/plan/expand.py``): the streams the schedule starts from are the
 pieces grouped by receiver and candidate tuple, in order, and the designated candidates replace the full
-holders in exactly the pieces that had them."""
+holders in exactly the pieces that had them; the schedule makes the same work from those streams as
+columns as from the pieces grouped by dicts."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ sys.path[:0] = [str(ROOT / "bench")]
 
 import planner_scale as ps  # noqa: E402
 
-from weightsync.engine.plan import build_pieces  # noqa: E402
+from weightsync.engine.plan import LinkModel, PlanOptions, build_pieces  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, build_streams, index_sources  # noqa: E402
-from weightsync.engine.plan.planner import _cut  # noqa: E402
+from weightsync.engine.plan.planner import _cut, group_by_locality  # noqa: E402
+from weightsync.engine.plan.schedule import schedule  # noqa: E402
+from weightsync.engine.plan.sources import Streams  # noqa: E402
 from weightsync.engine.plan.trainer import TrainerLayout  # noqa: E402
 
 JOBS = {  # (arch, layers, trainer layout, receivers, TP, EP, colocated, fp8), as in test_plan_golden
@@ -86,3 +89,24 @@ def test_positions_and_distinct_counts_agree_with_sorting():
     want = np.array([len(set(b[a == i].tolist())) for i in range(30)])
     assert np.array_equal(_distinct(a, b, 30, 40), want)
     assert np.array_equal(_distinct(a, b * (1 << 22), 30, 40 << 22), want)  # (too large a table: by sorting)
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_the_schedule_of_the_streams_as_columns_is_that_of_the_grouped_pieces(name):
+    """Where no receiver has a sender on its host the streams go to the schedule as columns; the
+    schedule splits them into forced and flexible by indexing. It makes the same runs, segments and
+    port times as from the same pieces grouped by receiver and candidate tuple in dicts (the path
+    every other layout takes), with or without a locality preference."""
+    senders, receivers = _job(name)
+    link, options = LinkModel(net_bw=50e9, per_transfer_s=2e-6), PlanOptions()
+    for prefer in (False, True):
+        pieces, streams = build_streams(senders, receivers)
+        columns = group_by_locality(pieces, senders, receivers, prefer, link, streams)
+        dicts = group_by_locality(pieces, senders, receivers, prefer, link)
+        assert any(isinstance(g, Streams) for g in columns.values()) == (prefer is False or "colocated" not in name)
+        got, want = schedule(columns, link, options), schedule(dicts, link, options)
+        assert [(r.start.tolist(), r.receiver.tolist(), r.sender.tolist(), r.pieces) for r in got.forced] == \
+            [(r.start.tolist(), r.receiver.tolist(), r.sender.tolist(), r.pieces) for r in want.forced]
+        assert [(g.sender, g.receiver, g.pieces, g.start) for g in got.segments] == \
+            [(g.sender, g.receiver, g.pieces, g.start) for g in want.segments]
+        assert (got.sending, got.receiving) == (want.sending, want.receiving)
