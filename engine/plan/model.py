@@ -2,13 +2,16 @@
 
 How this works: ``makespan`` replays routing tables over virtual time the way the engine runs them
 (``weightsync.engine.datapath.pipeline``): a sender's table is split into one lane per receiver, in
-table order inside each lane, and all its lanes run at once. One host thread issues the table in
-order, one transfer every ``per_transfer_s`` (issue overhead; it overlaps with data already moving).
-A transfer's data occupies its sender's and its receiver's port of its link class
-(``links.LinkClass``) for bytes / bandwidth, once it is issued, the transfer before it in its lane has
-landed, and both ports are free; a port carries one transfer at a time and, when it frees, takes the
-lane that has waited longest among those whose other port is free (a port shared by several lanes,
-in time slices rather than in bandwidth shares). The makespan is when the last byte lands.
+table order inside each lane, and all its lanes run at once, each with writes in flight back to back.
+One host thread issues the table in order, one transfer every ``per_transfer_s`` (issue overhead; it
+overlaps with data already moving). A lane's data crosses its sender's and its receiver's port of its
+link class (``links.LinkClass``); a port carries all its lanes at once and shares its bandwidth among
+them max-min fairly, as a NIC shares a link among queue pairs and copy engines among concurrent copies
+(``replay.FluidReplay``); a transfer moves once it is issued, its gather (if any) is done and the
+transfer before it in its lane has landed. The makespan is when the last byte lands. With
+``sharing="slots"`` a port instead carries one transfer at a time, whole, and when it frees takes the
+lane that has waited longest among those whose other port is free (``_SlotReplay``): a pessimistic
+reading, which the bench reports beside the other.
 
 Gathers (FSDP): a sender whose table reads rows of a gatherable parameter outside its own shard first
 pulls the rest of that full tensor, once per round (as ``weightsync.engine.transforms.gather`` does), over its inbound port
@@ -47,6 +50,7 @@ from weightsync.wire import SenderTable
 
 from .links import LinkClass, LinkModel, Participant, classes_of, host_mates, link_class
 from .needs import Piece
+from .replay import FluidReplay
 
 
 def makespan(
@@ -55,39 +59,65 @@ def makespan(
     receivers: Sequence[Participant],
     link: LinkModel,
     stats: Optional[dict] = None,
+    sharing: str = "bandwidth",
 ) -> float:
     """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes`` and ``gather_s`` (the
-    busiest sender's inbound gather time)."""
+    busiest sender's inbound gather time). ``sharing``: how a port carries its lanes, "bandwidth" (all
+    at once, max-min fair, as NICs and copy engines share a link: ``replay.FluidReplay``) or "slots"
+    (one transfer at a time, whole, the lanes in turn: ``_SlotReplay``, a pessimistic reading reported
+    beside it)."""
+    if sharing not in ("bandwidth", "slots"):
+        raise ValueError(f"sharing must be 'bandwidth' or 'slots', not {sharing!r}")
     gathers = _Gathers(senders, link)
-    replay = _LaneReplay(tables, senders, receivers, link, gathers)
-    end_all = replay.run()
+    lanes, sending = _lanes(tables, senders, receivers, link, gathers)
+    end_all = _SlotReplay(lanes, link).run() if sharing == "slots" else _fluid(lanes, link).run()
     if stats is not None:
         stats["gathered_bytes"] = gathers.gathered_bytes
         stats["gather_s"] = max(gathers.free.values(), default=0.0)
-    return max(end_all, gathers.serving_bound(replay.sending))
+    return max(end_all, gathers.serving_bound(sending))
 
 
-class _LaneReplay:
-    """Lanes (one per sender and receiver, in table order) sharing ports that carry one transfer at a
-    time; a port that frees takes the longest-waiting lane whose other port is free."""
+def _fluid(lanes, link: LinkModel) -> FluidReplay:
+    """The lanes as flows between numbered ports."""
+    ports_s: dict[tuple[int, LinkClass], int] = {}
+    ports_r: dict[tuple[int, LinkClass], int] = {}
+    sport = [ports_s.setdefault((s, c), len(ports_s)) for (s, _), (c, _) in lanes.items()]
+    rport = [ports_r.setdefault((r, c), len(ports_r)) for (_, r), (c, _) in lanes.items()]
+    return FluidReplay(sport, rport, [items for _, items in lanes.values()],
+                       [link.port_bw(c, "sender", s) for s, c in ports_s],
+                       [link.port_bw(c, "receiver", r) for r, c in ports_r])
 
-    def __init__(self, tables, senders, receivers, link: LinkModel, gathers: "_Gathers") -> None:
-        s_by_rank = {p.rank: p for p in senders}
-        r_by_rank = {p.rank: p for p in receivers}
+
+def _lanes(tables, senders, receivers, link: LinkModel, gathers: "_Gathers"):
+    """Each (sender, receiver) lane's link class and transfers in table order as (when it is released:
+    issued by the sender's one host thread and its gather done, bytes); and each sender port's busy
+    time (its bytes at each pair's bandwidth)."""
+    s_by_rank = {p.rank: p for p in senders}
+    r_by_rank = {p.rank: p for p in receivers}
+    lanes: dict[tuple[int, int], tuple[LinkClass, list[tuple[float, int]]]] = {}
+    sending: dict[tuple[int, LinkClass], float] = defaultdict(float)
+    for s, table in sorted(tables.items()):
+        for i, tr in enumerate(table.transfers):
+            r = tr.dst_rank
+            lane = lanes.get((s, r))
+            if lane is None:
+                lane = lanes[s, r] = (link_class(s_by_rank[s], r_by_rank[r]), [])
+            posted = (i + 1) * link.per_transfer_s  # one host thread issues the table in order
+            lane[1].append((max(posted, gathers.ready(s, tr)), tr.nbytes))
+            sending[s, lane[0]] += tr.nbytes / link.bandwidth(lane[0], s, r)
+    return lanes, sending
+
+
+class _SlotReplay:
+    """The same lanes on ports that carry one transfer at a time, whole (``makespan(sharing="slots")``):
+    a port that frees takes the longest-waiting lane whose other port is free."""
+
+    def __init__(self, lanes: Mapping[tuple[int, int], tuple[LinkClass, list[tuple[float, int]]]],
+                 link: LinkModel) -> None:
         # (sender, receiver) -> its two ports, ("s", rank, cls) and ("r", rank, cls), and its transfers as
         # (when it can start at the earliest: issued and gathered, seconds of data)
-        self.lanes: dict[tuple[int, int], tuple[tuple, tuple, list[tuple[float, float]]]] = {}
-        for s, table in sorted(tables.items()):
-            for i, tr in enumerate(table.transfers):
-                r = tr.dst_rank
-                lane = self.lanes.get((s, r))
-                if lane is None:
-                    c = link_class(s_by_rank[s], r_by_rank[r])
-                    lane = self.lanes[s, r] = (("s", s, c), ("r", r, c), [])
-                posted = (i + 1) * link.per_transfer_s  # one host thread issues the table in order
-                c = lane[0][2]
-                lane[2].append((max(posted, gathers.ready(s, tr)), tr.nbytes / link.bandwidth(c, s, r)))
-        self.sending: dict[tuple[int, LinkClass], float] = defaultdict(float)  # each sender port's busy time
+        self.lanes = {(s, r): (("s", s, c), ("r", r, c), [(q, n / link.bandwidth(c, s, r)) for q, n in items])
+                      for (s, r), (c, items) in lanes.items()}
 
     def run(self) -> float:
         busy: set = set()  # ports carrying a transfer
@@ -104,7 +134,6 @@ class _LaneReplay:
             busy.add(sp)
             busy.add(rp)
             dur = items[pos[key]][1]
-            self.sending[sp[1], sp[2]] += dur
             heapq.heappush(events, (t + dur, 1, key))
 
         def serve(port, t):  # a port just freed: its longest-waiting lane whose other port is free
@@ -132,6 +161,7 @@ class _LaneReplay:
             else:
                 start(key, t)
         return end_all
+
 
 
 class _Holders:
