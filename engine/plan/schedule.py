@@ -218,32 +218,17 @@ class _ClassSchedule:
         self.holders: dict[tuple[int, ...], set[int]] = defaultdict(set)  # candidates -> receivers with a stream left
         self.tuples_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # sender -> candidate tuples naming it
         streams = groups if isinstance(groups, Streams) else Streams.of(groups)
-        self.pool, tuples, key = streams.pool, streams.tuples, streams.key
+        self.pool = streams.pool
         # the forced streams (one candidate; (receiver, its one sender) unique), as columns
-        one = np.fromiter((c[0] if c and len(c) == 1 else -1 for c in tuples), np.int64, len(tuples))[key]
+        tuples = streams.tuples
+        one = np.fromiter((c[0] if c and len(c) == 1 else -1 for c in tuples), np.int64, len(tuples))[streams.key]
         forced = np.flatnonzero(one >= 0)
         self.forced_r, self.forced_s = streams.receiver[forced], one[forced]
         self.forced_first, self.forced_count = streams.first[forced], streams.count[forced]
         self.forced_bytes = streams.nbytes[forced]
         got, at = np.unique(streams.receiver, return_inverse=True)
         need = dict(zip(got.tolist(), _by(at.reshape(-1), streams.nbytes, len(got)).tolist()))  # receiver -> bytes
-        # the flexible ones, by receiver and candidate tuple
-        flexible = np.flatnonzero(one < 0)
-        ranked = np.empty(len(tuples), np.int64)
-        ranked[np.asarray(sorted(range(len(tuples)), key=lambda k: tuples[k] or ()), np.int64)] = np.arange(len(tuples))
-        flexible = flexible[np.lexsort((ranked[key[flexible]], streams.receiver[flexible]))]
-        frozen: dict[tuple[int, ...], frozenset[int]] = {}  # (receivers of one layout share candidate tuples)
-        pool = self.pool
-        for seq, (receiver, k, a, n) in enumerate(zip(*(col[flexible].tolist() for col in (
-                streams.receiver, key, streams.first, streams.count)))):
-            cands = tuples[k]
-            fs = frozen.get(cands)
-            if fs is None:
-                fs = frozen[cands] = frozenset(cands)
-            stream = _Stream(fs, pool[a:a + n], seq)
-            stream.key = cands
-            self.holders[cands].add(receiver)
-            self.flex[receiver].append(stream)
+        frozen = self._flexible(streams, np.flatnonzero(one < 0))
         for cands in frozen:
             for s in cands:
                 self.tuples_of[s].append(cands)
@@ -263,6 +248,28 @@ class _ClassSchedule:
                         for r in self.receivers}
         self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
         self.received = dict.fromkeys(self.receivers, 0.0)  # each receiver port's (the same sums)
+
+    def _flexible(self, streams: Streams, flexible: np.ndarray) -> dict[tuple[int, ...], frozenset[int]]:
+        """A ``_Stream`` for each of ``streams`` at ``flexible``, numbered in (receiver, candidate tuple)
+        order (``_Stream.seq``), in its receiver's ``flex`` and its tuple's ``holders``; each candidate
+        tuple's frozenset, in the order first met."""
+        tuples, key = streams.tuples, streams.key
+        ranked = np.empty(len(tuples), np.int64)
+        ranked[np.asarray(sorted(range(len(tuples)), key=lambda k: tuples[k] or ()), np.int64)] = np.arange(len(tuples))
+        flexible = flexible[np.lexsort((ranked[key[flexible]], streams.receiver[flexible]))]
+        frozen: dict[tuple[int, ...], frozenset[int]] = {}  # (receivers of one layout share candidate tuples)
+        pool = self.pool
+        for seq, (receiver, k, a, n) in enumerate(zip(*(col[flexible].tolist() for col in (
+                streams.receiver, key, streams.first, streams.count)))):
+            cands = tuples[k]
+            fs = frozen.get(cands)
+            if fs is None:
+                fs = frozen[cands] = frozenset(cands)
+            stream = _Stream(fs, pool[a:a + n], seq)
+            stream.key = cands
+            self.holders[cands].add(receiver)
+            self.flex[receiver].append(stream)
+        return frozen
 
     @property
     def forced_pieces(self) -> list[list[Piece]]:
