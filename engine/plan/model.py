@@ -163,7 +163,6 @@ class _SlotReplay:
         return end_all
 
 
-
 class _Holders:
     """Who holds which gatherable (FSDP) shard, and the class a gather of each parameter travels by."""
 

@@ -66,8 +66,6 @@ class FluidReplay:
         busiest = max((np.bincount(self.sport, self.total, len(self.cap_s)) / self.cap_s).max(initial=0.0),
                       (np.bincount(self.rport, self.total, len(self.cap_r)) / self.cap_r).max(initial=0.0))
         self.window = self.WINDOW * busiest
-        self.events = 0  # rate recomputations, for reports
-        self.now = 0.0  # the replay's time
 
     def run(self) -> float:
         """When the last byte lands."""
@@ -98,7 +96,7 @@ class FluidReplay:
             due = at <= first + self.window
             now = at[due].max()
             done = np.minimum(done + rate * (now - t), cap)
-            t = self.now = now
+            t = now
             due |= moving & (cap - done <= 1e-9 * np.maximum(cap, 1.0))  # (reached it, but for rounding)
             for k in np.flatnonzero(due).tolist():
                 if moving[k]:
@@ -113,7 +111,6 @@ class FluidReplay:
                 rate = self._rates(moving)
 
     def _rates(self, moving: np.ndarray) -> np.ndarray:
-        self.events += 1
         rate = np.zeros(len(moving))
         rate[moving] = max_min_rates(self.sport[moving], self.rport[moving], self.cap_s, self.cap_r)
         return rate

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from .links import LinkClass, LinkModel
-from .sources import Piece, Streams
+from .sources import Piece, Streams, pooled, ranges
 
 _nbytes = operator.attrgetter("nbytes")
 _mask = operator.attrgetter("mask")
@@ -131,8 +131,8 @@ class Runs:
     def of_lists(cls, start: np.ndarray, receiver: np.ndarray, sender: np.ndarray,
                  pieces: Sequence[list[Piece]]) -> "Runs":
         """Runs whose pieces are given as a list each."""
-        count = np.fromiter(map(len, pieces), np.int64, len(pieces))
-        return cls(start, receiver, sender, np.cumsum(count) - count, count, list(chain.from_iterable(pieces)))
+        pool, first, count = pooled(pieces)
+        return cls(start, receiver, sender, first, count, pool)
 
     @classmethod
     def joined(cls, parts: Sequence["Runs"]) -> "Runs":
@@ -147,8 +147,7 @@ class Runs:
     @property
     def pieces(self) -> list[list[Piece]]:
         """Each run's pieces as a list of its own."""
-        pool = self.pool
-        return [pool[a:a + n] for a, n in zip(self.first.tolist(), self.count.tolist())]
+        return ranges(self.pool, self.first, self.count)
 
     def __len__(self) -> int:
         return len(self.first)
@@ -274,8 +273,7 @@ class _ClassSchedule:
     @property
     def forced_pieces(self) -> list[list[Piece]]:
         """Each forced stream's pieces as a list of its own."""
-        pool = self.pool
-        return [pool[a:a + n] for a, n in zip(self.forced_first.tolist(), self.forced_count.tolist())]
+        return ranges(self.pool, self.forced_first, self.forced_count)
 
     def run(self) -> tuple[list[Segment], Runs]:
         """The flexible segments, and the forced runs (``_place_forced``)."""

@@ -95,22 +95,30 @@ class Streams:
 
     def lists(self) -> list[list[Piece]]:
         """Each stream's pieces as a list of its own."""
-        pool = self.pool
-        return [pool[a:a + n] for a, n in zip(self.first.tolist(), self.count.tolist())]
+        return ranges(self.pool, self.first, self.count)
 
     @classmethod
     def of(cls, groups: dict[int, dict[tuple[int, ...], list[Piece]]]) -> "Streams":
         """``groups`` (receiver -> candidate tuple -> pieces), empty streams left out."""
         rows = [(r, cands, pieces) for r, streams in groups.items() for cands, pieces in streams.items() if pieces]
         keys: dict[tuple[int, ...], int] = {}
-        count = np.fromiter((len(p) for _, _, p in rows), np.int64, len(rows))
-        return cls(list(chain.from_iterable(p for _, _, p in rows)), np.cumsum(count) - count, count,
-                   np.fromiter((r for r, _, _ in rows), np.int64, len(rows)),
+        return cls(*pooled([p for _, _, p in rows]), np.fromiter((r for r, _, _ in rows), np.int64, len(rows)),
                    np.fromiter((keys.setdefault(c, len(keys)) for _, c, _ in rows), np.int64, len(rows)),
                    np.fromiter((sum(map(_nbytes, p)) for _, _, p in rows), np.int64, len(rows)), list(keys))
 
 
 _nbytes = operator.attrgetter("nbytes")
+
+
+def pooled(lists: Sequence[list]) -> tuple[list, np.ndarray, np.ndarray]:
+    """``lists`` as one list and each one's range in it: (pool, first, count)."""
+    count = np.fromiter(map(len, lists), np.int64, len(lists))
+    return list(chain.from_iterable(lists)), np.cumsum(count) - count, count
+
+
+def ranges(pool: list, first: np.ndarray, count: np.ndarray) -> list[list]:
+    """``pool[first[i]:first[i] + count[i]]`` for each i, as lists (``pooled``'s inverse)."""
+    return [pool[a:a + n] for a, n in zip(first.tolist(), count.tolist())]
 
 
 class Source:
