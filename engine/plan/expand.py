@@ -6,7 +6,8 @@ one layout, every layer's tensor of one kind, uses the same list). ``Expanded`` 
 lists and source tuples out as flat arrays and expands every tensor into its pieces' rows with
 ``numpy.repeat``, so each piece's source name, candidates, bytes and offset are array indexing, not a
 Python loop over 10^5-10^6 pieces. On those rows ``designate`` decides which gather-only parameters
-go to fewer holders; ``pieces`` makes the ``Piece`` tuples from the columns (in the tensors' order,
+go to fewer holders (and ``gather_queues`` when each designated holder's gathers are done, for the
+schedule); ``pieces`` makes the ``Piece`` tuples from the columns (in the tensors' order,
 each tensor's in its templates' order) with the designated candidates in place of the full holders,
 and ``streams`` also cuts them per receiver and candidate tuple by one stable sort, the grouping the
 schedule starts from (``planner.group_by_locality``), as columns (``sources.Streams``: each stream's
@@ -77,7 +78,8 @@ class Expanded:
         stays a candidate: the schedule keeps its choice. Otherwise each parameter, the most bytes
         first, gets k holders, chosen least-loaded first (k = its bytes to send over a fair share of
         all bytes, at least 1; a sender's load is what it alone can send, and its share of the
-        parameters designated before)."""
+        parameters designated before). Then the holders that the bytes gave only the longest gathers
+        (idle until they are done) also get a shorter one (``_early_work``)."""
         if not self.rows:
             return {}
         names, cands = self.names, self.cands
@@ -106,9 +108,9 @@ class Expanded:
         np.add.at(totals, g_name, g_bytes)
         groups = _distinct(g_name, g_at, len(names), len(got))  # receivers per name
         room = n_senders * busiest - total_all
+        size = {i: _full_bytes(sources[names[i]]) for i in order.tolist()}  # (a gather pulls about this)
         for i in order.tolist():
-            s = sources[names[i]]
-            room -= min(len(full[i]), int(groups[i])) * prod(s.full_shape) * dtype_size(s.dtype)
+            room -= min(len(full[i]), int(groups[i])) * size[i]
         if room >= 0:
             return {}
         load = defaultdict(int, _forced_load(self, cands, gather))
@@ -123,6 +125,8 @@ class Expanded:
             narrowed[names[i]] = (holders, intern.setdefault(chosen, chosen))
             for s in chosen:
                 load[s] += total // k
+        _early_work(narrowed, {names[i]: size[i] for i in order.tolist()},
+                    {names[i]: int(totals[i]) for i in order.tolist()}, intern)
         return narrowed
 
     def pieces(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> list[Piece]:
@@ -130,12 +134,18 @@ class Expanded:
         designated ones instead."""
         return self._made(narrowed)[0]
 
-    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> tuple[list[Piece], Optional[Streams]]:
+    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {},
+                sources: Mapping[str, Source] = {}) -> tuple[list[Piece], Optional[Streams]]:
         """The pieces (as ``pieces``), and the same pieces as streams: each receiver's (receivers in the
         tensors' order) split by candidate tuple, the tuples in the order they first occur in its
-        pieces, each stream's pieces in their order (``planner.group_by_locality``); None if no pieces."""
+        pieces, each stream's pieces in their order (``planner.group_by_locality``), with the gathers
+        the designated senders make first (``gather_queues``, from ``sources``); None if no pieces."""
         pieces, cands_row, tuples = self._made(narrowed)
-        return pieces, self._runs(pieces, cands_row, tuples) if pieces else None
+        if not pieces:
+            return pieces, None
+        streams = self._runs(pieces, cands_row, tuples)
+        streams.gathers = gather_queues(narrowed, sources) if narrowed else {}
+        return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:
         """The pieces, a number per piece for its (final) candidate tuple, and the tuple of each number."""
@@ -184,6 +194,82 @@ class Expanded:
         return Streams(in_order(pieces, order), starts, np.diff(starts, append=rows), self.receiver[head],
                        cands_row[head], np.add.reduceat(self.nbytes[order], starts),
                        [tuples.get(k) for k in range(max(tuples) + 1)])
+
+
+def _early_work(narrowed: dict[str, tuple[tuple, tuple]], pull: Mapping[str, int], totals: Mapping[str, int],
+                intern: Interned) -> None:
+    """Each designated sender whose every gather is longer than the shortest among the parameters
+    designated to several holders (a sender's port idles until its first gather is done) also gathers
+    one of those with a shorter gather that it holds, round robin, the most bytes first: so that once
+    the shortest gathers are done, every designated sender has work, not only those the bytes chose
+    for them. ``narrowed`` is updated in place."""
+    multi = [n for n, (_, chosen) in narrowed.items() if len(chosen) > 1]
+    if not multi:
+        return
+    shortest = min(pull[n] for n in multi)
+    first: dict[int, int] = {}  # sender -> its shortest gather
+    for n, (_, chosen) in narrowed.items():
+        for s in chosen:
+            first[s] = min(first.get(s, pull[n]), pull[n])
+    early = sorted(multi, key=lambda n: (-totals[n], pull[n], n))
+    extra: dict[str, list[int]] = defaultdict(list)
+    at = 0
+    for s in sorted(s for s, p in first.items() if p > shortest):
+        for j in range(len(early)):
+            n = early[(at + j) % len(early)]
+            holders, chosen = narrowed[n]
+            if pull[n] < first[s] and s not in chosen and s in holders:
+                extra[n].append(s)
+                at = (at + j + 1) % len(early)
+                break
+    for n, more in extra.items():
+        holders, chosen = narrowed[n]
+        both = tuple(sorted((*chosen, *more)))
+        narrowed[n] = (holders, intern.setdefault(both, both))
+
+
+def gather_queues(narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[str, Source]) -> dict[tuple, dict[int, int]]:
+    """For each designated candidate tuple, the bytes each of its senders pulls before it can send
+    that tuple's pieces: a sender gathers its designated parameters shortest first (the schedule
+    starts their pieces no sooner, so its table takes them in that order), each the full tensor less
+    its own shard, and a tuple's pieces wait for the last of its parameters."""
+    pulls: dict[int, list[tuple[int, str]]] = defaultdict(list)  # sender -> (pull, name)
+    seen: dict[tuple, list] = {}
+    for name, (_, chosen) in narrowed.items():
+        src = sources[name]
+        full = _full_bytes(src)
+        own = _own_shards(src.gshards, seen)
+        for s in chosen:
+            dim, a, b = own[s]
+            pulls[s].append((full - full * (b - a) // max(1, src.full_shape[dim]), name))
+    done: dict[tuple[int, str], int] = {}
+    for s, queue in pulls.items():
+        at = 0
+        for n, name in sorted(queue):
+            at += n
+            done[s, name] = at
+    out: dict[tuple, dict[int, int]] = {}
+    for name, (_, chosen) in narrowed.items():
+        mine = out.setdefault(chosen, {})
+        for s in chosen:
+            mine[s] = max(mine.get(s, 0), done[s, name])
+    return out
+
+
+def _full_bytes(src: Source) -> int:
+    return prod(src.full_shape) * dtype_size(src.dtype)
+
+
+def _own_shards(gshards: dict[tuple[int, int, int], list[int]], seen: dict) -> dict[int, tuple[int, int, int]]:
+    """Each holder's gatherable shard, worked out once per sharding: parameters sharded alike hold the
+    same key objects (``index_sources``), so they fall in one bucket and compare equal."""
+    bucket = seen.setdefault((len(gshards), id(next(iter(gshards), None))), [])
+    for shards, own in bucket:
+        if shards == gshards:
+            return own
+    own = {s: key for key, holders in gshards.items() for s in holders}
+    bucket.append((gshards, own))
+    return own
 
 
 def _forced_load(ex: Expanded, cands: tuple, gather: np.ndarray) -> dict[int, int]:

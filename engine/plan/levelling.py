@@ -6,14 +6,19 @@ schedule summed it (``Schedule.sending`` / ``.receiving``) and looks only at the
 only ones it may move: the busiest sender port hands part of one (``_best_move``: the largest it can,
 to its least busy candidate as fast for that receiver) to level the two, cut at a row boundary
 (``_tail_bytes``, ``_cut_tail``), until no move lowers it. The sum of squared port times falls at every
-move, so it ends.
+move, so it ends. Then ``spread``: a receiver's lanes run side by side and its largest ends last, so
+where one sender has several flexible segments for a receiver, all but the largest move to the
+candidate with the least work for that receiver, where that makes no lane or port larger.
 """
 
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import defaultdict
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .links import LinkClass, LinkModel
 from .schedule import Schedule, Segment
@@ -122,3 +127,68 @@ def _cut_tail(seg: Segment, nbytes: int) -> Segment:
             left = 0
     seg.nbytes -= nbytes
     return Segment(seg.receiver, seg.cls, tail[::-1], seg.sender, nbytes, seg.cands)
+
+
+
+def spread(sched: Schedule, link: LinkModel) -> int:
+    """Spread each receiver's flexible work over more senders. The engine runs a sender's lanes side
+    by side and a port shares its bandwidth among them, so a receiver's lanes progress alike and its
+    largest lane ends last: where one sender has several flexible segments for a receiver (the list
+    schedule took whichever candidate was free), all but the largest may move, each whole, to the
+    candidate with the least work for that receiver, if its lane then stays no larger than the
+    sender's was, and it is as fast for that receiver, ends no busier than the sender was, and has
+    its gathers for the segment done by the segment's start (``Schedule.released``). A moved segment
+    keeps its start. Returns the segments moved; ``sched`` is updated in place."""
+    segs, load = sched.segments, sched.sending
+    if not segs:
+        return 0
+    receiver = np.fromiter(map(_receiver, segs), np.int64, len(segs))
+    sender = np.fromiter(map(_sender, segs), np.int64, len(segs))
+    lane_of = receiver * (int(sender.max()) + 1) + sender
+    _, first, count = np.unique(lane_of, return_index=True, return_counts=True)
+    if (count < 2).all():
+        return 0
+    lanes: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+    for i in np.flatnonzero(np.isin(lane_of, lane_of[first[count > 1]])).tolist():
+        lanes[segs[i].receiver, segs[i].sender].append(segs[i])
+    size = _lane_bytes(sched, lanes, receiver, sender, segs)
+    moved = 0
+    for (r, s), mine in sorted(lanes.items()):
+        for g in sorted((g for g in mine if len(g.cands) > 1), key=_nbytes)[: len(mine) - 1]:
+            bw_from, before = link.bandwidth(g.cls, s, r), size[r, s]
+            fits = [t for t in g.cands if size[r, t] + g.nbytes < before
+                    and link.bandwidth(g.cls, t, r) >= bw_from and sched.released.get((g.cands, t), 0.0) <= g.start
+                    and load[t, g.cls] + g.nbytes / link.bandwidth(g.cls, t, r) <= load[s, g.cls]]
+            if not fits:
+                continue
+            t = min(fits, key=lambda t: (size[r, t], load[t, g.cls], t))
+            bw_to = link.bandwidth(g.cls, t, r)
+            load[s, g.cls] -= g.nbytes / bw_from
+            load[t, g.cls] += g.nbytes / bw_to
+            size[r, s] -= g.nbytes
+            size[r, t] += g.nbytes
+            g.sender = t
+            moved += 1
+    return moved
+
+
+def _lane_bytes(sched: Schedule, lanes: dict[tuple[int, int], list[Segment]], receiver: np.ndarray,
+                sender: np.ndarray, segs: list[Segment]) -> dict[tuple[int, int], int]:
+    """The bytes each candidate of the segments in ``lanes`` has for their receiver, forced or flexible
+    (``segs``, whose ``receiver`` and ``sender`` columns are given), keyed (receiver, sender): every
+    lane's bytes summed by one sort, then looked up for those pairs alone."""
+    nbytes = np.fromiter(map(_nbytes, segs), np.int64, len(segs))
+    rs = np.concatenate([receiver, *(runs.receiver for runs in sched.forced)])
+    ss = np.concatenate([sender, *(runs.sender for runs in sched.forced)])
+    ns = np.concatenate([nbytes, *(runs.nbytes for runs in sched.forced)])
+    width = int(max(ss.max(), max(t for mine in lanes.values() for g in mine for t in g.cands))) + 1
+    keys, at = np.unique(rs * width + ss, return_inverse=True)
+    sums = np.bincount(at.reshape(-1), ns, len(keys))
+    pairs = sorted({(r, t) for (r, _), mine in lanes.items() for g in mine for t in g.cands})
+    want = np.fromiter((r * width + t for r, t in pairs), np.int64, len(pairs))
+    i = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+    got = np.where(keys[i] == want, sums[i], 0).astype(np.int64)
+    return dict(zip(pairs, got.tolist()))
+
+
+_receiver, _sender, _nbytes = (operator.attrgetter(f) for f in ("receiver", "sender", "nbytes"))

@@ -201,7 +201,7 @@ class _Gathers(_Holders):
         if at is None:
             pull = max(0, _full_bytes(spec) - spec.nbytes)
             cls = self.gather_class(tr.name)
-            at = self.free[s] = self.free[s] + pull / self.link.port_bw(cls, "receiver", s)
+            at = self.free[s] = self.free[s] + pull / self.link.port_bw(cls, "sender", s)  # (its own NIC, inbound)
             self.done[key] = at
             self.gathered_bytes += pull
         return at
@@ -274,7 +274,7 @@ class _MinGathers(_Holders):
         least = min(n for _, n in pulls)
         self.pull[p.src_name] = min(self.pull.get(p.src_name, least), least)
         cls = self.gather_class(p.src_name)
-        return min(n / self.link.port_bw(cls, "receiver", s) for s, n in pulls)
+        return min(n / self.link.port_bw(cls, "sender", s) for s, n in pulls)
 
     def bytes_by_class(self) -> dict[LinkClass, int]:
         out: dict[LinkClass, int] = defaultdict(int)

@@ -14,7 +14,8 @@ How this works, in five steps:
    least loaded counting its forced work.
 4. Levelling (``levelling.balance``): where a sender port would be the bottleneck, the busiest hands
    part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
-   lowers it.
+   lowers it; then a receiver's flexible chunks that one sender has several of go to candidates with
+   less for that receiver (``levelling.spread``: its largest lane ends last).
 5. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
    sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
    when each transfer is issued and each gather made.)
@@ -38,7 +39,7 @@ from .mapping import Mapping as NameMapping
 from .model import receiver_bound
 from .needs import Piece, PlanCache, build_streams
 from .sources import Streams
-from .levelling import balance
+from .levelling import balance, spread
 from .schedule import schedule
 from .tables import RoutingPlan, build_tables
 
@@ -50,7 +51,7 @@ class PlanOptions:
     min_chunk_bytes: int = 32 * MiB  # never cut a tensor into pieces smaller than this
     chunks_per_receiver: int = 8  # a receiver's bytes go out in about this many chunks
     prefer_locality: bool = True
-    level: bool = True  # even out sender ports after the schedule (``levelling.balance``)
+    level: bool = True  # even out sender ports and lanes after the schedule (``levelling.balance``, ``.spread``)
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -107,9 +108,10 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
             return routing
     pieces, streams = build_streams(senders, receivers, transforms, mapping, cache)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link, streams)
-    sched = schedule(groups, link, options)
+    sched = schedule(groups, link, options, streams.gathers if streams is not None else {})
     if options.level:
         balance(sched, link, options)
+        spread(sched, link)
     routing = build_tables(sched, senders, receivers, plan_id)
     if cache is not None:
         cache.last = (receivers, (link, options), senders, routing)

@@ -11,6 +11,9 @@ the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundari
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
 only once one of its candidates frees. A stream's candidates and the free senders are also kept as
 integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream.
+A designated gatherer (``expand.Expanded.designate``) can send the pieces it gathers only once its
+gathers are done, shortest first (``Streams.gathers``): until then it is out of those streams' bits,
+and the time its gathers are done is an event that wakes the receivers waiting for it (``_gates``).
 The result is a ``Schedule``: the flexible work as ``Segment``s (sender, receiver, pieces, start), the
 forced work as ``Runs`` (columns), and each port's busy time, summed as the work is placed.
 ``levelling.balance`` then levels sender ports where one would be the bottleneck, reading those sums.
@@ -25,7 +28,7 @@ import heapq
 import operator
 from collections import defaultdict
 from itertools import accumulate, chain, compress, count
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -113,26 +116,27 @@ class _Stream:
 @dataclasses.dataclass
 class Runs:
     """Work as columns, a row per run (pieces one sender sends one receiver back to back): when it
-    starts in the schedule's time, its receiver, its sender, and its pieces, ``pool[first:first + count]``
-    (ranges of one list: no list per run)."""
+    starts in the schedule's time, its receiver, its sender, its bytes, and its pieces,
+    ``pool[first:first + count]`` (ranges of one list: no list per run)."""
 
     start: np.ndarray  # float64
     receiver: np.ndarray  # int64, each column
     sender: np.ndarray
+    nbytes: np.ndarray
     first: np.ndarray
     count: np.ndarray
     pool: list[Piece]
 
     @classmethod
     def empty(cls) -> "Runs":
-        return cls(np.zeros(0), *(np.zeros(0, np.int64) for _ in range(4)), [])
+        return cls(np.zeros(0), *(np.zeros(0, np.int64) for _ in range(5)), [])
 
     @classmethod
-    def of_lists(cls, start: np.ndarray, receiver: np.ndarray, sender: np.ndarray,
+    def of_lists(cls, start: np.ndarray, receiver: np.ndarray, sender: np.ndarray, nbytes: np.ndarray,
                  pieces: Sequence[list[Piece]]) -> "Runs":
         """Runs whose pieces are given as a list each."""
         pool, first, count = pooled(pieces)
-        return cls(start, receiver, sender, first, count, pool)
+        return cls(start, receiver, sender, nbytes, first, count, pool)
 
     @classmethod
     def joined(cls, parts: Sequence["Runs"]) -> "Runs":
@@ -140,7 +144,7 @@ class Runs:
         if not parts:
             return cls.empty()
         at = np.cumsum([0, *(len(r.pool) for r in parts[:-1])])  # where each part's pool lands in the one pool
-        return cls(*(np.concatenate([getattr(r, f) for r in parts]) for f in ("start", "receiver", "sender")),
+        return cls(*(np.concatenate([getattr(r, f) for r in parts]) for f in ("start", "receiver", "sender", "nbytes")),
                    np.concatenate([r.first + a for r, a in zip(parts, at.tolist())]),
                    np.concatenate([r.count for r in parts]), list(chain.from_iterable(r.pool for r in parts)))
 
@@ -164,6 +168,8 @@ class Schedule:
     sending: dict[tuple[int, LinkClass], float]
     receiving: dict[tuple[int, LinkClass], float]
     forced: list[Runs] = dataclasses.field(default_factory=list)
+    # (a flexible stream's candidates, a sender that must first gather for them) -> when it may start
+    released: dict[tuple[frozenset[int], int], float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, segments: list[Segment], link: LinkModel) -> "Schedule":
@@ -180,22 +186,26 @@ class Schedule:
         segs = self.segments
         flexible = Runs.of_lists(np.fromiter((g.start for g in segs), np.float64, len(segs)),
                                  np.fromiter((g.receiver for g in segs), np.int64, len(segs)),
-                                 np.fromiter((g.sender for g in segs), np.int64, len(segs)), [g.pieces for g in segs])
+                                 np.fromiter((g.sender for g in segs), np.int64, len(segs)),
+                                 np.fromiter((g.nbytes for g in segs), np.int64, len(segs)), [g.pieces for g in segs])
         return Runs.joined([*self.forced, flexible])
 
 
-def schedule(groups, link: LinkModel, options: "PlanOptions") -> Schedule:
+def schedule(groups, link: LinkModel, options: "PlanOptions",
+             gathers: Mapping[tuple[int, ...], Mapping[int, int]] = {}) -> Schedule:
     """Work-conserving list scheduling, one link class at a time (ports of classes are independent).
     ``groups``: class -> streams, as ``Streams`` or receiver -> candidate senders -> pieces
-    (``planner.group_by_locality``)."""
+    (``planner.group_by_locality``). ``gathers``: per designated candidate tuple, the bytes each of
+    its senders gathers before it may send that tuple's pieces (``Streams.gathers``)."""
     out = Schedule([], defaultdict(float), defaultdict(float))
     for cls in sorted(groups):
-        one = _ClassSchedule(cls, groups[cls], link, options)
+        one = _ClassSchedule(cls, groups[cls], link, options, gathers)
         segments, forced = one.run()
         out.segments.extend(segments)
         out.forced.append(forced)
         out.sending.update(((s, cls), t) for s, t in one.load.items() if t)
         out.receiving.update(((r, cls), t) for r, t in one.received.items() if t)
+        out.released.update(one.released)
     return out
 
 
@@ -211,7 +221,8 @@ class _ClassSchedule:
     woken by a sender finds work from it."""
 
     def __init__(self, cls: LinkClass, groups: "Streams | dict[int, dict[tuple[int, ...], list[Piece]]]",
-                 link: LinkModel, options: "PlanOptions") -> None:
+                 link: LinkModel, options: "PlanOptions",
+                 gathers: Mapping[tuple[int, ...], Mapping[int, int]] = {}) -> None:
         self.cls, self.link, self.options = cls, link, options
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.holders: dict[tuple[int, ...], set[int]] = defaultdict(set)  # candidates -> receivers with a stream left
@@ -240,6 +251,8 @@ class _ClassSchedule:
         for mine in self.flex.values():
             for st in mine:
                 st.mask = masks[st.key]
+        self.gated, self.releases = self._gates(gathers)
+        self.gated_keys = {key for key, _ in self.gated}
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
         self.left = {r: sum(s.nbytes for s in self.flex.get(r, ())) / self.bw_r[r] for r in self.receivers}
@@ -269,6 +282,49 @@ class _ClassSchedule:
             self.holders[cands].add(receiver)
             self.flex[receiver].append(stream)
         return frozen
+
+    def _gates(self, gathers) -> tuple[list[tuple[tuple[int, ...], list[_Stream]]], list[tuple[float, int, int]]]:
+        """The flexible streams whose senders must first gather (``gathers``), by tuple, and when each
+        such sender may start them (its gather bytes over its own port of this class, as the model's
+        gathers pull them): a heap of (time, the tuple's number, sender). Until then the sender's bit
+        is out of those streams' masks, so ``_match`` passes it by, and the tuple out of its
+        ``tuples_of``, so that freeing it wakes no receiver for them."""
+        by_key: dict[tuple[int, ...], list[_Stream]] = {}
+        for mine in self.flex.values():
+            for st in mine:
+                if st.key in gathers:
+                    by_key.setdefault(st.key, []).append(st)
+        releases = []
+        self.released: dict[tuple[frozenset[int], int], float] = {}
+        for i, (key, streams) in enumerate(by_key.items()):
+            late = 0
+            for s, n in gathers[key].items():
+                if n > 0 and s in self.bit:
+                    at = self.released[streams[0].cands, s] = n / self.link.port_bw(self.cls, "sender", s)
+                    releases.append((at, i, s))
+                    late |= self.bit[s]
+                    self.tuples_of[s].remove(key)  # (a freed sender wakes no receiver for these yet)
+            for st in streams:
+                st.mask &= ~late
+        heapq.heapify(releases)
+        return list(by_key.items()), releases
+
+    def _release(self, now: float, free_s: set[int], free_r: set[int], to_try: dict) -> None:
+        """Senders whose gathers are done by ``now`` join their streams' masks; a free one wakes the
+        free receivers with such a stream left."""
+        releases, bit = self.releases, self.bit
+        while releases and releases[0][0] <= now:
+            _, i, s = heapq.heappop(releases)
+            key, streams = self.gated[i]
+            for st in streams:
+                st.mask |= bit[s]
+            self.tuples_of[s].append(key)
+            if s in free_s:
+                for r in self.holders[key].intersection(free_r):
+                    if r not in to_try:
+                        to_try[r] = {s}
+                    elif to_try[r] is not None:
+                        to_try[r].add(s)
 
     @property
     def forced_pieces(self) -> list[list[Piece]]:
@@ -309,8 +365,13 @@ class _ClassSchedule:
                 free_r.discard(r)
                 self.left[r] -= seg.nbytes / self.bw_r[r]
                 heapq.heappush(events, (now + self._busy(seg), s, r))
-            if not events:
+            releases = self.releases
+            if not events and not releases:
                 return out, forced
+            if releases and (not events or releases[0][0] < events[0][0]):
+                now, to_try = releases[0][0], {}
+                self._release(now, free_s, free_r, to_try)
+                continue
             now, s, r = heapq.heappop(events)
             freed_s, freed_r = [s], [r]
             while events and events[0][0] <= now:
@@ -332,6 +393,7 @@ class _ClassSchedule:
                             to_try[r] = {s}
                         else:
                             only.add(s)
+            self._release(now, free_s, free_r, to_try)
 
     def _place_forced(self) -> tuple[Runs, dict[tuple[int, int], float]]:
         """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each
@@ -378,7 +440,7 @@ class _ClassSchedule:
         self.load.update(zip(self.senders, load.tolist()))
         self.received.update(zip(self.receivers, received.tolist()))
         free_at.update(((s, -1), t) for s, t in self.load.items() if t)
-        return Runs(start, self.forced_r[stream], self.forced_s[stream], first, count, pool), free_at
+        return Runs(start, self.forced_r[stream], self.forced_s[stream], nbytes, first, count, pool), free_at
 
     def _chunked(self, big: np.ndarray, stream, nbytes, count, first, quantum):
         """The forced streams in placement order with those at ``big`` cut into chunks (``_Stream.take``):
@@ -421,7 +483,10 @@ class _ClassSchedule:
         i = next(compress(count(), map(free_bits.__and__, map(_mask, flex_r))), None)
         if i is not None:
             st = flex_r[i]
-            s = min(st.cands & free_s, key=lambda s: (load[s], s))
+            ready = st.cands & free_s
+            if st.key in self.gated_keys:  # (only the candidates whose gathers are done)
+                ready = [s for s in ready if st.mask & self.bit[s]]
+            s = min(ready, key=lambda s: (load[s], s))
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left

@@ -77,7 +77,8 @@ def test_the_jobs_designate_gatherers_and_cut_pieces():
     assert tables_of("qwen2.5-7b 2 layers 16->16 colocated")["transfers"] > len(pieces)
 
 
-@pytest.mark.parametrize("name", ["kimi-k2 3 layers 32->16 tp8+ep16 fp8", "qwen2.5-7b 2 layers 16->16 colocated"])
+@pytest.mark.parametrize("name", ["kimi-k2 3 layers 32->16 tp8", "kimi-k2 3 layers 32->16 tp8+ep16 fp8",
+                                  "qwen2.5-7b 2 layers 16->16 colocated"])
 def test_the_stage_timer_takes_the_plans_own_steps(name):
     """``bench/diagnostics/planner_stages.py`` times ``plan()``'s steps by calling them one by one: its
     tables must be the golden ones, or it would be timing something else."""
@@ -87,7 +88,7 @@ def test_the_stage_timer_takes_the_plans_own_steps(name):
     took, routing = planner_stages.stages(senders, receivers, LINK, PlanOptions())
     assert digest(routing) == _stored()[name]["tables"]
     assert set(took) == {"index", "resolve + expand", "gatherers", "pieces + streams", "locality", "schedule",
-                         "levelling", "tables"}
+                         "levelling", "spread", "tables"}
 
 
 if __name__ == "__main__":

@@ -570,6 +570,52 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
     assert moved.start == pytest.approx(6 * 256 * row / link.net_bw)  # after the kept part
 
 
+def _flexible_segment(receiver, units, sender, cands, start=0.0):
+    from weightsync.engine.plan.schedule import Segment
+    from weightsync.engine.plan.sources import Piece
+
+    n = units << 20
+    piece = Piece(receiver, f"w{receiver}.{units}.{start}", "w", None, n, 0, 0, 0, "", tuple(sorted(cands)))
+    seg = Segment(receiver, LinkClass.NET, [piece], sender, n, frozenset(cands) if len(cands) > 1 else frozenset())
+    seg.start = start
+    return seg
+
+
+def test_spreading_moves_a_receivers_second_segment_to_a_sender_with_no_lane_to_it():
+    """Sender 0 has two flexible segments for receiver 0 (3 and 1 units), which senders 1 and 2 could
+    also send; sender 1 already sends receiver 0 a unit of its own, sender 2 nothing. The smaller
+    segment moves to sender 2: receiver 0's largest lane is then 3 units, not 4, and no port is busier
+    than sender 0 was. The moved segment keeps its start."""
+    from weightsync.engine.plan.levelling import spread
+    from weightsync.engine.plan.schedule import Schedule
+
+    link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
+    segments = [_flexible_segment(0, 3, 0, {0, 1, 2}), _flexible_segment(0, 1, 0, {0, 1, 2}, start=0.5),
+                _flexible_segment(0, 1, 1, {1})]
+    sched = Schedule.of(segments, link)
+    assert spread(sched, link) == 1
+    assert [(g.sender, g.nbytes >> 20, g.start) for g in segments] == [(0, 3, 0.0), (2, 1, 0.5), (1, 1, 0.0)]
+    assert sched.sending == {(0, LinkClass.NET): pytest.approx(3 * 2**20 / 1e9),
+                             (1, LinkClass.NET): pytest.approx(2**20 / 1e9), (2, LinkClass.NET): pytest.approx(2**20 / 1e9)}
+
+
+def test_spreading_waits_for_gathers_and_never_makes_a_port_busier():
+    """As above, but sender 2 is still gathering for the segment at its start (``Schedule.released``),
+    and sender 1 would end busier than sender 0 was: nothing moves."""
+    from weightsync.engine.plan.levelling import spread
+    from weightsync.engine.plan.schedule import Schedule
+
+    link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
+    segments = [_flexible_segment(0, 3, 0, {0, 1, 2}), _flexible_segment(0, 1, 0, {0, 1, 2}, start=0.5),
+                _flexible_segment(1, 4, 1, {1})]
+    sched = Schedule.of(segments, link)
+    sched.released[frozenset({0, 1, 2}), 2] = 0.75
+    assert spread(sched, link) == 0
+    assert [g.sender for g in segments] == [0, 0, 1]
+    sched.released[frozenset({0, 1, 2}), 2] = 0.5  # (done by its start: it may go)
+    assert spread(sched, link) == 1 and [g.sender for g in segments] == [0, 2, 1]
+
+
 def test_levelling_never_cuts_what_cannot_be_cut():
     """A segment of one piece that cannot be split (no row size) either moves whole or stays, even with
     no floor on a part's size: 3 units against 0 moves nothing (whole, it would end at 3 too)."""
