@@ -7,7 +7,11 @@ receiver comes back on a spare host and then on a trainers' host, each with its 
 ``PlanCache`` and ``MessageCache`` of the plans before), the modeled makespan of our tables (ports shared
 by bandwidth, and beside it with ports that carry one transfer at a time: ``makespan(sharing=...)``),
 the lower bound, and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
-broadcast; then the worst ratio and the slowest Kimi-K2 256 -> 128 plan against their targets.
+broadcast; then the worst ratio and the slowest Kimi-K2 256 -> 128 plan against their targets. Where
+senders gather (FSDP), the bytes gathered, the busiest sender's gathers (``gather_s``: what the model
+charges, each sender pulling its own) and the same gathers one parameter at a time
+(``serial_gather_s``: what a mesh that walks its parameters one by one, as the engine's ``Gatherer``
+does today, would take before the last of them).
 
     .venv/bin/python bench/planner_scale.py                 # all scenarios
     .venv/bin/python bench/planner_scale.py --only kimi     # scenarios whose name contains "kimi"
@@ -110,6 +114,7 @@ SCENARIOS = [
     ("qwen3-235b 128->32 tp8+ep8 fp8", "qwen3-235b-a22b", TrainerLayout(128, ep=128), 32, 8, 8, False, True),
     ("qwen3-235b 96->32 ep96 (uneven) tp8+ep8", "qwen3-235b-a22b", TrainerLayout(96, ep=96), 32, 8, 8, False),
     ("qwen3-235b 128->32 pp4+ep32 tp8+ep8", "qwen3-235b-a22b", TrainerLayout(128, pp=4, ep=32), 32, 8, 8, False),
+    ("qwen3-235b 128->32 tp8", "qwen3-235b-a22b", TrainerLayout(128), 32, 8, 1, False),
     ("kimi-k2 256->128 tp8+ep128", "kimi-k2", TrainerLayout(256), 128, 8, 128, False),
     ("kimi-k2 256->128 tp8", "kimi-k2", TrainerLayout(256), 128, 8, 1, False),
     ("kimi-k2 256->128 tp8+ep128 fp8", "kimi-k2", TrainerLayout(256), 128, 8, 128, False, True),
@@ -170,6 +175,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, fp8=False, *, link):
         "makespan_s": round(ours, 5),
         "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
         "gather_s": round(stats["gather_s"], 4),
+        "serial_gather_s": round(stats["serial_gather_s"], 3),
         "lower_bound_s": round(bound, 5),
         "makespan_over_bound": round(ours / bound, 4),
         "slots_makespan_s": round(ours_slots, 5),

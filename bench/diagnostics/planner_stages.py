@@ -31,7 +31,7 @@ from planner_compare import digest  # noqa: E402
 
 from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, plan  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, index_sources  # noqa: E402
-from weightsync.engine.plan.planner import group_by_locality  # noqa: E402
+from weightsync.engine.plan.planner import gathered_at, group_by_locality  # noqa: E402
 from weightsync.engine.plan.levelling import balance, spread  # noqa: E402
 from weightsync.engine.plan.schedule import _ClassSchedule, schedule  # noqa: E402
 from weightsync.engine.plan.tables import build_tables  # noqa: E402
@@ -50,7 +50,7 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
         t = now
 
     groups, gathers, kept = streams_by_class(senders, receivers, link, options, lap)
-    sched = schedule(groups, link, options, gathers)
+    sched = schedule(groups, link, options)
     lap("schedule")
     if options.level:
         balance(sched, link, options)
@@ -58,7 +58,7 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
     if options.level:
         spread(sched, link)
     lap("spread")
-    routing = build_tables(sched, senders, receivers, 0)
+    routing = build_tables(sched, senders, receivers, 0, gathered_at(gathers, senders, link))
     lap("tables")
     del kept  # (freed after the clock stops: a PlanCache keeps the index, as the bench's plans keep it)
     return took, routing
@@ -73,19 +73,18 @@ def streams_by_class(senders, receivers, link: LinkModel, options: PlanOptions, 
     lap("resolve + expand")
     narrowed = expanded.designate(resolver.sources, len(senders), resolver.intern)
     lap("gatherers")
-    pieces, streams = expanded.streams(narrowed, resolver.sources)
+    pieces, streams = expanded.streams(narrowed, resolver.sources, resolver.intern)
     lap("pieces + streams")
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link, streams)
     lap("locality")
     return groups, streams.gathers if streams is not None else {}, (resolver, expanded)
 
 
-def forced_seconds(groups, gathers, link: LinkModel, options: PlanOptions) -> tuple[float, float]:
-    """CPU seconds of the schedule's set-up (streams sorted into forced and flexible, the gathered ones
-    gated) and of its forced placement alone (on fresh streams: placing forced work cuts the streams'
-    pieces)."""
+def forced_seconds(groups, link: LinkModel, options: PlanOptions) -> tuple[float, float]:
+    """CPU seconds of the schedule's set-up (streams sorted into forced and flexible) and of its forced
+    placement alone (on fresh streams: placing forced work cuts the streams' pieces)."""
     t0 = time.process_time()
-    ones = [_ClassSchedule(cls, groups[cls], link, options, gathers) for cls in sorted(groups)]
+    ones = [_ClassSchedule(cls, groups[cls], link, options) for cls in sorted(groups)]
     t1 = time.process_time()
     for one in ones:
         one._place_forced()
@@ -113,8 +112,7 @@ def main(argv=None) -> int:
             took, routing = stages(senders, receivers, link, options)
             same = digest(routing) == want
             del routing
-            groups, gathers, _ = streams_by_class(senders, receivers, link, options)
-            setup, forced = forced_seconds(groups, gathers, link, options)
+            setup, forced = forced_seconds(streams_by_class(senders, receivers, link, options)[0], link, options)
         finally:
             gc.enable()
         row = {"scenario": name, "plan": i + 1, **took, "total": round(sum(took.values()), 3),

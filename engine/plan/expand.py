@@ -6,8 +6,8 @@ one layout, every layer's tensor of one kind, uses the same list). ``Expanded`` 
 lists and source tuples out as flat arrays and expands every tensor into its pieces' rows with
 ``numpy.repeat``, so each piece's source name, candidates, bytes and offset are array indexing, not a
 Python loop over 10^5-10^6 pieces. On those rows ``designate`` decides which gather-only parameters
-go to fewer holders (and ``gather_queues`` when each designated holder's gathers are done, for the
-schedule); ``pieces`` makes the ``Piece`` tuples from the columns (in the tensors' order,
+go to fewer holders (and ``gather_queues`` when each designated holder has each of them, for the
+tables' order); ``pieces`` makes the ``Piece`` tuples from the columns (in the tensors' order,
 each tensor's in its templates' order) with the designated candidates in place of the full holders,
 and ``streams`` also cuts them per receiver and candidate tuple by one stable sort, the grouping the
 schedule starts from (``planner.group_by_locality``), as columns (``sources.Streams``: each stream's
@@ -78,8 +78,8 @@ class Expanded:
         stays a candidate: the schedule keeps its choice. Otherwise each parameter, the most bytes
         first, gets k holders, chosen least-loaded first (k = its bytes to send over a fair share of
         all bytes, at least 1; a sender's load is what it alone can send, and its share of the
-        parameters designated before). Then the holders that the bytes gave only the longest gathers
-        (idle until they are done) also get a shorter one (``_early_work``)."""
+        parameters designated before). Then a holder whose shorter gathers leave it idle until its
+        longest is done also gets a shorter one (``_early_work``)."""
         if not self.rows:
             return {}
         names, cands = self.names, self.cands
@@ -113,7 +113,8 @@ class Expanded:
             room -= min(len(full[i]), int(groups[i])) * size[i]
         if room >= 0:
             return {}
-        load = defaultdict(int, _forced_load(self, cands, gather))
+        forced = _forced_load(self, cands, gather)
+        load = defaultdict(int, forced)
         fair = max(1, total_all // max(1, n_senders))
         narrowed: dict[str, tuple[tuple, tuple]] = {}
         for i in sorted(order.tolist(), key=lambda i: -int(totals[i])):
@@ -126,7 +127,7 @@ class Expanded:
             for s in chosen:
                 load[s] += total // k
         _early_work(narrowed, {names[i]: size[i] for i in order.tolist()},
-                    {names[i]: int(totals[i]) for i in order.tolist()}, intern)
+                    {names[i]: int(totals[i]) for i in order.tolist()}, forced, busiest // 100, intern)
         return narrowed
 
     def pieces(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}) -> list[Piece]:
@@ -134,17 +135,18 @@ class Expanded:
         designated ones instead."""
         return self._made(narrowed)[0]
 
-    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {},
-                sources: Mapping[str, Source] = {}) -> tuple[list[Piece], Optional[Streams]]:
+    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}, sources: Mapping[str, Source] = {},
+                intern: Optional[Interned] = None) -> tuple[list[Piece], Optional[Streams]]:
         """The pieces (as ``pieces``), and the same pieces as streams: each receiver's (receivers in the
         tensors' order) split by candidate tuple, the tuples in the order they first occur in its
-        pieces, each stream's pieces in their order (``planner.group_by_locality``), with the gathers
-        the designated senders make first (``gather_queues``, from ``sources``); None if no pieces."""
+        pieces, each stream's pieces in their order (``planner.group_by_locality``), with when each
+        designated sender has each parameter it gathers (``gather_queues``, from ``sources`` and
+        ``intern``); None if no pieces."""
         pieces, cands_row, tuples = self._made(narrowed)
         if not pieces:
             return pieces, None
         streams = self._runs(pieces, cands_row, tuples)
-        streams.gathers = gather_queues(narrowed, sources) if narrowed else {}
+        streams.gathers = gather_queues(narrowed, sources, intern or Interned()) if narrowed else {}
         return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:
@@ -197,28 +199,34 @@ class Expanded:
 
 
 def _early_work(narrowed: dict[str, tuple[tuple, tuple]], pull: Mapping[str, int], totals: Mapping[str, int],
-                intern: Interned) -> None:
-    """Each designated sender whose every gather is longer than the shortest among the parameters
-    designated to several holders (a sender's port idles until its first gather is done) also gathers
-    one of those with a shorter gather that it holds, round robin, the most bytes first: so that once
-    the shortest gathers are done, every designated sender has work, not only those the bytes chose
-    for them. ``narrowed`` is updated in place."""
-    multi = [n for n, (_, chosen) in narrowed.items() if len(chosen) > 1]
-    if not multi:
-        return
-    shortest = min(pull[n] for n in multi)
-    first: dict[int, int] = {}  # sender -> its shortest gather
+                forced: Mapping[int, int], least: int, intern: Interned) -> None:
+    """A designated sender gathers its parameters shortest first and sends a parameter's pieces once
+    it has it: where what it sends with no gather (``forced``) and its share of its shorter gathers
+    come to fewer bytes than its longest gather pulls, its port idles until that one is done. Each
+    such sender also gathers one more parameter that it holds, whose gather is shorter than its
+    longest and whose bytes to send would fill that wait: round robin over such parameters, the most
+    bytes first. So once the shorter gathers are done every gatherer has work, not only those the
+    bytes chose for them. Only gathers of ``least`` bytes at least count (a hundredth of the busiest
+    receiver's bytes): a shorter wait costs the round less than that, and more holders for small
+    parameters would only make more streams for the schedule. ``narrowed`` is updated in place."""
+    mine: dict[int, list[str]] = defaultdict(list)
     for n, (_, chosen) in narrowed.items():
         for s in chosen:
-            first[s] = min(first.get(s, pull[n]), pull[n])
-    early = sorted(multi, key=lambda n: (-totals[n], pull[n], n))
+            mine[s].append(n)
+    early = sorted((n for n in narrowed if pull[n] >= least), key=lambda n: (-totals[n], pull[n], n))
     extra: dict[str, list[int]] = defaultdict(list)
     at = 0
-    for s in sorted(s for s, p in first.items() if p > shortest):
+    for s in sorted(mine):
+        longest = max(pull[n] for n in mine[s])
+        if longest < least:
+            continue
+        lacks = longest - forced.get(s, 0) - sum(totals[n] // len(narrowed[n][1]) for n in mine[s] if pull[n] < longest)
+        if lacks <= 0:
+            continue
         for j in range(len(early)):
             n = early[(at + j) % len(early)]
             holders, chosen = narrowed[n]
-            if pull[n] < first[s] and s not in chosen and s in holders:
+            if pull[n] < longest <= totals[n] and s not in chosen and s in holders:
                 extra[n].append(s)
                 at = (at + j + 1) % len(early)
                 break
@@ -228,48 +236,34 @@ def _early_work(narrowed: dict[str, tuple[tuple, tuple]], pull: Mapping[str, int
         narrowed[n] = (holders, intern.setdefault(both, both))
 
 
-def gather_queues(narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[str, Source]) -> dict[tuple, dict[int, int]]:
-    """For each designated candidate tuple, the bytes each of its senders pulls before it can send
-    that tuple's pieces: a sender gathers its designated parameters shortest first (the schedule
-    starts their pieces no sooner, so its table takes them in that order), each the full tensor less
-    its own shard, and a tuple's pieces wait for the last of its parameters."""
+def gather_queues(narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[str, Source],
+                  intern: Interned) -> dict[tuple[int, str], int]:
+    """When each designated sender has each of its designated parameters, as the bytes it has pulled
+    by then, keyed (sender, name): it gathers them shortest first (its table takes them in that
+    order: ``tables.build_tables``), each the full tensor less its own dim-0 shard (read off the
+    sharding's ``Spans``, shared by every parameter sharded alike)."""
     pulls: dict[int, list[tuple[int, str]]] = defaultdict(list)  # sender -> (pull, name)
-    seen: dict[tuple, list] = {}
+    rows_of: dict[int, dict[int, int]] = {}  # id(spans) -> sender -> the dim-0 rows it holds
     for name, (_, chosen) in narrowed.items():
         src = sources[name]
-        full = _full_bytes(src)
-        own = _own_shards(src.gshards, seen)
+        full, spans = _full_bytes(src), src.spans(intern)
+        own = rows_of.get(id(spans))
+        if own is None:
+            own = rows_of[id(spans)] = {s: b - a for a, b, holders in spans.rows for s in holders}
+        rows = max(1, src.full_shape[0]) if src.full_shape else 1
         for s in chosen:
-            dim, a, b = own[s]
-            pulls[s].append((full - full * (b - a) // max(1, src.full_shape[dim]), name))
+            pulls[s].append((full - full * own.get(s, 0) // rows, name))
     done: dict[tuple[int, str], int] = {}
     for s, queue in pulls.items():
         at = 0
         for n, name in sorted(queue):
             at += n
             done[s, name] = at
-    out: dict[tuple, dict[int, int]] = {}
-    for name, (_, chosen) in narrowed.items():
-        mine = out.setdefault(chosen, {})
-        for s in chosen:
-            mine[s] = max(mine.get(s, 0), done[s, name])
-    return out
+    return done
 
 
 def _full_bytes(src: Source) -> int:
     return prod(src.full_shape) * dtype_size(src.dtype)
-
-
-def _own_shards(gshards: dict[tuple[int, int, int], list[int]], seen: dict) -> dict[int, tuple[int, int, int]]:
-    """Each holder's gatherable shard, worked out once per sharding: parameters sharded alike hold the
-    same key objects (``index_sources``), so they fall in one bucket and compare equal."""
-    bucket = seen.setdefault((len(gshards), id(next(iter(gshards), None))), [])
-    for shards, own in bucket:
-        if shards == gshards:
-            return own
-    own = {s: key for key, holders in gshards.items() for s in holders}
-    bucket.append((gshards, own))
-    return own
 
 
 def _forced_load(ex: Expanded, cands: tuple, gather: np.ndarray) -> dict[int, int]:

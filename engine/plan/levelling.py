@@ -8,7 +8,8 @@ to its least busy candidate as fast for that receiver) to level the two, cut at 
 (``_tail_bytes``, ``_cut_tail``), until no move lowers it. The sum of squared port times falls at every
 move, so it ends. Then ``spread``: a receiver's lanes run side by side and its largest ends last, so
 where one sender has several flexible segments for a receiver, all but the largest move to the
-candidate with the least work for that receiver, where that makes no lane or port larger.
+candidate with the least work for that receiver, where that makes no lane larger and no port busier
+than the sender was.
 """
 
 from __future__ import annotations
@@ -135,10 +136,9 @@ def spread(sched: Schedule, link: LinkModel) -> int:
     by side and a port shares its bandwidth among them, so a receiver's lanes progress alike and its
     largest lane ends last: where one sender has several flexible segments for a receiver (the list
     schedule took whichever candidate was free), all but the largest may move, each whole, to the
-    candidate with the least work for that receiver, if its lane then stays no larger than the
-    sender's was, and it is as fast for that receiver, ends no busier than the sender was, and has
-    its gathers for the segment done by the segment's start (``Schedule.released``). A moved segment
-    keeps its start. Returns the segments moved; ``sched`` is updated in place."""
+    candidate with the least work for that receiver, if its lane then stays smaller than the
+    sender's was, and it is as fast for that receiver and ends no busier than the sender was. A
+    moved segment keeps its start. Returns the segments moved; ``sched`` is updated in place."""
     segs, load = sched.segments, sched.sending
     if not segs:
         return 0
@@ -157,7 +157,7 @@ def spread(sched: Schedule, link: LinkModel) -> int:
         for g in sorted((g for g in mine if len(g.cands) > 1), key=_nbytes)[: len(mine) - 1]:
             bw_from, before = link.bandwidth(g.cls, s, r), size[r, s]
             fits = [t for t in g.cands if size[r, t] + g.nbytes < before
-                    and link.bandwidth(g.cls, t, r) >= bw_from and sched.released.get((g.cands, t), 0.0) <= g.start
+                    and link.bandwidth(g.cls, t, r) >= bw_from
                     and load[t, g.cls] + g.nbytes / link.bandwidth(g.cls, t, r) <= load[s, g.cls]]
             if not fits:
                 continue

@@ -61,8 +61,10 @@ def makespan(
     stats: Optional[dict] = None,
     sharing: str = "bandwidth",
 ) -> float:
-    """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes`` and ``gather_s`` (the
-    busiest sender's inbound gather time). ``sharing``: how a port carries its lanes, "bandwidth" (all
+    """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes``, ``gather_s`` (the
+    busiest sender's inbound gather time) and ``serial_gather_s`` (the same gathers one parameter at a
+    time, each as long as its slowest gatherer's pull: how long they take where a mesh walks its
+    parameters one by one, as ``weightsync.engine.transforms.gather.Gatherer`` does today). ``sharing``: how a port carries its lanes, "bandwidth" (all
     at once, max-min fair, as NICs and copy engines share a link: ``replay.FluidReplay``) or "slots"
     (one transfer at a time, whole, the lanes in turn: ``_SlotReplay``, a pessimistic reading reported
     beside it)."""
@@ -74,6 +76,7 @@ def makespan(
     if stats is not None:
         stats["gathered_bytes"] = gathers.gathered_bytes
         stats["gather_s"] = max(gathers.free.values(), default=0.0)
+        stats["serial_gather_s"] = gathers.serial_s()
     return max(end_all, gathers.serving_bound(sending))
 
 
@@ -190,6 +193,7 @@ class _Gathers(_Holders):
         self.link = link
         self.free: dict[int, float] = defaultdict(float)  # sender -> when its inbound gather port frees
         self.done: dict[tuple[int, str], float] = {}  # (sender, name) -> when its full tensor is there
+        self.took: dict[str, float] = defaultdict(float)  # name -> its slowest gatherer's pull
         self.gathered_bytes = 0
 
     def ready(self, s: int, tr) -> float:
@@ -201,10 +205,16 @@ class _Gathers(_Holders):
         if at is None:
             pull = max(0, _full_bytes(spec) - spec.nbytes)
             cls = self.gather_class(tr.name)
-            at = self.free[s] = self.free[s] + pull / self.link.port_bw(cls, "sender", s)  # (its own NIC, inbound)
+            took = pull / self.link.port_bw(cls, "sender", s)  # (its own NIC, inbound)
+            at = self.free[s] = self.free[s] + took
             self.done[key] = at
+            self.took[tr.name] = max(self.took[tr.name], took)
             self.gathered_bytes += pull
         return at
+
+    def serial_s(self) -> float:
+        """The gathers one parameter at a time, each as long as its slowest gatherer's pull."""
+        return sum(self.took.values())
 
     def serving_bound(self, sending: Mapping[tuple[int, LinkClass], float]) -> float:
         """Every sender port's busy time: its sends, plus the rows it serves to gatherers."""

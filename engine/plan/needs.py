@@ -15,10 +15,10 @@ part is cut along the senders' shards (shard-to-shard, blocks, block-FP8 runs) i
 Pieces that need a gather (a TP slice along another dim, a transform) may only go to k designated
 holders per parameter (``Expanded.designate``), least-loaded first, k its bytes to send over a fair
 share of all bytes, when a gather per receiver would not fit the senders' spare room; so a large
-parameter is gathered a few times, not by every sender that sends a slice of it. A holder so
-designated only for the longest gathers also gathers a shorter one, so that every gatherer has work
-once the shortest gathers are done; the schedule gives a gatherer those pieces only once its gathers
-(shortest first) are done (``Streams.gathers``).
+parameter is gathered a few times, not by every sender that sends a slice of it. A holder whose
+shorter gathers leave its port idle until its longest is done also gathers a shorter one, so that
+every gatherer has work once the shorter gathers are done; each gatherer's table takes its gathers
+shortest first (``Streams.gathers``, ``tables.build_tables``).
 Every failure is a ``PlanError`` naming the parameter and ranks.
 """
 
@@ -63,7 +63,7 @@ def build_streams(
 ) -> "tuple[list[Piece], Optional[Streams]]":
     """``build_pieces``'s pieces, and the same pieces as streams (``Expanded.streams``; None if no pieces)."""
     expanded, narrowed, resolver = _expanded(senders, receivers, transforms, mapping, cache)
-    return expanded.streams(narrowed, resolver.sources)
+    return expanded.streams(narrowed, resolver.sources, resolver.intern)
 
 
 def _expanded(senders, receivers, transforms, mapping, cache) -> tuple[Expanded, dict, "Resolver"]:

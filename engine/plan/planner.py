@@ -16,9 +16,10 @@ How this works, in five steps:
    part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
    lowers it; then a receiver's flexible chunks that one sender has several of go to candidates with
    less for that receiver (``levelling.spread``: its largest lane ends last).
-5. Tables: each sender's chunks in start order, mirrored into receivers' tables. (The engine runs a
-   sender's table as one lane per receiver, all at once: the order matters inside a lane, and for
-   when each transfer is issued and each gather made.)
+5. Tables: each sender's chunks in start order, a designated gatherer's gathered pieces after its
+   others, shortest gather first; mirrored into receivers' tables. (The engine runs a sender's table
+   as one lane per receiver, all at once: the order matters inside a lane, and for when each transfer
+   is issued and each gather made.)
 The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per receiver.
 """
 
@@ -108,14 +109,24 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
             return routing
     pieces, streams = build_streams(senders, receivers, transforms, mapping, cache)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link, streams)
-    sched = schedule(groups, link, options, streams.gathers if streams is not None else {})
+    sched = schedule(groups, link, options)
     if options.level:
         balance(sched, link, options)
         spread(sched, link)
-    routing = build_tables(sched, senders, receivers, plan_id)
+    gathers = gathered_at(streams.gathers, senders, link) if streams is not None else {}
+    routing = build_tables(sched, senders, receivers, plan_id, gathers)
     if cache is not None:
         cache.last = (receivers, (link, options), senders, routing)
     return routing
+
+
+def gathered_at(gathers: Mapping[tuple[int, str], int], senders: Sequence[Participant],
+                link: LinkModel) -> dict[tuple[int, str], float]:
+    """``Streams.gathers`` (bytes each designated sender has pulled once it has each parameter) in
+    seconds: over its network port where the senders span hosts, else its host's links (a gather
+    pulls from every holder of the parameter)."""
+    cls = LinkClass.NET if len({p.host for p in senders}) > 1 else LinkClass.HOST
+    return {(s, name): n / link.port_bw(cls, "sender", s) for (s, name), n in gathers.items()}
 
 
 def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Sequence[Participant],

@@ -11,9 +11,6 @@ the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundari
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
 only once one of its candidates frees. A stream's candidates and the free senders are also kept as
 integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream.
-A designated gatherer (``expand.Expanded.designate``) can send the pieces it gathers only once its
-gathers are done, shortest first (``Streams.gathers``): until then it is out of those streams' bits,
-and the time its gathers are done is an event that wakes the receivers waiting for it (``_gates``).
 The result is a ``Schedule``: the flexible work as ``Segment``s (sender, receiver, pieces, start), the
 forced work as ``Runs`` (columns), and each port's busy time, summed as the work is placed.
 ``levelling.balance`` then levels sender ports where one would be the bottleneck, reading those sums.
@@ -28,7 +25,7 @@ import heapq
 import operator
 from collections import defaultdict
 from itertools import accumulate, chain, compress, count
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
@@ -168,8 +165,6 @@ class Schedule:
     sending: dict[tuple[int, LinkClass], float]
     receiving: dict[tuple[int, LinkClass], float]
     forced: list[Runs] = dataclasses.field(default_factory=list)
-    # (a flexible stream's candidates, a sender that must first gather for them) -> when it may start
-    released: dict[tuple[frozenset[int], int], float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, segments: list[Segment], link: LinkModel) -> "Schedule":
@@ -191,21 +186,18 @@ class Schedule:
         return Runs.joined([*self.forced, flexible])
 
 
-def schedule(groups, link: LinkModel, options: "PlanOptions",
-             gathers: Mapping[tuple[int, ...], Mapping[int, int]] = {}) -> Schedule:
+def schedule(groups, link: LinkModel, options: "PlanOptions") -> Schedule:
     """Work-conserving list scheduling, one link class at a time (ports of classes are independent).
     ``groups``: class -> streams, as ``Streams`` or receiver -> candidate senders -> pieces
-    (``planner.group_by_locality``). ``gathers``: per designated candidate tuple, the bytes each of
-    its senders gathers before it may send that tuple's pieces (``Streams.gathers``)."""
+    (``planner.group_by_locality``)."""
     out = Schedule([], defaultdict(float), defaultdict(float))
     for cls in sorted(groups):
-        one = _ClassSchedule(cls, groups[cls], link, options, gathers)
+        one = _ClassSchedule(cls, groups[cls], link, options)
         segments, forced = one.run()
         out.segments.extend(segments)
         out.forced.append(forced)
         out.sending.update(((s, cls), t) for s, t in one.load.items() if t)
         out.receiving.update(((r, cls), t) for r, t in one.received.items() if t)
-        out.released.update(one.released)
     return out
 
 
@@ -221,8 +213,7 @@ class _ClassSchedule:
     woken by a sender finds work from it."""
 
     def __init__(self, cls: LinkClass, groups: "Streams | dict[int, dict[tuple[int, ...], list[Piece]]]",
-                 link: LinkModel, options: "PlanOptions",
-                 gathers: Mapping[tuple[int, ...], Mapping[int, int]] = {}) -> None:
+                 link: LinkModel, options: "PlanOptions") -> None:
         self.cls, self.link, self.options = cls, link, options
         self.flex: dict[int, list[_Stream]] = defaultdict(list)  # receiver -> streams, largest first
         self.holders: dict[tuple[int, ...], set[int]] = defaultdict(set)  # candidates -> receivers with a stream left
@@ -251,8 +242,6 @@ class _ClassSchedule:
         for mine in self.flex.values():
             for st in mine:
                 st.mask = masks[st.key]
-        self.gated, self.releases = self._gates(gathers)
-        self.gated_keys = {key for key, _ in self.gated}
         self.bw_r = {r: link.port_bw(cls, "receiver", r) for r in self.receivers}
         self.bw_s = {s: link.port_bw(cls, "sender", s) for s in self.senders}
         self.left = {r: sum(s.nbytes for s in self.flex.get(r, ())) / self.bw_r[r] for r in self.receivers}
@@ -282,49 +271,6 @@ class _ClassSchedule:
             self.holders[cands].add(receiver)
             self.flex[receiver].append(stream)
         return frozen
-
-    def _gates(self, gathers) -> tuple[list[tuple[tuple[int, ...], list[_Stream]]], list[tuple[float, int, int]]]:
-        """The flexible streams whose senders must first gather (``gathers``), by tuple, and when each
-        such sender may start them (its gather bytes over its own port of this class, as the model's
-        gathers pull them): a heap of (time, the tuple's number, sender). Until then the sender's bit
-        is out of those streams' masks, so ``_match`` passes it by, and the tuple out of its
-        ``tuples_of``, so that freeing it wakes no receiver for them."""
-        by_key: dict[tuple[int, ...], list[_Stream]] = {}
-        for mine in self.flex.values():
-            for st in mine:
-                if st.key in gathers:
-                    by_key.setdefault(st.key, []).append(st)
-        releases = []
-        self.released: dict[tuple[frozenset[int], int], float] = {}
-        for i, (key, streams) in enumerate(by_key.items()):
-            late = 0
-            for s, n in gathers[key].items():
-                if n > 0 and s in self.bit:
-                    at = self.released[streams[0].cands, s] = n / self.link.port_bw(self.cls, "sender", s)
-                    releases.append((at, i, s))
-                    late |= self.bit[s]
-                    self.tuples_of[s].remove(key)  # (a freed sender wakes no receiver for these yet)
-            for st in streams:
-                st.mask &= ~late
-        heapq.heapify(releases)
-        return list(by_key.items()), releases
-
-    def _release(self, now: float, free_s: set[int], free_r: set[int], to_try: dict) -> None:
-        """Senders whose gathers are done by ``now`` join their streams' masks; a free one wakes the
-        free receivers with such a stream left."""
-        releases, bit = self.releases, self.bit
-        while releases and releases[0][0] <= now:
-            _, i, s = heapq.heappop(releases)
-            key, streams = self.gated[i]
-            for st in streams:
-                st.mask |= bit[s]
-            self.tuples_of[s].append(key)
-            if s in free_s:
-                for r in self.holders[key].intersection(free_r):
-                    if r not in to_try:
-                        to_try[r] = {s}
-                    elif to_try[r] is not None:
-                        to_try[r].add(s)
 
     @property
     def forced_pieces(self) -> list[list[Piece]]:
@@ -365,13 +311,8 @@ class _ClassSchedule:
                 free_r.discard(r)
                 self.left[r] -= seg.nbytes / self.bw_r[r]
                 heapq.heappush(events, (now + self._busy(seg), s, r))
-            releases = self.releases
-            if not events and not releases:
+            if not events:
                 return out, forced
-            if releases and (not events or releases[0][0] < events[0][0]):
-                now, to_try = releases[0][0], {}
-                self._release(now, free_s, free_r, to_try)
-                continue
             now, s, r = heapq.heappop(events)
             freed_s, freed_r = [s], [r]
             while events and events[0][0] <= now:
@@ -393,7 +334,6 @@ class _ClassSchedule:
                             to_try[r] = {s}
                         else:
                             only.add(s)
-            self._release(now, free_s, free_r, to_try)
 
     def _place_forced(self) -> tuple[Runs, dict[tuple[int, int], float]]:
         """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each
@@ -483,10 +423,7 @@ class _ClassSchedule:
         i = next(compress(count(), map(free_bits.__and__, map(_mask, flex_r))), None)
         if i is not None:
             st = flex_r[i]
-            ready = st.cands & free_s
-            if st.key in self.gated_keys:  # (only the candidates whose gathers are done)
-                ready = [s for s in ready if st.mask & self.bit[s]]
-            s = min(ready, key=lambda s: (load[s], s))
+            s = min(st.cands & free_s, key=lambda s: (load[s], s))
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left

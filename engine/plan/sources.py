@@ -89,8 +89,8 @@ class Streams:
     key: np.ndarray
     nbytes: np.ndarray
     tuples: list[tuple[int, ...]]
-    # designated candidate tuple -> each of its senders' bytes to gather first (``expand.gather_queues``)
-    gathers: dict[tuple[int, ...], dict[int, int]] = dataclasses.field(default_factory=dict)
+    # (designated sender, parameter) -> its bytes pulled once that parameter is gathered (``expand.gather_queues``)
+    gathers: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.first)

@@ -3,7 +3,9 @@ expected entries, kept as columns.
 
 How this works: ``build_tables`` orders each sender's work by when it starts in the schedule (by
 receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``: ranges of one list
-of pieces, so every piece is taken in the senders' order by one C call), and
+of pieces, so every piece is taken in the senders' order by one C call); a designated gatherer's
+piece of what it gathers then takes its place at the time it has gathered it, shortest gather
+first (``_when_gathered``: the schedule counts bytes, not gathers, and a lane waits for its head), and
 ``tables_from_assignment`` numbers it: a sender's transfers are its pieces
 (tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object
 per transfer). The receivers'
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from itertools import chain
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -49,9 +51,11 @@ class RoutingPlan:
 
 
 def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: Sequence[Participant],
-                 plan_id: int) -> RoutingPlan:
+                 plan_id: int, gathers: Mapping[tuple[int, str], float] = {}) -> RoutingPlan:
     """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie; a tie
-    in both keeps ``Schedule.runs``' order): one stable sort of every run."""
+    in both keeps ``Schedule.runs``' order): one stable sort of every run. ``gathers``: when (in the
+    schedule's seconds) each designated sender has each parameter it gathers; a piece of it then
+    takes its place in that sender's table at that time (``_when_gathered``)."""
     runs = sched.runs()
     if not len(runs):
         return tables_from_assignment({}, senders, receivers, plan_id)
@@ -60,11 +64,39 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
     at = np.cumsum(count) - count  # each run's first piece in the senders' order
     pieces = in_order(runs.pool, np.repeat(runs.first[order] - at, count) + np.arange(int(count.sum())))
     by = runs.sender[order]
+    if gathers:
+        pieces = _when_gathered(pieces, np.repeat(by, count), np.repeat(runs.start[order], count), gathers)
     firsts = np.flatnonzero(np.diff(by, prepend=-1))  # each sender's first run
     bounds = [*at[firsts].tolist(), len(pieces)]
     ordered = {s: pieces[a:b] for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:])}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
+
+def _when_gathered(pieces: list[Piece], sender: np.ndarray, start: np.ndarray,
+                   gathers: Mapping[tuple[int, str], float]) -> list[Piece]:
+    """``pieces`` (each sender's together, in start order; ``sender`` and ``start`` each one's) with,
+    within each sender, each piece of a parameter it gathers moved to when it has gathered that
+    parameter (a stable sort by that time, or by its start for the others). The schedule counts
+    bytes, not gathers: a sender's first transfer of a parameter it gathers sets off that gather (the
+    engine gathers in table order), and a lane waits for its head. So its gathers go in the order
+    ``gathers`` times them (shortest first), and a gathered piece never holds up at a lane's head
+    what could go at once."""
+    ids: dict[str, int] = {}
+    for _, name in gathers:
+        ids.setdefault(name, len(ids))
+    keys = sorted((s * len(ids) + ids[name], at) for (s, name), at in gathers.items())
+    known = np.fromiter((k for k, _ in keys), np.int64, len(keys))
+    when = np.fromiter((at for _, at in keys), np.float64, len(keys))
+    name = np.fromiter(map(ids.get, map(_src_name, pieces), repeat(-1)), np.int64, len(pieces))
+    want = sender * len(ids) + name
+    i = np.minimum(np.searchsorted(known, want), len(known) - 1)
+    gathered = (name >= 0) & (known[i] == want)
+    if not gathered.any():
+        return pieces
+    return in_order(pieces, np.lexsort((np.where(gathered, when[i], start), sender)))  # (stable)
+
+
+_src_name = operator.itemgetter(2)  # (``Piece.src_name``)
 
 # a transfer's column <- the piece field it is read from
 _TRANSFER = {"name": "src_name", "slice": "slice", "dst_rank": "receiver", "dst_name": "dst_name", "dst_region": "region",

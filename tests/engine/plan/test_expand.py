@@ -114,17 +114,17 @@ def test_the_schedule_of_the_streams_as_columns_is_that_of_the_grouped_pieces(na
 
 def test_each_designated_sender_gathers_shortest_first():
     """``gather_queues``: a designated sender pulls its parameters shortest first, each the full tensor
-    less its own shard, and the pieces of a candidate tuple wait for the last of its parameters."""
+    less its own shard: when it has each, as the bytes pulled by then."""
     from weightsync.engine.plan.expand import gather_queues
-    from weightsync.engine.plan.sources import Source
+    from weightsync.engine.plan.sources import Interned, Source
 
     big, small = Source("big", "bfloat16", (8, 4)), Source("small", "bfloat16", (4, 4))
     for r in range(4):  # FSDP: big's 64 bytes as 16 a rank, small's 32 as 8
         big.hold(r, (0, 2 * r, 2 * r + 2), True)
         small.hold(r, (0, r, r + 1), True)
     narrowed = {"big": (tuple(range(4)), (0, 1)), "small": (tuple(range(4)), (1, 2))}
-    got = gather_queues(narrowed, {"big": big, "small": small})
-    assert got == {(0, 1): {0: 48, 1: 24 + 48}, (1, 2): {1: 24, 2: 24}}  # (sender 1: small, then big)
+    got = gather_queues(narrowed, {"big": big, "small": small}, Interned())
+    assert got == {(0, "big"): 48, (1, "small"): 24, (1, "big"): 24 + 48, (2, "small"): 24}  # (1: small, then big)
 
 
 def test_a_sender_whose_gathers_all_end_late_also_takes_a_shorter_one():
@@ -137,6 +137,6 @@ def test_a_sender_whose_gathers_all_end_late_also_takes_a_shorter_one():
     everyone = tuple(range(6))
     narrowed = {"long": (everyone, (0, 1, 2)), "short": ((0, 1, 3, 4, 5), (3, 4)), "tiny": (everyone, (5,))}
     intern = Interned()
-    _early_work(narrowed, {"long": 100, "short": 50, "tiny": 1}, {"long": 300, "short": 200, "tiny": 1}, intern)
+    _early_work(narrowed, {"long": 100, "short": 50, "tiny": 1}, {"long": 300, "short": 200, "tiny": 1}, {}, 0, intern)
     assert narrowed == {"long": (everyone, (0, 1, 2)), "short": ((0, 1, 3, 4, 5), (0, 1, 3, 4)), "tiny": (everyone, (5,))}
     assert narrowed["short"][1] is intern[(0, 1, 3, 4)]  # (interned: pieces compare candidates by identity)

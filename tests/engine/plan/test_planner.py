@@ -599,21 +599,18 @@ def test_spreading_moves_a_receivers_second_segment_to_a_sender_with_no_lane_to_
                              (1, LinkClass.NET): pytest.approx(2**20 / 1e9), (2, LinkClass.NET): pytest.approx(2**20 / 1e9)}
 
 
-def test_spreading_waits_for_gathers_and_never_makes_a_port_busier():
-    """As above, but sender 2 is still gathering for the segment at its start (``Schedule.released``),
-    and sender 1 would end busier than sender 0 was: nothing moves."""
+def test_spreading_never_makes_a_lane_or_a_port_larger():
+    """As above, but sender 2 already sends receiver 0 three units of its own (a lane as large as
+    sender 0's would become) and sender 1 would end busier than sender 0 was: nothing moves."""
     from weightsync.engine.plan.levelling import spread
     from weightsync.engine.plan.schedule import Schedule
 
     link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
     segments = [_flexible_segment(0, 3, 0, {0, 1, 2}), _flexible_segment(0, 1, 0, {0, 1, 2}, start=0.5),
-                _flexible_segment(1, 4, 1, {1})]
+                _flexible_segment(1, 4, 1, {1}), _flexible_segment(0, 3, 2, {2})]
     sched = Schedule.of(segments, link)
-    sched.released[frozenset({0, 1, 2}), 2] = 0.75
     assert spread(sched, link) == 0
-    assert [g.sender for g in segments] == [0, 0, 1]
-    sched.released[frozenset({0, 1, 2}), 2] = 0.5  # (done by its start: it may go)
-    assert spread(sched, link) == 1 and [g.sender for g in segments] == [0, 2, 1]
+    assert [g.sender for g in segments] == [0, 0, 1, 2]
 
 
 def test_levelling_never_cuts_what_cannot_be_cut():

@@ -96,8 +96,7 @@ def test_forced_work_is_placed_on_columns_as_chunk_by_chunk(scenario, min_chunk,
 def contended(draw):
     """One link class's streams, as ``group_by_locality`` gives them (receiver -> candidate tuple ->
     pieces), with few senders for many receivers, candidates that overlap, sizes that tie (events at
-    the same time), splittable and whole pieces, and forced streams among the flexible ones; and for
-    some candidate tuples, the bytes some of their senders gather first (``Streams.gathers``)."""
+    the same time), splittable and whole pieces, and forced streams among the flexible ones."""
     senders = sorted(draw(st.sets(st.integers(0, 11), min_size=1, max_size=6)))
     groups = {}
     for r in draw(st.sets(st.integers(0, 11), min_size=1, max_size=7)):
@@ -112,23 +111,16 @@ def contended(draw):
                 streams.setdefault(cands, []).append(piece)
         groups[r] = streams
     link = LinkModel(net_bw=draw(st.sampled_from([16.0, 48.0])), per_transfer_s=draw(st.sampled_from([0.0, 0.5])))
-    gathers = {}
-    for cands in sorted({c for streams in groups.values() for c in streams if len(c) > 1}):
-        if draw(st.booleans()):
-            gathers[cands] = {s: draw(st.sampled_from([0, 48, 96, 400])) for s in cands}
-    return groups, link, gathers
+    return groups, link
 
 
-def _plain_list_schedule(one, gathers):
+def _plain_list_schedule(one):
     """Flexible work as the rule says, without the schedule's shortcuts (who is woken by whom, senders
-    as bits, gated masks): at every event (a port frees, or a sender's gathers are done) each free
-    receiver with flexible work left, most work left first, takes of its largest stream with a free
-    candidate whose gathers for it are done the one with the least work, and its next chunk. Segments
-    as (start, sender, receiver, pieces, bytes), and each port's busy time."""
+    as bits): at every event each free receiver with flexible work left, most work left first, takes of
+    its largest stream with a free candidate the candidate with the least work, and its next chunk.
+    Segments as (start, sender, receiver, pieces, bytes), and each port's busy time."""
     forced, free_at = one._place_forced()
-    ready = {(cands, s): n / one.link.port_bw(LinkClass.NET, "sender", s)
-             for cands, mine in gathers.items() for s, n in mine.items()}
-    events = [(t, s, r) for (s, r), t in free_at.items()] + [(t, -1, -1) for t in ready.values()]
+    events = [(t, s, r) for (s, r), t in free_at.items()]
     heapq.heapify(events)
     free_s = {s for s in one.senders if (s, -1) not in free_at}
     busy_r = {r for (s, r) in free_at if s == -1}
@@ -136,14 +128,10 @@ def _plain_list_schedule(one, gathers):
     while True:
         for r in sorted((r for r in one.flex if one.flex[r] and r not in busy_r), key=lambda r: (-one.left[r], r)):
             streams = one.flex[r]
-
-            def usable(st_):
-                return {s for s in st_.cands & free_s if ready.get((st_.key, s), 0.0) <= now}
-
-            st_ = next((st_ for st_ in streams if usable(st_)), None)
+            st_ = next((st_ for st_ in streams if st_.cands & free_s), None)
             if st_ is None:
                 continue
-            s = min(usable(st_), key=lambda s: (one.load[s], s))
+            s = min(st_.cands & free_s, key=lambda s: (one.load[s], s))
             pieces, nbytes = st_.take(one.quantum[r], one.options.min_chunk_bytes)
             streams.remove(st_)
             if not st_.empty:
@@ -170,18 +158,17 @@ def _plain_list_schedule(one, gathers):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(contended(), st.integers(1, 4), st.sampled_from([2, 8]))
 def test_the_list_schedule_is_the_plain_one(instance, chunks, min_chunk):
-    """The schedule retries a waiting receiver only when a sender its streams still name frees (or
-    its gathers for them are done), and finds a stream's free candidates by integer bits, a sender
-    still gathering masked out: the same segments, starts and port sums as trying every free receiver
-    against every stream at every event."""
-    groups, link, gathers = instance
+    """The schedule retries a waiting receiver only when a sender its streams still name frees, and
+    finds a stream's free candidates by integer bits: the same segments, starts and port sums as
+    trying every free receiver against every stream at every event."""
+    groups, link = instance
     options = PlanOptions(min_chunk_bytes=min_chunk, chunks_per_receiver=chunks)
 
     def fresh():  # (taking cuts a stream's pieces in place)
         return {r: {c: list(p) for c, p in g.items()} for r, g in groups.items()}
 
-    want = _plain_list_schedule(_ClassSchedule(LinkClass.NET, fresh(), link, options), gathers)
-    one = _ClassSchedule(LinkClass.NET, fresh(), link, options, gathers)
+    want = _plain_list_schedule(_ClassSchedule(LinkClass.NET, fresh(), link, options))
+    one = _ClassSchedule(LinkClass.NET, fresh(), link, options)
     segments, _ = one.run()
     got = [(g.start, g.sender, g.receiver, g.pieces, g.nbytes) for g in segments]
     assert (got, one.load, one.received) == want

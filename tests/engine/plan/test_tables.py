@@ -57,3 +57,29 @@ def test_no_transfers_at_all_give_empty_tables():
     receivers = [participant(r, [tensor("w", (4,))], host=f"i{r}") for r in range(2)]
     routing = tables_from_assignment({}, senders, receivers)
     assert routing.transfer_count == 0 and all(len(t.entries) == 0 for t in routing.receivers.values())
+
+
+def test_a_gatherers_pieces_take_their_place_in_its_table_when_it_has_gathered_them():
+    """``build_tables`` with ``gathers`` (when each designated sender has each parameter it gathers, in
+    the schedule's seconds): sender 0's pieces of what it gathers take their place at that time (small
+    at 2.5, after what starts sooner; big at 24, last), the others at their start, each kept in
+    schedule order at a tie; sender 1 gathers nothing and keeps the schedule's order."""
+    from weightsync.engine.plan import LinkClass, LinkModel
+    from weightsync.engine.plan.schedule import Schedule, Segment
+    from weightsync.engine.plan.tables import build_tables
+
+    def seg(sender, receiver, name, start):
+        piece = Piece(receiver, name, name, None, 64, 0, 64 * start, 0, "", (0, 1))
+        g = Segment(receiver, LinkClass.NET, [piece], sender, 64, frozenset({0, 1}))
+        g.start = float(start)
+        return g
+
+    order = [("big", 0), ("ready", 1), ("small", 2), ("big", 3), ("ready", 4), ("small", 5)]
+    segments = [seg(s, 0, name, t) for s in (0, 1) for name, t in order]
+    link = LinkModel(net_bw=1e9)
+    senders = [participant(s, [tensor(n, (64,), "uint8") for n in ("big", "small", "ready")]) for s in (0, 1)]
+    receivers = [participant(0, [tensor(n, (64,), "uint8") for n in ("big", "small", "ready")])]
+    routing = build_tables(Schedule.of(segments, link), senders, receivers, 0, {(0, "small"): 2.5, (0, "big"): 24.0})
+    taken = {s: [(t.name, t.dst_offset // 64) for t in table.transfers] for s, table in routing.senders.items()}
+    assert taken[0] == [("ready", 1), ("small", 2), ("small", 5), ("ready", 4), ("big", 0), ("big", 3)]
+    assert taken[1] == order
