@@ -55,7 +55,7 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
     if options.level:
         balance(sched, link, options)
     lap("levelling")
-    if options.level:
+    if options.spread:
         spread(sched, link)
     lap("spread")
     routing = build_tables(sched, senders, receivers, 0, gathered_at(gathers, senders, link))

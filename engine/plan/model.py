@@ -14,9 +14,11 @@ lane that has waited longest among those whose other port is free (``_SlotReplay
 reading, which the bench reports beside the other.
 
 Gathers (FSDP): a sender whose table reads rows of a gatherable parameter outside its own shard first
-pulls the rest of that full tensor, once per round (as ``weightsync.engine.transforms.gather`` does), over its inbound port
-of the class that reaches the parameter's other holders (the network when they span hosts), in table
-order; a transfer starts only once its gather is done. The holders serve those rows from their
+pulls the rest of that full tensor, once per round, over its inbound port of the class that reaches
+the parameter's other holders (the network when they span hosts), in table order, at once with the
+other senders' pulls; a transfer starts only once its gather is done. (``weightsync.engine.transforms
+.gather.Gatherer`` today walks a mesh's parameters one at a time instead, every rank taking part in
+each: ``stats["serial_gather_s"]`` is how long the same gathers take so.) The holders serve those rows from their
 outbound ports: the makespan is also at least any sender's outbound bytes (sends and served rows) over
 its port. Rows inside the sender's own shard need no gather (shard-to-shard).
 

@@ -15,7 +15,7 @@ How this works, in five steps:
 4. Levelling (``levelling.balance``): where a sender port would be the bottleneck, the busiest hands
    part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
    lowers it; then a receiver's flexible chunks that one sender has several of go to candidates with
-   less for that receiver (``levelling.spread``: its largest lane ends last).
+   less for that receiver (``levelling.spread``: its largest lane ends last; ``PlanOptions.spread``).
 5. Tables: each sender's chunks in start order, a designated gatherer's gathered pieces after its
    others, shortest gather first; mirrored into receivers' tables. (The engine runs a sender's table
    as one lane per receiver, all at once: the order matters inside a lane, and for when each transfer
@@ -52,7 +52,8 @@ class PlanOptions:
     min_chunk_bytes: int = 32 * MiB  # never cut a tensor into pieces smaller than this
     chunks_per_receiver: int = 8  # a receiver's bytes go out in about this many chunks
     prefer_locality: bool = True
-    level: bool = True  # even out sender ports and lanes after the schedule (``levelling.balance``, ``.spread``)
+    level: bool = True  # even out sender ports after the schedule (``levelling.balance``)
+    spread: bool = True  # spread a receiver's flexible work over more senders (``levelling.spread``)
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -112,6 +113,7 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
     sched = schedule(groups, link, options)
     if options.level:
         balance(sched, link, options)
+    if options.spread:
         spread(sched, link)
     gathers = gathered_at(streams.gathers, senders, link) if streams is not None else {}
     routing = build_tables(sched, senders, receivers, plan_id, gathers)
