@@ -16,10 +16,10 @@ How this works, in five steps:
    part of a flexible chunk to its least busy candidate, enough to bring the two level, until no move
    lowers it; then a receiver's flexible chunks that one sender has several of go to candidates with
    less for that receiver (``levelling.spread``: its largest lane ends last; ``PlanOptions.spread``).
-5. Tables: each sender's chunks in start order, a designated gatherer's gathered pieces after its
-   others, shortest gather first; mirrored into receivers' tables. (The engine runs a sender's table
-   as one lane per receiver, all at once: the order matters inside a lane, and for when each transfer
-   is issued and each gather made.)
+5. Tables: each sender's chunks in start order, but a designated gatherer's gathered pieces at the
+   time it has gathered them, shortest gather first; mirrored into receivers' tables. (The engine runs
+   a sender's table as one lane per receiver, all at once: the order matters inside a lane, for when
+   each transfer is issued, and in the model for when each gather is made.)
 The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per receiver.
 """
 

@@ -77,10 +77,11 @@ def _when_gathered(pieces: list[Piece], sender: np.ndarray, start: np.ndarray,
     """``pieces`` (each sender's together, in start order; ``sender`` and ``start`` each one's) with,
     within each sender, each piece of a parameter it gathers moved to when it has gathered that
     parameter (a stable sort by that time, or by its start for the others). The schedule counts
-    bytes, not gathers: a sender's first transfer of a parameter it gathers sets off that gather (the
-    engine gathers in table order), and a lane waits for its head. So its gathers go in the order
-    ``gathers`` times them (shortest first), and a gathered piece never holds up at a lane's head
-    what could go at once."""
+    bytes, not gathers: in the model a sender's first transfer of a parameter it gathers sets off
+    that gather, and a lane waits for its head. So its gathers go in the order ``gathers`` times them
+    (shortest first), and a gathered piece never holds up at a lane's head what could go at once.
+    (The engine's ``Gatherer`` today walks a mesh's parameters in one order for every rank, and
+    takes gathered rows in that order: docs/PLANNER.md, FSDP sources.)"""
     ids: dict[str, int] = {}
     for _, name in gathers:
         ids.setdefault(name, len(ids))
