@@ -1,11 +1,13 @@
-"""Levelling on random instances: the same plan with and without ``levelling.balance``, in the model
-(spreading, ``levelling.spread``, off in both: this measures levelling alone).
+"""Levelling and spreading on random instances: the same plan with and without each, in the model.
 
-Levelling moves flexible work off a sender port that would be the bottleneck; it lowers the busiest
-port's time, and the lane replay (``model.makespan``) says whether the round ends sooner. This runs
-seeded random instances of two sizes (replicated tensors on random subsets of senders, random needs
-per receiver, senders and receivers on different hosts) and prints one JSON line per size: how many rounds end
-sooner, later, the same, and the geometric mean, best and worst of levelled over unlevelled.
+Levelling (``levelling.balance``) moves flexible work off a sender port that would be the bottleneck;
+spreading (``levelling.spread``) moves a receiver's second flexible segment from one sender to a
+candidate with less for it. Each lowers something the round depends on, and the lane replay
+(``model.makespan``) says whether the round ends sooner. This runs seeded random instances of two
+sizes (replicated tensors on random subsets of senders, random needs per receiver, senders and
+receivers on different hosts) and prints one JSON line per step and size: how many rounds end
+sooner, later, the same, and the geometric mean, best and worst of with over without (levelling
+with spreading off in both; spreading with levelling on in both).
 
     .venv/bin/python bench/planner_levelling.py
 """
@@ -47,20 +49,27 @@ def instance(rnd: random.Random, ns, nr, nt, rows):
     return senders, receivers
 
 
+STEPS = {  # step -> the options without it, with it (the other step as the planner has it in both)
+    "levelling": (PlanOptions(level=False, spread=False), PlanOptions(level=True, spread=False)),
+    "spreading": (PlanOptions(level=True, spread=False), PlanOptions(level=True, spread=True)),
+}
+
+
 def main() -> None:
-    for name, count, *shape in SIZES:
-        ratios = []
-        for seed in range(count):
-            senders, receivers = instance(random.Random(seed), *shape)
-            ends = [makespan(plan(senders, receivers, LINK, PlanOptions(level=level, spread=False)).senders, senders, receivers,
-                             LINK) for level in (False, True)]
-            ratios.append(ends[1] / ends[0])
-        print(json.dumps({
-            "instances": name, "count": count, "sooner": sum(r < 1 - 1e-9 for r in ratios),
-            "later": sum(r > 1 + 1e-9 for r in ratios), "same": sum(abs(r - 1) <= 1e-9 for r in ratios),
-            "levelled_over_unlevelled_geomean": round(statistics.geometric_mean(ratios), 4),
-            "best": round(min(ratios), 4), "worst": round(max(ratios), 4),
-        }), flush=True)
+    for step, (without, with_) in STEPS.items():
+        for name, count, *shape in SIZES:
+            ratios = []
+            for seed in range(count):
+                senders, receivers = instance(random.Random(seed), *shape)
+                ends = [makespan(plan(senders, receivers, LINK, options).senders, senders, receivers, LINK)
+                        for options in (without, with_)]
+                ratios.append(ends[1] / ends[0])
+            print(json.dumps({
+                "step": step, "instances": name, "count": count, "sooner": sum(r < 1 - 1e-9 for r in ratios),
+                "later": sum(r > 1 + 1e-9 for r in ratios), "same": sum(abs(r - 1) <= 1e-9 for r in ratios),
+                "with_over_without_geomean": round(statistics.geometric_mean(ratios), 4),
+                "best": round(min(ratios), 4), "worst": round(max(ratios), 4),
+            }), flush=True)
 
 
 if __name__ == "__main__":
