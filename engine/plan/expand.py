@@ -146,7 +146,7 @@ class Expanded:
         if not pieces:
             return pieces, None
         streams = self._runs(pieces, cands_row, tuples)
-        streams.gathers = gather_queues(narrowed, sources, intern or Interned()) if narrowed else {}
+        streams.gathers = gather_queues(narrowed, sources, intern if intern is not None else Interned()) if narrowed else {}
         return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:
