@@ -135,8 +135,8 @@ class Expanded:
         designated ones instead."""
         return self._made(narrowed)[0]
 
-    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]] = {}, sources: Mapping[str, Source] = {},
-                intern: Optional[Interned] = None) -> tuple[list[Piece], Optional[Streams]]:
+    def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[str, Source],
+                intern: Interned) -> tuple[list[Piece], Optional[Streams]]:
         """The pieces (as ``pieces``), and the same pieces as streams: each receiver's (receivers in the
         tensors' order) split by candidate tuple, the tuples in the order they first occur in its
         pieces, each stream's pieces in their order (``planner.group_by_locality``), with when each
@@ -146,7 +146,7 @@ class Expanded:
         if not pieces:
             return pieces, None
         streams = self._runs(pieces, cands_row, tuples)
-        streams.gathers = gather_queues(narrowed, sources, intern if intern is not None else Interned()) if narrowed else {}
+        streams.gathers = gather_queues(narrowed, sources, intern)
         return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .links import LinkClass, LinkModel
 from .schedule import Schedule, Segment
-from .sources import Piece
+from .sources import Piece, looked_up
 
 if TYPE_CHECKING:
     from .planner import PlanOptions
@@ -130,7 +130,6 @@ def _cut_tail(seg: Segment, nbytes: int) -> Segment:
     return Segment(seg.receiver, seg.cls, tail[::-1], seg.sender, nbytes, seg.cands)
 
 
-
 def spread(sched: Schedule, link: LinkModel) -> int:
     """Spread each receiver's flexible work over more senders. The engine runs a sender's lanes side
     by side and a port shares its bandwidth among them, so a receiver's lanes progress alike and its
@@ -185,9 +184,7 @@ def _lane_bytes(sched: Schedule, lanes: dict[tuple[int, int], list[Segment]], re
     keys, at = np.unique(rs * width + ss, return_inverse=True)
     sums = np.bincount(at.reshape(-1), ns, len(keys))
     pairs = sorted({(r, t) for (r, _), mine in lanes.items() for g in mine for t in g.cands})
-    want = np.fromiter((r * width + t for r, t in pairs), np.int64, len(pairs))
-    i = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
-    got = np.where(keys[i] == want, sums[i], 0).astype(np.int64)
+    _, got = looked_up(keys, sums.astype(np.int64), np.fromiter((r * width + t for r, t in pairs), np.int64, len(pairs)))
     return dict(zip(pairs, got.tolist()))
 
 

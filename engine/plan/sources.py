@@ -118,6 +118,16 @@ def pooled(lists: Sequence[list]) -> tuple[list, np.ndarray, np.ndarray]:
     return list(chain.from_iterable(lists)), np.cumsum(count) - count, count
 
 
+def looked_up(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``want``, whether it is among ``keys`` (sorted, distinct) and the value at it there
+    (0 where it is not): one ``searchsorted``."""
+    if not len(keys):
+        return np.zeros(len(want), bool), np.zeros(len(want), values.dtype)
+    i = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+    found = keys[i] == want
+    return found, np.where(found, values[i], 0)
+
+
 def ranges(pool: list, first: np.ndarray, count: np.ndarray) -> list[list]:
     """``pool[first[i]:first[i] + count[i]]`` for each i, as lists (``pooled``'s inverse)."""
     return [pool[a:a + n] for a, n in zip(first.tolist(), count.tolist())]

@@ -29,7 +29,7 @@ from weightsync.wire.columns import Rows
 
 from .links import Participant
 from .needs import Piece
-from .sources import in_order
+from .sources import in_order, looked_up
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -85,16 +85,15 @@ def _when_gathered(pieces: list[Piece], sender: np.ndarray, start: np.ndarray,
     ids: dict[str, int] = {}
     for _, name in gathers:
         ids.setdefault(name, len(ids))
-    keys = sorted((s * len(ids) + ids[name], at) for (s, name), at in gathers.items())
-    known = np.fromiter((k for k, _ in keys), np.int64, len(keys))
-    when = np.fromiter((at for _, at in keys), np.float64, len(keys))
+    known = np.fromiter((s * len(ids) + ids[name] for s, name in gathers), np.int64, len(gathers))
+    order = np.argsort(known)
     name = np.fromiter(map(ids.get, map(_src_name, pieces), repeat(-1)), np.int64, len(pieces))
-    want = sender * len(ids) + name
-    i = np.minimum(np.searchsorted(known, want), len(known) - 1)
-    gathered = (name >= 0) & (known[i] == want)
+    found, when = looked_up(known[order], np.fromiter(gathers.values(), np.float64, len(gathers))[order],
+                            sender * len(ids) + name)
+    gathered = found & (name >= 0)  # (a name not gathered, -1, would read the sender before's last)
     if not gathered.any():
         return pieces
-    return in_order(pieces, np.lexsort((np.where(gathered, when[i], start), sender)))  # (stable)
+    return in_order(pieces, np.lexsort((np.where(gathered, when, start), sender)))  # (stable)
 
 
 _src_name = operator.itemgetter(2)  # (``Piece.src_name``)
