@@ -96,3 +96,52 @@ async def _gather_child(rank: int, world: int, port: int, out) -> None:
                                                   gatherer.budget.in_use, gatherer.exchanges)))
     finally:
         dist.destroy_process_group()
+
+
+# (name, rows, the ranks whose tables need its full tensor): rows of 64 float32s (256 bytes a row);
+# "shared" is needed by two ranks, "all" by every rank (an all-gather), "none" by no rank
+MANY = [("p0", 8, (0,)), ("p1", 9, (1,)), ("p2", 10, (2,)), ("p3", 11, (0,)), ("p4", 12, (1,)),
+        ("p5", 13, (2,)), ("shared", 14, (0, 2)), ("all", 15, (0, 1, 2)), ("none", 16, ()),
+        ("big0", 40, (0,)), ("big1", 41, (1,))]
+MANY_BUDGET = 6 << 10  # bytes: two or three of the small ones a rank, a big one (10 KiB) alone
+
+
+def gather_many_child_main(rank: int, world: int, port: int, out) -> None:
+    """``world`` ranks, the parameters of ``MANY`` each needed by the ranks it names, under a budget
+    that holds a few at once: each rank takes its full tensors in gather order and releases each as
+    it checks it (as the pipeline does). Reports what it got and how it was gathered."""
+    try:
+        asyncio.run(_gather_many_child(rank, world, port, out))
+    except BaseException:
+        out.send(("error", "gatherer", rank, traceback.format_exc()))
+
+
+async def _gather_many_child(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from weightsync.engine.transforms.gather import Gatherer, split_dtensors
+    from weightsync.wire import Transfer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = {n: torch.arange(rows * 64, dtype=torch.float32).reshape(rows, 64) + k * 10_000
+                for k, (n, rows, _) in enumerate(MANY)}
+        dtensors = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+        _, shards, dts = split_dtensors(dtensors)
+        gatherer = Gatherer(dts, MANY_BUDGET, shards)
+        wanted = sorted((n for n, _, ranks in MANY if rank in ranks), key=gatherer.order.__getitem__)
+        table = tuple(Transfer(i, n, None, 0, n, 0, 0, full[n].numel() * 4, "") for i, n in enumerate(wanted))
+        right, rounds = True, 2
+        for _ in range(rounds):
+            gatherer.begin(table, key=table)
+            for n in wanted:
+                right &= torch.equal(await gatherer.full(n), full[n])
+                gatherer.release(n)
+            await gatherer.finish()
+        out.send(("gathered", "gatherer", rank, (right, gatherer.gathered, gatherer.windows, gatherer.peak_bytes,
+                                                  gatherer.budget.in_use, gatherer.skipped)))
+    finally:
+        dist.destroy_process_group()

@@ -8,16 +8,23 @@ sender declares those shards ``gatherable``, so the planner may give it any part
 Every rank of a mesh must take part in the same collectives in the same order, but each knows only its
 own table. So the first round of a plan starts with one small all-gather per mesh (``_exchange``, in a
 worker thread): each rank says, per DTensor parameter of the mesh, whether it needs the full tensor and
-which rows it holds. Its answer holds for every round of that plan (``begin``'s ``key``: the table; a
-new plan gives every rank a new table, so all ranks exchange again together), and so does the list of
-parameters some rank needs. Then every rank walks those parameters in one fixed order (the model's):
-a parameter nobody needs costs nothing; one every rank needs is ``full_tensor()`` (an all-gather);
-otherwise each holder sends its rows to each rank that needs them and only those allocate the full
-tensor (``_gather_to``, point-to-point). A mesh that is not 1-D with a dim-0 ``Shard`` falls back to ``full_tensor()`` on
-every rank, dropped at once where not needed. A ``ByteBudget`` bounds the bytes of full tensors alive
-on this rank: the gather task waits before exceeding it. The pipeline takes rows of gathered
-parameters in gather order (``order``), and waits for the gather before it takes pipeline budget, so a
-lane blocked on a later gather never holds what an earlier one needs.
+which rows it holds (and its budget). Its answer holds for every round of that plan (``begin``'s
+``key``: the table; a new plan gives every rank a new table, so all ranks exchange again together).
+
+Then every rank walks the parameters some rank needs in one order, the smallest first (``order``), cut
+into the same windows (``gather_windows``: pure, on the exchanged answers): consecutive parameters of
+one mesh, as many as every rank that needs some of them has budget for. A window is gathered at once:
+each holder sends its rows to each rank that needs the full tensor, only those allocate it, and a
+rank posts all its operations of the window as one batch (``batch_isend_irecv``: one NCCL group).
+So different ranks pull different parameters at the same time, each over its own link, as the
+planner's model has them, not one parameter after the other. One thread posts the windows in order
+(``_POSTS``), so every pair of ranks matches its operations; the next window is posted while the last
+completes, as soon as this rank's budget has room. A parameter every rank needs is ``full_tensor()``
+(an all-gather), alone in its window; one nobody needs costs nothing; a mesh that is not 1-D with a
+dim-0 ``Shard`` falls back to ``full_tensor()`` on every rank, dropped at once where not needed.
+A ``ByteBudget`` bounds the bytes of full tensors alive on this rank: a window waits before exceeding
+it. The pipeline takes rows of gathered parameters in gather order, and waits for the gather before
+it takes pipeline budget, so a lane blocked on a later gather never holds what an earlier one needs.
 """
 
 from __future__ import annotations
@@ -79,13 +86,17 @@ class Gatherer:
             raise ConfigError("gather_budget_bytes", f"must be positive, got {budget_bytes}")
         self.dtensors = dict(dtensors)
         self.shards = dict(shards)  # name -> the rows this rank holds (from split_dtensors)
-        self.order = {name: i for i, name in enumerate(self.dtensors)}
+        # the gather order, the same on every rank of a mesh: the smallest first (the planner's
+        # tables assume a rank's shortest gathers first), the model's order at a tie
+        ranked = sorted(enumerate(self.dtensors.items()), key=lambda e: (_nbytes(e[1][1]), e[0]))
+        self.order = {name: i for i, (_, (name, _)) in enumerate(ranked)}
         self.budget = ByteBudget(budget_bytes)
         self.uses: collections.Counter = collections.Counter()
         self.ready: dict[str, asyncio.Future] = {}
         self.gathered = 0  # full tensors materialized on this rank
         self.sent = 0  # local shards sent to the ranks that needed them
         self.skipped = 0  # parameters no rank needed in a round
+        self.windows = 0  # windows gathered (each at once: ``gather_windows``)
         self.peak_bytes = 0
         self.error: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
@@ -95,7 +106,7 @@ class Gatherer:
 
     def __repr__(self) -> str:
         return (f"<Gatherer params={len(self.dtensors)} gathered={self.gathered} sent={self.sent} "
-                f"skipped={self.skipped} {self.budget!r}>")
+                f"skipped={self.skipped} windows={self.windows} {self.budget!r}>")
 
     def begin(self, transfers: Sequence[Transfer], key: object = None) -> None:
         """Start this round's gathers; ``transfers`` say which results this rank needs. ``key`` (the
@@ -118,7 +129,7 @@ class Gatherer:
         if key is None or key is not self._needs_key or cached is None or failed:
             self.exchanges += 1
             self._needs_key = key
-            self._needs = _EXCHANGES.submit(_exchange, self.dtensors, self.shards, set(self.uses))
+            self._needs = _EXCHANGES.submit(_exchange, self.dtensors, self.shards, set(self.uses), self.budget.limit)
         return self._needs
 
     def sort_key(self, t: Transfer) -> int:
@@ -156,62 +167,111 @@ class Gatherer:
                 fut.cancel()
 
     async def _run(self, exchange: concurrent.futures.Future) -> None:
+        posted: asyncio.Queue = asyncio.Queue()  # (window, its post): bounded by the budget, not by length
+        waiter = asyncio.ensure_future(self._complete(posted))
         try:
-            needs, wanted = await asyncio.shield(asyncio.wrap_future(exchange))  # (a cancelled round leaves it be)
+            needs = await asyncio.shield(asyncio.wrap_future(exchange))  # (a cancelled round leaves it be)
+            wanted = sorted((n for n, need in needs.items() if need is None or need.ranks), key=self.order.__getitem__)
             self.skipped += len(self.dtensors) - len(wanted)
-            for name in wanted:  # every rank of the mesh: same names, same order
-                await self._gather_one(name, self.dtensors[name], needs[name])
+            sizes = {name: _nbytes(self.dtensors[name]) for name in wanted}
+            loop = asyncio.get_running_loop()
+            for window in gather_windows(wanted, sizes, needs):  # every rank of the mesh: the same windows
+                mine = [n for n in window if needs[n] is None or needs[n].me in needs[n].ranks]
+                if mine:
+                    await self.budget.acquire(sum(sizes[n] for n in mine))
+                    self.peak_bytes = max(self.peak_bytes, self.budget.in_use)
+                post = loop.run_in_executor(_POSTS, _post, self.dtensors, needs, window, set(mine))
+                posted.put_nowait((window, mine, post))  # (posts keep their order: one thread takes them)
+            posted.put_nowait(None)
+            await asyncio.shield(waiter)
         except BaseException as exc:
-            self.error = exc
-            for fut in self.ready.values():
-                if not fut.done():
-                    fut.set_exception(StagingError("<gather>", f"gathering sharded parameters failed: {exc!r}"))
+            self._fail(exc)
+            waiter.cancel()
             if not isinstance(exc, Exception):
                 raise
 
-    async def _gather_one(self, name: str, dt, need: Optional["_Need"]) -> None:
-        everyone = need is None or len(need.ranks) == len(need.rows)  # an all-gather: full_tensor()
-        materializes = everyone or name in self.uses
-        nbytes = dt.numel() * dt.element_size()
-        if materializes:
-            await self.budget.acquire(nbytes)
-            self.peak_bytes = max(self.peak_bytes, self.budget.in_use)
-        if everyone:
-            full = await asyncio.to_thread(_gather, dt)
-        else:
-            full = await asyncio.to_thread(_gather_to, dt, need, materializes)
-            start, stop = need.rows[need.me]
-            self.sent += len([r for r in need.ranks if r != need.me]) if stop > start else 0
-        if not materializes:
-            return
-        self.gathered += 1
-        fut = self.ready.get(name)
-        if fut is None or fut.done():  # not ours to write (or the round is over): drop it now
-            del full
-            self.budget.release(nbytes)
-            return
-        fut.set_result(full)
+    async def _complete(self, posted: asyncio.Queue) -> None:
+        """Each window's gathers, in order, as they complete: its full tensors to the rows waiting."""
+        try:
+            while (item := await posted.get()) is not None:
+                window, mine, post = item
+                fulls, works, sent = await asyncio.wrap_future(post)
+                await asyncio.to_thread(_wait, works, self.dtensors[window[0]].to_local().device)
+                self.sent += sent
+                self.gathered += len(mine)
+                self.windows += 1
+                for name in mine:
+                    fut = self.ready.get(name)
+                    if fut is None or fut.done():  # not ours to write (or the round is over): drop it now
+                        self.budget.release(_nbytes(fulls.pop(name)))
+                    else:
+                        fut.set_result(fulls.pop(name))
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = self.error or exc
+        for fut in self.ready.values():
+            if not fut.done():
+                fut.set_exception(StagingError("<gather>", f"gathering sharded parameters failed: {exc!r}"))
 
 
 @dataclasses.dataclass
 class _Need:
-    """Who needs one parameter's full tensor this round (ranks of its mesh's group) and which rows
-    each rank holds; ``me`` is this rank in that group."""
+    """Who needs one parameter's full tensor this round (ranks of its mesh's group), which rows each
+    rank holds and each rank's gather budget; ``me`` is this rank in that group."""
 
     group: object
     me: int
     ranks: list[int]
     rows: list[tuple[int, int]]
+    budgets: list[int]  # (one list per group, shared by its parameters)
+
+
+def gather_windows(names: Sequence[str], sizes: Mapping[str, int],
+                   needs: Mapping[str, Optional[_Need]]) -> list[tuple[str, ...]]:
+    """``names`` (in gather order) cut into windows gathered at once: consecutive parameters of one
+    group, as many as fit every rank's budget that materializes some of them (a parameter larger
+    than a budget goes in a window where that rank has nothing else); a parameter every rank needs
+    (or of a mesh gathered by ``full_tensor()``) alone. Pure, on what every rank of the group knows
+    alike (the exchange): every rank cuts the same windows, so their point-to-point operations match."""
+    out: list[tuple[str, ...]] = []
+    window: list[str] = []
+    load: dict[int, int] = {}
+    group = None
+
+    def close() -> None:
+        if window:
+            out.append(tuple(window))
+            window.clear()
+            load.clear()
+
+    for name in names:
+        need, n = needs[name], sizes[name]
+        if need is None or len(need.ranks) == len(need.rows):  # a collective: alone
+            close()
+            out.append((name,))
+            continue
+        if need.group is not group or any(load.get(r, 0) and load[r] + n > need.budgets[r] for r in need.ranks):
+            close()
+        group = need.group
+        window.append(name)
+        for r in need.ranks:
+            load[r] = load.get(r, 0) + n
+    close()
+    return out
 
 
 _EXCHANGES = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-gather-needs")
+_POSTS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-gather-posts")  # (one: in order)
 
 
 def _exchange(dtensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],
-              needed: set) -> tuple[dict[str, Optional[_Need]], list[str]]:
-    """One all-gather per 1-D dim-0-sharded mesh: per parameter, (needed here, first row, end row).
-    Blocking (a worker thread). None for parameters of other meshes: every rank all-gathers those.
-    Also returns the names some rank needs, in the model's order."""
+              needed: set, budget: int) -> dict[str, Optional[_Need]]:
+    """One all-gather per 1-D dim-0-sharded mesh: per parameter, (needed here, first row, end row,
+    this rank's budget). Blocking (a worker thread). None for parameters of other meshes: every rank
+    all-gathers those."""
     import torch.distributed as dist
 
     out: dict[str, Optional[_Need]] = {}
@@ -225,17 +285,18 @@ def _exchange(dtensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSp
             by_group.setdefault(id(group), (group, []))[1].append(name)
     for group, names in by_group.values():  # (the same order on every rank: the model's)
         device = dtensors[names[0]].to_local().device
-        mine = torch.tensor([[int(n in needed), shards[n].start, shards[n].stop] for n in names],
+        mine = torch.tensor([[int(n in needed), shards[n].start, shards[n].stop, budget] for n in names],
                             dtype=torch.int64, device=device)
         world = dist.get_world_size(group)
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine, group=group)
-        table = torch.stack(everyone).cpu().tolist()  # [rank][param] -> (needed, start, stop)
+        table = torch.stack(everyone).cpu().tolist()  # [rank][param] -> (needed, start, stop, budget)
         me = dist.get_rank(group)
+        budgets = [table[r][0][3] for r in range(world)]
         for i, name in enumerate(names):
             out[name] = _Need(group, me, [r for r in range(world) if table[r][i][0]],
-                              [(table[r][i][1], table[r][i][2]) for r in range(world)])
-    return out, [n for n in dtensors if out[n] is None or out[n].ranks]
+                              [(table[r][i][1], table[r][i][2]) for r in range(world)], budgets)
+    return out
 
 
 def _group_of(dt, shard: Optional[ShardSpec], groups: dict):
@@ -251,38 +312,47 @@ def _group_of(dt, shard: Optional[ShardSpec], groups: dict):
     return group
 
 
-def _gather_to(dt, need: _Need, mine: bool) -> Optional[torch.Tensor]:
-    """Point-to-point: every holder sends its rows to each rank that needs the full tensor; only those
-    allocate it. Blocking (a worker thread)."""
+def _post(dtensors: Mapping[str, torch.Tensor], needs: Mapping[str, Optional[_Need]], window: tuple[str, ...],
+          mine: set) -> tuple[dict[str, torch.Tensor], list, int]:
+    """Start one window's gathers (the ``_POSTS`` thread, in window order): a collective is made here,
+    whole (``full_tensor()``); otherwise every holder's rows go to each rank that needs the full
+    tensor, only those allocate it, and every operation of the window is posted as one batch (NCCL: one
+    group, run at once). Returns (name -> full tensor, for ``mine``; the operations; shards sent)."""
     import torch.distributed as dist
 
-    local = dt.to_local().detach().contiguous()
-    full = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=local.device) if mine else None
-    works = []
-    for r, (start, stop) in enumerate(need.rows):
-        if not mine or stop <= start:
-            continue
-        if r == need.me:
-            full.narrow(0, start, stop - start).copy_(local)
-        else:
-            works.append(dist.irecv(full.narrow(0, start, stop - start), src=dist.get_global_rank(need.group, r),
-                                    group=need.group))
-    if local.numel():
-        for r in need.ranks:
-            if r != need.me:
-                works.append(dist.isend(local, dst=dist.get_global_rank(need.group, r), group=need.group))
+    need = needs[window[0]]
+    if need is None or len(need.ranks) == len(need.rows):
+        full = dtensors[window[0]].full_tensor().detach()
+        return ({window[0]: full} if mine else {}), [], 0
+    fulls, ops, sent = {}, [], 0
+    for name in window:
+        dt, need = dtensors[name], needs[name]
+        local = dt.to_local().detach().contiguous()
+        if name in mine:
+            full = fulls[name] = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=local.device)
+            for r, (start, stop) in enumerate(need.rows):
+                if stop <= start:
+                    continue
+                if r == need.me:
+                    full.narrow(0, start, stop - start).copy_(local)
+                else:
+                    ops.append(dist.P2POp(dist.irecv, full.narrow(0, start, stop - start), group=need.group,
+                                          group_peer=r))
+        if local.numel():
+            for r in need.ranks:
+                if r != need.me:
+                    ops.append(dist.P2POp(dist.isend, local, group=need.group, group_peer=r))
+                    sent += 1
+    return fulls, (dist.batch_isend_irecv(ops) if ops else []), sent
+
+
+def _wait(works: list, device: torch.device) -> None:
+    """Blocking (a worker thread, not the loop): until a window's operations are done (its full tensors
+    hold their rows, its shards are sent)."""
     for work in works:
         work.wait()
-    if local.device.type == "cuda":
-        torch.cuda.current_stream(local.device).synchronize()  # in the worker thread, not on the loop
-    return full.detach() if full is not None else None
-
-
-def _gather(dt) -> torch.Tensor:
-    full = dt.full_tensor()
-    if full.device.type == "cuda":
-        torch.cuda.current_stream(full.device).synchronize()  # in the worker thread, not on the loop
-    return full.detach()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _nbytes(t: torch.Tensor) -> int:
