@@ -26,7 +26,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-gpu bench-mn bench-gpu-mn gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -91,6 +91,14 @@ bench-faults: $(STAMP)
 bench-planner: $(STAMP)
 	($(BIN)/python bench/planner_scale.py && $(BIN)/python bench/planner_scale.py --large) | tee docs/results/planner_scale.jsonl
 	$(BIN)/python bench/planner_levelling.py | tee docs/results/planner_levelling.jsonl
+
+# FSDP gathers (bench/gather_fsdp.py): the engine's windows beside one parameter at a time, full_tensor()
+# and the link's bound; on the CPU gloo over 2 processes, on 2 GPUs NCCL (lazy and eager communicators)
+bench-gather: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python bench/gather_fsdp.py --device cpu --world 2 --json | tee docs/results/gather_fsdp_cpu.jsonl
+
+bench-gpu-gather:
+	bash -c 'source bench/gpu/env.sh .whl && (python3 bench/gather_fsdp.py --json && python3 bench/gather_fsdp.py --eager --json) | tee docs/results/gather_fsdp_h200x2.jsonl'
 
 bench-joins: $(STAMP)
 	$(BIN)/python bench/join_scale.py | tee docs/results/join_scale.jsonl

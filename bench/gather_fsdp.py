@@ -11,7 +11,8 @@ Arms, in one run, on the same DTensors, taking turns round by round (median of t
 warm-up round of each):
 - **windows**: ``engine.transforms.gather.Gatherer`` as a sender runs it (its default budget,
   ``SenderOptions.gather_budget_bytes``): parameters smallest first in windows (``gather_windows``),
-  a window's point-to-point operations posted as one batch, the next posted while the last completes.
+  a window's point-to-point operations posted as one batch (small parameters' rows packed, one
+  operation per peer), the next window posted while the last is taken.
   Each rank takes its full tensors in gather order and drops each at once (the pipeline, free).
 - **one at a time**: the same point-to-point gathers, one parameter after the other, every rank
   waiting for each (a gatherer that walks the parameters).
@@ -141,8 +142,8 @@ async def _rank(rank: int, world: int, device: str, model: str, rounds: int) -> 
             if needs[n] is None or not needs[n].ranks:
                 continue
             take = {n} if owner[n] == rank else set()
-            fulls, works, _ = await asyncio.to_thread(_post, dts, needs, (n,), take)
-            await asyncio.to_thread(_wait, works, local)
+            fulls, works, staged, _ = await asyncio.to_thread(_post, dts, gatherer.locals, needs, (n,), take)
+            await asyncio.to_thread(_wait, works, staged, local)
             if check and take:
                 check_(fulls[n], n)
 
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     rows = []
     for model in args.model or (["qwen2.5-7b", "qwen3-30b-a3b", "small"] if args.device == "cuda"
-                                else ["tiny-dense", "tiny-moe"]):
+                                else ["tiny-dense", "tiny-moe", "small"]):
         rows.append(run(model, world, args.device, args.rounds, args.eager))
         print(json.dumps(rows[-1]), flush=True)
     if not args.json:

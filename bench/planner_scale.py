@@ -9,9 +9,9 @@ by bandwidth, and beside it with ports that carry one transfer at a time: ``make
 the lower bound, and the same model's makespan for the seeds' byte-balanced greedy and for rank-0
 broadcast; then the worst ratio and the slowest Kimi-K2 256 -> 128 plan against their targets. Where
 senders gather (FSDP), the bytes gathered, the busiest sender's gathers (``gather_s``: what the model
-charges, each sender pulling its own) and the same gathers one parameter at a time
-(``serial_gather_s``: what a mesh that walks its parameters one by one, as the engine's ``Gatherer``
-does today, would take before the last of them).
+charges, each sender pulling its own back to back) and the same gathers as the engine's ``Gatherer``
+makes them (``windowed_gather_s``: windows under the default 2 GiB budget, one after another, each as
+long as its slowest rank's pulls; bench/gather_fsdp.py measures the Gatherer itself).
 
     .venv/bin/python bench/planner_scale.py                 # all scenarios
     .venv/bin/python bench/planner_scale.py --only kimi     # scenarios whose name contains "kimi"
@@ -175,7 +175,7 @@ def run(name, arch, layout, n_recv, tp, ep, colocated, fp8=False, *, link):
         "makespan_s": round(ours, 5),
         "gathered_TB": round(stats["gathered_bytes"] / 1e12, 3),
         "gather_s": round(stats["gather_s"], 4),
-        "serial_gather_s": round(stats["serial_gather_s"], 3),
+        "windowed_gather_s": round(stats["windowed_gather_s"], 3),
         "lower_bound_s": round(bound, 5),
         "makespan_over_bound": round(ours / bound, 4),
         "slots_makespan_s": round(ours_slots, 5),

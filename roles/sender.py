@@ -22,6 +22,7 @@ from weightsync.engine.datapath.staging import SourceSet, StagingPool, Transform
 from weightsync.engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
 from weightsync.engine.errors import ConfigError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
 from weightsync.engine.transforms import group_bytes_for
+from weightsync.engine.plan.windows import GATHER_BUDGET_BYTES
 from weightsync.engine.transforms.gather import Gatherer, split_dtensors
 from weightsync.engine.transport import Connection
 from weightsync.wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
@@ -72,7 +73,7 @@ class PushHandle:
 @dataclasses.dataclass(frozen=True)
 class SenderOptions(WorkerOptions):
     pipeline: PipelineOptions = PipelineOptions()
-    gather_budget_bytes: int = 2 << 30  # FSDP2: bytes of gathered full tensors alive at once on this rank
+    gather_budget_bytes: int = GATHER_BUDGET_BYTES  # FSDP2: bytes of gathered full tensors alive at once on this rank
     quantize_on: str = ""  # a CUDA device ("cuda:0") where CPU-held sources are quantized; "": on the CPU
 
     def __post_init__(self) -> None:

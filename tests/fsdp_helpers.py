@@ -103,7 +103,7 @@ async def _gather_child(rank: int, world: int, port: int, out) -> None:
 MANY = [("p0", 8, (0,)), ("p1", 9, (1,)), ("p2", 10, (2,)), ("p3", 11, (0,)), ("p4", 12, (1,)),
         ("p5", 13, (2,)), ("shared", 14, (0, 2)), ("all", 15, (0, 1, 2)), ("none", 16, ()),
         ("big0", 40, (0,)), ("big1", 41, (1,))]
-MANY_BUDGET = 6 << 10  # bytes: two or three of the small ones a rank, a big one (10 KiB) alone
+MANY_BUDGET = 6 << 10  # bytes: a window takes half, one of the small ones a rank; a big one (10 KiB) alone
 
 
 def gather_many_child_main(rank: int, world: int, port: int, out) -> None:
@@ -121,9 +121,11 @@ async def _gather_many_child(rank: int, world: int, port: int, out) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from weightsync.engine.transforms import gather
     from weightsync.engine.transforms.gather import Gatherer, split_dtensors
     from weightsync.wire import Transfer
 
+    gather.PACKED_BYTES = 2048  # both ways: the small ones' rows packed, each big one's by its own operation
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))

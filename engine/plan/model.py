@@ -17,8 +17,9 @@ Gathers (FSDP): a sender whose table reads rows of a gatherable parameter outsid
 pulls the rest of that full tensor, once per round, over its inbound port of the class that reaches
 the parameter's other holders (the network when they span hosts), in table order, at once with the
 other senders' pulls; a transfer starts only once its gather is done. (``weightsync.engine.transforms
-.gather.Gatherer`` today walks a mesh's parameters one at a time instead, every rank taking part in
-each: ``stats["serial_gather_s"]`` is how long the same gathers take so.) The holders serve those rows from their
+.gather.Gatherer`` gathers in windows of parameters, smallest first, each window's pulls at once on
+every rank and the windows one after another (``windows.gather_windows``): ``stats["windowed_gather_s"]``
+is how long the same gathers take so.) The holders serve those rows from their
 outbound ports: the makespan is also at least any sender's outbound bytes (sends and served rows) over
 its port. Rows inside the sender's own shard need no gather (shard-to-shard).
 
@@ -53,6 +54,7 @@ from weightsync.wire import SenderTable
 from .links import LinkClass, LinkModel, Participant, classes_of, host_mates, link_class
 from .needs import Piece
 from .replay import FluidReplay
+from .windows import GATHER_BUDGET_BYTES, Need, gather_windows
 
 
 def makespan(
@@ -62,11 +64,12 @@ def makespan(
     link: LinkModel,
     stats: Optional[dict] = None,
     sharing: str = "bandwidth",
+    gather_budget: int = GATHER_BUDGET_BYTES,
 ) -> float:
     """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes``, ``gather_s`` (the
-    busiest sender's inbound gather time) and ``serial_gather_s`` (the same gathers one parameter at a
-    time, each as long as its slowest gatherer's pull: how long they take where a mesh walks its
-    parameters one by one, as ``weightsync.engine.transforms.gather.Gatherer`` does today). ``sharing``: how a port carries its lanes, "bandwidth" (all
+    busiest sender's inbound gather time) and ``windowed_gather_s`` (the same gathers in the engine's
+    windows under each sender's ``gather_budget``: each window as long as its slowest rank's pulls in
+    it, one window after another). ``sharing``: how a port carries its lanes, "bandwidth" (all
     at once, max-min fair, as NICs and copy engines share a link: ``replay.FluidReplay``) or "slots"
     (one transfer at a time, whole, the lanes in turn: ``_SlotReplay``, a pessimistic reading reported
     beside it)."""
@@ -78,7 +81,7 @@ def makespan(
     if stats is not None:
         stats["gathered_bytes"] = gathers.gathered_bytes
         stats["gather_s"] = max(gathers.free.values(), default=0.0)
-        stats["serial_gather_s"] = gathers.serial_s()
+        stats["windowed_gather_s"] = gathers.windowed_s(gather_budget)
     return max(end_all, gathers.serving_bound(sending))
 
 
@@ -180,6 +183,7 @@ class _Holders:
             for name in mine:
                 holders[name].append(sp)
         self.holders = holders
+        self.senders = senders
         self.hosts = {name: {p.host for p in ps} for name, ps in holders.items()}
 
     def gather_class(self, name: str) -> LinkClass:
@@ -195,7 +199,8 @@ class _Gathers(_Holders):
         self.link = link
         self.free: dict[int, float] = defaultdict(float)  # sender -> when its inbound gather port frees
         self.done: dict[tuple[int, str], float] = {}  # (sender, name) -> when its full tensor is there
-        self.took: dict[str, float] = defaultdict(float)  # name -> its slowest gatherer's pull
+        self.took: dict[tuple[int, str], float] = {}  # (sender, name) -> its pull's seconds
+        self.full_bytes: dict[str, int] = {}  # name -> its full tensor's bytes
         self.gathered_bytes = 0
 
     def ready(self, s: int, tr) -> float:
@@ -210,13 +215,35 @@ class _Gathers(_Holders):
             took = pull / self.link.port_bw(cls, "sender", s)  # (its own NIC, inbound)
             at = self.free[s] = self.free[s] + took
             self.done[key] = at
-            self.took[tr.name] = max(self.took[tr.name], took)
+            self.took[key] = took
+            self.full_bytes[tr.name] = _full_bytes(spec)
             self.gathered_bytes += pull
         return at
 
-    def serial_s(self) -> float:
-        """The gathers one parameter at a time, each as long as its slowest gatherer's pull."""
-        return sum(self.took.values())
+    def windowed_s(self, budget: int) -> float:
+        """The gathers as the engine's ``Gatherer`` makes them: its windows (``windows.gather_windows``,
+        every holder of a parameter one mesh, with ``budget`` each), each as long as its slowest rank's
+        pulls in it, one after another."""
+        who: dict[str, list[int]] = defaultdict(list)
+        for s, name in self.took:
+            who[name].append(s)
+        meshes: dict[tuple[int, ...], tuple] = {}  # holders -> (the mesh, each one's index, budgets)
+        needs: dict[str, Need] = {}
+        for name, gatherers in who.items():
+            ranks = tuple(sorted(p.rank for p in self.holders[name]))
+            mesh, index, budgets = meshes.get(ranks) or meshes.setdefault(
+                ranks, (ranks, {r: i for i, r in enumerate(ranks)}, [budget] * len(ranks)))
+            needs[name] = Need(mesh, -1, [index[s] for s in gatherers], [(0, 0)] * len(ranks), budgets)
+        order = _param_order(self.senders)
+        names = sorted(needs, key=lambda n: (self.full_bytes[n], order[n]))  # (the Gatherer's order)
+        total = 0.0
+        for window in gather_windows(names, self.full_bytes, needs):
+            pulls: dict[int, float] = defaultdict(float)
+            for name in window:
+                for s in who[name]:
+                    pulls[s] += self.took[s, name]
+            total += max(pulls.values())
+        return total
 
     def serving_bound(self, sending: Mapping[tuple[int, LinkClass], float]) -> float:
         """Every sender port's busy time: its sends, plus the rows it serves to gatherers."""

@@ -13,9 +13,10 @@ which rows it holds (and its budget). Its answer holds for every round of that p
 
 Then every rank walks the parameters some rank needs in one order, the smallest first (``order``), cut
 into the same windows (``gather_windows``: pure, on the exchanged answers): consecutive parameters of
-one mesh, as many as every rank that needs some of them has budget for. A window is gathered at once:
-each holder sends its rows to each rank that needs the full tensor, only those allocate it, and a
-rank posts all its operations of the window as one batch (``batch_isend_irecv``: one NCCL group).
+one mesh, as many as fit half the budget of every rank that needs some of them. A window is gathered at
+once: each holder sends its rows to each rank that needs the full tensor, only those allocate it, and a
+rank posts all its operations of the window as one batch (``batch_isend_irecv``: one NCCL group), the
+rows of small parameters packed into one operation per peer (``PACKED_BYTES``).
 So different ranks pull different parameters at the same time, each over its own link, as the
 planner's model has them, not one parameter after the other. One thread posts the windows in order
 (``_POSTS``), so every pair of ranks matches its operations; the next window is posted while the last
@@ -32,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -40,6 +40,7 @@ import torch
 from weightsync.wire import ShardSpec, Transfer
 
 from ..datapath.aio import ByteBudget
+from ..plan.windows import Need, gather_windows
 from ..errors import ConfigError, StagingError
 
 
@@ -86,6 +87,7 @@ class Gatherer:
             raise ConfigError("gather_budget_bytes", f"must be positive, got {budget_bytes}")
         self.dtensors = dict(dtensors)
         self.shards = dict(shards)  # name -> the rows this rank holds (from split_dtensors)
+        self.locals = {name: dt.to_local().detach() for name, dt in self.dtensors.items()}  # (views: live)
         # the gather order, the same on every rank of a mesh: the smallest first (the planner's
         # tables assume a rank's shortest gathers first), the model's order at a tie
         ranked = sorted(enumerate(self.dtensors.items()), key=lambda e: (_nbytes(e[1][1]), e[0]))
@@ -180,7 +182,7 @@ class Gatherer:
                 if mine:
                     await self.budget.acquire(sum(sizes[n] for n in mine))
                     self.peak_bytes = max(self.peak_bytes, self.budget.in_use)
-                post = loop.run_in_executor(_POSTS, _post, self.dtensors, needs, window, set(mine))
+                post = loop.run_in_executor(_POSTS, _post, self.dtensors, self.locals, needs, window, set(mine))
                 posted.put_nowait((window, mine, post))  # (posts keep their order: one thread takes them)
             posted.put_nowait(None)
             await asyncio.shield(waiter)
@@ -195,8 +197,8 @@ class Gatherer:
         try:
             while (item := await posted.get()) is not None:
                 window, mine, post = item
-                fulls, works, sent = await asyncio.wrap_future(post)
-                await asyncio.to_thread(_wait, works, self.dtensors[window[0]].to_local().device)
+                fulls, works, staged, sent = await asyncio.wrap_future(post)
+                await asyncio.to_thread(_wait, works, staged, self.locals[window[0]].device)
                 self.sent += sent
                 self.gathered += len(mine)
                 self.windows += 1
@@ -217,64 +219,18 @@ class Gatherer:
                 fut.set_exception(StagingError("<gather>", f"gathering sharded parameters failed: {exc!r}"))
 
 
-@dataclasses.dataclass
-class _Need:
-    """Who needs one parameter's full tensor this round (ranks of its mesh's group), which rows each
-    rank holds and each rank's gather budget; ``me`` is this rank in that group."""
-
-    group: object
-    me: int
-    ranks: list[int]
-    rows: list[tuple[int, int]]
-    budgets: list[int]  # (one list per group, shared by its parameters)
-
-
-def gather_windows(names: Sequence[str], sizes: Mapping[str, int],
-                   needs: Mapping[str, Optional[_Need]]) -> list[tuple[str, ...]]:
-    """``names`` (in gather order) cut into windows gathered at once: consecutive parameters of one
-    group, as many as fit every rank's budget that materializes some of them (a parameter larger
-    than a budget goes in a window where that rank has nothing else); a parameter every rank needs
-    (or of a mesh gathered by ``full_tensor()``) alone. Pure, on what every rank of the group knows
-    alike (the exchange): every rank cuts the same windows, so their point-to-point operations match."""
-    out: list[tuple[str, ...]] = []
-    window: list[str] = []
-    load: dict[int, int] = {}
-    group = None
-
-    def close() -> None:
-        if window:
-            out.append(tuple(window))
-            window.clear()
-            load.clear()
-
-    for name in names:
-        need, n = needs[name], sizes[name]
-        if need is None or len(need.ranks) == len(need.rows):  # a collective: alone
-            close()
-            out.append((name,))
-            continue
-        if need.group is not group or any(load.get(r, 0) and load[r] + n > need.budgets[r] for r in need.ranks):
-            close()
-        group = need.group
-        window.append(name)
-        for r in need.ranks:
-            load[r] = load.get(r, 0) + n
-    close()
-    return out
-
-
 _EXCHANGES = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-gather-needs")
 _POSTS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-gather-posts")  # (one: in order)
 
 
 def _exchange(dtensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],
-              needed: set, budget: int) -> dict[str, Optional[_Need]]:
+              needed: set, budget: int) -> dict[str, Optional[Need]]:
     """One all-gather per 1-D dim-0-sharded mesh: per parameter, (needed here, first row, end row,
     this rank's budget). Blocking (a worker thread). None for parameters of other meshes: every rank
     all-gathers those."""
     import torch.distributed as dist
 
-    out: dict[str, Optional[_Need]] = {}
+    out: dict[str, Optional[Need]] = {}
     by_group: dict[int, tuple[object, list[str]]] = {}
     groups: dict[int, object] = {}  # id(mesh) -> its group (asking a mesh is slow; a model has few)
     for name, dt in dtensors.items():
@@ -294,7 +250,7 @@ def _exchange(dtensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSp
         me = dist.get_rank(group)
         budgets = [table[r][0][3] for r in range(world)]
         for i, name in enumerate(names):
-            out[name] = _Need(group, me, [r for r in range(world) if table[r][i][0]],
+            out[name] = Need(group, me, [r for r in range(world) if table[r][i][0]],
                               [(table[r][i][1], table[r][i][2]) for r in range(world)], budgets)
     return out
 
@@ -312,45 +268,74 @@ def _group_of(dt, shard: Optional[ShardSpec], groups: dict):
     return group
 
 
-def _post(dtensors: Mapping[str, torch.Tensor], needs: Mapping[str, Optional[_Need]], window: tuple[str, ...],
-          mine: set) -> tuple[dict[str, torch.Tensor], list, int]:
+def _post(dtensors: Mapping[str, torch.Tensor], locals_: Mapping[str, torch.Tensor],
+          needs: Mapping[str, Optional[Need]], window: tuple[str, ...], mine: set) -> tuple:
     """Start one window's gathers (the ``_POSTS`` thread, in window order): a collective is made here,
     whole (``full_tensor()``); otherwise every holder's rows go to each rank that needs the full
     tensor, only those allocate it, and every operation of the window is posted as one batch (NCCL: one
-    group, run at once). Returns (name -> full tensor, for ``mine``; the operations; shards sent)."""
+    group, run at once). Rows of at most ``PACKED_BYTES`` go packed, one operation per peer and
+    window (their bytes back to back, in window order on both ends), so that many small parameters
+    cost a few operations, not one each. Returns (name -> full tensor, for ``mine``; the operations;
+    the packed receptions as (buffer, destinations); shards sent)."""
     import torch.distributed as dist
 
     need = needs[window[0]]
     if need is None or len(need.ranks) == len(need.rows):
         full = dtensors[window[0]].full_tensor().detach()
-        return ({window[0]: full} if mine else {}), [], 0
-    fulls, ops, sent = {}, [], 0
+        return ({window[0]: full} if mine else {}), [], [], 0
+    fulls, ops, sent, group = {}, [], 0, need.group
+    own: tuple[list, list] = ([], [])
+    packed_out: dict[int, list[torch.Tensor]] = {}  # peer -> my rows for it, as bytes, in window order
+    packed_in: dict[int, list[torch.Tensor]] = {}  # peer -> where its rows go, as bytes, in window order
     for name in window:
-        dt, need = dtensors[name], needs[name]
-        local = dt.to_local().detach().contiguous()
+        local, need = locals_[name], needs[name]
         if name in mine:
-            full = fulls[name] = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=local.device)
+            full = fulls[name] = torch.empty(tuple(dtensors[name].shape), dtype=local.dtype, device=local.device)
             for r, (start, stop) in enumerate(need.rows):
                 if stop <= start:
                     continue
+                rows = full.narrow(0, start, stop - start)
                 if r == need.me:
-                    full.narrow(0, start, stop - start).copy_(local)
+                    own[0].append(rows)
+                    own[1].append(local)
+                elif _nbytes(rows) <= PACKED_BYTES:
+                    packed_in.setdefault(r, []).append(_as_bytes(rows))
                 else:
-                    ops.append(dist.P2POp(dist.irecv, full.narrow(0, start, stop - start), group=need.group,
-                                          group_peer=r))
+                    ops.append(dist.P2POp(dist.irecv, rows, group=group, group_peer=r))
         if local.numel():
             for r in need.ranks:
                 if r != need.me:
-                    ops.append(dist.P2POp(dist.isend, local, group=need.group, group_peer=r))
                     sent += 1
-    return fulls, (dist.batch_isend_irecv(ops) if ops else []), sent
+                    if _nbytes(local) <= PACKED_BYTES:
+                        packed_out.setdefault(r, []).append(_as_bytes(local))
+                    else:
+                        ops.append(dist.P2POp(dist.isend, local.contiguous(), group=group, group_peer=r))
+    for r, parts in packed_out.items():
+        ops.append(dist.P2POp(dist.isend, torch.cat(parts), group=group, group_peer=r))
+    staged = []
+    for r, into in packed_in.items():
+        buf = torch.empty(sum(t.numel() for t in into), dtype=torch.uint8, device=into[0].device)
+        ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=r))
+        staged.append((buf, into))
+    if own[0]:
+        torch._foreach_copy_(*own)
+    return fulls, (dist.batch_isend_irecv(ops) if ops else []), staged, sent
 
 
-def _wait(works: list, device: torch.device) -> None:
+PACKED_BYTES = 1 << 20  # a parameter's rows up to this go packed with others (``_post``)
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    return rows.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _wait(works: list, staged: list, device: torch.device) -> None:
     """Blocking (a worker thread, not the loop): until a window's operations are done (its full tensors
-    hold their rows, its shards are sent)."""
+    hold their rows, packed ones copied out of their buffers; its shards are sent)."""
     for work in works:
         work.wait()
+    for buf, into in staged:
+        torch._foreach_copy_(into, list(buf.split([t.numel() for t in into])))
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 

@@ -47,3 +47,20 @@ def test_four_fsdp_trainers_to_two_fp8_tp_ranks_on_a_moe_shape():
     assert r["transfers"] > 200  # per-expert tensors: hundreds of writes a round
     assert "broadcast_ms" not in r
     assert len(r["senders"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_gather_bench_checks_every_full_tensor_in_each_arm():
+    """bench/gather_fsdp.py on the CPU (gloo): three ranks, the MoE shape; every full tensor of its
+    first rounds, in each arm, equals what the ranks filled in."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gather_fsdp.py"), "--device", "cpu", "--world", "3",
+                          "--model", "tiny-moe", "--rounds", "2", "--json"],
+                         capture_output=True, text=True, timeout=170, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["right"] and r["wrong"] == [] and r["world"] == 3 and r["tensors"] == 117
+    assert r["windows_per_round"] >= 1 and r["peak_GB"] <= r["budget_GB"]
+    assert r["windows_over_bound"] == pytest.approx(r["windows_s"] / r["bound_s"], rel=0.1)  # (both rounded)
+    for arm in ("windows_s", "one_at_a_time_s", "full_tensor_s"):
+        assert r[arm] > 0

@@ -626,3 +626,25 @@ def test_levelling_never_cuts_what_cannot_be_cut():
                 Segment(1, LinkClass.NET, [Piece(1, "v", "v", None, 1, 0, 0, 0, "", (0,))], 0, 1)]
     balance(Schedule.of(segments, link), link, PlanOptions(min_chunk_bytes=0))
     assert [(g.sender, g.nbytes) for g in segments] == [(0, n), (0, 1)]
+
+
+def test_the_engines_gather_windows_are_timed_beside_each_senders_own_pulls():
+    """Two FSDP ranks gather for a cast row-parallel slice: rank 1 parameters a and b, rank 0 c. Each
+    pulls its own back to back (``gather_s``); the engine's ``Gatherer`` pulls in windows, one after
+    another (``windowed_gather_s``): with room for all three, one window; with a budget of a byte,
+    each rank one parameter a window, smallest first: (a), then (b, c)."""
+    link = LinkModel(host_bw=1e6, per_transfer_s=0.0)
+    shapes = {"a": (64, 256), "b": (128, 256), "c": (192, 256)}
+    senders = [participant(r, [tensor(n, s, shard=(0, s[0] // 2 * r, s[0] // 2 * (r + 1)), gatherable=True)
+                               for n, s in shapes.items()], host="t") for r in range(2)]
+    receivers = [participant(0, [tensor(n, s, dtype="float16", shard=(1, 0, 128)) for n, s in shapes.items()],
+                             host="i")]
+    pieces, _ = build_pieces(senders, receivers)
+    assert {p.src_name: p.cands for p in pieces} == {"a": (1,), "b": (1,), "c": (0,)}  # (designated by bytes)
+    routing = tables_from_assignment({s: [p for p in pieces if p.cands == (s,)] for s in (0, 1)}, senders, receivers)
+    pull = {n: s[0] // 2 * 256 * 4 / link.host_bw for n, s in shapes.items()}  # the other rank's half
+    for budget, windowed in ((1 << 30, pull["a"] + pull["b"]), (1, pull["a"] + max(pull["b"], pull["c"]))):
+        stats: dict = {}
+        makespan(routing.senders, senders, receivers, link, stats, gather_budget=budget)
+        assert stats["gather_s"] == pytest.approx(max(pull["a"] + pull["b"], pull["c"]))
+        assert stats["windowed_gather_s"] == pytest.approx(windowed)

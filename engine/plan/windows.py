@@ -1,0 +1,63 @@
+"""FSDP gather windows (pure): which parameters the ranks of a mesh gather at once.
+
+How this works: ``engine.transforms.gather.Gatherer`` gathers, per round, the full tensors that some
+rank's routing table reads outside its own shard. Every rank of the mesh knows, after one exchange,
+who needs which parameter (``Need``), which rows each rank holds and each rank's budget. From that
+alone ``gather_windows`` cuts the parameters, in gather order (smallest first), into windows that the
+ranks gather at once, so every rank cuts the same windows and their point-to-point operations match.
+The makespan model (``model.makespan``) cuts the same windows to time the engine's gathers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional, Sequence
+
+GATHER_BUDGET_BYTES = 2 << 30  # a sender's default: bytes of gathered full tensors alive at once
+
+
+@dataclasses.dataclass
+class Need:
+    """Who needs one parameter's full tensor this round (ranks of its mesh's group), which rows each
+    rank holds and each rank's gather budget; ``me`` is this rank in that group."""
+
+    group: object
+    me: int
+    ranks: list[int]
+    rows: list[tuple[int, int]]
+    budgets: list[int]  # (one list per group, shared by its parameters)
+
+
+def gather_windows(names: Sequence[str], sizes: Mapping[str, int],
+                   needs: Mapping[str, Optional[Need]]) -> list[tuple[str, ...]]:
+    """``names`` (in gather order) cut into windows gathered at once: consecutive parameters of one
+    group, as many as fit half the budget of every rank that materializes some of them (so that the
+    next window is posted while this one is taken; a parameter larger than that goes in a window
+    where that rank has nothing else); a parameter every rank needs (or of a mesh gathered by
+    ``full_tensor()``) alone. Pure, on what every rank of the group knows alike (the exchange): every
+    rank cuts the same windows, so their point-to-point operations match."""
+    out: list[tuple[str, ...]] = []
+    window: list[str] = []
+    load: dict[int, int] = {}
+    group = None
+
+    def close() -> None:
+        if window:
+            out.append(tuple(window))
+            window.clear()
+            load.clear()
+
+    for name in names:
+        need, n = needs[name], sizes[name]
+        if need is None or len(need.ranks) == len(need.rows):  # a collective: alone
+            close()
+            out.append((name,))
+            continue
+        if need.group is not group or any(load.get(r, 0) and load[r] + n > need.budgets[r] // 2 for r in need.ranks):
+            close()
+        group = need.group
+        window.append(name)
+        for r in need.ranks:
+            load[r] = load.get(r, 0) + n
+    close()
+    return out

@@ -1,0 +1,27 @@
+"""FSDP gather windows: which parameters the ranks of a mesh gather at once (pure)."""
+
+from weightsync.engine.plan.windows import Need, gather_windows
+
+
+def _need(group, ranks, budgets, world=3):
+    return Need(group, 0, list(ranks), [(0, 1)] * world, budgets)
+
+
+def test_windows_fill_each_ranks_budget_and_keep_collectives_alone():
+    g, h = object(), object()
+    budgets = [200, 200, 600]  # (a window takes at most half: 100, 100, 300)
+    needs = {"a": _need(g, [0], budgets), "b": _need(g, [1], budgets), "c": _need(g, [0], budgets),
+             "d": _need(g, [2], budgets), "e": _need(g, [0, 1, 2], budgets), "f": _need(g, [2], budgets),
+             "g": _need(g, [0], budgets), "x": None, "h": _need(h, [1], budgets)}
+    sizes = {"a": 60, "b": 60, "c": 40, "d": 200, "e": 10, "f": 90, "g": 500, "x": 5, "h": 1}
+    order = ["a", "b", "c", "d", "e", "f", "g", "x", "h"]
+    # a+c fill rank 0's 100 bytes; e (every rank) alone; f and g: g is over rank 0's budget, so alone
+    # on rank 0 but with f of rank 2; x (another mesh: full_tensor) alone; h of another group apart
+    assert gather_windows(order, sizes, needs) == [("a", "b", "c", "d"), ("e",), ("f", "g"), ("x",), ("h",)]
+    sizes["c"] = 41  # rank 0: 60 + 41 > 100
+    assert gather_windows(order, sizes, needs)[:2] == [("a", "b"), ("c", "d")]
+    sizes["c"], sizes["f"] = 40, 100  # rank 2's own budget (300) holds d + f (300 bytes); 101 would not
+    assert gather_windows(["d", "f"], sizes, needs) == [("d", "f")]
+    sizes["f"] = 101
+    assert gather_windows(["d", "f"], sizes, needs) == [("d",), ("f",)]
+    assert gather_windows([], sizes, needs) == []
