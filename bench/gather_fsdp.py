@@ -142,7 +142,7 @@ async def _rank(rank: int, world: int, device: str, model: str, rounds: int) -> 
             if needs[n] is None or not needs[n].ranks:
                 continue
             take = {n} if owner[n] == rank else set()
-            fulls, works, staged, _ = await asyncio.to_thread(_post, dts, gatherer.locals, needs, (n,), take)
+            fulls, works, staged, _ = await asyncio.to_thread(_post, gatherer, needs, (n,), frozenset(take))
             await asyncio.to_thread(_wait, works, staged, local)
             if check and take:
                 check_(fulls[n], n)

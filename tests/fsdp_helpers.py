@@ -85,13 +85,7 @@ async def _gather_child(rank: int, world: int, port: int, out) -> None:
         gatherer = Gatherer(dts, 1 << 20, shards)
         wanted = ["a", "b"] if rank == 0 else ["b"]
         table = tuple(Transfer(i, n, None, 0, n, 0, 0, full[n].numel() * 4, "") for i, n in enumerate(wanted))
-        right = True
-        for key in (table, table, list(table)):  # two rounds of one plan's table, then another table
-            gatherer.begin(table, key=key)
-            for n in wanted:
-                right &= torch.equal(await gatherer.full(n), full[n])
-                gatherer.release(n)
-            await gatherer.finish()
+        right = await _rounds(gatherer, table, (table, table, list(table)), full)  # (one plan's table, another)
         out.send(("gathered", "gatherer", rank, (right, gatherer.gathered, gatherer.sent, gatherer.skipped,
                                                   gatherer.budget.in_use, gatherer.exchanges)))
     finally:
@@ -136,14 +130,21 @@ async def _gather_many_child(rank: int, world: int, port: int, out) -> None:
         gatherer = Gatherer(dts, MANY_BUDGET, shards)
         wanted = sorted((n for n, _, ranks in MANY if rank in ranks), key=gatherer.order.__getitem__)
         table = tuple(Transfer(i, n, None, 0, n, 0, 0, full[n].numel() * 4, "") for i, n in enumerate(wanted))
-        right, rounds = True, 2
-        for _ in range(rounds):
-            gatherer.begin(table, key=table)
-            for n in wanted:
-                right &= torch.equal(await gatherer.full(n), full[n])
-                gatherer.release(n)
-            await gatherer.finish()
+        right = await _rounds(gatherer, table, (table, table), full)
         out.send(("gathered", "gatherer", rank, (right, gatherer.gathered, gatherer.windows, gatherer.peak_bytes,
                                                   gatherer.budget.in_use, gatherer.skipped)))
     finally:
         dist.destroy_process_group()
+
+
+async def _rounds(gatherer, table: tuple, keys, full: dict) -> bool:
+    """One round per key (``Gatherer.begin``'s): the full tensors of ``table``'s names taken in its order
+    and released as each is checked against ``full``, as the pipeline takes them. Whether all were right."""
+    right = True
+    for key in keys:
+        gatherer.begin(table, key=key)
+        for t in table:
+            right &= torch.equal(await gatherer.full(t.name), full[t.name])
+            gatherer.release(t.name)
+        await gatherer.finish()
+    return right

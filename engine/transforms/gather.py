@@ -16,7 +16,9 @@ into the same windows (``gather_windows``: pure, on the exchanged answers): cons
 one mesh, as many as fit half the budget of every rank that needs some of them. A window is gathered at
 once: each holder sends its rows to each rank that needs the full tensor, only those allocate it, and a
 rank posts all its operations of the window as one batch (``batch_isend_irecv``: one NCCL group), the
-rows of small parameters packed into one operation per peer (``PACKED_BYTES``).
+rows of small parameters packed into one operation per peer (``PACKED_BYTES``). The windows are cut
+once per plan (``_windows``: its rounds reuse them), and rows move as bytes, the shards' byte views made
+once (``local_bytes``): a round's host work per parameter is its allocation and a few views.
 So different ranks pull different parameters at the same time, each over its own link, as the
 planner's model has them, not one parameter after the other. One thread posts the windows in order
 (``_POSTS``), so every pair of ranks matches its operations; the next window is posted while the last
@@ -88,6 +90,8 @@ class Gatherer:
         self.dtensors = dict(dtensors)
         self.shards = dict(shards)  # name -> the rows this rank holds (from split_dtensors)
         self.locals = {name: dt.to_local().detach() for name, dt in self.dtensors.items()}  # (views: live)
+        self.local_bytes = {name: _as_bytes(t) for name, t in self.locals.items() if t.is_contiguous()}  # (the same)
+        self.sizes = {name: _nbytes(dt) for name, dt in self.dtensors.items()}
         # the gather order, the same on every rank of a mesh: the smallest first (the planner's
         # tables assume a rank's shortest gathers first), the model's order at a tie
         ranked = sorted(enumerate(self.dtensors.items()), key=lambda e: (_nbytes(e[1][1]), e[0]))
@@ -104,7 +108,8 @@ class Gatherer:
         self._task: Optional[asyncio.Task] = None
         self.exchanges = 0  # needs exchanged (once per plan: see ``begin``)
         self._needs_key: object = None
-        self._needs: Optional[concurrent.futures.Future] = None  # -> (needs, the names some rank needs)
+        self._needs: Optional[concurrent.futures.Future] = None  # -> each parameter's ``Need``
+        self._program: tuple = (None, [], 0)  # (needs, [(window, mine, its bytes)], parameters no rank needs)
 
     def __repr__(self) -> str:
         return (f"<Gatherer params={len(self.dtensors)} gathered={self.gathered} sent={self.sent} "
@@ -173,16 +178,14 @@ class Gatherer:
         waiter = asyncio.ensure_future(self._complete(posted))
         try:
             needs = await asyncio.shield(asyncio.wrap_future(exchange))  # (a cancelled round leaves it be)
-            wanted = sorted((n for n, need in needs.items() if need is None or need.ranks), key=self.order.__getitem__)
-            self.skipped += len(self.dtensors) - len(wanted)
-            sizes = {name: _nbytes(self.dtensors[name]) for name in wanted}
+            windows, skipped = self._windows(needs)
+            self.skipped += skipped
             loop = asyncio.get_running_loop()
-            for window in gather_windows(wanted, sizes, needs):  # every rank of the mesh: the same windows
-                mine = [n for n in window if needs[n] is None or needs[n].me in needs[n].ranks]
+            for window, mine, nbytes in windows:  # every rank of the mesh: the same windows
                 if mine:
-                    await self.budget.acquire(sum(sizes[n] for n in mine))
+                    await self.budget.acquire(nbytes)
                     self.peak_bytes = max(self.peak_bytes, self.budget.in_use)
-                post = loop.run_in_executor(_POSTS, _post, self.dtensors, self.locals, needs, window, set(mine))
+                post = loop.run_in_executor(_POSTS, _post, self, needs, window, mine)
                 posted.put_nowait((window, mine, post))  # (posts keep their order: one thread takes them)
             posted.put_nowait(None)
             await asyncio.shield(waiter)
@@ -191,6 +194,18 @@ class Gatherer:
             waiter.cancel()
             if not isinstance(exc, Exception):
                 raise
+
+    def _windows(self, needs: Mapping[str, Optional[Need]]) -> tuple[list[tuple[tuple[str, ...], frozenset, int]], int]:
+        """This plan's windows (``gather_windows``), each with the parameters this rank materializes and
+        their bytes; and how many parameters no rank needs. Made once per exchange (its rounds reuse it)."""
+        if self._program[0] is not needs:
+            wanted = sorted((n for n, need in needs.items() if need is None or need.ranks), key=self.order.__getitem__)
+            windows = []
+            for window in gather_windows(wanted, self.sizes, needs):
+                mine = frozenset(n for n in window if needs[n] is None or needs[n].me in needs[n].ranks)
+                windows.append((window, mine, sum(self.sizes[n] for n in mine)))
+            self._program = (needs, windows, len(self.dtensors) - len(wanted))
+        return self._program[1], self._program[2]
 
     async def _complete(self, posted: asyncio.Queue) -> None:
         """Each window's gathers, in order, as they complete: its full tensors to the rows waiting."""
@@ -268,61 +283,68 @@ def _group_of(dt, shard: Optional[ShardSpec], groups: dict):
     return group
 
 
-def _post(dtensors: Mapping[str, torch.Tensor], locals_: Mapping[str, torch.Tensor],
-          needs: Mapping[str, Optional[Need]], window: tuple[str, ...], mine: set) -> tuple:
+def _post(gatherer: Gatherer, needs: Mapping[str, Optional[Need]], window: tuple[str, ...], mine: frozenset) -> tuple:
     """Start one window's gathers (the ``_POSTS`` thread, in window order): a collective is made here,
     whole (``full_tensor()``); otherwise every holder's rows go to each rank that needs the full
     tensor, only those allocate it, and every operation of the window is posted as one batch (NCCL: one
     group, run at once). Rows of at most ``PACKED_BYTES`` go packed, one operation per peer and
     window (their bytes back to back, in window order on both ends), so that many small parameters
-    cost a few operations, not one each. Returns (name -> full tensor, for ``mine``; the operations;
-    the packed receptions as (buffer, destinations); shards sent)."""
+    cost a few operations, not one each. Rows move as bytes (``Gatherer.local_bytes``: the shards'
+    views, made once). Returns (name -> full tensor, for ``mine``; the operations; the packed
+    receptions as (buffer, destinations); shards sent)."""
     import torch.distributed as dist
 
     need = needs[window[0]]
     if need is None or len(need.ranks) == len(need.rows):
-        full = dtensors[window[0]].full_tensor().detach()
+        full = gatherer.dtensors[window[0]].full_tensor().detach()
         return ({window[0]: full} if mine else {}), [], [], 0
     fulls, ops, sent, group = {}, [], 0, need.group
     own: tuple[list, list] = ([], [])
     packed_out: dict[int, list[torch.Tensor]] = {}  # peer -> my rows for it, as bytes, in window order
     packed_in: dict[int, list[torch.Tensor]] = {}  # peer -> where its rows go, as bytes, in window order
     for name in window:
-        local, need = locals_[name], needs[name]
+        need, local = needs[name], gatherer.locals[name]
+        mine_bytes = gatherer.local_bytes.get(name)
+        if mine_bytes is None:
+            mine_bytes = _as_bytes(local)
         if name in mine:
-            full = fulls[name] = torch.empty(tuple(dtensors[name].shape), dtype=local.dtype, device=local.device)
+            full = fulls[name] = torch.empty(tuple(gatherer.dtensors[name].shape), dtype=local.dtype, device=local.device)
+            into, row = full.view(-1).view(torch.uint8), gatherer.sizes[name] // max(full.shape[0], 1)
             for r, (start, stop) in enumerate(need.rows):
                 if stop <= start:
                     continue
-                rows = full.narrow(0, start, stop - start)
+                rows = into[start * row:stop * row]
                 if r == need.me:
                     own[0].append(rows)
-                    own[1].append(local)
-                elif _nbytes(rows) <= PACKED_BYTES:
-                    packed_in.setdefault(r, []).append(_as_bytes(rows))
+                    own[1].append(mine_bytes)
+                elif rows.numel() <= PACKED_BYTES:
+                    packed_in.setdefault(r, []).append(rows)
                 else:
                     ops.append(dist.P2POp(dist.irecv, rows, group=group, group_peer=r))
-        if local.numel():
+        if mine_bytes.numel():
             for r in need.ranks:
                 if r != need.me:
                     sent += 1
-                    if _nbytes(local) <= PACKED_BYTES:
-                        packed_out.setdefault(r, []).append(_as_bytes(local))
+                    if mine_bytes.numel() <= PACKED_BYTES:
+                        packed_out.setdefault(r, []).append(mine_bytes)
                     else:
-                        ops.append(dist.P2POp(dist.isend, local.contiguous(), group=group, group_peer=r))
+                        ops.append(dist.P2POp(dist.isend, mine_bytes, group=group, group_peer=r))
     for r, parts in packed_out.items():
         ops.append(dist.P2POp(dist.isend, torch.cat(parts), group=group, group_peer=r))
     staged = []
-    for r, into in packed_in.items():
-        buf = torch.empty(sum(t.numel() for t in into), dtype=torch.uint8, device=into[0].device)
+    for r, into_parts in packed_in.items():
+        buf = torch.empty(sum(t.numel() for t in into_parts), dtype=torch.uint8, device=into_parts[0].device)
         ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=r))
-        staged.append((buf, into))
+        staged.append((buf, into_parts))
     if own[0]:
         torch._foreach_copy_(*own)
     return fulls, (dist.batch_isend_irecv(ops) if ops else []), staged, sent
 
 
-PACKED_BYTES = 1 << 20  # a parameter's rows up to this go packed with others (``_post``)
+# a parameter's rows up to this go packed with others (``_post``): an NCCL operation costs the host more
+# than a device copy of this many bytes (MoE experts of 1-3 MB a rank); packing stages at most a window's
+# rows, briefly (sent: a copy of this rank's shards; received: a buffer copied out into the full tensors)
+PACKED_BYTES = 16 << 20
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:

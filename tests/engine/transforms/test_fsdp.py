@@ -106,14 +106,7 @@ def _check_receivers(receivers, tp, want) -> None:
 async def test_full_tensors_exist_only_on_the_ranks_whose_table_names_them():
     from fsdp_helpers import gather_child_main
 
-    children = Children()
-    try:
-        port = free_port()
-        for rank in range(2):
-            children.start("gatherer", rank, gather_child_main, rank, 2, port)
-        reports = {rank: data for _, _, rank, data in await children.expect("gathered", 2)}
-    finally:
-        children.close()
+    reports = await _gatherers(gather_child_main, 2)
     # over three rounds: (right, materialized, shards sent, skipped, budget left in use, needs exchanged)
     assert reports[0] == (True, 6, 0, 3, 0, 2)  # "a" gathered point-to-point, "b" all-gathered, "c" by nobody
     assert reports[1] == (True, 3, 3, 3, 0, 2)  # only "b" materialized here; its rows of "a" sent to rank 0
@@ -123,14 +116,7 @@ async def test_full_tensors_exist_only_on_the_ranks_whose_table_names_them():
 async def test_ranks_gather_different_parameters_at_once_within_their_budgets():
     from fsdp_helpers import MANY, gather_many_child_main
 
-    children = Children()
-    try:
-        port = free_port()
-        for rank in range(3):
-            children.start("gatherer", rank, gather_many_child_main, rank, 3, port)
-        reports = {rank: data for _, _, rank, data in await children.expect("gathered", 3)}
-    finally:
-        children.close()
+    reports = await _gatherers(gather_many_child_main, 3)
     assert len(MANY) == 11
     # over two rounds: (right, materialized, windows, budget left in use, skipped). Smallest first, at
     # most half of each rank's 6 KiB a window (the next one posted while it is taken), the windows are
@@ -144,3 +130,15 @@ async def test_ranks_gather_different_parameters_at_once_within_their_budgets():
     peak = {r: d[3] for r, d in reports.items()}
     assert peak[0] == 10240 and peak[1] == 10496  # a big one alone: nothing else while it is alive
     assert 3840 <= peak[2] <= 6 << 10  # within its budget ("all", 3840 bytes, at least)
+
+
+async def _gatherers(main, world: int) -> dict:
+    """``world`` gloo processes running ``main(rank, world, port, out)``: each one's report, by rank."""
+    children = Children()
+    try:
+        port = free_port()
+        for rank in range(world):
+            children.start("gatherer", rank, main, rank, world, port)
+        return {rank: data for _, _, rank, data in await children.expect("gathered", world)}
+    finally:
+        children.close()
