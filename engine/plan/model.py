@@ -19,7 +19,8 @@ the parameter's other holders (the network when they span hosts), in table order
 other senders' pulls; a transfer starts only once its gather is done. (``weightsync.engine.transforms
 .gather.Gatherer`` gathers in windows of parameters, smallest first, each window's pulls at once on
 every rank and the windows one after another (``windows.gather_windows``): ``stats["windowed_gather_s"]``
-is how long the same gathers take so.) The holders serve those rows from their
+is how long the same gathers take so, and ``gathering="windows"`` replays the tables with each gather
+done when its window ends.) The holders serve those rows from their
 outbound ports: the makespan is also at least any sender's outbound bytes (sends and served rows) over
 its port. Rows inside the sender's own shard need no gather (shard-to-shard).
 
@@ -65,17 +66,24 @@ def makespan(
     stats: Optional[dict] = None,
     sharing: str = "bandwidth",
     gather_budget: int = GATHER_BUDGET_BYTES,
+    gathering: str = "queues",
 ) -> float:
     """When the last byte lands; ``stats`` (a dict) receives ``gathered_bytes``, ``gather_s`` (the
     busiest sender's inbound gather time) and ``windowed_gather_s`` (the same gathers in the engine's
     windows under each sender's ``gather_budget``: each window as long as its slowest rank's pulls in
-    it, one window after another). ``sharing``: how a port carries its lanes, "bandwidth" (all
+    it, one window after another). ``gathering``: when a gather is done, "queues" (each sender pulls
+    its own in table order, back to back) or "windows" (when its window ends, as the engine's
+    ``Gatherer`` makes them). ``sharing``: how a port carries its lanes, "bandwidth" (all
     at once, max-min fair, as NICs and copy engines share a link: ``replay.FluidReplay``) or "slots"
     (one transfer at a time, whole, the lanes in turn: ``_SlotReplay``, a pessimistic reading reported
     beside it)."""
     if sharing not in ("bandwidth", "slots"):
         raise ValueError(f"sharing must be 'bandwidth' or 'slots', not {sharing!r}")
+    if gathering not in ("queues", "windows"):
+        raise ValueError(f"gathering must be 'queues' or 'windows', not {gathering!r}")
     gathers = _Gathers(senders, link)
+    if gathering == "windows":
+        gathers.in_windows(tables, gather_budget)
     lanes, sending = _lanes(tables, senders, receivers, link, gathers)
     end_all = _SlotReplay(lanes, link).run() if sharing == "slots" else _fluid(lanes, link).run()
     if stats is not None:
@@ -111,7 +119,7 @@ def _lanes(tables, senders, receivers, link: LinkModel, gathers: "_Gathers"):
             if lane is None:
                 lane = lanes[s, r] = (link_class(s_by_rank[s], r_by_rank[r]), [])
             posted = (i + 1) * link.per_transfer_s  # one host thread issues the table in order
-            lane[1].append((max(posted, gathers.ready(s, tr)), tr.nbytes))
+            lane[1].append((max(posted, gathers.ready(s, tr, i)), tr.nbytes))
             sending[s, lane[0]] += tr.nbytes / link.bandwidth(lane[0], s, r)
     return lanes, sending
 
@@ -201,9 +209,10 @@ class _Gathers(_Holders):
         self.done: dict[tuple[int, str], float] = {}  # (sender, name) -> when its full tensor is there
         self.took: dict[tuple[int, str], float] = {}  # (sender, name) -> its pull's seconds
         self.full_bytes: dict[str, int] = {}  # name -> its full tensor's bytes
+        self.first: dict[tuple[int, str], int] = {}  # (sender, name) -> its first transfer's index in its table
         self.gathered_bytes = 0
 
-    def ready(self, s: int, tr) -> float:
+    def ready(self, s: int, tr, i: int = 0) -> float:
         spec = self.shards.get(s, {}).get(tr.name)
         if spec is None or spec.shard.covers(tr.slice):
             return 0.0
@@ -216,6 +225,7 @@ class _Gathers(_Holders):
             at = self.free[s] = self.free[s] + took
             self.done[key] = at
             self.took[key] = took
+            self.first[key] = i
             self.full_bytes[tr.name] = _full_bytes(spec)
             self.gathered_bytes += pull
         return at
@@ -224,6 +234,18 @@ class _Gathers(_Holders):
         """The gathers as the engine's ``Gatherer`` makes them: its windows (``windows.gather_windows``,
         every holder of a parameter one mesh, with ``budget`` each), each as long as its slowest rank's
         pulls in it, one after another."""
+        return self.window_ends(budget)[0]
+
+    def in_windows(self, tables: Mapping[int, SenderTable], budget: int) -> None:
+        """Every gather the tables imply, each done when its window ends (``window_ends``), instead of
+        when its sender's own queue reaches it."""
+        for s, table in sorted(tables.items()):
+            for i, tr in enumerate(table.transfers):
+                self.ready(s, tr, i)
+        self.done.update(self.window_ends(budget)[1])
+
+    def window_ends(self, budget: int) -> tuple[float, dict[tuple[int, str], float]]:
+        """The gathers in the engine's windows: when the last ends, and when each (sender, name)'s does."""
         who: dict[str, list[int]] = defaultdict(list)
         for s, name in self.took:
             who[name].append(s)
@@ -236,14 +258,15 @@ class _Gathers(_Holders):
             needs[name] = Need(mesh, -1, [index[s] for s in gatherers], [(0, 0)] * len(ranks), budgets)
         order = _param_order(self.senders)
         names = sorted(needs, key=lambda n: (self.full_bytes[n], order[n]))  # (the Gatherer's order)
-        total = 0.0
+        total, ends = 0.0, {}
         for window in gather_windows(names, self.full_bytes, needs):
             pulls: dict[int, float] = defaultdict(float)
             for name in window:
                 for s in who[name]:
                     pulls[s] += self.took[s, name]
             total += max(pulls.values())
-        return total
+            ends.update(((s, name), total) for name in window for s in who[name])
+        return total, ends
 
     def serving_bound(self, sending: Mapping[tuple[int, LinkClass], float]) -> float:
         """Every sender port's busy time: its sends, plus the rows it serves to gatherers."""
@@ -381,3 +404,4 @@ def seed_greedy_assignment(pieces: Sequence[Piece], senders: Sequence[Participan
         sent[s] += p.nbytes
         out[s].append(p)
     return out
+

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Mapping, Optional, Sequence
 
 GATHER_BUDGET_BYTES = 2 << 30  # a sender's default: bytes of gathered full tensors alive at once
+SIZE_CLASS = 2  # a window's parameters are at most this many times the size of its first (its smallest)
 
 
 @dataclasses.dataclass
@@ -30,11 +31,13 @@ class Need:
 
 def gather_windows(names: Sequence[str], sizes: Mapping[str, int],
                    needs: Mapping[str, Optional[Need]]) -> list[tuple[str, ...]]:
-    """``names`` (in gather order) cut into windows gathered at once: consecutive parameters of one
-    group, as many as fit half the budget of every rank that materializes some of them (so that the
-    next window is posted while this one is taken; a parameter larger than that goes in a window
-    where that rank has nothing else); a parameter every rank needs (or of a mesh gathered by
-    ``full_tensor()``) alone. Pure, on what every rank of the group knows alike (the exchange): every
+    """``names`` (in gather order, the smallest first) cut into windows gathered at once: consecutive
+    parameters of one group and one size class (at most ``SIZE_CLASS`` times the window's first: a
+    window ends with its slowest pull, so a small gather never waits in one for a large), as many as
+    fit half the budget of every rank that materializes some of them (so that the next window is
+    posted while this one is taken; a parameter larger than that goes in a window where that rank
+    has nothing else); a parameter every rank needs (or of a mesh gathered by ``full_tensor()``)
+    alone. Pure, on what every rank of the group knows alike (the exchange): every
     rank cuts the same windows, so their point-to-point operations match."""
     out: list[tuple[str, ...]] = []
     window: list[str] = []
@@ -53,7 +56,8 @@ def gather_windows(names: Sequence[str], sizes: Mapping[str, int],
             close()
             out.append((name,))
             continue
-        if need.group is not group or any(load.get(r, 0) and load[r] + n > need.budgets[r] // 2 for r in need.ranks):
+        if (need.group is not group or (window and n > SIZE_CLASS * sizes[window[0]])
+                or any(load.get(r, 0) and load[r] + n > need.budgets[r] // 2 for r in need.ranks)):
             close()
         group = need.group
         window.append(name)

@@ -13,7 +13,8 @@ which rows it holds (and its budget). Its answer holds for every round of that p
 
 Then every rank walks the parameters some rank needs in one order, the smallest first (``order``), cut
 into the same windows (``gather_windows``: pure, on the exchanged answers): consecutive parameters of
-one mesh, as many as fit half the budget of every rank that needs some of them. A window is gathered at
+one mesh and one size class (at most twice the window's smallest), as many as fit half the budget of
+every rank that needs some of them. A window is gathered at
 once: each holder sends its rows to each rank that needs the full tensor, only those allocate it, and a
 rank posts all its operations of the window as one batch (``batch_isend_irecv``: one NCCL group), the
 rows of small parameters packed into one operation per peer (``PACKED_BYTES``). The windows are cut

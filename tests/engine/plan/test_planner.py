@@ -631,8 +631,10 @@ def test_levelling_never_cuts_what_cannot_be_cut():
 def test_the_engines_gather_windows_are_timed_beside_each_senders_own_pulls():
     """Two FSDP ranks gather for a cast row-parallel slice: rank 1 parameters a and b, rank 0 c. Each
     pulls its own back to back (``gather_s``); the engine's ``Gatherer`` pulls in windows, one after
-    another (``windowed_gather_s``): with room for all three, one window; with a budget of a byte,
-    each rank one parameter a window, smallest first: (a), then (b, c)."""
+    another (``windowed_gather_s``), the smallest first: with room for all three, (a, b), then c
+    (three times a's size: another size class); with a budget of a byte, each rank one parameter a
+    window: (a), then (b, c). Gathering in the windows (``gathering="windows"``), a transfer waits for
+    its window's end."""
     link = LinkModel(host_bw=1e6, per_transfer_s=0.0)
     shapes = {"a": (64, 256), "b": (128, 256), "c": (192, 256)}
     senders = [participant(r, [tensor(n, s, shard=(0, s[0] // 2 * r, s[0] // 2 * (r + 1)), gatherable=True)
@@ -643,8 +645,11 @@ def test_the_engines_gather_windows_are_timed_beside_each_senders_own_pulls():
     assert {p.src_name: p.cands for p in pieces} == {"a": (1,), "b": (1,), "c": (0,)}  # (designated by bytes)
     routing = tables_from_assignment({s: [p for p in pieces if p.cands == (s,)] for s in (0, 1)}, senders, receivers)
     pull = {n: s[0] // 2 * 256 * 4 / link.host_bw for n, s in shapes.items()}  # the other rank's half
-    for budget, windowed in ((1 << 30, pull["a"] + pull["b"]), (1, pull["a"] + max(pull["b"], pull["c"]))):
+    for budget, windowed in ((1 << 30, sum(pull.values())), (1, pull["a"] + max(pull["b"], pull["c"]))):
         stats: dict = {}
-        makespan(routing.senders, senders, receivers, link, stats, gather_budget=budget)
+        queues = makespan(routing.senders, senders, receivers, link, stats, gather_budget=budget)
         assert stats["gather_s"] == pytest.approx(max(pull["a"] + pull["b"], pull["c"]))
         assert stats["windowed_gather_s"] == pytest.approx(windowed)
+        windows = makespan(routing.senders, senders, receivers, link, gather_budget=budget, gathering="windows")
+        assert windows >= windowed and queues >= stats["gather_s"]  # (the last transfer follows its gather)
+        assert (windows > queues) == (windowed > stats["gather_s"])
