@@ -31,10 +31,9 @@ from planner_compare import digest  # noqa: E402
 
 from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, plan  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, index_sources  # noqa: E402
-from weightsync.engine.plan.planner import gathered_at, group_by_locality  # noqa: E402
+from weightsync.engine.plan.planner import group_by_locality, tables_for  # noqa: E402
 from weightsync.engine.plan.levelling import balance, spread  # noqa: E402
 from weightsync.engine.plan.schedule import _ClassSchedule, schedule  # noqa: E402
-from weightsync.engine.plan.tables import build_tables  # noqa: E402
 
 
 def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[dict[str, float], object]:
@@ -49,7 +48,7 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
         took[name] = round(now - t, 3)
         t = now
 
-    groups, gathers, kept = streams_by_class(senders, receivers, link, options, lap)
+    groups, streams, kept = streams_by_class(senders, receivers, link, options, lap)
     sched = schedule(groups, link, options)
     lap("schedule")
     if options.level:
@@ -58,7 +57,7 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
     if options.spread:
         spread(sched, link)
     lap("spread")
-    routing = build_tables(sched, senders, receivers, 0, gathered_at(gathers, senders, link))
+    routing = tables_for(sched, senders, receivers, 0, streams, link, options)
     lap("tables")
     del kept  # (freed after the clock stops: a PlanCache keeps the index, as the bench's plans keep it)
     return took, routing
@@ -77,7 +76,7 @@ def streams_by_class(senders, receivers, link: LinkModel, options: PlanOptions, 
     lap("pieces + streams")
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link, streams)
     lap("locality")
-    return groups, streams.gathers if streams is not None else {}, (resolver, expanded)
+    return groups, streams, (resolver, expanded)
 
 
 def forced_seconds(groups, link: LinkModel, options: PlanOptions) -> tuple[float, float]:

@@ -36,6 +36,7 @@ class Expanded:
     def __init__(self, tensors: Sequence[tuple], srcs_lists: Sequence[tuple[str, ...]],
                  made_lists: Sequence[list[tuple]]) -> None:
         self.rows = 0
+        self.gather_params: dict[str, tuple[int, tuple]] = {}  # (``designate``: every gather-only source)
         if not tensors:
             return
         ranks, names, srcs_of, made_of, regions, bases = zip(*tensors)
@@ -80,6 +81,7 @@ class Expanded:
         all bytes, at least 1; a sender's load is what it alone can send, and its share of the
         parameters designated before). Then a holder whose shorter gathers leave it idle until its
         longest is done also gets a shorter one (``_early_work``)."""
+        self.gather_params = {}
         if not self.rows:
             return {}
         names, cands = self.names, self.cands
@@ -109,6 +111,7 @@ class Expanded:
         groups = _distinct(g_name, g_at, len(names), len(got))  # receivers per name
         room = n_senders * busiest - total_all
         size = {i: _full_bytes(sources[names[i]]) for i in order.tolist()}  # (a gather pulls about this)
+        self.gather_params = {names[i]: (size[i], full[i]) for i in order.tolist()}
         for i in order.tolist():
             room -= min(len(full[i]), int(groups[i])) * size[i]
         if room >= 0:
@@ -146,7 +149,9 @@ class Expanded:
         if not pieces:
             return pieces, None
         streams = self._runs(pieces, cands_row, tuples)
-        streams.gathers = gather_queues(narrowed, sources, intern)
+        streams.gathers, streams.pulls = gather_queues(narrowed, sources, intern)
+        streams.gather_params = self.gather_params
+        streams.undesignated = [n for n in streams.gather_params if n not in narrowed]
         return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:
@@ -237,11 +242,11 @@ def _early_work(narrowed: dict[str, tuple[tuple, tuple]], pull: Mapping[str, int
 
 
 def gather_queues(narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[str, Source],
-                  intern: Interned) -> dict[tuple[int, str], int]:
+                  intern: Interned) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
     """When each designated sender has each of its designated parameters, as the bytes it has pulled
     by then, keyed (sender, name): it gathers them shortest first (its table takes them in that
     order: ``tables.build_tables``), each the full tensor less its own dim-0 shard (read off the
-    sharding's ``Spans``, shared by every parameter sharded alike)."""
+    sharding's ``Spans``, shared by every parameter sharded alike); and each of those pulls' bytes."""
     pulls: dict[int, list[tuple[int, str]]] = defaultdict(list)  # sender -> (pull, name)
     rows_of: dict[int, dict[int, int]] = {}  # id(spans) -> sender -> the dim-0 rows it holds
     for name, (_, chosen) in narrowed.items():
@@ -254,12 +259,13 @@ def gather_queues(narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[
         for s in chosen:
             pulls[s].append((full - full * own.get(s, 0) // rows, name))
     done: dict[tuple[int, str], int] = {}
+    each: dict[tuple[int, str], int] = {}
     for s, queue in pulls.items():
         at = 0
         for n, name in sorted(queue):
             at += n
-            done[s, name] = at
-    return done
+            done[s, name], each[s, name] = at, n
+    return done, each
 
 
 def _full_bytes(src: Source) -> int:

@@ -55,7 +55,7 @@ from weightsync.wire import SenderTable
 from .links import LinkClass, LinkModel, Participant, classes_of, host_mates, link_class
 from .needs import Piece
 from .replay import FluidReplay
-from .windows import GATHER_BUDGET_BYTES, Need, gather_windows
+from .windows import GATHER_BUDGET_BYTES, window_ends
 
 
 def makespan(
@@ -242,31 +242,14 @@ class _Gathers(_Holders):
         for s, table in sorted(tables.items()):
             for i, tr in enumerate(table.transfers):
                 self.ready(s, tr, i)
-        self.done.update(self.window_ends(budget)[1])
+        ends = self.window_ends(budget)[1]
+        self.done.update({key: ends[key[1]] for key in self.done})
 
-    def window_ends(self, budget: int) -> tuple[float, dict[tuple[int, str], float]]:
-        """The gathers in the engine's windows: when the last ends, and when each (sender, name)'s does."""
-        who: dict[str, list[int]] = defaultdict(list)
-        for s, name in self.took:
-            who[name].append(s)
-        meshes: dict[tuple[int, ...], tuple] = {}  # holders -> (the mesh, each one's index, budgets)
-        needs: dict[str, Need] = {}
-        for name, gatherers in who.items():
-            ranks = tuple(sorted(p.rank for p in self.holders[name]))
-            mesh, index, budgets = meshes.get(ranks) or meshes.setdefault(
-                ranks, (ranks, {r: i for i, r in enumerate(ranks)}, [budget] * len(ranks)))
-            needs[name] = Need(mesh, -1, [index[s] for s in gatherers], [(0, 0)] * len(ranks), budgets)
-        order = _param_order(self.senders)
-        names = sorted(needs, key=lambda n: (self.full_bytes[n], order[n]))  # (the Gatherer's order)
-        total, ends = 0.0, {}
-        for window in gather_windows(names, self.full_bytes, needs):
-            pulls: dict[int, float] = defaultdict(float)
-            for name in window:
-                for s in who[name]:
-                    pulls[s] += self.took[s, name]
-            total += max(pulls.values())
-            ends.update(((s, name), total) for name in window for s in who[name])
-        return total, ends
+    def window_ends(self, budget: int) -> tuple[float, dict[str, float]]:
+        """The gathers in the engine's windows (``windows.window_ends``): when the last ends, and when
+        each parameter's window does."""
+        holders = {name: [p.rank for p in self.holders[name]] for _, name in self.took}
+        return window_ends(self.took, self.full_bytes, holders, _param_order(self.senders), budget)
 
     def serving_bound(self, sending: Mapping[tuple[int, LinkClass], float]) -> float:
         """Every sender port's busy time: its sends, plus the rows it serves to gatherers."""

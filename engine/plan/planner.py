@@ -17,7 +17,8 @@ How this works, in five steps:
    lowers it; then a receiver's flexible chunks that one sender has several of go to candidates with
    less for that receiver (``levelling.spread``: its largest lane ends last; ``PlanOptions.spread``).
 5. Tables: each sender's chunks in start order, but a designated gatherer's gathered pieces at the
-   time it has gathered them, shortest gather first; mirrored into receivers' tables. (The engine runs
+   time it has gathered them, shortest gather first, and a gatherer the schedule chose at the end of
+   the engine's gather window for that parameter (``in_windows``); mirrored into receivers' tables. (The engine runs
    a sender's table as one lane per receiver, all at once: the order matters inside a lane, for when
    each transfer is issued, and in the model for when each gather is made.)
 The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per receiver.
@@ -26,6 +27,7 @@ The result is one ``SenderTable`` per sender and one ``ReceiverTable`` per recei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import operator
 from collections import defaultdict
@@ -43,6 +45,7 @@ from .sources import Streams
 from .levelling import balance, spread
 from .schedule import schedule
 from .tables import RoutingPlan, build_tables
+from .windows import GATHER_BUDGET_BYTES, window_ends
 
 MiB = 1 << 20
 
@@ -54,6 +57,7 @@ class PlanOptions:
     prefer_locality: bool = True
     level: bool = True  # even out sender ports after the schedule (``levelling.balance``)
     spread: bool = True  # spread a receiver's flexible work over more senders (``levelling.spread``)
+    gather_budget_bytes: int = GATHER_BUDGET_BYTES  # the senders' (``SenderOptions``): the engine's gather windows
 
 
 def check_ranks(senders: Sequence[Participant], receivers: Sequence[Participant]) -> None:
@@ -115,8 +119,7 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
         balance(sched, link, options)
     if options.spread:
         spread(sched, link)
-    gathers = gathered_at(streams.gathers, senders, link) if streams is not None else {}
-    routing = build_tables(sched, senders, receivers, plan_id, gathers)
+    routing = tables_for(sched, senders, receivers, plan_id, streams, link, options)
     if cache is not None:
         cache.last = (receivers, (link, options), senders, routing)
     return routing
@@ -129,6 +132,37 @@ def gathered_at(gathers: Mapping[tuple[int, str], int], senders: Sequence[Partic
     pulls from every holder of the parameter)."""
     cls = LinkClass.NET if len({p.host for p in senders}) > 1 else LinkClass.HOST
     return {(s, name): n / link.port_bw(cls, "sender", s) for (s, name), n in gathers.items()}
+
+
+def tables_for(sched, senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int,
+               streams: Optional[Streams], link: LinkModel, options: PlanOptions) -> RoutingPlan:
+    """The tables (``build_tables``), each gatherer's gathered pieces at when it has them: a designated
+    one's in its own queue (``gathered_at``), the others' in the engine's windows (``in_windows``)."""
+    if streams is None:
+        return build_tables(sched, senders, receivers, plan_id)
+    undesignated = {n: streams.gather_params[n][1] for n in streams.undesignated}
+    timer = functools.partial(in_windows, streams, senders, link, options.gather_budget_bytes)
+    return build_tables(sched, senders, receivers, plan_id, gathered_at(streams.gathers, senders, link),
+                        undesignated, timer)
+
+
+def in_windows(streams: Streams, senders: Sequence[Participant], link: LinkModel, budget: int,
+               pairs: list[tuple[int, str]]) -> dict[tuple[int, str], float]:
+    """When each (sender, parameter) of ``pairs`` (the gathers the schedule made of parameters with no
+    designated gatherer) is gathered, in the schedule's seconds, in the windows the engine's
+    ``Gatherer`` takes them in (``windows.window_ends``: the smallest first, a window at once on every
+    rank, one after another), with the designated gathers beside them. A pull is the full tensor less
+    the sender's share of it (its own rows; about one holder's part, here), over its gather port."""
+    cls = LinkClass.NET if len({p.host for p in senders}) > 1 else LinkClass.HOST
+    params = streams.gather_params
+    bw = {p.rank: link.port_bw(cls, "sender", p.rank) for p in senders}
+    pulls = {(s, n): b / bw[s] for (s, n), b in streams.pulls.items()}
+    part = {n: full - full // max(1, len(holders)) for n, (full, holders) in params.items()}
+    pulls.update(((s, n), part[n] / bw[s]) for s, n in pairs)
+    order = {n: i for i, n in enumerate(params)}
+    ends = window_ends(pulls, {n: full for n, (full, _) in params.items()},
+                       {n: holders for n, (_, holders) in params.items()}, order, budget)[1]
+    return {pair: ends[pair[1]] for pair in pairs}
 
 
 def patched_plan(cache: PlanCache, senders: Sequence[Participant], receivers: Sequence[Participant],

@@ -91,6 +91,11 @@ class Streams:
     tuples: list[tuple[int, ...]]
     # (designated sender, parameter) -> its bytes pulled once that parameter is gathered (``expand.gather_queues``)
     gathers: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+    pulls: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)  # ... and that pull's bytes
+    # every parameter some piece must gather -> (its full bytes, its holders); those not designated, whose
+    # gatherers the schedule chooses
+    gather_params: dict[str, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    undesignated: list[str] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.first)

@@ -5,7 +5,8 @@ How this works: ``build_tables`` orders each sender's work by when it starts in 
 receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``: ranges of one list
 of pieces, so every piece is taken in the senders' order by one C call); a designated gatherer's
 piece of what it gathers then takes its place at the time it has gathered it, shortest gather
-first (``_when_gathered``: the schedule counts bytes, not gathers, and a lane waits for its head), and
+first, and a gatherer the schedule chose its at the end of its gather window (``_when_gathered``:
+the schedule counts bytes, not gathers, and a lane waits for its head), and
 ``tables_from_assignment`` numbers it: a sender's transfers are its pieces
 (tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object
 per transfer). The receivers'
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from itertools import chain, repeat
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -51,11 +52,16 @@ class RoutingPlan:
 
 
 def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: Sequence[Participant],
-                 plan_id: int, gathers: Mapping[tuple[int, str], float] = {}) -> RoutingPlan:
+                 plan_id: int, gathers: Mapping[tuple[int, str], float] = {}, undesignated: Mapping[str, tuple] = {},
+                 timer: Optional[Callable[[list[tuple[int, str]]], Mapping[tuple[int, str], float]]] = None,
+                 ) -> RoutingPlan:
     """Each sender's pieces in the order its work starts in the schedule (by receiver at a tie; a tie
     in both keeps ``Schedule.runs``' order): one stable sort of every run. ``gathers``: when (in the
     schedule's seconds) each designated sender has each parameter it gathers; a piece of it then
-    takes its place in that sender's table at that time (``_when_gathered``)."""
+    takes its place in that sender's table at that time (``_when_gathered``). ``undesignated``: the
+    parameters whose gatherers the schedule chose, each with its gather pieces' candidates (its full
+    holders); ``timer`` says, for the (sender, name) pairs the schedule made, when each has it, and
+    those pieces take their place so too."""
     runs = sched.runs()
     if not len(runs):
         return tables_from_assignment({}, senders, receivers, plan_id)
@@ -64,8 +70,9 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
     at = np.cumsum(count) - count  # each run's first piece in the senders' order
     pieces = in_order(runs.pool, np.repeat(runs.first[order] - at, count) + np.arange(int(count.sum())))
     by = runs.sender[order]
-    if gathers:
-        pieces = _when_gathered(pieces, np.repeat(by, count), np.repeat(runs.start[order], count), gathers)
+    if gathers or undesignated:
+        pieces = _when_gathered(pieces, np.repeat(by, count), np.repeat(runs.start[order], count), gathers,
+                                undesignated, timer)
     firsts = np.flatnonzero(np.diff(by, prepend=-1))  # each sender's first run
     bounds = [*at[firsts].tolist(), len(pieces)]
     ordered = {s: pieces[a:b] for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:])}
@@ -73,24 +80,38 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
 
 
 def _when_gathered(pieces: list[Piece], sender: np.ndarray, start: np.ndarray,
-                   gathers: Mapping[tuple[int, str], float]) -> list[Piece]:
+                   gathers: Mapping[tuple[int, str], float], undesignated: Mapping[str, tuple] = {},
+                   timer=None) -> list[Piece]:
     """``pieces`` (each sender's together, in start order; ``sender`` and ``start`` each one's) with,
     within each sender, each piece of a parameter it gathers moved to when it has gathered that
     parameter (a stable sort by that time, or by its start for the others). The schedule counts
     bytes, not gathers: in the model a sender's first transfer of a parameter it gathers sets off
     that gather, and a lane waits for its head. So its gathers go in the order ``gathers`` times them
     (shortest first), and a gathered piece never holds up at a lane's head what could go at once.
-    (The engine's ``Gatherer`` today walks a mesh's parameters in one order for every rank, and
-    takes gathered rows in that order: docs/PLANNER.md, FSDP sources.)"""
+    A gatherer the schedule chose (a parameter of ``undesignated``, a piece with its full holders as
+    candidates) is timed by ``timer``, asked once for every such (sender, name) pair: the end of the
+    engine's gather window for it (``planner.in_windows``)."""
     ids: dict[str, int] = {}
     for _, name in gathers:
         ids.setdefault(name, len(ids))
+    first_undesignated = len(ids)
+    for name in undesignated:
+        ids.setdefault(name, len(ids))
+    name = np.fromiter(map(ids.get, map(_src_name, pieces), repeat(-1)), np.int64, len(pieces))
+    gathering = name >= 0
+    if len(ids) > first_undesignated:  # the pairs the schedule made: when each is gathered (``timer``)
+        names = list(ids)
+        late = np.flatnonzero(name >= first_undesignated)
+        cands = [undesignated[names[k]] for k in name[late].tolist()]  # (a gather piece's: the full holders)
+        other = np.fromiter((pieces[i][9] is not c for i, c in zip(late.tolist(), cands)), bool, len(late))
+        gathering[late[other]] = False
+        made = (sender * len(ids) + name)[gathering & (name >= first_undesignated)]
+        gathers = {**gathers, **timer([(k // len(ids), names[k % len(ids)]) for k in np.unique(made).tolist()])}
     known = np.fromiter((s * len(ids) + ids[name] for s, name in gathers), np.int64, len(gathers))
     order = np.argsort(known)
-    name = np.fromiter(map(ids.get, map(_src_name, pieces), repeat(-1)), np.int64, len(pieces))
     found, when = looked_up(known[order], np.fromiter(gathers.values(), np.float64, len(gathers))[order],
                             sender * len(ids) + name)
-    gathered = found & (name >= 0)  # (a name not gathered, -1, would read the sender before's last)
+    gathered = found & gathering  # (a name not gathered, -1, would read the sender before's last)
     if not gathered.any():
         return pieces
     return in_order(pieces, np.lexsort((np.where(gathered, when, start), sender)))  # (stable)

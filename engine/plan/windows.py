@@ -65,3 +65,32 @@ def gather_windows(names: Sequence[str], sizes: Mapping[str, int],
             load[r] = load.get(r, 0) + n
     close()
     return out
+
+
+def window_ends(pulls: Mapping[tuple[int, str], float], sizes: Mapping[str, int],
+                holders: Mapping[str, Sequence[int]], order: Mapping[str, int],
+                budget: int) -> tuple[float, dict[str, float]]:
+    """The gathers ``pulls`` ((sender, name) -> its pull's seconds) in the Gatherer's windows, every
+    holder of a parameter (``holders``) one mesh with ``budget`` each, the smallest first (``sizes``:
+    full tensors' bytes; ``order`` breaks ties), each window as long as its slowest rank's pulls in it,
+    one after another: when the last ends, and when each parameter's window does (for every one of
+    its gatherers)."""
+    who: dict[str, list[int]] = {}
+    for s, name in pulls:
+        who.setdefault(name, []).append(s)
+    meshes: dict[tuple[int, ...], tuple] = {}  # holders -> (the mesh, each one's index, budgets)
+    needs: dict[str, Need] = {}
+    for name, gatherers in who.items():
+        ranks = tuple(sorted(holders[name]))
+        mesh, index, budgets = meshes.get(ranks) or meshes.setdefault(
+            ranks, (ranks, {r: i for i, r in enumerate(ranks)}, [budget] * len(ranks)))
+        needs[name] = Need(mesh, -1, [index[s] for s in gatherers], [(0, 0)] * len(ranks), budgets)
+    total, ends = 0.0, {}
+    for window in gather_windows(sorted(needs, key=lambda n: (sizes[n], order[n])), sizes, needs):
+        took: dict[int, float] = {}
+        for name in window:
+            for s in who[name]:
+                took[s] = took.get(s, 0.0) + pulls[s, name]
+        total += max(took.values())
+        ends.update(dict.fromkeys(window, total))
+    return total, ends

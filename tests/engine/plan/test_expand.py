@@ -123,8 +123,9 @@ def test_each_designated_sender_gathers_shortest_first():
         big.hold(r, (0, 2 * r, 2 * r + 2), True)
         small.hold(r, (0, r, r + 1), True)
     narrowed = {"big": (tuple(range(4)), (0, 1)), "small": (tuple(range(4)), (1, 2))}
-    got = gather_queues(narrowed, {"big": big, "small": small}, Interned())
+    got, pulls = gather_queues(narrowed, {"big": big, "small": small}, Interned())
     assert got == {(0, "big"): 48, (1, "small"): 24, (1, "big"): 24 + 48, (2, "small"): 24}  # (1: small, then big)
+    assert pulls == {(0, "big"): 48, (1, "small"): 24, (1, "big"): 48, (2, "small"): 24}  # (each pull alone)
 
 
 def test_a_sender_whose_gathers_all_end_late_also_takes_a_shorter_one():

@@ -83,3 +83,38 @@ def test_a_gatherers_pieces_take_their_place_in_its_table_when_it_has_gathered_t
     taken = {s: [(t.name, t.dst_offset // 64) for t in table.transfers] for s, table in routing.senders.items()}
     assert taken[0] == [("ready", 1), ("small", 2), ("small", 5), ("ready", 4), ("big", 0), ("big", 3)]
     assert taken[1] == order
+
+
+def test_pieces_of_gathers_the_schedule_chose_take_their_place_when_their_window_ends():
+    """``build_tables`` with ``undesignated`` (parameters whose gatherers the schedule chose, with their
+    gather pieces' candidates) and a ``timer``: the timer is asked once, for exactly the (sender, name)
+    pairs whose gather pieces the schedule gave that sender, and those pieces take their place at the
+    time it says; a piece of the same parameter with other candidates (its sender's own rows, no
+    gather) keeps its start."""
+    from weightsync.engine.plan import LinkClass, LinkModel
+    from weightsync.engine.plan.schedule import Schedule, Segment
+    from weightsync.engine.plan.tables import build_tables
+
+    full, own = (0, 1), (0,)
+
+    def seg(sender, name, start, cands):
+        piece = Piece(0, name, name, None, 64, 0, 64 * start, 0, "", cands)
+        g = Segment(0, LinkClass.NET, [piece], sender, 64, frozenset(cands))
+        g.start = float(start)
+        return g
+
+    segments = [seg(0, "w", 0, full), seg(0, "ready", 1, own), seg(0, "w", 2, own), seg(1, "w", 3, full),
+                seg(1, "ready", 4, full)]
+    asked = []
+
+    def timer(pairs):
+        asked.append(pairs)
+        return {(0, "w"): 5.0, (1, "w"): 1.0}
+
+    senders = [participant(s, [tensor(n, (64,), "uint8") for n in ("w", "ready")]) for s in (0, 1)]
+    receivers = [participant(0, [tensor(n, (64,), "uint8") for n in ("w", "ready")])]
+    routing = build_tables(Schedule.of(segments, LinkModel(net_bw=1e9)), senders, receivers, 0, {}, {"w": full}, timer)
+    taken = {s: [(t.name, t.dst_offset // 64) for t in table.transfers] for s, table in routing.senders.items()}
+    assert asked == [[(0, "w"), (1, "w")]]
+    assert taken[0] == [("ready", 1), ("w", 2), ("w", 0)]  # the gathered piece at 5; its own rows at 2
+    assert taken[1] == [("w", 3), ("ready", 4)]  # gathered at 1: before its start (3), so where it was
