@@ -151,7 +151,6 @@ class Expanded:
         streams = self._runs(pieces, cands_row, tuples)
         streams.gathers, streams.pulls = gather_queues(narrowed, sources, intern)
         streams.gather_params = self.gather_params
-        streams.undesignated = [n for n in streams.gather_params if n not in narrowed]
         return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:

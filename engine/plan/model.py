@@ -119,7 +119,7 @@ def _lanes(tables, senders, receivers, link: LinkModel, gathers: "_Gathers"):
             if lane is None:
                 lane = lanes[s, r] = (link_class(s_by_rank[s], r_by_rank[r]), [])
             posted = (i + 1) * link.per_transfer_s  # one host thread issues the table in order
-            lane[1].append((max(posted, gathers.ready(s, tr, i)), tr.nbytes))
+            lane[1].append((max(posted, gathers.ready(s, tr)), tr.nbytes))
             sending[s, lane[0]] += tr.nbytes / link.bandwidth(lane[0], s, r)
     return lanes, sending
 
@@ -209,10 +209,9 @@ class _Gathers(_Holders):
         self.done: dict[tuple[int, str], float] = {}  # (sender, name) -> when its full tensor is there
         self.took: dict[tuple[int, str], float] = {}  # (sender, name) -> its pull's seconds
         self.full_bytes: dict[str, int] = {}  # name -> its full tensor's bytes
-        self.first: dict[tuple[int, str], int] = {}  # (sender, name) -> its first transfer's index in its table
         self.gathered_bytes = 0
 
-    def ready(self, s: int, tr, i: int = 0) -> float:
+    def ready(self, s: int, tr) -> float:
         spec = self.shards.get(s, {}).get(tr.name)
         if spec is None or spec.shard.covers(tr.slice):
             return 0.0
@@ -225,7 +224,6 @@ class _Gathers(_Holders):
             at = self.free[s] = self.free[s] + took
             self.done[key] = at
             self.took[key] = took
-            self.first[key] = i
             self.full_bytes[tr.name] = _full_bytes(spec)
             self.gathered_bytes += pull
         return at
@@ -240,15 +238,15 @@ class _Gathers(_Holders):
         """Every gather the tables imply, each done when its window ends (``window_ends``), instead of
         when its sender's own queue reaches it."""
         for s, table in sorted(tables.items()):
-            for i, tr in enumerate(table.transfers):
-                self.ready(s, tr, i)
+            for tr in table.transfers:
+                self.ready(s, tr)
         ends = self.window_ends(budget)[1]
         self.done.update({key: ends[key[1]] for key in self.done})
 
     def window_ends(self, budget: int) -> tuple[float, dict[str, float]]:
         """The gathers in the engine's windows (``windows.window_ends``): when the last ends, and when
         each parameter's window does."""
-        holders = {name: [p.rank for p in self.holders[name]] for _, name in self.took}
+        holders = {name: [p.rank for p in self.holders[name]] for name in self.full_bytes}
         return window_ends(self.took, self.full_bytes, holders, _param_order(self.senders), budget)
 
     def serving_bound(self, sending: Mapping[tuple[int, LinkClass], float]) -> float:
@@ -327,7 +325,6 @@ class _MinGathers(_Holders):
             out[self.gather_class(name)] += n
         return out
 
-
 def _full_bytes(spec) -> int:
     """A gatherable shard's full tensor, in bytes (the same arithmetic as the model's gathers)."""
     shard = spec.shard
@@ -387,4 +384,3 @@ def seed_greedy_assignment(pieces: Sequence[Piece], senders: Sequence[Participan
         sent[s] += p.nbytes
         out[s].append(p)
     return out
-

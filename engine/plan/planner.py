@@ -128,10 +128,16 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
 def gathered_at(gathers: Mapping[tuple[int, str], int], senders: Sequence[Participant],
                 link: LinkModel) -> dict[tuple[int, str], float]:
     """``Streams.gathers`` (bytes each designated sender has pulled once it has each parameter) in
-    seconds: over its network port where the senders span hosts, else its host's links (a gather
-    pulls from every holder of the parameter)."""
+    seconds, over its gather port (``gather_bw``)."""
+    bw = gather_bw(senders, link)
+    return {(s, name): n / bw[s] for (s, name), n in gathers.items()}
+
+
+def gather_bw(senders: Sequence[Participant], link: LinkModel) -> dict[int, float]:
+    """Each sender's gather port's bandwidth: its network port where the senders span hosts, else its
+    host's links (a gather pulls from every holder of the parameter)."""
     cls = LinkClass.NET if len({p.host for p in senders}) > 1 else LinkClass.HOST
-    return {(s, name): n / link.port_bw(cls, "sender", s) for (s, name), n in gathers.items()}
+    return {p.rank: link.port_bw(cls, "sender", p.rank) for p in senders}
 
 
 def tables_for(sched, senders: Sequence[Participant], receivers: Sequence[Participant], plan_id: int,
@@ -140,7 +146,8 @@ def tables_for(sched, senders: Sequence[Participant], receivers: Sequence[Partic
     one's in its own queue (``gathered_at``), the others' in the engine's windows (``in_windows``)."""
     if streams is None:
         return build_tables(sched, senders, receivers, plan_id)
-    undesignated = {n: streams.gather_params[n][1] for n in streams.undesignated}
+    designated = {name for _, name in streams.pulls}
+    undesignated = {n: holders for n, (_, holders) in streams.gather_params.items() if n not in designated}
     timer = functools.partial(in_windows, streams, senders, link, options.gather_budget_bytes)
     return build_tables(sched, senders, receivers, plan_id, gathered_at(streams.gathers, senders, link),
                         undesignated, timer)
@@ -153,9 +160,7 @@ def in_windows(streams: Streams, senders: Sequence[Participant], link: LinkModel
     ``Gatherer`` takes them in (``windows.window_ends``: the smallest first, a window at once on every
     rank, one after another), with the designated gathers beside them. A pull is the full tensor less
     the sender's share of it (its own rows; about one holder's part, here), over its gather port."""
-    cls = LinkClass.NET if len({p.host for p in senders}) > 1 else LinkClass.HOST
-    params = streams.gather_params
-    bw = {p.rank: link.port_bw(cls, "sender", p.rank) for p in senders}
+    params, bw = streams.gather_params, gather_bw(senders, link)
     pulls = {(s, n): b / bw[s] for (s, n), b in streams.pulls.items()}
     part = {n: full - full // max(1, len(holders)) for n, (full, holders) in params.items()}
     pulls.update(((s, n), part[n] / bw[s]) for s, n in pairs)

@@ -92,10 +92,9 @@ class Streams:
     # (designated sender, parameter) -> its bytes pulled once that parameter is gathered (``expand.gather_queues``)
     gathers: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
     pulls: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)  # ... and that pull's bytes
-    # every parameter some piece must gather -> (its full bytes, its holders); those not designated, whose
-    # gatherers the schedule chooses
+    # every parameter some piece must gather -> (its full bytes, its holders); those not in ``pulls`` have
+    # no designated gatherer: the schedule chooses them
     gather_params: dict[str, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-    undesignated: list[str] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.first)

@@ -5,7 +5,7 @@ How this works: ``build_tables`` orders each sender's work by when it starts in 
 receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``: ranges of one list
 of pieces, so every piece is taken in the senders' order by one C call); a designated gatherer's
 piece of what it gathers then takes its place at the time it has gathered it, shortest gather
-first, and a gatherer the schedule chose its at the end of its gather window (``_when_gathered``:
+first, and a gatherer the schedule chose takes its pieces at the end of their gather window (``_when_gathered``:
 the schedule counts bytes, not gathers, and a lane waits for its head), and
 ``tables_from_assignment`` numbers it: a sender's transfers are its pieces
 (tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object

@@ -95,8 +95,8 @@ class Gatherer:
         self.sizes = {name: _nbytes(dt) for name, dt in self.dtensors.items()}
         # the gather order, the same on every rank of a mesh: the smallest first (the planner's
         # tables assume a rank's shortest gathers first), the model's order at a tie
-        ranked = sorted(enumerate(self.dtensors.items()), key=lambda e: (_nbytes(e[1][1]), e[0]))
-        self.order = {name: i for i, (_, (name, _)) in enumerate(ranked)}
+        ranked = sorted(enumerate(self.dtensors), key=lambda e: (self.sizes[e[1]], e[0]))
+        self.order = {name: i for i, (_, name) in enumerate(ranked)}
         self.budget = ByteBudget(budget_bytes)
         self.uses: collections.Counter = collections.Counter()
         self.ready: dict[str, asyncio.Future] = {}
