@@ -322,11 +322,15 @@ class Controller(Planner, RoundRunner, AsyncResource):
     def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
         if not self._joins.allow(hello.host, time.monotonic()):
             return m.RejectCode.LIMIT_EXCEEDED, f"too many joins from host {hello.host!r} in the last minute"
+        self._sync_catalog()
+        return admission_problem(hello, self.expected, self.by_rank, self.catalog)
+
+    def _sync_catalog(self) -> None:
+        """The catalog holds exactly the joined members (those gone since are released)."""
         members: dict[Role, dict] = {Role.SENDER: {}, Role.RECEIVER: {}}
         for p in self.peers.values():
             members[p.hello.role][p.hello.rank] = p.hello.manifest
-        self.catalog.sync(members[Role.SENDER], members[Role.RECEIVER])  # (those gone since are released)
-        return admission_problem(hello, self.expected, self.by_rank, self.catalog)
+        self.catalog.sync(members[Role.SENDER], members[Role.RECEIVER])
 
     def _participants(self) -> tuple[list[Participant], list[Participant]]:
         return participants(p.hello for p in self.peers.values())

@@ -3,7 +3,8 @@
 How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decides whether the
 membership calls for a (re-)plan (never during a round, never before the previous plan is
 acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
-worker thread, which also makes the plan's data-plane keys (one per sender/receiver pair it routes,
+worker thread, on the senders' index the controller's ``Catalog`` kept as they joined (lent: the
+catalog copies what a join or a leave changes meanwhile), which also makes the plan's data-plane keys (one per sender/receiver pair it routes,
 bound to both members' sessions: a pair of the same two processes keeps its key, and its connection,
 from plan to plan) and encodes every member's message (``plan_messages``, off the event loop); it sends each receiver
 its table; senders get theirs (``_send_sender_plans``) only once every receiver has acknowledged, so
@@ -55,11 +56,14 @@ class Planner:
 
     async def _plan(self, members: frozenset, sessions: frozenset) -> None:
         senders, receivers = self._participants()
+        self._sync_catalog()
+        index = self.catalog.lend()  # (the senders' index kept as they joined: the thread reads, the catalog copies)
         self._plan_ids += 1
         plan_id = self._plan_ids
         identities = {peer.key: peer.identity for peer in self.peers.values()}  # (the sessions the keys bind)
         try:
-            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, identities)
+            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, identities,
+                                                      index)
         except PlanError as exc:
             log.error("controller: cannot plan: %s", exc)
             self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
@@ -84,11 +88,11 @@ class Planner:
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
 
-    def _plan_and_encode(self, senders, receivers, plan_id: int, identities) -> tuple[RoutingPlan, dict]:
-        """In the planning thread: the routing tables, then every member's message (``plan_messages``),
-        its keys bound to the members' sessions (``identities``)."""
+    def _plan_and_encode(self, senders, receivers, plan_id: int, identities, index) -> tuple[RoutingPlan, dict]:
+        """In the planning thread: the routing tables (from the catalog's lent ``index``), then every
+        member's message (``plan_messages``), its keys bound to the members' sessions (``identities``)."""
         routing = plan(senders, receivers, self.options.link, self.options.plan, {}, plan_id, self.options.mapping,
-                       self.plan_cache)
+                       self.plan_cache, index)
         return routing, plan_messages(routing, self.options.limits, sessions=identities, cache=self._messages)
 
     async def _send_sender_plans(self) -> None:

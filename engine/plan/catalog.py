@@ -14,19 +14,47 @@ first plan waits for everyone and reports whatever is still missing then). A sen
 name no joined sender had has the joined receivers resolved again (they may ask for it with another
 dtype or shape): that happens for the first sender, and the first of each pipeline stage, only.
 ``sync`` brings the catalog in line with the members the caller holds (those gone are released).
-Pure: no I/O, no clock.
+Each receiver's layout (``needs.layout_key``: its tensors' names, dtypes, shapes, shards and places)
+is numbered as it joins, so a plan resolves one receiver per layout and gives the others its rows.
+``lend`` hands a planning thread what the catalog holds now (``Index``: the senders' sources, the
+members' manifests, the receivers' layouts), so ``plan`` indexes no sender tensor again; the catalog
+then copies a source before a join or a leave changes it (copy on write), so what was lent stays as
+it was while the plan reads it. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Hashable, Mapping, Sequence
 
 from weightsync.wire import Manifest
 
 from ..errors import ManifestMismatch, PlanError
+from .links import Participant
 from .mapping import Mapping as NameMapping
-from .needs import Resolver
+from .needs import Resolver, layout_key
 from .sources import Source
+
+
+@dataclasses.dataclass(frozen=True)
+class Index:
+    """What a ``Catalog`` held when it was lent (``Catalog.lend``): the senders' sources (as
+    ``sources.index_sources`` makes them from those senders), the members' manifests by rank, and
+    each receiver's layout number (receivers of one number resolve alike). Read only: the catalog
+    copies what it changes after lending it."""
+
+    sources: Mapping[str, Source]
+    senders: Mapping[int, Manifest]
+    receivers: Mapping[int, Manifest]
+    layouts: Mapping[int, int]
+
+    def indexes(self, senders: Sequence[Participant]) -> bool:
+        """Whether ``sources`` is the index of exactly these senders (the same manifest objects)."""
+        return len(senders) == len(self.senders) and all(self.senders.get(p.rank) is p.manifest for p in senders)
+
+    def layout_of(self, rank: int, manifest: Manifest) -> "Hashable | None":
+        """Receiver ``rank``'s layout number, if ``manifest`` is the one the catalog numbered."""
+        return self.layouts.get(rank) if self.receivers.get(rank) is manifest else None
 
 
 class Catalog:
@@ -40,10 +68,26 @@ class Catalog:
         self.receivers: dict[int, Manifest] = {}
         self._resolvers: dict[bool, Resolver] = {}  # absent_ok -> one over today's sources (reset on change)
         self.resolved = 0  # receiver tensor layouts resolved so far (a receiver of a known layout adds none)
+        self.layouts: dict[int, int] = {}  # receiver rank -> its layout's number
+        self._layout_ids: dict[tuple, int] = {}  # layout key (``needs.layout_key``) -> its number
+        self._layout_keys: dict[int, tuple] = {}  # ... and back (a key no receiver has is forgotten)
+        self._next_layout = 0
+        self._lent = False  # whether ``sources`` (the dict) is lent: the next change makes a new one
+        self._shared: set[str] = set()  # names of sources lent and not copied since: copied before a change
+        self.copied = 0  # sources copied because a plan may have been reading them
+        # one object per shard key, as ``index_sources`` keeps: sources sharded alike hold the same keys, so
+        # comparing their shardings (``Interned.spans``) reads a few thousand keys, not a million
+        self._keys: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 
     def __repr__(self) -> str:
-        return (f"<Catalog senders={len(self.senders)} receivers={len(self.receivers)} "
-                f"params={len(self.sources)} resolved={self.resolved}>")
+        return (f"<Catalog senders={len(self.senders)} receivers={len(self.receivers)} params={len(self.sources)} "
+                f"resolved={self.resolved} layouts={len(self._layout_ids)} copied={self.copied}>")
+
+    def lend(self) -> Index:
+        """What the catalog holds now, for a planning thread (``plan(index=...)``): read only; the catalog
+        copies each source it lends before it next changes it."""
+        self._lent, self._shared = True, set(self.sources)
+        return Index(self.sources, dict(self.senders), dict(self.receivers), dict(self.layouts))
 
     def admit_sender(self, rank: int, manifest: Manifest) -> None:
         """Check sender ``rank`` against the senders and receivers joined, then record it; raises a
@@ -63,7 +107,7 @@ class Catalog:
         ``senders_complete``), then record it; raises a ``PlanError`` (and records nothing)."""
         if self.senders:
             self._resolve(not senders_complete, [(rank, manifest)])
-        self.receivers[rank] = manifest
+        self._record_receiver(rank, manifest)
 
     def sync(self, senders: Mapping[int, Manifest], receivers: Mapping[int, Manifest]) -> None:
         """Keep exactly these members: release those gone (or rejoined with another manifest), record
@@ -71,12 +115,28 @@ class Catalog:
         for rank in [r for r, m in self.senders.items() if senders.get(r) is not m]:
             self._release(rank)
         for rank in [r for r, m in self.receivers.items() if receivers.get(r) is not m]:
-            del self.receivers[rank]
+            self._forget_receiver(rank)
         for rank, manifest in senders.items():
             if rank not in self.senders:
                 self._hold(rank, manifest)
         for rank, manifest in receivers.items():
-            self.receivers.setdefault(rank, manifest)
+            if rank not in self.receivers:
+                self._record_receiver(rank, manifest)
+
+    def _record_receiver(self, rank: int, manifest: Manifest) -> None:
+        key = layout_key(manifest)
+        number = self._layout_ids.get(key)
+        if number is None:
+            number = self._layout_ids[key] = self._next_layout
+            self._layout_keys[number] = key
+            self._next_layout += 1
+        self.receivers[rank], self.layouts[rank] = manifest, number
+
+    def _forget_receiver(self, rank: int) -> None:
+        del self.receivers[rank]
+        number = self.layouts.pop(rank)
+        if number not in self.layouts.values():
+            del self._layout_ids[self._layout_keys.pop(number)]
 
     def _check_sender(self, rank: int, manifest: Manifest) -> bool:
         """Raise on the first tensor that disagrees with the holders; whether any name is new."""
@@ -99,6 +159,7 @@ class Catalog:
         return new_names
 
     def _hold(self, rank: int, manifest: Manifest) -> None:
+        lent, keys = self._own(), self._keys
         sources, names = self.sources, len(self.sources)
         for t in manifest.tensors:
             shard = t.shard
@@ -106,18 +167,40 @@ class Catalog:
             if src is None:
                 full_shape = tuple(t.shape if shard is None else shard.full_shape)
                 src = sources[t.name] = Source(t.name, t.dtype, full_shape, rank)
-            src.hold(rank, _key(shard), t.gatherable)
+            elif lent and t.name in lent:
+                src = self._copy(src)
+            key = _key(shard)
+            key = None if key is None else keys.setdefault(key, key)
+            src.hold(rank, key, t.gatherable)
         self.senders[rank] = manifest
         self._changed(len(sources) != names)
 
     def _release(self, rank: int) -> None:
+        lent = self._own()
         sources, names = self.sources, len(self.sources)
         for t in self.senders.pop(rank).tensors:
             src = sources[t.name]
+            if lent and t.name in lent:
+                src = self._copy(src)
             src.release(rank, _key(t.shard), t.gatherable)
             if not src.held():
                 del sources[t.name]
         self._changed(len(sources) != names)
+
+    def _own(self) -> set[str]:
+        """Before a change: if the sources were lent, a dict of the catalog's own (the lent one stays as
+        it is; the resolvers over it are dropped); the names of sources still shared with a plan, each
+        copied before it changes (``_copy``)."""
+        if self._lent:
+            self.sources, self._lent = dict(self.sources), False
+            self._resolvers.clear()
+        return self._shared
+
+    def _copy(self, src: Source) -> Source:
+        self._shared.discard(src.name)
+        self.copied += 1
+        out = self.sources[src.name] = src.clone()
+        return out
 
     def _changed(self, names: bool) -> None:
         """The holders changed (and the names, if ``names``). What a resolver that tolerates absence
@@ -132,7 +215,8 @@ class Catalog:
         if resolver is None:
             resolver = self._resolvers[absent_ok] = Resolver(self.sources, self.transforms, self.mapping, absent_ok)
         before = len(resolver.templates)
-        resolver.tensors(receivers)  # (resolving is the check: no pieces are made)
+        layout_of = lambda rank, m: self.layouts.get(rank) if self.receivers.get(rank) is m else None  # noqa: E731
+        resolver.tensors(receivers, layout_of)  # (resolving is the check: no pieces are made; one receiver a layout)
         self.resolved += len(resolver.templates) - before
 
 

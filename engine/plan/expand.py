@@ -1,8 +1,9 @@
 """Resolved receiver tensors to pieces, column by column.
 
-How this works: ``Resolver.tensors`` gives one row per receiver tensor that moves (receiver, name, its
-sources' number, its templates' number, region, offset); the templates are shared (every receiver of
-one layout, every layer's tensor of one kind, uses the same list). ``Expanded`` lays the template
+How this works: ``Resolver.tensors`` gives, per receiver layout, one row per tensor that moves (name,
+its sources' number, its templates' number, region, offset), and each receiver's layout; the
+templates are shared (every layer's tensor of one kind uses the same list). ``Expanded`` lays each
+layout's rows out as columns once and repeats them receiver by receiver, lays the template
 lists and source tuples out as flat arrays and expands every tensor into its pieces' rows with
 ``numpy.repeat``, so each piece's source name, candidates, bytes and offset are array indexing, not a
 Python loop over 10^5-10^6 pieces. On those rows ``designate`` decides which gather-only parameters
@@ -19,13 +20,16 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import repeat
 from math import prod
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import numpy as np
 
 from weightsync.wire import dtype_size
 
-from .sources import Interned, Piece, Source, Streams, in_order, make_piece
+from .sources import Interned, Piece, Source, Streams, make_piece
+
+if TYPE_CHECKING:
+    from .needs import Resolved
 
 __all__ = ["Expanded"]
 
@@ -33,14 +37,18 @@ __all__ = ["Expanded"]
 class Expanded:
     """The pieces of resolved tensors (``needs.Resolved``), as columns; see the module docstring."""
 
-    def __init__(self, tensors: Sequence[tuple], srcs_lists: Sequence[tuple[str, ...]],
+    def __init__(self, resolved: "Resolved", srcs_lists: Sequence[tuple[str, ...]],
                  made_lists: Sequence[list[tuple]]) -> None:
         self.rows = 0
         self.gather_params: dict[str, tuple[int, tuple]] = {}  # (``designate``: every gather-only source)
-        if not tensors:
+        # every tensor's row: its layout's rows, receiver after receiver (columns made once per layout)
+        per = [_layout_columns(rows) for rows in resolved.rows]
+        which = resolved.layout
+        sizes = np.fromiter((len(rows) for rows in resolved.rows), np.int64, len(per))[np.asarray(which, np.int64)]
+        if not int(sizes.sum()):
             return
-        ranks, names, srcs_of, made_of, regions, bases = zip(*tensors)
-        srcs_of, made_of = np.asarray(srcs_of, np.int64), np.asarray(made_of, np.int64)
+        names, srcs_of, made_of, regions, bases = (np.concatenate([per[k][j] for k in which]) for j in range(5))
+        ranks = np.repeat(_objects(resolved.ranks), sizes)
         # the templates, flat: list u's rows are start[u]:start[u] + length[u]
         length = np.fromiter(map(len, made_lists), np.int64, len(made_lists))
         start = np.cumsum(length) - length
@@ -55,17 +63,17 @@ class Expanded:
         # every piece's row: the tensor it is of, and its template
         per = length[made_of]
         self.rows = rows = int(per.sum())
-        tensor = np.repeat(np.arange(len(tensors)), per)
+        tensor = np.repeat(np.arange(len(made_of)), per)
         trow = np.repeat(start[made_of] - (np.cumsum(per) - per), per) + np.arange(rows)
         self.tensor, self.trow = tensor, trow
-        self.receiver = np.asarray(ranks, np.int64)[tensor]
+        self.receiver = np.repeat(np.asarray(resolved.ranks, np.int64), sizes)[tensor]
         self.src = src_name[src_start[srcs_of][tensor] + np.asarray(slot, np.int64)[trow]]
         self.nbytes = np.asarray(nbytes, np.int64)[trow]
         self.cands, cands_key = cands, _keys(cands)
         self.cands_row = cands_key[trow]
         self.key_of = dict(zip(map(id, cands), cands_key.tolist()))  # id(candidate tuple) -> its number
         self.tuples = dict(zip(cands_key.tolist(), cands))  # its number -> candidate tuple
-        # the rest, as the Python values the pieces take: per tensor, and per template
+        # the rest, as the Python values the pieces take: per tensor (object columns), and per template
         self._tensor_cols = (ranks, names, regions, bases)
         self._template_cols = (slices, nbytes, at, row_bytes, transforms)
 
@@ -140,27 +148,39 @@ class Expanded:
 
     def streams(self, narrowed: Mapping[str, tuple[tuple, tuple]], sources: Mapping[str, Source],
                 intern: Interned) -> tuple[list[Piece], Optional[Streams]]:
-        """The pieces (as ``pieces``), and the same pieces as streams: each receiver's (receivers in the
-        tensors' order) split by candidate tuple, the tuples in the order they first occur in its
-        pieces, each stream's pieces in their order (``planner.group_by_locality``), with when each
-        designated sender has each parameter it gathers (``gather_queues``, from ``sources`` and
-        ``intern``); None if no pieces."""
-        pieces, cands_row, tuples = self._made(narrowed)
-        if not pieces:
-            return pieces, None
-        streams = self._runs(pieces, cands_row, tuples)
+        """The pieces (as ``pieces``, but in the streams' order) and the same pieces as streams: each
+        receiver's (receivers in the tensors' order) split by candidate tuple, the tuples in the order
+        they first occur in its pieces, each stream's pieces in their order (``planner.group_by_locality``),
+        with when each designated sender has each parameter it gathers (``gather_queues``, from
+        ``sources`` and ``intern``); None if no pieces. The rows are put in the streams' order before
+        the pieces are made: no piece is made and then moved."""
+        cands_col, cands_row, tuples = self._candidates(narrowed)
+        if not self.rows:
+            return [], None
+        stream = _positions(self.receiver) * (int(cands_row.max()) + 1) + cands_row
+        _, first, at = np.unique(stream, return_index=True, return_inverse=True)
+        first = first[at.reshape(-1)]  # each row's stream, as the stream's first row
+        order = np.argsort(first, kind="stable")  # (a tie in row order: a receiver's rows are contiguous)
+        starts = np.flatnonzero(np.diff(first[order], prepend=-1))
+        head = order[starts]
+        pieces = self._pieces(cands_col, order)
+        streams = Streams(pieces, starts, np.diff(starts, append=self.rows), self.receiver[head], cands_row[head],
+                          np.add.reduceat(self.nbytes[order], starts), [tuples.get(k) for k in range(max(tuples) + 1)])
         streams.gathers, streams.pulls = gather_queues(narrowed, sources, intern)
         streams.gather_params = self.gather_params
         return pieces, streams
 
     def _made(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[list[Piece], np.ndarray, dict]:
         """The pieces, a number per piece for its (final) candidate tuple, and the tuple of each number."""
+        cands_col, cands_row, tuples = self._candidates(narrowed)
+        return (self._pieces(cands_col) if self.rows else []), cands_row, tuples
+
+    def _candidates(self, narrowed: Mapping[str, tuple[tuple, tuple]]) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Each row's final candidate tuple (objects), its number, and the tuple of each number: a
+        gather-only row of a parameter in ``narrowed`` takes the designated holders."""
         if not self.rows:
-            return [], np.zeros(0, np.int64), {}
-        (ranks, names, regions, bases), (slices, nbytes, at, row_bytes, transforms) = \
-            self._tensor_cols, self._template_cols
-        tensor, trow = self.tensor, self.trow
-        cands_col, cands_row, tuples = _objects(self.cands)[trow], self.cands_row, self.tuples
+            return np.zeros(0, object), np.zeros(0, np.int64), {}
+        cands_col, cands_row, tuples = _objects(self.cands)[self.trow], self.cands_row, self.tuples
         if narrowed:
             tuples = dict(tuples)
             keys = dict(self.key_of)
@@ -177,29 +197,23 @@ class Expanded:
             cands_col[swap] = chosen[self.src[swap]]
             cands_row = cands_row.copy()
             cands_row[swap] = chosen_key[self.src[swap]]
-        offsets = np.asarray(bases, np.int64)[tensor] + np.asarray(at, np.int64)[trow]
+        return cands_col, cands_row, tuples
+
+    def _pieces(self, cands_col: np.ndarray, order: Optional[np.ndarray] = None) -> list[Piece]:
+        """The ``Piece`` tuples of the rows (at ``order``, if given), with the candidates ``cands_col``."""
+        (ranks, names, regions, bases), (slices, nbytes, at, row_bytes, transforms) = \
+            self._tensor_cols, self._template_cols
+        tensor, trow, src = self.tensor, self.trow, self.src
+        if order is not None:
+            tensor, trow, src, cands_col = tensor[order], trow[order], src[order], cands_col[order]
+        offsets = bases[tensor] + np.asarray(at, np.int64)[trow]
         columns = (  # (object columns: each piece takes the template's own values, no new int per piece)
-            _objects(ranks)[tensor].tolist(), _objects(names)[tensor].tolist(), _objects(self.names)[self.src].tolist(),
-            _objects(slices)[trow].tolist(), _objects(nbytes)[trow].tolist(), _objects(regions)[tensor].tolist(),
+            ranks[tensor].tolist(), names[tensor].tolist(), _objects(self.names)[src].tolist(),
+            _objects(slices)[trow].tolist(), _objects(nbytes)[trow].tolist(), regions[tensor].tolist(),
             offsets.tolist(), _objects(row_bytes)[trow].tolist(), _objects(transforms)[trow].tolist(),
             cands_col.tolist(),
         )
-        return list(map(make_piece, repeat(Piece, self.rows), zip(*columns))), cands_row, tuples
-
-    def _runs(self, pieces: list[Piece], cands_row: np.ndarray, tuples: dict) -> Streams:
-        """``pieces`` cut into streams (``streams``): rows ordered by their (receiver, candidates) pair's
-        first row, a tie in row order (one stable sort; a receiver's rows are contiguous), then cut
-        where the pair changes; each stream's receiver, candidates and bytes read at its rows."""
-        rows = self.rows
-        stream = _positions(self.receiver) * (int(cands_row.max()) + 1) + cands_row
-        _, first, at = np.unique(stream, return_index=True, return_inverse=True)
-        first = first[at.reshape(-1)]  # each row's stream, as the stream's first row
-        order = np.argsort(first, kind="stable")
-        starts = np.flatnonzero(np.diff(first[order], prepend=-1))
-        head = order[starts]
-        return Streams(in_order(pieces, order), starts, np.diff(starts, append=rows), self.receiver[head],
-                       cands_row[head], np.add.reduceat(self.nbytes[order], starts),
-                       [tuples.get(k) for k in range(max(tuples) + 1)])
+        return list(map(make_piece, repeat(Piece, self.rows), zip(*columns)))
 
 
 def _early_work(narrowed: dict[str, tuple[tuple, tuple]], pull: Mapping[str, int], totals: Mapping[str, int],
@@ -306,6 +320,14 @@ def _keys(objects: Sequence) -> np.ndarray:
     """A number per object, the same for the same object (candidate tuples are interned)."""
     ids = np.fromiter(map(id, objects), np.int64, len(objects))
     return np.unique(ids, return_inverse=True)[1].reshape(-1)
+
+
+def _layout_columns(rows: list[tuple]) -> tuple[np.ndarray, ...]:
+    """One layout's rows (``needs.Resolved``) as columns: names and regions as objects, the sources'
+    and templates' numbers and the offsets as integers."""
+    names, srcs_of, made_of, regions, bases = zip(*rows) if rows else ((),) * 5
+    return (_objects(names), np.asarray(srcs_of, np.int64), np.asarray(made_of, np.int64), _objects(regions),
+            np.asarray(bases, np.int64))
 
 
 def _objects(values: Sequence) -> np.ndarray:

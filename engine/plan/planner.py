@@ -37,6 +37,7 @@ from typing import Mapping, Optional, Sequence
 from weightsync.wire import PeerInfo, SenderTable
 
 from ..errors import PlanError
+from .catalog import Index
 from .links import LinkClass, LinkModel, Participant, classes_of, by_host, host_mates, mates_of
 from .mapping import Mapping as NameMapping
 from .model import receiver_bound
@@ -80,16 +81,19 @@ def plan(
     plan_id: int = 0,
     mapping: "str | NameMapping" = "identity",
     cache: Optional[PlanCache] = None,
+    index: "Optional[Index]" = None,
 ) -> RoutingPlan:
     """Compute routing tables; raises ``PlanError`` (naming parameter and ranks) before any byte moves.
 
     ``mapping``: how receiver names are made from sender names (``weightsync.engine.plan.mapping``).
     ``cache``: a ``PlanCache`` kept from plan to plan (a replan with the same senders resolves only
     receiver layouts it has not seen, or patches the last plan: ``patched_plan``); the tables are the
-    same with or without it."""
+    same with or without it. ``index``: what the caller's ``Catalog`` lent (``Catalog.lend``): the
+    senders' sources it kept as they joined (used if they index exactly these senders: no sender
+    tensor is read again) and its receivers' layout numbers; the tables are the same without it."""
     # Planning allocates ~10^5-10^6 acyclic objects next to ~10^6 live manifest objects; cyclic GC
     # passes over the latter would triple the plan time. Nothing here makes cycles, so pause it.
-    return collector_paused(_plan, senders, receivers, link, options, transforms, plan_id, mapping, cache)
+    return collector_paused(_plan, senders, receivers, link, options, transforms, plan_id, mapping, cache, index)
 
 
 def collector_paused(fn, *args):
@@ -104,7 +108,7 @@ def collector_paused(fn, *args):
             gc.enable()
 
 
-def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache) -> RoutingPlan:
+def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache, index) -> RoutingPlan:
     check_ranks(senders, receivers)
     senders = sorted(senders, key=lambda p: p.rank)
     receivers = sorted(receivers, key=lambda p: p.rank)
@@ -112,7 +116,7 @@ def _plan(senders, receivers, link, options, transforms, plan_id, mapping, cache
         routing = patched_plan(cache, senders, receivers, link, options, plan_id)
         if routing is not None:
             return routing
-    pieces, streams = build_streams(senders, receivers, transforms, mapping, cache)
+    pieces, streams = build_streams(senders, receivers, transforms, mapping, cache, index)
     groups = group_by_locality(pieces, senders, receivers, options.prefer_locality, link, streams)
     sched = schedule(groups, link, options)
     if options.level:

@@ -249,6 +249,7 @@ class _ClassSchedule:
                         for r in self.receivers}
         self.load = dict.fromkeys(self.senders, 0.0)  # each sender port's busy time so far
         self.received = dict.fromkeys(self.receivers, 0.0)  # each receiver port's (the same sums)
+        self.ranked: dict[int, tuple[float, int]] = {}  # sender -> (load, sender), as ``run`` goes
 
     def _flexible(self, streams: Streams, flexible: np.ndarray) -> dict[tuple[int, ...], frozenset[int]]:
         """A ``_Stream`` for each of ``streams`` at ``flexible``, numbered in (receiver, candidate tuple)
@@ -281,6 +282,7 @@ class _ClassSchedule:
         """The flexible segments, and the forced runs (``_place_forced``)."""
         out: list[Segment] = []
         forced, free_at = self._place_forced()
+        self.ranked = {s: (t, s) for s, t in self.load.items()}  # (load, sender): the least loaded, ties by rank
         events = [(t, s, r) for (s, r), t in free_at.items()]  # ports busy with forced work free then
         heapq.heapify(events)
         free_s = {s for s in self.senders if (s, -1) not in free_at}
@@ -409,7 +411,8 @@ class _ClassSchedule:
     def _busy(self, seg: Segment) -> float:
         """How long ``seg`` holds its ports in the schedule's time (its sender's load grows by its data)."""
         data = seg.nbytes / min(self.bw_s[seg.sender], self.bw_r[seg.receiver])  # (``LinkModel.bandwidth``)
-        self.load[seg.sender] += data
+        load = self.load[seg.sender] = self.load[seg.sender] + data
+        self.ranked[seg.sender] = (load, seg.sender)
         self.received[seg.receiver] += data
         return max(data, len(seg.pieces) * self.link.per_transfer_s)
 
@@ -417,13 +420,13 @@ class _ClassSchedule:
         """Of receiver r's largest stream with a candidate in ``free_s`` (``free_bits``, as bits), the
         next chunk, from the candidate with the least work (forced, and given so far). A stream taken
         to its end no longer holds the receiver among its tuple's ``holders``."""
-        flex_r, load = self.flex[r], self.load
+        flex_r = self.flex[r]
         # the first stream with a free candidate: the scan is the hot loop, so it is one integer AND
         # per stream, by C-level iterators
         i = next(compress(count(), map(free_bits.__and__, map(_mask, flex_r))), None)
         if i is not None:
             st = flex_r[i]
-            s = min(st.cands & free_s, key=lambda s: (load[s], s))
+            s = min(st.cands & free_s, key=self.ranked.__getitem__)
             pieces, nbytes = st.take(self.quantum[r], self.options.min_chunk_bytes)
             del flex_r[i]
             if not st.empty:  # back in its place among the others, by the bytes it has left

@@ -152,8 +152,10 @@ class Source:
         self.replicas = 0  # how many of them hold it whole
         self.shards: dict[tuple[int, int, int], list[int]] = {}  # (dim, start, stop) -> senders
         self.gshards: dict[tuple[int, int, int], list[int]] = {}  # the same, for gatherable (FSDP) shards
-        self._full_cands: tuple[int, ...] | None = None
-        self._spans: Optional[Spans] = None
+        # (the ``Interned`` they were made for, its value): a catalog's resolver and a planning thread's
+        # may read one source, each with its own ``Interned``; a pair is read and written at once
+        self._full_cands: Optional[tuple["Interned", tuple[int, ...]]] = None
+        self._spans: Optional[tuple["Interned", Spans]] = None
         self._cuts: Optional[dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]] = None
 
     def cuts(self) -> dict[int, tuple[list[int], list[tuple[int, int, list[int]]]]]:
@@ -168,9 +170,19 @@ class Source:
 
     def spans(self, intern: "Interned") -> "Spans":
         """The gatherable dim-0 shards, shared with every parameter sharded the same way."""
-        if self._spans is None:
-            self._spans = intern.spans(self.gshards)
-        return self._spans
+        got = self._spans
+        if got is None or got[0] is not intern:
+            got = self._spans = (intern, intern.spans(self.gshards))
+        return got[1]
+
+    def clone(self) -> "Source":
+        """A copy whose holders change apart from this one's (``Catalog``: a source a plan may be reading
+        is copied before a join or a leave changes it)."""
+        out = Source(self.name, self.dtype, self.full_shape, self.first_holder)
+        out.full, out.replicas = list(self.full), self.replicas
+        out.shards = {key: list(holders) for key, holders in self.shards.items()}
+        out.gshards = {key: list(holders) for key, holders in self.gshards.items()}
+        return out
 
     # --- one sender at a time (``catalog.Catalog``; ``index_sources`` fills the fields in one pass) ---
 
@@ -252,10 +264,11 @@ class Source:
 
     def full_cands(self, intern: "Interned") -> tuple[int, ...]:
         """The full holders as one shared (interned) tuple: pieces compare and hash it cheaply."""
-        if self._full_cands is None:
+        got = self._full_cands
+        if got is None or got[0] is not intern:
             key = tuple(sorted(set(self.full)))
-            self._full_cands = intern.setdefault(key, key)
-        return self._full_cands
+            got = self._full_cands = (intern, intern.setdefault(key, key))
+        return got[1]
 
 
 class Spans:

@@ -68,42 +68,45 @@ def build_tables(sched: "Schedule", senders: Sequence[Participant], receivers: S
     order = np.lexsort((runs.receiver, runs.start, runs.sender))
     count = runs.count[order]
     at = np.cumsum(count) - count  # each run's first piece in the senders' order
-    pieces = in_order(runs.pool, np.repeat(runs.first[order] - at, count) + np.arange(int(count.sum())))
+    taken = np.repeat(runs.first[order] - at, count) + np.arange(int(count.sum()))  # (pool positions)
     by = runs.sender[order]
     if gathers or undesignated:
-        pieces = _when_gathered(pieces, np.repeat(by, count), np.repeat(runs.start[order], count), gathers,
-                                undesignated, timer)
+        taken = _when_gathered(runs.pool, taken, np.repeat(by, count), np.repeat(runs.start[order], count), gathers,
+                               undesignated, timer)
+    pieces = in_order(runs.pool, taken)
     firsts = np.flatnonzero(np.diff(by, prepend=-1))  # each sender's first run
     bounds = [*at[firsts].tolist(), len(pieces)]
     ordered = {s: pieces[a:b] for s, a, b in zip(by[firsts].tolist(), bounds, bounds[1:])}
     return tables_from_assignment(ordered, senders, receivers, plan_id)
 
 
-def _when_gathered(pieces: list[Piece], sender: np.ndarray, start: np.ndarray,
+def _when_gathered(pool: list[Piece], taken: np.ndarray, sender: np.ndarray, start: np.ndarray,
                    gathers: Mapping[tuple[int, str], float], undesignated: Mapping[str, tuple] = {},
-                   timer=None) -> list[Piece]:
-    """``pieces`` (each sender's together, in start order; ``sender`` and ``start`` each one's) with,
-    within each sender, each piece of a parameter it gathers moved to when it has gathered that
-    parameter (a stable sort by that time, or by its start for the others). The schedule counts
-    bytes, not gathers: in the model a sender's first transfer of a parameter it gathers sets off
-    that gather, and a lane waits for its head. So its gathers go in the order ``gathers`` times them
-    (shortest first), and a gathered piece never holds up at a lane's head what could go at once.
-    A gatherer the schedule chose (a parameter of ``undesignated``, a piece with its full holders as
-    candidates) is timed by ``timer``, asked once for every such (sender, name) pair: the end of the
-    engine's gather window for it (``planner.in_windows``)."""
+                   timer=None) -> np.ndarray:
+    """``taken``, the positions in ``pool`` of the pieces in the senders' order (each sender's together,
+    in start order; ``sender`` and ``start`` each one's), reordered so that, within each sender, each
+    piece of a parameter it gathers moves to when it has gathered that parameter (a stable sort by
+    that time, or by its start for the others). The schedule counts bytes, not gathers: in the model
+    a sender's first transfer of a parameter it gathers sets off that gather, and a lane waits for its
+    head. So its gathers go in the order ``gathers`` times them (shortest first), and a gathered piece
+    never holds up at a lane's head what could go at once. A gatherer the schedule chose (a parameter
+    of ``undesignated``, a piece with its full holders as candidates) is timed by ``timer``, asked
+    once for every such (sender, name) pair: the end of the engine's gather window for it
+    (``planner.in_windows``)."""
     ids: dict[str, int] = {}
     for _, name in gathers:
         ids.setdefault(name, len(ids))
     first_undesignated = len(ids)
     for name in undesignated:
         ids.setdefault(name, len(ids))
-    name = np.fromiter(map(ids.get, map(_src_name, pieces), repeat(-1)), np.int64, len(pieces))
+    # each pool piece's parameter number (-1: none gathered), read once per pool piece, then in order
+    name = np.fromiter(map(ids.get, map(_src_name, pool), repeat(-1)), np.int64, len(pool))[taken]
     gathering = name >= 0
     if len(ids) > first_undesignated:  # the pairs the schedule made: when each is gathered (``timer``)
         names = list(ids)
         late = np.flatnonzero(name >= first_undesignated)
         cands = [undesignated[names[k]] for k in name[late].tolist()]  # (a gather piece's: the full holders)
-        other = np.fromiter((pieces[i][9] is not c for i, c in zip(late.tolist(), cands)), bool, len(late))
+        other = np.fromiter((pool[i][9] is not c for i, c in zip(taken[late].tolist(), cands)), bool, len(late))
         gathering[late[other]] = False
         made = (sender * len(ids) + name)[gathering & (name >= first_undesignated)]
         gathers = {**gathers, **timer([(k // len(ids), names[k % len(ids)]) for k in np.unique(made).tolist()])}
@@ -113,8 +116,8 @@ def _when_gathered(pieces: list[Piece], sender: np.ndarray, start: np.ndarray,
                             sender * len(ids) + name)
     gathered = found & gathering  # (a name not gathered, -1, would read the sender before's last)
     if not gathered.any():
-        return pieces
-    return in_order(pieces, np.lexsort((np.where(gathered, when, start), sender)))  # (stable)
+        return taken
+    return taken[np.lexsort((np.where(gathered, when, start), sender))]  # (stable)
 
 
 _src_name = operator.itemgetter(2)  # (``Piece.src_name``)

@@ -127,4 +127,4 @@ def test_receivers_of_one_layout_are_resolved_once():
     for r in range(2, 6):  # every sender in: resolved once more, with rows and holders, then shared
         catalog.admit_receiver(r, _receiver(r).manifest, senders_complete=True)
     assert catalog.resolved == 2 * first
-    assert repr(catalog) == "<Catalog senders=2 receivers=6 params=3 resolved=6>"
+    assert repr(catalog) == "<Catalog senders=2 receivers=6 params=3 resolved=6 layouts=1 copied=0>"

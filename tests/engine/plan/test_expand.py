@@ -39,12 +39,11 @@ def _job(name):
 def test_streams_are_the_pieces_by_receiver_and_candidates_in_order(name):
     senders, receivers = _job(name)
     pieces, streams = build_streams(senders, receivers)
-    assert pieces == build_pieces(senders, receivers)[0]
     raw: dict = {}
-    _cut(pieces, raw)
+    _cut(build_pieces(senders, receivers)[0], raw)
     want = [same for by_cands in raw.values() for same in by_cands.values()]
     lists = streams.lists()
-    assert [[id(p) for p in same] for same in lists] == [[id(p) for p in same] for same in want]
+    assert lists == want and pieces == [p for same in want for p in same]  # (the pieces made in the streams' order)
     assert len(streams) > len(receivers)  # (more than one candidate tuple per receiver)
     # each stream's columns are read off its pieces: receiver, candidate tuple (the same object), bytes
     assert streams.receiver.tolist() == [same[0].receiver for same in lists]
