@@ -57,20 +57,21 @@ class Segment:
 
 class _Stream:
     """A receiver's queue of pieces that the senders in ``cands`` may supply. ``ends`` holds each
-    piece's end offset in the stream, so a take finds its whole pieces by bisection."""
+    piece's end offset in the stream, so a take finds its whole pieces by bisection (made at the first
+    take that cuts: most streams are taken whole, at once)."""
 
     __slots__ = ("cands", "pieces", "ends", "at", "done", "nbytes", "seq", "mask", "key")
 
-    def __init__(self, cands: frozenset[int], pieces: list[Piece], seq: int = 0) -> None:
+    def __init__(self, cands: frozenset[int], pieces: list[Piece], seq: int = 0, nbytes: int = -1) -> None:
         self.cands = cands
         self.mask = 0  # its candidates as bits (``_ClassSchedule.bit``)
         self.key: tuple[int, ...] = ()  # its candidates as the schedule's groups name them
         self.seq = seq  # breaks ties between streams of equal bytes left
         self.pieces = pieces
-        self.ends = list(accumulate(map(_nbytes, pieces)))
+        self.ends: Optional[list[int]] = None
         self.at = 0  # the next piece
         self.done = 0  # bytes taken so far: where pieces[at] starts
-        self.nbytes = self.ends[-1] if pieces else 0  # bytes left
+        self.nbytes = nbytes if nbytes >= 0 else sum(map(_nbytes, pieces))  # bytes left
 
     @property
     def empty(self) -> bool:
@@ -79,12 +80,15 @@ class _Stream:
     def take(self, quantum: int, min_bytes: int) -> tuple[list[Piece], int]:
         """Pop about ``quantum`` bytes, cutting a splittable tensor at a row boundary; the pieces and
         their bytes."""
-        at, ends, pieces = self.at, self.ends, self.pieces
+        at, pieces = self.at, self.pieces
         if self.nbytes <= quantum:  # the rest fits: all of it (most streams are taken whole, at once)
             out = pieces[at:] if at else pieces
             taken = self.nbytes
             self.at, self.done, self.nbytes = len(pieces), self.done + taken, 0
             return out, taken
+        ends = self.ends
+        if ends is None:
+            ends = self.ends = list(accumulate(map(_nbytes, pieces)))
         j = bisect.bisect_right(ends, self.done + quantum, at, len(pieces))  # pieces at..j-1 fit whole
         out = pieces[at:j]
         taken = ends[j - 1] - self.done if j > at else 0
@@ -233,8 +237,6 @@ class _ClassSchedule:
         for cands in frozen:
             for s in cands:
                 self.tuples_of[s].append(cands)
-        for mine in self.flex.values():
-            mine.sort(key=_largest_first)
         self.receivers = sorted(need)
         self.senders = sorted(set(np.unique(self.forced_s).tolist()).union(self.tuples_of))
         self.bit = {s: 1 << i for i, s in enumerate(self.senders)}  # a set of senders as one int: its bits
@@ -253,21 +255,25 @@ class _ClassSchedule:
 
     def _flexible(self, streams: Streams, flexible: np.ndarray) -> dict[tuple[int, ...], frozenset[int]]:
         """A ``_Stream`` for each of ``streams`` at ``flexible``, numbered in (receiver, candidate tuple)
-        order (``_Stream.seq``), in its receiver's ``flex`` and its tuple's ``holders``; each candidate
-        tuple's frozenset, in the order first met."""
+        order (``_Stream.seq``), in its receiver's ``flex`` (largest first, a tie by number: put in that
+        order by one sort) and its tuple's ``holders``; each candidate tuple's frozenset, in the order
+        first met."""
         tuples, key = streams.tuples, streams.key
         ranked = np.empty(len(tuples), np.int64)
         ranked[np.asarray(sorted(range(len(tuples)), key=lambda k: tuples[k] or ()), np.int64)] = np.arange(len(tuples))
         flexible = flexible[np.lexsort((ranked[key[flexible]], streams.receiver[flexible]))]
+        numbered = np.arange(len(flexible))
+        placed = np.lexsort((numbered, -streams.nbytes[flexible], streams.receiver[flexible]))
+        flexible, numbered = flexible[placed], numbered[placed]
         frozen: dict[tuple[int, ...], frozenset[int]] = {}  # (receivers of one layout share candidate tuples)
         pool = self.pool
-        for seq, (receiver, k, a, n) in enumerate(zip(*(col[flexible].tolist() for col in (
-                streams.receiver, key, streams.first, streams.count)))):
+        for seq, receiver, k, a, n, nbytes in zip(numbered.tolist(), *(col[flexible].tolist() for col in (
+                streams.receiver, key, streams.first, streams.count, streams.nbytes))):
             cands = tuples[k]
             fs = frozen.get(cands)
             if fs is None:
                 fs = frozen[cands] = frozenset(cands)
-            stream = _Stream(fs, pool[a:a + n], seq)
+            stream = _Stream(fs, pool[a:a + n], seq, nbytes)
             stream.key = cands
             self.holders[cands].add(receiver)
             self.flex[receiver].append(stream)
@@ -287,8 +293,7 @@ class _ClassSchedule:
         heapq.heapify(events)
         free_s = {s for s in self.senders if (s, -1) not in free_at}
         free_r = {r for r in self.flex if (-1, r) not in free_at}  # free receivers with flexible work left
-        # of those, the ones that may find a sender now: None, any free candidate; else only these senders
-        to_try: dict[int, Optional[set[int]]] = dict.fromkeys(free_r)
+        to_try = set(free_r)  # of those, the ones that may find a sender now
         bit, holders, tuples_of = self.bit, self.holders, self.tuples_of
         free_bits = _bits(free_s, bit)  # free_s as bits (a stream's free candidates: one integer AND)
         now = 0.0
@@ -297,14 +302,9 @@ class _ClassSchedule:
             for _, r in sorted([(-left[r], r) for r in to_try]):  # the most work left first
                 if not free_s:
                     break  # (no receiver can find a sender now)
-                only = to_try[r]
-                if only is not None:
-                    if only.isdisjoint(free_s):
-                        continue  # (woken by senders another receiver took first)
-                    only = only & free_s
-                seg = self._match(r, free_s, free_bits) if only is None else self._match(r, only, _bits(only, bit))
+                seg = self._match(r, free_s, free_bits)
                 if seg is None:
-                    continue
+                    continue  # (woken by senders another receiver took first)
                 s = seg.sender
                 seg.start = now
                 out.append(seg)
@@ -326,16 +326,18 @@ class _ClassSchedule:
             for s in freed_s:
                 free_bits |= bit[s]
             free_r.update(r for r in freed_r if self.flex.get(r))
-            to_try = dict.fromkeys(r for r in freed_r if r in free_r)
+            to_try = {r for r in freed_r if r in free_r}
+            # a receiver still waiting found every candidate busy when it last tried (or found no sender
+            # free at all): the senders freed now are the only free ones it may take, so it is tried
+            # again only if one of them is its candidate (and then against every free sender: the
+            # others are none of its candidates)
             waiting = free_r.difference(to_try)
-            for s in freed_s:  # a receiver still waiting found every candidate busy: only s may be new
+            for s in freed_s:
                 for key in tuples_of.get(s, ()):
-                    for r in holders[key].intersection(waiting):
-                        only = to_try.get(r)
-                        if only is None:
-                            to_try[r] = {s}
-                        else:
-                            only.add(s)
+                    woken = holders[key].intersection(waiting)
+                    if woken:
+                        to_try |= woken
+                        waiting -= woken
 
     def _place_forced(self) -> tuple[Runs, dict[tuple[int, int], float]]:
         """Forced streams (one candidate: nothing to choose) in bulk, ahead of flexible work: each

@@ -170,11 +170,19 @@ def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int
     dst, region, offset = (np.fromiter(flat(f), np.int64, n) for f in ("dst_rank", "dst_region", "dst_offset"))
     order = np.lexsort((offset, region, dst))  # (stable: a tie keeps the concatenation's order)
     cuts = np.searchsorted(dst[order], ranks, side="left").tolist() + [n]
-    take = operator.itemgetter(*order.tolist()) if n > 1 else (lambda col: tuple(col))
-    sorted_cols = {
-        "src_rank": np.repeat(np.array([s for s, _ in tables], np.int64), counts)[order].tolist(),
-        "index": np.concatenate([np.arange(c, dtype=np.int64) for c in counts])[order].tolist(),
-        **{entry: take(list(flat(field))) for entry, field in _MIRROR.items()},
-    }
-    return {r: Rows(ExpectedEntry, {f: col[a:b] for f, col in sorted_cols.items()})
-            for r, a, b in zip(ranks, cuts, cuts[1:])}
+    src_rank = np.repeat(np.array([s for s, _ in tables], np.int64), counts)[order]
+    index = np.concatenate([np.arange(c, dtype=np.int64) for c in counts])[order]
+    columns = {entry: list(flat(field)) for entry, field in _MIRROR.items()}
+    out = {}
+    for r, a, b in zip(ranks, cuts, cuts[1:]):  # (each receiver's entries taken at once: no column cut after)
+        take = _taker(order[a:b].tolist())
+        out[r] = Rows(ExpectedEntry, {"src_rank": src_rank[a:b].tolist(), "index": index[a:b].tolist(),
+                                      **{entry: take(col) for entry, col in columns.items()}})
+    return out
+
+
+def _taker(at: list[int]) -> Callable[[Sequence], tuple]:
+    """A C-level take of the positions ``at`` from a sequence, as a tuple."""
+    if len(at) > 1:
+        return operator.itemgetter(*at)
+    return lambda col: tuple(col[i] for i in at)
