@@ -206,7 +206,7 @@ def _stitch_runs(layout: Spans, need: Slice, row_bytes: int) -> Optional[list[tu
 def _cover_with_shards(src, t, rank, need, region, offset, row_bytes, transform, intern) -> list[Piece]:
     """No single sender covers the need: stitch it from dim-0 shards, or fail."""
     def holders() -> list[str]:
-        return [f"receiver/{rank}", *(f"sender/{r}" for rs in src.shards.values() for r in rs)]
+        return [f"receiver/{rank}", *(f"sender/{r}" for r in sorted({r for rs in src.shards.values() for r in rs}))]
 
     if need is None or need.dim != 0 or not src.shards or next(iter(src.shards))[0] != 0 or not row_bytes:
         raise Unsuppliable("no sender holds or can gather the needed part", param=t.name, ranks=holders())

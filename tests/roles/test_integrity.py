@@ -209,6 +209,7 @@ async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_get
             WeightReceiver(ctl.address, recv_t, rank=0) as receiver:
         sender = await WeightSender(ctl.address, send_t, rank=0).__aenter__()
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        assert ctl.plan_cache._resolver.sources is ctl.catalog.sources  # planned from the index kept as they joined
         await push(sender, send_t, 1)
         plan, old_key = ctl.plan.plan_id, sender._conn_keys[0]
         await _crash(sender)
@@ -221,6 +222,8 @@ async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_get
             assert again._conn_keys[0][1] != old_key[1]  # the new process's pair has a new key
         # the replan patched the last plan: nothing the planner reads of the sender changed
         assert (ctl.plan_cache.misses, ctl.plan_cache.patched) == (1, 1), ctl.plan_cache
+        # the rejoin changed what the first plan had read: the catalog copied it, and kept the lent one as it was
+        assert ctl.catalog.copied > 0 and ctl.plan_cache._resolver.sources is not ctl.catalog.sources
 
 
 async def test_a_replan_keeps_the_connections_of_pairs_whose_processes_stayed():

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from weightsync.engine import errors
-from weightsync.engine.plan import Catalog, build_pieces
+from weightsync.engine.plan import Catalog, build_pieces, plan
 from weightsync.engine.plan.sources import Interned, index_sources
 from plan_helpers import participant, tensor
 
@@ -57,6 +57,43 @@ def test_a_catalog_kept_through_joins_and_leaves_holds_what_a_fresh_index_would(
         catalog.sync(joined, {})
         fresh = index_sources([participant for r, participant in sorted(pool.items()) if r in joined])
         assert _holdings(catalog.sources) == _holdings(fresh)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_what_a_catalog_lent_stays_as_it_was_while_members_join_and_leave(seed):
+    """A planning thread reads what the catalog lent (``Catalog.lend``) while the event loop admits and
+    releases members: the catalog copies a lent source before it changes it, so the lent index keeps
+    the holdings of the senders of its time, and the catalog those of today's."""
+    rng = random.Random(seed)
+    n = rng.choice([3, 5])
+    pool = {r: _ep_sender(r, n) for r in range(n)}
+    catalog, joined, lent = Catalog(), {}, []
+    for _ in range(30):
+        rank = rng.randrange(n)
+        if rank in joined:
+            del joined[rank]
+        else:
+            joined[rank] = pool[rank].manifest
+        catalog.sync(joined, {0: _receiver(0).manifest})
+        if rng.random() < 0.3:
+            index = catalog.lend()
+            lent.append((index, _holdings(index.sources), dict(index.senders)))
+        for index, holdings, senders in lent:
+            assert _holdings(index.sources) == holdings and index.senders == senders
+        fresh = index_sources([participant for r, participant in sorted(pool.items()) if r in joined])
+        assert _holdings(catalog.sources) == _holdings(fresh)
+    assert lent and catalog.copied > 0
+    for index, _, senders in lent:  # a plan from what was lent is the plan from scratch of its senders
+        members = [pool[r] for r in sorted(senders)]
+        if members:
+            assert _plan_or_error(members, index) == _plan_or_error(members, None)
+
+
+def _plan_or_error(senders, index):
+    try:
+        return plan(senders, [_receiver(0)], index=index)
+    except errors.PlanError as exc:  # (rows no sender of those holds)
+        return str(exc)
 
 
 def test_a_receiver_may_join_before_the_experts_holder_and_not_once_all_senders_are_in():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import random
 import sys
 
 import pytest
@@ -27,7 +28,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "diagnostics")]
 import planner_scale as ps  # noqa: E402
 from planner_compare import digest  # noqa: E402
 
-from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, build_pieces, plan  # noqa: E402
+from weightsync.engine.plan import Catalog, LinkModel, PlanCache, PlanOptions, build_pieces, plan  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, index_sources  # noqa: E402
 from weightsync.engine.plan.trainer import TrainerLayout  # noqa: E402
 
@@ -75,6 +76,33 @@ def test_the_jobs_designate_gatherers_and_cut_pieces():
     senders, receivers = participants(*JOBS["qwen2.5-7b 2 layers 16->16 colocated"])
     pieces, _ = build_pieces(senders, receivers)
     assert tables_of("qwen2.5-7b 2 layers 16->16 colocated")["transfers"] > len(pieces)
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_a_plan_from_the_index_a_catalog_kept_is_the_golden_one(name):
+    """The controller plans from what its ``Catalog`` kept as members joined (``Catalog.lend``): the
+    senders' sources and the receivers' layout numbers. Members join in any order, so the catalog's
+    holder lists are in join order; the tables are the golden ones all the same."""
+    senders, receivers = participants(*JOBS[name])
+    catalog = Catalog()
+    order = random.Random(name).sample([*senders, *receivers], len(senders) + len(receivers))
+    for p in order:
+        if p in senders:
+            catalog.admit_sender(p.rank, p.manifest)
+        else:
+            catalog.admit_receiver(p.rank, p.manifest, senders_complete=len(catalog.senders) == len(senders))
+    cache = PlanCache()
+    routing = plan(senders, receivers, LINK, PlanOptions(), cache=cache, index=catalog.lend())
+    assert digest(routing) == _stored()[name]["tables"]
+    assert cache._resolver.sources is catalog.sources  # (no sender tensor indexed again)
+    others = [*senders[:-1], ps.Participant(senders[-1].rank, senders[-1].manifest, senders[-1].transport)]
+    routing = plan(others, receivers, LINK, PlanOptions(), cache=PlanCache(), index=catalog.lend())
+    assert digest(routing) == _stored()[name]["tables"]  # (the same tensors: the catalog's index is used)
+    fresh = participants(*JOBS[name])[0]  # equal manifests, but not those the catalog holds: indexed afresh
+    cache = PlanCache()
+    assert digest(plan(fresh, receivers, LINK, PlanOptions(), cache=cache, index=catalog.lend())) == \
+        _stored()[name]["tables"]
+    assert cache._resolver.sources is not catalog.sources
 
 
 @pytest.mark.parametrize("name", ["kimi-k2 3 layers 32->16 tp8", "kimi-k2 3 layers 32->16 tp8+ep16 fp8",
