@@ -129,6 +129,8 @@ _TRANSFER = {"name": "src_name", "slice": "slice", "dst_rank": "receiver", "dst_
 _MIRROR = {"region": "dst_region", "offset": "dst_offset", "name": "dst_name", "slice": "slice", "nbytes": "nbytes",
            "transform": "transform"}
 _ENTRY = ("src_rank", "index", *_MIRROR)
+# a receiver's entry column <- the position of the piece field it is read from
+_ENTRY_FIELDS = tuple((entry, Piece._fields.index(_TRANSFER[field])) for entry, field in _MIRROR.items())
 
 
 def tables_from_assignment(
@@ -151,14 +153,17 @@ def tables_from_assignment(
         peers = tuple(map(peer_of.__getitem__, sorted(ranks)))
         sender_tables[sp.rank] = SenderTable(sp.rank, transfers, peers)
         tables.append((sp.rank, columns))
-    entries = receiver_entries(tables, sorted(peer_of))
+    entries = receiver_entries(tables, sorted(peer_of), list(chain.from_iterable(assignment.get(sp.rank, ()) for sp in senders)))
     receiver_tables = {p.rank: ReceiverTable(p.rank, entries[p.rank]) for p in receivers}
     return RoutingPlan(plan_id, sender_tables, receiver_tables)
 
 
-def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int]) -> dict[int, Rows]:
+def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int],
+                     pieces: Sequence[Piece]) -> dict[int, Rows]:
     """Each receiver's expected entries from the senders' transfer columns (``tables``: (sender, columns)
-    in sender order), sorted by (region, offset); a tie keeps (sender, index) order."""
+    in sender order; ``pieces``, theirs in that order), sorted by (region, offset); a tie keeps
+    (sender, index) order. A receiver's pieces are taken at once and transposed into its columns (in
+    cache: a take per column from every transfer's would read each at random)."""
     counts = [len(cols["dst_rank"]) for _, cols in tables]
     n = sum(counts)
     if n == 0:
@@ -172,12 +177,11 @@ def receiver_entries(tables: list[tuple[int, dict[str, tuple]]], ranks: list[int
     cuts = np.searchsorted(dst[order], ranks, side="left").tolist() + [n]
     src_rank = np.repeat(np.array([s for s, _ in tables], np.int64), counts)[order]
     index = np.concatenate([np.arange(c, dtype=np.int64) for c in counts])[order]
-    columns = {entry: list(flat(field)) for entry, field in _MIRROR.items()}
     out = {}
-    for r, a, b in zip(ranks, cuts, cuts[1:]):  # (each receiver's entries taken at once: no column cut after)
-        take = _taker(order[a:b].tolist())
+    for r, a, b in zip(ranks, cuts, cuts[1:]):
+        fields = tuple(zip(*_taker(order[a:b].tolist())(pieces))) or ((),) * len(Piece._fields)
         out[r] = Rows(ExpectedEntry, {"src_rank": src_rank[a:b].tolist(), "index": index[a:b].tolist(),
-                                      **{entry: take(col) for entry, col in columns.items()}})
+                                      **{entry: fields[at] for entry, at in _ENTRY_FIELDS}})
     return out
 
 
