@@ -183,10 +183,9 @@ class Schedule:
     def runs(self) -> Runs:
         """All the work: the forced runs (class by class, each in the order placed), then the segments."""
         segs = self.segments
-        flexible = Runs.of_lists(np.fromiter((g.start for g in segs), np.float64, len(segs)),
-                                 np.fromiter((g.receiver for g in segs), np.int64, len(segs)),
-                                 np.fromiter((g.sender for g in segs), np.int64, len(segs)),
-                                 np.fromiter((g.nbytes for g in segs), np.int64, len(segs)), [g.pieces for g in segs])
+        flexible = Runs.of_lists(*(np.fromiter(map(operator.attrgetter(f), segs), t, len(segs)) for f, t in (
+            ("start", np.float64), ("receiver", np.int64), ("sender", np.int64), ("nbytes", np.int64))),
+            list(map(operator.attrgetter("pieces"), segs)))
         return Runs.joined([*self.forced, flexible])
 
 
