@@ -10,6 +10,11 @@ tables are checked against ``plan()``'s own (the same digest as ``planner_compar
 timed are the plan's.
 
     .venv/bin/python bench/diagnostics/planner_stages.py --only "kimi-k2 1024->512" --plans 2
+    .venv/bin/python bench/diagnostics/planner_stages.py --only "kimi-k2 1024->512" --catalog
+
+``--catalog``: as the controller plans, from the index its ``Catalog`` kept as the members joined
+(``Catalog.lend``; the joins are not timed): the index step is the lend, and each receiver layout is
+resolved once by the number the catalog gave it.
 
 Prints one JSON line per plan, then a table (rich).
 """
@@ -30,15 +35,16 @@ import planner_scale as ps  # noqa: E402
 from planner_compare import digest  # noqa: E402
 
 from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, plan  # noqa: E402
-from weightsync.engine.plan.needs import Resolver, index_sources  # noqa: E402
+from weightsync.engine.plan import Catalog  # noqa: E402
+from weightsync.engine.plan.needs import Resolver, sources_of  # noqa: E402
 from weightsync.engine.plan.planner import group_by_locality, tables_for  # noqa: E402
 from weightsync.engine.plan.levelling import balance, spread  # noqa: E402
 from weightsync.engine.plan.schedule import _ClassSchedule, schedule  # noqa: E402
 
 
-def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[dict[str, float], object]:
-    """One plan from scratch, step by step as ``planner._plan`` takes them (senders and receivers in
-    rank order): CPU seconds per step, and the tables."""
+def stages(senders, receivers, link: LinkModel, options: PlanOptions, catalog=None) -> tuple[dict[str, float], object]:
+    """One plan from scratch (or from ``catalog``'s index), step by step as ``planner._plan`` takes them
+    (senders and receivers in rank order): CPU seconds per step, and the tables."""
     took: dict[str, float] = {}
     t = time.process_time()
 
@@ -48,7 +54,7 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
         took[name] = round(now - t, 3)
         t = now
 
-    groups, streams, kept = streams_by_class(senders, receivers, link, options, lap)
+    groups, streams, kept = streams_by_class(senders, receivers, link, options, lap, catalog)
     sched = schedule(groups, link, options)
     lap("schedule")
     if options.level:
@@ -63,12 +69,14 @@ def stages(senders, receivers, link: LinkModel, options: PlanOptions) -> tuple[d
     return took, routing
 
 
-def streams_by_class(senders, receivers, link: LinkModel, options: PlanOptions, lap=lambda name: None):
+def streams_by_class(senders, receivers, link: LinkModel, options: PlanOptions, lap=lambda name: None,
+                     catalog=None):
     """``plan()``'s steps up to locality: the streams by link class that the schedule takes, and what
     made them (the index, the expanded rows), to be freed by the caller when its clock is off."""
-    resolver = Resolver(index_sources(senders))
+    index = catalog.lend() if catalog is not None else None
+    resolver = Resolver(sources_of(senders, index))
     lap("index")
-    expanded = resolver.expanded((p.rank, p.manifest) for p in receivers)
+    expanded = resolver.expanded(((p.rank, p.manifest) for p in receivers), index and index.layout_of)
     lap("resolve + expand")
     narrowed = expanded.designate(resolver.sources, len(senders), resolver.intern)
     lap("gatherers")
@@ -95,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="kimi-k2 256->128 tp8+ep128 fp8",
                     help="the scenario of this name, else the first whose name contains this")
     ap.add_argument("--plans", type=int, default=2, help="plans in this process, each timed")
+    ap.add_argument("--catalog", action="store_true", help="plan from the index a Catalog kept as members joined")
     args = ap.parse_args(argv)
     scenarios = ps.SCENARIOS + ps.LARGE
     name, arch, layout, n_recv, tp, ep, colocated, *fp8 = next(  # (an exact name first)
@@ -103,15 +112,23 @@ def main(argv=None) -> int:
     senders, receivers = sorted(senders, key=lambda p: p.rank), sorted(receivers, key=lambda p: p.rank)
     link, options = LinkModel(net_bw=400e9 / 8, per_transfer_s=2e-6), PlanOptions()
     want = digest(plan(senders, receivers, link, options, cache=PlanCache()))
+    catalog = None
+    if args.catalog:
+        catalog = Catalog()
+        for p in senders:
+            catalog.admit_sender(p.rank, p.manifest)
+        for p in receivers:
+            catalog.admit_receiver(p.rank, p.manifest, senders_complete=True)
     rows = []
     for i in range(args.plans):
         gc.collect()
         gc.disable()
         try:
-            took, routing = stages(senders, receivers, link, options)
+            took, routing = stages(senders, receivers, link, options, catalog)
             same = digest(routing) == want
             del routing
-            setup, forced = forced_seconds(streams_by_class(senders, receivers, link, options)[0], link, options)
+            setup, forced = forced_seconds(streams_by_class(senders, receivers, link, options, catalog=catalog)[0],
+                                           link, options)
         finally:
             gc.enable()
         row = {"scenario": name, "plan": i + 1, **took, "total": round(sum(took.values()), 3),

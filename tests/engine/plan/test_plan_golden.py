@@ -107,13 +107,23 @@ def test_a_plan_from_the_index_a_catalog_kept_is_the_golden_one(name):
 
 @pytest.mark.parametrize("name", ["kimi-k2 3 layers 32->16 tp8", "kimi-k2 3 layers 32->16 tp8+ep16 fp8",
                                   "qwen2.5-7b 2 layers 16->16 colocated"])
-def test_the_stage_timer_takes_the_plans_own_steps(name):
-    """``bench/diagnostics/planner_stages.py`` times ``plan()``'s steps by calling them one by one: its
-    tables must be the golden ones, or it would be timing something else."""
+@pytest.mark.parametrize("from_catalog", [False, True])
+def test_the_stage_timer_takes_the_plans_own_steps(name, from_catalog):
+    """``bench/diagnostics/planner_stages.py`` times ``plan()``'s steps by calling them one by one (from
+    scratch, or from a catalog's index): its tables must be the golden ones, or it would be timing
+    something else."""
     import planner_stages
 
     senders, receivers = (sorted(g, key=lambda p: p.rank) for g in participants(*JOBS[name]))
-    took, routing = planner_stages.stages(senders, receivers, LINK, PlanOptions())
+    catalog = None
+    if from_catalog:
+        catalog = Catalog()
+        for p in [*senders, *receivers]:
+            if p in senders:
+                catalog.admit_sender(p.rank, p.manifest)
+            else:
+                catalog.admit_receiver(p.rank, p.manifest, senders_complete=True)
+    took, routing = planner_stages.stages(senders, receivers, LINK, PlanOptions(), catalog)
     assert digest(routing) == _stored()[name]["tables"]
     assert set(took) == {"index", "resolve + expand", "gatherers", "pieces + streams", "locality", "schedule",
                          "levelling", "spread", "tables"}
