@@ -6,8 +6,9 @@ How this works: ``Catalog`` keeps the senders' ``Source``s (``sources.py``), the
 ``release``). A joining sender is checked tensor by tensor against them: the dtype and full shape of
 the holders before it (``ManifestMismatch``), and a non-gatherable shard cut along the same dim as the
 others and overlapping none (``BadTiling``); each error names the parameter, the newcomer and a holder
-it disagrees with. A joining receiver's tensors are resolved against them (``needs.Resolver``;
-receivers of one layout share the work): a dtype or shape it cannot be given is an error. A name or
+it disagrees with. A joining receiver's tensors are resolved against them (``needs.Resolver``): a
+dtype or shape it cannot be given is an error; a receiver of a layout already resolved against
+today's senders (every instance's TP rank r after the first) passes as that one did. A name or
 rows that no sender holds is an error only once every configured sender has joined: with expert- or
 pipeline-parallel trainers each sender holds a part, and the holder may be one still to come (the
 first plan waits for everyone and reports whatever is still missing then). A sender that brings a
@@ -67,6 +68,7 @@ class Catalog:
         self.senders: dict[int, Manifest] = {}
         self.receivers: dict[int, Manifest] = {}
         self._resolvers: dict[bool, Resolver] = {}  # absent_ok -> one over today's sources (reset on change)
+        self._checked: dict[bool, set[int]] = {}  # absent_ok -> the layouts its resolver found no fault with
         self.resolved = 0  # receiver tensor layouts resolved so far (a receiver of a known layout adds none)
         self.layouts: dict[int, int] = {}  # receiver rank -> its layout's number
         self._layout_ids: dict[tuple, int] = {}  # layout key (``needs.layout_key``) -> its number
@@ -104,10 +106,17 @@ class Catalog:
 
     def admit_receiver(self, rank: int, manifest: Manifest, senders_complete: bool) -> None:
         """Check receiver ``rank`` against the joined senders (names and rows no sender holds only when
-        ``senders_complete``), then record it; raises a ``PlanError`` (and records nothing)."""
+        ``senders_complete``), then record it; raises a ``PlanError`` (and records nothing). A receiver
+        of a layout already checked against today's senders passes as that layout did."""
+        key = layout_key(manifest)
+        absent_ok = not senders_complete
         if self.senders:
-            self._resolve(not senders_complete, [(rank, manifest)])
-        self._record_receiver(rank, manifest)
+            number = self._layout_ids.get(key)
+            if number is None or number not in self._checked.get(absent_ok, ()):
+                self._resolve(absent_ok, [(rank, manifest)])
+        self._record_receiver(rank, manifest, key)
+        if self.senders:
+            self._checked.setdefault(absent_ok, set()).add(self.layouts[rank])
 
     def sync(self, senders: Mapping[int, Manifest], receivers: Mapping[int, Manifest]) -> None:
         """Keep exactly these members: release those gone (or rejoined with another manifest), record
@@ -121,10 +130,9 @@ class Catalog:
                 self._hold(rank, manifest)
         for rank, manifest in receivers.items():
             if rank not in self.receivers:
-                self._record_receiver(rank, manifest)
+                self._record_receiver(rank, manifest, layout_key(manifest))
 
-    def _record_receiver(self, rank: int, manifest: Manifest) -> None:
-        key = layout_key(manifest)
+    def _record_receiver(self, rank: int, manifest: Manifest, key: tuple) -> None:
         number = self._layout_ids.get(key)
         if number is None:
             number = self._layout_ids[key] = self._next_layout
@@ -193,7 +201,7 @@ class Catalog:
         copied before it changes (``_copy``)."""
         if self._lent:
             self.sources, self._lent = dict(self.sources), False
-            self._resolvers.clear()
+            self._drop_resolvers(True)
         return self._shared
 
     def _copy(self, src: Source) -> Source:
@@ -206,18 +214,27 @@ class Catalog:
         """The holders changed (and the names, if ``names``). What a resolver that tolerates absence
         raises depends on the names, dtypes and shapes only (who holds which rows decides what is
         absent): it is kept while the names stay; the strict one is not."""
-        self._resolvers.pop(False, None)
-        if names:
-            self._resolvers.clear()
+        self._drop_resolvers(names)
+
+    def _drop_resolvers(self, both: bool) -> None:
+        """Drop the strict resolver (and the tolerant one too, if ``both``), with the layouts they checked."""
+        for absent_ok in (False, True) if both else (False,):
+            self._resolvers.pop(absent_ok, None)
+            self._checked.pop(absent_ok, None)
 
     def _resolve(self, absent_ok: bool, receivers) -> None:
         resolver = self._resolvers.get(absent_ok)
         if resolver is None:
             resolver = self._resolvers[absent_ok] = Resolver(self.sources, self.transforms, self.mapping, absent_ok)
         before = len(resolver.templates)
-        layout_of = lambda rank, m: self.layouts.get(rank) if self.receivers.get(rank) is m else None  # noqa: E731
-        resolver.tensors(receivers, layout_of)  # (resolving is the check: no pieces are made; one receiver a layout)
+        resolver.tensors(receivers, self._layout_of)  # (resolving is the check: no pieces are made; one receiver a layout)
         self.resolved += len(resolver.templates) - before
+        self._checked.setdefault(absent_ok, set()).update(self.layouts[rank] for rank, m in receivers
+                                                           if self.receivers.get(rank) is m)
+
+    def _layout_of(self, rank: int, manifest: Manifest) -> Hashable:
+        """A recorded receiver's layout number; one joining now, its own (its layout is resolved anew)."""
+        return self.layouts[rank] if self.receivers.get(rank) is manifest else ("joining", rank)
 
 
 def _key(shard) -> "tuple[int, int, int] | None":

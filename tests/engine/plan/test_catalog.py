@@ -165,3 +165,27 @@ def test_receivers_of_one_layout_are_resolved_once():
         catalog.admit_receiver(r, _receiver(r).manifest, senders_complete=True)
     assert catalog.resolved == 2 * first
     assert repr(catalog) == "<Catalog senders=2 receivers=6 params=3 resolved=6 layouts=1 copied=0>"
+
+
+def test_a_receiver_of_a_layout_checked_against_todays_senders_passes_as_it_did(monkeypatch):
+    """A join is resolved once per layout while the senders stay: the next receiver of that layout (every
+    instance's TP rank r) passes as the first did. Once a sender leaves or joins, it is resolved again."""
+    resolved = []
+    real = Catalog._resolve
+    monkeypatch.setattr(Catalog, "_resolve", lambda self, absent_ok, receivers: (
+        resolved.extend(rank for rank, _ in receivers), real(self, absent_ok, receivers))[-1])
+    catalog = Catalog()
+    senders = {r: _ep_sender(r, 2).manifest for r in range(2)}
+    for r, manifest in senders.items():
+        catalog.admit_sender(r, manifest)
+    catalog.admit_receiver(0, _receiver(0).manifest, senders_complete=True)
+    catalog.admit_receiver(1, _receiver(1).manifest, senders_complete=True)  # receiver 0's layout
+    catalog.admit_receiver(2, _receiver(2, names=("experts", "attn")).manifest, senders_complete=True)  # another
+    assert resolved == [0, 2] and catalog.layouts == {0: 0, 1: 0, 2: 1}
+    catalog.sync({0: senders[0]}, catalog.receivers)  # sender 1 left, and comes back
+    catalog.admit_sender(1, senders[1])
+    catalog.admit_receiver(3, _receiver(3).manifest, senders_complete=True)
+    assert resolved == [0, 2, 3]
+    with pytest.raises(errors.PlanError):  # a layout not checked yet is still refused when it must be
+        catalog.admit_receiver(4, _receiver(4, dtype="int32").manifest, senders_complete=True)
+    assert 4 not in catalog.receivers and resolved == [0, 2, 3, 4]
