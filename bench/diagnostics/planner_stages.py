@@ -76,7 +76,7 @@ def streams_by_class(senders, receivers, link: LinkModel, options: PlanOptions, 
     index = catalog.lend() if catalog is not None else None
     resolver = Resolver(sources_of(senders, index))
     lap("index")
-    expanded = resolver.expanded(((p.rank, p.manifest) for p in receivers), index and index.layout_of)
+    expanded = resolver.expanded(((p.rank, p.manifest) for p in receivers), index.layout_of if index else None)
     lap("resolve + expand")
     narrowed = expanded.designate(resolver.sources, len(senders), resolver.intern)
     lap("gatherers")

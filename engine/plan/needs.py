@@ -67,8 +67,8 @@ def build_streams(
     index: "Optional[Index]" = None,
 ) -> "tuple[list[Piece], Optional[Streams]]":
     """``build_pieces``'s pieces, in the streams' order, and the same pieces as streams
-    (``Expanded.streams``; None if no pieces). ``index``: what a ``Catalog`` lent (``Catalog.lend``): its sources, if they index
-    exactly these senders, and its receivers' layout numbers."""
+    (``Expanded.streams``; None if no pieces). ``index``: what a ``Catalog`` lent (``Catalog.lend``):
+    its sources, if they index exactly these senders, and its receivers' layout numbers."""
     expanded, narrowed, resolver = _expanded(senders, receivers, transforms, mapping, cache, index)
     return expanded.streams(narrowed, resolver.sources, resolver.intern)
 
@@ -78,7 +78,7 @@ def _expanded(senders, receivers, transforms, mapping, cache, index=None) -> tup
         resolver = Resolver(sources_of(senders, index), transforms, mapping)
     else:
         resolver = cache.resolver(senders, transforms, mapping, index)
-    expanded = resolver.expanded(((p.rank, p.manifest) for p in receivers), index and index.layout_of)
+    expanded = resolver.expanded(((p.rank, p.manifest) for p in receivers), index.layout_of if index else None)
     return expanded, expanded.designate(resolver.sources, len(senders), resolver.intern), resolver
 
 
