@@ -227,7 +227,7 @@ class Catalog:
         if resolver is None:
             resolver = self._resolvers[absent_ok] = Resolver(self.sources, self.transforms, self.mapping, absent_ok)
         before = len(resolver.templates)
-        resolver.tensors(receivers, self._layout_of)  # (resolving is the check: no pieces are made; one receiver a layout)
+        resolver.tensors(receivers, self._layout_of)  # (resolving is the check: no pieces are made)
         self.resolved += len(resolver.templates) - before
         self._checked.setdefault(absent_ok, set()).update(self.layouts[rank] for rank, m in receivers
                                                            if self.receivers.get(rank) is m)

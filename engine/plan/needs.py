@@ -337,7 +337,8 @@ def layout_key(manifest: Manifest) -> tuple:
     ts = manifest.tensors
     shards = list(map(_shard, ts))
     return (tuple(map(_name, ts)), tuple(map(_dtype, ts)), tuple(map(_tied_to, ts)), tuple(map(_shape, ts)),
-            *(tuple(map(getattr, shards, repeat(field), repeat(None))) for field in ("dim", "start", "stop", "full_shape")),
+            *(tuple(map(getattr, shards, repeat(field), repeat(None)))
+              for field in ("dim", "start", "stop", "full_shape")),
             tuple(map(_region, ts)), tuple(map(_offset, ts)))
 
 

@@ -11,9 +11,9 @@ the schedule counts bytes, not gathers, and a lane waits for its head), and
 (tuples) transposed into columns by one ``zip`` (``wire.columns.Rows``: a tuple per field, no object
 per transfer). The receivers'
 entries are the same transfers seen from the other end, sorted by (receiver, region, offset), a tie
-kept in (sender, index) order: one stable ``numpy.lexsort`` over every transfer at once, each column
-then taken in that order by one C-level ``itemgetter`` and cut at the receivers' boundaries, so no
-Python object is made per entry.
+kept in (sender, index) order: one stable ``numpy.lexsort`` over every transfer at once, then each
+receiver's pieces taken in that order by one C-level ``itemgetter`` and transposed into its columns
+(a receiver's pieces fit in cache), so no Python object is made per entry.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def tables_from_assignment(
         peers = tuple(map(peer_of.__getitem__, sorted(ranks)))
         sender_tables[sp.rank] = SenderTable(sp.rank, transfers, peers)
         tables.append((sp.rank, columns))
-    entries = receiver_entries(tables, sorted(peer_of), list(chain.from_iterable(assignment.get(sp.rank, ()) for sp in senders)))
+    every = list(chain.from_iterable(assignment.get(sp.rank, ()) for sp in senders))
+    entries = receiver_entries(tables, sorted(peer_of), every)
     receiver_tables = {p.rank: ReceiverTable(p.rank, entries[p.rank]) for p in receivers}
     return RoutingPlan(plan_id, sender_tables, receiver_tables)
 
