@@ -371,9 +371,12 @@ class _ClassSchedule:
         bw_r = np.asarray([self.bw_r[r] for r in self.receivers])
         data = nbytes / np.minimum(bw_s[send], bw_r[pos])  # (as ``_busy``)
         took = np.maximum(data, count * self.link.per_transfer_s)
-        start, ends = _back_to_back(took, pos)  # each receiver's chunks back to back from 0
-        last = np.flatnonzero(np.diff(pos, append=-1))  # each receiver's last chunk
-        free_at = {(-1, self.receivers[p]): t for p, t in zip(pos[last].tolist(), ends[last].tolist())}
+        start, free_at = np.empty(len(took)), {}
+        bounds = [*np.flatnonzero(np.diff(pos, prepend=-1)).tolist(), len(pos)]
+        for a, b in zip(bounds, bounds[1:]):  # each receiver's chunks back to back from 0
+            ends = np.cumsum(took[a:b])
+            start[a], start[a + 1:b] = 0.0, ends[:-1]
+            free_at[(-1, self.receivers[int(pos[a])])] = float(ends[-1])
         load, received = np.zeros(len(senders)), np.zeros(len(receivers))
         np.add.at(load, send, data)
         np.add.at(received, pos, data)
@@ -433,27 +436,6 @@ class _ClassSchedule:
                 self.holders[st.key].discard(r)
             return Segment(r, self.cls, pieces, s, nbytes, st.cands)
         return None
-
-
-def _back_to_back(took: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each item's start and end when each group's items (``group`` never decreasing) run back to back
-    from 0: a cumulative sum per group, as ``numpy.cumsum`` of each group's items alone adds them (in
-    order, from 0: the same floats), done for all groups at once in a table of a row per group where
-    that table is not much larger than the items."""
-    firsts = np.flatnonzero(np.diff(group, prepend=-1))
-    k = np.diff(firsts, append=len(group))
-    if len(firsts) * int(k.max()) > 4 * len(took) + 1024:  # (groups of very uneven sizes: one at a time)
-        ends = np.concatenate([np.cumsum(took[a:a + n]) for a, n in zip(firsts.tolist(), k.tolist())])
-    else:
-        row = np.repeat(np.arange(len(firsts)), k)
-        col = np.arange(len(took)) - np.repeat(firsts, k)
-        table = np.zeros((len(firsts), int(k.max())))
-        table[row, col] = took
-        ends = np.cumsum(table, axis=1)[row, col]
-    start = np.empty(len(took))
-    start[1:] = ends[:-1]
-    start[firsts] = 0.0
-    return start, ends
 
 
 def _bits(senders, bit: dict[int, int]) -> int:

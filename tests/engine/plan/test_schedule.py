@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from weightsync.engine.plan import LinkClass, LinkModel, PlanOptions, build_pieces, link_class
 from weightsync.engine.plan.planner import group_by_locality
-from weightsync.engine.plan.schedule import _ClassSchedule, _Stream, _back_to_back, schedule
+from weightsync.engine.plan.schedule import _ClassSchedule, _Stream, schedule
 from weightsync.engine.plan.sources import Piece
 from weightsync.wire import Slice
 from plan_helpers import mixed_locality
@@ -172,31 +172,3 @@ def test_the_list_schedule_is_the_plain_one(instance, chunks, min_chunk):
     segments, _ = one.run()
     got = [(g.start, g.sender, g.receiver, g.pieces, g.nbytes) for g in segments]
     assert (got, one.load, one.received) == want
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.floats(1e-9, 10.0), min_size=1, max_size=40), min_size=1, max_size=30))
-def test_work_back_to_back_starts_and_ends_as_each_groups_own_cumulative_sum(groups):
-    """Forced work is placed group by group at once (``_back_to_back``: a table of a row per group, or
-    group by group where sizes are very uneven): the same floats as each group's own ``numpy.cumsum``."""
-    import numpy as np
-
-    took = np.asarray([t for g in groups for t in g])
-    group = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    start, ends = _back_to_back(took, group)
-    want_ends = np.concatenate([np.cumsum(g) for g in groups])
-    want_start = np.concatenate([np.concatenate([[0.0], np.cumsum(g)[:-1]]) for g in groups])
-    assert ends.tolist() == want_ends.tolist() and start.tolist() == want_start.tolist()
-
-
-def test_work_back_to_back_of_very_uneven_groups_is_summed_group_by_group():
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    sizes = [2000] + [1] * 10  # (a table of a row per group would be 11 x 2000)
-    took = rng.random(sum(sizes))
-    group = np.repeat(np.arange(len(sizes)), sizes)
-    start, ends = _back_to_back(took, group)
-    bounds = np.cumsum([0, *sizes])
-    assert ends.tolist() == np.concatenate([np.cumsum(took[a:b]) for a, b in zip(bounds, bounds[1:])]).tolist()
-    assert start[bounds[:-1]].tolist() == [0.0] * len(sizes) and start[1:2000].tolist() == ends[:1999].tolist()
