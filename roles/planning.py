@@ -4,12 +4,13 @@ How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decide
 membership calls for a (re-)plan (never during a round, never before the previous plan is
 acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
 worker thread, on the senders' index the controller's ``Catalog`` kept as they joined (lent: the
-catalog copies what a join or a leave changes meanwhile), which also makes the plan's data-plane keys (one per sender/receiver pair it routes,
-bound to both members' sessions: a pair of the same two processes keeps its key, and its connection,
-from plan to plan) and encodes every member's message (``plan_messages``, off the event loop); it sends each receiver
-its table; senders get theirs (``_send_sender_plans``) only once every receiver has acknowledged, so
-no sender connects before its receiver accepts the key. ``_on_plan_ack`` marks the
-plan ready when every worker has acknowledged it, and starts rounds that were waiting.
+catalog copies what a join or a leave changes meanwhile), which also makes the plan's data-plane
+keys (one per sender/receiver pair it routes, bound to both members' sessions: a pair of the same
+two processes keeps its key, and its connection, from plan to plan) and encodes every member's
+message (``plan_messages``, off the event loop); it sends each receiver its table; senders get
+theirs (``_send_sender_plans``) only once every receiver has acknowledged, so no sender connects
+before its receiver accepts the key. ``_on_plan_ack`` marks the plan ready when every worker has
+acknowledged it, and starts rounds that were waiting.
 """
 
 from __future__ import annotations
