@@ -35,7 +35,6 @@ import planner_scale as ps  # noqa: E402
 from planner_compare import digest  # noqa: E402
 
 from weightsync.engine.plan import LinkModel, PlanCache, PlanOptions, plan  # noqa: E402
-from weightsync.engine.plan import Catalog  # noqa: E402
 from weightsync.engine.plan.needs import Resolver, sources_of  # noqa: E402
 from weightsync.engine.plan.planner import group_by_locality, tables_for  # noqa: E402
 from weightsync.engine.plan.levelling import balance, spread  # noqa: E402
@@ -112,13 +111,7 @@ def main(argv=None) -> int:
     senders, receivers = sorted(senders, key=lambda p: p.rank), sorted(receivers, key=lambda p: p.rank)
     link, options = LinkModel(net_bw=400e9 / 8, per_transfer_s=2e-6), PlanOptions()
     want = digest(plan(senders, receivers, link, options, cache=PlanCache()))
-    catalog = None
-    if args.catalog:
-        catalog = Catalog()
-        for p in senders:
-            catalog.admit_sender(p.rank, p.manifest)
-        for p in receivers:
-            catalog.admit_receiver(p.rank, p.manifest, senders_complete=True)
+    catalog = ps.joined(senders, receivers)[0] if args.catalog else None
     rows = []
     for i in range(args.plans):
         gc.collect()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .links import LinkClass, LinkModel
-from .schedule import Schedule, Segment
+from .work import Schedule, Segment
 from .sources import Piece, looked_up
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ the next chunk of that stream (about 1/8 of its bytes, cut at dim-0 row boundari
 Receivers with the most work left choose first; a receiver that found no free candidate is retried
 only once one of its candidates frees. A stream's candidates and the free senders are also kept as
 integer bits, so the scan for a receiver's first stream with a free candidate is one AND per stream.
-The result is a ``Schedule``: the flexible work as ``Segment``s (sender, receiver, pieces, start), the
+The result is a ``Schedule`` (``work.py``): the flexible work as ``Segment``s (sender, receiver, pieces, start), the
 forced work as ``Runs`` (columns), and each port's busy time, summed as the work is placed.
 ``levelling.balance`` then levels sender ports where one would be the bottleneck, reading those sums.
 ``tables.build_tables`` turns it into tables.
@@ -20,39 +20,23 @@ forced work as ``Runs`` (columns), and each port's busy time, summed as the work
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import operator
 from collections import defaultdict
-from itertools import accumulate, chain, compress, count
-from typing import TYPE_CHECKING, Optional, Sequence
+from itertools import accumulate, compress, count
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from .links import LinkClass, LinkModel
-from .sources import Piece, Streams, pooled, ranges
+from .sources import Piece, Streams, ranges
+from .work import Runs, Schedule, Segment
 
 _nbytes = operator.attrgetter("nbytes")
 _mask = operator.attrgetter("mask")
 
 if TYPE_CHECKING:
     from .planner import PlanOptions
-
-
-class Segment:
-    """Pieces one sender sends one receiver back to back, from ``start`` in the schedule's time."""
-
-    __slots__ = ("sender", "receiver", "cls", "pieces", "nbytes", "start", "cands")
-
-    def __init__(self, receiver: int, cls: LinkClass, pieces: list[Piece], sender: int, nbytes: int,
-                 cands: frozenset[int] = frozenset()) -> None:
-        self.sender = sender
-        self.receiver = receiver
-        self.cls = cls
-        self.pieces = pieces
-        self.nbytes = nbytes
-        self.start = 0.0
-        self.cands = cands  # the senders that could send it (its stream's), when more than one
 
 
 class _Stream:
@@ -112,81 +96,6 @@ class _Stream:
         self.done += taken
         self.nbytes -= taken
         return out, taken
-
-
-@dataclasses.dataclass
-class Runs:
-    """Work as columns, a row per run (pieces one sender sends one receiver back to back): when it
-    starts in the schedule's time, its receiver, its sender, its bytes, and its pieces,
-    ``pool[first:first + count]`` (ranges of one list: no list per run)."""
-
-    start: np.ndarray  # float64
-    receiver: np.ndarray  # int64, each column
-    sender: np.ndarray
-    nbytes: np.ndarray
-    first: np.ndarray
-    count: np.ndarray
-    pool: list[Piece]
-
-    @classmethod
-    def empty(cls) -> "Runs":
-        return cls(np.zeros(0), *(np.zeros(0, np.int64) for _ in range(5)), [])
-
-    @classmethod
-    def of_lists(cls, start: np.ndarray, receiver: np.ndarray, sender: np.ndarray, nbytes: np.ndarray,
-                 pieces: Sequence[list[Piece]]) -> "Runs":
-        """Runs whose pieces are given as a list each."""
-        pool, first, count = pooled(pieces)
-        return cls(start, receiver, sender, nbytes, first, count, pool)
-
-    @classmethod
-    def joined(cls, parts: Sequence["Runs"]) -> "Runs":
-        """``parts`` one after the other."""
-        if not parts:
-            return cls.empty()
-        at = np.cumsum([0, *(len(r.pool) for r in parts[:-1])])  # where each part's pool lands in the one pool
-        return cls(*(np.concatenate([getattr(r, f) for r in parts]) for f in ("start", "receiver", "sender", "nbytes")),
-                   np.concatenate([r.first + a for r, a in zip(parts, at.tolist())]),
-                   np.concatenate([r.count for r in parts]), list(chain.from_iterable(r.pool for r in parts)))
-
-    @property
-    def pieces(self) -> list[list[Piece]]:
-        """Each run's pieces as a list of its own."""
-        return ranges(self.pool, self.first, self.count)
-
-    def __len__(self) -> int:
-        return len(self.first)
-
-
-@dataclasses.dataclass
-class Schedule:
-    """What the schedule made: the flexible work as ``segments`` (what levelling may move), the forced
-    work as ``Runs``, one per link class in class order, each in the order placed, and each port's
-    busy time in both (seconds of data at the pair's bandwidth) keyed (sender or receiver, class): the
-    sums ``of`` makes from segments, which the schedule keeps as it goes."""
-
-    segments: list[Segment]
-    sending: dict[tuple[int, LinkClass], float]
-    receiving: dict[tuple[int, LinkClass], float]
-    forced: list[Runs] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def of(cls, segments: list[Segment], link: LinkModel) -> "Schedule":
-        sending: dict[tuple[int, LinkClass], float] = defaultdict(float)
-        receiving: dict[tuple[int, LinkClass], float] = defaultdict(float)
-        for seg in segments:
-            t = seg.nbytes / link.bandwidth(seg.cls, seg.sender, seg.receiver)
-            sending[seg.sender, seg.cls] += t
-            receiving[seg.receiver, seg.cls] += t
-        return cls(segments, sending, receiving)
-
-    def runs(self) -> Runs:
-        """All the work: the forced runs (class by class, each in the order placed), then the segments."""
-        segs = self.segments
-        flexible = Runs.of_lists(*(np.fromiter(map(operator.attrgetter(f), segs), t, len(segs)) for f, t in (
-            ("start", np.float64), ("receiver", np.int64), ("sender", np.int64), ("nbytes", np.int64))),
-            list(map(operator.attrgetter("pieces"), segs)))
-        return Runs.joined([*self.forced, flexible])
 
 
 def schedule(groups, link: LinkModel, options: "PlanOptions") -> Schedule:

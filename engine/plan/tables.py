@@ -2,7 +2,7 @@
 expected entries, kept as columns.
 
 How this works: ``build_tables`` orders each sender's work by when it starts in the schedule (by
-receiver at a tie), one stable ``numpy.lexsort`` over every run (``schedule.Runs``: ranges of one list
+receiver at a tie), one stable ``numpy.lexsort`` over every run (``work.Runs``: ranges of one list
 of pieces, so every piece is taken in the senders' order by one C call); a designated gatherer's
 piece of what it gathers then takes its place at the time it has gathered it, shortest gather
 first, and a gatherer the schedule chose takes its pieces at the end of their gather window (``_when_gathered``:
@@ -33,7 +33,7 @@ from .needs import Piece
 from .sources import in_order, looked_up
 
 if TYPE_CHECKING:
-    from .schedule import Schedule
+    from .work import Schedule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,14 +115,7 @@ def test_the_stage_timer_takes_the_plans_own_steps(name, from_catalog):
     import planner_stages
 
     senders, receivers = (sorted(g, key=lambda p: p.rank) for g in participants(*JOBS[name]))
-    catalog = None
-    if from_catalog:
-        catalog = Catalog()
-        for p in [*senders, *receivers]:
-            if p in senders:
-                catalog.admit_sender(p.rank, p.manifest)
-            else:
-                catalog.admit_receiver(p.rank, p.manifest, senders_complete=True)
+    catalog = ps.joined(senders, receivers)[0] if from_catalog else None
     took, routing = planner_stages.stages(senders, receivers, LINK, PlanOptions(), catalog)
     assert digest(routing) == _stored()[name]["tables"]
     assert set(took) == {"index", "resolve + expand", "gatherers", "pieces + streams", "locality", "schedule",

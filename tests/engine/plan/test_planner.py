@@ -550,7 +550,7 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
     has 4 units of its own: 16 against 4. Levelling hands sender 1 the last 6 units of receiver 0's
     segment (rows cut where the two meet), 10 and 10, the moved rows right after the kept ones."""
     from weightsync.engine.plan.levelling import balance
-    from weightsync.engine.plan.schedule import Schedule, Segment
+    from weightsync.engine.plan.work import Schedule, Segment
     from weightsync.engine.plan.sources import Piece
 
     link, row = LinkModel(net_bw=1e9, per_transfer_s=0.0), 1024  # bytes per row; a unit is 256 rows
@@ -571,7 +571,7 @@ def test_levelling_moves_the_tail_of_a_segment_cut_at_a_row():
 
 
 def _flexible_segment(receiver, units, sender, cands, start=0.0):
-    from weightsync.engine.plan.schedule import Segment
+    from weightsync.engine.plan.work import Segment
     from weightsync.engine.plan.sources import Piece
 
     n = units << 20
@@ -587,7 +587,7 @@ def test_spreading_moves_a_receivers_second_segment_to_a_sender_with_no_lane_to_
     segment moves to sender 2: receiver 0's largest lane is then 3 units, not 4, and no port is busier
     than sender 0 was. The moved segment keeps its start."""
     from weightsync.engine.plan.levelling import spread
-    from weightsync.engine.plan.schedule import Schedule
+    from weightsync.engine.plan.work import Schedule
 
     link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
     segments = [_flexible_segment(0, 3, 0, {0, 1, 2}), _flexible_segment(0, 1, 0, {0, 1, 2}, start=0.5),
@@ -603,7 +603,7 @@ def test_spreading_never_makes_a_lane_or_a_port_larger():
     """As above, but sender 2 already sends receiver 0 three units of its own (a lane as large as
     sender 0's would become) and sender 1 would end busier than sender 0 was: nothing moves."""
     from weightsync.engine.plan.levelling import spread
-    from weightsync.engine.plan.schedule import Schedule
+    from weightsync.engine.plan.work import Schedule
 
     link = LinkModel(net_bw=1e9, per_transfer_s=0.0)
     segments = [_flexible_segment(0, 3, 0, {0, 1, 2}), _flexible_segment(0, 1, 0, {0, 1, 2}, start=0.5),
@@ -617,7 +617,7 @@ def test_levelling_never_cuts_what_cannot_be_cut():
     """A segment of one piece that cannot be split (no row size) either moves whole or stays, even with
     no floor on a part's size: 3 units against 0 moves nothing (whole, it would end at 3 too)."""
     from weightsync.engine.plan.levelling import balance
-    from weightsync.engine.plan.schedule import Schedule, Segment
+    from weightsync.engine.plan.work import Schedule, Segment
     from weightsync.engine.plan.sources import Piece
 
     link, n = LinkModel(net_bw=1e9, per_transfer_s=0.0), 3 << 20

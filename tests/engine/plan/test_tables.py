@@ -65,7 +65,7 @@ def test_a_gatherers_pieces_take_their_place_in_its_table_when_it_has_gathered_t
     at 2.5, after what starts sooner; big at 24, last), the others at their start, each kept in
     schedule order at a tie; sender 1 gathers nothing and keeps the schedule's order."""
     from weightsync.engine.plan import LinkClass, LinkModel
-    from weightsync.engine.plan.schedule import Schedule, Segment
+    from weightsync.engine.plan.work import Schedule, Segment
     from weightsync.engine.plan.tables import build_tables
 
     def seg(sender, receiver, name, start):
@@ -92,7 +92,7 @@ def test_pieces_of_gathers_the_schedule_chose_take_their_place_when_their_window
     time it says; a piece of the same parameter with other candidates (its sender's own rows, no
     gather) keeps its start."""
     from weightsync.engine.plan import LinkClass, LinkModel
-    from weightsync.engine.plan.schedule import Schedule, Segment
+    from weightsync.engine.plan.work import Schedule, Segment
     from weightsync.engine.plan.tables import build_tables
 
     full, own = (0, 1), (0,)
