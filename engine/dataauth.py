@@ -27,6 +27,8 @@ import logging
 import os
 from typing import Iterable, Mapping, Optional
 
+from .logs import Repeats
+
 log = logging.getLogger("weightsync")
 
 NONCE_BYTES = 16
@@ -71,6 +73,7 @@ class DataGuard:
         self.refused = 0
         self.recent: collections.deque[str] = collections.deque(maxlen=16)
         self.listeners: list = []  # called when the open regions change (a transport stops writes in progress)
+        self.logged = Repeats(log)
 
     def __repr__(self) -> str:
         return f"<DataGuard senders={sorted(self.keys)} open={sorted(self.open or ())} refused={self.refused}>"
@@ -103,7 +106,8 @@ class DataGuard:
             return f"region {region} is not open for writing (open: {sorted(self.open)})"
         return None
 
-    def refuse(self, peer: str, why: str) -> None:
+    def refuse(self, peer: str, why: str, kind: str = "") -> None:
+        """Count and log a refusal; repeats of one ``kind`` from one address are aggregated (``Repeats``)."""
         self.refused += 1
         self.recent.append(f"{peer}: {why}")
-        log.warning("data plane: refused %s: %s", peer, why)
+        self.logged.log((peer.rpartition(":")[0], kind or why), f"data plane: refused {peer}: {why}")

@@ -60,6 +60,10 @@ class TransportOptions:
     device: str = "cpu"
     uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
     busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
+    connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
+    handshake_timeout_s: float = 5.0  # a target closes a connection that has not proven a key by then
+    max_unauthenticated: int = 64  # connections waiting to prove a key at once (a newcomer evicts the oldest)
+    max_unauthenticated_per_address: int = 16  # of them, from one address
 
 
 @dataclasses.dataclass
@@ -79,13 +83,35 @@ class EpochCounts:
     def __init__(self) -> None:
         self._counters: dict[tuple[int, int], SourceCounters] = {}
         self.closed_epoch = -1
+        self.open_epoch: Optional[int] = None  # the round the receiver began (None: none yet)
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {src: c for (src, e), c in self._counters.items() if e == epoch}
 
+    def strays(self, epoch: int) -> dict[int, list[int]]:
+        """Sources whose writes landed under a round other than ``epoch`` that is not closed either:
+        source rank -> those epochs. A fence of ``epoch`` fails on any (a write under a future round
+        would otherwise be committed as this one). Refused writes are not counted here: they are
+        reported at the writer's own fence."""
+        out: dict[int, list[int]] = {}
+        for (src, e), c in sorted(self._counters.items()):
+            if e != epoch and e > self.closed_epoch and c.count:
+                out.setdefault(src, []).append(e)
+        return out
+
+    def begin_epoch(self, epoch: int) -> None:
+        """The receiver began round ``epoch``: from now until it closes, writes of another round are refused."""
+        self.open_epoch = epoch
+
     def close_epoch(self, epoch: int) -> None:
         self.closed_epoch = max(self.closed_epoch, epoch)
+        if self.open_epoch is not None and self.open_epoch <= self.closed_epoch:
+            self.open_epoch = None
         self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
+
+    def wrong_epoch(self, epoch: int) -> bool:
+        """A write of ``epoch`` that may not land now: another round than the open one."""
+        return self.open_epoch is not None and epoch != self.open_epoch
 
     def count(self, source: int, epoch: int) -> SourceCounters:
         """The counters of ``source`` for round ``epoch`` (made on first use)."""
@@ -163,6 +189,12 @@ class Transport(Protocol):
 
     async def settle(self) -> None:
         """Target side: make landed bytes visible in the registered buffers (a no-op for most)."""
+
+    def strays(self, epoch: int) -> dict[int, list[int]]:
+        """Target side: sources that wrote under an open round other than ``epoch`` (``EpochCounts.strays``)."""
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Target side: round ``epoch`` began here; writes of any other round are refused until it closes."""
 
     def close_epoch(self, epoch: int) -> None:
         """Target side: round ``epoch`` and every earlier one are over: drop their late writes, forget them."""

@@ -96,11 +96,12 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.plan_cache = PlanCache()  # what the last plan resolved (the planning thread's own; one plan at a time)
         self.plan: Optional[RoutingPlan] = None
         self.plan_error: Optional[PlanError] = None
-        self.plan_members: frozenset[tuple[Role, int]] = frozenset()
-        self.plan_sessions: frozenset[bytes] = frozenset()  # a rejoin is a new session: it needs a plan
+        # the plan's members by session: its messages, rounds and keys go to these sessions, no others
+        self.plan_sessions: dict[tuple[Role, int], bytes] = {}
         self.planned_once = False
         self.reports: list[RoundReport] = []
-        self.committed: Optional[int] = None
+        self.committed: Optional[int] = None  # the newest version a receiver said it applied
+        self.commit_sent = -1  # the newest version the controller told to commit (never reused)
         self.round: Optional[RoundState] = None
         self._plan_ids = 0
         self._messages = MessageCache()  # the data-plane keys' secret, and what the last plan's messages made
@@ -117,6 +118,10 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self._chan: Optional[ControlChannel] = None
         self.timeline = Timeline()  # per version: when each round message was sent / received
         self.spinner = Spinner(options.spin)
+
+    @property
+    def plan_members(self) -> frozenset[tuple[Role, int]]:
+        return frozenset(self.plan_sessions)
 
     def __repr__(self) -> str:
         return (f"<Controller {self.address} peers={len(self.peers)} plan={self.plan.plan_id if self.plan else None} "
@@ -311,7 +316,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         if hello.committed is not None and (self.committed is None or hello.committed > self.committed):
             # a restarted controller learns how far the workers got: no round may go back behind it
             log.info("controller: %s reports v%d committed", peer.name, hello.committed)
-            self.committed = hello.committed
+            self._learn_committed(hello.committed)
         welcome = m.Welcome(f"{peer.name}@{self.address}", PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
                             int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum",),
                             self.committed)
@@ -337,9 +342,15 @@ class Controller(Planner, RoundRunner, AsyncResource):
 
     # --- rounds -----------------------------------------------------------------------------------
 
+    def _learn_committed(self, version: int) -> None:
+        """``version`` is applied by a receiver: it is the committed version from now on (never lower)."""
+        if self.committed is None or version > self.committed:
+            self.committed = version
+            self._wake()
+
     def _check_version(self, version: int) -> None:
-        floor = max([v for v in (self.committed, self.round.version if self.round else None) if v is not None],
-                    default=-1)
+        floor = max([v for v in (self.committed, self.commit_sent, self.round.version if self.round else None)
+                     if v is not None], default=-1)
         if version <= floor:
             raise ConfigError("version", f"version {version} is not newer than {floor}: versions only move forward")
 
@@ -350,16 +361,21 @@ class Controller(Planner, RoundRunner, AsyncResource):
         except ConfigError as exc:
             await self._send(peer, m.Error(m.ErrorCode.BAD_REQUEST, str(exc), "version", version), version=version)
             return
+        if self.plan_error is not None and self.plan_sessions.get(peer.key) == peer.identity:
+            await self._send(peer, m.Error(m.ErrorCode.PLAN, str(self.plan_error), self.plan_error.param or "", version),
+                             version=version)  # no plan can be made for these members: the push never starts
+            return
         self.pushes.add(peer.identity, version, time.monotonic())
         await self._refuse_dead_pushes()
         self._maybe_start_rounds()
 
     def _planned_senders(self) -> set[bytes]:
-        """The sessions of the current plan's senders: a push counts only from the session that made it."""
-        return {i for i in self.plan_sessions if i in self.peers and self.peers[i].hello.role is Role.SENDER}
+        """The sessions of the current plan's senders: a push counts only from the session that made it,
+        and a planned session that is gone never pushes (its plan is replaced first)."""
+        return {i for (role, _), i in self.plan_sessions.items() if role is Role.SENDER}
 
     def _maybe_start_rounds(self) -> None:
-        if self._round_task is not None or not self._ready.is_set() or self.plan is None:
+        if self._round_task is not None or not self._ready.is_set() or self.plan is None or not self._plan_live():
             return
         while (version := self.pushes.complete(self._planned_senders())) is not None:
             self.pushes.forget(version)
@@ -381,14 +397,14 @@ class Controller(Planner, RoundRunner, AsyncResource):
     async def _on_error(self, peer: Peer, env: Envelope) -> None:
         log.warning("controller: %s reports %s: %s", peer.name, env.body.code.name, env.body.text)
         rnd = self._round_of(env.body.version)
-        if rnd is not None and peer.key in self.plan_members:
+        if rnd is not None and self._in_plan(peer):
             rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {env.body.text}", self._culprit(peer, env.body))
 
     def _culprit(self, peer: Peer, error: m.Error) -> str:
         """Who failed: a data-plane error names the planned peer whose end failed (``field``:
         "receiver/3" when the connection to it broke or it refused our writes); otherwise the reporter."""
         role, _, rank = error.field.partition("/")
-        if error.code == m.ErrorCode.TRANSPORT and role in ("sender", "receiver") and rank.isdigit() and (Role(role), int(rank)) in self.plan_members:
+        if error.code == m.ErrorCode.TRANSPORT and role in ("sender", "receiver") and rank.isdigit() and (Role(role), int(rank)) in self.plan_sessions:
             return error.field
         return peer.name
 
@@ -421,7 +437,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
             self._sender_plans.clear()
         (log.info if why.startswith("left") else log.warning)("controller: %s dropped: %s", peer.name, why)
         rnd = self.round
-        if rnd is not None and peer.key in self.plan_members:
+        if rnd is not None and self._in_plan(peer):
             if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", peer.name):
                 rnd.drop(peer.hello.role, peer.hello.rank)
         self._maybe_plan()
@@ -436,13 +452,6 @@ class Controller(Planner, RoundRunner, AsyncResource):
         if peer.session.state is State.CLOSED:
             self.peers.pop(peer.identity, None)
             self.by_rank.pop(peer.key, None)
-
-    async def _send_to(self, key: tuple[Role, int], body: m.Message, *, version: Optional[int] = None) -> None:
-        identity = self.by_rank.get(key)
-        if identity is None:
-            raise RoundAborted(version or 0, m.AbortReason.PEER_LOST, f"{key[0].value}/{key[1]} is gone",
-                               f"{key[0].value}/{key[1]}")
-        await self._send(self.peers[identity], body, version=version)
 
     async def _command(self, identity: bytes, env: Envelope) -> None:
         cmd, args = env.body.command, env.body.args if isinstance(env.body.args, dict) else {}

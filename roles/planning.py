@@ -29,6 +29,8 @@ from weightsync.wire.errors import InvalidMessage
 from weightsync.wire import messages as m
 from weightsync.wire.splice import PartsEncoder
 
+from .admission import participants
+
 if TYPE_CHECKING:
     from .controller import Peer
 
@@ -43,58 +45,80 @@ class Planner:
             return
         if any(p.session.state is State.PLAN_RECEIVED for p in self.peers.values()):
             return  # a plan may only follow an acknowledged one; the ack will call us again
-        members = frozenset(self.by_rank)
-        sessions = frozenset(self.peers)
-        if sessions == self.plan_sessions and (self.plan is not None or self.plan_error is not None):
+        members = {p.key: p.identity for p in self.peers.values()}
+        if members == self.plan_sessions and (self.plan is not None or self.plan_error is not None):
             return
         counts = {role: sum(1 for r, _ in members if r is role) for role in Role}
         if not self.planned_once and any(counts[r] < self.expected[r] for r in Role):
             return  # the first plan waits for everyone configured
         if counts[Role.SENDER] == 0 or counts[Role.RECEIVER] == 0:
+            if self.plan is not None or self.plan_error is not None:
+                log.info("controller: waiting for members to plan with (%d senders, %d receivers joined)",
+                         counts[Role.SENDER], counts[Role.RECEIVER])
+            self.plan, self.plan_error, self.plan_sessions = None, None, members
+            self._ready.clear()
             return  # nothing to plan: wait for members
         self._ready.clear()
-        self._planning = asyncio.ensure_future(self._plan(members, sessions))
+        self._planning = asyncio.ensure_future(self._plan())
 
-    async def _plan(self, members: frozenset, sessions: frozenset) -> None:
-        senders, receivers = self._participants()
+    async def _plan(self) -> None:
+        """Plan for the members joined now, held by session: the plan goes to exactly these sessions,
+        and one that changed while the plan was made (a member left, or came back as a new session)
+        makes it void: it is planned again, never installed with a session it was not made for."""
+        peers = list(self.peers.values())
+        members = {p.key: p.identity for p in peers}  # (the sessions the plan and its keys bind)
+        senders, receivers = participants(p.hello for p in peers)
         self._sync_catalog()
         index = self.catalog.lend()  # (the senders' index kept as they joined: the thread reads, the catalog copies)
         self._plan_ids += 1
         plan_id = self._plan_ids
-        identities = {peer.key: peer.identity for peer in self.peers.values()}  # (the sessions the keys bind)
         try:
-            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, identities,
+            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, members,
                                                       index)
         except PlanError as exc:
-            log.error("controller: cannot plan: %s", exc)
-            self.plan, self.plan_error, self.plan_members, self.plan_sessions = None, exc, members, sessions
-            for peer in self.peers.values():
-                await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
             self._planning = None
+            if self._members_changed(members):
+                self._maybe_plan()
+                return
+            log.error("controller: cannot plan: %s", exc)
+            self.plan, self.plan_error, self.plan_sessions = None, exc, members
+            for peer in list(self.peers.values()):
+                await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
+            self._wake()
+            await self._refuse_dead_pushes()
+            return
+        if self._members_changed(members):
+            log.info("controller: plan %d is void: the members changed while it was made; planning again", plan_id)
+            self._planning = None
+            self._maybe_plan()
             return
         self.plan, self.plan_error, self.planned_once = routing, None, True
-        self.plan_members, self.plan_sessions = members, sessions
+        self.plan_sessions = members
         self._acks_pending = set()
         self._sender_plans = {}
-        for peer in list(self.peers.values()):
-            prepared = bodies.get(peer.key)
-            if prepared is None or identities.get(peer.key) != peer.identity:
-                continue  # joined (or rejoined) while the plan was made: the sessions differ, the next plan has it
-            self._acks_pending.add(peer.key)
+        for key, identity in sorted(members.items()):
+            peer = self.peers[identity]
+            prepared = bodies[key]
+            self._acks_pending.add(key)
             if peer.hello.role is Role.SENDER:
-                self._sender_plans[peer.identity] = prepared
+                self._sender_plans[identity] = prepared
             else:
                 await self._send(peer, prepared[0], body_frame=prepared[1])
         await self._send_sender_plans()
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
 
+    def _members_changed(self, members: Mapping[tuple[Role, int], bytes]) -> bool:
+        """Whether the sessions joined now differ from ``members`` (one left, joined or rejoined)."""
+        return {p.key: p.identity for p in self.peers.values()} != dict(members)
+
     def _plan_and_encode(self, senders, receivers, plan_id: int, identities, index) -> tuple[RoutingPlan, dict]:
         """In the planning thread: the routing tables (from the catalog's lent ``index``), then every
         member's message (``plan_messages``), its keys bound to the members' sessions (``identities``)."""
         routing = plan(senders, receivers, self.options.link, self.options.plan, {}, plan_id, self.options.mapping,
                        self.plan_cache, index)
-        return routing, plan_messages(routing, self.options.limits, sessions=identities, cache=self._messages)
+        return routing, plan_messages(routing, self.options.limits, sessions=identities, cache=self._messages,
+                                      committed=self.committed)
 
     async def _send_sender_plans(self) -> None:
         """Senders get their tables (and connect) only once every receiver has acknowledged its own:
@@ -165,7 +189,8 @@ _NO_KEYS = _SenderKeys(b"", (), (), (), [])
 
 def plan_messages(routing: RoutingPlan, limits: Limits = DEFAULT_LIMITS, secret: Optional[bytes] = None,
                   sessions: Mapping[tuple[Role, int], bytes] = {},
-                  cache: Optional[MessageCache] = None) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
+                  cache: Optional[MessageCache] = None,
+                  committed: Optional[int] = None) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     """Every member's ``Plan`` message and its body frame, encoded (in the planning thread, off the
     event loop: at 1,000 ranks that is seconds), with the plan's data-plane keys: one per
     sender/receiver pair it routes, from ``secret`` (the controller's; a fresh one if None) and both
@@ -177,11 +202,12 @@ def plan_messages(routing: RoutingPlan, limits: Limits = DEFAULT_LIMITS, secret:
         cache = MessageCache(secret)
     elif secret is not None and secret != cache.secret:
         raise ValueError("plan_messages: the cache holds keys of another secret")
-    return collector_paused(_plan_messages, routing, limits, cache, sessions)
+    return collector_paused(_plan_messages, routing, limits, cache, sessions, committed)
 
 
 def _plan_messages(routing: RoutingPlan, limits: Limits, cache: MessageCache,
-                   sessions: Mapping[tuple[Role, int], bytes]) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
+                   sessions: Mapping[tuple[Role, int], bytes],
+                   committed: Optional[int] = None) -> dict[tuple[Role, int], tuple[m.Plan, bytes]]:
     bodies: dict[tuple[Role, int], m.Plan] = {}
     keys_of: dict[int, list[m.DataKey]] = {r: [] for r in routing.receivers}  # receiver -> its senders' keys
     theirs = {r: sessions.get((Role.RECEIVER, r), b"") for r in routing.receivers}
@@ -192,12 +218,12 @@ def _plan_messages(routing: RoutingPlan, limits: Limits, cache: MessageCache,
             cache.secret, rank, sessions.get((Role.SENDER, rank), b""), peers, tuple([theirs.get(r, b"") for r in peers]))
         for r, key in zip(peers, keys.theirs):
             keys_of[r].append(key)
-        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, keys.mine)
+        bodies[(Role.SENDER, rank)] = m.Plan(routing.plan_id, table, None, keys.mine, committed)
     receivers = {}
     for rank, rtable in routing.receivers.items():  # (a receiver's senders are exactly those whose peers name it)
         keys, last = tuple(keys_of[rank]), cache.receivers.get(rank, ())
         receivers[rank] = keys = last if len(last) == len(keys) and all(map(operator.is_, keys, last)) else keys
-        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, keys)
+        bodies[(Role.RECEIVER, rank)] = m.Plan(routing.plan_id, None, rtable, keys, committed)
     cache.senders, cache.receivers = senders, receivers
     out = {}
     for (role, rank), body in bodies.items():

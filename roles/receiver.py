@@ -98,6 +98,7 @@ class WeightReceiver(Worker):
         self.rounds_aborted = 0
         self.rounds_one_phase = 0  # of the committed rounds, those fenced and committed in one exchange
         self._pending: Optional[int] = None
+        self.prepared: Optional[int] = None  # a version verified at its fence whose commit has not come yet
         self._algo = ""
         self._version_changed = asyncio.Event()
 
@@ -148,7 +149,9 @@ class WeightReceiver(Worker):
     def _open_regions(self, round_open: bool) -> None:
         """What senders may write into now (``weightsync.engine.dataauth``): a shadow receiver's landing slot and
         never its live one; an in-place receiver's live region only while a round it began is open."""
-        if self.mode == "shadow":
+        if self.prepared is not None:  # a verified version whose outcome is not known yet: nothing may touch it
+            self.transport.guard.open_regions(())
+        elif self.mode == "shadow":
             self.transport.guard.open_regions({REGION + self.landing_slot})
         else:
             self.transport.guard.open_regions({REGION} if round_open else ())
@@ -163,6 +166,8 @@ class WeightReceiver(Worker):
         while self.version is None or self.version < version:
             if self.lost is not None:
                 raise self.lost
+            if self.plan_error is not None:
+                raise self.plan_error
             self._version_changed.clear()
             await self._version_changed.wait()
         return self.version
@@ -172,7 +177,12 @@ class WeightReceiver(Worker):
 
     # --- protocol handlers ------------------------------------------------------------------------
 
+    def _on_plan_error(self, exc: BaseException) -> None:
+        self._version_changed.set()  # (wait_for raises it)
+
     async def _on_plan(self, env: Envelope) -> None:
+        self.plan_error = None
+        await self._settle_prepared(env.body.committed)
         self.table = env.body.receiver
         self._expected: dict[int, tuple[int, int]] = {}  # sender -> (writes, bytes), fixed for this plan
         for e in self.table.entries:
@@ -181,8 +191,27 @@ class WeightReceiver(Worker):
         self.transport.guard.authorize({k.rank: k.key for k in env.body.keys})  # the plan's senders, no one else
         await self._send(m.PlanAck(env.body.plan_id, True, ""))
 
+    async def _settle_prepared(self, committed: Optional[int]) -> None:
+        """A version this receiver verified but whose commit it never heard (its session was lost after
+        the fence, or the controller restarted) is applied if the controller says it committed, and
+        dropped otherwise; a version that reached its fence is never run again (PROTOCOL.md)."""
+        version, self.prepared = self.prepared, None
+        if version is None:
+            return
+        if committed == version and (self.version is None or version > self.version):
+            log.info("%s: v%d was committed while this session was lost: applying it", self.name, version)
+            await self._apply(version, ack=False)
+            return
+        log.info("%s: v%d was not committed (the controller's committed version is v%s): dropped",
+                 self.name, version, committed)
+        self.rounds_aborted += 1
+        if self.mode == "inplace":
+            await call_hook(self.after_update, version, False)
+
     async def _on_begin(self, env: Envelope) -> None:
-        self._pending = env.body.version  # writes may have started already: they count under this epoch
+        self.prepared = None  # (a new round: the landing slot is written again)
+        self._pending = env.body.version
+        self.transport.begin_epoch(self._pending)  # writes of any other round are refused from now  # writes may have started already: they count under this epoch
         self._algo = env.body.checksum
         self._spin(True)
         if self.mode == "inplace":  # serving may take a while to pause: wait off the receive loop, which
@@ -226,7 +255,7 @@ class WeightReceiver(Worker):
         unproven = await self._await_proofs(body.checksums)
         self.timeline.mark(version, "proofs:checked")
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
-        problems, names = self._check_arrivals(body.checksums)
+        problems, names, blame = self._check_arrivals(body.checksums)
         if unproven:
             problems += [f"sender/{src}: {why}" for src, why in sorted(unproven.items())]
             names = sorted({*names, *(e.name for e in self.table.entries if e.src_rank in unproven)})
@@ -236,7 +265,9 @@ class WeightReceiver(Worker):
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")
                 names = bad
         received = sum(s.nbytes for s in body.checksums)
-        return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems))
+        if not problems:
+            self.prepared = version
+        return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems), blame)
 
     async def _await_proofs(self, summaries: tuple[m.WriteSummary, ...]) -> dict[int, str]:
         """Senders that announced their writes before they completed sent a delivery proof: wait until
@@ -249,14 +280,18 @@ class WeightReceiver(Worker):
             return {src: f"sent a delivery proof that transport {self.transport.kind!r} cannot check" for src in proofs}
         return await check(proofs, self.options.proof_timeout_s)
 
-    def _check_arrivals(self, summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str]]:
+    def _check_arrivals(self, summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str], str]:
         """Every sender in our table reported what the table says; where the transport observes
-        incoming writes (TCP), what landed matches too. One-sided transports rely on the report plus
-        the senders' fences, and checksums check the content."""
+        incoming writes (TCP), what landed matches too, and nothing landed under another round's epoch.
+        One-sided transports rely on the report plus the senders' fences, and checksums check the
+        content. Returns the problems, the parameters affected and the sender to blame ("" if none)."""
         reported = {s.peer_rank: (s.count, s.nbytes) for s in summaries}
         observed = self.transport.counters(self._pending)
         problems: list[str] = []
         bad_src: set[int] = set()
+        for src, epochs in sorted(self.transport.strays(self._pending).items()):
+            problems.append(f"sender/{src} wrote under round(s) {epochs[:3]} during round {self._pending}")
+            bad_src.add(src)
         for src, (count, nbytes) in sorted(self._expected.items()):
             if reported.get(src, (0, 0)) != (count, nbytes):
                 problems.append(f"sender/{src} reported {reported.get(src, (0, 0))}, expected {(count, nbytes)}")
@@ -267,7 +302,8 @@ class WeightReceiver(Worker):
                                 f"{count}/{nbytes} {'; '.join(c.errors[:3])}")
                 bad_src.add(src)
         names = sorted({e.name for e in self.table.entries if e.src_rank in bad_src}) if bad_src else []
-        return problems, names
+        blame = f"sender/{min(bad_src)}" if len(bad_src) == 1 else ""
+        return problems, names, blame
 
     def _check_checksums(self, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
         expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
@@ -281,7 +317,10 @@ class WeightReceiver(Worker):
     async def _on_commit(self, env: Envelope) -> None:
         await self._apply(env.body.version)
 
-    async def _apply(self, version: int) -> None:
+    async def _apply(self, version: int, ack: bool = True) -> None:
+        """Make ``version`` live; ``ack``: say so with ``commit_ack`` (not for a prepared version
+        settled at a plan, outside any round)."""
+        self.prepared = None
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
@@ -298,7 +337,8 @@ class WeightReceiver(Worker):
                 await call_hook(self.after_update, version, True)
         finally:
             self._spin(False)
-            await self._send(m.CommitAck(version, True, ""), version=version)
+            if ack:
+                await self._send(m.CommitAck(version, True, ""), version=version)
 
     def _swap(self) -> None:
         """Make the landing buffer's bytes live; the next version lands in the old live memory.
@@ -334,6 +374,7 @@ class WeightReceiver(Worker):
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
         self._cancel_begin()
+        self.prepared = None
         self.transport.close_epoch(body.version)
         self._open_regions(False)
         self._pending = None
@@ -355,9 +396,10 @@ class WeightReceiver(Worker):
         receiver stays ``dirty`` until a later round repairs it)."""
         self._cancel_begin()
         if self._pending is not None:
-            self.transport.close_epoch(self._pending)
-            if self.mode == "inplace":  # serving paused at begin: let it resume
-                asyncio.ensure_future(call_hook(self.after_update, self._pending, False))
+            self.transport.close_epoch(self._pending)  # (no more writes land; a prepared landing slot stays)
+            if self.prepared != self._pending:  # not verified: nothing of it can ever be applied
+                if self.mode == "inplace":  # serving paused at begin: let it resume
+                    asyncio.ensure_future(call_hook(self.after_update, self._pending, False))
+                self.rounds_aborted += 1
             self._pending = None
-            self.rounds_aborted += 1
         self._open_regions(False)

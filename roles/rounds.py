@@ -17,11 +17,16 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+import zmq
 
 from weightsync.engine.errors import ConfigError, RoundAborted
-from weightsync.wire import Origin, Role
+from weightsync.wire import Envelope, Origin, Role
 from weightsync.wire import messages as m
+
+if TYPE_CHECKING:
+    from .controller import Peer
 
 log = logging.getLogger("weightsync")
 
@@ -98,12 +103,13 @@ class RoundState:
         self.writes[rank] = body
         self._maybe("writes_done", set(self.writes) >= self.senders)
 
-    def on_fence_ack(self, rank: int, body: m.FenceAck) -> None:
+    def on_fence_ack(self, rank: int, body: m.FenceAck, blame: str = "") -> None:
+        """``blame``: the sender the receiver's failed verification names (else the receiver is blamed)."""
         self.fence_acks[rank] = body
         if not body.ok:
             self.abort(m.AbortReason.CHECKSUM_MISMATCH,
                        f"receiver/{rank} failed verification: {body.text} {list(body.mismatches)[:5]}",
-                       f"receiver/{rank}")
+                       blame or f"receiver/{rank}")
             return
         if self.one_phase:  # the receiver applies on its own verdict: from here the round cannot abort
             self.committed = True
@@ -170,23 +176,38 @@ class RoundState:
                 total += s.nbytes
         stages["sender_stage_max"] = max((b.stage_s for b in self.writes.values()), default=0.0)
         stages["sender_write_max"] = max((b.write_s for b in self.writes.values()), default=0.0)
-        ok = self.aborted is None
+        failed = self.aborted
+        if failed is None and not self.applied:  # told to commit, but no receiver said it applied
+            failed = RoundAborted(self.version, m.AbortReason.PEER_LOST,
+                                  "commit sent, but no receiver acknowledged applying it", "")
+        ok = failed is None
         return RoundReport(
             version=self.version, ok=ok, nbytes=total, seconds=end - self.t0, stages=stages, links=links,
-            reason="" if ok else getattr(self.aborted.reason, "name", str(self.aborted.reason)) + ": " + self.aborted.text,
-            culprit="" if ok else self.aborted.culprit,
+            reason="" if ok else getattr(failed.reason, "name", str(failed.reason)) + ": " + failed.text,
+            culprit="" if ok else failed.culprit,
         )
 
 
 class RoundRunner:
-    """Mixin of ``Controller``: runs one round at a time over the controller's sessions."""
+    """Mixin of ``Controller``: runs one round at a time over the sessions of the current plan."""
+
+    def _plan_peer(self, key: tuple[Role, int]):
+        """The live session the current plan named for ``key``, or None (it left or was replaced)."""
+        identity = self.plan_sessions.get(key)
+        return None if identity is None else self.peers.get(identity)
+
+    def _plan_live(self) -> bool:
+        return bool(self.plan_sessions) and all(i in self.peers for i in self.plan_sessions.values())
+
+    def _in_plan(self, peer: "Peer") -> bool:
+        return self.plan_sessions.get(peer.key) == peer.identity
 
     def _start_round(self, version: int) -> None:
-        if self.plan is None or not self._ready.is_set() or self._round_task is not None:
-            raise ConfigError("round", "no acknowledged plan yet, or a round is already running")
+        if self.plan is None or not self._ready.is_set() or self._round_task is not None or not self._plan_live():
+            raise ConfigError("round", "no acknowledged plan with every member present yet, or a round is running")
         self._check_version(version)  # never a round that is not newer than the committed version
-        senders = {r for role, r in self.plan_members if role is Role.SENDER}
-        receivers = {r for role, r in self.plan_members if role is Role.RECEIVER}
+        senders = {r for role, r in self.plan_sessions if role is Role.SENDER}
+        receivers = {r for role, r in self.plan_sessions if role is Role.RECEIVER}
         self.round = RoundState(version, self.plan.plan_id, senders, receivers, self.options.checksum)
         self.timeline.mark(version, "round:start", self.round.t0)
         self.spinner.hold()
@@ -197,15 +218,21 @@ class RoundRunner:
             await self._round_steps(rnd)
         except RoundAborted as exc:
             rnd.abort(exc.reason, exc.text, exc.culprit)  # no-op when the round recorded it already
-            await self._send_aborts(rnd)
+        except asyncio.CancelledError:
+            rnd.abort(m.AbortReason.SHUTDOWN, "controller shutting down", "controller")
+            raise
+        except Exception as exc:  # a bug of ours must never pass for a commit: abort, and say so
+            log.exception("controller: round v%d failed", rnd.version)
+            rnd.abort(m.AbortReason.CANCELLED, f"controller failed running the round: {exc!r}", "controller")
         finally:
-            report = rnd.report()
-            self._finish_round(rnd, report)
+            if rnd.aborted is not None:
+                await asyncio.shield(self._send_aborts(rnd))
+            self._finish_round(rnd, rnd.report())
 
     async def _round_steps(self, rnd: RoundState) -> None:
         deadline = self.options.round_timeout_s
-        landing = tuple(m.Slot(r, self.peers[self.by_rank[(Role.RECEIVER, r)]].slot)
-                        for r in sorted(rnd.receivers) if (Role.RECEIVER, r) in self.by_rank)
+        landing = tuple(m.Slot(r, self._plan_peer((Role.RECEIVER, r)).slot)
+                        for r in sorted(rnd.receivers) if self._plan_peer((Role.RECEIVER, r)) is not None)
         receivers = [(Role.RECEIVER, r) for r in sorted(rnd.receivers)]
         senders = [(Role.SENDER, r) for r in sorted(rnd.senders)]
         gated = self._gated(rnd)
@@ -225,8 +252,9 @@ class RoundRunner:
         await self._stage(rnd, "fenced", deadline)
         rnd.stage = "committing"
         rnd.committed = True
-        for key in sorted(self.plan_members):
-            if key in self.by_rank and not (rnd.one_phase and key[0] is Role.RECEIVER):
+        self.commit_sent = max(self.commit_sent, rnd.version)  # (a version told to commit is never reused)
+        for key in sorted(self.plan_sessions):
+            if self._plan_peer(key) is not None and not (rnd.one_phase and key[0] is Role.RECEIVER):
                 await self._send_to(key, m.Commit(rnd.version), version=rnd.version)
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
@@ -239,36 +267,51 @@ class RoundRunner:
     def _gated(self, rnd: RoundState) -> set[int]:
         """In-place receivers that acknowledge ``begin`` once their ``before_update`` hook has run
         (capability ``begin_ack``): the senders begin after them, so no byte lands while serving runs."""
-        return {r for r in rnd.receivers if (Role.RECEIVER, r) in self.by_rank
-                and "begin_ack" in self.peers[self.by_rank[(Role.RECEIVER, r)]].hello.capabilities}
+        return {r for r in rnd.receivers if (peer := self._plan_peer((Role.RECEIVER, r))) is not None
+                and "begin_ack" in peer.hello.capabilities}
 
     def _one_phase(self, rnd: RoundState) -> bool:
         """A round with a single receiver that can apply on its own verdict needs no second phase:
         nobody else's verdict could still veto it. Saves the commit's round trip."""
         if not self.options.one_phase_commit or len(rnd.receivers) != 1:
             return False
-        peer = self.peers.get(self.by_rank.get((Role.RECEIVER, next(iter(rnd.receivers))), b""))
+        peer = self._plan_peer((Role.RECEIVER, next(iter(rnd.receivers))))
         return peer is not None and "fence_commit" in peer.hello.capabilities
 
     async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(rnd.futures[stage]), deadline)
         except asyncio.TimeoutError:
-            rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s")
+            if not rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s"):
+                missing = sorted(rnd.receivers - rnd.applied)  # committed: whoever applied it has it
+                log.warning("controller: v%d committed; no commit_ack within %ss from receiver(s) %s",
+                            rnd.version, deadline, missing)
+                return
             await rnd.futures[stage]
+
+    async def _send_to(self, key: tuple[Role, int], body: m.Message, *, version: Optional[int] = None) -> None:
+        """Send to the session the plan named for ``key``: never to another session of the same rank."""
+        peer = self._plan_peer(key)
+        name = f"{key[0].value}/{key[1]}"
+        if peer is None:
+            raise RoundAborted(version or 0, m.AbortReason.PEER_LOST, f"{name} (the session planned) is gone", name)
+        await self._send(peer, body, version=version)
 
     async def _send_aborts(self, rnd: RoundState) -> None:
         a = rnd.aborted
         log.warning("controller: %s", a)
-        for key in sorted(self.plan_members):
-            peer = self.peers.get(self.by_rank.get(key, b""))
+        for key in sorted(self.plan_sessions):
+            peer = self._plan_peer(key)
             if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Abort.TYPE):
-                await self._send(peer, m.Abort(rnd.version, a.reason, a.text, a.culprit), version=rnd.version)
+                try:
+                    await self._send(peer, m.Abort(rnd.version, a.reason, a.text, a.culprit), version=rnd.version)
+                except zmq.ZMQError as exc:
+                    log.warning("controller: abort of v%d to %s not sent: %s", rnd.version, peer.name, exc)
 
     def _finish_round(self, rnd: RoundState, report: RoundReport) -> None:
         self.spinner.release()
         if report.ok:
-            self.committed = rnd.version
+            self._learn_committed(rnd.version)
         self.reports.append(report)
         del self.reports[:-self.options.keep_reports]
         self.round, self._round_task = None, None
@@ -297,24 +340,39 @@ class RoundRunner:
         rnd = self.round
         return rnd if rnd is not None and version == rnd.version else None
 
-    async def _on_begin_ack(self, peer: Any, env: Any) -> None:
-        rnd = self._round_of(env.body.version)
+    def _round_for(self, peer: "Peer", version: Optional[int]) -> Optional[RoundState]:
+        """The running round, if ``version`` is its version and ``peer`` the session the plan named."""
+        rnd = self._round_of(version)
+        return rnd if rnd is not None and self._in_plan(peer) else None
+
+    async def _on_begin_ack(self, peer: "Peer", env: Envelope) -> None:
+        rnd = self._round_for(peer, env.body.version)
         if rnd is not None:
             rnd.on_begin_ack(peer.hello.rank)
 
-    async def _on_writes_done(self, peer: Any, env: Any) -> None:
-        rnd = self._round_of(env.body.version)
+    async def _on_writes_done(self, peer: "Peer", env: Envelope) -> None:
+        rnd = self._round_for(peer, env.body.version)
         if rnd is not None:
             rnd.on_writes_done(peer.hello.rank, env.body)
 
-    async def _on_fence_ack(self, peer: Any, env: Any) -> None:
-        rnd = self._round_of(env.body.version)
+    async def _on_fence_ack(self, peer: "Peer", env: Envelope) -> None:
+        rnd = self._round_for(peer, env.body.version)
         if rnd is not None:
-            rnd.on_fence_ack(peer.hello.rank, env.body)
+            rnd.on_fence_ack(peer.hello.rank, env.body, self._blamed(env.body))
 
-    async def _on_commit_ack(self, peer: Any, env: Any) -> None:
-        rnd = self._round_of(env.body.version)
+    async def _on_commit_ack(self, peer: "Peer", env: Envelope) -> None:
+        rnd = self._round_for(peer, env.body.version)
         if rnd is not None:
             if "slots:2" in peer.hello.capabilities and env.body.applied:
                 peer.slot = 1 - peer.slot  # it swapped: next round lands in the other buffer
             rnd.on_commit_ack(peer.hello.rank)
+            if env.body.applied:
+                self._learn_committed(rnd.version)  # a receiver serves it: committed, whatever comes next
+
+    def _blamed(self, ack: m.FenceAck) -> str:
+        """The sender a failed verification blames (its writes were refused, out of bounds or short),
+        if the plan names it; otherwise the receiver is blamed."""
+        role, _, rank = (ack.blame or "").partition("/")
+        if role == Role.SENDER.value and rank.isdigit() and (Role.SENDER, int(rank)) in self.plan_sessions:
+            return ack.blame
+        return ""

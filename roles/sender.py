@@ -20,7 +20,7 @@ import torch
 from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
 from weightsync.engine.datapath.staging import SourceSet, StagingPool, Transform
 from weightsync.engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
-from weightsync.engine.errors import ConfigError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
+from weightsync.engine.errors import ConfigError, ControllerLost, PlanError, RoundAborted, StagingError, TransportError, VersionError, WeightSyncError
 from weightsync.engine.transforms import group_bytes_for
 from weightsync.engine.plan.windows import GATHER_BUDGET_BYTES
 from weightsync.engine.transforms.gather import Gatherer, split_dtensors
@@ -105,6 +105,8 @@ class WeightSender(Worker):
         self._conn_keys: dict[int, tuple[str, bytes]] = {}  # receiver -> (address, pair key) of its connection
         self._handles: dict[int, PushHandle] = {}
         self._round: Optional[asyncio.Task] = None
+        self._plan_task: Optional[asyncio.Task] = None  # connecting and preparing a plan, off the receive loop
+        self._in_doubt: dict[int, PushHandle] = {}  # pushes written, whose commit a lost session did not tell
         self._last_version = -1
         self.committed: Optional[int] = None  # the newest version this sender saw committed
 
@@ -130,9 +132,34 @@ class WeightSender(Worker):
             self._last_version = max(self._last_version, welcome.committed)
 
     def _on_session_lost(self, exc: BaseException) -> None:
+        """A round whose writes were all done may have committed without us hearing it: its handle
+        waits for the next plan, which says (``Plan.committed``); every other push fails now."""
         if self._round is not None and not self._round.done():
             self._round.cancel()
-        self._fail_handles(exc)
+        if self._plan_task is not None and not self._plan_task.done():
+            self._plan_task.cancel()
+        written = self.session.state is State.WRITTEN
+        for version, handle in list(self._handles.items()):
+            if written and handle.released.done() and not handle.released.exception():
+                self._in_doubt[version] = handle
+            else:
+                handle.fail(exc)
+        self._handles.clear()
+
+    def _settle_in_doubt(self, committed: Optional[int]) -> None:
+        """The outcome of pushes whose session was lost after their writes: the plan's committed version."""
+        doubt, self._in_doubt = self._in_doubt, {}
+        for version, handle in doubt.items():
+            if committed is not None and committed == version:
+                self.committed = max(version, self.committed if self.committed is not None else -1)
+                if not handle.committed.done():
+                    handle.committed.set_result(version)
+            elif committed is not None and committed > version:
+                handle.fail(ControllerLost(f"the outcome of v{version} is unknown: the session was lost after its "
+                                           f"writes, and v{committed} has committed since"))
+            else:
+                handle.fail(RoundAborted(version, m.AbortReason.PEER_LOST, f"v{version} did not commit: the session "
+                                         f"was lost after its writes (committed: v{committed})", self.name))
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -145,6 +172,10 @@ class WeightSender(Worker):
     def push_nowait(self, version: int) -> PushHandle:
         if self.lost is not None:
             raise self.lost
+        if self.transport is None:
+            raise ConfigError("push", f"{self.name} is not started: use `async with WeightSender(...)` or await start()")
+        if self.plan_error is not None:
+            raise self.plan_error
         if version <= self._last_version:
             raise VersionError(f"push of version {version}: versions only move forward (last pushed or "
                                f"committed {self._last_version})")
@@ -166,15 +197,23 @@ class WeightSender(Worker):
     # --- protocol handlers ------------------------------------------------------------------------
 
     async def _on_plan(self, env: Envelope) -> None:
+        """Connect and prepare in a task of its own: the receive loop goes on reading (heartbeats, a
+        leave) however long a peer takes to answer (``TransportOptions.connect_timeout_s`` at most)."""
+        self._settle_in_doubt(env.body.committed)
+        self.plan_error = None
         self.table = env.body.sender
         self.plan_id = env.body.plan_id
+        self._plan_task = asyncio.ensure_future(self._take_plan(env.body))
+
+    async def _take_plan(self, body: m.Plan) -> None:
         try:
-            await self._connect_peers(self.table.peers, {k.rank: k.key for k in env.body.keys})
+            await self._connect_peers(self.table.peers, {k.rank: k.key for k in body.keys})
             await asyncio.to_thread(self.sources.prepare, self.table.transfers)
         except WeightSyncError as exc:
-            await self._send(m.PlanAck(self.plan_id, False, str(exc)))
+            log.warning("%s: cannot take plan %d: %s", self.name, body.plan_id, exc)
+            await self._send_if_allowed(m.PlanAck(body.plan_id, False, str(exc)))
             return
-        await self._send(m.PlanAck(self.plan_id, True, ""))
+        await self._send_if_allowed(m.PlanAck(body.plan_id, True, ""))
 
     async def _connect_peers(self, peers: tuple[PeerInfo, ...], keys: Mapping[int, bytes]) -> None:
         """One connection per receiver of the table, proving the plan's key for the pair. A connection
@@ -283,15 +322,21 @@ class WeightSender(Worker):
         super()._on_closed(exc)
         self._fail_handles(exc)
 
+    def _on_plan_error(self, exc: PlanError) -> None:
+        self._spin(False)
+        self._fail_handles(exc)
+
     def _fail_handles(self, exc: BaseException) -> None:
-        for handle in self._handles.values():
+        for handle in [*self._handles.values(), *self._in_doubt.values()]:
             handle.fail(exc)
         self._handles.clear()
+        self._in_doubt.clear()
 
     async def _close_data_plane(self) -> None:
-        if self._round is not None and not self._round.done():
-            self._round.cancel()
-            await asyncio.gather(self._round, return_exceptions=True)
+        for task in (self._round, self._plan_task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for conn in self.conns.values():
             await conn.close()
         self.conns.clear()

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from weightsync.engine.datapath.aio import AsyncResource, Spinner
-from weightsync.engine.errors import ConfigError, ControllerLost, JoinRejected
+from weightsync.engine.errors import ConfigError, ControllerLost, JoinRejected, PlanError
 from weightsync.engine.transport import Transport, TransportOptions, create_transport
 from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
 from weightsync.wire import messages as m
@@ -82,6 +82,7 @@ class Worker(AsyncResource):
         self.transport_info: Optional[TransportInfo] = None
         self.welcome: Optional[m.Welcome] = None
         self.lost: Optional[BaseException] = None
+        self.plan_error: Optional[PlanError] = None  # the controller's word that it cannot plan (until a plan comes)
         self._channel: Optional[ControlChannel] = None
         self._tasks: list[asyncio.Task] = []
         self._rejoining: Optional[asyncio.Task] = None
@@ -318,6 +319,9 @@ class Worker(AsyncResource):
 
     async def _on_error(self, env: Envelope) -> None:
         log.warning("%s: controller reported %s: %s", self.name, env.body.code.name, env.body.text)
+        if env.body.code == m.ErrorCode.PLAN:  # no plan can be made for the members joined now
+            self.plan_error = PlanError(f"the controller cannot plan: {env.body.text}", param=env.body.field or None)
+            self._on_plan_error(self.plan_error)
 
     # --- for subclasses ---------------------------------------------------------------------------
 
@@ -330,6 +334,9 @@ class Worker(AsyncResource):
 
     def _on_welcome(self, welcome: m.Welcome) -> None:
         """A session began (the first, or a rejoin)."""
+
+    def _on_plan_error(self, exc: PlanError) -> None:
+        """The controller cannot plan for the members joined now: fail whatever waits on a plan."""
 
     def _on_session_lost(self, exc: BaseException) -> None:
         """A session ended and another will be joined: fail what it had in flight."""

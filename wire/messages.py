@@ -138,6 +138,9 @@ class Plan(Message):
     sender: Optional[SenderTable]
     receiver: Optional[ReceiverTable]
     keys: Columns[DataKey] = ()
+    committed: Optional[U64] = None  # the controller's committed version as it plans: a worker still holding
+    #                                  the outcome of an older round (it lost its session after the fence,
+    #                                  or the controller restarted) learns it here
 
     def _check(self) -> None:
         if (self.sender is None) == (self.receiver is None):
@@ -256,6 +259,7 @@ class FenceAck(Message):
     nbytes: U64
     mismatches: tuple[str, ...]
     text: str
+    blame: str = ""  # a failed verification caused by one sender's writes (refused, out of bounds, short): "sender/3"
 
 
 @struct

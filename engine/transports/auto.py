@@ -117,6 +117,17 @@ class AutoTransport:
             out.update(child.counters(epoch))
         return out
 
+    def strays(self, epoch: int) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for child in self.children.values():
+            for src, epochs in child.strays(epoch).items():
+                out.setdefault(src, []).extend(epochs)
+        return out
+
+    def begin_epoch(self, epoch: int) -> None:
+        for child in self.children.values():
+            child.begin_epoch(epoch)
+
     def close_epoch(self, epoch: int) -> None:
         for child in self.children.values():
             child.close_epoch(epoch)

@@ -173,6 +173,12 @@ class CudaIpcTransport:
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {}
 
+    def strays(self, epoch: int) -> dict[int, list[int]]:
+        return {}  # (one-sided: writes are not observed here; checksums check the content)
+
+    def begin_epoch(self, epoch: int) -> None:
+        return None
+
     def close_epoch(self, epoch: int) -> None:
         return None
 

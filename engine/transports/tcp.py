@@ -49,7 +49,7 @@ from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
 from ..transport import EpochCounts, TransportOptions, wait_after
 
-from .tcp_agent import AgentProtocol as _AgentProtocol
+from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
 from .tcp_frames import ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, Frames
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class TcpTransport(EpochCounts):
         self.closing = False
         self.address = ""
         self.guard = dataauth.DataGuard()
+        self.door = FrontDoor(options.max_unauthenticated, options.max_unauthenticated_per_address)
 
     def __repr__(self) -> str:
         return (f"<TcpTransport {self.address or 'not started'} regions={len(self.regions)} agents={len(self._agents)} "
@@ -127,13 +128,14 @@ class TcpTransport(EpochCounts):
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        timeout = self.options.connect_timeout_s
         try:
-            await loop.sock_connect(sock, (host.strip("[]"), int(port)))
-        except OSError as exc:
+            await asyncio.wait_for(loop.sock_connect(sock, (host.strip("[]"), int(port))), timeout)
+            nonce = await asyncio.wait_for(_read_challenge(loop, sock, name), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
-            raise TransportError(f"cannot connect to {peer.transport.address}: {exc}", peer=name) from exc
-        try:
-            nonce = await _read_challenge(loop, sock, name)
+            why = f"no challenge within {timeout}s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            raise TransportError(f"cannot connect to {peer.transport.address}: {why}", peer=name) from exc
         except BaseException:
             sock.close()
             raise

@@ -5,7 +5,12 @@ How this works: the agent reads headers and small payloads into a 256 KiB intake
 more still to come is received straight into its region (``recv_into``). Before a HELLO whose proof
 verifies (``weightsync.engine.dataauth``) any other frame closes the connection; after it, every WRITE is checked
 against the guard and the region's bounds, else drained and reported at the next FENCE, never applied.
-A write whose round or region closes while its payload is still arriving is drained from then on.
+A write whose round or region closes while its payload is still arriving is drained from then on, and
+one of another round than the open one is refused (``EpochCounts.wrong_epoch``). The front door: a
+connection that has not proven a key within ``handshake_timeout_s`` is closed, and at most
+``max_unauthenticated`` connections (``max_unauthenticated_per_address`` from one address) wait for
+their proof at once: a newcomer over the cap evicts the oldest waiting one, so strangers can hold
+neither the process's descriptors nor a planned sender's place.
 Counts are per row (a WRITE_RUN counts as its rows) and cumulative per connection, what a FENCE's ACK
 reports.
 """
@@ -49,6 +54,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.landed_bytes = 0
         self.errors: list[str] = []
         self.transport: asyncio.Transport
+        self.deadline: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -57,11 +63,22 @@ class AgentProtocol(asyncio.BufferedProtocol):
             return
         self.peer = "%s:%s" % tuple(transport.get_extra_info("peername") or ("?", "?"))[:2]
         self.owner._agents.add(self)
+        self.owner.door.arrived(self)
+        self.deadline = asyncio.get_running_loop().call_later(self.owner.options.handshake_timeout_s, self._expired)
         lo, hi = int.from_bytes(self.nonce[:8], "little"), int.from_bytes(self.nonce[8:], "little")
         transport.write(HEADER.pack(OP_CHALLENGE, 0, lo, hi, 0))
 
     def connection_lost(self, exc) -> None:
         self.owner._agents.discard(self)
+        self.owner.door.left(self)
+        if self.deadline is not None:
+            self.deadline.cancel()
+
+    def _expired(self) -> None:
+        if self.key is None and not self.dead:
+            self.owner.guard.refuse(self.peer, f"no authenticated hello within "
+                                    f"{self.owner.options.handshake_timeout_s}s", "handshake timeout")
+            self._close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         """A large payload (or drain) is received in place; headers and small payloads, many per recv,
@@ -119,7 +136,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         count = nbytes = 0
         while end - at >= size:
             op, region_id, offset, length, epoch = unpack(data, at)
-            if length >= DIRECT_MIN or end - at - size < length or epoch <= owner.closed_epoch:
+            if length >= DIRECT_MIN or end - at - size < length or epoch <= owner.closed_epoch or owner.wrong_epoch(epoch):
                 break
             rows = 1
             if op == OP_WRITE_RUN:
@@ -180,7 +197,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
                 self.source = a
                 self.state, self.target = "proof", memoryview(self.proof)
                 return
-            self.owner.guard.refuse(self.peer, f"op {op} before an authenticated hello (magic {b:#x})")
+            self.owner.guard.refuse(self.peer, f"op {op} before an authenticated hello (magic {b:#x})", "bad hello")
             self._close()
             return
         if op in (OP_WRITE, OP_WRITE_RUN):
@@ -190,16 +207,25 @@ class AgentProtocol(asyncio.BufferedProtocol):
             if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
                 self._drain(c)
                 return
+            if self.owner.wrong_epoch(epoch):
+                why = f"sender/{self.source} wrote under round {epoch} while round {self.owner.open_epoch} is open"
+                self.owner.guard.refuse(self.peer, why, "wrong round")
+                self.errors.append(f"refused: {why}")  # (this connection's fence, and the open round's verdict)
+                self.owner.count(self.source, self.owner.open_epoch).errors.append(f"refused: {why}")
+                self._drain(c)
+                return
             problem = self.owner.guard.write_problem(self.source, self.key, a)
             if problem is not None:
-                self.owner.guard.refuse(self.peer, f"write of {c} bytes to region {a}: {problem}")
+                self.owner.guard.refuse(self.peer, f"write of {c} bytes to region {a}: {problem}", "write refused")
                 self._error(f"refused: {problem}")
                 self._drain(c)
                 return
             region = self.owner.regions.get(a)
             if region is None or b + c > len(region):
                 size = "missing" if region is None else f"{len(region)} bytes"
-                self._error(f"write of {c} bytes at region {a} offset {b} is out of bounds (region {size})")
+                why = f"sender/{self.source}: write of {c} bytes at region {a} offset {b} is out of bounds (region {size})"
+                self.owner.guard.refuse(self.peer, why, "out of bounds")
+                self._error(why)
                 self._drain(c)
                 return
             if c == 0:
@@ -236,6 +262,10 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.key = self.owner.guard.admit(self.source, self.nonce, bytes(self.proof), self.peer)
         if self.key is None:
             self._close()
+            return
+        self.owner.door.proven(self)
+        if self.deadline is not None:
+            self.deadline.cancel()
 
     def _drain(self, nbytes: int) -> None:
         """Consume a write without applying it; it still counts as delivered for the fence."""
@@ -247,3 +277,38 @@ class AgentProtocol(asyncio.BufferedProtocol):
     def _error(self, text: str) -> None:
         self.errors.append(text)
         self.owner.count(self.source, self.epoch).errors.append(text)
+
+
+class FrontDoor:
+    """The connections still waiting to prove a key, oldest first, bounded overall and per address: a
+    newcomer over either cap evicts the oldest waiting one (of its own address first)."""
+
+    def __init__(self, limit: int, per_address: int) -> None:
+        self.limit = limit
+        self.per_address = per_address
+        self.waiting: dict[AgentProtocol, str] = {}  # (insertion order: oldest first) -> its address
+        self.evicted = 0
+
+    def __repr__(self) -> str:
+        return f"<FrontDoor waiting={len(self.waiting)} evicted={self.evicted}>"
+
+    def arrived(self, agent: AgentProtocol) -> None:
+        address = agent.peer.rpartition(":")[0]
+        same = [a for a, addr in self.waiting.items() if addr == address]
+        if len(same) >= self.per_address:
+            self._evict(same[0], f"over {self.per_address} unauthenticated connections from {address}")
+        elif len(self.waiting) >= self.limit:
+            self._evict(next(iter(self.waiting)), f"over {self.limit} unauthenticated connections")
+        self.waiting[agent] = address
+
+    def _evict(self, agent: AgentProtocol, why: str) -> None:
+        self.waiting.pop(agent, None)
+        self.evicted += 1
+        agent.owner.guard.refuse(agent.peer, f"closed, not authenticated: {why}", "evicted")
+        agent._close()
+
+    def proven(self, agent: AgentProtocol) -> None:
+        self.waiting.pop(agent, None)
+
+    def left(self, agent: AgentProtocol) -> None:
+        self.waiting.pop(agent, None)
