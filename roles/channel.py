@@ -3,29 +3,88 @@
 How this works: ``ControlChannel`` wraps a ``zmq.asyncio`` ROUTER (controller, daemon) or DEALER
 (worker, CLI) socket. ``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's
 routing id. ``recv`` returns (routing id or None, envelope); frames that do not decode raise the
-wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on. With an
-``auth_key`` every message is signed and verified (``weightsync.wire.auth``) and each peer's message ids must
-increase: an unauthenticated or replayed message raises ``Unauthenticated`` / ``Replayed`` and is
-never handed to the owner's handlers. Every socket is created with linger 0 and closed by ``close``.
+wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on.
+
+With an ``auth_key`` the connection itself is authenticated and encrypted with ZeroMQ CURVE: the
+binding side is the CURVE server, the connecting side its client, and both key pairs are derived from
+the one shared key (``curve_keys``), so configuration stays one secret. A peer without the key cannot
+complete the handshake (it does not know the server's public key, and the ZAP handler admits only
+the derived client key), so it can neither send a message (a replay from a new connection included)
+nor receive one (a hijacked routing id included), and a passive observer sees only ciphertext (the
+plans' data-plane keys included). Refused handshakes are counted (``refused``) and logged once per
+address and window (``engine.logs.Repeats``). On top, every message is signed and verified
+(``weightsync.wire.auth``) and each peer's message ids must increase: an unauthenticated or replayed
+message raises ``Unauthenticated`` / ``Replayed`` and is never handed to the owner's handlers. Every
+socket is created with linger 0 and closed by ``close``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
 import itertools
+import logging
 import os
 import secrets
 from typing import Optional
 
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
+from weightsync.engine.logs import Repeats
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
-from weightsync.wire.auth import ReplayGuard, sign, verify
+from weightsync.engine.errors import ConfigError
+from weightsync.wire.auth import MIN_KEY_BYTES, ReplayGuard, sign, verify
 from weightsync.wire.errors import ProtocolError
+
+log = logging.getLogger("weightsync")
+
+ZAP_DOMAIN = "weightsync"
+_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def random_identity(prefix: str) -> bytes:
     return f"{prefix}/{os.getpid()}/{secrets.token_hex(4)}".encode()
+
+
+def check_auth_key(key: Optional[bytes]) -> None:
+    """An auth key is bytes of at least ``MIN_KEY_BYTES`` (or None: no authentication)."""
+    if key is None:
+        return
+    if not isinstance(key, bytes):
+        raise ConfigError("auth_key", f"must be bytes, got {type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError("auth_key", f"needs at least {MIN_KEY_BYTES} bytes, got {len(key)} "
+                          f"(make one with: head -c 32 /dev/urandom > key)")
+
+
+def curve_keys(auth_key: bytes) -> dict[str, bytes]:
+    """The CURVE key pairs of the shared key (z85): the binding side's (``server_public``,
+    ``server_secret``) and the connecting side's (``client_public``, ``client_secret``). Each secret is
+    an HMAC-SHA256 of the shared key under its own label; neither reveals the shared key."""
+    out = {}
+    for side in ("server", "client"):
+        secret = z85.encode(hmac.digest(auth_key, f"weightsync-curve-{side}".encode(), hashlib.sha256))
+        out[f"{side}_secret"], out[f"{side}_public"] = secret, zmq.curve_public(secret)
+    return out
+
+
+class _AllowDerivedClient:
+    """The ZAP handler's verdict: only the client key derived from the shared key joins."""
+
+    def __init__(self, client_public: bytes, refused: Repeats) -> None:
+        self.client_public = client_public
+        self.refused = refused
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if hmac.compare_digest(key, self.client_public):
+            return True
+        self.refused.log(("zap", key), f"control channel: refused a CURVE client key {key[:8]!r}... (not the shared key's)")
+        return False
 
 
 class ControlChannel:
@@ -38,24 +97,65 @@ class ControlChannel:
         if identity is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.router = kind == zmq.ROUTER
+        check_auth_key(auth_key)
         self.auth_key = auth_key
+        self.keys = curve_keys(auth_key) if auth_key is not None else None
         self.replays = ReplayGuard()
         self.name = name
         self.limits = limits
         self._ids = itertools.count(1)
         self.sent = 0
         self.received = 0
+        self.refused = 0  # connections that failed the CURVE handshake or the ZAP check (binding side)
+        self.refusals = Repeats(log)
+        self._authenticator = None
+        self._monitor: Optional[asyncio.Task] = None
+        self._monitor_sock: Optional[zmq.asyncio.Socket] = None
 
     def __repr__(self) -> str:
         kind = "ROUTER" if self.router else "DEALER"
-        return f"<ControlChannel {kind} {self.name} sent={self.sent} received={self.received}>"
+        secure = " curve" if self.keys else ""
+        return f"<ControlChannel {kind}{secure} {self.name} sent={self.sent} received={self.received} refused={self.refused}>"
 
     def bind(self, addr: str) -> str:
+        """Bind; with a key, as the CURVE server behind a ZAP handler that admits the derived client
+        key only (the authenticator runs on this channel's context, in the event loop)."""
+        if self.keys is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._authenticator = AsyncioAuthenticator(self.ctx, log=logging.getLogger("weightsync.zap"))
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback(
+                ZAP_DOMAIN, _AllowDerivedClient(self.keys["client_public"], self.refusals))
+            self.sock.curve_server = True
+            self.sock.curve_secretkey = self.keys["server_secret"]
+            self.sock.zap_domain = ZAP_DOMAIN.encode()
+            self._monitor_sock = self.sock.get_monitor_socket(_FAILED)
+            self._monitor = asyncio.ensure_future(self._watch(self._monitor_sock))
         self.sock.bind(addr)
         return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, addr: str) -> None:
+        if self.keys is not None:
+            self.sock.curve_serverkey = self.keys["server_public"]
+            self.sock.curve_publickey = self.keys["client_public"]
+            self.sock.curve_secretkey = self.keys["client_secret"]
         self.sock.connect(addr)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Count and log (aggregated per address) every connection whose handshake failed: a peer
+        without the key, a replay of captured bytes, a client key the ZAP handler refused."""
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except zmq.ZMQError:  # (the monitor closed)
+                return
+            self.refused += 1
+            where = event.get("endpoint", b"?")
+            where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
+            self.refusals.log(("handshake", where),
+                              f"control channel {self.name}: refused a connection at {where}: "
+                              f"handshake failed (event {event['event']}, error {event['value']}): no shared key")
 
     async def send(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
                    parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> int:
@@ -89,6 +189,20 @@ class ControlChannel:
             exc.peer = peer  # type: ignore[attr-defined]
             raise
 
+    def forget(self, peer: bytes) -> None:
+        """A peer's session is over: drop what was kept for it (its replay guard entry)."""
+        self.replays.forget(peer)
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor_sock.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self.refusals.flush()
         self.sock.close(linger=0)
         self.ctx.term()

@@ -24,6 +24,7 @@ import zmq
 
 from weightsync.engine.datapath.aio import AsyncResource, Spinner
 from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
+from weightsync.engine.logs import Repeats
 from weightsync.engine.plan import Catalog, LinkModel, Mapping, Participant, PlanCache, PlanOptions, RoutingPlan, get_mapping
 from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
 from weightsync.wire import messages as m
@@ -31,7 +32,7 @@ from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
 from .admission import admission_problem, participants
-from .channel import ControlChannel
+from .channel import ControlChannel, check_auth_key
 from .limits import JoinLimiter, PeerLimits, RateLimiter
 from .planning import MessageCache, Planner
 from .pushes import PushBook
@@ -59,6 +60,7 @@ class ControllerOptions:
     spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
 
     def __post_init__(self) -> None:
+        check_auth_key(self.auth_key)
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
 
 
@@ -135,6 +137,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self._rates = RateLimiter(self.options.peer_limits)
         self._joins = JoinLimiter(self.options.peer_limits)
         self.dropped = 0
+        self._drops = Repeats(log)  # (a flood of bad messages logs a line per peer and window, with a count)
         self._chan.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             self.address = self._chan.bind(self.bind_addr)
@@ -215,7 +218,8 @@ class Controller(Planner, RoundRunner, AsyncResource):
                 identity, env = await self._chan.recv()
             except (Unauthenticated, Replayed) as exc:  # dropped and logged, never executed or answered
                 self.dropped += 1
-                log.warning("controller: dropped a message from %r: %s", getattr(exc, "peer", None), exc)
+                peer_id = getattr(exc, "peer", None)
+                self._drops.log((peer_id, type(exc).__name__), f"controller: dropped a message from {peer_id!r}: {exc}")
                 continue
             except VersionMismatch as exc:
                 await self._reject_version(exc)
@@ -243,7 +247,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
                 log.exception("controller: failed to handle %s from %r", env.type, identity)
 
     async def _bad_message(self, exc: ProtocolError) -> None:
-        log.warning("controller: bad message from %r: %s", getattr(exc, "peer", None), exc)
+        self._drops.log((getattr(exc, "peer", None), "bad"), f"controller: bad message from {getattr(exc, 'peer', None)!r}: {exc}")
         peer_id = getattr(exc, "peer", None)
         if peer_id is not None:
             await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, str(exc), getattr(exc, "field", ""), None),
@@ -301,6 +305,10 @@ class Controller(Planner, RoundRunner, AsyncResource):
         if held is not None and hello.incarnation and held.hello.incarnation == hello.incarnation:
             # the same worker joining on a new channel: its old session is abandoned, not a rival
             self._drop(held, "replaced by a new session of the same process")
+        elif held is not None and time.monotonic() - held.last_seen > self._silent_s:
+            # a restarted process (its key proven by the channel) takes over a session silent for several
+            # heartbeats: the old process is gone, and waiting for its timeout would lock a restart storm out
+            self._drop(held, f"replaced by a new session: silent for {time.monotonic() - held.last_seen:.2f}s")
         code, text = self._admission_problem(hello)
         session = Session(hello.role, Origin.CONTROLLER)
         session.receive(m.Hello.TYPE)
@@ -324,7 +332,14 @@ class Controller(Planner, RoundRunner, AsyncResource):
         log.info("controller: %s joined from %s (%s)", peer.name, hello.host, hello.transport.address)
         self._maybe_plan()
 
+    @property
+    def _silent_s(self) -> float:
+        """A session unheard for this long may be replaced by a new one of its rank."""
+        return min(3 * self.options.heartbeat_s, self.options.timeout_s)
+
     def _admission_problem(self, hello: m.Hello) -> tuple[Optional[m.RejectCode], str]:
+        if (hello.role, hello.rank) in self.by_rank:  # (cheap, and retried: never charged to the host's joins)
+            return m.RejectCode.DUPLICATE_RANK, f"{hello.role.value}/{hello.rank} is already joined (and alive)"
         if not self._joins.allow(hello.host, time.monotonic()):
             return m.RejectCode.LIMIT_EXCEEDED, f"too many joins from host {hello.host!r} in the last minute"
         self._sync_catalog()
@@ -361,7 +376,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         except ConfigError as exc:
             await self._send(peer, m.Error(m.ErrorCode.BAD_REQUEST, str(exc), "version", version), version=version)
             return
-        if self.plan_error is not None and self.plan_sessions.get(peer.key) == peer.identity:
+        if self._plan_error_final() and self.plan_sessions.get(peer.key) == peer.identity:
             await self._send(peer, m.Error(m.ErrorCode.PLAN, str(self.plan_error), self.plan_error.param or "", version),
                              version=version)  # no plan can be made for these members: the push never starts
             return
@@ -431,6 +446,8 @@ class Controller(Planner, RoundRunner, AsyncResource):
         if self.peers.pop(peer.identity, None) is None:
             return
         self.by_rank.pop(peer.key, None)
+        self._rates.forget(peer.identity)  # (per-session tables keep nothing of a session that is over)
+        self._chan.forget(peer.identity)
         self.pushes.forget_session(peer.identity)  # a departed session's pending pushes go with it
         if peer.key in self._acks_pending:  # the plan can never be complete: void it, plan again
             self._acks_pending.clear()

@@ -28,7 +28,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import ProtocolError
 
-from .channel import ControlChannel
+from .channel import ControlChannel, check_auth_key
 from .receiver import ReceiverOptions, WeightReceiver
 from .worker import call_hook
 
@@ -56,6 +56,9 @@ class DaemonOptions:
     command_bind: str = "tcp://127.0.0.1:0"
     receiver: ReceiverOptions = ReceiverOptions()
     auth_key: Optional[bytes] = None
+
+    def __post_init__(self) -> None:
+        check_auth_key(self.auth_key)
 
 
 class Daemon:

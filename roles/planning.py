@@ -80,12 +80,16 @@ class Planner:
             if self._members_changed(members):
                 self._maybe_plan()
                 return
-            log.error("controller: cannot plan: %s", exc)
             self.plan, self.plan_error, self.plan_sessions = None, exc, members
-            for peer in list(self.peers.values()):
+            if not self._plan_error_final():  # a member still to (re)join may hold what is missing
+                log.warning("controller: cannot plan until more members join: %s", exc)
+                return
+            log.error("controller: cannot plan: %s", exc)
+            for peer in list(self.peers.values()):  # every configured member is here: the pushes can never start
                 await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
+            for version in sorted(self.pushes.pushes):
+                self.pushes.forget(version)
             self._wake()
-            await self._refuse_dead_pushes()
             return
         if self._members_changed(members):
             log.info("controller: plan %d is void: the members changed while it was made; planning again", plan_id)
@@ -107,6 +111,11 @@ class Planner:
         await self._send_sender_plans()
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
+
+    def _plan_error_final(self) -> bool:
+        """A plan error is final while every configured member is joined: no join can fix it."""
+        counts = {role: sum(1 for p in self.peers.values() if p.hello.role is role) for role in Role}
+        return self.plan_error is not None and all(counts[r] >= self.expected[r] for r in Role)
 
     def _members_changed(self, members: Mapping[tuple[Role, int], bytes]) -> bool:
         """Whether the sessions joined now differ from ``members`` (one left, joined or rejoined)."""

@@ -45,6 +45,7 @@ class ReceiverOptions(WorkerOptions):
     proof_timeout_s: float = 60.0  # longest wait at fence for writes a sender announced with a delivery proof
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.proof_timeout_s > 0:
             raise ConfigError("proof_timeout_s", f"must be positive, got {self.proof_timeout_s}")
 

@@ -77,6 +77,7 @@ class SenderOptions(WorkerOptions):
     quantize_on: str = ""  # a CUDA device ("cuda:0") where CPU-held sources are quantized; "": on the CPU
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.quantize_on and not self.quantize_on.startswith("cuda"):
             raise ConfigError("quantize_on", f"must name a CUDA device (\"cuda:0\") or be empty, got {self.quantize_on!r}")
 

@@ -37,7 +37,7 @@ from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, 
 from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
-from .channel import ControlChannel, random_identity
+from .channel import ControlChannel, check_auth_key, random_identity
 from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
@@ -57,6 +57,9 @@ class WorkerOptions:
     rank_wait_s: float = 30.0  # a join refused for a duplicate rank is tried again this long (a restarted
     #                            process waits for the controller to time out its previous session)
     spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
+
+    def __post_init__(self) -> None:
+        check_auth_key(self.auth_key)
 
 
 async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:
@@ -160,7 +163,11 @@ class Worker(AsyncResource):
                     raise
                 continue  # unanswered: a fresh channel and hello at once
             except JoinRejected as exc:
-                if exc.code != m.RejectCode.DUPLICATE_RANK or time.monotonic() + pause > min(deadline, rank_deadline):
+                # a duplicate rank (our previous session, not yet replaced) and a host's join limit pass
+                # with time: both are tried again, backing off; any other refusal is final
+                until = {m.RejectCode.DUPLICATE_RANK: min(deadline, rank_deadline),
+                         m.RejectCode.LIMIT_EXCEEDED: deadline}.get(exc.code)
+                if until is None or time.monotonic() + pause > until:
                     raise
                 log.info("%s: %s; trying again", self.name, exc)
             except (ProtocolError, zmq.ZMQError) as exc:  # a garbled or unexpected answer: a new channel, again

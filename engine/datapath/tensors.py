@@ -55,19 +55,41 @@ def checksum(data: memoryview) -> int:
     return zlib.crc32(data)
 
 
+MAX_NAME_BYTES = 1024  # a parameter name's UTF-8 bytes, at most (the longest in common models is under 200)
+
+
 def named_tensors(params: Params) -> dict[str, torch.Tensor]:
-    """Names -> tensors of a module's state (parameters and buffers, tied names kept) or a mapping."""
+    """Names -> tensors of a module's state (parameters and buffers, tied names kept) or a mapping;
+    each checked (``check_tensor``): a bad one is a ``ConfigError`` naming it, here, not at a join."""
     if isinstance(params, torch.nn.Module):
         out = dict(params.named_parameters(remove_duplicate=False))
         for name, buf in params.named_buffers(remove_duplicate=False):
             out.setdefault(name, buf)
-        return out
-    if isinstance(params, Mapping):
+    elif isinstance(params, Mapping):
         for name, t in params.items():
             if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-                raise ConfigError("params", f"entry {name!r} is not a str -> Tensor pair")
-        return dict(params)
-    raise ConfigError("params", f"expected an nn.Module or a mapping of name -> Tensor, got {type(params).__name__}")
+                raise ConfigError("params", f"entry {name!r:.80} is not a str -> Tensor pair")
+        out = dict(params)
+    else:
+        raise ConfigError("params", f"expected an nn.Module or a mapping of name -> Tensor, got {type(params).__name__}")
+    for name, t in out.items():
+        check_tensor(name, t)
+    return out
+
+
+def check_tensor(name: str, t: torch.Tensor) -> None:
+    """A name that travels (non-empty UTF-8, at most ``MAX_NAME_BYTES``) and a tensor whose bytes
+    exist (strided, not on the meta device)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"params[{name!r:.80}]", f"a parameter name must be valid UTF-8: {exc.reason}") from exc
+    if size == 0 or size > MAX_NAME_BYTES:
+        raise ConfigError(f"params[{name!r:.80}]", f"a parameter name needs 1..{MAX_NAME_BYTES} bytes, got {size}")
+    if t.layout is not torch.strided:
+        raise ConfigError(f"params[{name!r}]", f"{t.layout} tensors cannot be transferred: give a dense tensor")
+    if t.device.type == "meta":
+        raise ConfigError(f"params[{name!r}]", "a meta-device tensor holds no bytes: materialise it first")
 
 
 def _identity(t: torch.Tensor) -> tuple:

@@ -18,6 +18,8 @@ import torch
 import zmq
 import zmq.asyncio
 
+from weightsync.roles.channel import curve_keys
+
 from children import Children, free_port
 from weightsync.engine.errors import ControllerLost, RoundAborted
 from proc_helpers import SPEC, receiver_main, sender_main, sender_tensors, update_in_place
@@ -172,10 +174,14 @@ async def test_authentication_accepts_holders_and_drops_the_rest():
             async with WeightSender(ctl.address, {"w": __import__("torch").zeros(4)}, rank=0,
                                     options=SenderOptions(join_timeout_s=1.0)):
                 pass
-        # one socket, in order: a forged message, a good one, a replay of the good one, a newer one
+        # one CURVE connection of a key holder, in order: a forged message, a good one, a replay of the
+        # good one, a newer one (the HMAC layer and the replay guard inside an authenticated connection)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        keys = curve_keys(KEY)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            keys["server_public"], keys["client_public"], keys["client_secret"])
         sock.connect(ctl.address)
         try:
             dropped = ctl.dropped
