@@ -103,6 +103,12 @@ class EpochCounts:
         """The receiver began round ``epoch``: from now until it closes, writes of another round are refused."""
         self.open_epoch = epoch
 
+    def forget_strays(self, epoch: int) -> None:
+        """Round ``epoch`` failed on the strays it saw: forget them, so they do not fail the next one too."""
+        for src, epochs in self.strays(epoch).items():
+            for e in epochs:
+                self._counters.pop((src, e), None)
+
     def close_epoch(self, epoch: int) -> None:
         self.closed_epoch = max(self.closed_epoch, epoch)
         if self.open_epoch is not None and self.open_epoch <= self.closed_epoch:
@@ -195,6 +201,9 @@ class Transport(Protocol):
 
     def begin_epoch(self, epoch: int) -> None:
         """Target side: round ``epoch`` began here; writes of any other round are refused until it closes."""
+
+    def forget_strays(self, epoch: int) -> None:
+        """Target side: forget the strays a failed fence of ``epoch`` reported."""
 
     def close_epoch(self, epoch: int) -> None:
         """Target side: round ``epoch`` and every earlier one are over: drop their late writes, forget them."""

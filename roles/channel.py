@@ -111,6 +111,7 @@ class ControlChannel:
         self._authenticator = None
         self._monitor: Optional[asyncio.Task] = None
         self._monitor_sock: Optional[zmq.asyncio.Socket] = None
+        self._refusal_waiters: list[tuple[int, asyncio.Future]] = []
 
     def __repr__(self) -> str:
         kind = "ROUTER" if self.router else "DEALER"
@@ -151,11 +152,25 @@ class ControlChannel:
             except zmq.ZMQError:  # (the monitor closed)
                 return
             self.refused += 1
+            for n, fut in self._refusal_waiters:
+                if self.refused >= n and not fut.done():
+                    fut.set_result(None)
             where = event.get("endpoint", b"?")
             where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
             self.refusals.log(("handshake", where),
                               f"control channel {self.name}: refused a connection at {where}: "
                               f"handshake failed (event {event['event']}, error {event['value']}): no shared key")
+
+    async def wait_refused(self, count: int) -> None:
+        """Until ``count`` connections have been refused at the handshake (binding side, with a key)."""
+        if self.refused >= count:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._refusal_waiters.append((count, fut))
+        try:
+            await fut
+        finally:
+            self._refusal_waiters.remove((count, fut))
 
     async def send(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
                    parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> int:

@@ -381,6 +381,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
                              version=version)  # no plan can be made for these members: the push never starts
             return
         self.pushes.add(peer.identity, version, time.monotonic())
+        self._wake()
         await self._refuse_dead_pushes()
         self._maybe_start_rounds()
 

@@ -143,6 +143,8 @@ class Planner:
         current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
         if current:
             self._acks_pending.discard(peer.key)
+            if env.body.landing is not None and "slots:2" in peer.hello.capabilities:
+                peer.slot = env.body.landing  # (it may have applied a prepared version since its hello)
             if not env.body.ok:
                 log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
                 self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])

@@ -190,7 +190,8 @@ class WeightReceiver(Worker):
             count, nbytes = self._expected.get(e.src_rank, (0, 0))
             self._expected[e.src_rank] = (count + 1, nbytes + e.nbytes)
         self.transport.guard.authorize({k.rank: k.key for k in env.body.keys})  # the plan's senders, no one else
-        await self._send(m.PlanAck(env.body.plan_id, True, ""))
+        landing = self.landing_slot if self.mode == "shadow" else None
+        await self._send(m.PlanAck(env.body.plan_id, True, "", landing))
 
     async def _settle_prepared(self, committed: Optional[int]) -> None:
         """A version this receiver verified but whose commit it never heard (its session was lost after
@@ -293,6 +294,8 @@ class WeightReceiver(Worker):
         for src, epochs in sorted(self.transport.strays(self._pending).items()):
             problems.append(f"sender/{src} wrote under round(s) {epochs[:3]} during round {self._pending}")
             bad_src.add(src)
+        if bad_src:  # (reported once: the round fails on them, the next one starts clean)
+            self.transport.forget_strays(self._pending)
         for src, (count, nbytes) in sorted(self._expected.items()):
             if reported.get(src, (0, 0)) != (count, nbytes):
                 problems.append(f"sender/{src} reported {reported.get(src, (0, 0))}, expected {(count, nbytes)}")

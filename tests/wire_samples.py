@@ -96,4 +96,13 @@ def samples() -> dict[str, Envelope]:
     out["plan_keys"] = Envelope(  # Plan.keys (optional): one data-plane key per peer of the table
         dataclasses.replace(BODIES["plan"], keys=(m.DataKey(1, bytes(range(32))),)), msg_id=206,
         sender="controller", parent_id=None, version=None)
+    out["plan_committed"] = Envelope(  # Plan.committed (optional): the outcome a worker in doubt learns
+        dataclasses.replace(BODIES["plan"], keys=(m.DataKey(1, bytes(range(32))),), committed=41), msg_id=207,
+        sender="controller", parent_id=None, version=None)
+    out["fence_ack_blame"] = Envelope(  # FenceAck.blame (optional): the sender a failed verification names
+        dataclasses.replace(BODIES["fence_ack"], blame="sender/1"), msg_id=208, sender="receiver/0",
+        parent_id=None, version=3)
+    out["plan_ack_landing"] = Envelope(  # PlanAck.landing (optional): a two-slot receiver's next slot
+        dataclasses.replace(BODIES["plan_ack"], landing=1), msg_id=209, sender="receiver/0", parent_id=None,
+        version=None)
     return out

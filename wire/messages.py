@@ -153,6 +153,8 @@ class PlanAck(Message):
     plan_id: U64
     ok: bool
     text: str
+    landing: Optional[U32] = None  # a two-slot receiver: the slot that takes the next round, when it changed
+    #                                outside a round (it applied a prepared version the plan said committed)
 
 
 # --- update round --------------------------------------------------------------------------------

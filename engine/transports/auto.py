@@ -128,6 +128,10 @@ class AutoTransport:
         for child in self.children.values():
             child.begin_epoch(epoch)
 
+    def forget_strays(self, epoch: int) -> None:
+        for child in self.children.values():
+            child.forget_strays(epoch)
+
     def close_epoch(self, epoch: int) -> None:
         for child in self.children.values():
             child.close_epoch(epoch)

@@ -179,6 +179,9 @@ class CudaIpcTransport:
     def begin_epoch(self, epoch: int) -> None:
         return None
 
+    def forget_strays(self, epoch: int) -> None:
+        return None
+
     def close_epoch(self, epoch: int) -> None:
         return None
 
