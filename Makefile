@@ -26,7 +26,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -48,6 +48,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py
+
+# the import contracts (setup.cfg, import-linter) alone; `make test` checks them too (tests/test_packaging.py)
+lint: $(STAMP)
+	$(BIN)/python tests/lint_imports.py
 
 # The M -> N bench as shipped (FSDP2 trainer processes -> TP receivers over TCP): a minute of processes, so
 # apart from `make test`; CI runs both
@@ -87,6 +91,10 @@ bench-depth: $(STAMP)
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults.py --trials 300 --out docs/results/faults_cpu.json
 	$(BIN)/python bench/faults.py --trials 300 --experts --out docs/results/faults_experts_cpu.json
+
+# membership churn: 1,000 cycles at 4 senders x 8 receivers (docs/OPERATIONS.md)
+bench-churn: $(STAMP)
+	$(BIN)/python bench/churn.py --cycles 1000 --out docs/results/churn_cpu.json
 
 bench-planner: $(STAMP)
 	($(BIN)/python bench/planner_scale.py && $(BIN)/python bench/planner_scale.py --large) | tee docs/results/planner_scale.jsonl

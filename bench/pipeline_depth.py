@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         rows = json.loads(src.read_text())["rows"]
         print("plotted" if plot(rows, src.with_suffix(".png")) else "matplotlib is not installed")
         return 0
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
 
     install_uvloop()
     only = {t for t in args.transports.split(",") if t}

@@ -57,7 +57,7 @@ def state_dict(case: str) -> dict[str, torch.Tensor]:
 
 def _sender(addr: str, case: str, orders, done) -> None:
     """Pushes version v when told v; says when the push is released."""
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
     from weightsync.roles import WeightSender
 
     install_uvloop()
@@ -75,7 +75,7 @@ def _sender(addr: str, case: str, orders, done) -> None:
 
 
 def _receiver(addr: str, case: str, last: int, conn) -> None:
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
     from weightsync.roles import WeightReceiver
 
     install_uvloop()
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="mix,small", help=f"comma-separated, of {sorted(CASES)}")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     args = ap.parse_args(argv)
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
 
     install_uvloop()
     result = {"bench": "transfer_cpu", "pairs": args.pairs}

@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from weightsync.engine.datapath.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
+from weightsync.engine.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
 
 BUCKET = 512 << 20
 

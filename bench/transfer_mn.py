@@ -62,7 +62,7 @@ from transfer_gpu import _median_timeline, _profiled  # noqa: E402
 def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     import torch.distributed as dist
 
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
     from weightsync.engine.transport import TransportOptions
     from weightsync.roles import SenderOptions, WeightSender
 
@@ -114,7 +114,7 @@ def full_tensor_seconds(model: torch.nn.Module, case: Case) -> list[float]:
 
 
 def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
     from weightsync.engine.transforms.layouts import allocate
     from weightsync.engine.transport import TransportOptions
     from weightsync.roles import ReceiverOptions, WeightReceiver

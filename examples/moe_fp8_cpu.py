@@ -19,7 +19,7 @@ sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Pa
 
 import torch  # noqa: E402
 
-from weightsync.engine.datapath.tensors import dtype_name  # noqa: E402
+from weightsync.engine.dtypes import dtype_name  # noqa: E402
 from weightsync.engine.transforms import within_fp8_bound  # noqa: E402
 from weightsync.engine.transforms.layouts import ExpertParallel, FP8Policy, receiver_layout  # noqa: E402
 from weightsync.roles import ControllerOptions  # noqa: E402

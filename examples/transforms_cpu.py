@@ -20,7 +20,7 @@ sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Pa
 import torch  # noqa: E402
 
 from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout  # noqa: E402
-from weightsync.engine.datapath.tensors import dtype_name  # noqa: E402
+from weightsync.engine.dtypes import dtype_name  # noqa: E402
 from weightsync.roles import ControllerOptions  # noqa: E402
 
 from harness import print_summary, push_rounds  # noqa: E402

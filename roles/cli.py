@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JsonFormatter() if args.log_json else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
     from weightsync.engine.errors import WeightSyncError
 
     install_uvloop()  # the controller and the daemon run on uvloop where it is installed

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from weightsync.engine.datapath.aio import AsyncResource, Spinner
+from weightsync.engine.aio import AsyncResource, Spinner
 from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
 from weightsync.engine.logs import Repeats
 from weightsync.engine.plan import Catalog, LinkModel, Mapping, Participant, PlanCache, PlanOptions, RoutingPlan, get_mapping
@@ -98,6 +98,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         self.plan_cache = PlanCache()  # what the last plan resolved (the planning thread's own; one plan at a time)
         self.plan: Optional[RoutingPlan] = None
         self.plan_error: Optional[PlanError] = None
+        self.plan_error_final = False  # the error holds with every configured member joined: pushes fail with it
         # the plan's members by session: its messages, rounds and keys go to these sessions, no others
         self.plan_sessions: dict[tuple[Role, int], bytes] = {}
         self.planned_once = False
@@ -376,7 +377,7 @@ class Controller(Planner, RoundRunner, AsyncResource):
         except ConfigError as exc:
             await self._send(peer, m.Error(m.ErrorCode.BAD_REQUEST, str(exc), "version", version), version=version)
             return
-        if self._plan_error_final() and self.plan_sessions.get(peer.key) == peer.identity:
+        if self.plan_error is not None and self.plan_error_final and self.plan_sessions.get(peer.key) == peer.identity:
             await self._send(peer, m.Error(m.ErrorCode.PLAN, str(self.plan_error), self.plan_error.param or "", version),
                              version=version)  # no plan can be made for these members: the push never starts
             return

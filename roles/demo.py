@@ -255,7 +255,7 @@ def print_summary(summary: dict) -> None:
 
 
 def main(cfg: DemoConfig) -> int:
-    from weightsync.engine.datapath.aio import install_uvloop
+    from weightsync.engine.aio import install_uvloop
 
     install_uvloop()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

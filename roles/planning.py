@@ -81,7 +81,8 @@ class Planner:
                 self._maybe_plan()
                 return
             self.plan, self.plan_error, self.plan_sessions = None, exc, members
-            if not self._plan_error_final():  # a member still to (re)join may hold what is missing
+            self.plan_error_final = self._members_complete()
+            if not self.plan_error_final:  # a member still to (re)join may hold what is missing
                 log.warning("controller: cannot plan until more members join: %s", exc)
                 return
             log.error("controller: cannot plan: %s", exc)
@@ -112,10 +113,10 @@ class Planner:
         self._planning = None
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
 
-    def _plan_error_final(self) -> bool:
-        """A plan error is final while every configured member is joined: no join can fix it."""
+    def _members_complete(self) -> bool:
+        """Every configured member is joined: a planning error then is final (no join can fix it)."""
         counts = {role: sum(1 for p in self.peers.values() if p.hello.role is role) for role in Role}
-        return self.plan_error is not None and all(counts[r] >= self.expected[r] for r in Role)
+        return all(counts[r] >= self.expected[r] for r in Role)
 
     def _members_changed(self, members: Mapping[tuple[Role, int], bytes]) -> bool:
         """Whether the sessions joined now differ from ``members`` (one left, joined or rejoined)."""
@@ -148,6 +149,7 @@ class Planner:
             if not env.body.ok:
                 log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
                 self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
+                self.plan_error_final = False  # (a peer it could not reach, say: the next membership change replans)
             await self._send_sender_plans()
             if not self._acks_pending and self.plan_error is None:
                 self._ready.set()

@@ -16,6 +16,7 @@ import logging
 from typing import Mapping, Optional
 
 import torch
+import zmq
 
 from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
 from weightsync.engine.datapath.staging import SourceSet, StagingPool, Transform
@@ -193,7 +194,10 @@ class WeightSender(Worker):
         tensors on) is never sent, to this controller or a restarted one."""
         await self._wait_state(State.READY)
         if not handle.committed.done():
-            await self._send(m.Push(handle.version), version=handle.version)
+            try:
+                await self._send(m.Push(handle.version), version=handle.version)
+            except zmq.ZMQError as exc:
+                raise ControllerLost(f"push of v{handle.version} not sent: the control channel is gone ({exc})") from exc
 
     # --- protocol handlers ------------------------------------------------------------------------
 
@@ -207,14 +211,17 @@ class WeightSender(Worker):
         self._plan_task = asyncio.ensure_future(self._take_plan(env.body))
 
     async def _take_plan(self, body: m.Plan) -> None:
+        ack = m.PlanAck(body.plan_id, True, "")
         try:
             await self._connect_peers(self.table.peers, {k.rank: k.key for k in body.keys})
             await asyncio.to_thread(self.sources.prepare, self.table.transfers)
         except WeightSyncError as exc:
             log.warning("%s: cannot take plan %d: %s", self.name, body.plan_id, exc)
-            await self._send_if_allowed(m.PlanAck(body.plan_id, False, str(exc)))
-            return
-        await self._send_if_allowed(m.PlanAck(body.plan_id, True, ""))
+            ack = m.PlanAck(body.plan_id, False, str(exc))
+        try:
+            await self._send_if_allowed(ack)
+        except zmq.ZMQError as exc:  # (the session is being torn down: it will not need the ack)
+            log.debug("%s: plan_ack %d not sent: %s", self.name, body.plan_id, exc)
 
     async def _connect_peers(self, peers: tuple[PeerInfo, ...], keys: Mapping[int, bytes]) -> None:
         """One connection per receiver of the table, proving the plan's key for the pair. A connection

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from weightsync.engine.datapath.aio import AsyncResource, Spinner
+from weightsync.engine.aio import AsyncResource, Spinner
 from weightsync.engine.errors import ConfigError, ControllerLost, JoinRejected, PlanError
 from weightsync.engine.transport import Transport, TransportOptions, create_transport
 from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo

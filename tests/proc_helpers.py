@@ -60,6 +60,13 @@ def sender_tensors(version: int, spec=SPEC, device: str = "cpu") -> dict[str, to
     return out
 
 
+async def push(sender, tensors: dict[str, torch.Tensor], version: int, watchdog: float = 30) -> int:
+    """Write version's values into the sender's tensors, push them and wait for the commit."""
+    update_in_place(tensors, version)
+    handle = await asyncio.wait_for(sender.push(version), watchdog)
+    return await asyncio.wait_for(handle, watchdog)
+
+
 def update_in_place(tensors: dict[str, torch.Tensor], version: int, spec=SPEC) -> None:
     """Write version's values into the sender's existing tensors (as an optimizer step would)."""
     for name, (shape, dtype, how) in spec.items():

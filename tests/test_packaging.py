@@ -6,8 +6,11 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
+
+import lint_imports
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("wire", "engine", "roles")  # each may import only the ones before it
@@ -25,19 +28,39 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_layers_import_only_downwards(layer):
-    above = LAYERS[LAYERS.index(layer) + 1:]
-    bad = []
-    for path in sorted((ROOT / layer).rglob("*.py")):
-        for name in _imports(path):
-            parts = name.split(".")
-            if parts[0] in LAYERS:
-                bad.append(f"{path.relative_to(ROOT)}: bare '{name}' (import weightsync.{name})")
-            elif parts[0] == "weightsync" and len(parts) > 1 and parts[1] in above:
-                bad.append(f"{path.relative_to(ROOT)}: {name} points upwards")
-            elif layer == "wire" and parts[0] in ("zmq", "asyncio", "torch"):
-                bad.append(f"{path.relative_to(ROOT)}: wire is sans-IO but imports {name}")
+def test_layers_import_each_other_by_the_package_name(layer):
+    """``import engine.x`` would work in a checkout and break in a wheel (the contracts below read
+    ``weightsync.*`` only, so they would not see it either)."""
+    bad = [f"{path.relative_to(ROOT)}: bare '{name}' (import weightsync.{name})"
+           for path in sorted((ROOT / layer).rglob("*.py")) for name in _imports(path)
+           if name.split(".")[0] in LAYERS]
     assert not bad, "\n".join(bad)
+
+
+def test_the_import_contracts_hold():
+    """setup.cfg's import-linter contracts: roles -> engine -> wire, wire sans-IO, the planner pure,
+    transforms apart from the data path, no loops among the transports or the wire's modules."""
+    with tempfile.TemporaryDirectory() as tmp:
+        done = lint_imports.lint(lint_imports.lay_out(pathlib.Path(tmp)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Contracts: 6 kept, 0 broken" in done.stdout
+
+
+@pytest.mark.parametrize("where, line, contract", [
+    ("weightsync/engine/plan/planner.py", "import weightsync.roles.controller", "roles -> engine -> wire"),
+    ("weightsync/wire/codec.py", "import zmq", "wire is sans-IO"),
+    ("weightsync/engine/plan/model.py", "import weightsync.engine.datapath.pipeline", "the planner is pure"),
+    ("weightsync/engine/transports/tcp_frames.py", "import weightsync.engine.transports.tcp", "without loops"),
+])
+def test_a_planted_forbidden_import_breaks_the_contracts(where, line, contract):
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = lint_imports.lay_out(pathlib.Path(tmp))
+        with open(dest / where, "a") as f:
+            f.write("\n" + line + "\n")
+        done = lint_imports.lint(dest)
+    assert done.returncode != 0
+    broken = done.stdout[done.stdout.index("Broken contracts"):]
+    assert contract in broken, done.stdout
 
 
 def test_importing_weightsync_is_light_and_names_resolve():

@@ -65,7 +65,7 @@ class Envelope:
         return self.body.TYPE
 
 
-def _pack(obj: Any) -> bytes:
+def pack_map(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
@@ -74,7 +74,7 @@ def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS, body_frame: Optional[
 
     ``body_frame``: ``encode_body(env.body)``, made earlier (a controller encodes a plan's tables in its
     planning thread, off the event loop)."""
-    body_type = _message_type(env.body)
+    body_type = message_type(env.body)
     header = Header(
         major=env.proto[0],
         minor=env.proto[1],
@@ -86,18 +86,18 @@ def encode(env: Envelope, limits: Limits = DEFAULT_LIMITS, body_frame: Optional[
     )
     body = body_frame if body_frame is not None else _encode_struct(env.body, body_type.TYPE)
     frames = [_encode_struct(header, "header"), body]
-    _check_sizes(frames, limits, errors.InvalidMessage)
+    check_sizes(frames, limits, errors.InvalidMessage)
     return frames
 
 
 def encode_body(body: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """A message's body frame alone, validated (for ``encode(..., body_frame=)``)."""
-    frame = _encode_struct(body, _message_type(body).TYPE)
-    _check_sizes([frame], limits, errors.InvalidMessage)
+    frame = _encode_struct(body, message_type(body).TYPE)
+    check_sizes([frame], limits, errors.InvalidMessage)
     return frame
 
 
-def _message_type(body: Any) -> type:
+def message_type(body: Any) -> type:
     body_type = type(body)
     if MESSAGE_TYPES.get(getattr(body_type, "TYPE", None)) is not body_type:
         raise errors.InvalidMessage("<body>", f"{body_type.__name__} is not a protocol message")
@@ -106,14 +106,14 @@ def _message_type(body: Any) -> type:
 
 def _encode_struct(obj: Any, label: str) -> bytes:
     try:
-        return _pack(to_wire(obj))
+        return pack_map(to_wire(obj))
     except Violation as v:
         raise errors.InvalidMessage(f"{label}.{v.path}" if v.path else label, v.detail) from None
     except (TypeError, ValueError, OverflowError) as exc:
         raise errors.InvalidMessage(label, f"not serialisable: {exc}") from exc
 
 
-def _check_sizes(frames: Sequence[Any], limits: Limits, exc_type: type) -> None:
+def check_sizes(frames: Sequence[Any], limits: Limits, exc_type: type) -> None:
     total = 0
     for i, frame in enumerate(frames):
         size = len(frame)
@@ -174,7 +174,7 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Envelope:
     for f in frames:
         if not isinstance(f, (bytes, bytearray, memoryview)):
             raise errors.MalformedFrames(f"frame is {type(f).__name__}, not bytes")
-    _check_sizes(frames, limits, _TooLarge)
+    check_sizes(frames, limits, _TooLarge)
     raw_header = _unpack(frames[0], "header", limits)
     try:
         header = from_wire(Header, raw_header)

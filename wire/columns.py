@@ -26,7 +26,7 @@ import sys
 from operator import itemgetter
 from typing import Any, Callable, Iterator, Sequence
 
-from .schema import Violation, _compiled, _run_check, _struct_kind, trusted_maker
+from .schema import KIND_CONVERTERS, Violation, compiled_struct, run_check, struct_converters, trusted_maker
 
 _CODES = (("B", 0, 2**8 - 1), ("I", 0, 2**32 - 1), ("Q", 0, 2**64 - 1), ("q", -(2**63), 2**63 - 1))  # narrowest first
 _SWAP = sys.byteorder == "big"
@@ -172,7 +172,7 @@ def _fields(data: Any, names: tuple[str, ...], path: str) -> list:
 
 
 def _structs(cls: type) -> tuple[Callable, Callable]:
-    c = _compiled(cls)
+    c = compiled_struct(cls)
     columns: list[_Column] = []  # (made on first use: a struct may name itself only through a column)
     make = trusted_maker(cls)
     check = getattr(cls, "_check", None) is not None
@@ -207,7 +207,7 @@ def _structs(cls: type) -> tuple[Callable, Callable]:
         out = [make(*row) for row in zip(*values)]
         if check:
             for i, v in enumerate(out):
-                _run_check(v, f"{path}[{i}]")
+                run_check(v, f"{path}[{i}]")
         return out
 
     return encode, decode
@@ -223,7 +223,7 @@ class Rows(Sequence):
     __slots__ = ("cls", "columns", "_n")
 
     def __init__(self, cls: type, columns: dict[str, Sequence]) -> None:
-        names = _compiled(cls).names
+        names = compiled_struct(cls).names
         if set(columns) != set(names):
             raise TypeError(f"Rows[{cls.__name__}] needs the columns {list(names)}, got {sorted(columns)}")
         self.cls, self.columns = cls, {n: tuple(columns[n]) for n in names}
@@ -267,7 +267,7 @@ def column(rows: Sequence, name: str) -> Sequence:
 def converters(cls: type) -> tuple[Callable[[Any, str], Any], Callable[[Any, str], Any]]:
     """``Columns[cls]``'s pair of schema converters (a tuple of ``cls``, or ``Rows`` of it <-> columns map)."""
     encode, decode = _structs(cls)
-    element_to = _struct_kind(cls)[0]
+    element_to = struct_converters(cls)[0]
     check = getattr(cls, "_check", None) is not None
 
     def to(v: Any, path: str) -> Any:
@@ -294,3 +294,6 @@ def converters(cls: type) -> tuple[Callable[[Any, str], Any], Callable[[Any, str
         return tuple(decode(v, n, path))
 
     return to, frm
+
+
+KIND_CONVERTERS["columns"] = converters  # (schema's checked walk reaches Columns[...] fields through it)

@@ -152,10 +152,6 @@ def _json_check(v: Any, path: str, depth: int = 0) -> Any:
     raise Violation("type", path, f"{_type_name(v)} is not JSON-able")
 
 
-def _json() -> tuple[Converter, Converter]:
-    return _json_check, _json_check
-
-
 def _tuple(inner: tuple[Converter, Converter]) -> tuple[Converter, Converter]:
     to_i, from_i = inner
 
@@ -184,7 +180,7 @@ def _optional(inner: tuple[Converter, Converter]) -> tuple[Converter, Converter]
     return to, frm
 
 
-def _struct_kind(cls: type) -> tuple[Converter, Converter]:
+def struct_converters(cls: type) -> tuple[Converter, Converter]:
     def to(v: Any, path: str) -> Any:
         if not isinstance(v, cls):
             raise Violation("type", path, f"expected {cls.__name__}, got {_type_name(v)}")
@@ -235,6 +231,11 @@ def _kind(tp: Any) -> tuple:
     raise TypeError(f"unsupported wire annotation {tp!r}")
 
 
+# Converter makers for kinds that other wire modules define on top of this one (``columns`` registers
+# "columns" when it is imported; ``weightsync.wire`` imports it): the dependency points one way.
+KIND_CONVERTERS: dict[str, Callable[[type], tuple[Converter, Converter]]] = {}
+
+
 def _converters(kind: tuple) -> tuple[Converter, Converter]:
     """The checked walk's pair of converters for one annotation, read by ``_kind``."""
     tag = kind[0]
@@ -247,11 +248,12 @@ def _converters(kind: tuple) -> tuple[Converter, Converter]:
     if tag == "call":
         return kind[1], kind[2]
     if tag == "columns":
-        from .columns import converters  # (columns build on this module)
-
-        return converters(kind[1])
+        make = KIND_CONVERTERS.get("columns")
+        if make is None:
+            raise TypeError("a Columns[...] field needs weightsync.wire.columns imported (it registers the kind)")
+        return make(kind[1])
     if tag == "struct":
-        return _struct_kind(kind[1])
+        return struct_converters(kind[1])
     if tag == "opt":
         return _optional(_converters(kind[1]))
     return _tuple(_converters(kind[1]))
@@ -273,7 +275,7 @@ class _Compiled:
 _COMPILED: dict[type, _Compiled] = {}
 
 
-def _compiled(cls: type) -> _Compiled:
+def compiled_struct(cls: type) -> _Compiled:
     c = _COMPILED.get(cls)
     if c is None:
         c = _COMPILED[cls] = _Compiled(cls)
@@ -302,7 +304,7 @@ def trusted_maker(cls: type) -> Callable[..., Any]:
     from columns, 10^5-10^6 of them; instances of a class share their dicts' keys)."""
     make = _MAKERS.get(cls)
     if make is None:
-        names = _compiled(cls).names
+        names = compiled_struct(cls).names
         args = ", ".join(f"a{i}" for i in range(len(names)))
         stores = "".join(f"    d[{n!r}] = a{i}\n" for i, n in enumerate(names))
         scope = {"new": object.__new__, "cls": cls}
@@ -314,7 +316,7 @@ def trusted_maker(cls: type) -> Callable[..., Any]:
 _MAKERS: dict[type, Callable[..., Any]] = {}
 
 
-def _run_check(obj: Any, path: str) -> None:
+def run_check(obj: Any, path: str) -> None:
     check = getattr(obj, "_check", None)
     if check is not None:
         try:
@@ -326,33 +328,33 @@ def _run_check(obj: Any, path: str) -> None:
 def to_wire(obj: Any, path: str = "") -> dict[str, Any]:
     """Validate a struct instance and return its MessagePack-able map."""
     try:
-        return _fast(type(obj)).encode(obj)
+        return fast_path(type(obj)).encode(obj)
     except Exception:  # (the fast path only declines: the checked walk below names what is wrong)
         return _checked_to_wire(obj, path)
 
 
 def _checked_to_wire(obj: Any, path: str) -> dict[str, Any]:
-    c = _compiled(type(obj))
+    c = compiled_struct(type(obj))
     out: dict[str, Any] = {}
     for name, to, _ in c.fields:
         value = getattr(obj, name)
         if name in c.defaults and value == c.defaults[name]:
             continue  # an optional field at its default stays off the wire
         out[name] = to(value, f"{path}.{name}" if path else name)
-    _run_check(obj, path)
+    run_check(obj, path)
     return out
 
 
 def from_wire(cls: type, data: Any, path: str = "") -> Any:
     """Validate a decoded map strictly (no missing required field, no extra field) and build the struct."""
     try:
-        return _fast(cls).decode(data)
+        return fast_path(cls).decode(data)
     except Exception:  # (as in ``to_wire``)
         return _checked_from_wire(cls, data, path)
 
 
 def _checked_from_wire(cls: type, data: Any, path: str) -> Any:
-    c = _compiled(cls)
+    c = compiled_struct(cls)
     if type(data) is not dict:
         raise Violation("type", path, f"expected a map for {cls.__name__}, got {_type_name(data)}")
     if len(data) != len(c.names) or data.keys() != c.name_set:
@@ -369,11 +371,11 @@ def _checked_from_wire(cls: type, data: Any, path: str) -> Any:
         else:
             kwargs[name] = c.defaults[name]
     obj = cls(**kwargs)
-    _run_check(obj, path)
+    run_check(obj, path)
     return obj
 
 
-# The fast path: per struct, an encoder and a decoder generated as straight-line code (``_fast``). They
+# The fast path: per struct, an encoder and a decoder generated as straight-line code (``fast_path``). They
 # check exactly what the converters above check, but build no field paths (a plan message of 10^5
 # transfers made 10^6 path strings): any failure (a broken rule, a missing key, a type) only makes them
 # decline, and the checked walk (``_checked_to_wire`` / ``_checked_from_wire``) then finds and names the
@@ -392,7 +394,7 @@ _FAST: dict[type, _Fast] = {}
 _ABSENT = object()
 
 
-def _fast(cls: type) -> _Fast:
+def fast_path(cls: type) -> _Fast:
     f = _FAST.get(cls)
     if f is None:
         f = _Fast()
@@ -412,7 +414,7 @@ def _emit(kind: tuple, v: str, ind: str, env: dict, enc: bool) -> list[str]:
     if tag == "float":
         return [f"{ind}if type({v}) is int: {v} = float({v})", f"{ind}elif type({v}) is not float: raise _Decline"]
     if tag == "struct":
-        f = _fast(kind[1])
+        f = fast_path(kind[1])
         env[name] = f.encode if enc else f.decode
         return [f"{ind}{v} = {name}({v})"]
     if tag in ("call", "columns"):
@@ -428,7 +430,7 @@ def _emit(kind: tuple, v: str, ind: str, env: dict, enc: bool) -> list[str]:
 
 def _element(kind: tuple, enc: bool) -> Callable[[Any], Any]:
     if kind[0] == "struct":
-        f = _fast(kind[1])
+        f = fast_path(kind[1])
         return f.encode if enc else f.decode
     env: dict[str, Any] = {}
     return _define("element", ["x"], [*_emit(kind, "x", "    ", env, enc), "    return x"], env)
@@ -441,7 +443,7 @@ def _define(fn: str, args: list[str], body: list[str], env: dict) -> Callable:
 
 
 def _generate(cls: type) -> tuple[Callable, Callable]:
-    c = _compiled(cls)
+    c = compiled_struct(cls)
     env: dict[str, Any] = {"C": cls}
     kinds = [(i, n, k) for i, (n, k) in enumerate(zip(c.names, c.kinds))]
     required = [(i, n, k) for i, n, k in kinds if n not in c.defaults]

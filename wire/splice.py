@@ -24,8 +24,8 @@ import msgpack
 
 from . import errors
 from .columns import Rows
-from .codec import DEFAULT_LIMITS, Limits, _check_sizes, _message_type, _pack, encode_body
-from .schema import _compiled, _fast, _run_check
+from .codec import DEFAULT_LIMITS, Limits, check_sizes, message_type, pack_map, encode_body
+from .schema import compiled_struct, fast_path, run_check
 
 _NIL = b"\xc0"
 
@@ -51,8 +51,8 @@ class _Layout:
     __slots__ = ("fields",)
 
     def __init__(self, cls: type) -> None:
-        c = _compiled(cls)
-        rows = [(_pack(n), n, k, to, n in c.defaults, c.defaults.get(n))
+        c = compiled_struct(cls)
+        rows = [(pack_map(n), n, k, to, n in c.defaults, c.defaults.get(n))
                 for n, k, (_, to, _) in zip(c.names, c.kinds, c.fields)]
         self.fields = [r for r in rows if not r[4]] + [r for r in rows if r[4]]
 
@@ -84,7 +84,7 @@ class PartsEncoder:
     def __init__(self, split: Iterable[type], shared: Iterable[type] = ()) -> None:
         self._layouts = {cls: _Layout(cls) for cls in split}
         self._shared = frozenset(shared)
-        self._pack = msgpack.Packer(use_bin_type=True).pack  # (codec's settings)
+        self.pack_map = msgpack.Packer(use_bin_type=True).pack  # (codec's settings)
         self._kept: dict[Any, _Kept] = {}  # by struct type (elements), field kind (columns), "checked"
         self.reused = self.encoded = self.fallbacks = 0
 
@@ -96,13 +96,13 @@ class PartsEncoder:
         """``codec.encode_body(body, limits)``, the same bytes and the same errors."""
         if type(body) not in self._layouts:
             return encode_body(body, limits)
-        _message_type(body)
+        message_type(body)
         try:
             frame = self._struct(body)
         except Exception:  # (the plain encoder names what is wrong, or makes what the walk declined)
             self.fallbacks += 1
             return encode_body(body, limits)
-        _check_sizes([frame], limits, errors.InvalidMessage)
+        check_sizes([frame], limits, errors.InvalidMessage)
         return frame
 
     def retain(self) -> None:
@@ -127,7 +127,7 @@ class PartsEncoder:
             out.append(self._value(value, kind, to, name))
         checked = self._store("checked")
         if id(obj) not in checked.parts:
-            _run_check(obj, "")
+            run_check(obj, "")
             checked.parts[id(obj)], checked.held[id(obj)] = b"", obj
         checked.seen.add(id(obj))
         return map_header(len(out) // 2) + b"".join(out)
@@ -140,19 +140,19 @@ class PartsEncoder:
         if kind[0] == "struct" and type(value) is kind[1] and kind[1] in self._layouts:
             return self._struct(value)
         if kind[0] == "columns" and type(value) in (tuple, Rows):
-            return self._parts((value,), kind, lambda v: self._pack(to(v, name)))[0]
+            return self._parts((value,), kind, lambda v: self.pack_map(to(v, name)))[0]
         if kind[0] == "tuple" and kind[1][0] == "struct" and kind[1][1] in self._shared and type(value) is tuple:
             cls = kind[1][1]  # (made from its elements' parts; the tuple itself is not kept)
             return array_header(len(value)) + b"".join(self._parts(value, cls, self._element(cls)))
-        return self._pack(to(value, name))
+        return self.pack_map(to(value, name))
 
     def _element(self, cls: type) -> Callable[[Any], bytes]:
-        enc = _fast(cls).encode
+        enc = fast_path(cls).encode
 
         def encode(x: Any) -> bytes:
             if type(x) is not cls:
                 raise TypeError(f"{type(x).__name__} where {cls.__name__} is expected")
-            return self._pack(enc(x))
+            return self.pack_map(enc(x))
 
         return encode
 

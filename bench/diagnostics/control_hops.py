@@ -1,5 +1,5 @@
 """Control-message round trips between two processes: back to back, after idle gaps, and with the
-event loops kept polling (``weightsync.engine.datapath.aio.Spinner``) or PM QoS held (``/dev/cpu_dma_latency`` = 0).
+event loops kept polling (``weightsync.engine.aio.Spinner``) or PM QoS held (``/dev/cpu_dma_latency`` = 0).
 
 Why: a round's control messages reach processes that have been idle for tens of milliseconds; this
 measures what such a hop costs on a machine, apart from the engine (pyzmq asyncio on uvloop, ROUTER <->

@@ -120,7 +120,7 @@ def enable_peer_access(device: int, peer: int) -> bool:
     """Let ``device``'s kernels and copy engines reach ``peer``'s memory; returns whether they can.
 
     Without it a copy issued from ``device`` into ``peer``'s memory still works, but the runtime
-    stages it through host memory: about 37 GB/s instead of about 390 on NVLink (measured)."""
+    stages it through host memory, an order of magnitude slower than NVLink (docs/TRANSPORTS.md)."""
     if device == peer:
         return True
     can = ctypes.c_int(0)
@@ -227,8 +227,8 @@ class PitchedCopies:
 
 def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: torch.cuda.Stream,
                        src_device: int, dst_device: int) -> None:
-    """``BatchCopies(copies, src_device, dst_device).launch(stream)``: a 7B model's 339 tensors in calls of
-    16 copy about 1 ms faster than one call each (docs/TRANSPORTS.md)."""
+    """``BatchCopies(copies, src_device, dst_device).launch(stream)``: many copies per call instead of
+    one each (docs/TRANSPORTS.md has what it saves)."""
     BatchCopies(copies, src_device, dst_device).launch(stream)
 
 
@@ -239,7 +239,7 @@ NAP_S = 0.0005
 async def wait_event(event: torch.cuda.Event, spin_s: float = SPIN_S) -> None:
     """Wait for ``event`` without blocking the loop: poll it, yielding, for the first ``spin_s``; a
     longer wait is handed to a helper thread blocked in ``event.synchronize()`` (GIL released), which
-    wakes the loop about 0.1 ms after the event instead of a nap's millisecond or more.
+    wakes the loop soon after the event instead of after a nap of a millisecond or more.
 
     asyncio's sleeps shorter than a millisecond still block in epoll for one, so napping would see the
     end of a round's copies late; yielding keeps every other task running. ``spin_s=math.inf`` only

@@ -47,7 +47,7 @@ from weightsync.wire.messages import Checksum, WriteSummary
 
 from ..errors import ConfigError
 from ..transport import Connection
-from .aio import ByteBudget, Channel, run_all
+from ..aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
 from .staging import SourceSet, Staged, StagingPool

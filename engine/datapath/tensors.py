@@ -15,27 +15,14 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from weightsync.wire import DTYPE_SIZES, ShardSpec, TensorSpec
+from weightsync.wire import ShardSpec, TensorSpec
 
+from ..dtypes import dtype_name
 from ..errors import ConfigError
 
 ALIGN = 256  # byte alignment of tensors inside flat buffers (covers every dtype and vector loads)
 
 Params = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_SIZES:
-        raise ConfigError("dtype", f"{dtype} cannot travel (supported: {', '.join(sorted(DTYPE_SIZES))})")
-    return name
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError("dtype", f"unknown dtype {name!r}")
-    return dtype
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -159,6 +146,3 @@ class FlatBuffer:
         if n == 0:
             return torch.empty(shape, dtype=dtype, device=self.storage.device)
         return raw.view(dtype).view(shape)
-
-    def bytes_at(self, offset: int, nbytes: int) -> memoryview:
-        return byte_view(self.storage[offset:offset + nbytes])

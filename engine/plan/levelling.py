@@ -34,8 +34,8 @@ def balance(sched: Schedule, link: LinkModel, options: "PlanOptions") -> None:
     busiest sender port hands part of a flexible segment to its least busy candidate, enough to bring
     the two level (water-filling, cut at a row boundary, never a part under ``min_chunk_bytes`` unless
     the whole segment moves), until no such move lowers it. The list schedule gives a flexible segment
-    only to a candidate free at that moment, so a pair of senders sharing work can end apart (Kimi-K2
-    128 -> 128 from FSDP+EP64: 0.409 against 0.425 s); this levels them. A move goes only to a port as
+    only to a candidate free at that moment, so a pair of senders sharing work can end apart (docs/PLANNER.md
+    has the figures); this levels them. A move goes only to a port as
     fast for that receiver and leaves the pair no further apart than it found them, so the sum of
     squared port times falls at every move: it ends. A moved part keeps its place in the schedule's
     time (after what stays), which orders it in its new sender's table. ``sched``'s segments and

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from .links import LinkClass, LinkModel
-from .sources import Piece, Streams, ranges
+from .sources import Piece, Streams
 from .work import Runs, Schedule, Segment
 
 _nbytes = operator.attrgetter("nbytes")
@@ -186,11 +186,6 @@ class _ClassSchedule:
             self.holders[cands].add(receiver)
             self.flex[receiver].append(stream)
         return frozen
-
-    @property
-    def forced_pieces(self) -> list[list[Piece]]:
-        """Each forced stream's pieces as a list of its own."""
-        return ranges(self.pool, self.forced_first, self.forced_count)
 
     def run(self) -> tuple[list[Segment], Runs]:
         """The flexible segments, and the forced runs (``_place_forced``)."""

@@ -43,7 +43,7 @@ import torch
 
 from weightsync.wire import Transfer
 
-from ..datapath.tensors import dtype_from_name
+from ..dtypes import dtype_from_name
 from ..errors import StagingError
 from .fp8 import FP8_MAX, MIN_AMAX, Quantizer, as_matrix, dequantize_blocks, fp8_error_bound, quantize_blocks
 from .fp8 import within_fp8_bound

@@ -42,7 +42,7 @@ import torch
 
 from weightsync.wire import ShardSpec, Transfer
 
-from ..datapath.aio import ByteBudget
+from ..aio import ByteBudget
 from ..plan.windows import Need, gather_windows
 from ..errors import ConfigError, StagingError
 

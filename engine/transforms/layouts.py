@@ -29,7 +29,7 @@ import torch
 
 from weightsync.wire import ShardSpec
 
-from ..datapath.tensors import dtype_from_name
+from ..dtypes import dtype_from_name
 from ..errors import ConfigError
 from ..plan.mapping import FP8, SCALE_SUFFIX, Mapping, SourceShape, block_scale_shape, components, full_shape
 from ..plan.mapping import MAPPINGS, get_mapping

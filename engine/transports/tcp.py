@@ -356,6 +356,7 @@ class TcpConnection:
         for fut in self._acks.values():
             if not fut.done():
                 fut.set_exception(exc)
+                fut.exception()  # (retrieved: a fence that was cancelled meanwhile leaves nobody to read it)
         self._acks.clear()
 
     async def close(self) -> None:

@@ -52,22 +52,13 @@ from .. import dataauth
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import EpochCounts, SourceCounters, TransportOptions
+from .uccl_frames import (BLOB, FENCE_TIMEOUT_S, FRAME, MAGIC, MAILBOX, OP_ACCEPTED, OP_ADVERTISE, OP_CHALLENGE,
+                          OP_FENCE, OP_HELLO, PAIRING_TIMEOUT_S, REFUSED, ok as _ok)
 
 if TYPE_CHECKING:
     from .uccl_connection import UcclConnection
 
 log = logging.getLogger("weightsync")
-
-FRAME = struct.Struct("<B3xIQQQQ")  # op, a, b, c, d, e
-OP_HELLO, OP_ADVERTISE, OP_FENCE, OP_ACCEPTED, OP_CHALLENGE = 1, 2, 3, 4, 5
-MAGIC = 0x5753_5543_0003  # "WSUC", version 3 (a challenge first, the hello proves the pair key)
-BLOB = 64
-REFUSED = b"\0" * BLOB
-MAILBOX = 0xFFFFFFFF  # the region id that names a session's fence mailbox (one int64 at the target)
-FENCE_TIMEOUT_S = 60.0  # how long a target waits for a fence's mailbox write to land
-CHUNK = 1 << 30  # UCCL's sizes are u32 on its tcp path: larger writes go in pieces
-PAIRING_TIMEOUT_S = 60.0
-RDMA_DEPTH = 16  # writes in flight per connection over RDMA (unmeasured here: no NIC)
 
 
 def rdma_devices() -> list[str]:
@@ -94,17 +85,6 @@ def _p2p():
     except Exception as exc:  # ImportError, OSError (libcudart), anything the extension raises
         raise TransportUnavailable(f"uccl.p2p cannot be imported: {exc!r}") from exc
     return p2p
-
-
-def _ok(result: Any, what: str, peer: Optional[str] = None) -> Any:
-    """UCCL returns (ok, value...) tuples or bare bools; turn failure into TransportError."""
-    if isinstance(result, tuple):
-        if not result[0]:
-            raise TransportError(f"uccl {what} failed", peer=peer)
-        return result[1] if len(result) == 2 else result[1:]
-    if result is False:
-        raise TransportError(f"uccl {what} failed", peer=peer)
-    return result
 
 
 def _off_loop(fn: Callable[[], Any]) -> asyncio.Future:
@@ -139,6 +119,14 @@ def _memory_block(t: torch.Tensor) -> tuple[int, int]:
         return block_of(t)
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+async def _read_hello(reader: asyncio.StreamReader) -> tuple[int, bytes, int, int]:
+    """The initiator's HELLO and proof: (source rank, proof, magic, op); no proof unless it is a HELLO."""
+    op, source, magic, *_ = await _read_frame(reader)
+    if op != OP_HELLO or magic != MAGIC:
+        return source, b"", magic, op
+    return source, await reader.readexactly(dataauth.PROOF_BYTES), magic, op
 
 
 def _peername(writer: asyncio.StreamWriter) -> str:
@@ -198,6 +186,7 @@ class UcclTransport(EpochCounts):
         EpochCounts.__init__(self)  # (source, epoch) -> what the source reported at its fence
         self._server: Optional[asyncio.AbstractServer] = None
         self._sessions: dict[asyncio.StreamWriter, asyncio.Task] = {}
+        self._waiting: dict[asyncio.StreamWriter, None] = {}  # side-channel sessions not yet authenticated, oldest first
         self._pairing = asyncio.Lock()
         self._stalled: Optional[str] = None
         self.guard = dataauth.DataGuard()  # the side channel's hello proves the pair key (engine.dataauth)
@@ -258,11 +247,24 @@ class UcclTransport(EpochCounts):
             nonce = dataauth.new_nonce()
             writer.write(FRAME.pack(OP_CHALLENGE, 0, int.from_bytes(nonce[:8], "little"),
                                     int.from_bytes(nonce[8:], "little"), 0, 0))
-            op, source, magic, *_ = await _read_frame(reader)
-            if op != OP_HELLO or magic != MAGIC:
-                self.guard.refuse(_peername(writer), f"bad hello (op {op}, magic {magic:#x})")
+            self._waiting[writer] = None  # (the front door: bounded, oldest evicted, deadline below)
+            while len(self._waiting) > self.options.max_unauthenticated:
+                oldest = next(iter(self._waiting))
+                self._waiting.pop(oldest)
+                self.guard.refuse(_peername(oldest), "closed, not authenticated: over "
+                                  f"{self.options.max_unauthenticated} unauthenticated connections", "evicted")
+                oldest.close()
+            try:
+                source, proof, magic, op = await asyncio.wait_for(_read_hello(reader), self.options.handshake_timeout_s)
+            except asyncio.TimeoutError:
+                self.guard.refuse(_peername(writer), f"no authenticated hello within "
+                                  f"{self.options.handshake_timeout_s}s", "handshake timeout")
                 return
-            proof = await reader.readexactly(dataauth.PROOF_BYTES)
+            finally:
+                self._waiting.pop(writer, None)
+            if op != OP_HELLO or magic != MAGIC:
+                self.guard.refuse(_peername(writer), f"bad hello (op {op}, magic {magic:#x})", "bad hello")
+                return
             if self.guard.admit(source, nonce, proof, _peername(writer)) is None:
                 return  # refused before any RDMA pairing: no descriptor reaches it
             conn_id = await self._pair(writer, source)
@@ -352,7 +354,7 @@ class UcclTransport(EpochCounts):
         if op != OP_ACCEPTED or mailbox == REFUSED:
             writer.close()
             raise TransportError("the peer did not accept the uccl connection", peer=name)
-        from .uccl_connection import UcclConnection  # (it imports this module's constants)
+        from .uccl_connection import UcclConnection  # (imported when first used: it needs CUDA's bindings)
 
         return UcclConnection(self, conn_id, name, reader, writer, mailbox)
 

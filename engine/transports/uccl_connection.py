@@ -21,7 +21,7 @@ import torch
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError
 from ..transport import wait_after
-from .uccl import BLOB, CHUNK, FENCE_TIMEOUT_S, FRAME, OP_ADVERTISE, OP_FENCE, RDMA_DEPTH, REFUSED, _ok
+from .uccl_frames import BLOB, CHUNK, FENCE_TIMEOUT_S, FRAME, OP_ADVERTISE, OP_FENCE, RDMA_DEPTH, REFUSED, ok as _ok
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow

@@ -54,7 +54,7 @@ from typing import Any, Optional
 
 import torch
 
-from weightsync.engine.datapath.tensors import dtype_name
+from weightsync.engine.dtypes import dtype_name
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.models.shapes import config_shapes
 from weightsync.engine.plan.mapping import MAPPINGS

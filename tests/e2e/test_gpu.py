@@ -250,7 +250,7 @@ async def test_cpu_held_sources_are_quantized_on_the_gpu():
     """CPU-offloaded trainer weights with ``quantize_on``: each source slice is copied to the GPU and
     quantized there by the kernel (not eagerly on the CPU), within the FP8 bound at the receiver."""
     from weightsync.engine.transforms.layouts import FP8Policy, allocate, receiver_layout
-    from weightsync.engine.datapath.tensors import dtype_name
+    from weightsync.engine.dtypes import dtype_name
     from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
     from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
@@ -280,7 +280,7 @@ async def test_cpu_held_sources_are_quantized_on_the_gpu():
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
     from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout
-    from weightsync.engine.datapath.tensors import dtype_name
+    from weightsync.engine.dtypes import dtype_name
     from layout_oracle import check_fp8_receiver, expected_qwen2, qwen2_state
 
     src = {k: v.to("cuda:0") for k, v in qwen2_state().items()}

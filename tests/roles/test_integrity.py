@@ -15,18 +15,12 @@ from children import free_port
 from weightsync.engine import dataauth
 from weightsync.engine.errors import TransportError, VersionError
 from weightsync.engine.transports import tcp
-from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
+from proc_helpers import mismatches, push, receiver_tensors, sender_tensors, update_in_place
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 from weightsync.roles.sender import PushHandle
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5, checksum="crc32")
 WATCHDOG = 30
-
-
-async def push(sender, tensors, version):
-    update_in_place(tensors, version)
-    handle = await asyncio.wait_for(sender.push(version), WATCHDOG)
-    return await asyncio.wait_for(handle, WATCHDOG)
 
 
 async def applied(version, *receivers):

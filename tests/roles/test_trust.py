@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from children import free_port
-from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
+from proc_helpers import mismatches, push, receiver_tensors, sender_tensors, update_in_place
 from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
 from weightsync.engine.logs import Repeats
 from weightsync.engine.transport import TransportOptions
@@ -28,12 +28,6 @@ from weightsync.wire.auth import sign
 KEY = b"k" * 32
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=1.0, checksum="crc32")
 WATCHDOG = 30
-
-
-async def push(sender, tensors, version):
-    update_in_place(tensors, version)
-    handle = await asyncio.wait_for(sender.push(version), WATCHDOG)
-    return await asyncio.wait_for(handle, WATCHDOG)
 
 
 async def push_all(senders, version):

@@ -1,4 +1,4 @@
-"""The generated fast path (``schema._fast``) against the checked walk: the same maps and structs for
+"""The generated fast path (``schema.fast_path``) against the checked walk: the same maps and structs for
 valid input, and for broken input the fast path declines and the checked walk names the culprit."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ _DELETE = object()
 @pytest.mark.parametrize("name", sorted(samples()))
 def test_the_fast_path_takes_every_sample_both_ways(name):
     body = samples()[name].body
-    fast = schema._fast(type(body))
+    fast = schema.fast_path(type(body))
     wire_map = fast.encode(body)  # (raises if it declined: every valid message must take it)
     assert wire_map == schema._checked_to_wire(body, "")
     data = msgpack.unpackb(encode(samples()[name])[1], raw=False)
@@ -74,7 +74,7 @@ def test_the_fast_path_takes_every_sample_both_ways(name):
 @settings(max_examples=300, deadline=None)
 @given(body=bodies)
 def test_random_messages_take_the_fast_path_to_the_checked_answer(body):
-    fast = schema._fast(type(body))
+    fast = schema.fast_path(type(body))
     assert _fast_outcome(lambda: fast.encode(body)) == _outcome(lambda: schema._checked_to_wire(body, ""))
     data = msgpack.unpackb(msgpack.packb(schema._checked_to_wire(body, ""), use_bin_type=True), raw=False)
     assert fast.decode(data) == body
@@ -94,7 +94,7 @@ def test_broken_maps_are_declined_and_named_by_the_checked_walk(name):
     checked = 0
     for broken in rng.sample(cases, min(len(cases), 400)):
         slow = _outcome(lambda: schema._checked_from_wire(cls, broken, ""))
-        fast = _fast_outcome(lambda: schema._fast(cls).decode(broken))
+        fast = _fast_outcome(lambda: schema.fast_path(cls).decode(broken))
         if slow[0] == "ok":
             assert fast == slow
         else:
@@ -144,7 +144,7 @@ def test_broken_structs_are_declined_and_named_by_the_checked_walk(name):
         except (TypeError, ValueError, Violation):
             continue  # (a struct whose own constructor refuses the value)
         slow = _outcome(lambda: schema._checked_to_wire(broken, ""))
-        fast = _fast_outcome(lambda: schema._fast(type(broken)).encode(broken))
+        fast = _fast_outcome(lambda: schema.fast_path(type(broken)).encode(broken))
         if slow[0] == "ok":
             assert fast == slow
         else:

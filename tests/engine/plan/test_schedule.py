@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from weightsync.engine.plan import LinkClass, LinkModel, PlanOptions, build_pieces, link_class
 from weightsync.engine.plan.planner import group_by_locality
 from weightsync.engine.plan.schedule import _ClassSchedule, _Stream, schedule
-from weightsync.engine.plan.sources import Piece
+from weightsync.engine.plan.sources import Piece, ranges
 from weightsync.wire import Slice
 from plan_helpers import mixed_locality
 
@@ -48,7 +48,8 @@ def _forced_chunk_by_chunk(one):
     """The forced placement as a plain loop, chunk by chunk (``_ClassSchedule._place_forced``'s rule):
     (runs as (start, receiver, sender, pieces), each port's busy time, when each port frees)."""
     by_r: dict[int, dict[int, list]] = {}
-    for r, s, pieces in zip(one.forced_r.tolist(), one.forced_s.tolist(), one.forced_pieces):
+    for r, s, pieces in zip(one.forced_r.tolist(), one.forced_s.tolist(),
+                                 ranges(one.pool, one.forced_first, one.forced_count)):
         by_r.setdefault(r, {})[s] = list(pieces)
     load, received = dict.fromkeys(one.senders, 0.0), dict.fromkeys(one.receivers, 0.0)
     runs, free_at = [], {}

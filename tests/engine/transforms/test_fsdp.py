@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from children import Children, free_port
-from weightsync.engine.datapath.tensors import dtype_name
+from weightsync.engine.dtypes import dtype_name
 from weightsync.engine.transforms.layouts import FP8_EXCLUDE, FP8Policy, TensorParallel, allocate, receiver_layout
 from fsdp_helpers import BUDGET, fsdp_sender_main, qwen2_model, trained
 from layout_oracle import check_fp8_receiver, expected_qwen2

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from weightsync.engine.datapath.tensors import dtype_name
+from weightsync.engine.dtypes import dtype_name
 from weightsync.engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
 from weightsync.engine.plan import Rule, Mapping, get_mapping, plan
 from weightsync.engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
@@ -651,7 +651,7 @@ def test_a_plan_table_is_checked_and_grouped_once():
 async def test_a_quantization_group_is_charged_to_the_budget_when_it_is_launched(monkeypatch):
     """The row that quantizes a group makes every output of the group at once: the pipeline takes the
     whole group's bytes then (not row by row), gives each row's back once written, and ends balanced."""
-    from weightsync.engine.datapath.aio import ByteBudget
+    from weightsync.engine.aio import ByteBudget
     from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions
     from weightsync.engine.datapath.staging import SourceSet
     from weightsync.wire import Transfer

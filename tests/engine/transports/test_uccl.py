@@ -123,3 +123,28 @@ async def test_full_rounds_through_the_public_api_over_uccl_semantics():
                 await asyncio.wait_for(await snd.push(v), WATCHDOG)
                 assert (await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)).ok
                 assert rcv.version == v and mismatches(targets, v) == []
+
+
+async def test_the_side_channel_front_door_times_out_and_bounds_strangers():
+    """Strangers on the side channel: the oldest over the cap is closed at once, the rest at the
+    handshake deadline; a planned initiator still pairs and its writes land."""
+    dst = fake_uccl.FakeUcclTransport(TransportOptions(handshake_timeout_s=0.5, max_unauthenticated=4))
+    info = await dst.start(1)
+    region = torch.zeros(64, dtype=torch.uint8)
+    rinfo = dst.register(0, region)
+    host, _, port = info.address.rpartition(":")
+    strangers = [await asyncio.open_connection(host, int(port)) for _ in range(10)]
+    try:
+        src, conn = await _initiator(0, info, rinfo, dst)
+        await conn.write(torch.full((8,), 5, dtype=torch.uint8), 0, 0, 1)
+        await asyncio.wait_for(conn.fence(), WATCHDOG)
+        assert region[:8].tolist() == [5] * 8
+        for reader, _ in strangers:  # each is closed by the target: the challenge, then end of stream
+            assert len(await asyncio.wait_for(reader.read(), WATCHDOG)) == uccl.FRAME.size
+        assert dst.guard.refused >= 10 and not dst._waiting
+        await conn.close()
+        await src.close()
+    finally:
+        for _, writer in strangers:
+            writer.close()
+        await dst.close()

@@ -1,4 +1,4 @@
-"""Asyncio primitives: byte budget, channels, structured gather (engine/datapath/aio.py)."""
+"""Asyncio primitives: byte budget, channels, structured gather (engine/aio.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from weightsync.engine.datapath.aio import ByteBudget, Channel, ChannelClosed, run_all
+from weightsync.engine.aio import ByteBudget, Channel, ChannelClosed, run_all
 from loop_helpers import one_loop_iteration
 
 WATCHDOG = 20

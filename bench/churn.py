@@ -1,0 +1,288 @@
+"""Membership churn: members leave and come back as new sessions at random moments while the others
+push, and every round's outcome is checked against what the receivers serve.
+
+    .venv/bin/python bench/churn.py --cycles 1000 --out docs/results/churn_cpu.json   # the target run
+    .venv/bin/python bench/churn.py --cycles 30 --json                                # a short run (make test)
+
+How this works: a controller, S senders and R shadow receivers run in one event loop over real ZeroMQ
+and TCP on loopback (each a real session with its own sockets and data-plane connections). Every
+tensor is a pure function of (name, version). Each cycle pushes the next version from every sender and,
+at a moment the seeded generator picks, replaces one sender and one receiver by new sessions of the
+same rank (a clean leave or a silent death; the same or another host id): before the pushes, among
+them (after a random number of loop turns), or while the controller is computing a plan. Then, per
+cycle:
+
+- every push ends in a commit or a typed error (``WeightSyncError``) within the round timeout, else it
+  is a **stall**;
+- a round the controller records as committed is served by every receiver session it was planned for,
+  bit for bit (else a **false commit**), and no receiver serves a version the controller does not
+  know as committed, or goes back;
+- an aborted round blames only a member replaced in that cycle, or nobody (else **wrong blame**).
+
+The last line (``--json``) is one object with those counts, the rounds committed and aborted, and the
+command; exit status 1 on any false commit, stall, wrong blame or mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import pathlib
+import random
+import sys
+import time
+
+import torch
+import zmq
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from weightsync.engine.errors import RoundAborted  # noqa: E402
+from weightsync.engine.transport import TransportOptions  # noqa: E402
+from weightsync.roles import (Controller, ControllerOptions, ReceiverOptions, SenderOptions,  # noqa: E402
+                              WeightReceiver, WeightSender)
+from weightsync.wire.errors import WeightSyncError  # noqa: E402
+
+SHAPES = {"embed": (257, 64), "layers.0.w": (64, 192), "layers.0.b": (192,), "layers.1.w": (192, 64), "norm": (64,)}
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    return {name: torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * 1e-3 + version + i
+            for i, (name, shape) in enumerate(SHAPES.items())}
+
+
+def blank() -> dict[str, torch.Tensor]:
+    return {name: torch.full(shape, -1.0) for name, shape in SHAPES.items()}
+
+
+def matches(tensors: dict[str, torch.Tensor], version: int) -> bool:
+    return all(torch.equal(tensors[n], t) for n, t in weights(version).items())
+
+
+class Fleet:
+    """The controller and the current session of every rank; ``replace`` swaps one for a new session."""
+
+    def __init__(self, args, rng: random.Random) -> None:
+        self.args, self.rng = args, rng
+        self.ctl = Controller(senders=args.senders, receivers=args.receivers, options=ControllerOptions(
+            heartbeat_s=args.heartbeat, timeout_s=args.timeout, round_timeout_s=args.round_timeout))
+        self.senders: dict[int, WeightSender] = {}
+        self.receivers: dict[int, WeightReceiver] = {}
+        self.served: dict[int, int] = {}  # receiver object id -> the newest version it served
+        self.carried: list = []  # late pushes whose round ended without them (settled next cycle)
+        self.rounds: dict[int, dict] = {}  # version -> the plan's sessions when its round started
+        start_round = self.ctl._start_round
+
+        def recorded(version: int) -> None:
+            self.rounds[version] = dict(self.ctl.plan_sessions)
+            start_round(version)
+
+        self.ctl._start_round = recorded
+
+    def _transport(self) -> TransportOptions:
+        return TransportOptions(host_id=self.rng.choice(["host-a", "host-b"]))
+
+    async def start(self) -> None:
+        await self.ctl.start()
+        for r in range(self.args.receivers):
+            self.receivers[r] = await self._receiver(r)
+        for s in range(self.args.senders):
+            self.senders[s] = await self._sender(s)
+        await asyncio.wait_for(self.ctl.wait_ready(), 30)
+
+    async def _sender(self, rank: int) -> WeightSender:
+        opts = SenderOptions(transport_options=self._transport(), rank_wait_s=10.0)
+        return await WeightSender(self.ctl.address, weights(0), rank=rank, options=opts).__aenter__()
+
+    async def _receiver(self, rank: int) -> WeightReceiver:
+        opts = ReceiverOptions(transport_options=self._transport(), rank_wait_s=10.0)
+        return await WeightReceiver(self.ctl.address, blank(), rank=rank, options=opts).__aenter__()
+
+    async def replace(self, role: str, rank: int) -> None:
+        """The rank's session goes (a clean leave, or a death that says nothing) and a new one joins."""
+        group = self.senders if role == "sender" else self.receivers
+        old = group.pop(rank)
+        if self.rng.random() < 0.5:
+            await old.close()
+        else:  # killed: its sockets go, nothing is said; the controller replaces or times it out
+            old._channel.close()
+            tasks = [*old._tasks, *[t for t in (getattr(old, "_plan_task", None), getattr(old, "_round", None)) if t]]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            old._channel = None
+            await old.close()
+        group[rank] = await (self._sender(rank) if role == "sender" else self._receiver(rank))
+
+    async def close(self) -> None:
+        for worker in [*self.senders.values(), *self.receivers.values()]:
+            await worker.close()
+        await self.ctl.close()
+
+
+async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> None:
+    ctl = fleet.ctl
+    sender, receiver = rng.randrange(fleet.args.senders), rng.randrange(fleet.args.receivers)
+    changed = {f"sender/{sender}", f"receiver/{receiver}"}
+    moment = rng.choice(["before", "among", "planning"])
+
+    async def churn() -> None:
+        await fleet.replace("receiver", receiver)
+        if moment == "planning":  # the sender goes while the plan for the receiver's new session is made
+            while ctl._planning is None and not ctl._ready.is_set():
+                await asyncio.sleep(0)
+        await fleet.replace("sender", sender)
+
+    if moment == "before":
+        await churn()
+    pushes = {}
+    churning = None
+    for rank, s in sorted(fleet.senders.items()):
+        if moment != "before" and churning is None and rng.random() < 0.5:
+            churning = asyncio.ensure_future(churn())
+            for _ in range(rng.randrange(20)):
+                await asyncio.sleep(0)  # (a random number of loop turns: the churn lands mid-push)
+        s = fleet.senders.get(rank)  # (None while the churn replaces it)
+        if s is not None and s._last_version < version:
+            update_weights(s, version)
+            try:
+                pushes[rank] = s.push_nowait(version)
+            except WeightSyncError as exc:  # (refused at once: typed)
+                tally["errors"][type(exc).__name__] = tally["errors"].get(type(exc).__name__, 0) + 1
+    if churning is None and moment != "before":
+        churning = asyncio.ensure_future(churn())
+    if churning is not None:
+        await churning
+    late = {}
+    for rank, s in sorted(fleet.senders.items()):  # a new session pushes too (its predecessor's push went with it)
+        if s._last_version < version and s.lost is None:
+            update_weights(s, version)
+            try:
+                late[rank] = s.push_nowait(version)
+            except WeightSyncError as exc:  # (refused at once: typed)
+                tally["errors"][type(exc).__name__] = tally["errors"].get(type(exc).__name__, 0) + 1
+    await settle(fleet, version, pushes, late, changed, tally)
+
+
+def update_weights(sender: WeightSender, version: int) -> None:
+    for name, t in weights(version).items():
+        sender.tensors[name].copy_(t)
+
+
+async def settle(fleet: Fleet, version: int, pushes: dict, late: dict, changed: set, tally: dict) -> None:
+    """Every push ends in time; a late push (a new session's) whose round already ended without it is
+    carried to the next cycle, whose newer pushes must end it promptly (``PushBook.dead``)."""
+    limit = fleet.args.round_timeout + 2 * fleet.args.timeout + 2.0
+    carried, fleet.carried = fleet.carried, []
+    await outcomes(fleet, version, [*pushes.values(), *carried], changed, limit, tally)
+    if any(h.committed.done() and h.committed.exception() is None for h in pushes.values()) or not pushes:
+        await outcomes(fleet, version, list(late.values()), changed, limit, tally)
+    else:
+        fleet.carried = [h for h in late.values() if not h.committed.done()]
+    await check(fleet, version, limit, tally)
+
+
+async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limit: float, tally: dict) -> None:
+    for handle in handles:
+        try:
+            await asyncio.wait_for(asyncio.shield(handle.committed), limit)
+        except asyncio.TimeoutError:
+            tally["stalls"] += 1
+        except RoundAborted as exc:
+            tally["errors"]["RoundAborted"] = tally["errors"].get("RoundAborted", 0) + 1
+            if exc.culprit and exc.culprit not in changed:
+                tally["wrong_blame"] += 1
+                tally["problems"].append(f"v{version}: blamed {exc.culprit}, changed {sorted(changed)}")
+        except WeightSyncError as exc:
+            kind = type(exc).__name__
+            tally["errors"][kind] = tally["errors"].get(kind, 0) + 1
+            if fleet.args.verbose:
+                print(f"v{version}: {exc!r}", file=sys.stderr)
+        except Exception as exc:  # an untyped error is a bug
+            tally["untyped"] += 1
+            tally["problems"].append(f"v{version}: {exc!r}")
+
+
+async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
+    ctl = fleet.ctl
+    report = next((r for r in reversed(ctl.reports) if r.version == version), None)
+    if report is not None and report.ok:
+        tally["committed"] += 1
+        planned = fleet.rounds.get(version, {})
+        members = [r for r in fleet.receivers.values() if planned.get((r.role, r.rank)) == _identity(r)]
+        try:  # every receiver session the round was planned for serves it
+            await asyncio.wait_for(asyncio.gather(*[r.wait_for(version) for r in members]), limit)
+        except (asyncio.TimeoutError, WeightSyncError) as exc:
+            tally["false_commits"] += 1
+            tally["problems"].append(f"v{version} committed; its receivers serve "
+                                     f"{[r.version for r in members]} ({exc!r})")
+    elif report is not None:
+        tally["aborted"] += 1
+    for r in fleet.receivers.values():
+        seen = fleet.served.get(id(r), -1)
+        if r.version is not None:
+            if r.version < seen:
+                tally["rollbacks"] += 1
+            fleet.served[id(r)] = r.version
+            if ctl.committed is None or r.version > ctl.committed:
+                tally["false_commits"] += 1
+                tally["problems"].append(f"receiver/{r.rank} serves v{r.version}, controller committed v{ctl.committed}")
+            if not matches(r.tensors, r.version):
+                tally["mismatches"] += 1
+    if ctl.committed is not None and not any(r.version == ctl.committed for r in fleet.receivers.values()) \
+            and report is not None and report.ok and report.version == ctl.committed:
+        tally["false_commits"] += 1
+        tally["problems"].append(f"v{version} recorded committed; receivers serve {[r.version for r in fleet.receivers.values()]}")
+
+
+def _identity(worker) -> bytes:
+    return worker._channel.sock.getsockopt(zmq.ROUTING_ID) if worker._channel is not None else b""
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    fleet = Fleet(args, rng)
+    tally = {"cycles": 0, "committed": 0, "aborted": 0, "false_commits": 0, "stalls": 0, "wrong_blame": 0,
+             "rollbacks": 0, "mismatches": 0, "untyped": 0, "errors": {}, "problems": []}
+    t0 = time.perf_counter()
+    await fleet.start()
+    try:
+        for version in range(1, args.cycles + 1):
+            await cycle(fleet, version, rng, tally)
+            tally["cycles"] += 1
+    finally:
+        await fleet.close()
+    tally["seconds"] = round(time.perf_counter() - t0, 1)
+    tally["problems"] = tally["problems"][:20]
+    tally["command"] = "bench/churn.py " + " ".join(sys.argv[1:])
+    return tally
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cycles", type=int, default=100)
+    ap.add_argument("--senders", type=int, default=4)
+    ap.add_argument("--receivers", type=int, default=8)
+    ap.add_argument("--heartbeat", type=float, default=0.1)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--round-timeout", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="print each push's typed error")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
+    tally = asyncio.run(run(args))
+    line = json.dumps(tally)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(tally, indent=1) + "\n")
+    print(line if args.json else json.dumps(tally, indent=1))
+    bad = tally["false_commits"] + tally["stalls"] + tally["wrong_blame"] + tally["rollbacks"] + tally["mismatches"]
+    return 1 if bad + tally["untyped"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
