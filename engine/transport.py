@@ -10,11 +10,12 @@ completes only once every earlier write on that connection is visible at the tar
 target's byte counts against ours. Writes carry their round (``epoch``): a target counts per (source,
 epoch), because a sender may start writing before the receiver has even seen the round begin, and
 drops late writes of rounds it has closed. Everything is awaitable; nothing blocks the event loop.
-Optional on a connection: ``depth`` (writes in flight it wants), ``submit`` (``write`` in two
-halves: queue now, return a future for the completion) and, with it, ``submit_many(rows, epoch)`` with
-``batch`` (several rows ``(source, region, offset, after)`` queued in one call, every row checked before
-any is queued; a future per row, possibly one shared by all), which the pipeline uses where present.
-Optional delivery proofs: a connection's ``seal()`` returns a token (bytes) that proves, once the
+What else a connection can do it declares in its ``abilities`` (``Abilities``, read by the data path,
+never probed): the writes in flight it wants, ``submit`` (``write`` in two halves: queue now, return a
+future for the completion) and ``submit_many(rows, epoch)`` with ``batch`` (several rows ``(source,
+region, offset, after)`` queued in one call, every row checked before any is queued; a future per row,
+possibly one shared by all), compiled tables (``compile``/``replay``), writing in place, and delivery
+proofs: ``seal()`` returns a token (bytes) that proves, once the
 target sees it fulfilled, delivery of every write issued so far, or ``None`` where it cannot; the
 target transport's ``await_proofs({source rank: token}, timeout_s)`` waits for them and returns
 {source rank: why not} for those it could not confirm. A proof starts with its transport's four-byte
@@ -127,9 +128,55 @@ class EpochCounts:
         return c
 
 
+@dataclasses.dataclass(frozen=True)
+class Abilities:
+    """What one connection can do beyond ``write``, ``fence`` and ``close``: declared by its transport
+    when the connection is made, read by the data path (never probed). A flag promises the methods
+    ``ABILITY_METHODS`` lists for it; ``undeclared``/``unimplemented`` say where a connection and its
+    declaration disagree (tests check every transport both ways)."""
+
+    devices: frozenset = frozenset({"cpu"})  # device types whose memory a write reads (others are staged)
+    depth: int = 0  # writes it wants in flight (0: the pipeline's default)
+    compiles: bool = False  # compile(rows) -> table, replay(table, epoch): a lane's rows in a few host calls
+    direct_devices: frozenset = frozenset()  # with compiles: device types a compiled row reads in place
+    pitched_rows: bool = False  # with compiles: rows may be pitched (2-D) as well as contiguous
+    submits: bool = False  # submit(src, region, offset, epoch, after) -> completion future
+    batch: int = 1  # with submits, > 1: submit_many(rows, epoch) takes up to this many rows
+    seals: bool = False  # seal() -> a delivery proof the target checks (``Transport.await_proofs``)
+    writes_in_place: bool = False  # address(...) and submit_written(...): a transform stores into the target
+
+    def promised(self) -> set[str]:
+        """The methods these flags promise."""
+        flags = {"compiles": self.compiles, "submits": self.submits, "batches": self.submits and self.batch > 1,
+                 "seals": self.seals, "writes_in_place": self.writes_in_place}
+        return {name for flag, on in flags.items() if on for name in ABILITY_METHODS[flag]}
+
+
+ABILITY_METHODS: dict[str, tuple[str, ...]] = {
+    "compiles": ("compile", "replay"),
+    "submits": ("submit",),
+    "batches": ("submit_many",),
+    "seals": ("seal",),
+    "writes_in_place": ("address", "submit_written"),
+}
+
+
+def unimplemented(conn: object) -> list[str]:
+    """Methods ``conn.abilities`` promises that ``conn`` lacks."""
+    return sorted(name for name in conn.abilities.promised() if not callable(getattr(conn, name, None)))
+
+
+def undeclared(conn: object) -> list[str]:
+    """Ability methods ``conn`` has that its ``abilities`` do not declare (the data path would never use them)."""
+    every = {name for names in ABILITY_METHODS.values() for name in names}
+    return sorted(name for name in every - conn.abilities.promised() if callable(getattr(conn, name, None)))
+
+
 @runtime_checkable
 class Connection(Protocol):
     peer: str
+    abilities: Abilities
+    generation: int  # changes when the target's regions move (a compiled table of the old ones is stale)
 
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:

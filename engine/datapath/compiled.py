@@ -4,8 +4,8 @@ How this works. A round writes the same rows every time (the routing table is st
 the per-row host work (slicing a source view, checking bounds, turning it into bytes or pointers)
 belongs to the plan, not to the round. ``compile_round`` (pure, synchronous) splits each receiver's
 lane into *direct* rows (no transform, no gather, no checksum, a dense source on memory the
-connection reads without staging: ``Connection.direct_devices``; or a pitched one, dense rows at a
-stride, where the connection copies those as they lie: ``Connection.pitched_rows``) and *staged* rows (everything else,
+connection reads without staging: ``Abilities.direct_devices``; or a pitched one, dense rows at a
+stride, where the connection copies those as they lie: ``Abilities.pitched_rows``) and *staged* rows (everything else,
 which keep the stage -> write pipeline of ``weightsync.engine.datapath.pipeline``). The direct rows of a lane, with their
 landing slot applied, become ``CopyRow`` s that the connection compiles into its own replayable form
 (``Connection.compile``: pointer arrays and a copy kernel for cuda_ipc, frame headers and memoryviews
@@ -89,9 +89,10 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
                  enabled: bool = True) -> CompiledLane:
     """One lane's rows (in staging order) -> a ``CompiledLane`` for ``conn``; ``enabled`` False: every
     row is staged (``PipelineOptions.compiled``)."""
-    compiles = enabled and hasattr(conn, "compile")
-    devices = getattr(conn, "direct_devices", frozenset()) if compiles else frozenset()
-    pitched = getattr(conn, "pitched_rows", False)
+    abilities = conn.abilities
+    compiles = enabled and abilities.compiles
+    devices = abilities.direct_devices if compiles else frozenset()
+    pitched = abilities.pitched_rows
     rows, staged = [], []
     for t in transfers:
         direct = direct_view(t, sources, devices, checksum, pitched)
@@ -134,7 +135,7 @@ class RoundCompiler:
         out = {}
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
-            key = (rank, slot, checksum, enabled, getattr(conn, "generation", 0))
+            key = (rank, slot, checksum, enabled, conn.generation)
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
                 entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, enabled))

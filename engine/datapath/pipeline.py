@@ -152,8 +152,7 @@ class Pipeline:
     def _resolver(self, conns: Mapping[int, Connection], slots: Mapping[int, int]):
         """(row, device) -> the address its bytes go to, for rows that may be written in place; and a
         token that changes when the answers may (landing slots, connections). (None, None): no row may."""
-        direct = {rank: conn.address for rank, conn in conns.items()
-                  if hasattr(conn, "address") and hasattr(conn, "submit_written")}
+        direct = {rank: conn.address for rank, conn in conns.items() if conn.abilities.writes_in_place}
         if self.options.checksum or not direct:
             return None, None
 
@@ -166,14 +165,14 @@ class Pipeline:
     async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
                     epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
         """Replay the lane's compiled table (its direct rows), stage and write the rest, fence."""
-        depth = self.options.depth or getattr(conn, "depth", DEFAULT_DEPTH)
+        depth = self.options.depth or conn.abilities.depth or DEFAULT_DEPTH
         channel: Channel = Channel(depth)
         # (only a connection with submit seals: its writes are queued in the transport before the seal)
-        seal = getattr(conn, "seal", None) if seal_early and hasattr(conn, "submit") else None
+        seal = conn.seal if seal_early and conn.abilities.seals and conn.abilities.submits else None
         t0 = time.perf_counter()
         replayed = _replay(conn, lane, report, epoch)
         try:
-            readable = getattr(conn, "devices", frozenset({"cpu"}))
+            readable = conn.abilities.devices
             await run_all([self._stager(transfers, channel, report, readable),
                            self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
             if replayed:
@@ -232,7 +231,7 @@ class Pipeline:
         without a task per write; one with ``submit_many`` gets the rows staged meanwhile (up to
         ``batch``) in one call. With ``seal``, the lane is sealed once the last write is issued."""
         inflight: _Inflight = collections.deque()
-        batch = (self.options.batch or getattr(conn, "batch", 1)) if hasattr(conn, "submit_many") else 1
+        batch = (self.options.batch or conn.abilities.batch) if conn.abilities.submits and conn.abilities.batch > 1 else 1
         try:
             async for item in channel:
                 items = [item]
@@ -289,7 +288,7 @@ class Pipeline:
         connection batches."""
         if end - start == 1:
             t, s = items[start]
-            if hasattr(conn, "submit"):
+            if conn.abilities.submits:
                 return (conn.submit(s.tensor, t.dst_region + slot, t.dst_offset, epoch, s.event),)
             return (asyncio.ensure_future(self._write(conn, t, s, epoch, slot)),)
         return conn.submit_many([(s.tensor, t.dst_region + slot, t.dst_offset, s.event) for t, s in items[start:end]],

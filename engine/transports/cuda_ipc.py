@@ -45,7 +45,7 @@ from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 from .. import dataauth
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError, TransportUnavailable
-from ..transport import SourceCounters, TransportOptions, await_each_proof
+from ..transport import Abilities, SourceCounters, TransportOptions, await_each_proof
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
@@ -202,12 +202,12 @@ class CudaIpcTransport:
 
 
 class CudaIpcConnection:
-    devices = frozenset({"cpu", "cuda"})
-    direct_devices = frozenset({"cuda"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
-    pitched_rows = True  # ... pitched sources included (one cudaMemcpy2DAsync each)
+    # depth: zero-copy and cheap to complete, so queue deep; batch: rows per batch of copies (docs/TRANSPORTS.md);
+    # compiled rows read CUDA memory in place, pitched sources included (one cudaMemcpy2DAsync each)
+    abilities = Abilities(devices=frozenset({"cpu", "cuda"}), depth=64, compiles=True,
+                          direct_devices=frozenset({"cuda"}), pitched_rows=True, submits=True, batch=16,
+                          seals=True, writes_in_place=True)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
-    depth = 64  # writes in flight: zero-copy and cheap to complete, so queue deep (docs/TRANSPORTS.md)
-    batch = 16  # rows per batch of copies (``submit_many``) at most (docs/TRANSPORTS.md)
     chunk_rows = 256  # rows per batch call of a compiled replay to another GPU (bench/diagnostics/copy_batches.py)
 
     def __init__(self, owner: CudaIpcTransport, regions: dict[int, tuple], peer: str, proofs: bool = False) -> None:

@@ -29,7 +29,7 @@ from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 from .. import dataauth
 from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError
-from ..transport import EpochCounts, TransportOptions, await_each_proof, wait_after
+from ..transport import Abilities, EpochCounts, TransportOptions, await_each_proof, wait_after
 
 _DIRECTORY: dict[str, "MemoryTransport"] = {}
 _CONNECTIONS: dict[int, "MemoryConnection"] = {}  # id -> open connection (proofs name one)
@@ -109,11 +109,11 @@ def _landed(proof: bytes):
 
 
 class MemoryConnection:
-    devices = frozenset({"cpu", "cuda"})
-    direct_devices = frozenset({"cpu"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
-    pitched_rows = True  # ... pitched sources included (copied as they lie), as cuda_ipc does
+    # compiled rows read CPU memory in place, pitched ones as they lie (as cuda_ipc does); batches of 8 rows
+    # (as cuda_ipc batches, so tests drive that path)
+    abilities = Abilities(devices=frozenset({"cpu", "cuda"}), compiles=True, direct_devices=frozenset({"cpu"}),
+                          pitched_rows=True, submits=True, batch=8, seals=True, writes_in_place=True)
     generation = 0  # bumped by ``reregistered`` (tests of recompiling)
-    batch = 8  # rows per ``submit_many`` (as cuda_ipc batches, so tests drive that path)
 
     def __init__(self, local: MemoryTransport, target: MemoryTransport, peer: str, proofs: bool = False,
                  key: bytes = b"") -> None:

@@ -47,7 +47,7 @@ from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 from .. import dataauth
 from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
-from ..transport import EpochCounts, TransportOptions, wait_after
+from ..transport import Abilities, EpochCounts, TransportOptions, wait_after
 
 from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
 from .tcp_frames import ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, Frames
@@ -188,8 +188,8 @@ def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
 class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
 
-    devices: frozenset = frozenset({"cpu"})  # GPU sources are staged through pinned host memory
-    direct_devices: frozenset = frozenset({"cpu"})  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
+    # GPU sources are staged through pinned host memory; compiled rows (ready-made frames) read CPU memory
+    abilities = Abilities(devices=frozenset({"cpu"}), compiles=True, direct_devices=frozenset({"cpu"}))
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
     def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int]) -> None:

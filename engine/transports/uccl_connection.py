@@ -20,7 +20,7 @@ import torch
 
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError
-from ..transport import wait_after
+from ..transport import Abilities, wait_after
 from .uccl_frames import BLOB, CHUNK, FENCE_TIMEOUT_S, FRAME, OP_ADVERTISE, OP_FENCE, RDMA_DEPTH, REFUSED, ok as _ok
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ class UcclConnection:
     def __init__(self, owner: "UcclTransport", conn_id: int, peer: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, mailbox: bytes) -> None:
         self.owner = owner
-        self.devices = frozenset({torch.device(owner.options.device).type})  # what sources it reads in place
         self.conn_id = conn_id
         self.peer = peer
         self.blobs: dict[tuple[int, int, int], bytes] = {}
@@ -49,7 +48,9 @@ class UcclConnection:
         self.pending: set[asyncio.Task] = set()
         # UCCL's tcp mode: one operation in flight per connection (see ``_one_at_a_time``)
         self._serial = asyncio.Lock() if owner.options.uccl_tcp else None
-        self.depth = 1 if self._serial else RDMA_DEPTH
+        device = frozenset({torch.device(owner.options.device).type})  # what sources it reads in place
+        self.abilities = Abilities(devices=device, depth=1 if self._serial else RDMA_DEPTH, compiles=True,
+                                   direct_devices=device)
 
     def _one_at_a_time(self):
         """In UCCL's tcp mode every operation is an NCCL send/recv pair matched in posting order, and
@@ -133,10 +134,6 @@ class UcclConnection:
         self._round = (e, count + 1, total + nbytes)
         self.sent_count += 1
         self.sent_bytes += nbytes
-
-    @property
-    def direct_devices(self) -> frozenset:  # rows a compiled table replays (``weightsync.engine.datapath.compiled``)
-        return self.devices
 
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import dataclasses
 import time
 
@@ -304,3 +305,22 @@ async def test_a_shadow_commit_exchanges_the_buffers_memory_and_every_tensor_see
             assert mismatches(held, v) == [] and receiver.landing_slot == (v + 1) % 2
             assert all(recv_t[name] is t for name, t in held.items())
         assert receiver.storage_swaps == 3 and receiver.version == 3
+
+
+async def test_a_clean_shutdown_logs_nothing_that_reads_like_an_error(caplog):
+    """Senders leave first, then receivers, then the controller closes: every line is INFO or below."""
+    ts = sender_tensors(0)
+    with caplog.at_level(logging.INFO, "weightsync"):
+        async with Controller(senders=2, receivers=2, options=FAST) as ctl:
+            receivers = [await WeightReceiver(ctl.address, receiver_tensors(), rank=r).__aenter__() for r in (0, 1)]
+            senders = [await WeightSender(ctl.address, t, rank=s).__aenter__()
+                       for s, t in enumerate((ts, sender_tensors(0)))]
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            for s in senders:
+                update_in_place(s.tensors, 1)
+            await asyncio.wait_for(asyncio.gather(*[s.push_nowait(1) for s in senders]), WATCHDOG)
+            for worker in [*senders, *receivers]:
+                await worker.close()
+    loud = [f"{r.levelname}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, loud
+    assert any("waiting for members to plan with" in r.getMessage() for r in caplog.records)

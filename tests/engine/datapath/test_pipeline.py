@@ -10,7 +10,7 @@ import torch
 from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions
 from weightsync.engine.datapath.staging import SourceSet
 from weightsync.engine.errors import ConfigError, RegistrationError, TransportError
-from weightsync.engine.transport import connect_authorized, create_transport
+from weightsync.engine.transport import Abilities, connect_authorized, create_transport
 from loop_helpers import one_loop_iteration
 from weightsync.wire import PeerInfo, Transfer
 
@@ -19,6 +19,9 @@ WATCHDOG = 20
 
 class RecordingConnection:
     """Counts bytes in flight across all connections (writes park until released by the test)."""
+
+    abilities = Abilities()  # write, fence and close only
+    generation = 0
 
     def __init__(self, peer, shared) -> None:
         self.peer = peer
@@ -85,7 +88,8 @@ async def test_pipeline_failure_cancels_lanes_and_returns_budget():
 class SubmittingConnection:
     """A connection that queues writes (``submit``) and completes them later, oldest first; one may fail."""
 
-    depth = 3
+    abilities = Abilities(depth=3, submits=True)
+    generation = 0
 
     def __init__(self, fail_at: int = -1) -> None:
         self.peer = "receiver/0"
@@ -130,7 +134,7 @@ async def test_pipeline_drives_submitting_connections_at_their_depth(fail):
     else:
         report = await asyncio.wait_for(run, WATCHDOG)
         assert (report.lanes[0].count, report.nbytes, conn.fenced) == (8, 8 * 64, 1)
-    assert [o for o, _ in conn.queued][:6] == [k * 64 for k in range(6)] and conn.most_queued <= conn.depth
+    assert [o for o, _ in conn.queued][:6] == [k * 64 for k in range(6)] and conn.most_queued <= conn.abilities.depth
     assert pipe.budget.in_use == 0  # every completion (and the failed one) gave its staging bytes back
 
 
@@ -138,8 +142,7 @@ class BatchingConnection(SubmittingConnection):
     """Takes runs of rows through ``submit_many`` (one completion for the run, as cuda_ipc's) and
     single rows through ``submit``; records each call's row count."""
 
-    depth = 4
-    batch = 3
+    abilities = Abilities(depth=4, submits=True, batch=3)
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,11 +165,11 @@ async def test_pipeline_hands_batching_connections_the_rows_staged_meanwhile(bat
     conn = BatchingConnection()
     pipe = Pipeline(sources, PipelineOptions(batch=batch))
     report = await asyncio.wait_for(pipe.run(_table(1, 11, 64), {0: conn}, epoch=1), WATCHDOG)
-    limit = batch or conn.batch
+    limit = batch or conn.abilities.batch
     assert sum(conn.calls) == 11 and max(conn.calls) <= limit and (max(conn.calls) > 1) == (limit > 1)
     assert conn.calls[0] == 1  # the first row goes at once, not when the channel is full
     assert [o for o, _ in conn.queued] == [k * 64 for k in range(11)]  # lane order kept across batches
-    assert conn.most_queued <= conn.depth + limit - 1  # a batch may overshoot depth until it completes
+    assert conn.most_queued <= conn.abilities.depth + limit - 1  # a batch may overshoot depth until it completes
     assert (report.lanes[0].count, report.nbytes, conn.fenced) == (11, 11 * 64, 1) and pipe.budget.in_use == 0
 
 

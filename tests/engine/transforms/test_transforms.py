@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from weightsync.engine.dtypes import dtype_name
+from weightsync.engine.transport import Abilities
 from weightsync.engine.errors import BadTiling, ConfigError, ManifestMismatch, UnknownParameter
 from weightsync.engine.plan import Rule, Mapping, get_mapping, plan
 from weightsync.engine.transforms import GROUP_SIZE, dequantize_blocks, plan_quant_groups, quantize_blocks, within_fp8_bound
@@ -698,7 +699,8 @@ def test_groups_are_sized_to_leave_room_for_quantizing_ahead():
 class RecordingConnection:
     """A target buffer written in place (the pipeline's view of a connection, without a transport)."""
 
-    devices = frozenset({"cpu"})
+    abilities = Abilities()  # write, fence and close only
+    generation = 0
     peer = "receiver/0"
 
     def __init__(self, target: torch.Tensor) -> None:
