@@ -74,13 +74,13 @@ class Fleet:
         self.served: dict[int, int] = {}  # receiver object id -> the newest version it served
         self.carried: list = []  # late pushes whose round ended without them (settled next cycle)
         self.rounds: dict[int, dict] = {}  # version -> the plan's sessions when its round started
-        start_round = self.ctl._start_round
+        start_round = self.ctl.rounds.start
 
         def recorded(version: int) -> None:
-            self.rounds[version] = dict(self.ctl.plan_sessions)
+            self.rounds[version] = dict(self.ctl.planning.sessions)
             start_round(version)
 
-        self.ctl._start_round = recorded
+        self.ctl.rounds.start = recorded
 
     def _transport(self) -> TransportOptions:
         return TransportOptions(host_id=self.rng.choice(["host-a", "host-b"]))
@@ -132,7 +132,7 @@ async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> 
     async def churn() -> None:
         await fleet.replace("receiver", receiver)
         if moment == "planning":  # the sender goes while the plan for the receiver's new session is made
-            while ctl._planning is None and not ctl._ready.is_set():
+            while ctl.planning.task is None and not ctl.planning.ready.is_set():
                 await asyncio.sleep(0)
         await fleet.replace("sender", sender)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Awaitable, Coroutine, Generic, Iterable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Generic, Iterable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -164,6 +164,32 @@ async def shielded(aw: Awaitable[T]) -> T:
     except asyncio.CancelledError:
         await asyncio.gather(task, return_exceptions=True)
         raise
+
+
+class Waiters:
+    """Coroutines waiting for conditions that the owner's state changes make true: ``wait(predicate)``
+    returns once ``predicate()`` holds, checked now and at each ``wake()``."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[Callable[[], bool], asyncio.Future]] = []
+
+    def __repr__(self) -> str:
+        return f"<Waiters waiting={len(self._waiting)}>"
+
+    async def wait(self, predicate: Callable[[], bool]) -> None:
+        if predicate():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append((predicate, fut))
+        try:
+            await fut
+        finally:
+            self._waiting = [(p, f) for p, f in self._waiting if f is not fut]
+
+    def wake(self) -> None:
+        for predicate, fut in self._waiting:
+            if not fut.done() and predicate():
+                fut.set_result(None)
 
 
 class AsyncResource:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from weightsync.engine.errors import ConfigError
 
-from .rounds import RoundReport
+from .round_state import RoundReport
 
 
 class Metrics:

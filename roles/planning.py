@@ -1,16 +1,17 @@
 """Planning, as the controller does it: when to plan, the plan itself, and handing tables out in order.
 
-How this works: ``Planner`` is a mixin of ``Controller``. ``_maybe_plan`` decides whether the
-membership calls for a (re-)plan (never during a round, never before the previous plan is
+How this works: ``Planning`` is the controller's part that owns the plan. ``maybe_plan`` decides
+whether the membership calls for a (re-)plan (never during a round, never before the previous plan is
 acknowledged; the first plan waits for every configured worker); ``_plan`` runs the pure planner in a
-worker thread, on the senders' index the controller's ``Catalog`` kept as they joined (lent: the
-catalog copies what a join or a leave changes meanwhile), which also makes the plan's data-plane
-keys (one per sender/receiver pair it routes, bound to both members' sessions: a pair of the same
-two processes keeps its key, and its connection, from plan to plan) and encodes every member's
-message (``plan_messages``, off the event loop); it sends each receiver its table; senders get
-theirs (``_send_sender_plans``) only once every receiver has acknowledged, so no sender connects
-before its receiver accepts the key. ``_on_plan_ack`` marks the plan ready when every worker has
-acknowledged it, and starts rounds that were waiting.
+worker thread for the sessions joined at that moment, on the senders' index the ``Catalog`` kept as
+they joined (lent: the catalog copies what a join or a leave changes meanwhile), which also makes the
+plan's data-plane keys (one per sender/receiver pair it routes, bound to both members' sessions: a
+pair of the same two processes keeps its key, and its connection, from plan to plan) and encodes every
+member's message (``plan_messages``, off the event loop). A plan holds its members by session
+(``sessions``); one whose members changed while it was made is void and made again. It sends each
+receiver its table; senders get theirs (``_send_sender_plans``) only once every receiver has
+acknowledged, so no sender connects before its receiver accepts the key. ``on_plan_ack`` marks the
+plan ready when every worker has acknowledged it (``on_ready``).
 """
 
 from __future__ import annotations
@@ -18,117 +19,153 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, NamedTuple, Optional
 
 from weightsync.engine import dataauth
 from weightsync.engine.errors import PlanError
-from weightsync.engine.plan import RoutingPlan, plan
+from weightsync.engine.plan import PlanCache, RoutingPlan, plan
 from weightsync.engine.plan.planner import collector_paused
-from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, PeerInfo, ReceiverTable, Role, SenderTable, State
+from weightsync.wire import DEFAULT_LIMITS, Limits, PeerInfo, ReceiverTable, Role, SenderTable, State
 from weightsync.wire.errors import InvalidMessage
 from weightsync.wire import messages as m
 from weightsync.wire.splice import PartsEncoder
 
-from .admission import participants
+from .membership import Membership, Peer
 
 if TYPE_CHECKING:
-    from .controller import Peer
+    from .controller import ControllerOptions
 
 log = logging.getLogger("weightsync")
 
+Send = Callable[..., Awaitable[None]]  # (peer, body, *, version=None, body_frame=None)
 
-class Planner:
-    """Mixin of ``Controller``: plans over the controller's sessions."""
 
-    def _maybe_plan(self) -> None:
-        if self._planning is not None or self._round_task is not None or self._acks_pending:
+class Planning:
+    def __init__(self, members: Membership, options: "ControllerOptions", send: Send, *,
+                 busy: Callable[[], bool], committed: Callable[[], Optional[int]],
+                 on_ready: Callable[[], None], on_final_error: Callable[[PlanError], None]) -> None:
+        self.members = members
+        self.options = options
+        self.send = send
+        self.busy, self.committed = busy, committed  # (a round is running; the committed version)
+        self.on_ready, self.on_final_error = on_ready, on_final_error
+        self.plan: Optional[RoutingPlan] = None
+        self.error: Optional[PlanError] = None
+        self.error_final = False  # the error holds with every configured member joined: pushes fail with it
+        self.sessions: dict[tuple[Role, int], bytes] = {}  # the plan's members by session
+        self.planned_once = False
+        self.ready = asyncio.Event()  # the plan is acknowledged by every member
+        self.cache = PlanCache()  # what the last plan resolved (the planning thread's own; one plan at a time)
+        self.messages = MessageCache()  # the data-plane keys' secret, and what the last plan's messages made
+        self.task: Optional[asyncio.Task] = None
+        self._ids = 0
+        self._acks_pending: set[tuple[Role, int]] = set()
+        # senders' plans (each with its body frame) held back until the receivers have acknowledged theirs
+        self._sender_plans: dict[bytes, tuple[m.Plan, bytes]] = {}
+
+    def __repr__(self) -> str:
+        return (f"<Planning plan={self.plan.plan_id if self.plan else None} ready={self.ready.is_set()} "
+                f"acks_pending={len(self._acks_pending)} error={self.error is not None}>")
+
+    # --- the plan's sessions ------------------------------------------------------------------------
+
+    def peer_of(self, key: tuple[Role, int]) -> Optional[Peer]:
+        """The live session the current plan named for ``key``, or None (it left or was replaced)."""
+        identity = self.sessions.get(key)
+        return None if identity is None else self.members.get(identity)
+
+    def live(self) -> bool:
+        """Every session of the plan is still joined."""
+        return bool(self.sessions) and all(self.members.get(i) is not None for i in self.sessions.values())
+
+    def holds(self, peer: Peer) -> bool:
+        return self.sessions.get(peer.key) == peer.identity
+
+    def sender_sessions(self) -> set[bytes]:
+        """The plan's sender sessions: a push counts only from these (a gone one never pushes)."""
+        return {i for (role, _), i in self.sessions.items() if role is Role.SENDER}
+
+    # --- when to plan, and the plan -----------------------------------------------------------------
+
+    def maybe_plan(self) -> None:
+        if self.task is not None or self.busy() or self._acks_pending:
             return
-        if any(p.session.state is State.PLAN_RECEIVED for p in self.peers.values()):
+        if any(p.session.state is State.PLAN_RECEIVED for p in self.members):
             return  # a plan may only follow an acknowledged one; the ack will call us again
-        members = {p.key: p.identity for p in self.peers.values()}
-        if members == self.plan_sessions and (self.plan is not None or self.plan_error is not None):
+        members = self.members.sessions()
+        if members == self.sessions and (self.plan is not None or self.error is not None):
             return
-        counts = {role: sum(1 for r, _ in members if r is role) for role in Role}
-        if not self.planned_once and any(counts[r] < self.expected[r] for r in Role):
+        counts = self.members.counts()
+        if not self.planned_once and not self.members.complete():
             return  # the first plan waits for everyone configured
         if counts[Role.SENDER] == 0 or counts[Role.RECEIVER] == 0:
-            if self.plan is not None or self.plan_error is not None:
+            if self.plan is not None or self.error is not None:
                 log.info("controller: waiting for members to plan with (%d senders, %d receivers joined)",
                          counts[Role.SENDER], counts[Role.RECEIVER])
-            self.plan, self.plan_error, self.plan_sessions = None, None, members
-            self._ready.clear()
+            self.plan, self.error, self.sessions = None, None, members
+            self.ready.clear()
             return  # nothing to plan: wait for members
-        self._ready.clear()
-        self._planning = asyncio.ensure_future(self._plan())
+        self.ready.clear()
+        self.task = asyncio.ensure_future(self._plan())
 
     async def _plan(self) -> None:
         """Plan for the members joined now, held by session: the plan goes to exactly these sessions,
         and one that changed while the plan was made (a member left, or came back as a new session)
         makes it void: it is planned again, never installed with a session it was not made for."""
-        peers = list(self.peers.values())
-        members = {p.key: p.identity for p in peers}  # (the sessions the plan and its keys bind)
-        senders, receivers = participants(p.hello for p in peers)
-        self._sync_catalog()
-        index = self.catalog.lend()  # (the senders' index kept as they joined: the thread reads, the catalog copies)
-        self._plan_ids += 1
-        plan_id = self._plan_ids
+        members = self.members.sessions()  # (the sessions the plan and its keys bind)
+        senders, receivers = self.members.participants()
+        self.members.sync_catalog()
+        index = self.members.catalog.lend()  # (the thread reads; the catalog copies what changes meanwhile)
+        self._ids += 1
+        plan_id = self._ids
         try:
-            routing, bodies = await asyncio.to_thread(self._plan_and_encode, senders, receivers, plan_id, members,
+            routing, bodies = await asyncio.to_thread(self.plan_and_encode, senders, receivers, plan_id, members,
                                                       index)
         except PlanError as exc:
-            self._planning = None
-            if self._members_changed(members):
-                self._maybe_plan()
-                return
-            self.plan, self.plan_error, self.plan_sessions = None, exc, members
-            self.plan_error_final = self._members_complete()
-            if not self.plan_error_final:  # a member still to (re)join may hold what is missing
-                log.warning("controller: cannot plan until more members join: %s", exc)
-                return
-            log.error("controller: cannot plan: %s", exc)
-            for peer in list(self.peers.values()):  # every configured member is here: the pushes can never start
-                await self._send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
-            for version in sorted(self.pushes.pushes):
-                self.pushes.forget(version)
-            self._wake()
+            self.task = None
+            await self._failed(exc, members)
             return
-        if self._members_changed(members):
+        self.task = None
+        if self.members.sessions() != members:
             log.info("controller: plan %d is void: the members changed while it was made; planning again", plan_id)
-            self._planning = None
-            self._maybe_plan()
+            self.maybe_plan()
             return
-        self.plan, self.plan_error, self.planned_once = routing, None, True
-        self.plan_sessions = members
-        self._acks_pending = set()
-        self._sender_plans = {}
-        for key, identity in sorted(members.items()):
-            peer = self.peers[identity]
-            prepared = bodies[key]
-            self._acks_pending.add(key)
-            if peer.hello.role is Role.SENDER:
-                self._sender_plans[identity] = prepared
-            else:
-                await self._send(peer, prepared[0], body_frame=prepared[1])
-        await self._send_sender_plans()
-        self._planning = None
+        await self._install(routing, bodies, members)
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
 
-    def _members_complete(self) -> bool:
-        """Every configured member is joined: a planning error then is final (no join can fix it)."""
-        counts = {role: sum(1 for p in self.peers.values() if p.hello.role is role) for role in Role}
-        return all(counts[r] >= self.expected[r] for r in Role)
+    async def _failed(self, exc: PlanError, members: Mapping[tuple[Role, int], bytes]) -> None:
+        if self.members.sessions() != members:
+            self.maybe_plan()
+            return
+        self.plan, self.error, self.sessions = None, exc, dict(members)
+        self.error_final = self.members.complete()
+        if not self.error_final:  # a member still to (re)join may hold what is missing
+            log.warning("controller: cannot plan until more members join: %s", exc)
+            return
+        log.error("controller: cannot plan: %s", exc)
+        for peer in self.members:  # every configured member is here: the pushes can never start
+            await self.send(peer, m.Error(m.ErrorCode.PLAN, str(exc), exc.param or "", None))
+        self.on_final_error(exc)
 
-    def _members_changed(self, members: Mapping[tuple[Role, int], bytes]) -> bool:
-        """Whether the sessions joined now differ from ``members`` (one left, joined or rejoined)."""
-        return {p.key: p.identity for p in self.peers.values()} != dict(members)
+    async def _install(self, routing: RoutingPlan, bodies: dict, members: dict[tuple[Role, int], bytes]) -> None:
+        self.plan, self.error, self.planned_once, self.sessions = routing, None, True, members
+        self._acks_pending = set(members)
+        self._sender_plans = {}
+        for key, identity in sorted(members.items()):
+            peer, (body, frame) = self.members.get(identity), bodies[key]
+            if peer.hello.role is Role.SENDER:
+                self._sender_plans[identity] = (body, frame)
+            else:
+                await self.send(peer, body, body_frame=frame)
+        await self._send_sender_plans()
 
-    def _plan_and_encode(self, senders, receivers, plan_id: int, identities, index) -> tuple[RoutingPlan, dict]:
+    def plan_and_encode(self, senders, receivers, plan_id: int, identities, index) -> tuple[RoutingPlan, dict]:
         """In the planning thread: the routing tables (from the catalog's lent ``index``), then every
         member's message (``plan_messages``), its keys bound to the members' sessions (``identities``)."""
-        routing = plan(senders, receivers, self.options.link, self.options.plan, {}, plan_id, self.options.mapping,
-                       self.plan_cache, index)
-        return routing, plan_messages(routing, self.options.limits, sessions=identities, cache=self._messages,
-                                      committed=self.committed)
+        o = self.options
+        routing = plan(senders, receivers, o.link, o.plan, {}, plan_id, o.mapping, self.cache, index)
+        return routing, plan_messages(routing, o.limits, sessions=identities, cache=self.messages,
+                                      committed=self.committed())
 
     async def _send_sender_plans(self) -> None:
         """Senders get their tables (and connect) only once every receiver has acknowledged its own:
@@ -137,25 +174,36 @@ class Planner:
             return
         plans, self._sender_plans = self._sender_plans, {}
         for identity, (body, frame) in plans.items():
-            if identity in self.peers:
-                await self._send(self.peers[identity], body, body_frame=frame)
+            peer = self.members.get(identity)
+            if peer is not None:
+                await self.send(peer, body, body_frame=frame)
 
-    async def _on_plan_ack(self, peer: "Peer", env: Envelope) -> None:
-        current = self.plan is not None and env.body.plan_id == self.plan.plan_id and peer.key in self._acks_pending
-        if current:
+    async def on_plan_ack(self, peer: Peer, ack: m.PlanAck) -> None:
+        if self.plan is not None and ack.plan_id == self.plan.plan_id and peer.key in self._acks_pending \
+                and self.holds(peer):
             self._acks_pending.discard(peer.key)
-            if env.body.landing is not None and "slots:2" in peer.hello.capabilities:
-                peer.slot = env.body.landing  # (it may have applied a prepared version since its hello)
-            if not env.body.ok:
-                log.error("controller: %s could not take plan %d: %s", peer.name, env.body.plan_id, env.body.text)
-                self.plan_error = PlanError(f"{peer.name} refused the plan: {env.body.text}", ranks=[peer.name])
-                self.plan_error_final = False  # (a peer it could not reach, say: the next membership change replans)
+            if ack.landing is not None and "slots:2" in peer.hello.capabilities:
+                peer.slot = ack.landing  # (it may have applied a prepared version since its hello)
+            if not ack.ok:
+                log.error("controller: %s could not take plan %d: %s", peer.name, ack.plan_id, ack.text)
+                self.error = PlanError(f"{peer.name} refused the plan: {ack.text}", ranks=[peer.name])
+                self.error_final = False  # (a peer it could not reach, say: the next membership change replans)
             await self._send_sender_plans()
-            if not self._acks_pending and self.plan_error is None:
-                self._ready.set()
-                self._wake()
-                self._maybe_start_rounds()
-        self._maybe_plan()
+            if not self._acks_pending and self.error is None:
+                self.ready.set()
+                self.on_ready()
+        self.maybe_plan()
+
+    def member_left(self, peer: Peer) -> None:
+        """A member's session is over: a plan it has not acknowledged can never be complete (void it)."""
+        if peer.key in self._acks_pending and self.holds(peer):
+            self._acks_pending.clear()
+            self._sender_plans.clear()
+
+    def cancel(self) -> Optional[asyncio.Task]:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        return self.task
 
 
 class MessageCache:

@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from weightsync.engine.datapath.checksums import checksum
 from weightsync.engine.datapath.exchange import Exchange, memory_exchange
 from weightsync.engine.datapath.registry import RegistrationCache
 from weightsync.engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
@@ -31,6 +30,7 @@ from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.wire import Envelope, Manifest, Origin, ReceiverTable, Role, ShardSpec
 from weightsync.wire import messages as m
 
+from . import verify
 from .worker import Worker, WorkerOptions, call_hook, with_device
 
 log = logging.getLogger("weightsync")
@@ -253,16 +253,19 @@ class WeightReceiver(Worker):
         await self._apply(ack.version)
 
     async def _verdict(self, body: "m.Fence | m.FenceCommit") -> m.FenceAck:
+        """Verify round ``body.version`` (``roles.verify``): delivery proofs, arrivals, checksums."""
         version = body.version
-        unproven = await self._await_proofs(body.checksums)
+        unproven = await verify.await_proofs(self.transport, body.checksums, self.options.proof_timeout_s)
         self.timeline.mark(version, "proofs:checked")
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
-        problems, names, blame = self._check_arrivals(body.checksums)
+        problems, names, blame = verify.arrivals(self.transport, self.table, self._expected, self._pending,
+                                                 body.checksums)
         if unproven:
             problems += [f"sender/{src}: {why}" for src, why in sorted(unproven.items())]
             names = sorted({*names, *(e.name for e in self.table.entries if e.src_rank in unproven)})
         if not problems and self._algo:
-            bad = await asyncio.to_thread(self._check_checksums, body.checksums)
+            bad = await asyncio.to_thread(verify.checksums, self.table, self.landing.storage, self._algo,
+                                          body.checksums)
             if bad:
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")
                 names = bad
@@ -270,53 +273,6 @@ class WeightReceiver(Worker):
         if not problems:
             self.prepared = version
         return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems), blame)
-
-    async def _await_proofs(self, summaries: tuple[m.WriteSummary, ...]) -> dict[int, str]:
-        """Senders that announced their writes before they completed sent a delivery proof: wait until
-        the transport sees each one fulfilled. Returns sender rank -> why it was not."""
-        proofs = {s.peer_rank: s.proof for s in summaries if s.proof}
-        if not proofs:
-            return {}
-        check = getattr(self.transport, "await_proofs", None)
-        if check is None:
-            return {src: f"sent a delivery proof that transport {self.transport.kind!r} cannot check" for src in proofs}
-        return await check(proofs, self.options.proof_timeout_s)
-
-    def _check_arrivals(self, summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str], str]:
-        """Every sender in our table reported what the table says; where the transport observes
-        incoming writes (TCP), what landed matches too, and nothing landed under another round's epoch.
-        One-sided transports rely on the report plus the senders' fences, and checksums check the
-        content. Returns the problems, the parameters affected and the sender to blame ("" if none)."""
-        reported = {s.peer_rank: (s.count, s.nbytes) for s in summaries}
-        observed = self.transport.counters(self._pending)
-        problems: list[str] = []
-        bad_src: set[int] = set()
-        for src, epochs in sorted(self.transport.strays(self._pending).items()):
-            problems.append(f"sender/{src} wrote under round(s) {epochs[:3]} during round {self._pending}")
-            bad_src.add(src)
-        if bad_src:  # (reported once: the round fails on them, the next one starts clean)
-            self.transport.forget_strays(self._pending)
-        for src, (count, nbytes) in sorted(self._expected.items()):
-            if reported.get(src, (0, 0)) != (count, nbytes):
-                problems.append(f"sender/{src} reported {reported.get(src, (0, 0))}, expected {(count, nbytes)}")
-                bad_src.add(src)
-            c = observed.get(src)
-            if c is not None and ((c.count, c.nbytes) != (count, nbytes) or c.errors):
-                problems.append(f"from sender/{src} landed {c.count} writes/{c.nbytes} bytes, expected "
-                                f"{count}/{nbytes} {'; '.join(c.errors[:3])}")
-                bad_src.add(src)
-        names = sorted({e.name for e in self.table.entries if e.src_rank in bad_src}) if bad_src else []
-        blame = f"sender/{min(bad_src)}" if len(bad_src) == 1 else ""
-        return problems, names, blame
-
-    def _check_checksums(self, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
-        expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
-        bad = {
-            e.name for e in self.table.entries
-            if (e.src_rank, e.index) in expected
-            and checksum(self.landing.storage[e.offset:e.offset + e.nbytes], self._algo) != expected[e.src_rank, e.index]
-        }
-        return sorted(bad)
 
     async def _on_commit(self, env: Envelope) -> None:
         await self._apply(env.body.version)

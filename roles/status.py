@@ -1,32 +1,19 @@
 """The controller's status as a JSON-able dict (for ``status`` replies, the CLI and logs).
 
-How this works: ``controller_status`` reads what a ``StatusSource`` exposes (the controller is one; this
-module does not import it, so the two do not import each other) and returns plain data.
+How this works: ``controller_status`` reads the controller's parts (membership, planning, rounds; this
+module imports none of them, so none imports it back) and returns plain data.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Callable
+
+from weightsync.engine.errors import ConfigError
 
 
-class StatusSource(Protocol):
-    """What the status reads of a controller."""
-
-    address: str
-    expected: dict
-    peers: dict
-    plan: Any
-    plan_error: Optional[BaseException]
-    committed: Optional[int]
-    round: Any
-    pushes: Any
-    reports: list
-    _ready: asyncio.Event
-
-
-def controller_status(c: StatusSource) -> dict:
+def controller_status(address: str, membership: Any, planning: Any, rounds: Any) -> dict:
+    """The controller's parts (``Membership``, ``Planning``, ``Rounds``), as plain data."""
     now = time.monotonic()
     peers = [
         {
@@ -41,20 +28,36 @@ def controller_status(c: StatusSource) -> dict:
             "last_seen_s": round(now - p.last_seen, 3),
             "tensors": len(p.hello.manifest.tensors),
         }
-        for p in sorted(c.peers.values(), key=lambda p: (p.hello.role.value, p.hello.rank))
+        for p in sorted(membership, key=lambda p: (p.hello.role.value, p.hello.rank))
     ]
     plan = None
-    if c.plan is not None:
-        plan = {"id": c.plan.plan_id, "transfers": c.plan.transfer_count, "bytes": c.plan.nbytes,
-                "acknowledged": c._ready.is_set()}
+    if planning.plan is not None:
+        plan = {"id": planning.plan.plan_id, "transfers": planning.plan.transfer_count, "bytes": planning.plan.nbytes,
+                "acknowledged": planning.ready.is_set()}
+    names = {p.identity: p.name for p in membership}
     return {
-        "address": c.address,
-        "expected": {role.value: n for role, n in c.expected.items()},
+        "address": address,
+        "expected": {role.value: n for role, n in membership.expected.items()},
         "peers": peers,
         "plan": plan,
-        "plan_error": str(c.plan_error) if c.plan_error else None,
-        "committed_version": c.committed,
-        "round": None if c.round is None else {"version": c.round.version, "stage": c.round.stage},
-        "pending_pushes": {str(v): sorted(c.peers[i].name for i in ids if i in c.peers) for v, ids in sorted(c.pushes.pushes.items())},
-        "rounds": [r.to_json() for r in c.reports[-10:]],
+        "plan_error": str(planning.error) if planning.error else None,
+        "committed_version": rounds.committed,
+        "round": None if rounds.round is None else {"version": rounds.round.version, "stage": rounds.round.stage},
+        "pending_pushes": {str(v): sorted(names[i] for i in ids if i in names)
+                           for v, ids in sorted(rounds.pushes.pushes.items())},
+        "rounds": [r.to_json() for r in rounds.reports[-10:]],
     }
+
+
+def run_command(request: Any, status: Callable[[], dict], update: Callable[[int], None]) -> tuple[bool, Any, str]:
+    """A ``command_request`` to the controller (``status``, ``update``): (ok, result, error text)."""
+    cmd, args = request.command, request.args if isinstance(request.args, dict) else {}
+    try:
+        if cmd == "status":
+            return True, status(), ""
+        if cmd == "update":
+            update(int(args.get("version", -1)))
+            return True, {"started": args.get("version")}, ""
+        raise ConfigError("command", f"unknown command {cmd!r} (controller knows: status, update)")
+    except (ConfigError, ValueError, TypeError) as exc:
+        return False, None, str(exc)

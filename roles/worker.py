@@ -225,8 +225,10 @@ class Worker(AsyncResource):
                     if self.session.allowed(Origin.WORKER, m.Error.TYPE):
                         await self._send(m.Error(m.ErrorCode.INTERNAL, f"{env.type}: {exc!r}", "", env.version),
                                          version=env.version)
-            if self.session.state is State.CLOSED:
-                self._session_lost(ControllerLost(f"controller closed the session ({env.type})"))
+            if self.session.state is State.CLOSED:  # (it said leave)
+                reason = getattr(env.body, "reason", env.type)
+                log.info("%s: controller asked us to leave: %s", self.name, reason)
+                self._session_lost(ControllerLost(f"controller closed the session ({env.type}: {reason})"))
                 return
             if isinstance(env.body, m.Error) and env.body.field == "hello":  # it knows no session of ours
                 self._session_lost(ControllerLost(f"controller no longer knows this session: {env.body.text}"))
@@ -320,9 +322,6 @@ class Worker(AsyncResource):
         log.info("%s: joined again (session %d)", self.name, self.sessions + 1)
         self._start_loops()
         self._rejoining = None
-
-    async def _on_leave(self, env: Envelope) -> None:
-        log.info("%s: controller asked us to leave: %s", self.name, env.body.reason)
 
     async def _on_error(self, env: Envelope) -> None:
         log.warning("%s: controller reported %s: %s", self.name, env.body.code.name, env.body.text)

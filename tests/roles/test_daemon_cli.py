@@ -233,7 +233,7 @@ def test_prometheus_metrics_endpoint():
     import urllib.request
 
     from weightsync.roles.metrics import Metrics
-    from weightsync.roles.rounds import LinkStat, RoundReport
+    from weightsync.roles.round_state import LinkStat, RoundReport
 
     port = free_port()
     metrics = Metrics(port)

@@ -194,7 +194,7 @@ async def test_a_restarted_receiver_rejoins_and_rounds_resume():
             assert again.version == 2 and mismatches(recv2_t, 2) == []
         # the replan patched the last plan: the same sender, and a receiver the planner cannot tell from the
         # old one but for its address and region descriptors (and the round above went through with it)
-        assert (ctl.plan_cache.misses, ctl.plan_cache.patched) == (1, 1), ctl.plan_cache
+        assert (ctl.planning.cache.misses, ctl.planning.cache.patched) == (1, 1), ctl.planning.cache
 
 
 async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_gets_new_keys():
@@ -203,7 +203,7 @@ async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_get
             WeightReceiver(ctl.address, recv_t, rank=0) as receiver:
         sender = await WeightSender(ctl.address, send_t, rank=0).__aenter__()
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
-        assert ctl.plan_cache._resolver.sources is ctl.catalog.sources  # planned from the index kept as they joined
+        assert ctl.planning.cache._resolver.sources is ctl.membership.catalog.sources  # planned from the index kept as they joined
         await push(sender, send_t, 1)
         plan, old_key = ctl.plan.plan_id, sender._conn_keys[0]
         await _crash(sender)
@@ -215,9 +215,9 @@ async def test_a_restarted_sender_with_the_same_tensors_keeps_the_tables_and_get
             assert receiver.version == 2 and mismatches(recv_t, 2) == []
             assert again._conn_keys[0][1] != old_key[1]  # the new process's pair has a new key
         # the replan patched the last plan: nothing the planner reads of the sender changed
-        assert (ctl.plan_cache.misses, ctl.plan_cache.patched) == (1, 1), ctl.plan_cache
+        assert (ctl.planning.cache.misses, ctl.planning.cache.patched) == (1, 1), ctl.planning.cache
         # the rejoin changed what the first plan had read: the catalog copied it, and kept the lent one as it was
-        assert ctl.catalog.copied > 0 and ctl.plan_cache._resolver.sources is not ctl.catalog.sources
+        assert ctl.membership.catalog.copied > 0 and ctl.planning.cache._resolver.sources is not ctl.membership.catalog.sources
 
 
 async def test_a_replan_keeps_the_connections_of_pairs_whose_processes_stayed():
@@ -357,7 +357,7 @@ async def test_the_same_process_on_a_new_channel_replaces_its_abandoned_session(
             await chan.send(old.hello)  # the same worker: its welcome went to a channel it gave up
             _, env = await asyncio.wait_for(chan.recv(), WATCHDOG)
             assert isinstance(env.body, m.Welcome)
-            assert old.identity not in ctl.peers and ctl.by_rank[(m.Role.SENDER, 0)] != old.identity
+            assert old.identity not in ctl.peers and ctl.membership.by_rank[(m.Role.SENDER, 0)] != old.identity
             other = __import__("dataclasses").replace(old.hello, incarnation=b"another")  # another worker
             chan2 = ControlChannel(zmq.DEALER, "sender/0")
             try:

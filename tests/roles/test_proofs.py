@@ -17,6 +17,7 @@ from weightsync.engine.errors import RoundAborted
 from weightsync.engine.transports.memory import PROOF, MemoryTransport
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.roles import verify
 from weightsync.wire import messages as m
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, checksum="crc32")
@@ -30,9 +31,10 @@ class WatchedController(Controller):
         super().__init__(*args, **kw)
         self.writes_done = asyncio.Event()
 
-    async def _on_writes_done(self, peer, env) -> None:
-        await super()._on_writes_done(peer, env)
-        self.writes_done.set()
+    async def _round_message(self, peer, env) -> None:
+        await super()._round_message(peer, env)
+        if isinstance(env.body, m.WritesDone):
+            self.writes_done.set()
 
 
 class WatchedReceiver(WeightReceiver):
@@ -43,10 +45,10 @@ class WatchedReceiver(WeightReceiver):
         self.waiting = asyncio.Event()
         self.proofs_seen: list[dict] = []
 
-    async def _await_proofs(self, summaries):
-        self.proofs_seen.append({s.peer_rank: s.proof for s in summaries})
+    async def _verdict(self, body):
+        self.proofs_seen.append({s.peer_rank: s.proof for s in body.checksums})
         self.waiting.set()
-        return await super()._await_proofs(summaries)
+        return await super()._verdict(body)
 
 
 @contextlib.asynccontextmanager
@@ -80,8 +82,8 @@ async def test_writes_done_leaves_before_delivery_and_the_receiver_waits_for_the
         await asyncio.wait_for(ctl.writes_done.wait(), WATCHDOG)  # announced while nothing has landed
         await asyncio.wait_for(receiver.waiting.wait(), WATCHDOG)
         assert receiver.transport.counters(2) == {}  # not one write of round 2 has landed
-        assert receiver.version == 1 and not handle.released.done() and ctl.round is not None
-        assert not ctl.round.futures["fenced"].done()
+        assert receiver.version == 1 and not handle.released.done() and ctl.rounds.round is not None
+        assert not ctl.rounds.round.futures["fenced"].done()
         proof = receiver.proofs_seen[-1][0]
         _, conn_id, issued = PROOF.unpack(proof)
         conn = sender.conns[0]
@@ -115,7 +117,7 @@ async def test_a_proof_the_receiver_transport_cannot_check_is_a_named_failure():
     async with memory_cluster() as (ctl, sender, send_t, receiver, recv_t):
         await _first_round(ctl, sender, send_t, recv_t)
         summary = m.WriteSummary(0, 1, 4, (), b"not a proof")
-        problems = await receiver._await_proofs((summary,))
+        problems = await verify.await_proofs(receiver.transport, (summary,), 60.0)
         assert "unusable delivery proof" in problems[0]
 
 

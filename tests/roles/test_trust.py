@@ -48,7 +48,7 @@ class Gate:
 
     def __init__(self, ctl) -> None:
         self.entered, self.release, self.held = threading.Event(), threading.Event(), 0
-        original = ctl._plan_and_encode
+        original = ctl.planning.plan_and_encode
 
         def gated(*args):
             self.held += 1
@@ -56,7 +56,7 @@ class Gate:
             self.release.wait(WATCHDOG)
             return original(*args)
 
-        ctl._plan_and_encode = gated
+        ctl.planning.plan_and_encode = gated
 
     async def wait_entered(self) -> None:
         await asyncio.wait_for(asyncio.to_thread(self.entered.wait, WATCHDOG), WATCHDOG)
@@ -82,7 +82,7 @@ async def test_a_plan_made_for_a_session_that_was_replaced_meanwhile_is_void_and
         async with WeightSender(ctl.address, ts[2], rank=1) as s1b:  # a new session of sender/1 meanwhile
             gate.release.set()
             plan = await asyncio.wait_for(ctl.wait_plan(first.plan_id + 1), WATCHDOG)
-            assert ctl.plan_sessions[(m.Role.SENDER, 1)] == s1b._channel.sock.getsockopt(zmq.ROUTING_ID)
+            assert ctl.planning.sessions[(m.Role.SENDER, 1)] == s1b._channel.sock.getsockopt(zmq.ROUTING_ID)
             assert gate.held == 2 and plan.plan_id == first.plan_id + 2  # the void plan was never installed
             await push_all([(s0, ts[0]), (s1b, ts[2])], 2)
             await asyncio.wait_for(asyncio.gather(r0.wait_for(2), r1.wait_for(2)), WATCHDOG)
@@ -103,7 +103,7 @@ async def test_a_planned_sender_replaced_before_the_round_starts_never_gets_begi
         await push_all([(s0, ts[0]), (s1, ts[1])], 1)
         update_in_place(ts[0], 2)
         pending = s0.push_nowait(2)
-        await asyncio.wait_for(ctl._wait(lambda: 2 in ctl.pushes.pushes), WATCHDOG)  # sender/0's push is in
+        await asyncio.wait_for(ctl.waiters.wait(lambda: 2 in ctl.rounds.pushes.pushes), WATCHDOG)  # sender/0's push is in
         gate = Gate(ctl)
         await s1.close()
         await gate.wait_entered()
@@ -154,15 +154,15 @@ async def test_a_controller_killed_after_its_first_commit_message_is_finished_by
             WeightReceiver(addr, recvs[0], rank=0) as r0, WeightReceiver(addr, recvs[1], rank=1) as r1:
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         await push(s0, ts, 1)
-        ctl._send = send_then_die
+        ctl.rounds.send = send_then_die  # (the round part sends the commits)
         update_in_place(ts, 2)
         handle = await asyncio.wait_for(s0.push(2), WATCHDOG)
         await asyncio.wait_for(first_commit.wait(), WATCHDOG)
         await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
         ctl._chan.close()  # SIGKILL: the socket goes, nothing is said
-        for task in [*ctl._tasks, ctl._round_task]:
+        for task in [*ctl._tasks, ctl.rounds.task]:
             task.cancel()
-        await asyncio.gather(*ctl._tasks, ctl._round_task, return_exceptions=True)
+        await asyncio.gather(*ctl._tasks, ctl.rounds.task, return_exceptions=True)
         assert r1.version == 1 and r1.prepared == 2
         async with Controller(addr, senders=1, receivers=2, options=FAST) as ctl2:
             assert await asyncio.wait_for(handle, WATCHDOG) == 2  # the outcome, from the new controller's plan
@@ -297,7 +297,7 @@ async def test_a_keyless_client_cannot_take_a_live_senders_routing_id():
             await push(s0, ts, 1)  # the route is still the real sender's: its round goes through
             await asyncio.wait_for(r0.wait_for(1), WATCHDOG)
             assert await thief.poll(0) == 0  # it never received anything (its handshake never completed)
-            assert ctl.by_rank[(m.Role.SENDER, 0)] == identity
+            assert ctl.membership.by_rank[(m.Role.SENDER, 0)] == identity
         finally:
             thief.close()
             ctx.term()

@@ -1,0 +1,67 @@
+"""A receiver's verdict at a fence: were round v's writes delivered, complete, and what was sent?
+
+How this works: three checks, in the order the receiver runs them before it acknowledges a fence.
+``await_proofs``: senders that announced their writes before they completed sent a delivery proof;
+the transport confirms each one. ``arrivals``: every sender of the table reported what the table says,
+and where the transport observes incoming writes (TCP) what landed matches too, and nothing landed
+under another open round (a write under a future round would otherwise be committed as this one);
+one-sided transports rely on the report and the senders' fences. ``checksums``: each entry's bytes in
+the landing buffer against the sender's checksum (when the round asked for them). Each names the
+parameters affected; ``arrivals`` also names the one sender to blame, when there is one.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from weightsync.engine.datapath.checksums import checksum
+from weightsync.engine.transport import Transport
+from weightsync.wire import ReceiverTable
+from weightsync.wire import messages as m
+
+
+async def await_proofs(transport: Transport, summaries: tuple[m.WriteSummary, ...], timeout_s: float) -> dict[int, str]:
+    """Sender rank -> why its delivery proof was not confirmed (none: every proof was, or none was sent)."""
+    proofs = {s.peer_rank: s.proof for s in summaries if s.proof}
+    if not proofs:
+        return {}
+    check = getattr(transport, "await_proofs", None)
+    if check is None:
+        return {src: f"sent a delivery proof that transport {transport.kind!r} cannot check" for src in proofs}
+    return await check(proofs, timeout_s)
+
+
+def arrivals(transport: Transport, table: ReceiverTable, expected: Mapping[int, tuple[int, int]], epoch: int,
+             summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str], str]:
+    """The problems, the parameters affected, and the sender to blame ("" if none or several)."""
+    reported = {s.peer_rank: (s.count, s.nbytes) for s in summaries}
+    observed = transport.counters(epoch)
+    problems: list[str] = []
+    bad_src: set[int] = set()
+    for src, epochs in sorted(transport.strays(epoch).items()):
+        problems.append(f"sender/{src} wrote under round(s) {epochs[:3]} during round {epoch}")
+        bad_src.add(src)
+    if bad_src:  # (reported once: the round fails on them, the next one starts clean)
+        transport.forget_strays(epoch)
+    for src, (count, nbytes) in sorted(expected.items()):
+        if reported.get(src, (0, 0)) != (count, nbytes):
+            problems.append(f"sender/{src} reported {reported.get(src, (0, 0))}, expected {(count, nbytes)}")
+            bad_src.add(src)
+        c = observed.get(src)
+        if c is not None and ((c.count, c.nbytes) != (count, nbytes) or c.errors):
+            problems.append(f"from sender/{src} landed {c.count} writes/{c.nbytes} bytes, expected "
+                            f"{count}/{nbytes} {'; '.join(c.errors[:3])}")
+            bad_src.add(src)
+    names = sorted({e.name for e in table.entries if e.src_rank in bad_src}) if bad_src else []
+    blame = f"sender/{min(bad_src)}" if len(bad_src) == 1 else ""
+    return problems, names, blame
+
+
+def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
+    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8)."""
+    expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
+    bad = {e.name for e in table.entries if (e.src_rank, e.index) in expected
+           and checksum(landing[e.offset:e.offset + e.nbytes], algo) != expected[e.src_rank, e.index]}
+    return sorted(bad)
