@@ -167,6 +167,13 @@ async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> 
     await settle(fleet, version, pushes, late, changed, tally)
 
 
+def note(tally: dict, kind: str, text: str) -> None:
+    """A problem of ``kind`` (the first ten of each kind are kept)."""
+    kept = tally["problems"].setdefault(kind, [])
+    if len(kept) < 10:
+        kept.append(text)
+
+
 def update_weights(sender: WeightSender, version: int) -> None:
     for name, t in weights(version).items():
         sender.tensors[name].copy_(t)
@@ -191,11 +198,12 @@ async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limi
             await asyncio.wait_for(asyncio.shield(handle.committed), limit)
         except asyncio.TimeoutError:
             tally["stalls"] += 1
+            note(tally, "stalls", f"v{version}: {handle!r} not ended after {limit}s; controller {fleet.ctl!r}")
         except RoundAborted as exc:
             tally["errors"]["RoundAborted"] = tally["errors"].get("RoundAborted", 0) + 1
             if exc.culprit and exc.culprit not in changed:
                 tally["wrong_blame"] += 1
-                tally["problems"].append(f"v{version}: blamed {exc.culprit}, changed {sorted(changed)}")
+                note(tally, "wrong_blame", f"v{version}: blamed {exc.culprit}, changed {sorted(changed)}: {exc.text[:200]}")
         except WeightSyncError as exc:
             kind = type(exc).__name__
             tally["errors"][kind] = tally["errors"].get(kind, 0) + 1
@@ -203,7 +211,7 @@ async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limi
                 print(f"v{version}: {exc!r}", file=sys.stderr)
         except Exception as exc:  # an untyped error is a bug
             tally["untyped"] += 1
-            tally["problems"].append(f"v{version}: {exc!r}")
+            note(tally, "untyped", f"v{version}: {exc!r}")
 
 
 async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
@@ -217,7 +225,7 @@ async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
             await asyncio.wait_for(asyncio.gather(*[r.wait_for(version) for r in members]), limit)
         except (asyncio.TimeoutError, WeightSyncError) as exc:
             tally["false_commits"] += 1
-            tally["problems"].append(f"v{version} committed; its receivers serve "
+            note(tally, "false_commits", f"v{version} committed; its receivers serve "
                                      f"{[r.version for r in members]} ({exc!r})")
     elif report is not None:
         tally["aborted"] += 1
@@ -226,16 +234,18 @@ async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
         if r.version is not None:
             if r.version < seen:
                 tally["rollbacks"] += 1
+                note(tally, "rollbacks", f"v{version}: receiver/{r.rank} went from v{seen} to v{r.version}")
             fleet.served[id(r)] = r.version
             if ctl.committed is None or r.version > ctl.committed:
                 tally["false_commits"] += 1
-                tally["problems"].append(f"receiver/{r.rank} serves v{r.version}, controller committed v{ctl.committed}")
+                note(tally, "false_commits", f"receiver/{r.rank} serves v{r.version}, controller committed v{ctl.committed}")
             if not matches(r.tensors, r.version):
                 tally["mismatches"] += 1
+                note(tally, "mismatches", f"v{version}: receiver/{r.rank} serves v{r.version} with other bytes")
     if ctl.committed is not None and not any(r.version == ctl.committed for r in fleet.receivers.values()) \
             and report is not None and report.ok and report.version == ctl.committed:
         tally["false_commits"] += 1
-        tally["problems"].append(f"v{version} recorded committed; receivers serve {[r.version for r in fleet.receivers.values()]}")
+        note(tally, "false_commits", f"v{version} recorded committed; receivers serve {[r.version for r in fleet.receivers.values()]}")
 
 
 def _identity(worker) -> bytes:
@@ -246,7 +256,7 @@ async def run(args) -> dict:
     rng = random.Random(args.seed)
     fleet = Fleet(args, rng)
     tally = {"cycles": 0, "committed": 0, "aborted": 0, "false_commits": 0, "stalls": 0, "wrong_blame": 0,
-             "rollbacks": 0, "mismatches": 0, "untyped": 0, "errors": {}, "problems": []}
+             "rollbacks": 0, "mismatches": 0, "untyped": 0, "errors": {}, "problems": {}}
     t0 = time.perf_counter()
     await fleet.start()
     try:
@@ -256,7 +266,6 @@ async def run(args) -> dict:
     finally:
         await fleet.close()
     tally["seconds"] = round(time.perf_counter() - t0, 1)
-    tally["problems"] = tally["problems"][:20]
     tally["command"] = "bench/churn.py " + " ".join(sys.argv[1:])
     return tally
 
