@@ -38,7 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import importlib
+import ipaddress
+import os
+import socket
 import struct
 from typing import Awaitable, Callable, Optional, Protocol, runtime_checkable
 
@@ -57,7 +61,7 @@ class TransportOptions:
     bind_host: str = "127.0.0.1"
     port: int = 0
     advertise_host: Optional[str] = None  # the address peers connect to (defaults to bind_host)
-    host_id: Optional[str] = None  # host identity for locality (defaults to the machine's hostname)
+    host_id: Optional[str] = None  # network locality (default: ``local_host_id()``): same id, same host
     device: str = "cpu"
     uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
     busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
@@ -65,6 +69,40 @@ class TransportOptions:
     handshake_timeout_s: float = 5.0  # a target closes a connection that has not proven a key by then
     max_unauthenticated: int = 64  # connections waiting to prove a key at once (a newcomer evicts the oldest)
     max_unauthenticated_per_address: int = 16  # of them, from one address
+
+    def host(self) -> str:
+        """The host id this endpoint advertises: ``host_id``, else ``local_host_id()``."""
+        return self.host_id or local_host_id()
+
+
+@functools.lru_cache(maxsize=None)
+def local_host_id() -> str:
+    """This process's network locality, as processes can observe it: the hostname, the boot (two
+    machines of one name differ) and the network namespace (containers or namespaces that share a
+    hostname but not a network differ; processes in one namespace of one boot share it). Two endpoints
+    of one id may use host-local transports (cuda_ipc, memory) and the planner's host link classes;
+    any two others go by the network."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this host only (an empty or wildcard one is not)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass

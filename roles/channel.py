@@ -37,6 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 from weightsync.engine.logs import Repeats
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
 from weightsync.engine.errors import ConfigError
+from weightsync.engine.transport import is_loopback
 from weightsync.wire.auth import MIN_KEY_BYTES, ReplayGuard, sign, verify
 from weightsync.wire.errors import ProtocolError
 
@@ -60,6 +61,17 @@ def check_auth_key(key: Optional[bytes]) -> None:
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError("auth_key", f"needs at least {MIN_KEY_BYTES} bytes, got {len(key)} "
                           f"(make one with: head -c 32 /dev/urandom > key)")
+
+
+def check_exposure(field: str, where: str, key: Optional[bytes]) -> None:
+    """A socket bound where other hosts reach it (``where``: a host, or a ZeroMQ tcp endpoint) needs an
+    auth key: ``ConfigError`` naming ``field`` otherwise. ipc:// and inproc:// endpoints are local."""
+    if key is not None or where.startswith(("ipc://", "inproc://")):
+        return
+    host = where.removeprefix("tcp://").rpartition(":")[0] if where.startswith("tcp://") else where
+    if not is_loopback(host):
+        raise ConfigError(field, f"{where!r} is reachable from other hosts: give an auth key (--auth-key-file), "
+                          f"or bind loopback")
 
 
 def curve_keys(auth_key: bytes) -> dict[str, bytes]:

@@ -150,7 +150,9 @@ def _daemon(args: argparse.Namespace) -> int:
     hook = load_hook(args.hook) if args.hook else None
     uccl_tcp = os.environ.get("UCCL_P2P_TRANSPORT") == "tcp"
     receiver = ReceiverOptions(transport=args.transport, mode=args.mode, auth_key=key,
-                               transport_options=TransportOptions(bind_host=args.data_host, uccl_tcp=uccl_tcp))
+                               transport_options=TransportOptions(bind_host=args.bind_host, port=args.data_port,
+                                                                  advertise_host=args.advertise_host,
+                                                                  host_id=args.host_id, uccl_tcp=uccl_tcp))
     options = DaemonOptions(command_bind=args.command_bind, receiver=receiver, auth_key=key)
 
     async def main() -> None:
@@ -318,7 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     dmn.add_argument("--hook", help="module:function called with (version, [(name, tensor), ...])")
     dmn.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
     dmn.add_argument("--transport", default="tcp", choices=["tcp", "cuda_ipc", "uccl", "auto"])
-    dmn.add_argument("--data-host", default="127.0.0.1", help="address the data plane listens on")
+    dmn.add_argument("--bind-host", "--data-host", dest="bind_host", default="127.0.0.1",
+                     help="address the data plane listens on (not loopback: needs --auth-key-file)")
+    dmn.add_argument("--advertise-host", default=None, help="address peers connect to (default: --bind-host)")
+    dmn.add_argument("--data-port", type=int, default=0, help="a fixed data-plane port (firewalls; 0: any free one)")
+    dmn.add_argument("--host-id", default=None,
+                     help="network locality: processes of one id may share host-local transports (default: "
+                          "hostname, boot and network namespace)")
     dmn.add_argument("--command-bind", default="tcp://127.0.0.1:5560")
     dmn.set_defaults(func=_daemon)
 

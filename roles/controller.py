@@ -31,7 +31,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
-from .channel import ControlChannel, check_auth_key
+from .channel import ControlChannel, check_auth_key, check_exposure
 from .limits import PeerLimits, RateLimiter
 from .membership import Membership, Peer
 from .planning import Planning
@@ -70,6 +70,7 @@ class Controller(AsyncResource):
                  on_round: Optional[Callable[[RoundReport], Any]] = None) -> None:
         if senders < 1 or receivers < 0:
             raise ConfigError("senders", f"need at least one sender, got senders={senders} receivers={receivers}")
+        check_exposure("bind_addr", bind_addr, options.auth_key)
         self.bind_addr = bind_addr
         self.options = options
         self.on_round = on_round

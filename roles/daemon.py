@@ -28,7 +28,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import ProtocolError
 
-from .channel import ControlChannel, check_auth_key
+from .channel import ControlChannel, check_auth_key, check_exposure
 from .receiver import ReceiverOptions, WeightReceiver
 from .worker import call_hook
 
@@ -59,6 +59,7 @@ class DaemonOptions:
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
+        check_exposure("command_bind", self.command_bind, self.auth_key)
 
 
 class Daemon:

@@ -37,7 +37,7 @@ from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, 
 from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
-from .channel import ControlChannel, check_auth_key, random_identity
+from .channel import ControlChannel, check_auth_key, check_exposure, random_identity
 from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
@@ -60,6 +60,7 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
+        check_exposure("transport_options.bind_host", self.transport_options.bind_host, self.auth_key)
 
 
 async def call_hook(hook: Optional[Callable[..., Any]], *args: Any) -> None:

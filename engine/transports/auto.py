@@ -11,7 +11,6 @@ have UCCL -> ``uccl``; otherwise ``tcp``. Forcing a kind by name (``transport="t
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 import msgpack
@@ -58,7 +57,7 @@ class AutoTransport:
         self.options = options
         self.children: dict[str, Any] = {}
         self.infos: dict[str, TransportInfo] = {}
-        self.host = options.host_id or socket.gethostname()
+        self.host = options.host()
         self.guard = dataauth.DataGuard()  # one for all children: a receiver authorizes and opens once
         self.chosen: dict[int, str] = {}
 

@@ -34,7 +34,6 @@ import asyncio
 import functools
 import math
 import os
-import socket
 import struct
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -82,7 +81,7 @@ class CudaIpcTransport:
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
-        host = self.options.host_id or socket.gethostname()
+        host = self.options.host()
         device = self.options.device if self.options.device != "cpu" else f"cuda:{torch.cuda.current_device()}"
         return TransportInfo(self.kind, host, f"{host}/pid{os.getpid()}", device, PROOF_TAG)
 

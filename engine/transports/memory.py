@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import struct
 from typing import Optional
 
@@ -60,7 +59,7 @@ class MemoryTransport(EpochCounts):
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
         _DIRECTORY[self.address] = self
-        host = self.options.host_id or socket.gethostname()
+        host = self.options.host()
         return TransportInfo(self.kind, host, self.address, self.options.device, PROOF_TAG)
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:

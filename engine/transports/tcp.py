@@ -86,7 +86,7 @@ class TcpTransport(EpochCounts):
         port = self._server.sockets[0].getsockname()[1]
         host = self.options.advertise_host or self.options.bind_host
         self.address = f"{host}:{port}"
-        host_id = self.options.host_id or socket.gethostname()
+        host_id = self.options.host()
         return TransportInfo(self.kind, host_id, self.address, self.options.device, b"")
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:

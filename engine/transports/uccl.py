@@ -38,7 +38,6 @@ import asyncio
 import importlib.util
 import logging
 import os
-import socket
 import struct
 import threading
 import time
@@ -200,7 +199,7 @@ class UcclTransport(EpochCounts):
         self.ep = await _off_loop(self._make_endpoint)
         self._server = await asyncio.start_server(self._session, self.options.bind_host, self.options.port)
         port = self._server.sockets[0].getsockname()[1]
-        host = self.options.host_id or socket.gethostname()
+        host = self.options.host()
         address = f"{self.options.advertise_host or self.options.bind_host}:{port}"
         return TransportInfo(self.kind, host, address, self.options.device, bytes(self.ep.get_metadata()))
 

@@ -452,3 +452,20 @@ def test_repeated_log_lines_are_aggregated_per_key(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and "more like it" in lines[1] and repeats.total == 20_001
     assert lines[1].endswith("(and 9999 more like it in the last 10.0 s)")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Controller("tcp://0.0.0.0:0", senders=1, receivers=1),
+    lambda: SenderOptions(transport_options=TransportOptions(bind_host="198.18.0.1")),
+    lambda: ReceiverOptions(transport_options=TransportOptions(bind_host="0.0.0.0")),
+])
+def test_a_bind_other_hosts_can_reach_needs_an_auth_key(make):
+    with pytest.raises(ConfigError, match="reachable from other hosts"):
+        make()
+
+
+def test_loopback_and_keyed_binds_are_fine():
+    Controller("tcp://127.0.0.1:0", senders=1, receivers=1)
+    Controller("tcp://0.0.0.0:0", senders=1, receivers=1, options=ControllerOptions(auth_key=KEY))
+    SenderOptions(transport_options=TransportOptions(bind_host="198.18.0.1"), auth_key=KEY)
+    ReceiverOptions(transport_options=TransportOptions(bind_host="::1"))

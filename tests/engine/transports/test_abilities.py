@@ -5,6 +5,7 @@ used and a flag without its methods would fail mid-round."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -63,3 +64,27 @@ def test_a_declaration_and_a_connection_that_disagree_are_named():
     assert {name for names in ABILITY_METHODS.values() for name in names} == {
         "compile", "replay", "submit", "submit_many", "seal", "address", "submit_written"}
     assert set(BACKENDS) >= {"tcp", "memory", "cuda_ipc", "uccl", "auto"}
+
+
+def test_the_host_id_follows_the_network_namespace():
+    """Namespaces share the hostname; the default host id must still tell them apart (and a process
+    alone in the root namespace keeps one id)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from weightsync.engine.transport import local_host_id
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    name = f"wstest-hostid-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        code = "from weightsync.engine.transport import local_host_id; print(local_host_id())"
+        inside = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", code], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        outside = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=True)
+    assert outside == local_host_id() and inside != outside
+    assert inside.split("/")[:2] == outside.split("/")[:2]  # the same hostname and boot, another network
