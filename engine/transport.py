@@ -66,6 +66,8 @@ class TransportOptions:
     uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
     busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
+    tcp_user_timeout_s: float = 10.0  # TCP_USER_TIMEOUT: a data connection whose sent bytes stay unacknowledged
+    #                                   this long fails (a partitioned peer: the round aborts, the next plan reconnects)
     handshake_timeout_s: float = 5.0  # a target closes a connection that has not proven a key by then
     max_unauthenticated: int = 64  # connections waiting to prove a key at once (a newcomer evicts the oldest)
     max_unauthenticated_per_address: int = 16  # of them, from one address
@@ -122,7 +124,6 @@ class EpochCounts:
     def __init__(self) -> None:
         self._counters: dict[tuple[int, int], SourceCounters] = {}
         self.closed_epoch = -1
-        self.open_epoch: Optional[int] = None  # the round the receiver began (None: none yet)
 
     def counters(self, epoch: int) -> dict[int, SourceCounters]:
         return {src: c for (src, e), c in self._counters.items() if e == epoch}
@@ -138,10 +139,6 @@ class EpochCounts:
                 out.setdefault(src, []).append(e)
         return out
 
-    def begin_epoch(self, epoch: int) -> None:
-        """The receiver began round ``epoch``: from now until it closes, writes of another round are refused."""
-        self.open_epoch = epoch
-
     def forget_strays(self, epoch: int) -> None:
         """Round ``epoch`` failed on the strays it saw: forget them, so they do not fail the next one too."""
         for src, epochs in self.strays(epoch).items():
@@ -150,13 +147,7 @@ class EpochCounts:
 
     def close_epoch(self, epoch: int) -> None:
         self.closed_epoch = max(self.closed_epoch, epoch)
-        if self.open_epoch is not None and self.open_epoch <= self.closed_epoch:
-            self.open_epoch = None
         self._counters = {k: c for k, c in self._counters.items() if k[1] > self.closed_epoch}
-
-    def wrong_epoch(self, epoch: int) -> bool:
-        """A write of ``epoch`` that may not land now: another round than the open one."""
-        return self.open_epoch is not None and epoch != self.open_epoch
 
     def count(self, source: int, epoch: int) -> SourceCounters:
         """The counters of ``source`` for round ``epoch`` (made on first use)."""
@@ -283,9 +274,6 @@ class Transport(Protocol):
 
     def strays(self, epoch: int) -> dict[int, list[int]]:
         """Target side: sources that wrote under an open round other than ``epoch`` (``EpochCounts.strays``)."""
-
-    def begin_epoch(self, epoch: int) -> None:
-        """Target side: round ``epoch`` began here; writes of any other round are refused until it closes."""
 
     def forget_strays(self, epoch: int) -> None:
         """Target side: forget the strays a failed fence of ``epoch`` reported."""

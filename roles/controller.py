@@ -316,7 +316,11 @@ class Controller(AsyncResource):
             await asyncio.sleep(self.options.heartbeat_s)
             seq += 1
             now = time.monotonic()
-            for peer in self.membership.silent(now, self.options.timeout_s):
+            silent = self.membership.silent(now, self.options.timeout_s)
+            if len(silent) >= 2 and len(silent) == len(self.peers):  # everyone at once: our own network, most
+                self.rounds.fail(m.AbortReason.PEER_LOST, "every member went silent at once: the controller's "
+                                 "host is likely cut off", "controller")  # likely (no member is to blame)
+            for peer in silent:
                 self._drop(peer, f"silent for more than {self.options.timeout_s}s")
             for peer in self.membership:
                 if peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):

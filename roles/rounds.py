@@ -284,6 +284,11 @@ class Rounds:
             culprit = error.field
         rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {error.text}", culprit)
 
+    def fail(self, reason: m.AbortReason, text: str, culprit: str) -> None:
+        """Abort the running round, if any, before it commits."""
+        if self.round is not None:
+            self.round.abort(reason, text, culprit)
+
     def member_left(self, peer: Peer, why: str) -> None:
         """A member's session is over: its pushes go with it; a round it takes part in aborts (or, after
         commit, stops waiting for it)."""

@@ -309,8 +309,8 @@ class WeightSender(Worker):
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
         if self._round is not None and not self._round.done():
-            self._round.cancel()
-            await asyncio.gather(self._round, return_exceptions=True)
+            self._round.cancel()  # (not awaited here: a write stuck on a partitioned peer must not stop this
+            #                        loop; the next round's pipeline starts after it: ``_write``'s ``previous``)
         handle = self._handles.pop(body.version, None)
         self._spin(False)
         if handle is not None:

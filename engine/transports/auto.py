@@ -123,10 +123,6 @@ class AutoTransport:
                 out.setdefault(src, []).extend(epochs)
         return out
 
-    def begin_epoch(self, epoch: int) -> None:
-        for child in self.children.values():
-            child.begin_epoch(epoch)
-
     def forget_strays(self, epoch: int) -> None:
         for child in self.children.values():
             child.forget_strays(epoch)

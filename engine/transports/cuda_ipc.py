@@ -175,9 +175,6 @@ class CudaIpcTransport:
     def strays(self, epoch: int) -> dict[int, list[int]]:
         return {}  # (one-sided: writes are not observed here; checksums check the content)
 
-    def begin_epoch(self, epoch: int) -> None:
-        return None
-
     def forget_strays(self, epoch: int) -> None:
         return None
 

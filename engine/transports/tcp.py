@@ -128,6 +128,8 @@ class TcpTransport(EpochCounts):
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) a partitioned peer fails the connection, not hangs it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.options.tcp_user_timeout_s * 1000))
         timeout = self.options.connect_timeout_s
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host.strip("[]"), int(port))), timeout)

@@ -5,8 +5,8 @@ How this works: the agent reads headers and small payloads into a 256 KiB intake
 more still to come is received straight into its region (``recv_into``). Before a HELLO whose proof
 verifies (``weightsync.engine.dataauth``) any other frame closes the connection; after it, every WRITE is checked
 against the guard and the region's bounds, else drained and reported at the next FENCE, never applied.
-A write whose round or region closes while its payload is still arriving is drained from then on, and
-one of another round than the open one is refused (``EpochCounts.wrong_epoch``). The front door: a
+A write whose round or region closes while its payload is still arriving is drained from then on. The
+front door: a
 connection that has not proven a key within ``handshake_timeout_s`` is closed, and at most
 ``max_unauthenticated`` connections (``max_unauthenticated_per_address`` from one address) wait for
 their proof at once: a newcomer over the cap evicts the oldest waiting one, so strangers can hold
@@ -136,7 +136,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         count = nbytes = 0
         while end - at >= size:
             op, region_id, offset, length, epoch = unpack(data, at)
-            if length >= DIRECT_MIN or end - at - size < length or epoch <= owner.closed_epoch or owner.wrong_epoch(epoch):
+            if length >= DIRECT_MIN or end - at - size < length or epoch <= owner.closed_epoch:
                 break
             rows = 1
             if op == OP_WRITE_RUN:
@@ -205,13 +205,6 @@ class AgentProtocol(asyncio.BufferedProtocol):
             b &= OFFSET_MASK
             self.epoch = epoch
             if epoch <= self.owner.closed_epoch:  # a late write of a round that is over: drain it
-                self._drain(c)
-                return
-            if self.owner.wrong_epoch(epoch):
-                why = f"sender/{self.source} wrote under round {epoch} while round {self.owner.open_epoch} is open"
-                self.owner.guard.refuse(self.peer, why, "wrong round")
-                self.errors.append(f"refused: {why}")  # (this connection's fence, and the open round's verdict)
-                self.owner.count(self.source, self.owner.open_epoch).errors.append(f"refused: {why}")
                 self._drain(c)
                 return
             problem = self.owner.guard.write_problem(self.source, self.key, a)

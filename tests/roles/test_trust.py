@@ -355,30 +355,42 @@ async def test_idle_strangers_are_bounded_and_timed_out_and_a_restarted_sender_s
                 s.close()
 
 
-async def test_a_write_under_another_round_is_refused_and_blamed_on_its_sender():
-    """A holder of a pair key writes into the live region under round v+1000 while round v is open (an
-    in-place receiver, checksums off): refused, and round v aborts blaming that sender."""
+async def test_a_write_under_another_round_during_an_open_round_fails_it_and_is_blamed_on_its_sender():
+    """A holder of a pair key writes into the live region under round v+1000 once round v has opened it
+    (an in-place receiver, checksums off; the round's own writes wait for it): round v's fence sees it
+    and aborts, blaming that sender, and the next round repairs the live bytes."""
     ts, recv = sender_tensors(0), receiver_tensors()
     opts = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0)
-    rogue_done = asyncio.Event()
+    rogue_done, rogues = asyncio.Event(), []
 
     async def rogue(version):
-        if version == 2:
-            conn = s0.conns[0]
-            await conn.write(torch.full((16,), float("nan")), 0, 0, version + 1000)
-            with pytest.raises(Exception, match="while round 2 is open"):
-                await conn.fence()
-            rogue_done.set()
+        conn = s0.conns[0]
+        await conn.write(torch.full((16,), float("nan")), 0, 0, version + 1000)
+        await asyncio.wait_for(conn.fence(), WATCHDOG)
+        rogue_done.set()
+
+    class Opened(WeightReceiver):
+        def _open_regions(self, round_open: bool) -> None:
+            super()._open_regions(round_open)
+            if round_open and self._pending == 2:  # round 2 just opened the live region
+                rogues.append(asyncio.ensure_future(rogue(2)))
 
     async with Controller(senders=1, receivers=1, options=opts) as ctl, \
-            WeightSender(ctl.address, ts, rank=0) as s0, \
-            WeightReceiver(ctl.address, recv, rank=0, mode="inplace", before_update=rogue) as r0:
+            WeightSender(ctl.address, ts, rank=0) as s0, Opened(ctl.address, recv, rank=0, mode="inplace") as r0:
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         await push(s0, ts, 1)
-        with pytest.raises(RoundAborted, match="while round 2 is open") as info:
+        run = s0.pipeline.run
+
+        async def after_the_rogue(*args, **kwargs):
+            if kwargs.get("epoch") == 2:
+                await asyncio.wait_for(rogue_done.wait(), WATCHDOG)
+            return await run(*args, **kwargs)
+
+        s0.pipeline.run = after_the_rogue
+        with pytest.raises(RoundAborted, match=r"wrote under round\(s\) \[1002\] during round 2") as info:
             await push(s0, ts, 2)
-        assert rogue_done.is_set() and info.value.culprit == "sender/0"
-        assert r0.version == 1
+        await asyncio.gather(*rogues)
+        assert info.value.culprit == "sender/0" and r0.version == 1 and r0.dirty  # (nothing committed)
         await push(s0, ts, 3)
         await asyncio.wait_for(r0.wait_for(3), WATCHDOG)
         assert mismatches(recv, 3) == [] and not r0.dirty

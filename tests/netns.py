@@ -1,0 +1,142 @@
+"""A cluster of "hosts" on this machine: network namespaces on one bridge, each link shaped with tc.
+
+How this works: ``Cluster(hosts)`` makes, for each host, a network namespace ``<prefix>-<host>`` with
+loopback up and one veth pair to a bridge that lives in a switch namespace of its own
+(``<prefix>-sw``), so nothing of the machine's own network is touched. Host i gets 198.18.0.(i+1)/24
+(198.18.0.0/15 is reserved for benchmarking). Each link is shaped in both directions with a ``tbf``
+qdisc at ``rate`` (default 1 Gbit/s). ``popen(host, argv)`` runs a process inside a host's namespace
+(``ip netns exec``); ``cut(host)`` takes its link down (a partition: the host reaches nobody),
+``heal(host)`` brings it back, ``shape(host, rate)`` changes its rate, ``cut_ports(host, ports)`` drops
+only the TCP ports given (nftables, when present: the data plane cut with the control plane up).
+``close`` kills the processes it started and deletes every namespace it made; so does a later
+``Cluster`` with the same prefix for leftovers of one that crashed (nothing else is touched).
+``available()`` says why namespaces cannot be made here (not root, no iproute2), for tests to skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from typing import Optional, Sequence
+
+SUBNET = "198.18.0"
+PREFIX = "wsc"
+
+
+def available() -> Optional[str]:
+    """None where clusters can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def _in(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", ns, *args], check=check, capture_output=True, text=True)
+
+
+def remove_leftovers(prefix: str = PREFIX) -> list[str]:
+    """Delete every namespace named ``<prefix>-...`` (an earlier cluster that did not close); the
+    veths and the bridge inside them go with them. Returns what was removed."""
+    listed = _ip("netns", "list", check=False).stdout.split()
+    gone = [ns for ns in listed if ns.startswith(prefix + "-")]
+    for ns in gone:
+        _ip("netns", "delete", ns, check=False)
+    return gone
+
+
+class Cluster:
+    def __init__(self, hosts: Sequence[str], rate: str = "1gbit", prefix: str = PREFIX) -> None:
+        self.hosts = list(hosts)
+        self.rate = rate
+        self.prefix = prefix
+        self.switch = f"{prefix}-sw"
+        self.procs: list[subprocess.Popen] = []
+        self.up = False
+
+    def __repr__(self) -> str:
+        return f"<Cluster {self.prefix} hosts={self.hosts} rate={self.rate} procs={len(self.procs)}>"
+
+    # --- names ------------------------------------------------------------------------------------
+
+    def ns(self, host: str) -> str:
+        return f"{self.prefix}-{host}"
+
+    def address(self, host: str) -> str:
+        return f"{SUBNET}.{self.hosts.index(host) + 1}"
+
+    def _port(self, host: str) -> str:  # the switch's end of the host's link (interface names: 15 bytes)
+        return f"{self.prefix}p{self.hosts.index(host)}"
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        remove_leftovers(self.prefix)
+        self.up = True
+        try:
+            _ip("netns", "add", self.switch)
+            _in(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+            _in(self.switch, "ip", "link", "set", "br0", "up")
+            for host in self.hosts:
+                self._link(host)
+        except BaseException:
+            self.close()
+            raise
+
+    def _link(self, host: str) -> None:
+        ns, port = self.ns(host), self._port(host)
+        _ip("netns", "add", ns)
+        _in(ns, "ip", "link", "set", "lo", "up")
+        _in(ns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch)
+        _in(ns, "ip", "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+        _in(ns, "ip", "link", "set", "eth0", "up")
+        _in(self.switch, "ip", "link", "set", port, "master", "br0")
+        _in(self.switch, "ip", "link", "set", port, "up")
+        self.shape(host, self.rate)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        self.procs.clear()
+        remove_leftovers(self.prefix)
+        self.up = False
+
+    # --- processes and faults -----------------------------------------------------------------------
+
+    def popen(self, host: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *argv], **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def shape(self, host: str, rate: str) -> None:
+        """Both directions of the host's link at ``rate`` (tbf: a token bucket, a 64 KB queue)."""
+        for ns, dev in ((self.ns(host), "eth0"), (self.switch, self._port(host))):
+            _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
+                "latency", "50ms")
+
+    def cut(self, host: str) -> None:
+        """Partition ``host``: its link goes down (both ends: nothing in flight gets through)."""
+        _in(self.switch, "ip", "link", "set", self._port(host), "down")
+
+    def heal(self, host: str) -> None:
+        _in(self.switch, "ip", "link", "set", self._port(host), "up")
+
+    def run(self, host: str, *argv: str) -> subprocess.CompletedProcess:
+        return _in(self.ns(host), *argv)
