@@ -94,8 +94,11 @@ async def sender_child(args, key: bytes) -> None:
         reader = await lines()
         while line := (await reader.readline()).decode().split():
             version = int(line[1])
-            for name, shape in shapes.items():
-                tensors[name].copy_(full_tensor(name, shape, version, 0, "cpu"))
+
+            def fill() -> None:  # (the trainer's step: in a thread, so this process keeps its heartbeats)
+                for name, shape in shapes.items():
+                    tensors[name].copy_(full_tensor(name, shape, version, 0, "cpu"))
+            await asyncio.to_thread(fill)
             try:
                 await (await s.push(version))
                 emit("pushed", version=version, ok=True)
@@ -113,16 +116,48 @@ async def receiver_child(args, key: bytes) -> None:
     case = case_of(args)
     layout = receiver_layout(case, args.rank)
     tensors, shards = allocate(layout, "cpu")
-    opts = ReceiverOptions(auth_key=key, transport_options=TransportOptions(bind_host=args.addr,
+    opts = ReceiverOptions(auth_key=key, transport_options=TransportOptions(bind_host=args.addr, port=DATA_PORT,
                                                                             tcp_user_timeout_s=args.timeout))
 
-    def applied(version: int) -> None:
-        emit("applied", rank=args.rank, version=version, bad=mismatches(case, args.rank, tensors, layout, version, "cpu"))
+    async def applied(version: int) -> None:  # (checked in a thread: the next commit waits for this hook)
+        bad = await asyncio.to_thread(mismatches, case, args.rank, tensors, layout, version, "cpu")
+        emit("applied", rank=args.rank, version=version, bad=bad)
 
     async with WeightReceiver(f"tcp://{args.controller}:{CONTROL_PORT}", tensors, rank=args.rank, shards=shards,
                               options=opts, on_update=applied) as r:
         emit("joined", rank=args.rank, host=r.transport_info.host)
         await (await lines()).read()
+
+
+def broadcast_child(args) -> None:
+    """The baseline: rank 0 (a trainer) broadcasts every full tensor to the inference ranks over gloo,
+    tensor by tensor, as verl and slime do with NCCL; rank 0 reports the median round."""
+    import os
+
+    import torch.distributed as dist
+    from mn_setup import full_tensor, model_shapes
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    dist.init_process_group("gloo", init_method=f"tcp://{args.peer}:{STREAM_PORT + 1}", rank=args.rank, world_size=3)
+    shapes = {p.name: p.shape for p in model_shapes(args.model)}
+    tensors = {n: full_tensor(n, s, 1, 0, "cpu") if args.rank == 0 else torch_empty(s) for n, s in shapes.items()}
+    seconds = []
+    for _ in range(args.rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for t in tensors.values():
+            dist.broadcast(t, src=0)
+        dist.barrier()
+        seconds.append(time.perf_counter() - t0)
+    if args.rank == 0:
+        emit("broadcast", seconds=statistics.median(seconds[1:] or seconds))
+    dist.destroy_process_group()
+
+
+def torch_empty(shape):
+    import torch
+
+    return torch.empty(tuple(shape), dtype=torch.bfloat16)
 
 
 def stream_child(args) -> None:
@@ -148,12 +183,29 @@ def stream_child(args) -> None:
 
 
 def child(args) -> None:
+    import logging
+    import os
+
+    logging.basicConfig(level=os.environ.get("WEIGHTSYNC_LOG", "WARNING"), stream=sys.stderr,
+                        format=f"%(relativeCreated)7.0f {args.role}/{args.rank} %(message)s")
     if args.role.startswith("stream"):
         stream_child(args)
         return
+    if args.role == "broadcast":
+        broadcast_child(args)
+        return
     key = pathlib.Path(args.key_file).read_bytes()
+
+    async def with_dump(coro):  # SIGUSR1: every task's stack on stderr (a stuck child says where it waits)
+        import signal
+
+        def dump() -> None:
+            for task in asyncio.all_tasks():
+                task.print_stack(file=sys.stderr)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+        await coro
     run = {"controller": controller_child, "sender": sender_child, "receiver": receiver_child}[args.role]
-    asyncio.run(run(args, key))
+    asyncio.run(with_dump(run(args, key)))
 
 
 # --- the driver ---------------------------------------------------------------------------------------
@@ -197,11 +249,23 @@ class Fleet:
                 self.backlog.remove(match)
                 got.append(match)
                 continue
-            name, ev = await asyncio.wait_for(self.events.get(), max(0.1, deadline - time.monotonic()))
-            if ev["event"] == "exit" and event != "exit":
-                raise RuntimeError(f"{name} exited ({ev['code']}) while waiting for {event}")
-            self.backlog.append((name, ev))
+            if time.monotonic() > deadline:
+                raise asyncio.TimeoutError(f"no {event} within {timeout}s")
+            await self.pump()
+            exited = next((name for name, ev in self.backlog if ev["event"] == "exit"), None)
+            if exited is not None and event != "exit":
+                raise RuntimeError(f"{exited} exited while waiting for {event}")
         return got
+
+    async def pump(self) -> None:
+        """Move what the children said into the backlog (waiting a tenth of a second at most: several
+        coroutines read the backlog, so none may sit on the queue while another holds what it needs)."""
+        try:
+            self.backlog.append(await asyncio.wait_for(self.events.get(), 0.1))
+        except asyncio.TimeoutError:
+            return
+        while not self.events.empty():
+            self.backlog.append(self.events.get_nowait())
 
     def say(self, name: str, text: str) -> None:
         self.procs[name].stdin.write(text.encode() + b"\n")
@@ -233,6 +297,19 @@ async def stream_rate(cluster, args) -> float:
                           str(args.stream_mb << 20))
         (_, ev), = await fleet.expect("stream")
         return ev["nbytes"] / ev["seconds"]
+    finally:
+        await fleet.close()
+
+
+async def broadcast(cluster, args) -> float:
+    """The baseline's round: t0 broadcasts the full state to i0 and i1 (gloo over the same links)."""
+    fleet = Fleet(cluster, args, "")
+    try:
+        for rank, host in enumerate(("t0", "i0", "i1")):
+            await fleet.start(f"rank/{rank}", host, "broadcast", "--rank", str(rank), "--peer", cluster.address("t0"),
+                              "--rounds", str(args.rounds))
+        (_, ev), = await fleet.expect("broadcast", timeout=600)
+        return ev["seconds"]
     finally:
         await fleet.close()
 
@@ -270,10 +347,12 @@ async def run_case(cluster, args, key_file: str, model: str, fp8: bool, rate: fl
         per_link[f"i{r}"] = per_link.get(f"i{r}", 0) + nbytes
     bound_s = max(per_link.values()) / rate
     engine_s = statistics.median(seconds[1:] or seconds)
+    broadcast_s = await broadcast(cluster, args)
     return {"case": model + (" fp8" if fp8 else ""), "bytes": sum(links.values()), "transfers": plan["transfers"],
             "bound_s": round(bound_s, 4), "predicted_s": round(plan["predicted_s"], 4),
             "engine_s": round(engine_s, 4), "engine_over_bound": round(engine_s / bound_s, 3),
             "engine_over_predicted": round(engine_s / plan["predicted_s"], 3),
+            "broadcast_s": round(broadcast_s, 4), "engine_over_broadcast": round(engine_s / broadcast_s, 3),
             "classes": plan["classes"], "transports": plan["transports"], "hosts": len(plan["hosts"]),
             "bit_exact": not bad, "mismatches": bad}
 
@@ -284,8 +363,33 @@ FAULTS = {  # kind -> (host, who may be blamed for a round it fails; "" is nobod
     "trainer": ("t1", {"sender/1", ""}),
     "inference": ("i1", {"receiver/1", ""}),
     "controller": ("c", {"controller", ""}),
+    "data": ("i1", {"receiver/1", ""}),  # its data port cut, the control plane up
     "slow": ("i0", {""}),  # the link's rate collapses for less than the timeout: no round may fail
+    "flap": ("t0", {"sender/0", ""}),  # down and up, a few times, each shorter than the timeout
 }
+
+
+async def fault(cluster, kind: str, host: str, hold: float, rate: str, rng) -> None:
+    """Apply one fault to ``host`` for ``hold`` seconds, then heal it (the durations are the experiment)."""
+    if kind == "slow":
+        cluster.shape(host, "1mbit")
+        await asyncio.sleep(hold)
+        cluster.shape(host, rate)
+    elif kind == "data":
+        cluster.drop_port(host, DATA_PORT)
+        await asyncio.sleep(hold)
+        cluster.undrop(host)
+    elif kind == "flap":
+        end = time.monotonic() + hold
+        while time.monotonic() < end:
+            cluster.cut(host)
+            await asyncio.sleep(rng.uniform(0.05, 0.3))
+            cluster.heal(host)
+            await asyncio.sleep(rng.uniform(0.05, 0.3))
+    else:
+        cluster.cut(host)
+        await asyncio.sleep(hold)
+        cluster.heal(host)
 
 
 class Pusher:
@@ -327,11 +431,7 @@ class Pusher:
         while any(max(v, default=0) <= version for v in self.applied.values()):
             if time.monotonic() > deadline:
                 raise asyncio.TimeoutError
-            try:
-                name, ev = await asyncio.wait_for(self.fleet.events.get(), max(0.05, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                continue
-            self.fleet.backlog.append((name, ev))
+            await self.fleet.pump()
             self.collect()
 
     async def stop(self) -> None:
@@ -365,9 +465,7 @@ async def partition_trials(cluster, args, key_file: str) -> dict:
             hold = args.timeout * (rng.uniform(0.2, 0.8) if kind == "slow" else rng.uniform(0.2, 3.0))
             await asyncio.sleep(rng.uniform(0.0, 0.3))  # a random moment of the rounds (not synchronisation)
             start = time.monotonic()
-            cluster.shape(host, "1mbit") if kind == "slow" else cluster.cut(host)
-            await asyncio.sleep(hold)  # how long the fault lasts is the experiment
-            cluster.shape(host, args.rate) if kind == "slow" else cluster.heal(host)
+            await fault(cluster, kind, host, hold, args.rate, rng)
             healed, at_heal = time.monotonic(), pusher.version
             limit = 2 * args.timeout + args.round_allowance
             try:
@@ -464,7 +562,8 @@ def main() -> int:
     else:
         for row in result["rows"]:
             print(f"{row['case']:>18}: bound {row['bound_s']:.3f} s, predicted {row['predicted_s']:.3f} s, engine "
-                  f"{row['engine_s']:.3f} s ({row['engine_over_bound']}x the bound), bit-exact {row['bit_exact']}")
+                  f"{row['engine_s']:.3f} s ({row['engine_over_bound']}x the bound), broadcast {row['broadcast_s']:.3f} s, "
+                  f"bit-exact {row['bit_exact']}")
     if args.partition:
         return 0 if not (result["half_applied"] or result["rollbacks"] or result["wrong_blame"]) \
             and result["resumed_in_time"] == result["trials"] else 1

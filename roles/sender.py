@@ -105,6 +105,7 @@ class WeightSender(Worker):
         self.plan_id: Optional[int] = None
         self.conns: dict[int, Connection] = {}
         self._conn_keys: dict[int, tuple[str, bytes]] = {}  # receiver -> (address, pair key) of its connection
+        self._keys: dict[int, bytes] = {}  # receiver -> the current plan's pair key
         self._handles: dict[int, PushHandle] = {}
         self._round: Optional[asyncio.Task] = None
         self._plan_task: Optional[asyncio.Task] = None  # connecting and preparing a plan, off the receive loop
@@ -208,12 +209,13 @@ class WeightSender(Worker):
         self.plan_error = None
         self.table = env.body.sender
         self.plan_id = env.body.plan_id
+        self._keys = {k.rank: k.key for k in env.body.keys}
         self._plan_task = asyncio.ensure_future(self._take_plan(env.body))
 
     async def _take_plan(self, body: m.Plan) -> None:
         ack = m.PlanAck(body.plan_id, True, "")
         try:
-            await self._connect_peers(self.table.peers, {k.rank: k.key for k in body.keys})
+            await self._connect_peers(self.table.peers, self._keys)
             await asyncio.to_thread(self.sources.prepare, self.table.transfers)
         except WeightSyncError as exc:
             log.warning("%s: cannot take plan %d: %s", self.name, body.plan_id, exc)
@@ -276,11 +278,13 @@ class WeightSender(Worker):
         self.timeline.mark(version, "pipeline:start")
         self._spin(False)  # from here the pipeline's completion polling keeps the loop awake
         try:
+            await self._connect_peers(self.table.peers, self._keys)  # (a connection a failure closed: made again)
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
                                              on_sealed=announce)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported, never left hanging; after writes_done if it went out already
+            await self._forget_broken(exc)
             await asyncio.gather(*announced, return_exceptions=True)
             await self._fail_round(version, handle, exc, _error_code(exc))
             if not isinstance(exc, (TransportError, StagingError, WeightSyncError)):
@@ -290,6 +294,18 @@ class WeightSender(Worker):
         if not handle.released.done():
             handle.released.set_result(report)
         await asyncio.gather(*announced)
+
+    async def _forget_broken(self, exc: Exception) -> None:
+        """A data connection that failed (a partitioned or restarted peer) is closed and forgotten: the
+        next round connects to that receiver again (``_connect_peers``, with its timeout)."""
+        peer = getattr(exc, "peer", None) if isinstance(exc, TransportError) else None
+        role, _, rank = (peer or "").partition("/")
+        if role == "receiver" and rank.isdigit() and int(rank) in self.conns:
+            log.warning("%s: data connection to %s failed (%s); it is made again for the next round",
+                        self.name, peer, exc)
+            conn = self.conns.pop(int(rank))
+            self._conn_keys.pop(int(rank), None)
+            await conn.close()
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
         """Report a local failure; the handle fails with the controller's verdict (its ``abort``, whose

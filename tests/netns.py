@@ -6,8 +6,8 @@ loopback up and one veth pair to a bridge that lives in a switch namespace of it
 (198.18.0.0/15 is reserved for benchmarking). Each link is shaped in both directions with a ``tbf``
 qdisc at ``rate`` (default 1 Gbit/s). ``popen(host, argv)`` runs a process inside a host's namespace
 (``ip netns exec``); ``cut(host)`` takes its link down (a partition: the host reaches nobody),
-``heal(host)`` brings it back, ``shape(host, rate)`` changes its rate, ``cut_ports(host, ports)`` drops
-only the TCP ports given (nftables, when present: the data plane cut with the control plane up).
+``heal(host)`` brings it back, ``shape(host, rate)`` changes its rate, ``drop_port(host, port)`` drops
+one TCP port's traffic (htb and a u32 filter: the data plane cut with the control plane up).
 ``close`` kills the processes it started and deletes every namespace it made; so does a later
 ``Cluster`` with the same prefix for leftovers of one that crashed (nothing else is touched).
 ``available()`` says why namespaces cannot be made here (not root, no iproute2), for tests to skip.
@@ -137,6 +137,22 @@ class Cluster:
 
     def heal(self, host: str) -> None:
         _in(self.switch, "ip", "link", "set", self._port(host), "up")
+
+    def drop_port(self, host: str, port: int) -> None:
+        """Starve TCP ``port`` of ``host`` both ways (8 bit/s: its data plane cut), the rest of its link
+        up at ``rate``: an htb whose default class keeps the rate and a u32 filter sends the port's
+        packets (from it on the host's side, to it on the switch's) to a class of 8 bit/s. (This
+        kernel has no tc actions and no nftables: classification is what there is.)"""
+        for ns, dev, match in ((self.ns(host), "eth0", "sport"), (self.switch, self._port(host), "dport")):
+            _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", self.rate)
+            _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "8bit",
+                "ceil", "8bit")
+            _in(ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", match, str(port), "0xffff", "flowid", "1:20")
+
+    def undrop(self, host: str) -> None:
+        self.shape(host, self.rate)
 
     def run(self, host: str, *argv: str) -> subprocess.CompletedProcess:
         return _in(self.ns(host), *argv)

@@ -205,6 +205,7 @@ class TcpConnection:
         self._seq = 0
         self._acks: dict[int, asyncio.Future] = {}
         self._closed = False
+        self._write_waiter: Optional[asyncio.Future] = None  # the writer waiting for room in the socket, if any
         self._reader = asyncio.ensure_future(self._read_acks())
 
     def __repr__(self) -> str:
@@ -322,13 +323,14 @@ class TcpConnection:
             await self._writable()
 
     async def _writable(self) -> None:
-        fut = self.loop.create_future()
+        fut = self._write_waiter = self.loop.create_future()  # (failed by ``_fail``: a close wakes the writer)
         fd = self.sock.fileno()
         self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
         try:
             await fut
         finally:
             self.loop.remove_writer(fd)
+            self._write_waiter = None
 
     async def _read_acks(self) -> None:
         buf = bytearray()
@@ -355,6 +357,9 @@ class TcpConnection:
 
     def _fail(self, exc: TransportError) -> None:
         self._closed = True
+        waiter = self._write_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)  # a frame waiting for room in a dead socket ends now, not never
         for fut in self._acks.values():
             if not fut.done():
                 fut.set_exception(exc)
