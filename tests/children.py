@@ -13,6 +13,19 @@ CTX = mp.get_context("spawn")
 WATCHDOG = 60.0
 
 
+async def bench_json(script: str, *argv: str, timeout: float = 280.0) -> tuple[int, dict]:
+    """Run ``bench/<script> ... --json`` as a process; its exit status and the JSON of its last line."""
+    import json
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / script
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(path), *argv, "--json",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, json.loads(out.decode().strip().splitlines()[-1])
+
+
 def free_port() -> int:
     """A loopback port that was free a moment ago (for a child's own listener or rendezvous)."""
     with socket.socket() as s:

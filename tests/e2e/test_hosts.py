@@ -3,26 +3,19 @@ inference hosts, network namespaces on 1 Gbit/s shaped links, TCP with auth on. 
 
 from __future__ import annotations
 
-import asyncio
-import json
-import pathlib
 import subprocess
-import sys
 
 import pytest
 
 import netns
+from children import bench_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns.available() is not None,
                                                    reason=str(netns.available()))]
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 async def cluster(*argv: str) -> tuple[int, dict]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(ROOT / "bench" / "cluster.py"), *argv, "--json",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    out, _ = await asyncio.wait_for(proc.communicate(), 280)
-    return proc.returncode, json.loads(out.decode().strip().splitlines()[-1])
+    return await bench_json("cluster.py", *argv)
 
 
 def leftovers() -> list[str]:
