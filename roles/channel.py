@@ -36,6 +36,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from weightsync.engine.logs import Repeats
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
+from weightsync.engine.aio import Waiters
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.transport import is_loopback
 from weightsync.wire.auth import MIN_KEY_BYTES, ReplayGuard, sign, verify
@@ -123,7 +124,7 @@ class ControlChannel:
         self._authenticator = None
         self._monitor: Optional[asyncio.Task] = None
         self._monitor_sock: Optional[zmq.asyncio.Socket] = None
-        self._refusal_waiters: list[tuple[int, asyncio.Future]] = []
+        self._refusal_waiters = Waiters()
 
     def __repr__(self) -> str:
         kind = "ROUTER" if self.router else "DEALER"
@@ -164,9 +165,7 @@ class ControlChannel:
             except zmq.ZMQError:  # (the monitor closed)
                 return
             self.refused += 1
-            for n, fut in self._refusal_waiters:
-                if self.refused >= n and not fut.done():
-                    fut.set_result(None)
+            self._refusal_waiters.wake()
             where = event.get("endpoint", b"?")
             where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
             self.refusals.log(("handshake", where),
@@ -175,14 +174,7 @@ class ControlChannel:
 
     async def wait_refused(self, count: int) -> None:
         """Until ``count`` connections have been refused at the handshake (binding side, with a key)."""
-        if self.refused >= count:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._refusal_waiters.append((count, fut))
-        try:
-            await fut
-        finally:
-            self._refusal_waiters.remove((count, fut))
+        await self._refusal_waiters.wait(lambda: self.refused >= count)
 
     async def send(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
                    parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> int:

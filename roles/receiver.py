@@ -212,9 +212,9 @@ class WeightReceiver(Worker):
 
     async def _on_begin(self, env: Envelope) -> None:
         self.prepared = None  # (a new round: the landing slot is written again)
-        self._pending = env.body.version
-        self.transport.close_epoch(self._pending - 1)  # every older round is over, begun here or not (a round
-        #                                                aborted before its begin reached us left no abort)  # writes may have started already: they count under this epoch
+        self._pending = env.body.version  # writes may have started already: they count under this epoch
+        # every older round is over, begun here or not (one aborted before its begin reached us sent no abort)
+        self.transport.close_epoch(self._pending - 1)
         self._algo = env.body.checksum
         self._spin(True)
         if self.mode == "inplace":  # serving may take a while to pause: wait off the receive loop, which

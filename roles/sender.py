@@ -278,7 +278,8 @@ class WeightSender(Worker):
         self.timeline.mark(version, "pipeline:start")
         self._spin(False)  # from here the pipeline's completion polling keeps the loop awake
         try:
-            await self._connect_peers(self.table.peers, self._keys)  # (a connection a failure closed: made again)
+            if len(self.conns) < len(self.table.peers):  # a connection a failure closed: made again
+                await self._connect_peers(self.table.peers, self._keys)
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
                                              on_sealed=announce)
         except asyncio.CancelledError:

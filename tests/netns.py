@@ -59,7 +59,6 @@ class Cluster:
         self.prefix = prefix
         self.switch = f"{prefix}-sw"
         self.procs: list[subprocess.Popen] = []
-        self.up = False
 
     def __repr__(self) -> str:
         return f"<Cluster {self.prefix} hosts={self.hosts} rate={self.rate} procs={len(self.procs)}>"
@@ -86,7 +85,6 @@ class Cluster:
 
     def start(self) -> None:
         remove_leftovers(self.prefix)
-        self.up = True
         try:
             _ip("netns", "add", self.switch)
             _in(self.switch, "ip", "link", "add", "br0", "type", "bridge")
@@ -116,7 +114,6 @@ class Cluster:
             proc.wait()
         self.procs.clear()
         remove_leftovers(self.prefix)
-        self.up = False
 
     # --- processes and faults -----------------------------------------------------------------------
 
