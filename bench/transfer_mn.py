@@ -154,8 +154,10 @@ async def engine(case: Case, link) -> dict:
 
             async def rounds():
                 first = [await ctl.wait_round(1)]
-                joined = participants(p.hello for p in ctl.peers.values())  # all still joined
-                return first + [await ctl.wait_round(v) for v in range(2, case.rounds + 1)], joined, ctl.plan
+                # read while all are still joined: once the last round commits, members leave and the
+                # controller drops the plan they made
+                joined, routing = participants(p.hello for p in ctl.peers.values()), ctl.plan
+                return first + [await ctl.wait_round(v) for v in range(2, case.rounds + 1)], joined, routing
             reports, (senders, receivers), routing = await procs.guard(rounds(), watch)
             done = await watch
             timeline = _timeline(ctl, done, case)
