@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
 import pathlib
@@ -201,7 +202,7 @@ async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limi
             senders = {s.rank: (s.session.state.value, sorted(s._handles), sorted(s._in_doubt))
                        for s in fleet.senders.values()}
             note(tally, "stalls", f"v{version}: {handle!r} not ended after {limit}s; controller {fleet.ctl!r}; "
-                                  f"senders (state, pending, in doubt): {senders}")
+                                  f"senders (state, pending, in doubt): {senders}; {_inside(fleet)}")
         except RoundAborted as exc:
             tally["errors"]["RoundAborted"] = tally["errors"].get("RoundAborted", 0) + 1
             if exc.culprit and exc.culprit not in changed:
@@ -256,6 +257,28 @@ async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
         note(tally, "false_commits", f"v{version} recorded committed; receivers serve {[r.version for r in fleet.receivers.values()]}")
 
 
+def _inside(fleet: Fleet) -> str:
+    """For a stall: the controller's tasks, each pending push's sessions and age, the plan's sender
+    sessions, each sender's session, and the last log records."""
+    ctl, now = fleet.ctl, time.monotonic()
+    tasks = [("done: " + repr(t.exception()) if not t.cancelled() and t.exception() else "done") if t.done()
+             else "running" for t in ctl._tasks]
+    book = ctl.rounds.pushes
+    pending = {v: (sorted(i.hex()[:8] for i in ids), round(now - book.since.get(v, now), 1)) for v, ids in book.pushes.items()}
+    planned = sorted(i.hex()[:8] for i in ctl.planning.sender_sessions())
+    ours = {s.rank: _identity(s).hex()[:8] for s in fleet.senders.values()}
+    return (f"controller tasks {tasks}; pushes (sessions, age s) {pending}; planned sender sessions {planned}; "
+            f"sender sessions {ours}; round task {ctl.rounds.task!r}; last log: {list(RECENT)}")
+
+
+class _Recent(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        RECENT.append(f"{record.created:.2f} {record.levelname} {record.getMessage()[:300]}")
+
+
+RECENT: "collections.deque[str]" = collections.deque(maxlen=40)
+
+
 def _identity(worker) -> bytes:
     return worker._channel.sock.getsockopt(zmq.ROUTING_ID) if worker._channel is not None else b""
 
@@ -292,6 +315,11 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.INFO if args.verbose else logging.ERROR)
+    recent = _Recent(logging.INFO)  # (the last records, for a stall's note)
+    logging.getLogger("weightsync").addHandler(recent)
+    logging.getLogger("weightsync").setLevel(logging.INFO)
     tally = asyncio.run(run(args))
     line = json.dumps(tally)
     if args.out:

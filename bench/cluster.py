@@ -528,7 +528,7 @@ def main() -> int:
     ap.add_argument("--cases", default="small-dense,small-moe,small-dense fp8",
                     help="comma-separated models, each optionally followed by ' fp8' (FP8 receivers)")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--rate", default="1gbit", help="each host link's rate (tc tbf)")
+    ap.add_argument("--rate", default="1gbit", help="each host link's rate (tc htb; control first)")
     ap.add_argument("--heartbeat", type=float, default=0.2)
     ap.add_argument("--timeout", type=float, default=2.0)
     ap.add_argument("--stream-mb", type=int, default=96)

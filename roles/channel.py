@@ -12,7 +12,9 @@ complete the handshake (it does not know the server's public key, and the ZAP ha
 the derived client key), so it can neither send a message (a replay from a new connection included)
 nor receive one (a hijacked routing id included), and a passive observer sees only ciphertext (the
 plans' data-plane keys included). Refused handshakes are counted (``refused``) and logged once per
-address and window (``engine.logs.Repeats``). On top, every message is signed and verified
+address and window (``engine.logs.Repeats``). Every control packet carries DSCP ``dscp`` (default CS6,
+network control), so a link that schedules by class keeps heartbeats and verdicts ahead of a data
+plane that fills it (a TCP data plane shares the link unmarked). On top, every message is signed and verified
 (``weightsync.wire.auth``) and each peer's message ids must increase: an unauthenticated or replayed
 message raises ``Unauthenticated`` / ``Replayed`` and is never handed to the owner's handlers. Every
 socket is created with linger 0 and closed by ``close``.
@@ -51,6 +53,15 @@ _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PRO
 
 def random_identity(prefix: str) -> bytes:
     return f"{prefix}/{os.getpid()}/{secrets.token_hex(4)}".encode()
+
+
+CONTROL_DSCP = 48  # CS6, "network control": a network that schedules by DSCP sends heartbeats first
+
+
+def check_dscp(field: str, dscp: int) -> None:
+    """A DSCP is an int in 0..63 (0 leaves packets unmarked)."""
+    if not isinstance(dscp, int) or isinstance(dscp, bool) or not 0 <= dscp <= 63:
+        raise ConfigError(field, f"a DSCP is an int in 0..63, got {dscp!r}")
 
 
 def check_auth_key(key: Optional[bytes]) -> None:
@@ -102,10 +113,13 @@ class _AllowDerivedClient:
 
 class ControlChannel:
     def __init__(self, kind: int, name: str, *, limits: Limits = DEFAULT_LIMITS,
-                 identity: Optional[bytes] = None, auth_key: Optional[bytes] = None) -> None:
+                 identity: Optional[bytes] = None, auth_key: Optional[bytes] = None,
+                 dscp: int = CONTROL_DSCP) -> None:
+        check_dscp("dscp", dscp)
         self.ctx = zmq.asyncio.Context()  # one per channel: closing the channel terminates it
         self.sock = self.ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.TOS, dscp << 2)  # (the DS field's upper six bits; set before bind/connect)
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + 4096)
         if identity is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, identity)

@@ -31,7 +31,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
-from .channel import ControlChannel, check_auth_key, check_exposure
+from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure
 from .limits import PeerLimits, RateLimiter
 from .membership import Membership, Peer
 from .planning import Planning
@@ -58,9 +58,11 @@ class ControllerOptions:
     mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
     one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
     spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
+    control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
+        check_dscp("control_dscp", self.control_dscp)
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
 
 
@@ -126,7 +128,7 @@ class Controller(AsyncResource):
 
     async def start(self) -> None:
         self._chan = ControlChannel(zmq.ROUTER, "controller", limits=self.options.limits,
-                                    auth_key=self.options.auth_key)
+                                    auth_key=self.options.auth_key, dscp=self.options.control_dscp)
         self._chan.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             self.address = self._chan.bind(self.bind_addr)

@@ -37,7 +37,7 @@ from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, 
 from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
-from .channel import ControlChannel, check_auth_key, check_exposure, random_identity
+from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, random_identity
 from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
@@ -57,9 +57,11 @@ class WorkerOptions:
     rank_wait_s: float = 30.0  # a join refused for a duplicate rank is tried again this long (a restarted
     #                            process waits for the controller to time out its previous session)
     spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
+    control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
+        check_dscp("control_dscp", self.control_dscp)
         check_exposure("transport_options.bind_host", self.transport_options.bind_host, self.auth_key)
 
 
@@ -154,7 +156,8 @@ class Worker(AsyncResource):
                 self._channel.close()
             self.session = Session(self.role, Origin.WORKER)
             self._channel = ControlChannel(zmq.DEALER, self.name, limits=self.options.limits,
-                                           identity=random_identity(self.name), auth_key=self.options.auth_key)
+                                           identity=random_identity(self.name), auth_key=self.options.auth_key,
+                                           dscp=self.options.control_dscp)
             self._channel.connect(self.controller_addr)
             try:
                 await self._join(self._hello_manifest, max(0.01, min(attempt_s, deadline - time.monotonic())))

@@ -3,8 +3,8 @@
 How this works: ``Cluster(hosts)`` makes, for each host, a network namespace ``<prefix>-<host>`` with
 loopback up and one veth pair to a bridge that lives in a switch namespace of its own
 (``<prefix>-sw``), so nothing of the machine's own network is touched. Host i gets 198.18.0.(i+1)/24
-(198.18.0.0/15 is reserved for benchmarking). Each link is shaped in both directions with a ``tbf``
-qdisc at ``rate`` (default 1 Gbit/s). ``popen(host, argv)`` runs a process inside a host's namespace
+(198.18.0.0/15 is reserved for benchmarking). Each link is shaped in both directions with an ``htb``
+at ``rate`` (default 1 Gbit/s) whose first class carries the control plane (DSCP CS6) ahead of the rest. ``popen(host, argv)`` runs a process inside a host's namespace
 (``ip netns exec``); ``cut(host)`` takes its link down (a partition: the host reaches nobody),
 ``heal(host)`` brings it back, ``shape(host, rate)`` changes its rate, ``drop_port(host, port)`` drops
 one TCP port's traffic (htb and a u32 filter: the data plane cut with the control plane up).
@@ -40,6 +40,49 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def _in(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *args], check=check, capture_output=True, text=True)
+
+
+CONTROL_TOS = 0xC0  # DSCP CS6 in the TOS byte (weightsync.roles.channel.CONTROL_DSCP)
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def bits_per_s(rate: str) -> int:
+    """``"1gbit"`` -> 10**9 (tc's units, decimal)."""
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if rate.endswith(unit) and rate[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(rate[: -len(unit)]) * _UNITS[unit])
+    raise ValueError(f"rate {rate!r}: a number and one of {sorted(_UNITS)}")
+
+
+def _link(ns: str, dev: str, rate: str) -> None:
+    """``dev``'s egress at ``rate``: htb 1:1 at the rate; 1:10 (control, by TOS) first, 1:20 the rest
+    with a 50 ms queue. Both may take the whole rate when the other is idle."""
+    bits = bits_per_s(rate)
+    control, rest = max(8, bits // 10), max(8, bits - bits // 10)
+    queue = max(64 * 1024, bits // 8 // 20)  # bytes: 50 ms at the rate, 64 KiB at least
+    _in(ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+    _in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
+    _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate)
+    _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", f"{control}bit",
+        "ceil", rate, "prio", "0")
+    _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", f"{rest}bit",
+        "ceil", rate, "prio", "1")
+    _in(ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", str(queue))
+    _in(ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+        "match", "ip", "tos", hex(CONTROL_TOS), "0xfc", "flowid", "1:10")
+
+
+def class_bytes(ns: str, dev: str) -> dict[str, int]:
+    """Bytes sent per htb class of ``dev`` (``"1:10"`` -> n)."""
+    out = _in(ns, "tc", "-s", "class", "show", "dev", dev).stdout.split("\n")
+    sent, current = {}, None
+    for line in out:
+        words = line.split()
+        if words[:2] == ["class", "htb"]:
+            current = words[2]
+        elif words[:1] == ["Sent"] and current is not None:
+            sent[current] = int(words[1])
+    return sent
 
 
 def remove_leftovers(prefix: str = PREFIX) -> list[str]:
@@ -123,10 +166,11 @@ class Cluster:
         return proc
 
     def shape(self, host: str, rate: str) -> None:
-        """Both directions of the host's link at ``rate`` (tbf: a token bucket, a 64 KB queue)."""
+        """Both directions of the host's link at ``rate``: an htb whose high-priority class takes the
+        control plane's packets (DSCP CS6, as weightsync marks them) and whose default class, with a
+        queue of 50 ms at the rate, takes the rest. A network that schedules by class does the same."""
         for ns, dev in ((self.ns(host), "eth0"), (self.switch, self._port(host))):
-            _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
-                "latency", "50ms")
+            _link(ns, dev, rate)
 
     def cut(self, host: str) -> None:
         """Partition ``host``: its link goes down (both ends: nothing in flight gets through)."""
@@ -137,16 +181,15 @@ class Cluster:
 
     def drop_port(self, host: str, port: int) -> None:
         """Starve TCP ``port`` of ``host`` both ways (8 bit/s: its data plane cut), the rest of its link
-        up at ``rate``: an htb whose default class keeps the rate and a u32 filter sends the port's
-        packets (from it on the host's side, to it on the switch's) to a class of 8 bit/s. (This
-        kernel has no tc actions and no nftables: classification is what there is.)"""
+        as ``shape`` makes it: a u32 filter sends the port's packets (from it on the host's side, to it
+        on the switch's) to a class of 8 bit/s. (This kernel has no tc actions and no nftables:
+        classification is what there is.)"""
         for ns, dev, match in ((self.ns(host), "eth0", "sport"), (self.switch, self._port(host), "dport")):
-            _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
-            _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", self.rate)
-            _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "8bit",
+            _link(ns, dev, self.rate)
+            _in(ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:30", "htb", "rate", "8bit",
                 "ceil", "8bit")
-            _in(ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                "match", "ip", match, str(port), "0xffff", "flowid", "1:20")
+            _in(ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2", "u32",
+                "match", "ip", match, str(port), "0xffff", "flowid", "1:30")
 
     def undrop(self, host: str) -> None:
         self.shape(host, self.rate)

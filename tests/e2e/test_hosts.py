@@ -41,3 +41,46 @@ async def test_an_inference_host_cut_off_and_healed():
     assert (result["half_applied"], result["rollbacks"], result["wrong_blame"]) == (0, 0, 0), result["problems"]
     assert result["resumed_in_time"] == 1 and code == 0, result
     assert leftovers() == []
+
+
+PING = """
+import asyncio, sys, zmq
+from weightsync.roles.channel import ControlChannel
+async def main(kind, addr, dscp):
+    chan = ControlChannel(zmq.ROUTER if kind == "bind" else zmq.DEALER, kind, dscp=int(dscp))
+    if kind == "bind":
+        chan.bind(addr)
+        for _ in range(20):
+            ident, body = await chan.sock.recv_multipart()
+        await chan.sock.send_multipart([ident, b"done"])
+    else:
+        chan.connect(addr)
+        for _ in range(20):
+            await chan.sock.send(b"x" * 512)
+        await chan.sock.recv()
+    chan.close()
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dscp", [48, 0])
+def test_control_packets_take_the_links_first_class_only_when_marked(dscp):
+    """The fixture schedules DSCP CS6 first (``tests/netns.py``); the control channel marks its packets
+    with ``control_dscp``: 20 messages from b to a go through the class they are marked for."""
+    import sys
+
+    code = PING
+    with netns.Cluster(["a", "b"], prefix="wsq") as cluster:
+        before = netns.class_bytes(cluster.switch, cluster._port("a"))
+        addr = f"tcp://{cluster.address('a')}:5599"
+        server = cluster.popen("a", [sys.executable, "-c", code, "bind", addr, str(dscp)])
+        client = cluster.popen("b", [sys.executable, "-c", code, "connect", addr, str(dscp)])
+        assert server.wait(60) == 0 and client.wait(60) == 0
+        after = netns.class_bytes(cluster.switch, cluster._port("a"))
+    control = after["1:10"] - before.get("1:10", 0)
+    rest = after["1:20"] - before.get("1:20", 0)
+    if dscp:
+        assert control > 20 * 512 and rest < 20 * 512, (before, after)
+    else:
+        assert control < 512 and rest > 20 * 512, (before, after)  # (the kernel's own ICMP/IGMP is CS6 too)

@@ -406,3 +406,23 @@ def test_pushbook_names_pushes_that_can_never_start():
     assert book.complete({b"a", b"b"}) == 6
     book.forget_session(b"b")  # sender/1 left: its push goes with it
     assert book.pushes[6] == {b"a"}
+
+
+def test_control_packets_are_marked_with_the_configured_dscp():
+    """Every control socket marks its packets (CS6 unless configured; ``tests/e2e/test_hosts.py`` checks
+    a link schedules them first); a DSCP outside 0..63 is refused naming the field."""
+    import zmq
+
+    from weightsync.engine.errors import ConfigError
+    from weightsync.roles.channel import CONTROL_DSCP, ControlChannel
+    from weightsync.roles.worker import WorkerOptions
+
+    for dscp in (CONTROL_DSCP, 0, 46):
+        chan = ControlChannel(zmq.DEALER, "x", dscp=dscp)
+        try:
+            assert chan.sock.getsockopt(zmq.TOS) == dscp << 2
+        finally:
+            chan.close()
+    for options, bad in ((ControllerOptions, 64), (WorkerOptions, -1), (SenderOptions, True)):
+        with pytest.raises(ConfigError, match="control_dscp"):
+            options(control_dscp=bad)
