@@ -59,6 +59,10 @@ async def _until_signalled(stop: asyncio.Event) -> None:
 # --- controller -------------------------------------------------------------------------------------
 
 
+def _dscp(args: argparse.Namespace) -> dict:
+    return {} if args.control_dscp is None else {"control_dscp": args.control_dscp}
+
+
 def _controller(args: argparse.Namespace) -> int:
     from weightsync.engine.plan import LinkModel
 
@@ -67,7 +71,7 @@ def _controller(args: argparse.Namespace) -> int:
     options = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
                                 round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
                                 link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8), mapping=args.mapping,
-                                control_dscp=args.control_dscp)
+                                **_dscp(args))
     from .progress import RoundProgress
 
     progress = RoundProgress(total=0, enabled=sys.stderr.isatty())  # a live bar in a terminal, quiet otherwise
@@ -150,7 +154,7 @@ def _daemon(args: argparse.Namespace) -> int:
     key = _auth_key(args)
     hook = load_hook(args.hook) if args.hook else None
     uccl_tcp = os.environ.get("UCCL_P2P_TRANSPORT") == "tcp"
-    receiver = ReceiverOptions(transport=args.transport, mode=args.mode, auth_key=key, control_dscp=args.control_dscp,
+    receiver = ReceiverOptions(transport=args.transport, mode=args.mode, auth_key=key, **_dscp(args),
                                transport_options=TransportOptions(bind_host=args.bind_host, port=args.data_port,
                                                                   advertise_host=args.advertise_host,
                                                                   host_id=args.host_id, uccl_tcp=uccl_tcp))
@@ -286,9 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary as the last line")
     demo.set_defaults(func=_demo)
 
-    from .channel import CONTROL_DSCP
-
-    dscp_help = f"DSCP of control-plane packets (default {CONTROL_DSCP}, CS6; 0: unmarked)"
+    dscp_help = "DSCP of control-plane packets (default: roles.channel.CONTROL_DSCP, CS6; 0: unmarked)"
     auth = argparse.ArgumentParser(add_help=False)
     auth.add_argument("--auth-key-file", help="shared HMAC key (>= 16 bytes); default $WEIGHTSYNC_AUTH_KEY_FILE")
 
@@ -299,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--checksum", default="", choices=["", "crc32", "sum64"])
     ctl.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     ctl.add_argument("--timeout", type=float, default=5.0, help="seconds of silence before a peer is lost")
-    ctl.add_argument("--control-dscp", type=int, default=CONTROL_DSCP, help=dscp_help)
+    ctl.add_argument("--control-dscp", type=int, default=None, help=dscp_help)
     ctl.add_argument("--round-timeout", type=float, default=None, help="abort a round stage after this long")
     ctl.add_argument("--nic-gbit", type=float, default=400.0, help="NIC speed per GPU for the planner")
     ctl.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
@@ -332,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     dmn.add_argument("--host-id", default=None,
                      help="network locality: processes of one id may share host-local transports (default: "
                           "hostname, boot and network namespace)")
-    dmn.add_argument("--control-dscp", type=int, default=CONTROL_DSCP, help=dscp_help)
+    dmn.add_argument("--control-dscp", type=int, default=None, help=dscp_help)
     dmn.add_argument("--command-bind", default="tcp://127.0.0.1:5560")
     dmn.set_defaults(func=_daemon)
 
