@@ -97,6 +97,7 @@ class WeightReceiver(Worker):
         self._begin_task: Optional[asyncio.Task] = None  # an in-place begin waiting for before_update
         self.rounds_committed = 0
         self.rounds_aborted = 0
+        self.last_abort: Optional[RoundAborted] = None  # the newest round aborted here
         self.rounds_one_phase = 0  # of the committed rounds, those fenced and committed in one exchange
         self._pending: Optional[int] = None
         self.prepared: Optional[int] = None  # a version verified at its fence whose commit has not come yet
@@ -164,7 +165,17 @@ class WeightReceiver(Worker):
 
     async def wait_for(self, version: int) -> int:
         """Wait until a version >= ``version`` is committed; returns the current version."""
+        return await self._wait(version, strict=False)
+
+    async def wait_committed(self, version: int) -> int:
+        """Like ``wait_for``, for a caller waiting on one version's outcome: a round for ``version`` (or a
+        newer one) that aborts here raises its ``RoundAborted`` instead of waiting for a later version."""
+        return await self._wait(version, strict=True)
+
+    async def _wait(self, version: int, strict: bool) -> int:
         while self.version is None or self.version < version:
+            if strict and self.last_abort is not None and self.last_abort.version >= version:
+                raise self.last_abort
             if self.lost is not None:
                 raise self.lost
             if self.plan_error is not None:
@@ -341,7 +352,8 @@ class WeightReceiver(Worker):
         self._pending = None
         self._spin(False)
         self.rounds_aborted += 1
-        aborted = RoundAborted(body.version, body.reason, body.text, body.culprit)
+        aborted = self.last_abort = RoundAborted(body.version, body.reason, body.text, body.culprit)
+        self._version_changed.set()  # (wait_committed raises it)
         log.warning("%s: %s", self.name, aborted)
         if self.mode == "inplace":
             await call_hook(self.after_update, body.version, False)

@@ -200,6 +200,103 @@ class _Joined:
         self.gate.after_update(version, ok)  # an abort keeps it closed: parameters are half written
 
 
+def join(model: torch.nn.Module, vllm_config: Any, worker_rank: int, controller: str, *, rank: Optional[int] = None,
+         rank_offset: int = 0, mapping: Optional[str] = None, transport: str = "tcp",
+         auth_key: Optional[bytes] = None, updates: str = "auto", join_timeout_s: float = 120.0,
+         name: str = "worker") -> _Joined:
+    """Make this vLLM worker's ``model`` an in-place receiver of its own shard and join ``controller``
+    (the worker extension's ``weightsync_join`` and the ``weightsync`` backend's init share it)."""
+    if updates not in UPDATES:
+        raise ConfigError("updates", f"must be one of {UPDATES}, got {updates!r}")
+    model_config = vllm_config.model_config
+    if not model_config.enforce_eager:
+        raise ConfigError("enforce_eager", "weightsync's vLLM receiver needs LLM(..., enforce_eager=True): "
+                                           "joining moves the parameters, which captured graphs would not see")
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    world = get_tensor_model_parallel_world_size()
+    tp = TensorParallel(get_tensor_model_parallel_rank(), world) if world > 1 else None
+    ep = expert_parallel(vllm_config.parallel_config, tp)
+    hf_config = model_config.hf_config
+    mapping = mapping or (hf_config.model_type if hf_config.model_type in MAPPINGS else "identity")
+    dtype = dtype_name(model_config.dtype)
+    layout = receiver_layout(hf_sources(hf_config, dtype), mapping, tp=tp, ep=ep)
+    binding = bind(model, layout, bool(getattr(hf_config, "tie_word_embeddings", False)))
+    updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
+    gate = GenerationGate(windows=updates == "on_wait")
+    loop = BackgroundLoop(f"weightsync-{name}-{worker_rank}")
+    joined = _Joined(None, loop, gate, binding, tp, ep, model_config.dtype)  # type: ignore[arg-type]
+    rank = rank_offset + worker_rank if rank is None else rank
+    options = ReceiverOptions(transport=transport, join_timeout_s=join_timeout_s, auth_key=auth_key)
+    receiver = WeightReceiver(controller, binding.tensors, rank=rank, options=options, mode="inplace",
+                              shards=binding.shards, before_update=gate.before_update,
+                              after_update=joined.after_update)
+    joined.receiver = receiver
+    joined.updates = updates
+    try:
+        loop.call(receiver.start, timeout=join_timeout_s + 30)
+    except BaseException:
+        loop.close()
+        raise
+    if joined.updates == "anytime":
+        for fn in GATED:
+            if hasattr(model, fn):
+                setattr(model, fn, gate.wrap(getattr(model, fn)))
+    else:
+        gate.hold()  # generation owns the gate; waiting lends it to updates
+        joined.generation_holds = True
+    log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, %d derived, "
+             "tp=%s, ep=%s)", worker_rank, controller, rank, len(binding.tensors), len(binding.repack),
+             len(binding.derived), tp, ep)
+    return joined
+
+
+def wait(joined: _Joined, version: int, timeout_s: float, *, strict: bool = False) -> int:
+    """Block until a version >= ``version`` is committed here; returns the committed version. With
+    ``on_wait`` updates land only meanwhile. ``strict``: a round for ``version`` (or newer) aborted here
+    raises its ``RoundAborted`` rather than waiting for a later version."""
+    receiver = joined.receiver
+    until = receiver.wait_committed if strict else receiver.wait_for
+    if joined.updates == "anytime":
+        return joined.loop.call(until, version, timeout=timeout_s)
+    joined.gate.open_window(version, release=joined.generation_holds)  # rounds up to version may land
+    joined.generation_holds = False
+    try:
+        return joined.loop.call(until, version, timeout=timeout_s)
+    finally:
+        joined.gate.close_window()
+        joined.gate.hold(timeout_s)  # waits for a round of this window still finishing
+        joined.generation_holds = True
+
+
+def status(joined: _Joined) -> dict:
+    r, gate = joined.receiver, joined.gate
+    return {"rank": r.rank, "version": r.version, "state": r.session.state.value, "dirty": r.dirty,
+            "committed": r.rounds_committed, "aborted": r.rounds_aborted, "tensors": len(r.tensors),
+            "tp": None if joined.tp is None else [joined.tp.index, joined.tp.world],
+            "ep": None if joined.ep is None else [joined.ep.index, joined.ep.world],
+            "expert_bytes": sum(t.nbytes for layer, plains in joined.binding.repack if fused_experts(layer)
+                                for t in plains.values()),
+            "updates": joined.updates, "paused": gate.held, "pauses": gate.updates, "paused_s": round(gate.paused_s, 6),
+            "repacked_layers": len(joined.binding.repack), "derived_layers": len(joined.binding.derived),
+            "repack_s": round(joined.repack_s, 6)}
+
+
+def leave(joined: _Joined, model: torch.nn.Module) -> None:
+    """Leave the controller, unwrap the model and open the gate (generation continues on what it has)."""
+    try:
+        joined.loop.call(joined.receiver.close, timeout=30)
+    finally:
+        joined.loop.close()
+        for fn in GATED:
+            wrapped = getattr(model, fn, None)
+            if hasattr(wrapped, "__wrapped__"):
+                setattr(model, fn, wrapped.__wrapped__)
+        joined.gate.open()
+        if joined.generation_holds:
+            joined.gate.release()
+
+
 class WeightSyncWorkerExtension:
     """Methods mixed into vLLM's worker class (``worker_extension_cls=EXTENSION``); see the module doc."""
 
@@ -209,81 +306,20 @@ class WeightSyncWorkerExtension:
         """Join ``controller`` as an in-place receiver of this worker's parameters; returns its status.
         ``rank``: this receiver's rank (default ``rank_offset`` + the worker's global rank). ``updates``:
         ``anytime``, ``on_wait`` or ``auto`` (``anytime`` with one TP rank, else ``on_wait``)."""
-        if updates not in UPDATES:
-            raise ConfigError("updates", f"must be one of {UPDATES}, got {updates!r}")
         if getattr(self, "_weightsync", None) is not None:
             raise ConfigError("weightsync_join", "this worker has joined already (weightsync_leave first)")
-        model_config = self.vllm_config.model_config
-        if not model_config.enforce_eager:
-            raise ConfigError("enforce_eager", "weightsync's vLLM receiver needs LLM(..., enforce_eager=True): "
-                                               "joining moves the parameters, which captured graphs would not see")
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        world = get_tensor_model_parallel_world_size()
-        tp = TensorParallel(get_tensor_model_parallel_rank(), world) if world > 1 else None
-        ep = expert_parallel(self.vllm_config.parallel_config, tp)
-        hf_config = model_config.hf_config
-        mapping = mapping or (hf_config.model_type if hf_config.model_type in MAPPINGS else "identity")
-        dtype = dtype_name(model_config.dtype)
-        layout = receiver_layout(hf_sources(hf_config, dtype), mapping, tp=tp, ep=ep)
-        model = self.model_runner.model
-        binding = bind(model, layout, bool(getattr(hf_config, "tie_word_embeddings", False)))
-        updates = ("anytime" if tp is None else "on_wait") if updates == "auto" else updates
-        gate = GenerationGate(windows=updates == "on_wait")
-        loop = BackgroundLoop(f"weightsync-worker-{self.rank}")
-        joined = _Joined(None, loop, gate, binding, tp, ep, model_config.dtype)  # type: ignore[arg-type]
-        rank = rank_offset + self.rank if rank is None else rank
-        options = ReceiverOptions(transport=transport, join_timeout_s=join_timeout_s,
-                                  auth_key=bytes.fromhex(auth_key_hex) if auth_key_hex else None)
-        receiver = WeightReceiver(controller, binding.tensors, rank=rank, options=options, mode="inplace",
-                                  shards=binding.shards, before_update=gate.before_update,
-                                  after_update=joined.after_update)
-        joined.receiver = receiver
-        joined.updates = updates
-        try:
-            loop.call(receiver.start, timeout=join_timeout_s + 30)
-        except BaseException:
-            loop.close()
-            raise
-        if joined.updates == "anytime":
-            for name in GATED:
-                if hasattr(model, name):
-                    setattr(model, name, gate.wrap(getattr(model, name)))
-        else:
-            gate.hold()  # generation owns the gate; weightsync_wait lends it to updates
-            joined.generation_holds = True
-        self._weightsync = joined
-        log.info("weightsync: vLLM worker %s joined %s as receiver/%d (%d tensors, %d repacked, %d derived, "
-                 "tp=%s, ep=%s)", self.rank, controller, rank, len(binding.tensors), len(binding.repack),
-                 len(binding.derived), tp, ep)
+        self._weightsync = join(self.model_runner.model, self.vllm_config, self.rank, controller, rank=rank,
+                                rank_offset=rank_offset, mapping=mapping, transport=transport,
+                                auth_key=bytes.fromhex(auth_key_hex) if auth_key_hex else None, updates=updates,
+                                join_timeout_s=join_timeout_s)
         return self.weightsync_status()
 
     def weightsync_wait(self, version: int, timeout_s: float = 600.0) -> int:
         """Block until a version >= ``version`` is committed here; returns the committed version."""
-        joined = self._weightsync_joined()
-        if joined.updates == "anytime":
-            return joined.loop.call(joined.receiver.wait_for, version, timeout=timeout_s)
-        joined.gate.open_window(version, release=joined.generation_holds)  # rounds up to version may land
-        joined.generation_holds = False
-        try:
-            return joined.loop.call(joined.receiver.wait_for, version, timeout=timeout_s)
-        finally:
-            joined.gate.close_window()
-            joined.gate.hold(timeout_s)  # waits for a round of this window still finishing
-            joined.generation_holds = True
+        return wait(self._weightsync_joined(), version, timeout_s)
 
     def weightsync_status(self) -> dict:
-        joined = self._weightsync_joined()
-        r, gate = joined.receiver, joined.gate
-        return {"rank": r.rank, "version": r.version, "state": r.session.state.value, "dirty": r.dirty,
-                "committed": r.rounds_committed, "aborted": r.rounds_aborted, "tensors": len(r.tensors),
-                "tp": None if joined.tp is None else [joined.tp.index, joined.tp.world],
-                "ep": None if joined.ep is None else [joined.ep.index, joined.ep.world],
-                "expert_bytes": sum(t.nbytes for layer, plains in joined.binding.repack if fused_experts(layer)
-                                    for t in plains.values()),
-                "updates": joined.updates, "paused": gate.held, "pauses": gate.updates, "paused_s": round(gate.paused_s, 6),
-                "repacked_layers": len(joined.binding.repack), "derived_layers": len(joined.binding.derived),
-                "repack_s": round(joined.repack_s, 6)}
+        return status(self._weightsync_joined())
 
     def weightsync_leave(self) -> None:
         """Leave the controller, unwrap the model and open the gate (generation continues on what it has)."""
@@ -291,18 +327,7 @@ class WeightSyncWorkerExtension:
         if joined is None:
             return
         self._weightsync = None
-        try:
-            joined.loop.call(joined.receiver.close, timeout=30)
-        finally:
-            joined.loop.close()
-            model = self.model_runner.model
-            for name in GATED:
-                fn = getattr(model, name, None)
-                if hasattr(fn, "__wrapped__"):
-                    setattr(model, name, fn.__wrapped__)
-            joined.gate.open()
-            if joined.generation_holds:
-                joined.gate.release()
+        leave(joined, self.model_runner.model)
 
     def _weightsync_joined(self) -> _Joined:
         joined = getattr(self, "_weightsync", None)
