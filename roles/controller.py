@@ -92,6 +92,7 @@ class Controller(AsyncResource):
         self._rates = RateLimiter(options.peer_limits)
         self._tasks: list[asyncio.Task] = []
         self._chan: Optional[ControlChannel] = None
+        self.last_reject: Optional[tuple[str, m.RejectCode, str]] = None  # (member, code, why) of the newest refused join
         # what each session message does (a handler may be a coroutine function)
         self._handlers: dict[str, Callable[[Peer, Envelope], Optional[Awaitable[None]]]] = {
             m.Push.TYPE: lambda peer, env: self.rounds.on_push(peer, env.body.version),
@@ -115,6 +116,11 @@ class Controller(AsyncResource):
     @property
     def plan(self) -> Optional[RoutingPlan]:
         return self.planning.plan
+
+    @property
+    def refused(self) -> int:
+        """Connections whose CURVE handshake failed (a peer without the auth key)."""
+        return self._chan.refused if self._chan is not None else 0
 
     @property
     def committed(self) -> Optional[int]:
@@ -295,6 +301,7 @@ class Controller(AsyncResource):
         session.receive(m.Hello.TYPE)
         if code is not None:
             log.warning("controller: rejecting %s/%d: %s", hello.role.value, hello.rank, text)
+            self.last_reject = (f"{hello.role.value}/{hello.rank}", code, text)
             body = m.Reject(code, text, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1], hello.proto_major, hello.proto_minor)
             await self._chan.send(body, to=identity, parent_id=env.msg_id)
             return

@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from weightsync.engine.errors import ConfigError, VersionError
+from weightsync.engine.errors import ConfigError, JoinRejected, VersionError
 from weightsync.wire.auth import check_key
 
 from ..controller import Controller, ControllerOptions
@@ -164,7 +164,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     auth_key_file: Optional[str] = None  # this host's key file (the controller's and the senders' key)
     worker_auth_key_file: Optional[str] = None  # the key's path on the inference hosts
     worker_auth_key_env: Optional[str] = None  # or the variable naming it there
-    mapping: Optional[str] = None
+    mapping: Optional[str] = None  # default: the source model's type's, when it has one
     transport: str = "tcp"
     join_timeout_s: float = 120.0
     timeout_s: float = 600.0  # a round's limit, on every side
@@ -194,6 +194,14 @@ def source_params(source: Any) -> Any:
                                 f"dict of tensors, got {type(source).__name__}")
 
 
+def default_mapping(params: Any) -> Optional[str]:
+    """The mapping of a transformers model's type (vLLM's fused names for it), if there is one."""
+    from weightsync.engine.plan.mapping import MAPPINGS
+
+    model_type = getattr(getattr(params, "config", None), "model_type", None)
+    return model_type if model_type in MAPPINGS else None
+
+
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
     init_info_cls = WeightSyncTrainerInitInfo
 
@@ -216,18 +224,34 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         try:
             address = engine.loop.call(engine._start, source_params(source), timeout=init_info.join_timeout_s + 60)
             if engine.is_sender:
-                client.init_weight_transfer_engine(init_info.worker_info(address))
+                engine._init_workers(address)
         except BaseException:
             engine.shutdown()
             raise
         return engine
 
+    def _init_workers(self, address: str) -> None:
+        try:
+            self.client.init_weight_transfer_engine(self.info.worker_info(address))
+        except Exception as exc:  # vLLM answers a worker's error with a bare status: say why from our side
+            ctl = self.controller
+            if ctl is not None and ctl.last_reject is not None:
+                member, code, text = ctl.last_reject
+                raise JoinRejected(code, f"{member}: {text}") from exc
+            refused = ctl.refused if ctl is not None else 0
+            why = (f"; the controller refused {refused} handshake(s): the workers' auth key "
+                   f"(worker_auth_key_file / _env) is not the trainer's") if refused else ""
+            said = getattr(getattr(exc, "response", None), "text", "")
+            raise ConfigError("init_weight_transfer_engine", f"vLLM's workers did not join {address}: {exc} "
+                                                             f"{said[:500]}{why}") from exc
+
     async def _start(self, params: Any) -> str:
         info, key = self.info, read_key(self.info.auth_key_file, None, "auth_key")
         options = dataclasses.replace(info.sender_options, auth_key=key, join_timeout_s=info.join_timeout_s)
+        mapping = info.mapping or default_mapping(params)
         ctl_options = dataclasses.replace(info.controller_options, auth_key=key,
                                           round_timeout_s=info.controller_options.round_timeout_s or info.timeout_s,
-                                          **({"mapping": info.mapping} if info.mapping else {}))
+                                          **({"mapping": mapping} if mapping else {}))
         import torch.distributed as dist
 
         if info.controller is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -262,11 +286,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 self._pause()
                 self.client.start_weight_update()
                 waiting = pool.submit(self.client.update_weights, {"version": version, "timeout_s": self.info.timeout_s})
-            try:
-                self.loop.call(self._push, version, timeout=self.info.timeout_s + 60)
-            finally:
-                if waiting is not None:
-                    waiting.result()  # (the workers' error, when the round failed, comes with it)
+            self._round(version, waiting)
             if self.is_sender:
                 self.client.finish_weight_update(str(version))
             self.version = version
@@ -274,6 +294,21 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             pool.shutdown(wait=False)
             if self.is_sender:
                 self._resume()
+
+    def _round(self, version: int, waiting: Optional[concurrent.futures.Future]) -> None:
+        """Push and, on rank 0, wait for vLLM's ``update_weights``; the push's typed error wins (vLLM's
+        HTTP answer to the same failure is a bare status), with vLLM's as a note."""
+        try:
+            self.loop.call(self._push, version, timeout=self.info.timeout_s + 60)
+        except BaseException as exc:
+            if waiting is not None:
+                try:
+                    waiting.result()
+                except Exception as theirs:
+                    exc.add_note(f"vLLM's update_weights: {theirs}")
+            raise
+        if waiting is not None:
+            waiting.result()
 
     async def _push(self, version: int) -> None:
         await (await self.sender.push(version))

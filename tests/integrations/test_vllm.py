@@ -54,7 +54,7 @@ def vllm_greedy(llm) -> list[list[int]]:
 def make_llm(path: str, tp: int, **engine_args):
     return vllm.LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
                     tensor_parallel_size=tp, kv_cache_memory_bytes=128 << 20, worker_extension_cls=EXTENSION,
-                    seed=0, **engine_args)
+                    weight_transfer_config={"backend": "weightsync"}, seed=0, **engine_args)
 
 
 @pytest.fixture(params=[1, 2], ids=["tp1", "tp2"], scope="module")
@@ -109,6 +109,32 @@ async def test_pushed_weights_generate_what_the_trainer_generates(served):
             assert all(s["repacked_layers"] > 0 for s in status)  # vLLM CPU packs linear weights for oneDNN
             await rpc(llm, "weightsync_leave")
     assert await asyncio.to_thread(vllm_greedy, llm) == hf_greedy(trainers[2])  # served on after leaving
+
+
+def test_vllm_s_own_weight_transfer_api_with_the_weightsync_backend(served):
+    """vLLM's four calls (``LLM`` offline) drive weightsync rounds: the trainer engine sends what it holds,
+    each worker commits its shard, vLLM reports the version, greedy output is the trainer's; after
+    ``shutdown`` a new ``trainer_init`` joins again."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.roles.integrations.vllm_backend import LLMClient, WeightSyncTrainerInitInfo
+
+    llm, tp = served
+    trainer = tiny_model(4)
+    info = WeightSyncTrainerInitInfo(rank=0, receivers=tp, mapping="qwen2")
+    for attempt in range(2):  # (the second: after shutdown, a later init works)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm), source=ModuleSource(trainer))
+        try:
+            for version, seed in ((1, 5 + attempt), (2, 7 + attempt)):
+                with torch.no_grad():
+                    for p, q in zip(trainer.parameters(), tiny_model(seed).parameters()):
+                        p.copy_(q)
+                engine.send_weights()
+                assert llm.get_weight_version() == str(version)
+                assert vllm_greedy(llm) == hf_greedy(tiny_model(seed)), (attempt, version)
+        finally:
+            engine.shutdown()
 
 
 async def test_generation_and_pushes_interleave_and_end_on_the_last_version(served):

