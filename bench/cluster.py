@@ -13,7 +13,9 @@ case, in one run: the bound, from a raw TCP stream through the same shaped links
 busiest link must carry, at the stream's rate); the planner's prediction (its model's makespan of the
 installed tables, with that rate as its network bandwidth); the engine's rounds (begin -> commit
 acknowledged, the controller's reports); each receiver's tensors checked against the trainer's after
-every round. The plan's link classes and the transports the senders chose are reported (every pair
+every round (after its commit is acknowledged, so outside the timed round; the driver pushes the next
+version once both checks are in. The partition trials check before the acknowledgement instead, since
+their rounds follow each other at once). The plan's link classes and the transports the senders chose are reported (every pair
 crosses hosts: NET and tcp). Needs root and iproute2 (``netns.available()``).
 """
 
@@ -119,9 +121,19 @@ async def receiver_child(args, key: bytes) -> None:
     opts = ReceiverOptions(auth_key=key, transport_options=TransportOptions(bind_host=args.addr, port=DATA_PORT,
                                                                             tcp_user_timeout_s=args.timeout))
 
-    async def applied(version: int) -> None:  # (checked in a thread: the next commit waits for this hook)
+    async def check(version: int) -> None:
         bad = await asyncio.to_thread(mismatches, case, args.rank, tensors, layout, version, "cpu")
         emit("applied", rank=args.rank, version=version, bad=bad)
+
+    checks: set = set()
+
+    async def applied(version: int) -> None:
+        if args.check == "inline":  # the commit ack waits for the check: no later round can swap it away
+            await check(version)
+        else:  # after the ack (outside the timed round): the driver pushes again only once it is reported
+            task = asyncio.ensure_future(check(version))
+            checks.add(task)
+            task.add_done_callback(checks.discard)
 
     async with WeightReceiver(f"tcp://{args.controller}:{CONTROL_PORT}", tensors, rank=args.rank, shards=shards,
                               options=opts, on_update=applied) as r:
@@ -454,7 +466,7 @@ async def partition_trials(cluster, args, key_file: str) -> dict:
         for r, host in enumerate(("t0", "t1")):
             await fleet.start(f"sender/{r}", host, "sender", "--rank", str(r))
         for r, host in enumerate(("i0", "i1")):
-            await fleet.start(f"receiver/{r}", host, "receiver", "--rank", str(r))
+            await fleet.start(f"receiver/{r}", host, "receiver", "--rank", str(r), "--check", "inline")
         await fleet.expect("joined", 4)
         await fleet.expect("plan")
         pusher = Pusher(fleet)
@@ -549,6 +561,10 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--nbytes", type=int, default=0)
     ap.add_argument("--rate-bytes", type=float, default=125e6)
+    ap.add_argument("--check", default="after", choices=["after", "inline"],
+                    help="receivers check each version after acknowledging its commit (the table: the driver "
+                         "waits for the check before the next push), or before (partitions: rounds follow "
+                         "each other at once)")
     args = ap.parse_args()
     args.model_now = args.model
     if args.verb == "child":
