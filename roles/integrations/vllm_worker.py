@@ -8,7 +8,9 @@ Use it by name when building the engine, then drive it through ``collective_rpc`
     llm.collective_rpc("weightsync_status")                     # -> [dict, ...]
     llm.collective_rpc("weightsync_leave")
 
-How this works. ``weightsync_join`` runs in every worker process. It derives the receiver layout from
+How this works (``join``, ``wait``, ``status`` and ``leave`` are module functions: the ``weightsync``
+backend of vLLM's weight-transfer API, ``vllm_backend``, runs the same ones). ``weightsync_join`` runs
+in every worker process. It derives the receiver layout from
 the model's Hugging Face config (``receiver_layout``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names
 through the mapping of the config's ``model_type``, this worker's tensor-parallel shard), checks it
 against the worker's parameters (a missing or differently shaped one is a ``ConfigError`` naming it),
