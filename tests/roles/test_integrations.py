@@ -140,6 +140,16 @@ def test_bind_names_the_parameter_that_does_not_match(entry, match):
         bind(_model(), [entry], tied=False)
 
 
+def test_bind_refuses_a_layer_vllm_quantized_to_fp8_naming_the_parameter():
+    """A checkpoint served with vLLM's FP8 quantization holds float8 weights (and scales) the trainer's
+    layout does not describe: not bound, refused at join."""
+    model = _model()
+    model.proj.weight = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ConfigError, match=r"proj.weight: the layout says \(4, 8\) bfloat16, the vLLM model holds "
+                                          r"\(4, 8\) float8_e4m3fn"):
+        bind(model, [LayoutEntry("proj.weight", "bfloat16", (4, 8), None)], tied=False)
+
+
 def test_bind_takes_a_parameter_held_in_another_float_dtype_as_it_is():
     """vLLM keeps some tensors in float32 whatever the model's dtype (MoE routers' correction bias): the
     receiver declares the parameter's own dtype, and the senders cast."""
