@@ -324,18 +324,26 @@ class Controller(AsyncResource):
         while True:
             await asyncio.sleep(self.options.heartbeat_s)
             seq += 1
-            now = time.monotonic()
-            silent = self.membership.silent(now, self.options.timeout_s)
-            if len(silent) >= 2 and len(silent) == len(self.peers):  # everyone at once: our own network, most
-                self.rounds.fail(m.AbortReason.PEER_LOST, "every member went silent at once: the controller's "
-                                 "host is likely cut off", "controller")  # likely (no member is to blame)
-            for peer in silent:
-                self._drop(peer, f"silent for more than {self.options.timeout_s}s")
-            for peer in self.membership:
-                if peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):
-                    await self._send(peer, m.Heartbeat(seq))
-            if self.rounds.pushes:
-                await self.rounds.refuse_dead_pushes(now)
+            try:
+                await self._beat(seq, time.monotonic())
+            except zmq.ZMQError:
+                raise
+            except Exception:  # liveness must outlive one bad peer or send (as the receive loop does)
+                log.exception("controller: heartbeat %d failed", seq)
+
+    async def _beat(self, seq: int, now: float) -> None:
+        """One heartbeat: drop the silent, tell every member we are here, fail pushes that can never start."""
+        silent = self.membership.silent(now, self.options.timeout_s)
+        if len(silent) >= 2 and len(silent) == len(self.peers):  # everyone at once: our own network, most
+            self.rounds.fail(m.AbortReason.PEER_LOST, "every member went silent at once: the controller's "
+                             "host is likely cut off", "controller")  # likely (no member is to blame)
+        for peer in silent:
+            self._drop(peer, f"silent for more than {self.options.timeout_s}s")
+        for peer in self.membership:
+            if peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):
+                await self._send(peer, m.Heartbeat(seq))
+        if self.rounds.pushes:
+            await self.rounds.refuse_dead_pushes(now)
 
     def _drop(self, peer: Peer, why: str) -> None:
         if not self.membership.remove(peer):

@@ -116,7 +116,7 @@ class Rounds:
             log.warning("controller: %s", why)
             for identity in self.pushes.forget(version):
                 peer = members.get(identity)
-                if peer is not None:
+                if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Error.TYPE):
                     await self.send(peer, m.Error(m.ErrorCode.BAD_REQUEST, why, "version", version), version=version)
 
     # --- one round ----------------------------------------------------------------------------------

@@ -324,3 +324,27 @@ async def test_a_clean_shutdown_logs_nothing_that_reads_like_an_error(caplog):
     loud = [f"{r.levelname}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     assert not loud, loud
     assert any("waiting for members to plan with" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_heartbeat_outlives_a_beat_that_fails(caplog):
+    """A beat that raises (a bad peer, a bad send) is logged and the next one runs: members are still
+    timed out and told we are here."""
+    from weightsync import Controller, ControllerOptions
+
+    ctl = Controller(senders=1, receivers=0, options=ControllerOptions(heartbeat_s=0.01))
+    calls, third = [], asyncio.Event()
+    silent = ctl.membership.silent
+
+    def flaky(now, timeout):
+        calls.append(now)
+        if len(calls) >= 3:
+            third.set()
+        if len(calls) == 1:
+            raise RuntimeError("a beat that fails")
+        return silent(now, timeout)
+
+    ctl.membership.silent = flaky
+    async with ctl:
+        with caplog.at_level(logging.ERROR, logger="weightsync"):
+            await asyncio.wait_for(third.wait(), 10)
+    assert "heartbeat 1 failed" in caplog.text and "a beat that fails" in caplog.text
