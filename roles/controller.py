@@ -33,7 +33,7 @@ from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
 from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure
 from .limits import PeerLimits, RateLimiter
-from .membership import Membership, Peer
+from .membership import Hearing, Membership, Peer
 from .planning import Planning
 from .round_state import RoundReport
 from .rounds import Rounds
@@ -80,6 +80,7 @@ class Controller(AsyncResource):
         self.timeline = Timeline()  # per version: when each round message was sent / received
         self.spinner = Spinner(options.spin)
         self.waiters = Waiters()  # ``wait_plan`` and tests wait on conditions the parts wake
+        self.hearing = Hearing(3 * options.heartbeat_s)  # (members beat every heartbeat_s)
         self.membership = Membership({Role.SENDER: senders, Role.RECEIVER: receivers}, options.mapping,
                                      options.peer_limits, min(3 * options.heartbeat_s, options.timeout_s))
         self.planning = Planning(self.membership, options, self._send, busy=lambda: self.rounds.task is not None,
@@ -262,6 +263,7 @@ class Controller(AsyncResource):
                                   to=identity, parent_id=env.msg_id)
             return
         peer.last_seen = time.monotonic()
+        self.hearing.heard(peer.last_seen, len(self.peers))
         self.timeline.mark(env.version, f"recv:{env.type}<{peer.name}")
         illegal = peer.session.accept(env.type, env.version)
         if illegal is not None:
@@ -333,11 +335,7 @@ class Controller(AsyncResource):
 
     async def _beat(self, seq: int, now: float) -> None:
         """One heartbeat: drop the silent, tell every member we are here, fail pushes that can never start."""
-        silent = self.membership.silent(now, self.options.timeout_s)
-        if len(silent) >= 2 and len(silent) == len(self.peers):  # everyone at once: our own network, most
-            self.rounds.fail(m.AbortReason.PEER_LOST, "every member went silent at once: the controller's "
-                             "host is likely cut off", "controller")  # likely (no member is to blame)
-        for peer in silent:
+        for peer in self.membership.silent(now, self.options.timeout_s):
             self._drop(peer, f"silent for more than {self.options.timeout_s}s")
         for peer in self.membership:
             if peer.session.allowed(Origin.CONTROLLER, m.Heartbeat.TYPE):
@@ -346,13 +344,19 @@ class Controller(AsyncResource):
             await self.rounds.refuse_dead_pushes(now)
 
     def _drop(self, peer: Peer, why: str) -> None:
+        """End a member's session; a round it is in aborts blaming it, or the controller where no member
+        at all was heard as it went quiet (``Hearing``: our own network, most likely)."""
+        members = len(self.peers)
+        culprit = peer.name
+        if not why.startswith("left") and self.hearing.explains(peer.last_seen, time.monotonic(), members):
+            culprit, why = "controller", f"{why} (no member was heard around then: the controller's own network, likely)"
         if not self.membership.remove(peer):
             return
         self._rates.forget(peer.identity)  # (per-session tables keep nothing of a session that is over)
         self._chan.forget(peer.identity)
         self.planning.member_left(peer)
         (log.info if why.startswith("left") else log.warning)("controller: %s dropped: %s", peer.name, why)
-        self.rounds.member_left(peer, why)
+        self.rounds.member_left(peer, why, culprit)
         self.planning.maybe_plan()
 
     # --- sending ----------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ protocol's order (docs/PROTOCOL.md, Join): a rank held by a live session is a ``
 (cheap, retried by the worker, never charged to the host's joins), then the host's joins per minute,
 then the rank range and the manifest (``admission.admission_problem``). ``displaced`` names the
 session a newcomer replaces: one of the same worker object (its ``incarnation``), or one silent for
-``silent_s`` (a restarted process: the old one is gone). Pure bookkeeping; time is passed in.
+``silent_s`` (a restarted process: the old one is gone). ``Hearing`` says when a member's silence is
+more likely the controller's own (no member heard at all). Pure bookkeeping; time is passed in.
 """
 
 from __future__ import annotations
@@ -23,6 +24,34 @@ from weightsync.wire import messages as m
 
 from .admission import admission_problem, participants
 from .limits import JoinLimiter, PeerLimits
+
+
+class Hearing:
+    """When the controller last heard any member, and its newest deaf spell: ``quiet_s`` or more in which
+    no member was heard while two or more were joined. A member that went quiet just as such a spell
+    began is not to blame for its silence (nor for joining again after it): the controller's own
+    network most likely is."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self.last: Optional[float] = None  # the newest message from any member
+        self.spell: Optional[tuple[float, float]] = None  # (last heard before it, first heard after)
+
+    def __repr__(self) -> str:
+        return f"<Hearing quiet_s={self.quiet_s} last={self.last} spell={self.spell}>"
+
+    def heard(self, now: float, members: int) -> None:
+        if self.last is not None and members >= 2 and now - self.last >= self.quiet_s:
+            self.spell = (self.last, now)
+        self.last = now
+
+    def explains(self, last_seen: float, now: float, members: int) -> bool:
+        """Whether a deaf spell (ended, or still going at ``now``) began within ``quiet_s`` after a member
+        was last heard at ``last_seen``."""
+        spells = [self.spell] if self.spell is not None else []
+        if self.last is not None and members >= 2 and now - self.last >= self.quiet_s:
+            spells.append((self.last, now))
+        return any(0 <= start - last_seen <= self.quiet_s and end > last_seen for start, end in spells)
 
 
 @dataclasses.dataclass

@@ -289,13 +289,13 @@ class Rounds:
         if self.round is not None:
             self.round.abort(reason, text, culprit)
 
-    def member_left(self, peer: Peer, why: str) -> None:
+    def member_left(self, peer: Peer, why: str, culprit: Optional[str] = None) -> None:
         """A member's session is over: its pushes go with it; a round it takes part in aborts (or, after
-        commit, stops waiting for it)."""
+        commit, stops waiting for it), blaming ``culprit`` (default: the member)."""
         self.pushes.forget_session(peer.identity)
         rnd = self.round
         if rnd is not None and self.planning.holds(peer):
-            if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", peer.name):
+            if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", culprit or peer.name):
                 rnd.drop(peer.hello.role, peer.hello.rank)
 
     def cancel(self) -> list[asyncio.Future]:

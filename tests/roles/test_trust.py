@@ -481,3 +481,24 @@ def test_loopback_and_keyed_binds_are_fine():
     Controller("tcp://0.0.0.0:0", senders=1, receivers=1, options=ControllerOptions(auth_key=KEY))
     SenderOptions(transport_options=TransportOptions(bind_host="198.18.0.1"), auth_key=KEY)
     ReceiverOptions(transport_options=TransportOptions(bind_host="::1"))
+
+
+def test_a_silence_that_began_as_nobody_was_heard_is_the_controller_s():
+    """``Hearing``: with two or more members, a stretch of ``quiet_s`` in which none was heard is the
+    controller's own network; a member that went quiet as it began is not blamed (a cut controller host,
+    healed before or after the timeout), one that went quiet long before, or while others talked, is."""
+    from weightsync.roles.membership import Hearing
+
+    h = Hearing(0.3)
+    for t in (0.0, 0.05, 0.1, 0.15):  # two members beating, as ever
+        h.heard(t, members=2)
+    assert h.explains(0.1, now=1.5, members=2)  # nobody heard since 0.15: an ongoing spell, begun 0.05 after
+    assert not h.explains(0.1, now=0.2, members=2)  # (no spell yet)
+    h.heard(1.5, members=2)  # healed: the spell was (0.15, 1.5)
+    assert h.explains(0.12, now=1.6, members=2) and h.spell == (0.15, 1.5)
+    assert not h.explains(-2.0, now=1.6, members=2)  # quiet long before the spell: its own silence
+    assert not h.explains(1.5, now=3.0, members=1)  # one member: its silence and ours look alike
+    solo = Hearing(0.3)
+    for t in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5):  # another member talks on: no spell
+        solo.heard(t, members=2)
+    assert not solo.explains(0.0, now=0.55, members=2)
