@@ -90,7 +90,7 @@ async def sender_child(args, key: bytes) -> None:
     shapes = {p.name: p.shape for p in model_shapes(args.model)}
     tensors = {name: full_tensor(name, shape, 0, 0, "cpu") for name, shape in shapes.items()}
     opts = SenderOptions(auth_key=key, transport_options=TransportOptions(bind_host=args.addr,
-                                                                          tcp_user_timeout_s=args.timeout))
+                                                                          tcp_user_timeout_s=3 * args.timeout))
     async with WeightSender(f"tcp://{args.controller}:{CONTROL_PORT}", tensors, rank=args.rank, options=opts) as s:
         emit("joined", rank=args.rank, host=s.transport_info.host)
         reader = await lines()
@@ -119,7 +119,7 @@ async def receiver_child(args, key: bytes) -> None:
     layout = receiver_layout(case, args.rank)
     tensors, shards = allocate(layout, "cpu")
     opts = ReceiverOptions(auth_key=key, transport_options=TransportOptions(bind_host=args.addr, port=DATA_PORT,
-                                                                            tcp_user_timeout_s=args.timeout))
+                                                                            tcp_user_timeout_s=3 * args.timeout))
 
     async def check(version: int) -> None:
         bad = await asyncio.to_thread(mismatches, case, args.rank, tensors, layout, version, "cpu")
@@ -454,7 +454,10 @@ class Pusher:
 async def partition_trials(cluster, args, key_file: str) -> dict:
     """``--trials`` faults, each at a random moment of continuous rounds, for a random 0.2-3x the
     heartbeat timeout (the slow link: 0.2-0.8x), then healed; each checked for half-applied versions,
-    rollbacks, blame, and rounds resumed within 2x the timeout plus one round of the heal."""
+    rollbacks, blame, and rounds resumed within 2x the timeout plus one round of the heal. The members
+    run ``--heartbeat`` and ``--timeout`` as given, data connections TCP_USER_TIMEOUT at 3x the timeout
+    (a collapsed link keeps bytes unacknowledged that long without losing them), the control plane
+    marked CS6 and scheduled first by the links."""
     import random
 
     rng = random.Random(args.seed)

@@ -297,7 +297,7 @@ class Controller(AsyncResource):
         now = time.monotonic()
         displaced = self.membership.displaced(hello, now)
         if displaced is not None:
-            self._drop(*displaced)
+            self._drop(*displaced, replaced=True)
         code, text = self.membership.admission(hello, now)
         session = Session(hello.role, Origin.CONTROLLER)
         session.receive(m.Hello.TYPE)
@@ -343,13 +343,16 @@ class Controller(AsyncResource):
         if self.rounds.pushes:
             await self.rounds.refuse_dead_pushes(now)
 
-    def _drop(self, peer: Peer, why: str) -> None:
+    def _drop(self, peer: Peer, why: str, *, replaced: bool = False) -> None:
         """End a member's session; a round it is in aborts blaming it, or the controller where no member
-        at all was heard as it went quiet (``Hearing``: our own network, most likely)."""
-        members = len(self.peers)
-        culprit = peer.name
-        if not why.startswith("left") and self.hearing.explains(peer.last_seen, time.monotonic(), members):
-            culprit, why = "controller", f"{why} (no member was heard around then: the controller's own network, likely)"
+        at all was heard as it went quiet, or shortly before it joined again (``Hearing``: our own
+        network, most likely)."""
+        now, members = time.monotonic(), len(self.peers)
+        ours = (self.hearing.recent(now, self.options.timeout_s + self.hearing.quiet_s, members) if replaced
+                else not why.startswith("left") and self.hearing.explains(peer.last_seen, now, members))
+        culprit = "controller" if ours else peer.name
+        if ours:
+            why = f"{why} (no member was heard around then: the controller's own network, likely)"
         if not self.membership.remove(peer):
             return
         self._rates.forget(peer.identity)  # (per-session tables keep nothing of a session that is over)

@@ -53,6 +53,13 @@ class Hearing:
             spells.append((self.last, now))
         return any(0 <= start - last_seen <= self.quiet_s and end > last_seen for start, end in spells)
 
+    def recent(self, now: float, within: float, members: int) -> bool:
+        """Whether a deaf spell ended (or still goes on) within ``within`` seconds before ``now``: a
+        member that joins again as a new session meanwhile most likely lost us to our own network (its
+        old session's delayed messages, delivered after the heal, say nothing of when it went quiet)."""
+        ongoing = self.last is not None and members >= 2 and now - self.last >= self.quiet_s
+        return ongoing or (self.spell is not None and now - self.spell[1] <= within)
+
 
 @dataclasses.dataclass
 class Peer:

@@ -485,8 +485,9 @@ def test_loopback_and_keyed_binds_are_fine():
 
 def test_a_silence_that_began_as_nobody_was_heard_is_the_controller_s():
     """``Hearing``: with two or more members, a stretch of ``quiet_s`` in which none was heard is the
-    controller's own network; a member that went quiet as it began is not blamed (a cut controller host,
-    healed before or after the timeout), one that went quiet long before, or while others talked, is."""
+    controller's own network; a member that went quiet as it began, or joins again as a new session
+    shortly after it, is not blamed (a cut controller host, healed before or after the timeout); one
+    that went quiet long before, or while others talked, is."""
     from weightsync.roles.membership import Hearing
 
     h = Hearing(0.3)
@@ -498,6 +499,10 @@ def test_a_silence_that_began_as_nobody_was_heard_is_the_controller_s():
     assert h.explains(0.12, now=1.6, members=2) and h.spell == (0.15, 1.5)
     assert not h.explains(-2.0, now=1.6, members=2)  # quiet long before the spell: its own silence
     assert not h.explains(1.5, now=3.0, members=1)  # one member: its silence and ours look alike
+    r = Hearing(0.3)
+    for t in (0.0, 0.1, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1):  # a spell (0.1, 0.9)
+        r.heard(t, members=2)
+    assert r.recent(now=1.5, within=1.0, members=2) and not r.recent(now=2.1, within=1.0, members=2)
     solo = Hearing(0.3)
     for t in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5):  # another member talks on: no spell
         solo.heard(t, members=2)
