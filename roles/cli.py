@@ -36,16 +36,9 @@ def _auth_key(args: argparse.Namespace) -> Optional[bytes]:
     path = getattr(args, "auth_key_file", None) or os.environ.get("WEIGHTSYNC_AUTH_KEY_FILE")
     if not path:
         return None
-    from weightsync.engine.errors import ConfigError
-    from weightsync.wire.auth import check_key
+    from .keyfile import read_key_file
 
-    try:
-        with open(path, "rb") as f:
-            return check_key(f.read().strip())
-    except OSError as exc:
-        raise ConfigError("auth-key-file", f"cannot read {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ConfigError("auth-key-file", f"{path}: {exc}") from exc
+    return read_key_file(path, "auth-key-file")
 
 
 async def _until_signalled(stop: asyncio.Event) -> None:

@@ -42,9 +42,9 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from weightsync.engine.errors import ConfigError, JoinRejected, VersionError
-from weightsync.wire.auth import check_key
 
 from ..controller import Controller, ControllerOptions
+from ..keyfile import read_key_file
 from ..sender import SenderOptions, WeightSender
 from . import vllm_worker
 from .threads import BackgroundLoop
@@ -59,15 +59,7 @@ def read_key(path: Optional[str], env: Optional[str], field: str) -> Optional[by
         path = os.environ.get(env)
         if not path:
             raise ConfigError(f"{field}_env", f"${env} is not set on this host")
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return check_key(f.read().strip())
-    except OSError as exc:
-        raise ConfigError(f"{field}_file", f"cannot read {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ConfigError(f"{field}_file", f"{path}: {exc}") from exc
+    return read_key_file(path, f"{field}_file") if path else None
 
 
 # --- worker side ------------------------------------------------------------------------------------
