@@ -143,6 +143,9 @@ async def test_checksum_mismatch_aborts_and_names_parameter(n_recv):
         with pytest.raises(RoundAborted) as e:
             await asyncio.wait_for(handles[0], WATCHDOG)
         assert e.value.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in e.value.text
+        for r in receivers:  # a receiver waiting on this version's outcome hears it (vLLM's update_weights)
+            with pytest.raises(RoundAborted, match="version 2"):
+                await asyncio.wait_for(r.wait_committed(2), WATCHDOG)
         for r, t in zip(receivers, receivers_t):  # a failed round leaves the last good version everywhere
             assert r.version == 1 and mismatches(t, 1) == []
         await asyncio.gather(*await push_all(senders, senders_t, 3))  # and the next round goes through
