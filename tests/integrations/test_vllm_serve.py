@@ -53,19 +53,24 @@ class Server:
                 "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
                 "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
                 "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
-        self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.up, self.ended = threading.Event(), threading.Event()
+        self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+        self.reader.start()
+
+    def _read(self, log) -> None:
+        """Copy the server's output to ``log``; ``up`` once uvicorn says it serves, ``ended`` at its end."""
+        for line in self.proc.stdout:
+            log.write(line)
+            if "Application startup complete" in line:
+                self.up.set()
+        self.ended.set()
+        self.up.set()  # (wakes wait_up, which then sees the exit)
 
     def wait_up(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if requests.get(self.base + "/health", timeout=2).ok:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert self.proc.poll() is None, "vllm serve exited while starting"
-            assert time.monotonic() < deadline, "vllm serve did not come up"
-            time.sleep(0.5)  # (polling a subprocess's HTTP port: there is nothing to wait on)
+        assert self.up.wait(timeout), "vllm serve did not come up"
+        assert not self.ended.is_set(), "vllm serve exited while starting"
 
     def greedy(self) -> list[list[int]]:
         out = []
@@ -124,6 +129,7 @@ def server(tmp_path_factory):
         finally:
             family = session_of(srv.proc.pid)
             srv.stop()
+            srv.reader.join(60)
             left = wait_gone(family, 60)
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
@@ -151,16 +157,16 @@ def test_updates_over_vllm_serve_and_completions_never_mix_two_versions(server):
         assert server.weight_version() == "1" and server.greedy() == hf_greedy(tiny_model(1))
         old, new = hf_greedy(tiny_model(1)), hf_greedy(tiny_model(2))
         seen: list[list[list[int]]] = []
-        done = threading.Event()
+        done, first = threading.Event(), threading.Event()
 
         def generate_meanwhile() -> None:
             while not done.is_set():
                 seen.append(server.greedy())
+                first.set()
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             generating = pool.submit(generate_meanwhile)
-            while not seen:  # (a completion has gone through before the round starts)
-                time.sleep(0.01)
+            assert first.wait(60)  # (a set of completions has gone through before the round starts)
             load(trainer, 2)
             engine.send_weights()
             done.set()
