@@ -172,6 +172,11 @@ class WeightSender(Worker):
         await asyncio.shield(handle.released)
         return handle
 
+    @property
+    def last_version(self) -> int:
+        """The newest version this sender pushed or learned was committed (-1: none): pushes go above it."""
+        return self._last_version
+
     def push_nowait(self, version: int) -> PushHandle:
         if self.lost is not None:
             raise self.lost

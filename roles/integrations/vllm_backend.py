@@ -204,7 +204,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.loop = BackgroundLoop(f"weightsync-trainer-{init_info.rank}")
         self.controller: Optional[Controller] = None
         self.sender: Any = None  # a WeightSender, or a TorchrunSender around one
-        self.version = 0
+        self.version = 0  # the last version sent (or, at start, committed before we joined)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")
 
     def __repr__(self) -> str:
         return f"<WeightSyncTrainerEngine rank {self.info.rank} v{self.version} {self.sender!r}>"
@@ -252,6 +253,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             self.sender = TorchrunSender(params, receivers=self._receivers(), controller_bind=info.controller_bind,
                                          controller_options=ctl_options, sender_options=options)
             await self.sender.__aenter__()
+            self.version = max(0, self.sender.sender.last_version)
             return self.sender.controller_address
         address = info.controller
         if address is None:
@@ -260,6 +262,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             address = self.controller.address
         self.sender = WeightSender(address, params, rank=info.rank, options=options)
         await self.sender.start()
+        self.version = max(0, self.sender.last_version)  # (an external controller may have committed some)
         return address
 
     def _receivers(self) -> int:
@@ -272,18 +275,17 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         """One round: every rank pushes what it holds; rank 0 has vLLM take it (see the module doc)."""
         version = self.version + 1
         waiting: Optional[concurrent.futures.Future] = None
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-client")
         try:
             if self.is_sender:
                 self._pause()
                 self.client.start_weight_update()
-                waiting = pool.submit(self.client.update_weights, {"version": version, "timeout_s": self.info.timeout_s})
+                waiting = self.pool.submit(self.client.update_weights,
+                                           {"version": version, "timeout_s": self.info.timeout_s})
             self._round(version, waiting)
             if self.is_sender:
                 self.client.finish_weight_update(str(version))
             self.version = version
         finally:
-            pool.shutdown(wait=False)
             if self.is_sender:
                 self._resume()
 
@@ -329,6 +331,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 self.loop.call(self._close, timeout=60)
             finally:
                 self.loop.close()
+                self.pool.shutdown(wait=False)
 
     async def _close(self) -> None:
         sender, self.sender = self.sender, None

@@ -245,3 +245,62 @@ def test_the_ray_client_drives_an_llm_actor(tmp_path):
         ray.kill(actor)
     finally:
         ray.shutdown()
+
+
+def fsdp_trainer(rank: int, world: int, port: int, base: str, seed: int, out) -> None:
+    """A trainer rank (spawned): its FSDP2 shards of ``tiny_model(seed)``, sent through the backend with
+    vLLM's HTTP client on rank 0; ``full_tensor`` is made to fail, so a gather through it would show."""
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def no_gather(self):
+        raise AssertionError("full_tensor() called")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = tiny_model(seed)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        DTensor.full_tensor = no_gather
+        info = WeightSyncTrainerInitInfo(rank=rank, receivers=1)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(base),
+                                                           source=ModuleSource(model))
+        try:
+            engine.send_weights()
+        finally:
+            engine.shutdown()
+        out.send(("ok", rank, engine.version))
+    except BaseException:
+        out.send(("error", rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_trainer_ranks_each_send_their_shards_and_rank_0_drives_vllm(server):
+    """Two trainer processes holding the model by FSDP2: every rank is a weightsync sender of its own
+    shards (nothing calls ``full_tensor``), rank 0 alone calls vLLM's client; the server then generates
+    what the trainer's model does."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port, pipes, procs = free_port(), [], []
+    for rank in range(2):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=fsdp_trainer, args=(rank, 2, port, server.base, 6, writer), daemon=True)
+        proc.start()
+        writer.close()
+        pipes.append(reader)
+        procs.append(proc)
+    try:
+        reports = [pipe.recv() if pipe.poll(300) else ("silent", rank, None) for rank, pipe in enumerate(pipes)]
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    assert [r[0] for r in reports] == ["ok", "ok"], reports
+    assert server.greedy() == hf_greedy(tiny_model(6))
