@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from weightsync.engine.transforms import delta as d  # noqa: E402
+from weightsync.engine.transforms.fp8 import quantize_blocks  # noqa: E402
 
 
 def model(hidden: int, layers: int, vocab: int):
@@ -37,6 +38,33 @@ def model(hidden: int, layers: int, vocab: int):
                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
                       max_position_embeddings=256, tie_word_embeddings=False)
     return Qwen2ForCausalLM(cfg).float()
+
+
+def fp8_state(net) -> dict:
+    """Each matrix's block-FP8 form (128 x 128 scales), as an FP8 receiver holds it."""
+    return {n: quantize_blocks(p.detach().to(torch.bfloat16)) for n, p in net.named_parameters() if p.dim() == 2}
+
+
+def fp8_row(base: dict, new: dict, bf16_base: dict, net) -> dict:
+    """For FP8 receivers: the delta of the quantized bytes and scales against the last step's, and how many
+    128 x 128 blocks hold any changed bf16 value (what sending changed blocks whole would move)."""
+    values = changed = scales = scales_changed = whole = wire = blocks_hit = 0
+    params = dict(net.named_parameters())
+    for name, (q, s) in new.items():
+        q0, s0 = base[name]
+        dq, ds = d.encode(q0, q), d.encode(s0, s)
+        whole += q.numel() + s.numel() * 4
+        wire += (dq.nbytes if dq is not None else q.numel()) + (ds.nbytes if ds is not None else s.numel() * 4)
+        values += q.numel()
+        changed += int((d.bits(q0) != d.bits(q)).sum())
+        scales += s.numel()
+        scales_changed += int((s0 != s).sum())
+        moved = (d.bits(params[name].detach().to(torch.bfloat16)) != d.bits(bf16_base[name])).reshape(q.shape)
+        r, c = moved.shape
+        grid = torch.nn.functional.pad(moved.float(), (0, (-c) % 128, 0, (-r) % 128))
+        blocks_hit += int(grid.reshape(-(-r // 128), 128, -(-c // 128), 128).amax(dim=(1, 3)).sum())
+    return {"fp8_changed_fraction": round(changed / values, 5), "fp8_scales_changed": scales_changed,
+            "fp8_whole_over_wire": round(whole / wire, 1), "blocks_with_a_change": round(blocks_hit / scales, 4)}
 
 
 def step_row(base: dict, net) -> dict:
@@ -82,6 +110,7 @@ def main() -> int:
     params = sum(p.numel() for p in net.parameters())
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr)
     base = {n: p.detach().to(torch.bfloat16).clone() for n, p in net.named_parameters()}
+    fp8 = fp8_state(net)
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(args.steps):
@@ -89,7 +118,10 @@ def main() -> int:
         net(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-        steps.append(step_row(base, net))
+        fp8_now = fp8_state(net)
+        fp8_stats = fp8_row(fp8, fp8_now, base, net)
+        fp8 = fp8_now
+        steps.append({**step_row(base, net), **fp8_stats})
     result = {"params_m": round(params / 1e6, 1), "lr": args.lr, "optimizer": "AdamW, fp32 master weights",
               "served": "bfloat16", "steps": steps,
               "bytes_per_changed_value": max(s["bytes_per_changed_value"] for s in steps),
