@@ -45,20 +45,24 @@ class Hearing:
             self.spell = (self.last, now)
         self.last = now
 
-    def explains(self, last_seen: float, now: float, members: int) -> bool:
-        """Whether a deaf spell (ended, or still going at ``now``) began within ``quiet_s`` after a member
-        was last heard at ``last_seen``."""
+    def _spells(self, now: float, members: int) -> list[tuple[float, float]]:
+        """The newest ended spell, and the one going on at ``now`` (ending now), if any."""
         spells = [self.spell] if self.spell is not None else []
         if self.last is not None and members >= 2 and now - self.last >= self.quiet_s:
             spells.append((self.last, now))
-        return any(0 <= start - last_seen <= self.quiet_s and end > last_seen for start, end in spells)
+        return spells
+
+    def explains(self, last_seen: float, now: float, members: int) -> bool:
+        """Whether a deaf spell (ended, or still going at ``now``) began within ``quiet_s`` after a member
+        was last heard at ``last_seen``."""
+        return any(0 <= start - last_seen <= self.quiet_s and end > last_seen
+                   for start, end in self._spells(now, members))
 
     def recent(self, now: float, within: float, members: int) -> bool:
         """Whether a deaf spell ended (or still goes on) within ``within`` seconds before ``now``: a
         member that joins again as a new session meanwhile most likely lost us to our own network (its
         old session's delayed messages, delivered after the heal, say nothing of when it went quiet)."""
-        ongoing = self.last is not None and members >= 2 and now - self.last >= self.quiet_s
-        return ongoing or (self.spell is not None and now - self.spell[1] <= within)
+        return any(now - end <= within for _, end in self._spells(now, members))
 
 
 @dataclasses.dataclass

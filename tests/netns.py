@@ -21,6 +21,8 @@ import signal
 import subprocess
 from typing import Optional, Sequence
 
+from weightsync.roles.channel import CONTROL_DSCP
+
 SUBNET = "198.18.0"
 PREFIX = "wsc"
 
@@ -42,7 +44,7 @@ def _in(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *args], check=check, capture_output=True, text=True)
 
 
-CONTROL_TOS = 0xC0  # DSCP CS6 in the TOS byte (weightsync.roles.channel.CONTROL_DSCP)
+CONTROL_TOS = CONTROL_DSCP << 2  # the control plane's DSCP in the TOS byte (CS6: 0xc0)
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
 

@@ -106,28 +106,27 @@ def encode(base: torch.Tensor, new: torch.Tensor, *, whole_if_larger: bool = Tru
     return delta if delta.nbytes < new_bits.numel() * width or not whole_if_larger else None
 
 
+def _unescaped(small: torch.Tensor, far: torch.Tensor, escape: int, what: str, row: str) -> torch.Tensor:
+    """The one-byte values with each escape replaced by the next far value, in int64."""
+    values = small.to(torch.int64)
+    escaped = values == escape
+    if int(escaped.sum()) != far.numel():
+        raise DeltaError(row, f"{int(escaped.sum())} escaped {what}, {far.numel()} given")
+    values[escaped] = far.to(torch.int64)
+    return values
+
+
 def positions_of(delta: Delta, row: str = "row") -> torch.Tensor:
-    gaps = delta.gaps.to(torch.int64)
-    escaped = gaps == 0
-    if int(escaped.sum()) != delta.far_gaps.numel():
-        raise DeltaError(row, f"{int(escaped.sum())} escaped gaps, {delta.far_gaps.numel()} given")
-    far = delta.far_gaps.to(torch.int64)
-    if far.numel() and int(far.min()) < 1:
+    if delta.far_gaps.numel() and int(delta.far_gaps.to(torch.int64).min()) < 1:  # (uint32 has no min)
         raise DeltaError(row, "a gap below 1: positions must be strictly increasing")
-    gaps[escaped] = far
-    positions = torch.cumsum(gaps, 0) - 1
+    positions = torch.cumsum(_unescaped(delta.gaps, delta.far_gaps, 0, "gaps", row), 0) - 1
     if positions.numel() and int(positions[-1]) >= delta.numel:
         raise DeltaError(row, f"position {int(positions[-1])} is outside the row's {delta.numel} values")
     return positions
 
 
 def steps_of(delta: Delta, row: str = "row") -> torch.Tensor:
-    steps = delta.steps.to(torch.int64)
-    escaped = steps == ESCAPE_STEP
-    if int(escaped.sum()) != delta.far_steps.numel():
-        raise DeltaError(row, f"{int(escaped.sum())} escaped steps, {delta.far_steps.numel()} given")
-    steps[escaped] = delta.far_steps.to(torch.int64)
-    return steps
+    return _unescaped(delta.steps, delta.far_steps, ESCAPE_STEP, "steps", row)
 
 
 def check(delta: Delta, target: torch.Tensor, row: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +169,7 @@ def unpack(data: bytes, row: str = "row") -> Delta:
     if magic != MAGIC or width not in _INT:
         raise DeltaError(row, f"not a delta (magic {magic:#x}, width {width})")
     far_step = _FAR_STEP[width]
-    step_size = torch.empty(0, dtype=far_step).element_size()
-    want = _HEADER.size + 2 * changes + 4 * far_gaps + step_size * far_steps
+    want = _HEADER.size + 2 * changes + 4 * far_gaps + far_step.itemsize * far_steps
     if len(data) != want:
         raise DeltaError(row, f"{len(data)} bytes, the header says {want}")
     buf, at = bytearray(data), _HEADER.size

@@ -133,9 +133,6 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         if joined is not None:
             vllm_worker.leave(joined, self.model)
 
-    def status(self) -> dict:
-        return vllm_worker.status(self._require())
-
     def _require(self) -> vllm_worker._Joined:
         if self.joined is None:
             raise ConfigError("init_weight_transfer_engine", "the weightsync backend has not joined a controller: "
@@ -308,18 +305,20 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         await (await self.sender.push(version))
 
     def _pause(self) -> None:
-        base = getattr(self.client, "base_url", None)
-        if self.info.pause and base:  # (the HTTP client; LLM and Ray callers are not generating meanwhile)
-            import requests
-
-            requests.post(f"{base}/pause", params={"mode": self.info.pause}, timeout=self.info.timeout_s).raise_for_status()
+        if self.info.pause:
+            self._generation("pause", {"mode": self.info.pause})
 
     def _resume(self) -> None:
+        if self.info.pause:
+            self._generation("resume", {})
+
+    def _generation(self, route: str, params: dict) -> None:
+        """Pause or resume an HTTP server's generation (LLM and Ray callers do not generate meanwhile)."""
         base = getattr(self.client, "base_url", None)
-        if self.info.pause and base:
+        if base:
             import requests
 
-            requests.post(f"{base}/resume", timeout=self.info.timeout_s).raise_for_status()
+            requests.post(f"{base}/{route}", params=params, timeout=self.info.timeout_s).raise_for_status()
 
     def shutdown(self) -> None:
         """Leave: rank 0 has the workers leave first (a later ``trainer_init`` joins again)."""
