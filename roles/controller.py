@@ -98,9 +98,9 @@ class Controller(AsyncResource):
         self._handlers: dict[str, Callable[[Peer, Envelope], Optional[Awaitable[None]]]] = {
             m.Push.TYPE: lambda peer, env: self.rounds.on_push(peer, env.body.version),
             m.PlanAck.TYPE: lambda peer, env: self.planning.on_plan_ack(peer, env.body),
-            m.BeginAck.TYPE: self._round_message, m.WritesDone.TYPE: self._round_message,
-            m.FenceAck.TYPE: self._round_message, m.CommitAck.TYPE: self._round_message,
-            m.Error.TYPE: self._on_error,
+            **{t: lambda peer, env: self.rounds.on_round_message(peer, env.body)
+               for t in (m.BeginAck.TYPE, m.WritesDone.TYPE, m.FenceAck.TYPE, m.CommitAck.TYPE)},
+            m.Error.TYPE: lambda peer, env: self.rounds.on_error(peer, env.body),
             m.Leave.TYPE: lambda peer, env: self._drop(peer, f"left: {env.body.reason}"),
         }
 
@@ -274,13 +274,6 @@ class Controller(AsyncResource):
         done = handler(peer, env) if handler is not None else None
         if done is not None:
             await done
-
-    async def _round_message(self, peer: Peer, env: Envelope) -> None:
-        self.rounds.on_round_message(peer, env.body)
-
-    def _on_error(self, peer: Peer, env: Envelope) -> None:
-        log.warning("controller: %s reports %s: %s", peer.name, env.body.code.name, env.body.text)
-        self.rounds.on_error(peer, env.body)
 
     def _on_abusive(self, identity: bytes) -> None:
         if self._rates.abusive(identity):

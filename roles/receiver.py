@@ -163,16 +163,14 @@ class WeightReceiver(Worker):
 
     # --- public API -------------------------------------------------------------------------------
 
-    async def wait_for(self, version: int) -> int:
-        """Wait until a version >= ``version`` is committed; returns the current version."""
-        return await self._wait(version, strict=False)
-
     async def wait_committed(self, version: int) -> int:
         """Like ``wait_for``, for a caller waiting on one version's outcome: a round for ``version`` (or a
         newer one) that aborts here raises its ``RoundAborted`` instead of waiting for a later version."""
-        return await self._wait(version, strict=True)
+        return await self.wait_for(version, strict=True)
 
-    async def _wait(self, version: int, strict: bool) -> int:
+    async def wait_for(self, version: int, *, strict: bool = False) -> int:
+        """Wait until a version >= ``version`` is committed; returns the current version. ``strict``: see
+        ``wait_committed``."""
         while self.version is None or self.version < version:
             if strict and self.last_abort is not None and self.last_abort.version >= version:
                 raise self.last_abort
@@ -251,18 +249,17 @@ class WeightReceiver(Worker):
             task.cancel()
 
     async def _on_fence(self, env: Envelope) -> None:
+        """Verify the round and say so with ``fence_ack``. A ``fence_commit`` goes to the only receiver of
+        the round: if verification passes it applies at once and says so with ``commit_ack`` alone (it
+        tells the controller both); a failed verification is still a ``fence_ack``."""
         ack = await self._verdict(env.body)
-        await self._send(ack, version=ack.version)
-
-    async def _on_fence_commit(self, env: Envelope) -> None:
-        """The only receiver of the round: verify, and if that passes apply at once and say so with
-        ``commit_ack`` alone (it tells the controller both); a failed verification is a ``fence_ack``."""
-        ack = await self._verdict(env.body)
-        if not ack.ok:
+        if not ack.ok or not isinstance(env.body, m.FenceCommit):
             await self._send(ack, version=ack.version)
             return
         self.rounds_one_phase += 1
         await self._apply(ack.version)
+
+    _on_fence_commit = _on_fence  # one handler for both messages
 
     async def _verdict(self, body: "m.Fence | m.FenceCommit") -> m.FenceAck:
         """Verify round ``body.version`` (``roles.verify``): delivery proofs, arrivals, checksums."""

@@ -274,6 +274,7 @@ class Rounds:
         """A participant's error fails the running round. Who is blamed: a data-plane error names the
         planned peer whose end failed (``field``: "receiver/3" when the connection to it broke or it
         refused our writes); otherwise the reporter."""
+        log.warning("controller: %s reports %s: %s", peer.name, error.code.name, error.text)
         rnd = self.round
         if rnd is None or error.version != rnd.version or not self.planning.holds(peer):
             return

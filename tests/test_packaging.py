@@ -109,3 +109,18 @@ def test_the_vllm_plugin_is_declared_and_nothing_else_imports_vllm():
             "assert 'vllm' not in sys.modules, 'vllm'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
+
+
+MAX_METHODS = 25  # a class in roles/ with more is doing several jobs: split it into parts it owns
+
+
+def test_no_class_in_roles_has_more_than_25_methods():
+    """The controller and the workers are made of parts; a class that grows past the limit names itself."""
+    big = []
+    for path in sorted((ROOT / "roles").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                count = sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in node.body)
+                if count > MAX_METHODS:
+                    big.append(f"{path.relative_to(ROOT)}: {node.name} has {count} methods")
+    assert not big, "\n".join(big)

@@ -30,11 +30,14 @@ class WatchedController(Controller):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.writes_done = asyncio.Event()
+        on_round_message = self.rounds.on_round_message
 
-    async def _round_message(self, peer, env) -> None:
-        await super()._round_message(peer, env)
-        if isinstance(env.body, m.WritesDone):
-            self.writes_done.set()
+        def watched(peer, body) -> None:
+            on_round_message(peer, body)
+            if isinstance(body, m.WritesDone):
+                self.writes_done.set()
+
+        self.rounds.on_round_message = watched
 
 
 class WatchedReceiver(WeightReceiver):
