@@ -173,6 +173,7 @@ class Abilities:
     batch: int = 1  # with submits, > 1: submit_many(rows, epoch) takes up to this many rows
     seals: bool = False  # seal() -> a delivery proof the target checks (``Transport.await_proofs``)
     writes_in_place: bool = False  # address(...) and submit_written(...): a transform stores into the target
+    delta_auto: bool = False  # delta="auto" sends deltas here: a link slower than encoding (docs/DELTAS.md)
 
     def promised(self) -> set[str]:
         """The methods these flags promise."""

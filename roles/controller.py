@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Optional
 import zmq
 
 from weightsync.engine.aio import AsyncResource, Spinner, Waiters
+from weightsync.engine.datapath.deltas import DELTA_MODES
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.logs import Repeats
 from weightsync.engine.plan import LinkModel, Mapping, PlanOptions, RoutingPlan, get_mapping
@@ -59,9 +60,12 @@ class ControllerOptions:
     one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
     spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
     control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
+    delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
+        if self.delta not in DELTA_MODES:
+            raise ConfigError("delta", f"must be one of {DELTA_MODES}, got {self.delta!r}")
         check_dscp("control_dscp", self.control_dscp)
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from weightsync.engine.datapath.deltas import DELTA_REGION
 from weightsync.engine.datapath.exchange import Exchange, memory_exchange
 from weightsync.engine.datapath.registry import RegistrationCache
 from weightsync.engine.datapath.tensors import FlatBuffer, Params, aligned_layout, find_ties, named_tensors, spec_for
@@ -31,6 +32,7 @@ from weightsync.wire import Envelope, Manifest, Origin, ReceiverTable, Role, Sha
 from weightsync.wire import messages as m
 
 from . import verify
+from .delta_landing import DEFAULT_DELTA_FRACTION, DeltaLanding, check_fraction
 from .worker import Worker, WorkerOptions, call_hook, with_device
 
 log = logging.getLogger("weightsync")
@@ -43,9 +45,11 @@ MODES = ("shadow", "inplace")
 class ReceiverOptions(WorkerOptions):
     mode: str = "shadow"
     proof_timeout_s: float = 60.0  # longest wait at fence for writes a sender announced with a delivery proof
+    delta_fraction: float = DEFAULT_DELTA_FRACTION  # the delta region, as a fraction of the weights (0: whole rows only)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_fraction(self.delta_fraction)
         if not self.proof_timeout_s > 0:
             raise ConfigError("proof_timeout_s", f"must be positive, got {self.proof_timeout_s}")
 
@@ -78,6 +82,7 @@ class WeightReceiver(Worker):
         if unknown:
             raise ConfigError("shards", f"shard specs for parameters this receiver does not hold: {unknown[:5]}")
         self.ties = find_ties(self.tensors)
+        self.dtypes = {name: t.dtype for name, t in self.tensors.items()}
         self.offsets, self.nbytes = aligned_layout(self.tensors, self.ties)
         self.live = self._rehome()
         self.landing = FlatBuffer(self.nbytes, self.device) if self.mode == "shadow" else self.live
@@ -88,7 +93,9 @@ class WeightReceiver(Worker):
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
         self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
         self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
+        self.deltas = DeltaLanding(options.delta_fraction, self.nbytes, self.device, self.mode == "shadow")
         extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
+        extra += ("delta",) if self.deltas.region is not None else ()
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
         self.cache = RegistrationCache()
         self.table: Optional[ReceiverTable] = None
@@ -130,6 +137,8 @@ class WeightReceiver(Worker):
     def _manifest(self) -> Manifest:
         """Region 0 (and 1 in shadow mode) are the buffers; senders add the round's slot to region 0."""
         wanted = {REGION + i: buf.storage for i, buf in enumerate(self.buffers)}
+        if self.deltas.region is not None:
+            wanted[DELTA_REGION] = self.deltas.region.storage
         infos = self.cache.apply(self.cache.plan(wanted), self.transport)
         self._region_addresses = {i: buf.storage.data_ptr() for i, buf in enumerate(self.buffers)}
         self._open_regions(False)
@@ -154,9 +163,9 @@ class WeightReceiver(Worker):
         if self.prepared is not None:  # a verified version whose outcome is not known yet: nothing may touch it
             self.transport.guard.open_regions(())
         elif self.mode == "shadow":
-            self.transport.guard.open_regions({REGION + self.landing_slot})
+            self.transport.guard.open_regions({REGION + self.landing_slot, DELTA_REGION})
         else:
-            self.transport.guard.open_regions({REGION} if round_open else ())
+            self.transport.guard.open_regions({REGION, DELTA_REGION} if round_open else ())
 
     def _hello_fields(self) -> dict:
         return {"committed": self.version, "landing": self.landing_slot if self.mode == "shadow" else None}
@@ -226,6 +235,9 @@ class WeightReceiver(Worker):
         self.transport.close_epoch(self._pending - 1)
         self._algo = env.body.checksum
         self._spin(True)
+        wrong_base = self.deltas.begin(self.rank, env.body.bases)
+        if wrong_base is not None:
+            await self._send(m.Error(m.ErrorCode.BAD_REQUEST, wrong_base, "base", self._pending), version=self._pending)
         if self.mode == "inplace":  # serving may take a while to pause: wait off the receive loop, which
             #                            must keep reading (heartbeats, an abort)
             self._begin_task = asyncio.ensure_future(self._begin_in_place(self._pending))
@@ -267,8 +279,12 @@ class WeightReceiver(Worker):
         unproven = await verify.await_proofs(self.transport, body.checksums, self.options.proof_timeout_s)
         self.timeline.mark(version, "proofs:checked")
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
-        problems, names, blame = verify.arrivals(self.transport, self.table, self._expected, self._pending,
-                                                 body.checksums)
+        saved = self.deltas.saved(self.table, body.checksums)
+        expected = {src: (count, nbytes - saved.get(src, 0)) for src, (count, nbytes) in self._expected.items()}
+        problems, names, blame = verify.arrivals(self.transport, self.table, expected, self._pending, body.checksums)
+        if not problems:
+            problems, names, blame = await verify.deltas(self.deltas, self.table, self.landing.storage,
+                                                         self.dtypes, body.checksums)
         if unproven:
             problems += [f"sender/{src}: {why}" for src, why in sorted(unproven.items())]
             names = sorted({*names, *(e.name for e in self.table.entries if e.src_rank in unproven)})
@@ -293,6 +309,7 @@ class WeightReceiver(Worker):
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
+        self.deltas.committed(version, self.table, self.live.storage, self.landing.storage, self.dtypes)
         self._open_regions(False)
         self.timeline.mark(version, "applied")
         self.dirty = False

@@ -155,7 +155,7 @@ class RoundState:
         for sender, body in sorted(self.writes.items()):
             for s in body.receivers:
                 if s.peer_rank == receiver:
-                    out.append(m.WriteSummary(sender, s.count, s.nbytes, s.checksums, s.proof))
+                    out.append(dataclasses.replace(s, peer_rank=sender))
         return tuple(out)
 
     def _maybe(self, stage: str, complete: bool) -> None:

@@ -18,6 +18,7 @@ from typing import Mapping, Optional
 import torch
 import zmq
 
+from weightsync.engine.datapath.deltas import DEFAULT_BASE_BUDGET, Bases, DeltaRound, windows
 from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
 from weightsync.engine.datapath.staging import SourceSet, StagingPool, Transform
 from weightsync.engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
@@ -76,9 +77,12 @@ class SenderOptions(WorkerOptions):
     pipeline: PipelineOptions = PipelineOptions()
     gather_budget_bytes: int = GATHER_BUDGET_BYTES  # FSDP2: bytes of gathered full tensors alive at once on this rank
     quantize_on: str = ""  # a CUDA device ("cuda:0") where CPU-held sources are quantized; "": on the CPU
+    base_budget_bytes: int = DEFAULT_BASE_BUDGET  # delta rounds: bytes of last-sent rows kept (docs/DELTAS.md)
+    base_on: str = "device"  # where they are kept: "device" (the staged bytes' own) or "host" (pinned memory)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        Bases(self.base_budget_bytes, self.base_on)  # (checks both)
         if self.quantize_on and not self.quantize_on.startswith("cuda"):
             raise ConfigError("quantize_on", f"must name a CUDA device (\"cuda:0\") or be empty, got {self.quantize_on!r}")
 
@@ -112,6 +116,8 @@ class WeightSender(Worker):
         self._in_doubt: dict[int, PushHandle] = {}  # pushes written, whose commit a lost session did not tell
         self._last_version = -1
         self.committed: Optional[int] = None  # the newest version this sender saw committed
+        self.bases = Bases(options.base_budget_bytes, options.base_on)
+        self.last_delta: Optional[DeltaRound] = None  # the newest round's delta lanes and what went as deltas
 
     def __repr__(self) -> str:
         return (f"<WeightSender {self.name} {self.session.state.value} plan={self.plan_id} "
@@ -262,10 +268,11 @@ class WeightSender(Worker):
         pipeline = dataclasses.replace(self.pipeline.options, checksum=env.body.checksum)
         self.pipeline.options = pipeline
         slots = {s.rank: s.slot for s in env.body.landing}
-        self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round))
+        held = {b.rank: b.version for b in env.body.bases}
+        self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round, (env.body.delta, held)))
 
     async def _write(self, version: int, handle: PushHandle, slots: dict[int, int],
-                     previous: Optional[asyncio.Future]) -> None:
+                     previous: Optional[asyncio.Future], delta: tuple[str, dict[int, int]] = ("", {})) -> None:
         """Run the pipeline; ``writes_done`` goes out once every lane is sealed (for connections that
         prove delivery at the target, before the last copies finish), the handle is released once
         every write has completed. A round may commit before its last completions are drained:
@@ -285,8 +292,10 @@ class WeightSender(Worker):
         try:
             if len(self.conns) < len(self.table.peers):  # a connection a failure closed: made again
                 await self._connect_peers(self.table.peers, self._keys)
+            mode, held = delta  # (after the previous round: its bases are settled now)
+            deltas = self.last_delta = self.bases.round(version, mode, held, windows(mode, self.table.peers, self.conns))
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
-                                             on_sealed=announce)
+                                             on_sealed=announce, deltas=deltas)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported, never left hanging; after writes_done if it went out already
@@ -324,6 +333,7 @@ class WeightSender(Worker):
 
     async def _on_commit(self, env: Envelope) -> None:
         self.committed = env.body.version
+        self.bases.commit(env.body.version)  # (an aborted round's deltas are undone before the next one)
         handle = self._handles.pop(env.body.version, None)
         if handle is not None and not handle.committed.done():
             handle.committed.set_result(env.body.version)

@@ -5,21 +5,28 @@ How this works: three checks, in the order the receiver runs them before it ackn
 the transport confirms each one. ``arrivals``: every sender of the table reported what the table says,
 and where the transport observes incoming writes (TCP) what landed matches too, and nothing landed
 under another open round (a write under a future round would otherwise be committed as this one);
-one-sided transports rely on the report and the senders' fences. ``checksums``: each entry's bytes in
-the landing buffer against the sender's checksum (when the round asked for them). Each names the
-parameters affected; ``arrivals`` also names the one sender to blame, when there is one.
+one-sided transports rely on the report and the senders' fences. ``deltas``: the rows that came as
+deltas, each checked against its row and sender before any is applied, then applied to the landing
+buffer (``roles.delta_landing``). ``checksums``: each entry's bytes in the landing buffer against the
+sender's checksum (when the round asked for them). Each names the parameters affected; ``arrivals`` and
+``deltas`` also name the one sender to blame, when there is one.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import asyncio
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from weightsync.engine.datapath.checksums import checksum
+from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
 from weightsync.wire import ReceiverTable
 from weightsync.wire import messages as m
+
+if TYPE_CHECKING:
+    from .delta_landing import DeltaLanding
 
 
 async def await_proofs(transport: Transport, summaries: tuple[m.WriteSummary, ...], timeout_s: float) -> dict[int, str]:
@@ -57,6 +64,18 @@ def arrivals(transport: Transport, table: ReceiverTable, expected: Mapping[int, 
     names = sorted({e.name for e in table.entries if e.src_rank in bad_src}) if bad_src else []
     blame = f"sender/{min(bad_src)}" if len(bad_src) == 1 else ""
     return problems, names, blame
+
+
+async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Tensor,
+                 dtypes: Mapping[str, torch.dtype], summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str], str]:
+    """Check and apply the round's deltas to ``memory``: (problems, the parameter affected, the sender to blame)."""
+    if not any(s.deltas for s in summaries):
+        return [], [], ""
+    try:
+        await asyncio.to_thread(landing.land, table, summaries, memory, dtypes)
+    except DeltaError as exc:
+        return [f"delta refused: {exc}"], [exc.row], exc.peer
+    return [], [], ""
 
 
 def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str, summaries: tuple[m.WriteSummary, ...]) -> list[str]:

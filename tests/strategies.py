@@ -154,4 +154,13 @@ def from_type(cls):
 
 OVERRIDES[ReceiverTable] = receiver_tables()
 
+
+def _with_field(cls, **fields):
+    """``cls`` built from its annotations, with strategies of its own for ``fields`` (values ``_check`` allows)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return st.builds(cls, **{f.name: fields[f.name] if f.name in fields else from_annotation(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+OVERRIDES[m.UpdateBegin] = _with_field(m.UpdateBegin, delta=st.sampled_from(m.DELTA_MODES))
+
 bodies = st.sampled_from(sorted(m.MESSAGE_TYPES)).flatmap(lambda t: from_type(m.MESSAGE_TYPES[t]))

@@ -177,12 +177,34 @@ class Slot:
 
 
 @struct
+class Base:
+    """Receiver ``rank`` holds, where this round lands, every byte of committed ``version``: a sender
+    may send it the round's changes against that version (``delta``) instead of whole rows."""
+
+    rank: U32
+    version: U64
+
+
+DELTA_MODES = ("", "auto", "always")  # "": whole rows only; see docs/DELTAS.md
+
+
+@struct
 class UpdateBegin(Message):
+    """Controller -> round members: round ``version`` of plan ``plan_id`` begins. ``bases`` (to senders,
+    and to each receiver its own): the receivers a delta may go to, and against which version; a
+    receiver not named gets whole rows. ``delta``: the round's delta mode (``DELTA_MODES``)."""
+
     TYPE = "begin"
     version: U64
     plan_id: U64
     checksum: str
     landing: tuple[Slot, ...]
+    bases: tuple[Base, ...] = ()
+    delta: str = ""
+
+    def _check(self) -> None:
+        if self.delta not in DELTA_MODES:
+            raise Violation("value", "delta", f"{self.delta!r} is not one of {DELTA_MODES}")
 
 
 @struct
@@ -204,6 +226,15 @@ MAX_PROOF_BYTES = 256
 
 
 @struct
+class DeltaRow:
+    """Transfer ``index`` went as a delta of ``nbytes`` (``engine.transforms.delta``'s packed form) into
+    the receiver's delta region, at the window its row maps to (``engine.datapath.deltas.window``)."""
+
+    index: U32
+    nbytes: U64
+
+
+@struct
 class WriteSummary:
     """What one sender wrote to one receiver; ``peer_rank`` is the receiver in ``writes_done`` and the
     sender in ``fence``. ``proof`` (optional, protocol 1.0 peers never see it): empty when the writes
@@ -216,6 +247,7 @@ class WriteSummary:
     nbytes: U64
     checksums: tuple[Checksum, ...]
     proof: bytes = b""
+    deltas: Columns[DeltaRow] = ()  # rows that went as deltas (``nbytes`` counts their payloads)
 
     def _check(self) -> None:
         if len(self.proof) > MAX_PROOF_BYTES:

@@ -120,9 +120,10 @@ class RoundCompiler:
 
     def lanes(self, transfers: Sequence[Transfer], sources: SourceSet, conns: Mapping[int, object],
               slots: Mapping[int, int], checksum: str, enabled: bool = True,
-              order: Optional[Sequence[Transfer]] = None) -> dict[int, CompiledLane]:
+              order: Optional[Sequence[Transfer]] = None, staged_lanes: frozenset = frozenset()) -> dict[int, CompiledLane]:
         """Receiver rank -> its compiled lane, for every receiver ``transfers`` names. ``order``: the
-        same rows in staging order (``SourceSet.begin``: fixed for a table), if not the table's."""
+        same rows in staging order (``SourceSet.begin``: fixed for a table), if not the table's.
+        ``staged_lanes``: receivers whose rows are all staged this round (delta lanes)."""
         if transfers is not self._table or not isinstance(transfers, tuple):
             self._cache.clear()
             self._by_rank = {}
@@ -135,10 +136,11 @@ class RoundCompiler:
         out = {}
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
-            key = (rank, slot, checksum, enabled, conn.generation)
+            compiled = enabled and rank not in staged_lanes
+            key = (rank, slot, checksum, compiled, conn.generation)
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
-                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, enabled))
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, compiled))
                 self.compiles += 1
             out[rank] = entry[1]
         if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables

@@ -43,13 +43,14 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from weightsync.wire import Transfer
-from weightsync.wire.messages import Checksum, WriteSummary
+from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
 
 from ..errors import ConfigError
 from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
+from .deltas import DELTA_REGION, DeltaRound
 from .staging import SourceSet, Staged, StagingPool
 
 MiB = 1 << 20
@@ -82,6 +83,7 @@ class LaneReport:
     stage_s: float = 0.0
     write_s: float = 0.0
     proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
+    deltas: list = dataclasses.field(default_factory=list)  # DeltaRow of each row that went as a delta
 
 
 @dataclasses.dataclass
@@ -91,7 +93,7 @@ class PushReport:
 
     def summaries(self) -> tuple[WriteSummary, ...]:
         return tuple(
-            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof)
+            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof, tuple(lane.deltas))
             for rank, lane in sorted(self.lanes.items())
         )
 
@@ -123,16 +125,19 @@ class Pipeline:
 
     async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int,
                   slots: Mapping[int, int] = {},
-                  on_sealed: Optional[Callable[[PushReport], None]] = None) -> PushReport:
+                  on_sealed: Optional[Callable[[PushReport], None]] = None,
+                  deltas: Optional[DeltaRound] = None) -> PushReport:
         """Write every transfer, fence every connection used; return what went to whom.
 
         ``slots``: receiver rank -> landing slot this round (added to each transfer's region id).
         ``on_sealed``: called once, when every lane is sealed (see the module's header); without it
-        no connection seals early."""
-        resolve, token = self._resolver(conns, slots)
+        no connection seals early. ``deltas``: the round's delta lanes, whose rows are all staged and
+        go as deltas where they may (``weightsync.engine.datapath.deltas``)."""
+        delta_lanes = deltas.lanes if deltas is not None else frozenset()
+        resolve, token = self._resolver({r: c for r, c in conns.items() if r not in delta_lanes}, slots)
         ordered = self.sources.begin(transfers, resolve, token)
         lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled,
-                                    order=ordered)
+                                    order=ordered, staged_lanes=delta_lanes)
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
@@ -140,7 +145,8 @@ class Pipeline:
                        if on_sealed is not None else None)
         try:
             await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
-                                     on_sealed is not None, seals.one) for r, lane in lanes.items())
+                                     on_sealed is not None, seals.one, deltas if r in delta_lanes else None)
+                          for r, lane in lanes.items())
         except BaseException:
             self.sources.abort()
             raise
@@ -163,7 +169,8 @@ class Pipeline:
         return resolve, (tuple(sorted(slots.items())), tuple(sorted((r, id(c)) for r, c in direct.items())))
 
     async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
-                    epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None]) -> None:
+                    epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None],
+                    deltas: Optional[DeltaRound] = None) -> None:
         """Replay the lane's compiled table (its direct rows), stage and write the rest, fence."""
         depth = self.options.depth or conn.abilities.depth or DEFAULT_DEPTH
         channel: Channel = Channel(depth)
@@ -173,7 +180,7 @@ class Pipeline:
         replayed = _replay(conn, lane, report, epoch)
         try:
             readable = conn.abilities.devices
-            await run_all([self._stager(transfers, channel, report, readable),
+            await run_all([self._stager(transfers, channel, report, readable, deltas),
                            self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
             if replayed:
                 await asyncio.gather(*replayed)
@@ -190,7 +197,7 @@ class Pipeline:
             sealed()
 
     async def _stager(self, transfers: list[Transfer], channel: Channel, report: LaneReport,
-                      readable: frozenset) -> None:
+                      readable: frozenset, deltas: Optional[DeltaRound] = None) -> None:
         algo = self.options.checksum
         # (not in lanes with transforms: their launches must keep ahead of the writes, docs/TRANSFORMS.md)
         prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
@@ -209,6 +216,8 @@ class Pipeline:
                     t0 = time.perf_counter()
                     staged = await self.sources.stage(t, self.pool, algo, readable, view)
                     staged.charge = charge
+                    if deltas is not None:
+                        await _as_delta(deltas, t, staged)
                     report.stage_s += time.perf_counter() - t0
                     await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
                     handed_over = True
@@ -264,7 +273,7 @@ class Pipeline:
                 end = queued + 1
                 t, staged = items[queued]
                 if staged.written is not None:  # (only on a connection that has it: ``_resolver``)
-                    ops = (conn.submit_written(staged.written, t.dst_region + slot, t.dst_offset, t.nbytes, epoch,
+                    ops = (conn.submit_written(staged.written, *_target(t, staged, slot), t.nbytes, epoch,
                                                staged.event),)
                 else:
                     while end < count and items[end][1].written is None:
@@ -289,17 +298,17 @@ class Pipeline:
         if end - start == 1:
             t, s = items[start]
             if conn.abilities.submits:
-                return (conn.submit(s.tensor, t.dst_region + slot, t.dst_offset, epoch, s.event),)
+                return (conn.submit(s.tensor, *_target(t, s, slot), epoch, s.event),)
             return (asyncio.ensure_future(self._write(conn, t, s, epoch, slot)),)
-        return conn.submit_many([(s.tensor, t.dst_region + slot, t.dst_offset, s.event) for t, s in items[start:end]],
+        return conn.submit_many([(s.tensor, *_target(t, s, slot), s.event) for t, s in items[start:end]],
                                 epoch)  # (only where the connection has it: ``batch`` > 1)
 
     @staticmethod
     async def _write(conn: Connection, t: Transfer, staged: Staged, epoch: int, slot: int) -> None:
         if staged.event is None:
-            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch)
+            await conn.write(staged.tensor, *_target(t, staged, slot), epoch)
         else:  # a side-stream transform may still be running: the transport orders the write after it
-            await conn.write(staged.tensor, t.dst_region + slot, t.dst_offset, epoch, after=staged.event)
+            await conn.write(staged.tensor, *_target(t, staged, slot), epoch, after=staged.event)
 
     async def _complete(self, op: asyncio.Future, t: Transfer, staged: Staged, t0: float,
                         report: LaneReport) -> None:
@@ -327,10 +336,28 @@ def _replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int
     return ops
 
 
+def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
+    """(region, offset) ``staged`` goes to: its row's in the landing slot, or the delta's window."""
+    return staged.target if staged.target is not None else (t.dst_region + slot, t.dst_offset)
+
+
+async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged) -> None:
+    """A row of a delta lane: its staged bytes become its delta where it may go as one."""
+    await staged.wait()
+    out = deltas.stage(t, staged.tensor)
+    if out is not None:
+        staged.tensor, offset = out
+        staged.target = (DELTA_REGION, offset)
+
+
 def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
     """What the lane reports is counted as writes are issued (a failed write fails the whole run)."""
     report.count += 1
-    report.nbytes += t.nbytes
+    if staged.target is not None:
+        report.nbytes += staged.tensor.numel()
+        report.deltas.append(DeltaRow(t.index, staged.tensor.numel()))
+    else:
+        report.nbytes += t.nbytes
     if staged.checksum is not None:
         report.checksums.append(Checksum(t.index, staged.checksum))
 

@@ -39,6 +39,7 @@ class Staged:
     charge: int = 0  # bytes of the pipeline's budget this holds until written
     event: Optional[torch.cuda.Event] = None  # on CUDA: the tensor is complete once this has happened
     written: Optional[torch.device] = None  # the bytes are in the receiver already, put there from this device
+    target: Optional[tuple[int, int]] = None  # (region, offset) it goes to instead of its row's: a delta
 
     async def wait(self) -> None:
         """Until the bytes exist (a transform queued on a side stream may still be running)."""

@@ -43,9 +43,9 @@ ESCAPE_STEP = -128
 class DeltaError(WeightSyncError):
     """A delta that cannot apply to its row (malformed, out of bounds, another width)."""
 
-    def __init__(self, row: str, text: str) -> None:
-        super().__init__(f"{row}: {text}")
-        self.row = row
+    def __init__(self, row: str, text: str, peer: str = "") -> None:
+        super().__init__(f"{row}{f' from {peer}' if peer else ''}: {text}")
+        self.row, self.text, self.peer = row, text, peer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,13 +140,14 @@ def check(delta: Delta, target: torch.Tensor, row: str = "row") -> tuple[torch.T
     return positions_of(delta, row), steps_of(delta, row)
 
 
-def apply(delta: Delta, target: torch.Tensor, row: str = "row") -> None:
-    """Add the delta's steps to ``target``'s bit patterns in place (checked first: all or nothing)."""
-    positions, steps = check(delta, target, row)
+def apply(delta: Delta, target: torch.Tensor, row: str = "row", *, checked=None, undo: bool = False) -> None:
+    """Add the delta's steps to ``target``'s bit patterns in place (checked first: all or nothing);
+    ``checked``: ``check``'s answer, when the caller has it; ``undo``: subtract them (``new`` -> ``base``)."""
+    positions, steps = checked if checked is not None else check(delta, target, row)
     values = bits(target)
     if positions.device != values.device:
         positions, steps = positions.to(values.device), steps.to(values.device)
-    updated = values[positions].to(torch.int64) + steps
+    updated = values[positions].to(torch.int64) + (-steps if undo else steps)
     if delta.width < 8:  # wrap into the width, then read as its signed (or, for bytes, unsigned) integer
         span = 1 << (8 * delta.width)
         updated = updated % span
@@ -159,6 +160,41 @@ def pack(delta: Delta) -> bytes:
     head = _HEADER.pack(MAGIC, delta.width, delta.changes, delta.far_gaps.numel(), delta.far_steps.numel(), delta.numel)
     arrays = (delta.gaps, delta.steps, delta.far_gaps, delta.far_steps)
     return head + b"".join(a.contiguous().cpu().numpy().tobytes() for a in arrays)
+
+
+def pack_tensor(delta: Delta) -> torch.Tensor:
+    """``pack``'s bytes as a uint8 tensor on the delta's device (no round trip through the host)."""
+    head = _HEADER.pack(MAGIC, delta.width, delta.changes, delta.far_gaps.numel(), delta.far_steps.numel(), delta.numel)
+    device = delta.gaps.device
+    arrays = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)]
+    arrays += [a.contiguous().reshape(-1).view(torch.uint8) for a in (delta.gaps, delta.steps, delta.far_gaps,
+                                                                       delta.far_steps) if a.numel()]
+    return torch.cat(arrays)
+
+
+def unpack_tensor(data: torch.Tensor, row: str = "row") -> Delta:
+    """A delta from ``pack_tensor``'s bytes (a uint8 tensor on any device; only the header is read on the
+    host); lengths that do not add up are a ``DeltaError`` naming ``row``."""
+    if data.numel() < _HEADER.size:
+        raise DeltaError(row, f"{data.numel()} bytes is shorter than a delta's header")
+    magic, width, changes, far_gaps, far_steps, numel = _HEADER.unpack(bytes(data[:_HEADER.size].cpu().numpy()))
+    if magic != MAGIC or width not in _INT:
+        raise DeltaError(row, f"not a delta (magic {magic:#x}, width {width})")
+    far_step = _FAR_STEP[width]
+    want = _HEADER.size + 2 * changes + 4 * far_gaps + far_step.itemsize * far_steps
+    if data.numel() != want:
+        raise DeltaError(row, f"{data.numel()} bytes, the header says {want}")
+    at = _HEADER.size
+
+    def take(n: int, dtype: torch.dtype) -> torch.Tensor:
+        nonlocal at
+        size = n * torch.empty(0, dtype=dtype).element_size()
+        part = data[at:at + size]
+        at += size
+        return part.view(dtype) if dtype.itemsize == 1 else part.clone().view(dtype)  # (aligned copies)
+
+    gaps, steps = take(changes, torch.uint8), take(changes, torch.int8)
+    return Delta(width, numel, gaps, take(far_gaps, torch.uint32), steps, take(far_steps, far_step))
 
 
 def unpack(data: bytes, row: str = "row") -> Delta:

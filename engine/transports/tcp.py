@@ -191,7 +191,8 @@ class TcpConnection:
     """Initiator side of one connection to a receiver's agent."""
 
     # GPU sources are staged through pinned host memory; compiled rows (ready-made frames) read CPU memory
-    abilities = Abilities(devices=frozenset({"cpu"}), compiles=True, direct_devices=frozenset({"cpu"}))
+    abilities = Abilities(devices=frozenset({"cpu"}), compiles=True, direct_devices=frozenset({"cpu"}),
+                          delta_auto=True)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
     def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int]) -> None:

@@ -50,7 +50,7 @@ class UcclConnection:
         self._serial = asyncio.Lock() if owner.options.uccl_tcp else None
         device = frozenset({torch.device(owner.options.device).type})  # what sources it reads in place
         self.abilities = Abilities(devices=device, depth=1 if self._serial else RDMA_DEPTH, compiles=True,
-                                   direct_devices=device)
+                                   direct_devices=device, delta_auto=True)
 
     def _one_at_a_time(self):
         """In UCCL's tcp mode every operation is an NCCL send/recv pair matched in posting order, and

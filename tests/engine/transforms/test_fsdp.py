@@ -60,7 +60,11 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                     assert peak <= max(BUDGET, largest)  # the budget held: never two big tensors at once
                     assert nbytes > 0  # both FSDP ranks write their share
                 held = sum(t.numel() * t.element_size() for r in receivers for t in r.state_dict().values())
-                assert sum(d[3][3] for d in done) == held  # only what the receivers hold moved
+                moved = sum(d[3][3] for d in done)
+                if v == 1:
+                    assert moved == held  # only what the receivers hold moved
+                else:  # the receivers hold v1: their changes, as deltas (of the FP8 bytes for FP8 rows), checked
+                    assert moved < held  # by crc32 against the senders' bytes
     finally:
         children.close()
 

@@ -1,0 +1,268 @@
+"""Delta rounds on the data path: the sender's bases, where a delta lands, and the receiver's checks.
+
+How this works. A receiver that takes deltas registers a *delta region* beside its weights (a budget,
+``ReceiverOptions.delta_fraction`` of them). Each row of the receiver's weights maps to a *window* of
+that region, in proportion to where it lies (``window``): windows of different rows never overlap,
+and both ends work them out from the plan alone, so a delta needs no allocation and no offset on the
+wire. A row whose delta does not fit its window goes whole.
+
+Sender (``Bases``): the bytes it last sent of each row (by source, slice and transform: receivers of
+the same bytes share one), within ``base_budget_bytes`` (rows past it go whole, logged once), and the
+version they hold. ``Bases.round`` names, per round, the receivers in delta mode (``DeltaRound.lanes``:
+every row of theirs is staged, never replayed) and stages each of their rows: the delta of the new
+bytes against the base, if the receiver holds that base (the round's ``begin`` says which version it
+holds) and the delta is smaller than the row and fits its window; otherwise the row goes whole. Either
+way the base becomes the new bytes at once (a delta is applied to it; whole bytes are copied). A commit
+makes them the base's version; an abort undoes the deltas (``settle``, before the next round) and
+forgets bases that took whole bytes: a base never holds bytes of a round that did not commit.
+
+Receiver (``landed``): the rows that came as deltas (``WriteSummary.deltas``) are read from their
+windows and checked — each names a row of the sender that sent it, once, inside its window, and is a
+well-formed delta for that row (``delta.check``) — all of them before any byte is applied; a bad one is
+a ``DeltaError`` naming the row and the sender. ``apply`` then adds them to the landing memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, Transfer
+from weightsync.wire.messages import DeltaRow, WriteSummary
+
+from ..errors import ConfigError
+from ..transforms import delta as codec
+from ..transport import Connection
+
+log = logging.getLogger("weightsync")
+
+DELTA_REGION = 8  # the region id of a receiver's delta region (its weights are regions 0 and 1)
+ALIGN = 16  # windows start on multiples of this
+DELTA_MODES = ("off", "auto", "always")
+BASE_ON = ("device", "host")
+DEFAULT_BASE_BUDGET = 8 << 30  # bytes of bases a sender keeps, at most
+
+
+def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
+    """(offset, capacity) in the delta region of the row at ``offset`` .. ``offset + nbytes`` of a
+    ``region_nbytes`` region: the rows' windows are disjoint wherever the rows are."""
+    if region_nbytes <= 0 or delta_nbytes <= 0:
+        return 0, 0
+    start = -(-(offset * delta_nbytes) // region_nbytes)  # ceil: at or past where the row maps to
+    start = -(-start // ALIGN) * ALIGN
+    end = (offset + nbytes) * delta_nbytes // region_nbytes  # floor: the next row's window starts past it
+    return (start, end - start) if end > start else (0, 0)
+
+
+def windows(mode: str, peers: Sequence[PeerInfo], conns: Mapping[int, Connection]) -> dict[int, tuple[int, int]]:
+    """Receiver rank -> (weights region, delta region) sizes, for the receivers a round in delta ``mode``
+    sends deltas to: those with a delta region, on connections ``mode`` picks ("always": every one;
+    "auto": those whose abilities say a delta pays there)."""
+    out = {}
+    for peer in peers if mode else ():
+        sizes = {r.region_id: r.nbytes for r in peer.regions}
+        conn = conns.get(peer.rank)
+        if sizes.get(DELTA_REGION) and conn is not None and (mode == "always" or conn.abilities.delta_auto):
+            out[peer.rank] = (sizes.get(0, 0), sizes[DELTA_REGION])
+    return out
+
+
+@dataclasses.dataclass
+class _Base:
+    tensor: torch.Tensor  # the bytes last sent, in the staged dtype
+    version: Optional[int]  # the committed version they are; None: unknown (in a round, or forgotten)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """What one round did to a base: the version it held before, and the delta applied (None: whole)."""
+
+    before: Optional[int]
+    delta: Optional[codec.Delta]
+
+
+def _key(t: Transfer) -> tuple:
+    return (t.name, t.slice, t.transform)
+
+
+class Bases:
+    """A sender's bases (see the module's header)."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_BASE_BUDGET, on: str = "device") -> None:
+        if budget_bytes < 0:
+            raise ConfigError("base_budget_bytes", f"must be >= 0, got {budget_bytes}")
+        if on not in BASE_ON:
+            raise ConfigError("base_on", f"must be one of {BASE_ON}, got {on!r}")
+        self.budget_bytes, self.on = budget_bytes, on
+        self.entries: dict[tuple, _Base] = {}
+        self.used = 0
+        self.version: Optional[int] = None  # the round whose changes the bases hold, until settled
+        self.pending: dict[tuple, _Pending] = {}
+        self.committed = False
+        self._over_budget_logged = False
+
+    def __repr__(self) -> str:
+        return (f"<Bases {len(self.entries)} rows {self.used}/{self.budget_bytes} bytes "
+                f"pending={'v%s' % self.version if self.pending else None}>")
+
+    def commit(self, version: int) -> None:
+        """Round ``version`` committed: its bytes are the bases' from now on."""
+        if version == self.version:
+            self.committed = True
+            self.settle()
+
+    def settle(self) -> None:
+        """Close the last round: committed, its bytes take its version; otherwise its deltas are undone
+        and bases that took whole bytes are forgotten. Call with no round of this sender running."""
+        for key, p in self.pending.items():
+            base = self.entries[key]
+            if self.committed:
+                base.version = self.version
+            elif p.delta is not None and p.before is not None:
+                codec.apply(p.delta, base.tensor, str(key[0]), undo=True)
+                base.version = p.before
+            else:
+                base.version = None
+        self.pending, self.version, self.committed = {}, None, False
+
+    def round(self, version: int, mode: str, bases: Mapping[int, int],
+              sizes: Mapping[int, tuple[int, int]]) -> Optional["DeltaRound"]:
+        """Round ``version`` in delta ``mode`` ("": none): ``sizes`` the receivers in delta mode with
+        their (weights region, delta region) sizes (``windows``), ``bases`` the version each holds."""
+        self.settle()
+        if not mode:
+            return None
+        self.version = version
+        return DeltaRound(self, frozenset(sizes), dict(bases), dict(sizes))
+
+    def advance(self, t: Transfer, new: torch.Tensor) -> _Pending:
+        """Bring row ``t``'s base to ``new`` (once a round per base); what that did."""
+        key = _key(t)
+        done = self.pending.get(key)
+        if done is not None:
+            return done
+        base = self.entries.get(key)
+        nbytes = new.numel() * new.element_size()
+        if base is not None and (base.tensor.shape != new.reshape(-1).shape or base.tensor.dtype != new.dtype):
+            self.used -= base.tensor.numel() * base.tensor.element_size()
+            del self.entries[key]
+            base = None
+        if base is None:
+            if self.used + nbytes > self.budget_bytes:
+                self._over_budget(t, nbytes)
+                return _Pending(None, None)
+            device = "cpu" if self.on == "host" else new.device
+            base = self.entries[key] = _Base(torch.empty(new.numel(), dtype=new.dtype, device=device,
+                                                         pin_memory=self.on == "host" and torch.cuda.is_available()), None)
+            self.used += nbytes
+        flat = new.reshape(-1)
+        delta = None
+        if base.version is not None:
+            delta = codec.encode(base.tensor.to(flat.device, non_blocking=True), flat)
+        done = self.pending[key] = _Pending(base.version, delta)
+        if delta is not None:
+            codec.apply(delta, base.tensor, t.name)
+        else:
+            base.tensor.copy_(flat, non_blocking=True)
+        base.version = None
+        return done
+
+    def _over_budget(self, t: Transfer, nbytes: int) -> None:
+        if not self._over_budget_logged:
+            self._over_budget_logged = True
+            log.info("weightsync: bases hold %d of %d bytes; %s (%d bytes) and rows past it go whole",
+                     self.used, self.budget_bytes, t.name, nbytes)
+
+
+class DeltaRound:
+    """One round's delta mode on the sender: which lanes, and what each of their rows becomes."""
+
+    def __init__(self, bases: Bases, lanes: frozenset, held: dict[int, int], windows: dict[int, tuple[int, int]]) -> None:
+        self.bases, self.lanes, self.held, self.windows = bases, lanes, held, windows
+        self.rows = 0  # of the lanes' rows, those that went as deltas
+        self.whole_bytes = 0  # what those rows would have been whole
+        self.changed = 0  # values they changed
+
+    def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
+        """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's
+        delta region), or None to send ``new`` whole."""
+        done = self.bases.advance(t, new)
+        held = self.held.get(t.dst_rank)
+        if done.delta is None or held is None or done.before != held:
+            return None
+        start, capacity = window(t.dst_offset, t.nbytes, *self.windows.get(t.dst_rank, (0, 0)))
+        if done.delta.nbytes > capacity:
+            return None
+        self.rows += 1
+        self.whole_bytes += t.nbytes
+        self.changed += done.delta.changes
+        return codec.pack_tensor(done.delta), start
+
+
+# --- the receiver's side ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """A checked delta: entry ``entry`` of sender ``src``, ready to apply."""
+
+    src: int
+    entry: ExpectedEntry
+    delta: codec.Delta
+    checked: tuple[torch.Tensor, torch.Tensor]
+
+
+def expected_bytes(table: ReceiverTable, summaries: tuple[WriteSummary, ...]) -> dict[int, int]:
+    """Sender rank -> bytes its rows' deltas saved (its report counts payloads, not rows, for them)."""
+    size = {(e.src_rank, e.index): e.nbytes for e in table.entries}
+    return {s.peer_rank: sum(size.get((s.peer_rank, d.index), 0) - d.nbytes for d in s.deltas)
+            for s in summaries if s.deltas}
+
+
+def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_region: Optional[torch.Tensor],
+           landing: torch.Tensor,
+           dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
+    """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in table order;
+    ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is written."""
+    entries = {(e.src_rank, e.index): e for e in table.entries}
+    out: list[Landed] = []
+    for s in summaries:
+        seen: set[int] = set()
+        for d in s.deltas:
+            out.append(_one(s.peer_rank, d, entries, seen, delta_region, landing, dtypes))
+    return out
+
+
+def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor], landing: torch.Tensor,
+         dtypes: Mapping[str, torch.dtype]) -> Landed:
+    entry = entries.get((src, d.index))
+    peer = f"sender/{src}"
+    if entry is None:
+        raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from that sender", peer)
+    try:
+        if d.index in seen:
+            raise codec.DeltaError(entry.name, "sent twice in one round")
+        seen.add(d.index)
+        if delta_region is None:
+            raise codec.DeltaError(entry.name, "a delta for a receiver without a delta region")
+        start, capacity = window(entry.offset, entry.nbytes, landing.numel(), delta_region.numel())
+        if d.nbytes > capacity:
+            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
+        delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
+        row = landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
+        return Landed(src, entry, delta, codec.check(delta, row, entry.name))
+    except codec.DeltaError as exc:
+        raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", peer) from None
+
+
+def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> int:
+    """Add checked deltas to ``landing`` (1-D uint8); the values they changed."""
+    changed = 0
+    for d in deltas:
+        e = d.entry
+        codec.apply(d.delta, landing[e.offset:e.offset + e.nbytes].view(dtypes[e.name]), e.name, checked=d.checked)
+        changed += d.delta.changes
+    return changed
