@@ -330,7 +330,8 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
 
     ctx = mp.get_context("spawn")
     total = rounds + 1
-    options = ControllerOptions(timeout_s=120.0, mapping="qwen2" if fp8 else "identity", spin=spin)
+    options = ControllerOptions(timeout_s=120.0, mapping="qwen2" if fp8 else "identity", spin=spin,
+                                delta="off", full_check_every=0)  # dense rounds of the data path alone
     async with Controller(senders=1, receivers=1, options=options) as ctl:
         r_in, r_out = ctx.Pipe(duplex=False)
         s_in, s_out = ctx.Pipe(duplex=False)

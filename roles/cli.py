@@ -62,6 +62,7 @@ def _controller(args: argparse.Namespace) -> int:
     from .controller import Controller, ControllerOptions
 
     options = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
+                                delta=args.delta, full_check_every=args.full_check_every,
                                 round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
                                 link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8), mapping=args.mapping,
                                 **_dscp(args))
@@ -291,7 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint (loopback unless told)")
     ctl.add_argument("--senders", type=int, required=True)
     ctl.add_argument("--receivers", type=int, required=True)
-    ctl.add_argument("--checksum", default="", choices=["", "crc32", "sum64"])
+    ctl.add_argument("--checksum", default="", choices=["", "crc32", "sum64", "fp64"],
+                     help="check every row of every round end to end with this algorithm")
+    ctl.add_argument("--delta", default="auto", choices=["auto", "always", "off"],
+                     help="send changed bytes only (docs/DELTAS.md)")
+    ctl.add_argument("--full-check-every", type=int, default=8,
+                     help="without --checksum: check every row of every Nth round end to end (0: never)")
     ctl.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     ctl.add_argument("--timeout", type=float, default=5.0, help="seconds of silence before a peer is lost")
     ctl.add_argument("--control-dscp", type=int, default=None, help=dscp_help)

@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Optional
 import zmq
 
 from weightsync.engine.aio import AsyncResource, Spinner, Waiters
+from weightsync.engine.datapath.checksums import validate as validate_checksum
 from weightsync.engine.datapath.deltas import DELTA_MODES
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.logs import Repeats
@@ -61,9 +62,17 @@ class ControllerOptions:
     spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
     control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
     delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
+    full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
+    #                            the one after an abort) checked end to end with ``full_check``; 0: never
+    full_check: str = "crc32"  # the algorithm of those rounds (engine.datapath.checksums)
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
+        validate_checksum(self.checksum)
+        validate_checksum(self.full_check)
+        if self.full_check_every < 0 or (self.full_check_every and not self.full_check):
+            raise ConfigError("full_check_every", f"must be >= 0 with an algorithm in full_check, got "
+                                                  f"{self.full_check_every} and {self.full_check!r}")
         if self.delta not in DELTA_MODES:
             raise ConfigError("delta", f"must be one of {DELTA_MODES}, got {self.delta!r}")
         check_dscp("control_dscp", self.control_dscp)

@@ -23,6 +23,7 @@ import torch
 from weightsync.engine.datapath import deltas as dp
 from weightsync.engine.datapath.tensors import FlatBuffer
 from weightsync.engine.errors import ConfigError
+from weightsync.engine.transforms import delta as codec
 from weightsync.wire import ReceiverTable
 from weightsync.wire import messages as m
 
@@ -64,27 +65,30 @@ class DeltaLanding:
         return dp.expected_bytes(table, summaries)
 
     def land(self, table: ReceiverTable, summaries: tuple[m.WriteSummary, ...], landing: torch.Tensor,
-             dtypes: Mapping[str, torch.dtype]) -> None:
-        """Check every delta of the round, then apply them all to ``landing`` (1-D uint8)."""
+             dtypes: Mapping[str, torch.dtype]) -> list[dp.Landed]:
+        """Check every delta of the round, then apply them all to ``landing`` (1-D uint8); the rows whose
+        fingerprint did not move as their sender said (``engine.datapath.deltas.apply``)."""
         t0 = time.perf_counter()
         region = self.region.storage if self.region is not None else None
         checked = dp.landed(table, summaries, region, landing, dtypes)
-        self.changed += dp.apply(checked, landing, dtypes)
+        wrong = dp.apply(checked, landing, dtypes)
+        self.changed += sum(d.delta.changes for d in checked)
         self.rows += len(checked)
         self.round = checked
         self.apply_s += time.perf_counter() - t0
-
+        return wrong
+    
     def committed(self, version: int, table: Optional[ReceiverTable], live: torch.Tensor, landing: torch.Tensor,
                   dtypes: Mapping[str, torch.dtype]) -> None:
         """``version`` is live; ``landing`` is where the next round lands (the old live memory for two slots)."""
         if self.region is None:
             return
+        self.base = version
         if self.two_slots:
             t0 = time.perf_counter()
             catch_up(self.round, table, live, landing, dtypes)
             self.catch_up_s += time.perf_counter() - t0
         self.round = []
-        self.base = version
 
 
 def catch_up(round_deltas: list[dp.Landed], table: Optional[ReceiverTable], live: torch.Tensor,
@@ -94,7 +98,9 @@ def catch_up(round_deltas: list[dp.Landed], table: Optional[ReceiverTable], live
     if not round_deltas or table is None:
         landing.copy_(live)
         return
-    dp.apply(round_deltas, landing, dtypes)
+    for d in round_deltas:  # (no fingerprint here: the next round's check covers what this slot then holds)
+        e = d.entry
+        codec.apply(d.delta, landing[e.offset:e.offset + e.nbytes].view(dtypes[e.name]), e.name, checked=d.checked)
     by_delta = {(d.src, d.entry.index) for d in round_deltas}
     spans = sorted((e.offset, e.offset + e.nbytes) for e in table.entries if (e.src_rank, e.index) not in by_delta)
     merged: list[list[int]] = []

@@ -29,6 +29,7 @@ from weightsync.wire import messages as m
 from .membership import Peer
 from .planning import Planning
 from .pushes import PushBook
+from .round_inputs import RoundInputs
 from .round_state import RoundReport, RoundState
 from .timeline import Timeline
 
@@ -54,7 +55,7 @@ class Rounds:
         self.fenced = -1  # the newest version the controller sent a fence for (never run again)
         self.reports: list[RoundReport] = []
         self._waiters: dict[int, asyncio.Future] = {}
-        self.bases: dict[bytes, int] = {}  # receiver session -> the committed version its landing memory holds
+        self.inputs = RoundInputs(options, planning.peer_of)  # bases for delta rounds, and each round's check
 
     def __repr__(self) -> str:
         return (f"<Rounds committed=v{self.committed} reports={len(self.reports)} pending={sorted(self.pushes.pushes)} "
@@ -129,7 +130,7 @@ class Rounds:
         self.check_version(version)  # never a round that is not newer than the committed version
         senders = {r for role, r in self.planning.sessions if role is Role.SENDER}
         receivers = {r for role, r in self.planning.sessions if role is Role.RECEIVER}
-        self.round = RoundState(version, plan.plan_id, senders, receivers, self.options.checksum)
+        self.round = RoundState(version, plan.plan_id, senders, receivers, self.inputs.checksum())
         self.timeline.mark(version, "round:start", self.round.t0)
         self.spinner.hold()
         self.task = asyncio.ensure_future(self._run(self.round))
@@ -182,26 +183,13 @@ class Rounds:
         rnd.stage = "done"
 
     async def _begin(self, rnd: RoundState, keys: list[tuple[Role, int]], landing: tuple[m.Slot, ...]) -> None:
-        bases = self._bases(rnd)
-        mode = "" if self.options.delta == "off" else self.options.delta
+        bases = self.inputs.bases_for(rnd.receivers)
+        mode = self.inputs.delta()
         for key in keys:
             slots = landing if key[0] is Role.SENDER else ()
             named = bases if key[0] is Role.SENDER else tuple(b for b in bases if b.rank == key[1])
             await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots, named, mode),
                                 rnd.version)
-
-    def _bases(self, rnd: RoundState) -> tuple[m.Base, ...]:
-        """The receivers a delta may go to this round, with the version each holds: those that take
-        deltas and whose session applied the last round it took part in (not one that aborted)."""
-        if self.options.delta == "off":
-            return ()
-        out = []
-        for r in sorted(rnd.receivers):
-            peer = self.planning.peer_of((Role.RECEIVER, r))
-            held = self.bases.get(peer.identity) if peer is not None and "delta" in peer.hello.capabilities else None
-            if held is not None:
-                out.append(m.Base(r, held))
-        return tuple(out)
 
     def _gated(self, rnd: RoundState) -> set[int]:
         """In-place receivers that acknowledge ``begin`` once their ``before_update`` hook has run
@@ -249,10 +237,7 @@ class Rounds:
 
     def _finish(self, rnd: RoundState, report: RoundReport) -> None:
         self.spinner.release()
-        for r in rnd.receivers - rnd.applied:  # whatever landed there, no committed version is known to be
-            peer = self.planning.peer_of((Role.RECEIVER, r))  # all of that landing memory
-            if peer is not None:
-                self.bases.pop(peer.identity, None)
+        self.inputs.finished(rnd, report.ok)
         if report.ok:
             self.learn_committed(rnd.version)
         self.reports.append(report)
@@ -290,7 +275,7 @@ class Rounds:
             peer.slot = 1 - peer.slot  # it swapped: next round lands in the other buffer
         rnd.receive(peer.hello.rank, body, blame)
         if isinstance(body, m.CommitAck) and body.applied:
-            self.bases[peer.identity] = rnd.version
+            self.inputs.applied(peer, rnd.version)
             self.learn_committed(rnd.version)  # a receiver serves it: committed, whatever comes next
 
     def on_error(self, peer: Peer, error: m.Error) -> None:
@@ -317,7 +302,7 @@ class Rounds:
         """A member's session is over: its pushes go with it; a round it takes part in aborts (or, after
         commit, stops waiting for it), blaming ``culprit`` (default: the member)."""
         self.pushes.forget_session(peer.identity)
-        self.bases.pop(peer.identity, None)
+        self.inputs.forget(peer)
         rnd = self.round
         if rnd is not None and self.planning.holds(peer):
             if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", culprit or peer.name):

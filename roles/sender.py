@@ -293,7 +293,8 @@ class WeightSender(Worker):
             if len(self.conns) < len(self.table.peers):  # a connection a failure closed: made again
                 await self._connect_peers(self.table.peers, self._keys)
             mode, held = delta  # (after the previous round: its bases are settled now)
-            deltas = self.last_delta = self.bases.round(version, mode, held, windows(mode, self.table.peers, self.conns))
+            sizes = windows(mode, self.table.peers, self.conns, self.bases.pays)
+            deltas = self.last_delta = self.bases.round(version, mode, held, sizes)
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
                                              on_sealed=announce, deltas=deltas)
         except asyncio.CancelledError:
@@ -306,6 +307,7 @@ class WeightSender(Worker):
                 log.exception("%s: round %s failed", self.name, version)  # a bug or a torch error
             return
         self.timeline.mark(version, "pipeline:end")
+        self.bases.observe(report.lanes, deltas.lanes if deltas is not None else frozenset())
         if not handle.released.done():
             handle.released.set_result(report)
         await asyncio.gather(*announced)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from weightsync.engine.datapath.checksums import checksum
+from weightsync.engine.datapath.deltas import named
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
 from weightsync.wire import ReceiverTable
@@ -72,9 +73,13 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
     if not any(s.deltas for s in summaries):
         return [], [], ""
     try:
-        await asyncio.to_thread(landing.land, table, summaries, memory, dtypes)
+        wrong = await asyncio.to_thread(landing.land, table, summaries, memory, dtypes)
     except DeltaError as exc:
         return [f"delta refused: {exc}"], [exc.row], exc.peer
+    if wrong:
+        rows = ", ".join(named(wrong[:5]))
+        return ([f"fp64 fingerprint of {len(wrong)} row(s) moved otherwise than their sender's: {rows}"],
+                sorted({d.entry.name for d in wrong}), "")
     return [], [], ""
 
 

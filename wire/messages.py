@@ -228,10 +228,12 @@ MAX_PROOF_BYTES = 256
 @struct
 class DeltaRow:
     """Transfer ``index`` went as a delta of ``nbytes`` (``engine.transforms.delta``'s packed form) into
-    the receiver's delta region, at the window its row maps to (``engine.datapath.deltas.window``)."""
+    the receiver's delta region, at the window its row maps to (``engine.datapath.deltas.window``);
+    ``change``: what applying it does to the row's fingerprint, which the receiver checks."""
 
     index: U32
     nbytes: U64
+    change: U64  # how much the row's ``fp64`` fingerprint moves (engine.datapath.checksums.fp64_change)
 
 
 @struct

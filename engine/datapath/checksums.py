@@ -99,30 +99,30 @@ def fp64(data: torch.Tensor) -> int:
     return total & _MASK
 
 
-def touched_words(positions: torch.Tensor, width: int, nbytes: int) -> torch.Tensor:
-    """The (sorted, unique) word indices holding the values at ``positions`` of a row of ``width``-byte
-    values and ``nbytes`` bytes."""
-    first = positions * width // 4
-    if width <= 4:
-        return torch.unique_consecutive(first)
-    return torch.unique(torch.cat([first + k for k in range(width // 4)]))
+def fp64_change(positions: torch.Tensor, before: torch.Tensor, after: torch.Tensor, width: int) -> int:
+    """How much a row's ``fp64`` moves when its ``width``-byte values at ``positions`` go from bit patterns
+    ``before`` to ``after`` (as ``engine.transforms.delta.apply`` gives them: int64 of the values' signed
+    integers, unsigned for 1-byte values), mod 2**64: O(changes), never a pass over the row. A word's
+    signed int32 is its lower bytes unsigned plus its top byte (or half) signed, so each value adds its
+    own share to its word: ``fp64`` is linear in the words."""
+    if width == 8:  # two words: the low one's and the high one's signed int32
+        low = fp64_change(positions * 2, _s32(before & 0xFFFFFFFF), _s32(after & 0xFFFFFFFF), 4)
+        high = fp64_change(positions * 2 + 1, before >> 32, after >> 32, 4)
+        return (low + high) & _MASK
+    per = 4 // width
+    slot = positions % per
+    word = positions // per
+    shift = 8 * width * slot
+    top = slot == per - 1
+    if width == 1:  # bytes come unsigned: the top one of a word counts signed
+        before = torch.where(top & (before >= 128), before - 256, before)
+        after = torch.where(top & (after >= 128), after - 256, after)
+    elif width == 2:  # halves come signed: the low one of a word counts unsigned
+        before = torch.where(~top & (before < 0), before + 65536, before)
+        after = torch.where(~top & (after < 0), after + 65536, after)
+    products = ((after - before) << shift) * (word % _MOD + 1)
+    return _fold(products)
 
 
-def word_values(data: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """Words ``words`` of a row's bytes (1-D uint8), as int64 of their signed int32 values."""
-    n = data.numel()
-    out = torch.zeros(words.numel(), dtype=torch.int64, device=data.device)
-    for k in range(4):
-        index = words * 4 + k
-        inside = index < n
-        part = torch.zeros_like(out)
-        part[inside] = data[index[inside]].to(torch.int64)
-        out |= part << (8 * k)
-    return torch.where(out >= 1 << 31, out - (1 << 32), out)
-
-
-def fp64_change(words: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> int:
-    """How much a row's ``fp64`` moves when its words ``words`` go from ``before`` to ``after``
-    (``word_values`` of each), mod 2**64."""
-    weights = words % _MOD + 1
-    return int(((after - before) * weights).sum()) & _MASK
+def _s32(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 1 << 31, v - (1 << 32), v)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping, Optional, Sequence
+import time
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -35,6 +36,7 @@ from weightsync.wire.messages import DeltaRow, WriteSummary
 
 from ..errors import ConfigError
 from ..transforms import delta as codec
+from .checksums import fp64_change
 from ..transport import Connection
 
 log = logging.getLogger("weightsync")
@@ -44,6 +46,8 @@ ALIGN = 16  # windows start on multiples of this
 DELTA_MODES = ("off", "auto", "always")
 BASE_ON = ("device", "host")
 DEFAULT_BASE_BUDGET = 8 << 30  # bytes of bases a sender keeps, at most
+AUTO_MARGIN = 2.0  # "auto": deltas where rows encode this many times faster than the link writes them
+MEASURED = 1 << 20  # bytes a rate is measured over, at least
 
 
 def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
@@ -57,15 +61,17 @@ def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> t
     return (start, end - start) if end > start else (0, 0)
 
 
-def windows(mode: str, peers: Sequence[PeerInfo], conns: Mapping[int, Connection]) -> dict[int, tuple[int, int]]:
+def windows(mode: str, peers: Sequence[PeerInfo], conns: Mapping[int, Connection],
+            pays: Callable[[int], bool] = lambda rank: True) -> dict[int, tuple[int, int]]:
     """Receiver rank -> (weights region, delta region) sizes, for the receivers a round in delta ``mode``
     sends deltas to: those with a delta region, on connections ``mode`` picks ("always": every one;
-    "auto": those whose abilities say a delta pays there)."""
+    "auto": those whose abilities say a delta may pay there and where ``pays``, ``Bases.pays``)."""
     out = {}
     for peer in peers if mode else ():
         sizes = {r.region_id: r.nbytes for r in peer.regions}
         conn = conns.get(peer.rank)
-        if sizes.get(DELTA_REGION) and conn is not None and (mode == "always" or conn.abilities.delta_auto):
+        if sizes.get(DELTA_REGION) and conn is not None and (
+                mode == "always" or (conn.abilities.delta_auto and pays(peer.rank))):
             out[peer.rank] = (sizes.get(0, 0), sizes[DELTA_REGION])
     return out
 
@@ -82,6 +88,7 @@ class _Pending:
 
     before: Optional[int]
     delta: Optional[codec.Delta]
+    change: int = 0  # what the delta did to the base's fp64 fingerprint
 
 
 def _key(t: Transfer) -> tuple:
@@ -103,6 +110,9 @@ class Bases:
         self.pending: dict[tuple, _Pending] = {}
         self.committed = False
         self._over_budget_logged = False
+        self.link_rates: dict[int, float] = {}  # receiver -> bytes/s its lane wrote whole rows at (measured)
+        self.encode_rate: Optional[float] = None  # bytes/s of rows encoded against their base (measured)
+        self._encoded = [0.0, 0]  # this round: seconds, bytes
 
     def __repr__(self) -> str:
         return (f"<Bases {len(self.entries)} rows {self.used}/{self.budget_bytes} bytes "
@@ -161,14 +171,38 @@ class Bases:
         flat = new.reshape(-1)
         delta = None
         if base.version is not None:
+            t0 = time.perf_counter()
             delta = codec.encode(base.tensor.to(flat.device, non_blocking=True), flat)
-        done = self.pending[key] = _Pending(base.version, delta)
+            change = applied(delta, base.tensor, t.name) if delta is not None else 0
+            self._encoded[0] += time.perf_counter() - t0
+            self._encoded[1] += nbytes
         if delta is not None:
-            codec.apply(delta, base.tensor, t.name)
+            done = self.pending[key] = _Pending(base.version, delta, change)
         else:
+            done = self.pending[key] = _Pending(base.version, None)
             base.tensor.copy_(flat, non_blocking=True)
         base.version = None
         return done
+
+    def observe(self, lanes: Mapping[int, object], delta_lanes: frozenset = frozenset()) -> None:
+        """After a round: the rate each dense lane (not in ``delta_lanes``: its rows replayed as they are)
+        wrote at, over at least ``MEASURED`` bytes, and the rate rows were encoded at, for ``pays``."""
+        for rank, lane in lanes.items():
+            if rank not in delta_lanes and lane.nbytes >= MEASURED and lane.write_s > 0:
+                self.link_rates[rank] = lane.nbytes / lane.write_s
+        seconds, nbytes = self._encoded
+        if nbytes >= MEASURED and seconds > 0:
+            self.encode_rate = nbytes / seconds
+        self._encoded = [0.0, 0]
+
+    def pays(self, rank: int) -> bool:
+        """Whether a delta round may beat a dense one toward ``rank`` ("auto"): encoding (and, as costly
+        again, applying at the receiver) must outrun the link. The link is measured first, by a dense
+        round; then deltas are tried until the encode rate is measured too."""
+        rate = self.link_rates.get(rank)
+        if rate is None:
+            return False
+        return self.encode_rate is None or self.encode_rate > AUTO_MARGIN * rate
 
     def _over_budget(self, t: Transfer, nbytes: int) -> None:
         if not self._over_budget_logged:
@@ -186,9 +220,9 @@ class DeltaRound:
         self.whole_bytes = 0  # what those rows would have been whole
         self.changed = 0  # values they changed
 
-    def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
+    def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int]]:
         """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's
-        delta region), or None to send ``new`` whole."""
+        delta region, its fingerprint change), or None to send ``new`` whole."""
         done = self.bases.advance(t, new)
         held = self.held.get(t.dst_rank)
         if done.delta is None or held is None or done.before != held:
@@ -199,7 +233,13 @@ class DeltaRound:
         self.rows += 1
         self.whole_bytes += t.nbytes
         self.changed += done.delta.changes
-        return codec.pack_tensor(done.delta), start
+        return codec.pack_tensor(done.delta), start, done.change
+
+
+def applied(delta: codec.Delta, row: torch.Tensor, name: str, checked=None) -> int:
+    """Apply ``delta`` to ``row`` (checked first); how much that moved the row's ``fp64`` fingerprint
+    (from the changed values alone: O(changes), not O(row))."""
+    return fp64_change(*codec.apply(delta, row, name, checked=checked), delta.width)
 
 
 # --- the receiver's side ----------------------------------------------------------------------------
@@ -213,6 +253,7 @@ class Landed:
     entry: ExpectedEntry
     delta: codec.Delta
     checked: tuple[torch.Tensor, torch.Tensor]
+    change: int  # the fingerprint change its sender reported
 
 
 def expected_bytes(table: ReceiverTable, summaries: tuple[WriteSummary, ...]) -> dict[int, int]:
@@ -253,16 +294,24 @@ def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optio
             raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
         delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
         row = landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
-        return Landed(src, entry, delta, codec.check(delta, row, entry.name))
+        return Landed(src, entry, delta, codec.check(delta, row, entry.name), d.change)
     except codec.DeltaError as exc:
         raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", peer) from None
 
 
-def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> int:
-    """Add checked deltas to ``landing`` (1-D uint8); the values they changed."""
-    changed = 0
+def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
+    """Add checked deltas to ``landing`` (1-D uint8); those whose row's fingerprint did not move as their
+    sender's did: the receiver's base differs from the sender's where the delta touched it, or the delta
+    changed on the way."""
+    wrong = []
     for d in deltas:
         e = d.entry
-        codec.apply(d.delta, landing[e.offset:e.offset + e.nbytes].view(dtypes[e.name]), e.name, checked=d.checked)
-        changed += d.delta.changes
-    return changed
+        change = applied(d.delta, landing[e.offset:e.offset + e.nbytes].view(dtypes[e.name]), e.name, d.checked)
+        if change != d.change:
+            wrong.append(d)
+    return wrong
+
+
+def named(deltas: list[Landed]) -> list[str]:
+    """Each as "parameter (sender/S transfer I)"."""
+    return [f"{d.entry.name} (sender/{d.src} transfer {d.entry.index})" for d in deltas]

@@ -140,20 +140,24 @@ def check(delta: Delta, target: torch.Tensor, row: str = "row") -> tuple[torch.T
     return positions_of(delta, row), steps_of(delta, row)
 
 
-def apply(delta: Delta, target: torch.Tensor, row: str = "row", *, checked=None, undo: bool = False) -> None:
+def apply(delta: Delta, target: torch.Tensor, row: str = "row", *, checked=None,
+          undo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Add the delta's steps to ``target``'s bit patterns in place (checked first: all or nothing);
-    ``checked``: ``check``'s answer, when the caller has it; ``undo``: subtract them (``new`` -> ``base``)."""
+    ``checked``: ``check``'s answer, when the caller has it; ``undo``: subtract them (``new`` -> ``base``).
+    Returns (positions, bit patterns before, after), int64 on the target's device, for a fingerprint."""
     positions, steps = checked if checked is not None else check(delta, target, row)
     values = bits(target)
     if positions.device != values.device:
         positions, steps = positions.to(values.device), steps.to(values.device)
-    updated = values[positions].to(torch.int64) + (-steps if undo else steps)
+    before = values[positions].to(torch.int64)
+    updated = before + (-steps if undo else steps)
     if delta.width < 8:  # wrap into the width, then read as its signed (or, for bytes, unsigned) integer
         span = 1 << (8 * delta.width)
         updated = updated % span
         if values.dtype != torch.uint8:
             updated = torch.where(updated >= span // 2, updated - span, updated)
     values[positions] = updated.to(values.dtype)
+    return positions, before, updated
 
 
 def pack(delta: Delta) -> bytes:

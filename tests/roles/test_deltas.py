@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from weightsync.engine.datapath.deltas import window
+from weightsync.engine.datapath.deltas import Bases, window
 from weightsync.engine.errors import RoundAborted
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
@@ -45,7 +45,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def cluster(receivers=("shadow", "inplace"), delta="auto", transport="tcp", **ctl):
+async def cluster(receivers=("shadow", "inplace"), delta="always", transport="tcp", **ctl):
     send_t = model()
     async with contextlib.AsyncExitStack() as stack:
         c = await stack.enter_async_context(Controller(senders=1, receivers=len(receivers),
@@ -104,7 +104,7 @@ async def test_off_sends_whole_rows_and_auto_sends_none_over_memory():
             rl_step(send_t, version)
             reports.append(await push(sender, version, c))
         assert sender.last_delta is None and reports[0].nbytes == reports[1].nbytes
-    async with cluster(receivers=("shadow",), transport="memory") as (c, sender, send_t, recvs):
+    async with cluster(receivers=("shadow",), transport="memory", delta="auto") as (c, sender, send_t, recvs):
         for version in (1, 2):
             rl_step(send_t, version)
             await push(sender, version)
@@ -160,3 +160,87 @@ async def test_an_aborted_round_leaves_every_base_and_the_next_round_is_still_ex
         assert sender.last_delta.rows >= LARGE * len(recvs)
         for r in recvs:
             assert same(send_t, r.state_dict()) == []
+
+
+def test_auto_measures_the_link_dense_first_then_sends_deltas_only_where_encoding_outruns_it():
+    from types import SimpleNamespace as Lane
+
+    bases = Bases()
+    assert not bases.pays(0)  # no link rate yet: a dense round measures it
+    bases.observe({0: Lane(nbytes=100 << 20, write_s=1.0, deltas=[]), 1: Lane(nbytes=100 << 20, write_s=0.01, deltas=[])})
+    assert bases.pays(0) and bases.pays(1)  # the encode rate is not known yet: deltas are tried
+    bases._encoded = [0.1, 100 << 20]  # encoding at ~1 GB/s
+    bases.observe({}, delta_lanes=frozenset({0, 1}))
+    assert bases.pays(0) and not bases.pays(1)  # a 100 MB/s link pays for it, a 10 GB/s one does not
+    bases.observe({0: Lane(nbytes=100 << 20, write_s=1.0, deltas=[])}, delta_lanes=frozenset({0}))
+    assert bases.link_rates[0] == 100 << 20  # a delta lane's writes never count as the link's rate
+
+
+def _corrupting(monkeypatch, name: str, damage):
+    """Every delta of ``name`` the sender stages is damaged by ``damage(payload)`` (uint8, in place)."""
+    from weightsync.engine.datapath import pipeline
+
+    original = pipeline._as_delta
+
+    async def corrupt(deltas, t, staged):
+        await original(deltas, t, staged)
+        if staged.target is not None and t.name == name:
+            staged.tensor = staged.tensor.clone()
+            damage(staged.tensor)
+
+    monkeypatch.setattr(pipeline, "_as_delta", corrupt)
+    return lambda: monkeypatch.setattr(pipeline, "_as_delta", original)
+
+
+def _first_step(payload):  # a well-formed delta that moves its first value one more unit: only the fingerprint
+    changes = int(payload[8:12].view(torch.int32))  # (header: magic, width, changes, ...)
+    payload[24 + changes] += 1
+
+
+def _bad_gap(payload):  # a gap of 0 with no far gap to stand for it: malformed
+    payload[24] = 0
+
+
+@pytest.mark.parametrize("damage, says", [(_first_step, "fp64 fingerprint"), (_bad_gap, "delta refused")])
+async def test_a_damaged_delta_aborts_its_round_naming_the_row_and_nothing_of_it_is_served(monkeypatch, damage, says):
+    async with cluster(receivers=("shadow", "shadow")) as (c, sender, send_t, recvs):
+        for version in (1, 2):
+            rl_step(send_t, version)
+            await push(sender, version)
+        served = {k: v.clone() for k, v in recvs[0].state_dict().items()}
+        restore = _corrupting(monkeypatch, "layers.0.w", damage)
+        rl_step(send_t, 3)
+        with pytest.raises(RoundAborted) as e:
+            await push(sender, 3)
+        assert says in e.value.text and "layers.0.w" in e.value.text
+        if damage is _bad_gap:
+            assert e.value.culprit == "sender/0"  # a malformed delta is its sender's
+        for r in recvs:
+            assert r.version == 2 and same(served, r.state_dict()) == []  # v2 served, untouched
+        restore()
+        rl_step(send_t, 4)
+        await push(sender, 4)  # whole rows to both (their landing memory holds no committed version)
+        assert sender.last_delta.rows == 0
+        rl_step(send_t, 5)
+        await push(sender, 5)
+        assert sender.last_delta.rows >= LARGE * 2
+        for r in recvs:
+            assert same(send_t, r.state_dict()) == []
+
+
+async def test_a_served_byte_flipped_where_no_delta_touches_it_is_caught_by_the_next_full_check():
+    async with cluster(receivers=("inplace",), full_check_every=3) as (c, sender, send_t, recvs):
+        for version in (1, 2):  # v1: a full check (the first round); v2: deltas
+            rl_step(send_t, version)
+            await push(sender, version)
+        live = recvs[0].state_dict()["layers.1.w"].view(torch.int16).reshape(-1)
+        live[7] ^= 0x40  # memory goes bad where the next deltas will not look
+        rl_step(send_t, 3)
+        await push(sender, 3)  # each delta's fingerprint change only reads what it touches
+        rl_step(send_t, 4)
+        with pytest.raises(RoundAborted) as e:  # the fourth round is checked end to end
+            await push(sender, 4)
+        assert "crc32 mismatch" in e.value.text and "layers.1.w" in e.value.text
+        rl_step(send_t, 5)
+        await push(sender, 5)  # whole rows repair it
+        assert same(send_t, recvs[0].state_dict()) == []

@@ -1,0 +1,228 @@
+"""Delta rounds against dense rounds, side by side: the same model, the same steps, over loopback TCP.
+
+    .venv/bin/python bench/transfer_delta.py --out docs/results/transfer_delta_cpu.json   # 512 MB, ~5 min
+
+How this works: four clusters run at once, each a controller (here), one sender process and one
+two-slot receiver process over TCP: ``dense`` (``delta="off"``, the default checks: every 8th round
+checked end to end), ``dense-unchecked`` (``delta="off"``, ``full_check_every=0``), ``auto`` and
+``always`` (the defaults but for ``delta``). Every round, each sender applies the same seeded synthetic
+step to its bf16 model (``--mb`` of tensors shaped like a transformer's: large matrices and small
+vectors): a fraction of the values, spread uniformly, move by one or two units in the last place. Then
+the four push the version one after another (one cluster moves bytes at a time), and the round's
+seconds (begin -> commit acknowledged, as the controller times it) and wire bytes are recorded. After
+every round each receiver's CRC-32 over its served tensors must equal its sender's (``bit_exact``).
+Fractions 0.1, 1, 3, 10, 30 and 100%, ``--rounds`` rounds each after one whole round per cluster.
+
+Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
+``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
+round over ``auto`` round at 1%), ``auto_worst_slowdown`` / ``always_worst_slowdown`` (the worst
+fraction's median of ``auto`` / dense and ``always`` / dense round seconds), ``verify_overhead_ratio``
+(the mean dense round with the default checks over the mean unchecked one) and ``bit_exact``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import pathlib
+import statistics
+import sys
+import zlib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+MiB = 1 << 20
+FRACTIONS = (0.001, 0.01, 0.03, 0.1, 0.3, 1.0)
+CLUSTERS = {"dense": dict(delta="off"), "dense-unchecked": dict(delta="off", full_check_every=0),
+            "auto": dict(delta="auto"), "always": dict(delta="always")}
+
+
+def model(mb: int) -> dict[str, torch.Tensor]:
+    """``mb`` MiB of bf16: per layer four 1024 x 4096 matrices and two 4096 vectors, as many layers as fit."""
+    g = torch.Generator().manual_seed(0)
+    out, layer = {}, 0
+    while sum(t.numel() * 2 for t in out.values()) < mb * MiB:
+        for i in range(4):
+            out[f"layers.{layer}.w{i}"] = (torch.randn(1024, 4096, generator=g) * 0.02).to(torch.bfloat16)
+        for i in range(2):
+            out[f"layers.{layer}.norm{i}"] = torch.ones(4096, dtype=torch.bfloat16)
+        layer += 1
+    return out
+
+
+def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Move ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors.values():
+        bits = t.view(torch.int16).reshape(-1)
+        picked = torch.rand(bits.numel(), generator=g) < fraction
+        moves = torch.randint(1, 3, (bits.numel(),), generator=g, dtype=torch.int16)
+        signs = torch.randint(0, 2, (bits.numel(),), generator=g, dtype=torch.int16) * 2 - 1
+        bits.add_(torch.where(picked, moves * signs, torch.zeros_like(moves)))
+
+
+def crc(tensors: dict[str, torch.Tensor]) -> int:
+    value = 0
+    for name in sorted(tensors):
+        value = zlib.crc32(tensors[name].view(torch.uint8).reshape(-1).numpy(), value)
+    return value
+
+
+def _sender(addr: str, mb: int, orders, done) -> None:
+    from weightsync.engine.aio import install_uvloop
+    from weightsync.roles import SenderOptions, WeightSender
+
+    install_uvloop()
+
+    async def main():
+        tensors = model(mb)
+        loop = asyncio.get_running_loop()
+        async with WeightSender(addr, tensors, rank=0, options=SenderOptions(transport="tcp")) as sender:
+            while (order := await loop.run_in_executor(None, orders.recv)) is not None:
+                version, fraction, seed = order
+                if fraction:
+                    step(tensors, fraction, seed)
+                await (await sender.push(version))
+                d = sender.last_delta
+                done.send({"crc": crc(tensors), "rows": d.rows if d else 0, "changed": d.changed if d else 0,
+                           "whole_bytes": d.whole_bytes if d else 0})
+
+    asyncio.run(main())
+
+
+def _receiver(addr: str, mb: int, orders, done) -> None:
+    from weightsync.engine.aio import install_uvloop
+    from weightsync.roles import ReceiverOptions, WeightReceiver
+
+    install_uvloop()
+
+    async def main():
+        tensors = {k: torch.zeros_like(v) for k, v in model(mb).items()}
+        loop = asyncio.get_running_loop()
+        async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport="tcp")) as receiver:
+            while (version := await loop.run_in_executor(None, orders.recv)) is not None:
+                await receiver.wait_for(version)
+                done.send(crc(receiver.state_dict()))
+
+    asyncio.run(main())
+
+
+class Cluster:
+    """One controller here, a sender and a receiver process."""
+
+    def __init__(self, name: str, mb: int) -> None:
+        self.name, self.mb = name, mb
+
+    async def __aenter__(self) -> "Cluster":
+        from weightsync.roles import Controller, ControllerOptions
+
+        self.ctl = await Controller(senders=1, receivers=1,
+                                    options=ControllerOptions(timeout_s=60.0, **CLUSTERS[self.name])).__aenter__()
+        ctx = mp.get_context("spawn")
+        self.pipes = [ctx.Pipe() for _ in range(4)]
+        (s_in, s_out), (s_done_r, s_done_w), (r_in, r_out), (r_done_r, r_done_w) = self.pipes
+        self.to_sender, self.from_sender, self.to_receiver, self.from_receiver = s_out, s_done_r, r_out, r_done_r
+        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w)),
+                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w))]
+        for p in self.procs:
+            p.start()
+        return self
+
+    async def round(self, version: int, fraction: float, seed: int) -> dict:
+        loop = asyncio.get_running_loop()
+        self.to_sender.send((version, fraction, seed))
+        self.to_receiver.send(version)
+        report = await asyncio.wait_for(self.ctl.wait_round(version), 600)
+        sent = await loop.run_in_executor(None, self.from_sender.recv)
+        served = await loop.run_in_executor(None, self.from_receiver.recv)
+        return {"seconds": report.seconds, "bytes": report.nbytes, "bit_exact": sent["crc"] == served,
+                **{k: sent[k] for k in ("rows", "changed", "whole_bytes")}}
+
+    async def __aexit__(self, *exc) -> None:
+        self.to_sender.send(None)
+        self.to_receiver.send(None)
+        for p in self.procs:
+            p.join(120)
+        await self.ctl.__aexit__(*exc)
+
+
+async def run(mb: int, rounds: int, fractions: tuple[float, ...]) -> dict:
+    clusters = {name: Cluster(name, mb) for name in CLUSTERS}
+    rows = []
+    for c in clusters.values():
+        await c.__aenter__()
+    try:
+        await asyncio.gather(*(c.ctl.wait_ready() for c in clusters.values()))
+        whole = {name: await c.round(1, 0.0, 0) for name, c in clusters.items()}
+        version = 1
+        for fraction in fractions:
+            for r in range(rounds):
+                version += 1
+                row = {"fraction": fraction, "version": version}
+                for name, c in clusters.items():
+                    row[name] = await c.round(version, fraction, seed=version)
+                rows.append(row)
+                print(json.dumps({"fraction": fraction, **{n: round(row[n]["seconds"], 4) for n in clusters},
+                                  "auto_bytes": row["auto"]["bytes"]}), flush=True)
+    finally:
+        for c in clusters.values():
+            await c.__aexit__(None, None, None)
+    return summarize(rows, whole, mb)
+
+
+def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
+    def med(fraction, name, key="seconds"):
+        return statistics.median(r[name][key] for r in rows if r["fraction"] == fraction)
+
+    def ratio(fraction, a, b):
+        return statistics.median(r[a]["seconds"] / r[b]["seconds"] for r in rows if r["fraction"] == fraction)
+
+    fractions = sorted({r["fraction"] for r in rows})
+    total = whole["dense"]["bytes"]
+    at1 = [r for r in rows if r["fraction"] == 0.01]
+    cases = [{"fraction": f, "dense_s": med(f, "dense"), "dense_unchecked_s": med(f, "dense-unchecked"),
+              "auto_s": med(f, "auto"), "always_s": med(f, "always"), "auto_bytes": med(f, "auto", "bytes"),
+              "always_bytes": med(f, "always", "bytes"), "auto_over_dense": ratio(f, "auto", "dense"),
+              "always_over_dense": ratio(f, "always", "dense"), "whole_over_always_bytes": total / med(f, "always", "bytes")}
+             for f in fractions]
+    return {
+        "model_bytes": total, "tensors": len(model(mb)), "cases": cases,
+        "bytes_per_changed_value": (statistics.median((r["always"]["bytes"] - (total - r["always"]["whole_bytes"]))
+                                                      / max(1, r["always"]["changed"]) for r in at1) if at1 else None),
+        "bytes_ratio_1pct": total / statistics.median(r["auto"]["bytes"] for r in at1) if at1 else None,
+        "time_ratio_tcp_1pct": statistics.median(r["dense"]["seconds"] / r["auto"]["seconds"] for r in at1) if at1 else None,
+        "auto_worst_slowdown": max(c["auto_over_dense"] for c in cases),
+        "always_worst_slowdown": max(c["always_over_dense"] for c in cases),
+        "verify_overhead_ratio": (statistics.mean(r["dense"]["seconds"] for r in rows)
+                                  / statistics.mean(r["dense-unchecked"]["seconds"] for r in rows)),
+        "bit_exact": all(r[n]["bit_exact"] for r in rows for n in CLUSTERS) and all(w["bit_exact"] for w in whole.values()),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="delta rounds against dense rounds over loopback TCP")
+    ap.add_argument("--mb", type=int, default=512, help="MiB of bf16 weights")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per changed fraction")
+    ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
+    ap.add_argument("--out", default="", help="write the figures (with the command) to this file")
+    args = ap.parse_args(argv)
+    result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(","))))
+    result["command"] = "bench/transfer_delta.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for case in result["cases"]:
+            print(case)
+        print({k: v for k, v in result.items() if k != "cases"})
+    return 0 if result["bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
