@@ -25,7 +25,7 @@ async def test_fsdp2_trainers_to_tp_and_fp8_receivers():
                receiver_layout(shapes, "qwen2", fp8=FP8Policy()),
                receiver_layout(shapes, "qwen2", tp=tp, fp8=FP8Policy(exclude=FP8_EXCLUDE + (r".*qkv_proj.*",)))]
     # (TP 2 leaves this model's k/v 64 rows a rank: too few to keep fused FP8 blocks apart, so qkv stays bf16)
-    options = ControllerOptions(heartbeat_s=0.1, timeout_s=20.0, checksum="crc32", mapping="qwen2")
+    options = ControllerOptions(heartbeat_s=0.1, timeout_s=20.0, checksum="crc32", mapping="qwen2", delta="always")
     children = Children()
     try:
         async with contextlib.AsyncExitStack() as stack:
