@@ -235,13 +235,18 @@ def format_status(s: dict, width: int = 120) -> str:
     console.print(peers)
     rounds = s.get("rounds", [])[-5:]
     if rounds:
-        table = Table("version", "result", "GB", "ms", "GB/s", "stages / links", title="last rounds", title_justify="left")
+        table = Table("version", "result", "GB", "of whole", "ms", "GB/s", "stages / links", title="last rounds",
+                      title_justify="left")
         for r in rounds:
             stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if not k.startswith("sender_"))
             links = "\n".join(f"sender/{k['sender']} -> receiver/{k['receiver']}: {k['nbytes'] / 1e6:.1f} MB, "
                               f"{k['gbps']:.2f} GB/s" for k in r["links"])
+            deltas = (f"{r['delta_rows']} rows as deltas, {r['changed_values']:,} values changed"
+                      if r.get("delta_rows") else "")
+            whole = f"{r['nbytes'] / r['whole_bytes']:.1%}" if r.get("whole_bytes") else "-"
             table.add_row(f"v{r['version']}", "ok" if r["ok"] else "ABORTED " + r["reason"], f"{r['nbytes'] / 1e9:.3f}",
-                          f"{r['seconds'] * 1e3:.1f}", f"{r['gbps']:.2f}", "\n".join(x for x in (stages, links) if x))
+                          whole, f"{r['seconds'] * 1e3:.1f}", f"{r['gbps']:.2f}",
+                          "\n".join(x for x in (stages, deltas, links) if x))
         console.print(table)
     return out.getvalue().rstrip("\n")
 

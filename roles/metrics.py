@@ -22,6 +22,10 @@ class Metrics:
                                       buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
         self.stage = prom.Histogram("weightsync_stage_seconds", "Round stages", ["stage"], registry=self.registry)
         self.version = prom.Gauge("weightsync_committed_version", "Last committed version", registry=self.registry)
+        self.whole = prom.Counter("weightsync_whole_bytes", "Bytes committed rounds' rows are whole (delta rounds "
+                                  "move fewer: weightsync_bytes)", registry=self.registry)
+        self.delta_rows = prom.Counter("weightsync_delta_rows", "Rows that went as deltas", registry=self.registry)
+        self.changed = prom.Counter("weightsync_changed_values", "Values the deltas changed", registry=self.registry)
         self.link = prom.Gauge("weightsync_link_gbps", "GB/s of the last round per link", ["sender", "receiver"],
                                registry=self.registry)
         prom.start_http_server(port, addr=addr, registry=self.registry)
@@ -31,6 +35,9 @@ class Metrics:
         if not report.ok:
             return
         self.bytes.inc(report.nbytes)
+        self.whole.inc(report.whole_bytes)
+        self.delta_rows.inc(report.delta_rows)
+        self.changed.inc(report.changed_values)
         self.seconds.observe(report.seconds)
         for stage in ("transfer", "fence", "commit"):
             if stage in report.stages:

@@ -55,6 +55,9 @@ class RoundReport:
     links: list[LinkStat]
     reason: str = ""
     culprit: str = ""
+    whole_bytes: int = 0  # what the round's rows are whole (``nbytes`` is what went: less where deltas went)
+    delta_rows: int = 0  # rows that went as deltas
+    changed_values: int = 0  # values those deltas changed
 
     @property
     def gbps(self) -> float:
@@ -67,13 +70,15 @@ class RoundReport:
 
 
 class RoundState:
-    def __init__(self, version: int, plan_id: int, senders: set[int], receivers: set[int], checksum: str) -> None:
+    def __init__(self, version: int, plan_id: int, senders: set[int], receivers: set[int], checksum: str,
+                 whole_bytes: int = 0) -> None:
         loop = asyncio.get_running_loop()
         self.version = version
         self.plan_id = plan_id
         self.senders = set(senders)
         self.receivers = set(receivers)
         self.checksum = checksum
+        self.whole_bytes = whole_bytes
         self.futures = {stage: loop.create_future() for stage in STAGES}
         for fut in self.futures.values():
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -183,11 +188,13 @@ class RoundState:
                 stages[label] = marks[stage] - prev
                 prev = marks[stage]
         transfer_s = stages.get("transfer", end - self.t0) or 1e-9
-        links, total = [], 0
+        links, total, rows, changed = [], 0, 0, 0
         for sender, body in sorted(self.writes.items()):
             for s in body.receivers:
                 links.append(LinkStat(sender, s.peer_rank, s.nbytes, s.count, s.nbytes / transfer_s / 1e9))
                 total += s.nbytes
+                rows += len(s.deltas)
+                changed += sum(d.changes for d in s.deltas)
         stages["sender_stage_max"] = max((b.stage_s for b in self.writes.values()), default=0.0)
         stages["sender_write_max"] = max((b.write_s for b in self.writes.values()), default=0.0)
         failed = self.aborted
@@ -198,5 +205,5 @@ class RoundState:
         return RoundReport(
             version=self.version, ok=ok, nbytes=total, seconds=end - self.t0, stages=stages, links=links,
             reason="" if ok else getattr(failed.reason, "name", str(failed.reason)) + ": " + failed.text,
-            culprit="" if ok else failed.culprit,
+            culprit="" if ok else failed.culprit, whole_bytes=self.whole_bytes, delta_rows=rows, changed_values=changed,
         )

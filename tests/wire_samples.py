@@ -109,6 +109,6 @@ def samples() -> dict[str, Envelope]:
         dataclasses.replace(BODIES["begin"], bases=(m.Base(1, 2), m.Base(2, 2)), delta="auto"), msg_id=210,
         sender="controller", parent_id=None, version=3)
     out["writes_done_delta"] = Envelope(  # WriteSummary.deltas (optional): rows that went as deltas
-        m.WritesDone(3, 9, (dataclasses.replace(SUMMARY, nbytes=92, deltas=(m.DeltaRow(0, 60, 2**63 + 5), m.DeltaRow(1, 32, 7))),),
+        m.WritesDone(3, 9, (dataclasses.replace(SUMMARY, nbytes=92, deltas=(m.DeltaRow(0, 60, 2**63 + 5, 18), m.DeltaRow(1, 32, 7, 4))),),
                      0.25, 1.5), msg_id=211, sender="sender/0", parent_id=None, version=3)
     return out

@@ -234,6 +234,7 @@ class DeltaRow:
     index: U32
     nbytes: U64
     change: U64  # how much the row's ``fp64`` fingerprint moves (engine.datapath.checksums.fp64_change)
+    changes: U64  # values it changes (its header's count: the receiver checks they agree)
 
 
 @struct

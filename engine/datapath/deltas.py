@@ -220,9 +220,9 @@ class DeltaRound:
         self.whole_bytes = 0  # what those rows would have been whole
         self.changed = 0  # values they changed
 
-    def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int]]:
+    def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
         """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's
-        delta region, its fingerprint change), or None to send ``new`` whole."""
+        delta region, its fingerprint change, the values it changes), or None to send ``new`` whole."""
         done = self.bases.advance(t, new)
         held = self.held.get(t.dst_rank)
         if done.delta is None or held is None or done.before != held:
@@ -233,7 +233,7 @@ class DeltaRound:
         self.rows += 1
         self.whole_bytes += t.nbytes
         self.changed += done.delta.changes
-        return codec.pack_tensor(done.delta), start, done.change
+        return codec.pack_tensor(done.delta), start, done.change, done.delta.changes
 
 
 def applied(delta: codec.Delta, row: torch.Tensor, name: str, checked=None) -> int:
@@ -293,6 +293,8 @@ def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optio
         if d.nbytes > capacity:
             raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
         delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
+        if delta.changes != d.changes:
+            raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
         row = landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
         return Landed(src, entry, delta, codec.check(delta, row, entry.name), d.change)
     except codec.DeltaError as exc:

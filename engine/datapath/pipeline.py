@@ -346,8 +346,8 @@ async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged) -> None:
     await staged.wait()
     out = deltas.stage(t, staged.tensor)
     if out is not None:
-        staged.tensor, offset, staged.change = out
-        staged.target = (DELTA_REGION, offset)
+        staged.tensor, offset, change, changes = out
+        staged.target, staged.delta = (DELTA_REGION, offset), (change, changes)
 
 
 def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
@@ -355,7 +355,7 @@ def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
     report.count += 1
     if staged.target is not None:
         report.nbytes += staged.tensor.numel()
-        report.deltas.append(DeltaRow(t.index, staged.tensor.numel(), staged.change))
+        report.deltas.append(DeltaRow(t.index, staged.tensor.numel(), *staged.delta))
     else:
         report.nbytes += t.nbytes
     if staged.checksum is not None:

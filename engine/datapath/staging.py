@@ -40,7 +40,7 @@ class Staged:
     event: Optional[torch.cuda.Event] = None  # on CUDA: the tensor is complete once this has happened
     written: Optional[torch.device] = None  # the bytes are in the receiver already, put there from this device
     target: Optional[tuple[int, int]] = None  # (region, offset) it goes to instead of its row's: a delta
-    change: int = 0  # a delta's fp64 fingerprint change (``engine.datapath.deltas``)
+    delta: tuple[int, int] = (0, 0)  # a delta's fp64 fingerprint change and values changed (``datapath.deltas``)
 
     async def wait(self) -> None:
         """Until the bytes exist (a transform queued on a side stream may still be running)."""

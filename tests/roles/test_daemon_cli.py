@@ -238,13 +238,16 @@ def test_prometheus_metrics_endpoint():
     port = free_port()
     metrics = Metrics(port)
     metrics.observe(RoundReport(7, True, 10**9, 0.5, {"transfer": 0.4, "fence": 0.05, "commit": 0.05},
-                                [LinkStat(0, 1, 10**9, 3, 2.5)]))
+                                [LinkStat(0, 1, 10**9, 3, 2.5)], whole_bytes=4 * 10**10, delta_rows=12,
+                                changed_values=5 * 10**8))
     metrics.observe(RoundReport(8, False, 0, 0.1, {}, [], reason="PEER_LOST: gone"))
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WATCHDOG).read().decode()
     assert 'weightsync_rounds_total{outcome="committed"} 1.0' in text
     assert 'weightsync_rounds_total{outcome="aborted"} 1.0' in text
     assert "weightsync_committed_version 7.0" in text
     assert 'weightsync_link_gbps{receiver="1",sender="0"} 2.5' in text
+    assert "weightsync_bytes_total 1e+09" in text and "weightsync_whole_bytes_total 4e+10" in text
+    assert "weightsync_delta_rows_total 12.0" in text and "weightsync_changed_values_total 5e+08" in text
 
 
 def test_demo_main_job_verifies_bit_exact():

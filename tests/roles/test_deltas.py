@@ -244,3 +244,18 @@ async def test_a_served_byte_flipped_where_no_delta_touches_it_is_caught_by_the_
         rl_step(send_t, 5)
         await push(sender, 5)  # whole rows repair it
         assert same(send_t, recvs[0].state_dict()) == []
+
+
+async def test_status_and_metrics_tell_wire_bytes_against_whole_and_the_values_changed():
+    from weightsync.roles.cli import format_status
+
+    async with cluster(receivers=("shadow",)) as (c, sender, send_t, recvs):
+        first = await push(sender, 1, c)
+        rl_step(send_t, 2)
+        report = await push(sender, 2, c)
+        assert first.nbytes == first.whole_bytes and first.delta_rows == 0
+        assert report.whole_bytes == first.whole_bytes and report.nbytes * 5 < report.whole_bytes
+        assert report.delta_rows == sender.last_delta.rows and report.changed_values == sender.last_delta.changed > 0
+        text = format_status(c.status())
+        assert f"{report.delta_rows} rows as deltas, {report.changed_values:,} values changed" in text
+        assert f"{report.nbytes / report.whole_bytes:.1%}" in text
