@@ -11,7 +11,10 @@ vectors): a fraction of the values, spread uniformly, move by one or two units i
 the four push the version one after another (one cluster moves bytes at a time), and the round's
 seconds (begin -> commit acknowledged, as the controller times it) and wire bytes are recorded. After
 every round each receiver's CRC-32 over its served tensors must equal its sender's (``bit_exact``).
-Fractions 0.1, 1, 3, 10, 30 and 100%, ``--rounds`` rounds each after one whole round per cluster.
+Fractions 0.1, 1, 3, 10, 30 and 100%, ``--rounds`` rounds each, after one whole round per cluster and
+``--warmup`` rounds at 1% (reported apart: there ``auto`` measures the link, with a dense round, and
+then the encoder, with delta rounds, before it settles). ``--rate 1gbit`` runs it all on a link of that
+rate (a network namespace whose loopback is shaped: tests/netns.py; root).
 
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
@@ -55,33 +58,35 @@ def model(mb: int) -> dict[str, torch.Tensor]:
 
 
 def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
-    """Move ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded)."""
+    """Move ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded; drawn on
+    the CPU whatever the tensors' device, so every cluster's sender makes the same step)."""
     g = torch.Generator().manual_seed(seed)
     for t in tensors.values():
         bits = t.view(torch.int16).reshape(-1)
         picked = torch.rand(bits.numel(), generator=g) < fraction
         moves = torch.randint(1, 3, (bits.numel(),), generator=g, dtype=torch.int16)
         signs = torch.randint(0, 2, (bits.numel(),), generator=g, dtype=torch.int16) * 2 - 1
-        bits.add_(torch.where(picked, moves * signs, torch.zeros_like(moves)))
+        bits.add_(torch.where(picked, moves * signs, torch.zeros_like(moves)).to(bits.device))
 
 
 def crc(tensors: dict[str, torch.Tensor]) -> int:
     value = 0
     for name in sorted(tensors):
-        value = zlib.crc32(tensors[name].view(torch.uint8).reshape(-1).numpy(), value)
+        value = zlib.crc32(tensors[name].view(torch.uint8).reshape(-1).cpu().numpy(), value)
     return value
 
 
-def _sender(addr: str, mb: int, orders, done) -> None:
+def _sender(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import SenderOptions, WeightSender
 
     install_uvloop()
 
     async def main():
-        tensors = model(mb)
+        transport, device = where
+        tensors = {k: v.to(device) for k, v in model(mb).items()}
         loop = asyncio.get_running_loop()
-        async with WeightSender(addr, tensors, rank=0, options=SenderOptions(transport="tcp")) as sender:
+        async with WeightSender(addr, tensors, rank=0, options=SenderOptions(transport=transport)) as sender:
             while (order := await loop.run_in_executor(None, orders.recv)) is not None:
                 version, fraction, seed = order
                 if fraction:
@@ -94,16 +99,17 @@ def _sender(addr: str, mb: int, orders, done) -> None:
     asyncio.run(main())
 
 
-def _receiver(addr: str, mb: int, orders, done) -> None:
+def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import ReceiverOptions, WeightReceiver
 
     install_uvloop()
 
     async def main():
-        tensors = {k: torch.zeros_like(v) for k, v in model(mb).items()}
+        transport, device = where
+        tensors = {k: torch.zeros_like(v, device=device) for k, v in model(mb).items()}
         loop = asyncio.get_running_loop()
-        async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport="tcp")) as receiver:
+        async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport=transport)) as receiver:
             while (version := await loop.run_in_executor(None, orders.recv)) is not None:
                 await receiver.wait_for(version)
                 done.send(crc(receiver.state_dict()))
@@ -114,8 +120,10 @@ def _receiver(addr: str, mb: int, orders, done) -> None:
 class Cluster:
     """One controller here, a sender and a receiver process."""
 
-    def __init__(self, name: str, mb: int) -> None:
+    def __init__(self, name: str, mb: int, gpus: str = "") -> None:
         self.name, self.mb = name, mb
+        self.ends = ((("tcp", "cpu"), ("tcp", "cpu")) if not gpus else
+                     (("cuda_ipc", "cuda:0"), ("cuda_ipc", "cuda:1" if gpus == "across" else "cuda:0")))
 
     async def __aenter__(self) -> "Cluster":
         from weightsync.roles import Controller, ControllerOptions
@@ -126,8 +134,8 @@ class Cluster:
         self.pipes = [ctx.Pipe() for _ in range(4)]
         (s_in, s_out), (s_done_r, s_done_w), (r_in, r_out), (r_done_r, r_done_w) = self.pipes
         self.to_sender, self.from_sender, self.to_receiver, self.from_receiver = s_out, s_done_r, r_out, r_done_r
-        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w)),
-                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w))]
+        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0])),
+                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1]))]
         for p in self.procs:
             p.start()
         return self
@@ -150,15 +158,20 @@ class Cluster:
         await self.ctl.__aexit__(*exc)
 
 
-async def run(mb: int, rounds: int, fractions: tuple[float, ...]) -> dict:
-    clusters = {name: Cluster(name, mb) for name in CLUSTERS}
-    rows = []
+async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "") -> dict:
+    clusters = {name: Cluster(name, mb, gpus) for name in CLUSTERS}
+    rows, warmups = [], []
     for c in clusters.values():
         await c.__aenter__()
     try:
         await asyncio.gather(*(c.ctl.wait_ready() for c in clusters.values()))
         whole = {name: await c.round(1, 0.0, 0) for name, c in clusters.items()}
         version = 1
+        for _ in range(warmup):  # (auto measures the link, then the encoder: excluded from the cases)
+            version += 1
+            warm = {name: await c.round(version, 0.01, seed=version) for name, c in clusters.items()}
+            warmups.append({"version": version, **{n: round(w["seconds"], 4) for n, w in warm.items()},
+                            "bit_exact": all(w["bit_exact"] for w in warm.values())})
         for fraction in fractions:
             for r in range(rounds):
                 version += 1
@@ -171,7 +184,10 @@ async def run(mb: int, rounds: int, fractions: tuple[float, ...]) -> dict:
     finally:
         for c in clusters.values():
             await c.__aexit__(None, None, None)
-    return summarize(rows, whole, mb)
+    result = summarize(rows, whole, mb)
+    result["warmup_rounds"] = warmups
+    result["bit_exact"] = result["bit_exact"] and all(w["bit_exact"] for w in warmups)
+    return result
 
 
 def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
@@ -203,16 +219,45 @@ def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
     }
 
 
+def shaped(args, argv: list[str]) -> int:
+    """Run this bench inside a network namespace whose loopback is shaped at ``args.rate`` (tests/netns.py:
+    htb, the control plane's class first), so every round crosses a link of that rate."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    import netns
+
+    why = netns.available()
+    if why is not None:
+        raise SystemExit(f"--rate needs network namespaces: {why}")
+    inner = [a for i, a in enumerate(argv) if a != "--rate" and (i == 0 or argv[i - 1] != "--rate")]
+    with netns.Cluster(["bench"], rate=args.rate, prefix="wsd") as cluster:
+        cluster.shape_loopback("bench", args.rate)
+        return cluster.popen("bench", [sys.executable, __file__, *inner, "--link", args.rate]).wait()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="delta rounds against dense rounds over loopback TCP")
     ap.add_argument("--mb", type=int, default=512, help="MiB of bf16 weights")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per changed fraction")
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    ap.add_argument("--warmup", type=int, default=3, help="rounds at 1%% first, not counted (auto measures there)")
+    ap.add_argument("--rate", default="", help="run on a link of this rate (\"1gbit\": a shaped loopback; root)")
+    ap.add_argument("--link", default="loopback", help=argparse.SUPPRESS)  # (set by --rate's inner run)
+    ap.add_argument("--gpus", default="", choices=["", "across", "colocated"],
+                    help="CUDA IPC between GPU 0 and 1 (across) or on GPU 0 (colocated), instead of TCP on the CPU")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--out", default="", help="write the figures (with the command) to this file")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
-    result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(","))))
-    result["command"] = "bench/transfer_delta.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.rate:
+        return shaped(args, argv)
+    result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(",")), args.warmup,
+                             args.gpus))
+    result["link"] = f"cuda_ipc {args.gpus}" if args.gpus else args.link
+    if args.gpus:
+        result[f"time_ratio_gpu_{args.gpus}_1pct"] = next(c["always_over_dense"] for c in result["cases"]
+                                                          if c["fraction"] == 0.01)
+    result["command"] = "bench/transfer_delta.py " + " ".join(a for a in argv if not a.startswith("--link")
+                                                                and a != args.link)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:

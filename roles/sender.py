@@ -307,7 +307,7 @@ class WeightSender(Worker):
                 log.exception("%s: round %s failed", self.name, version)  # a bug or a torch error
             return
         self.timeline.mark(version, "pipeline:end")
-        self.bases.observe(report.lanes, deltas.lanes if deltas is not None else frozenset())
+        self.bases.observe(report.lanes, report.seconds, deltas.lanes if deltas is not None else frozenset())
         if not handle.released.done():
             handle.released.set_result(report)
         await asyncio.gather(*announced)

@@ -167,6 +167,11 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def shape_loopback(self, host: str, rate: str) -> None:
+        """Shape ``host``'s loopback as its link is (control first): processes of one host then talk
+        through a link of ``rate`` (one host standing for two, as a benchmark of one link needs)."""
+        _link(self.ns(host), "lo", rate)
+
     def shape(self, host: str, rate: str) -> None:
         """Both directions of the host's link at ``rate``: an htb whose high-priority class takes the
         control plane's packets (DSCP CS6, as weightsync marks them) and whose default class, with a

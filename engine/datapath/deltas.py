@@ -173,7 +173,7 @@ class Bases:
         if base.version is not None:
             t0 = time.perf_counter()
             delta = codec.encode(base.tensor.to(flat.device, non_blocking=True), flat)
-            change = applied(delta, base.tensor, t.name) if delta is not None else 0
+            change = _take(delta, base.tensor) if delta is not None else 0
             self._encoded[0] += time.perf_counter() - t0
             self._encoded[1] += nbytes
         if delta is not None:
@@ -184,12 +184,14 @@ class Bases:
         base.version = None
         return done
 
-    def observe(self, lanes: Mapping[int, object], delta_lanes: frozenset = frozenset()) -> None:
-        """After a round: the rate each dense lane (not in ``delta_lanes``: its rows replayed as they are)
-        wrote at, over at least ``MEASURED`` bytes, and the rate rows were encoded at, for ``pays``."""
+    def observe(self, lanes: Mapping[int, object], seconds: float, delta_lanes: frozenset = frozenset()) -> None:
+        """After a round of ``seconds`` (the pipeline's, wall clock): the rate each dense lane (not in
+        ``delta_lanes``) wrote at, over at least ``MEASURED`` bytes, and the rate rows were encoded at,
+        for ``pays``. (A lane's rate is its bytes over the round's time: lanes to other receivers ran
+        meanwhile, so it is never above the link's.)"""
         for rank, lane in lanes.items():
-            if rank not in delta_lanes and lane.nbytes >= MEASURED and lane.write_s > 0:
-                self.link_rates[rank] = lane.nbytes / lane.write_s
+            if rank not in delta_lanes and lane.nbytes >= MEASURED and seconds > 0:
+                self.link_rates[rank] = lane.nbytes / seconds
         seconds, nbytes = self._encoded
         if nbytes >= MEASURED and seconds > 0:
             self.encode_rate = nbytes / seconds
@@ -234,6 +236,14 @@ class DeltaRound:
         self.whole_bytes += t.nbytes
         self.changed += done.delta.changes
         return codec.pack_tensor(done.delta), start, done.change, done.delta.changes
+
+
+def _take(delta: codec.Delta, base: torch.Tensor) -> int:
+    """The encoder's own base takes the changed values it found (no decoding); their fingerprint change."""
+    positions, before, after = delta.changed
+    bits = codec.bits(base)
+    bits[positions.to(bits.device)] = after.to(bits.device, bits.dtype)
+    return fp64_change(positions, before, after, delta.width)
 
 
 def applied(delta: codec.Delta, row: torch.Tensor, name: str, checked=None) -> int:

@@ -56,6 +56,8 @@ class Delta:
     far_gaps: torch.Tensor  # uint32 [gaps == 0]
     steps: torch.Tensor  # int8 [changes]
     far_steps: torch.Tensor  # _FAR_STEP[width] [steps == -128]
+    changed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (encode's, never packed:
+    #                             positions, old and new bit patterns as int64, for the encoder's own use)
 
     @property
     def changes(self) -> int:
@@ -96,13 +98,14 @@ def encode(base: torch.Tensor, new: torch.Tensor, *, whole_if_larger: bool = Tru
     if whole_if_larger and (positions.numel() * 2 + _HEADER.size) >= new_bits.numel() * width:
         return None  # (at least two bytes per change: never smaller than the row)
     gaps = torch.diff(positions, prepend=positions.new_tensor([-1]))
-    diff = new_bits[positions].to(torch.int64) - old_bits[positions].to(torch.int64)
+    before, after = old_bits[positions].to(torch.int64), new_bits[positions].to(torch.int64)
+    diff = after - before
     if width < 8:  # the wrapping difference of the bit patterns, as a signed integer of the width
         span = 1 << (8 * width)
         diff = (diff + span // 2) % span - span // 2
     gap8, far_gaps = _escaped(gaps, gaps < 256, 0, torch.uint8, torch.uint32)
     step8, far_steps = _escaped(diff, (diff > ESCAPE_STEP) & (diff < 128), ESCAPE_STEP, torch.int8, _FAR_STEP[width])
-    delta = Delta(width, new_bits.numel(), gap8, far_gaps, step8, far_steps)
+    delta = Delta(width, new_bits.numel(), gap8, far_gaps, step8, far_steps, (positions, before, after))
     return delta if delta.nbytes < new_bits.numel() * width or not whole_if_larger else None
 
 

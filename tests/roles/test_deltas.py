@@ -167,12 +167,13 @@ def test_auto_measures_the_link_dense_first_then_sends_deltas_only_where_encodin
 
     bases = Bases()
     assert not bases.pays(0)  # no link rate yet: a dense round measures it
-    bases.observe({0: Lane(nbytes=100 << 20, write_s=1.0, deltas=[]), 1: Lane(nbytes=100 << 20, write_s=0.01, deltas=[])})
+    bases.observe({0: Lane(nbytes=100 << 20)}, 1.0)
+    bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     assert bases.pays(0) and bases.pays(1)  # the encode rate is not known yet: deltas are tried
     bases._encoded = [0.1, 100 << 20]  # encoding at ~1 GB/s
-    bases.observe({}, delta_lanes=frozenset({0, 1}))
+    bases.observe({}, 1.0, delta_lanes=frozenset({0, 1}))
     assert bases.pays(0) and not bases.pays(1)  # a 100 MB/s link pays for it, a 10 GB/s one does not
-    bases.observe({0: Lane(nbytes=100 << 20, write_s=1.0, deltas=[])}, delta_lanes=frozenset({0}))
+    bases.observe({0: Lane(nbytes=100 << 20)}, 0.5, delta_lanes=frozenset({0}))
     assert bases.link_rates[0] == 100 << 20  # a delta lane's writes never count as the link's rate
 
 
@@ -259,3 +260,29 @@ async def test_status_and_metrics_tell_wire_bytes_against_whole_and_the_values_c
         text = format_status(c.status())
         assert f"{report.delta_rows} rows as deltas, {report.changed_values:,} values changed" in text
         assert f"{report.nbytes / report.whole_bytes:.1%}" in text
+
+
+GPU_CASES = [("cuda:0", "cuda:0")] + ([("cuda:0", "cuda:1")] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("src, dst", GPU_CASES)
+@pytest.mark.parametrize("mode", ["shadow", "inplace"])
+async def test_delta_rounds_over_cuda_ipc_are_bit_exact(src, dst, mode):
+    """Encoded, checked and applied on the GPUs (torch on the tensors' devices), across GPUs and on one."""
+    send_t = {k: v.to(src) for k, v in model().items()}
+    options = ControllerOptions(delta="always", full_check_every=3, **FAST)
+    async with Controller(senders=1, receivers=1, options=options) as c, \
+            WeightSender(c.address, send_t, rank=0, options=SenderOptions(transport="cuda_ipc")) as sender, \
+            WeightReceiver(c.address, {k: v.to(dst) for k, v in model(seed=5).items()}, rank=0, mode=mode,
+                           options=ReceiverOptions(transport="cuda_ipc")) as receiver:
+        await asyncio.wait_for(c.wait_ready(), WATCHDOG)
+        for version in range(1, 6):
+            cpu = {k: v.cpu() for k, v in send_t.items()}
+            rl_step(cpu, version)
+            for k, v in cpu.items():
+                send_t[k].copy_(v)
+            await push(sender, version)
+            assert same(cpu, {k: v.cpu() for k, v in receiver.state_dict().items()}) == [], version
+        assert receiver.deltas.rows >= LARGE * 3  # rounds 2-5 (round 4 checked end to end too)
