@@ -47,9 +47,18 @@ def shapes(args) -> dict:
     return SHAPES | ({"experts": (EXPERT_ROWS * args.senders, 96)} if args.experts else {})
 
 
+SPARSE = False  # ``--delta``: versions that differ in ~2% of their values, as RL steps do
+
+
 def expected(name: str, shape: tuple, version: int):
     import torch
 
+    if SPARSE:  # a fixed base; each value moves one unit in the last place every 20-79 versions
+        gen = torch.Generator().manual_seed(sum(map(ord, name)) * 1_000_003)
+        base = torch.randn(shape, generator=gen).reshape(-1)
+        period = torch.randint(20, 80, (base.numel(),), generator=gen)
+        phase = torch.randint(0, 80, (base.numel(),), generator=gen)
+        return (base.view(torch.int32) + ((version + phase) // period).to(torch.int32)).view(torch.float32).reshape(shape)
     gen = torch.Generator().manual_seed(sum(map(ord, name)) * 1_000_003 + version)
     return torch.randn(shape, generator=gen)
 
@@ -64,7 +73,8 @@ def say(**event) -> None:
 async def controller_child(args) -> None:
     from weightsync.roles import Controller, ControllerOptions
 
-    opts = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum)
+    opts = ControllerOptions(heartbeat_s=args.heartbeat, timeout_s=args.timeout, checksum=args.checksum,
+                             delta=args.delta or "auto", full_check_every=args.full_check_every)
     async with Controller(args.addr, senders=args.senders, receivers=args.receivers, options=opts):
         say(event="ready")
         await asyncio.Event().wait()
@@ -103,7 +113,7 @@ async def sender_child(args) -> None:
                 t.copy_(own(name, version))
             try:
                 await (await sender.push(version))
-                say(event="committed", version=version)
+                say(event="committed", version=version, deltas=sender.last_delta.rows if sender.last_delta else 0)
             except Exception as exc:  # every failure is surfaced to this process: report it, go on
                 say(event="failed", version=version, error=type(exc).__name__)
                 if sender.lost is not None:
@@ -152,6 +162,8 @@ class Cluster:
         self.states: dict[str, dict] = {}  # a stuck cluster's workers, as they describe themselves
         self.ready: dict[tuple[str, int], asyncio.Event] = {}
         self.failures: list[float] = []  # when senders saw a failed push
+        self.committed_pushes = 0
+        self.delta_rows = 0  # rows sent as deltas, in committed pushes
         self.half_applied: list[str] = []
         self.trial = "start"  # (the trial running: what was killed, to name it in a problem)
         self.rollbacks: list[str] = []
@@ -167,7 +179,8 @@ class Cluster:
         a = self.args
         cmd = [sys.executable, __file__, "child", role, "--rank", str(rank), "--addr", self.addr,
                "--senders", str(a.senders), "--receivers", str(a.receivers), "--checksum", self.checksum,
-               "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout), *(["--experts"] if a.experts else [])]
+               "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout), *(["--experts"] if a.experts else []),
+               "--delta", a.delta, "--full-check-every", str(a.full_check_every)]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env={
             **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         key = (role, rank)
@@ -188,6 +201,8 @@ class Cluster:
                 self.changed.set()
             elif e["event"] == "committed":
                 self.pushed[key[1]] = e["version"]
+                self.delta_rows += e.get("deltas", 0)
+                self.committed_pushes += 1
                 self.changed.set()
             elif e["event"] == "check":
                 v = e["version"]
@@ -305,6 +320,7 @@ async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows:
     finally:
         rows.extend({"half_applied": h} for h in cluster.half_applied)
         rows.extend({"rollback": r} for r in cluster.rollbacks)
+        rows.append({"pushes": cluster.committed_pushes, "delta_rows": cluster.delta_rows})
         await cluster.close()
 
 
@@ -329,6 +345,8 @@ def summarize(rows: list, args) -> dict:
         "failures_surfaced": len(surfaced),
         "failure_surfaced_median_s": statistics.median(surfaced) if surfaced else None,
         "victims": {v: sum(1 for r in trials if r["victim"] == v) for v in sorted({r["victim"] for r in trials})},
+        "committed_pushes": sum(r.get("pushes", 0) for r in rows),
+        "delta_rows": sum(r.get("delta_rows", 0) for r in rows),
         "problems": [r.get("half_applied") or r.get("rollback") for r in rows
                      if "half_applied" in r or "rollback" in r][:10],
         "stuck": [{"victim": r.get("victim", "start"), "checksum": r["checksum"], **r["stuck"]} for r in rows
@@ -368,9 +386,14 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", action="store_true", help="expert-parallel senders; random start order, paired kills")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     ap.add_argument("--out", default="", help="also write the figures (JSON) to this file")
+    ap.add_argument("--delta", default="", choices=["", "auto", "always"],
+                    help="delta rounds (sparse versions: ~2%% of values change each); '': dense versions, auto")
+    ap.add_argument("--full-check-every", type=int, default=8, help="the controller's full_check_every")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--addr", default="")
     args = ap.parse_args(argv)
+    global SPARSE
+    SPARSE = bool(args.delta)
     if args.verb == "child":
         child = {"controller": controller_child, "sender": sender_child, "receiver": receiver_child}[args.role]
         asyncio.run(child(args))
@@ -378,7 +401,7 @@ def main(argv=None) -> int:
     summary = asyncio.run(drive(args))
     summary["command"] = (f"bench/faults.py --trials {args.trials} --senders {args.senders} --receivers "
                           f"{args.receivers} --checksum '{args.checksum}' --timeout {args.timeout} --seed {args.seed}"
-                          + (" --experts" if args.experts else ""))
+                          + (" --experts" if args.experts else "") + (f" --delta {args.delta}" if args.delta else ""))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     if not args.json:

@@ -58,15 +58,17 @@ def model(mb: int) -> dict[str, torch.Tensor]:
 
 
 def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
-    """Move ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded; drawn on
-    the CPU whatever the tensors' device, so every cluster's sender makes the same step)."""
+    """Move about ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded;
+    drawn on the CPU whatever the tensors' device, so every cluster's sender makes the same step):
+    ``fraction * numel`` positions drawn with replacement (one drawn twice moves twice), all at 1."""
     g = torch.Generator().manual_seed(seed)
     for t in tensors.values():
         bits = t.view(torch.int16).reshape(-1)
-        picked = torch.rand(bits.numel(), generator=g) < fraction
-        moves = torch.randint(1, 3, (bits.numel(),), generator=g, dtype=torch.int16)
-        signs = torch.randint(0, 2, (bits.numel(),), generator=g, dtype=torch.int16) * 2 - 1
-        bits.add_(torch.where(picked, moves * signs, torch.zeros_like(moves)).to(bits.device))
+        count = int(bits.numel() * fraction)
+        picked = torch.arange(count) if fraction >= 1 else torch.randint(0, bits.numel(), (count,), generator=g)
+        moves = torch.randint(1, 3, (count,), generator=g, dtype=torch.int16)
+        signs = torch.randint(0, 2, (count,), generator=g, dtype=torch.int16) * 2 - 1
+        bits.index_add_(0, picked.to(bits.device), (moves * signs).to(bits.device))
 
 
 def crc(tensors: dict[str, torch.Tensor]) -> int:

@@ -64,12 +64,14 @@ class ControllerOptions:
     delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
     full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
     #                            the one after an abort) checked end to end with ``full_check``; 0: never
-    full_check: str = "crc32"  # the algorithm of those rounds (engine.datapath.checksums)
+    full_check: str = "auto"  # the algorithm of those rounds (engine.datapath.checksums); "auto": fp64 (on the
+    #                           device) where a member's tensors are on a GPU, crc32 (zlib, fastest on a CPU) otherwise
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
         validate_checksum(self.checksum)
-        validate_checksum(self.full_check)
+        if self.full_check != "auto":
+            validate_checksum(self.full_check)
         if self.full_check_every < 0 or (self.full_check_every and not self.full_check):
             raise ConfigError("full_check_every", f"must be >= 0 with an algorithm in full_check, got "
                                                   f"{self.full_check_every} and {self.full_check!r}")

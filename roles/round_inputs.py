@@ -5,7 +5,8 @@ rounds, what the next one needs besides the plan. ``bases``: per receiver sessio
 its landing memory holds, learned from its ``commit_ack`` and forgotten when it takes part in a round it
 does not apply (an abort, a missing acknowledgement) or leaves (docs/DELTAS.md). ``checksum``: the
 round's end-to-end check: ``ControllerOptions.checksum`` when set, else ``full_check`` on every
-``full_check_every``-th round (the first included) and on the round after an abort. Pure bookkeeping.
+``full_check_every``-th round (the first included) and on the round after an abort ("auto": fp64,
+computed on the device, where a member's tensors are on a GPU; crc32 otherwise). Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ class RoundInputs:
     def __repr__(self) -> str:
         return f"<RoundInputs bases={len(self.bases)} started={self.started}>"
 
-    def checksum(self) -> str:
-        """The next round's checksum algorithm ("": none beyond each delta's fingerprint change)."""
+    def checksum(self, devices: set[str]) -> str:
+        """The next round's checksum algorithm ("": none beyond each delta's fingerprint change), for
+        members whose tensors are on ``devices``."""
         every = self.options.full_check_every
         full = every and (self.started % every == 0 or self.after_abort)
         self.started += 1
         self.after_abort = False
-        return self.options.checksum or (self.options.full_check if full else "")
+        algo = self.options.full_check
+        if algo == "auto":
+            algo = "fp64" if any(d.startswith("cuda") for d in devices) else "crc32"
+        return self.options.checksum or (algo if full else "")
 
     def delta(self) -> str:
         return "" if self.options.delta == "off" else self.options.delta

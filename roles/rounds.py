@@ -130,7 +130,8 @@ class Rounds:
         self.check_version(version)  # never a round that is not newer than the committed version
         senders = {r for role, r in self.planning.sessions if role is Role.SENDER}
         receivers = {r for role, r in self.planning.sessions if role is Role.RECEIVER}
-        self.round = RoundState(version, plan.plan_id, senders, receivers, self.inputs.checksum(), plan.nbytes)
+        devices = {peer.hello.device for key in self.planning.sessions if (peer := self.planning.peer_of(key))}
+        self.round = RoundState(version, plan.plan_id, senders, receivers, self.inputs.checksum(devices), plan.nbytes)
         self.timeline.mark(version, "round:start", self.round.t0)
         self.spinner.hold()
         self.task = asyncio.ensure_future(self._run(self.round))

@@ -48,6 +48,7 @@ BASE_ON = ("device", "host")
 DEFAULT_BASE_BUDGET = 8 << 30  # bytes of bases a sender keeps, at most
 AUTO_MARGIN = 2.0  # "auto": deltas where rows encode this many times faster than the link writes them
 MEASURED = 1 << 20  # bytes a rate is measured over, at least
+REPROBE = 16  # "auto": a lane dense this many rounds in a row tries deltas again (the encoder is measured anew)
 
 
 def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
@@ -113,6 +114,7 @@ class Bases:
         self.link_rates: dict[int, float] = {}  # receiver -> bytes/s its lane wrote whole rows at (measured)
         self.encode_rate: Optional[float] = None  # bytes/s of rows encoded against their base (measured)
         self._encoded = [0.0, 0]  # this round: seconds, bytes
+        self.dense_rounds: dict[int, int] = {}  # receiver -> rounds since its lane was last in delta mode
 
     def __repr__(self) -> str:
         return (f"<Bases {len(self.entries)} rows {self.used}/{self.budget_bytes} bytes "
@@ -192,6 +194,7 @@ class Bases:
         for rank, lane in lanes.items():
             if rank not in delta_lanes and lane.nbytes >= MEASURED and seconds > 0:
                 self.link_rates[rank] = lane.nbytes / seconds
+            self.dense_rounds[rank] = 0 if rank in delta_lanes else self.dense_rounds.get(rank, 0) + 1
         seconds, nbytes = self._encoded
         if nbytes >= MEASURED and seconds > 0:
             self.encode_rate = nbytes / seconds
@@ -200,10 +203,13 @@ class Bases:
     def pays(self, rank: int) -> bool:
         """Whether a delta round may beat a dense one toward ``rank`` ("auto"): encoding (and, as costly
         again, applying at the receiver) must outrun the link. The link is measured first, by a dense
-        round; then deltas are tried until the encode rate is measured too."""
+        round; then deltas are tried until the encode rate is measured too (it falls as more values
+        change); a lane dense for ``REPROBE`` rounds tries again."""
         rate = self.link_rates.get(rank)
         if rate is None:
             return False
+        if self.dense_rounds.get(rank, 0) >= REPROBE:  # steps change: measure the encoder again now and then
+            self.encode_rate = None
         return self.encode_rate is None or self.encode_rate > AUTO_MARGIN * rate
 
     def _over_budget(self, t: Transfer, nbytes: int) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from weightsync.engine.datapath.deltas import Bases, window
+from weightsync.engine.datapath.deltas import REPROBE, Bases, window
 from weightsync.engine.errors import RoundAborted
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
@@ -175,6 +175,10 @@ def test_auto_measures_the_link_dense_first_then_sends_deltas_only_where_encodin
     assert bases.pays(0) and not bases.pays(1)  # a 100 MB/s link pays for it, a 10 GB/s one does not
     bases.observe({0: Lane(nbytes=100 << 20)}, 0.5, delta_lanes=frozenset({0}))
     assert bases.link_rates[0] == 100 << 20  # a delta lane's writes never count as the link's rate
+    for _ in range(REPROBE - bases.dense_rounds[1]):
+        assert not bases.pays(1)
+        bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
+    assert bases.pays(1)  # dense REPROBE rounds in a row: the encoder is measured again
 
 
 def _corrupting(monkeypatch, name: str, damage):
@@ -286,3 +290,18 @@ async def test_delta_rounds_over_cuda_ipc_are_bit_exact(src, dst, mode):
             await push(sender, version)
             assert same(cpu, {k: v.cpu() for k, v in receiver.state_dict().items()}) == [], version
         assert receiver.deltas.rows >= LARGE * 3  # rounds 2-5 (round 4 checked end to end too)
+
+
+def test_every_nth_round_the_first_and_the_one_after_an_abort_are_checked_end_to_end():
+    from types import SimpleNamespace
+
+    from weightsync.roles.round_inputs import RoundInputs
+
+    inputs = RoundInputs(ControllerOptions(full_check_every=3), lambda key: None)
+    assert [inputs.checksum({"cpu"}) for _ in range(7)] == ["crc32", "", "", "crc32", "", "", "crc32"]
+    inputs.finished(SimpleNamespace(receivers=set(), applied=set()), ok=False)
+    assert inputs.checksum({"cpu", "cuda:1"}) == "fp64"  # after an abort; on a GPU, computed on the device
+    assert inputs.checksum({"cpu"}) == ""
+    assert RoundInputs(ControllerOptions(checksum="sum64"), lambda key: None).checksum({"cpu"}) == "sum64"
+    never = RoundInputs(ControllerOptions(full_check_every=0), lambda key: None)
+    assert [never.checksum({"cpu"}) for _ in range(3)] == ["", "", ""]
