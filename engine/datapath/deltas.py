@@ -176,6 +176,7 @@ class Bases:
             t0 = time.perf_counter()
             delta = codec.encode(base.tensor.to(flat.device, non_blocking=True), flat)
             change = _take(delta, base.tensor) if delta is not None else 0
+            delta = dataclasses.replace(delta, changed=None) if delta is not None else None  # (kept for undo only)
             self._encoded[0] += time.perf_counter() - t0
             self._encoded[1] += nbytes
         if delta is not None:
