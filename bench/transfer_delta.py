@@ -16,6 +16,11 @@ Fractions 0.1, 1, 3, 10, 30 and 100%, ``--rounds`` rounds each, after one whole 
 then the encoder, with delta rounds, before it settles). ``--rate 1gbit`` runs it all on a link of that
 rate (a network namespace whose loopback is shaped: tests/netns.py; root).
 
+``--real-steps N``: instead of synthetic fractions, every round follows one AdamW step (lr 1e-6, fp32
+master weights, random tokens) of a ~125M-parameter Qwen2 in each sender (bench/delta_codec.py's model),
+whose bf16 casts are what the senders push; per step the served values changed, wire against whole bytes
+and each cluster's time, and ``bit_exact_steps``.
+
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
 round over ``auto`` round at 1%), ``auto_worst_slowdown`` / ``always_worst_slowdown`` (the worst
@@ -71,6 +76,38 @@ def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
         bits.index_add_(0, picked.to(bits.device), (moves * signs).to(bits.device))
 
 
+class Trainer:
+    """``--real-steps``: a Qwen2 of ~125M parameters (bench/delta_codec.py's) with fp32 master weights and
+    AdamW at lr 1e-6 on random tokens; ``served`` holds the bf16 casts that inference serves."""
+
+    def __init__(self, lr: float = 1e-6) -> None:
+        from delta_codec import model
+
+        self.net = model(768, 12, 32000)
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr)
+        self.served = {n: p.detach().to(torch.bfloat16) for n, p in self.net.named_parameters()}
+
+    @staticmethod
+    def shapes() -> dict[str, tuple]:
+        from delta_codec import model
+
+        with torch.device("meta"):
+            return {n: tuple(p.shape) for n, p in model(768, 12, 32000).named_parameters()}
+
+    def step(self, seed: int) -> int:
+        """One optimizer step on seeded random tokens; the served values it changed."""
+        ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(seed))
+        self.net(ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        changed = 0
+        for n, p in self.net.named_parameters():
+            new = p.detach().to(torch.bfloat16)
+            changed += int((new.view(torch.int16) != self.served[n].view(torch.int16)).sum())
+            self.served[n].copy_(new)
+        return changed
+
+
 def crc(tensors: dict[str, torch.Tensor]) -> int:
     value = 0
     for name in sorted(tensors):
@@ -78,7 +115,7 @@ def crc(tensors: dict[str, torch.Tensor]) -> int:
     return value
 
 
-def _sender(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
+def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False) -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import SenderOptions, WeightSender
 
@@ -86,22 +123,25 @@ def _sender(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
 
     async def main():
         transport, device = where
-        tensors = {k: v.to(device) for k, v in model(mb).items()}
+        trainer = Trainer() if real else None
+        tensors = trainer.served if real else {k: v.to(device) for k, v in model(mb).items()}
         loop = asyncio.get_running_loop()
         async with WeightSender(addr, tensors, rank=0, options=SenderOptions(transport=transport)) as sender:
             while (order := await loop.run_in_executor(None, orders.recv)) is not None:
                 version, fraction, seed = order
-                if fraction:
+                stepped = trainer.step(seed) if real and fraction else 0
+                if fraction and not real:
                     step(tensors, fraction, seed)
                 await (await sender.push(version))
                 d = sender.last_delta
                 done.send({"crc": crc(tensors), "rows": d.rows if d else 0, "changed": d.changed if d else 0,
-                           "whole_bytes": d.whole_bytes if d else 0})
+                           "whole_bytes": d.whole_bytes if d else 0, "stepped": stepped,
+                           "values": sum(t.numel() for t in tensors.values())})
 
     asyncio.run(main())
 
 
-def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
+def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False) -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import ReceiverOptions, WeightReceiver
 
@@ -109,7 +149,8 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
 
     async def main():
         transport, device = where
-        tensors = {k: torch.zeros_like(v, device=device) for k, v in model(mb).items()}
+        shapes = Trainer.shapes() if real else {k: tuple(v.shape) for k, v in model(mb).items()}
+        tensors = {k: torch.zeros(shape, dtype=torch.bfloat16, device=device) for k, shape in shapes.items()}
         loop = asyncio.get_running_loop()
         async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport=transport)) as receiver:
             while (version := await loop.run_in_executor(None, orders.recv)) is not None:
@@ -122,8 +163,8 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str]) -> None:
 class Cluster:
     """One controller here, a sender and a receiver process."""
 
-    def __init__(self, name: str, mb: int, gpus: str = "") -> None:
-        self.name, self.mb = name, mb
+    def __init__(self, name: str, mb: int, gpus: str = "", real: bool = False) -> None:
+        self.name, self.mb, self.real = name, mb, real
         self.ends = ((("tcp", "cpu"), ("tcp", "cpu")) if not gpus else
                      (("cuda_ipc", "cuda:0"), ("cuda_ipc", "cuda:1" if gpus == "across" else "cuda:0")))
 
@@ -136,8 +177,8 @@ class Cluster:
         self.pipes = [ctx.Pipe() for _ in range(4)]
         (s_in, s_out), (s_done_r, s_done_w), (r_in, r_out), (r_done_r, r_done_w) = self.pipes
         self.to_sender, self.from_sender, self.to_receiver, self.from_receiver = s_out, s_done_r, r_out, r_done_r
-        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0])),
-                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1]))]
+        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0], self.real)),
+                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1], self.real))]
         for p in self.procs:
             p.start()
         return self
@@ -150,7 +191,7 @@ class Cluster:
         sent = await loop.run_in_executor(None, self.from_sender.recv)
         served = await loop.run_in_executor(None, self.from_receiver.recv)
         return {"seconds": report.seconds, "bytes": report.nbytes, "bit_exact": sent["crc"] == served,
-                **{k: sent[k] for k in ("rows", "changed", "whole_bytes")}}
+                **{k: sent[k] for k in ("rows", "changed", "whole_bytes", "stepped", "values")}}
 
     async def __aexit__(self, *exc) -> None:
         self.to_sender.send(None)
@@ -190,6 +231,45 @@ async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, g
     result["warmup_rounds"] = warmups
     result["bit_exact"] = result["bit_exact"] and all(w["bit_exact"] for w in warmups)
     return result
+
+
+async def run_real(steps: int, warmup: int) -> dict:
+    """``--real-steps``: every round follows one optimizer step of ``Trainer`` (the first ``warmup``
+    not counted); per step the served values it changed, wire against whole bytes, each cluster's time."""
+    clusters = {name: Cluster(name, 0, real=True) for name in CLUSTERS}
+    rows = []
+    for c in clusters.values():
+        await c.__aenter__()
+    try:
+        await asyncio.gather(*(c.ctl.wait_ready() for c in clusters.values()))
+        whole = {name: await c.round(1, 0.0, 0) for name, c in clusters.items()}
+        for version in range(2, 2 + warmup + steps):
+            row = {"version": version, "counted": version >= 2 + warmup}
+            for name, c in clusters.items():
+                row[name] = await c.round(version, 1.0, seed=version)
+            rows.append(row)
+            print(json.dumps({"version": version, **{n: round(row[n]["seconds"], 4) for n in clusters},
+                              "changed": row["always"]["stepped"] / row["always"]["values"],
+                              "always_bytes": row["always"]["bytes"]}), flush=True)
+    finally:
+        for c in clusters.values():
+            await c.__aexit__(None, None, None)
+    total = whole["dense"]["bytes"]
+    per_step = [{"version": r["version"], "counted": r["counted"],
+                 "changed_fraction": round(r["always"]["stepped"] / r["always"]["values"], 5),
+                 "whole_over_wire": round(total / r["always"]["bytes"], 2),
+                 "bytes_per_changed_value": round((r["always"]["bytes"] - (total - r["always"]["whole_bytes"]))
+                                                  / max(1, r["always"]["changed"]), 3),
+                 **{f"{n}_s": round(r[n]["seconds"], 4) for n in CLUSTERS},
+                 "bit_exact": all(r[n]["bit_exact"] for n in CLUSTERS)} for r in rows]
+    counted = [x for x in per_step if x["counted"]]
+    return {"model": "Qwen2 125M (bench/delta_codec.py), fp32 master weights, AdamW lr 1e-6, bf16 served",
+            "model_bytes": total, "steps": per_step,
+            "bit_exact_steps": sum(x["bit_exact"] for x in per_step), "total_steps": len(per_step),
+            "whole_over_wire_median": statistics.median(x["whole_over_wire"] for x in counted),
+            "dense_over_auto_median": statistics.median(x["dense_s"] / x["auto_s"] for x in counted),
+            "dense_over_always_median": statistics.median(x["dense_s"] / x["always_s"] for x in counted),
+            "bit_exact": all(x["bit_exact"] for x in per_step) and all(w["bit_exact"] for w in whole.values())}
 
 
 def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
@@ -242,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per changed fraction")
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     ap.add_argument("--warmup", type=int, default=3, help="rounds at 1%% first, not counted (auto measures there)")
+    ap.add_argument("--real-steps", type=int, default=0,
+                    help="instead of synthetic fractions: this many AdamW steps of a 125M Qwen2 (after --warmup)")
     ap.add_argument("--rate", default="", help="run on a link of this rate (\"1gbit\": a shaped loopback; root)")
     ap.add_argument("--link", default="loopback", help=argparse.SUPPRESS)  # (set by --rate's inner run)
     ap.add_argument("--gpus", default="", choices=["", "across", "colocated"],
@@ -252,8 +334,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rate:
         return shaped(args, argv)
-    result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(",")), args.warmup,
-                             args.gpus))
+    if args.real_steps:
+        result = asyncio.run(run_real(args.real_steps, args.warmup))
+    else:
+        result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(",")),
+                                 args.warmup, args.gpus))
     result["link"] = f"cuda_ipc {args.gpus}" if args.gpus else args.link
     if args.gpus:
         result[f"time_ratio_gpu_{args.gpus}_1pct"] = next(c["always_over_dense"] for c in result["cases"]
@@ -265,9 +350,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        for case in result["cases"]:
+        for case in result.get("cases", result.get("steps", [])):
             print(case)
-        print({k: v for k, v in result.items() if k != "cases"})
+        print({k: v for k, v in result.items() if k not in ("cases", "steps")})
     return 0 if result["bit_exact"] else 1
 
 
