@@ -23,7 +23,6 @@ import torch
 from weightsync.engine.datapath import deltas as dp
 from weightsync.engine.datapath.tensors import FlatBuffer
 from weightsync.engine.errors import ConfigError
-from weightsync.engine.transforms import delta as codec
 from weightsync.wire import ReceiverTable
 from weightsync.wire import messages as m
 
@@ -60,10 +59,6 @@ class DeltaLanding:
             return f"the round's base for receiver/{rank} is v{named}, but its landing memory holds v{held}"
         return None
 
-    def saved(self, table: ReceiverTable, summaries: tuple[m.WriteSummary, ...]) -> dict[int, int]:
-        """Sender rank -> bytes its deltas saved against its rows (what arrivals must not expect)."""
-        return dp.expected_bytes(table, summaries)
-
     def land(self, table: ReceiverTable, summaries: tuple[m.WriteSummary, ...], landing: torch.Tensor,
              dtypes: Mapping[str, torch.dtype]) -> list[dp.Landed]:
         """Check every delta of the round, then apply them all to ``landing`` (1-D uint8); the rows whose
@@ -77,7 +72,7 @@ class DeltaLanding:
         self.round = checked
         self.apply_s += time.perf_counter() - t0
         return wrong
-    
+
     def committed(self, version: int, table: Optional[ReceiverTable], live: torch.Tensor, landing: torch.Tensor,
                   dtypes: Mapping[str, torch.dtype]) -> None:
         """``version`` is live; ``landing`` is where the next round lands (the old live memory for two slots)."""
@@ -98,9 +93,7 @@ def catch_up(round_deltas: list[dp.Landed], table: Optional[ReceiverTable], live
     if not round_deltas or table is None:
         landing.copy_(live)
         return
-    for d in round_deltas:  # (no fingerprint here: the next round's check covers what this slot then holds)
-        e = d.entry
-        codec.apply(d.delta, landing[e.offset:e.offset + e.nbytes].view(dtypes[e.name]), e.name, checked=d.checked)
+    dp.apply(round_deltas, landing, dtypes, fingerprint=False)  # (the next round's checks cover this slot)
     by_delta = {(d.src, d.entry.index) for d in round_deltas}
     spans = sorted((e.offset, e.offset + e.nbytes) for e in table.entries if (e.src_rank, e.index) not in by_delta)
     merged: list[list[int]] = []

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from weightsync.engine.datapath import deltas as dp
 from weightsync.engine.datapath.deltas import DELTA_REGION
 from weightsync.engine.datapath.exchange import Exchange, memory_exchange
 from weightsync.engine.datapath.registry import RegistrationCache
@@ -279,8 +280,7 @@ class WeightReceiver(Worker):
         unproven = await verify.await_proofs(self.transport, body.checksums, self.options.proof_timeout_s)
         self.timeline.mark(version, "proofs:checked")
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
-        saved = self.deltas.saved(self.table, body.checksums)
-        expected = {src: (count, nbytes - saved.get(src, 0)) for src, (count, nbytes) in self._expected.items()}
+        expected = dp.expected(self._expected, self.table, body.checksums)  # (a delta counts its payload)
         problems, names, blame = verify.arrivals(self.transport, self.table, expected, self._pending, body.checksums)
         if not problems:
             problems, names, blame = await verify.deltas(self.deltas, self.table, self.landing.storage,

@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 import torch
 import zmq
 
-from weightsync.engine.datapath.deltas import DEFAULT_BASE_BUDGET, Bases, DeltaRound, windows
+from weightsync.engine.datapath.deltas import DEFAULT_BASE_BUDGET, Bases, DeltaRound, check_bases, windows
 from weightsync.engine.datapath.pipeline import Pipeline, PipelineOptions, PushReport
 from weightsync.engine.datapath.staging import SourceSet, StagingPool, Transform
 from weightsync.engine.datapath.tensors import Params, find_ties, named_tensors, spec_for
@@ -82,7 +82,7 @@ class SenderOptions(WorkerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        Bases(self.base_budget_bytes, self.base_on)  # (checks both)
+        check_bases(self.base_budget_bytes, self.base_on)
         if self.quantize_on and not self.quantize_on.startswith("cuda"):
             raise ConfigError("quantize_on", f"must name a CUDA device (\"cuda:0\") or be empty, got {self.quantize_on!r}")
 

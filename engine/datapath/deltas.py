@@ -62,6 +62,14 @@ def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> t
     return (start, end - start) if end > start else (0, 0)
 
 
+def check_bases(budget_bytes: int, on: str) -> None:
+    """``SenderOptions.base_budget_bytes`` and ``base_on``, or a ``ConfigError`` naming the bad one."""
+    if budget_bytes < 0:
+        raise ConfigError("base_budget_bytes", f"must be >= 0, got {budget_bytes}")
+    if on not in BASE_ON:
+        raise ConfigError("base_on", f"must be one of {BASE_ON}, got {on!r}")
+
+
 def windows(mode: str, peers: Sequence[PeerInfo], conns: Mapping[int, Connection],
             pays: Callable[[int], bool] = lambda rank: True) -> dict[int, tuple[int, int]]:
     """Receiver rank -> (weights region, delta region) sizes, for the receivers a round in delta ``mode``
@@ -100,10 +108,7 @@ class Bases:
     """A sender's bases (see the module's header)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BASE_BUDGET, on: str = "device") -> None:
-        if budget_bytes < 0:
-            raise ConfigError("base_budget_bytes", f"must be >= 0, got {budget_bytes}")
-        if on not in BASE_ON:
-            raise ConfigError("base_on", f"must be one of {BASE_ON}, got {on!r}")
+        check_bases(budget_bytes, on)
         self.budget_bytes, self.on = budget_bytes, on
         self.entries: dict[tuple, _Base] = {}
         self.used = 0
@@ -253,12 +258,6 @@ def _take(delta: codec.Delta, base: torch.Tensor) -> int:
     return fp64_change(positions, before, after, delta.width)
 
 
-def applied(delta: codec.Delta, row: torch.Tensor, name: str, checked=None) -> int:
-    """Apply ``delta`` to ``row`` (checked first); how much that moved the row's ``fp64`` fingerprint
-    (from the changed values alone: O(changes), not O(row))."""
-    return fp64_change(*codec.apply(delta, row, name, checked=checked), delta.width)
-
-
 # --- the receiver's side ----------------------------------------------------------------------------
 
 
@@ -273,16 +272,22 @@ class Landed:
     change: int  # the fingerprint change its sender reported
 
 
-def expected_bytes(table: ReceiverTable, summaries: tuple[WriteSummary, ...]) -> dict[int, int]:
-    """Sender rank -> bytes its rows' deltas saved (its report counts payloads, not rows, for them)."""
+def expected(per_sender: Mapping[int, tuple[int, int]], table: ReceiverTable,
+             summaries: tuple[WriteSummary, ...]) -> dict[int, tuple[int, int]]:
+    """Sender rank -> (writes, bytes) to expect from it this round: ``per_sender`` (the table's), less
+    what its deltas saved (it counts a delta's payload, not its row)."""
     size = {(e.src_rank, e.index): e.nbytes for e in table.entries}
-    return {s.peer_rank: sum(size.get((s.peer_rank, d.index), 0) - d.nbytes for d in s.deltas)
-            for s in summaries if s.deltas}
+    saved = {s.peer_rank: sum(size.get((s.peer_rank, d.index), 0) - d.nbytes for d in s.deltas) for s in summaries}
+    return {src: (count, nbytes - saved.get(src, 0)) for src, (count, nbytes) in per_sender.items()}
+
+
+def _row(landing: torch.Tensor, entry: ExpectedEntry, dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
+    """``entry``'s row of ``landing`` (1-D uint8), as its values."""
+    return landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
 
 
 def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_region: Optional[torch.Tensor],
-           landing: torch.Tensor,
-           dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
+           landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
     """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in table order;
     ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is written."""
     entries = {(e.src_rank, e.index): e for e in table.entries}
@@ -294,8 +299,8 @@ def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_regi
     return out
 
 
-def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor], landing: torch.Tensor,
-         dtypes: Mapping[str, torch.dtype]) -> Landed:
+def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor],
+         landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> Landed:
     entry = entries.get((src, d.index))
     peer = f"sender/{src}"
     if entry is None:
@@ -312,21 +317,20 @@ def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optio
         delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
         if delta.changes != d.changes:
             raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
-        row = landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
-        return Landed(src, entry, delta, codec.check(delta, row, entry.name), d.change)
+        return Landed(src, entry, delta, codec.check(delta, _row(landing, entry, dtypes), entry.name), d.change)
     except codec.DeltaError as exc:
         raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", peer) from None
 
 
-def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
-    """Add checked deltas to ``landing`` (1-D uint8); those whose row's fingerprint did not move as their
-    sender's did: the receiver's base differs from the sender's where the delta touched it, or the delta
-    changed on the way."""
+def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype],
+          fingerprint: bool = True) -> list[Landed]:
+    """Add checked deltas to ``landing`` (1-D uint8); with ``fingerprint``, those whose row's ``fp64``
+    did not move as their sender's did (worked out from the changed values alone: O(changes)): the
+    receiver's base differs from the sender's where the delta touched it, or the delta changed on the way."""
     wrong = []
     for d in deltas:
-        e = d.entry
-        change = applied(d.delta, landing[e.offset:e.offset + e.nbytes].view(dtypes[e.name]), e.name, d.checked)
-        if change != d.change:
+        changed = codec.apply(d.delta, _row(landing, d.entry, dtypes), d.entry.name, checked=d.checked)
+        if fingerprint and fp64_change(*changed, d.delta.width) != d.change:
             wrong.append(d)
     return wrong
 

@@ -86,6 +86,7 @@ async def test_a_plan_made_for_a_session_that_was_replaced_meanwhile_is_void_and
             assert gate.held == 2 and plan.plan_id == first.plan_id + 2  # the void plan was never installed
             await push_all([(s0, ts[0]), (s1b, ts[2])], 2)
             await asyncio.wait_for(asyncio.gather(r0.wait_for(2), r1.wait_for(2)), WATCHDOG)
+            await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)  # (every commit_ack reached the controller)
         assert [r.ok for r in ctl.reports] == [True, True] and consistent(ctl, [r0, r1])
         assert mismatches(recvs[0], 2) == [] and mismatches(recvs[1], 2) == []
 
@@ -171,6 +172,7 @@ async def test_a_controller_killed_after_its_first_commit_message_is_finished_by
             assert mismatches(recvs[0], 2) == [] and mismatches(recvs[1], 2) == []
             await push(s0, ts, 3)
             await asyncio.wait_for(asyncio.gather(r0.wait_for(3), r1.wait_for(3)), WATCHDOG)
+            await asyncio.wait_for(ctl2.wait_round(3), WATCHDOG)  # (its commit_acks reached ctl2 too)
             assert consistent(ctl2, [r0, r1]) and mismatches(recvs[1], 3) == []
 
 
@@ -195,6 +197,7 @@ async def test_sixteen_receivers_of_a_host_restarting_at_once_all_rejoin_promptl
         await asyncio.wait_for(asyncio.gather(*[r.wait_for(2) for r in new]), WATCHDOG)
         took = asyncio.get_running_loop().time() - t0
         assert joined_s < 2 * opts.timeout_s and took < 2 * opts.timeout_s + 1.0, (joined_s, took)
+        await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)  # (every commit_ack reached the controller)
         assert consistent(ctl, new) and all(mismatches(r.tensors, 2) == [] for r in new)
         for r in new:
             await r.close()
