@@ -16,6 +16,16 @@ the restarted process has joined (its imports take about 2.5 s here, and are not
 with crc32 checksums, half without (``--checksum``). Exit status 1 on any half-applied version,
 rollback or unresumed trial.
 
+``--inject`` (with ``--delta``): injected faults besides the kills. Sender 0 corrupts one bit of one
+delta payload (a random byte of it) in 10% of its pushes, after the payload is packed; receiver 0 flips
+one bit of one served value in 5% of the versions it commits (memory gone bad). Each corrupted push must
+abort naming the row it damaged (``corruptions_caught``; a push that commits is ``corruptions_missed``;
+one a kill aborted first counts apart). Each flip is followed until the receiver has served two
+versions in a row without it: an abort naming its parameter meanwhile (the round's checks, or the
+next full check of that slot) makes it ``flips_caught``; gone without one, whole rows overwrote it
+(``flips_overwritten``, e.g. after another abort); still there ``--full-check-every`` x 2 + 3 versions
+later is ``flips_missed``. The receiver's checks excuse the one flipped value while it is there.
+
 ``--experts``: the trainers are expert-parallel: besides the replicated tensors each sender holds only
 its own rows of an ``experts`` tensor (a non-gatherable shard), so no round can go without every
 sender. The processes start in a random order, and a trial may kill a sender and a receiver at once:
@@ -103,6 +113,7 @@ async def sender_child(args) -> None:
 
     tensors = {name: own(name, 0) for name in full}
     shards = {name: ShardSpec(full[name], 0, r.start, r.stop) for name, r in rows.items()}
+    corrupt = _corrupting(random.Random(args.seed * 1000 + os.getpid())) if args.inject and args.rank == 0 else None
     async with WeightSender(args.addr, tensors, rank=args.rank, shards=shards,
                             options=SenderOptions(rejoin_deadline_s=120)) as sender:
         _diagnosable(sender)
@@ -111,13 +122,41 @@ async def sender_child(args) -> None:
             version = max(sender.committed or 0, sender._last_version) + 1
             for name, t in tensors.items():
                 t.copy_(own(name, version))
+            armed = corrupt is not None and corrupt.arm()
             try:
                 await (await sender.push(version))
                 say(event="committed", version=version, deltas=sender.last_delta.rows if sender.last_delta else 0)
+                if armed and corrupt.row:
+                    say(event="corrupted", version=version, row=corrupt.row, outcome="committed")
             except Exception as exc:  # every failure is surfaced to this process: report it, go on
-                say(event="failed", version=version, error=type(exc).__name__)
+                say(event="failed", version=version, error=type(exc).__name__, text=str(exc)[:500])
+                if armed and corrupt.row:
+                    say(event="corrupted", version=version, row=corrupt.row, outcome=str(exc)[:500])
                 if sender.lost is not None:
                     return
+
+
+class _corrupting:
+    """``--inject``: flips one bit of the first delta payload of an armed push (the pipeline's
+    ``_as_delta``, wrapped in this process: the payload is packed, the sender's base already moved)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        from weightsync.engine.datapath import pipeline
+
+        self.rng, self.armed, self.row = rng, False, ""
+        real = pipeline._as_delta
+
+        async def as_delta(deltas, t, staged):
+            await real(deltas, t, staged)
+            if self.armed and staged.target is not None:  # (a delta: its packed bytes)
+                self.armed, self.row = False, t.name
+                staged.tensor[self.rng.randrange(staged.tensor.numel())] ^= 1 << self.rng.randrange(8)
+
+        pipeline._as_delta = as_delta
+
+    def arm(self) -> bool:
+        self.armed, self.row = self.rng.random() < 0.10, ""
+        return self.armed
 
 
 def _which(t, name: str, version: int) -> str:
@@ -134,17 +173,48 @@ async def receiver_child(args) -> None:
     from weightsync.roles import WeightReceiver
 
     tensors = {name: torch.zeros(shape) for name, shape in shapes(args).items()}
+    rng = random.Random(args.seed * 1000 + os.getpid())
+    flips: dict[str, dict] = {}  # ``--inject``: name -> the flipped element, since when, clean versions seen
 
     def check(version) -> None:
-        bad = [] if version is None else [n for n, t in tensors.items() if not torch.equal(t, expected(n, t.shape, version))]
-        say(event="check", version=version, ok=not bad, bad={n: _which(tensors[n], n, version) for n in bad})
+        bad = {} if version is None else {n: _which(t, n, version) for n, t in tensors.items()
+                                          if not torch.equal(t, expected(n, t.shape, version))}
+        for name, f in list(flips.items()):
+            if name in bad and _only(tensors[name], expected(name, tensors[name].shape, version), f["element"]):
+                del bad[name]  # (the injected value itself, still there: excused)
+                f["clean"] = []
+            elif name not in bad and version is not None and version > f["version"] and version not in f["clean"]:
+                f["clean"].append(version)
+                if len(f["clean"]) == 2:
+                    say(event="flip_gone", name=name, version=version)
+                    del flips[name]
+        say(event="check", version=version, ok=not bad, bad=bad)
 
-    async with WeightReceiver(args.addr, tensors, rank=args.rank, on_update=check) as receiver:
+    def on_update(version) -> None:
+        check(version)
+        if args.inject and args.rank == 0 and rng.random() < 0.05:
+            name = rng.choice([n for n in tensors if n not in flips and tensors[n].numel()])
+            flat = tensors[name].reshape(-1)
+            element = rng.randrange(flat.numel())
+            flat.view(torch.uint8)[element * flat.element_size() + rng.randrange(flat.element_size())] ^= 1 << rng.randrange(8)
+            flips[name] = {"element": element, "version": version, "clean": []}
+            say(event="flip", name=name, version=version)
+
+    async with WeightReceiver(args.addr, tensors, rank=args.rank, on_update=on_update) as receiver:
         _diagnosable(receiver)
         say(event="ready")
         while True:  # between commits too: serving must never see anything but a whole version
             check(receiver.version)
             await asyncio.sleep(0.02)  # a sampling period, not synchronisation
+
+
+def _only(t, want, element: int) -> bool:
+    """``t`` equals ``want`` bit for bit but for value ``element`` (of the flat tensor)."""
+    import torch
+
+    got, want = t.reshape(-1).clone(), want.reshape(-1)
+    got[element] = want[element]
+    return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 # --- the driver -----------------------------------------------------------------------------------
@@ -167,6 +237,9 @@ class Cluster:
         self.half_applied: list[str] = []
         self.trial = "start"  # (the trial running: what was killed, to name it in a problem)
         self.rollbacks: list[str] = []
+        self.aborts: list[tuple[int, str]] = []  # (version, why) of the pushes senders saw fail
+        self.corruptions: list[dict] = []  # ``--inject``: the pushes with a corrupted delta, and how they ended
+        self.flips: list[dict] = []  # ``--inject``: the served values flipped, and when they were gone
         self.changed = asyncio.Event()
         port = _free_port()
         self.addr = f"tcp://127.0.0.1:{port}"
@@ -180,7 +253,8 @@ class Cluster:
         cmd = [sys.executable, __file__, "child", role, "--rank", str(rank), "--addr", self.addr,
                "--senders", str(a.senders), "--receivers", str(a.receivers), "--checksum", self.checksum,
                "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout), *(["--experts"] if a.experts else []),
-               "--delta", a.delta, "--full-check-every", str(a.full_check_every)]
+               "--delta", a.delta, "--full-check-every", str(a.full_check_every), "--seed", str(a.seed),
+               *(["--inject"] if a.inject else [])]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env={
             **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         key = (role, rank)
@@ -196,6 +270,15 @@ class Cluster:
                 self.ready[key].set()
             elif e["event"] == "failed":
                 self.failures.append(e["t"])
+                self.aborts.append((e["version"], e.get("text", "")))
+            elif e["event"] == "corrupted":
+                self.corruptions.append(e)
+            elif e["event"] == "flip":
+                self.flips.append({"receiver": key[1], "name": e["name"], "version": e["version"], "gone": None})
+            elif e["event"] == "flip_gone":
+                for f in self.flips:
+                    if f["receiver"] == key[1] and f["name"] == e["name"] and f["gone"] is None:
+                        f["gone"] = e["version"]
             elif e["event"] == "state":
                 self.states[f"{key[0]}/{key[1]}"] = e
                 self.changed.set()
@@ -230,6 +313,9 @@ class Cluster:
             await self.procs[(role, rank)].wait()
             await self.readers[(role, rank)]
             (self.version if role == "receiver" else self.pushed).pop(rank, None)  # a new process starts with none
+            for f in self.flips:  # (its flipped values died with it)
+                if role == "receiver" and f["receiver"] == rank and f["gone"] is None:
+                    f["gone"] = "killed"
         for role, rank in keys:
             await self.start(role, rank)
         for key in keys:
@@ -321,7 +407,36 @@ async def run_matrix(args, checksum: str, trials: int, rng: random.Random, rows:
         rows.extend({"half_applied": h} for h in cluster.half_applied)
         rows.extend({"rollback": r} for r in cluster.rollbacks)
         rows.append({"pushes": cluster.committed_pushes, "delta_rows": cluster.delta_rows})
+        if args.inject:
+            rows.append({"injected": injected(cluster, max(cluster.version.values(), default=0))})
         await cluster.close()
+
+
+def injected(cluster: Cluster, newest: int) -> dict:
+    """``--inject``: what became of each corrupted push and each flipped value."""
+    grace = 2 * cluster.args.full_check_every + 3
+    out = {"corruptions": len(cluster.corruptions), "corruptions_caught": 0, "corruptions_missed": 0,
+           "corruptions_aborted_otherwise": 0, "flips": len(cluster.flips), "flips_caught": 0,
+           "flips_overwritten": 0, "flips_died": 0, "flips_missed": 0, "flips_pending": 0, "missed": []}
+    for c in cluster.corruptions:
+        kind = ("missed" if c["outcome"] == "committed" else "caught" if c["row"] in c["outcome"]
+                else "aborted_otherwise")
+        out[f"corruptions_{kind}"] += 1
+        if kind == "missed":
+            out["missed"].append(c)
+    for f in cluster.flips:
+        if f["gone"] == "killed":
+            out["flips_died"] += 1
+        elif f["gone"] is None:
+            late = newest - f["version"] > grace
+            out["flips_missed" if late else "flips_pending"] += 1
+            if late:
+                out["missed"].append(f)
+        elif any(f["version"] < v <= f["gone"] and f["name"] in why for v, why in cluster.aborts):
+            out["flips_caught"] += 1
+        else:
+            out["flips_overwritten"] += 1
+    return out
 
 
 def summarize(rows: list, args) -> dict:
@@ -351,12 +466,19 @@ def summarize(rows: list, args) -> dict:
                      if "half_applied" in r or "rollback" in r][:10],
         "stuck": [{"victim": r.get("victim", "start"), "checksum": r["checksum"], **r["stuck"]} for r in rows
                   if "stuck" in r],
+        **({"injected": _added([r["injected"] for r in rows if "injected" in r])} if args.inject else {}),
     }
 
 
+def _added(parts: list[dict]) -> dict:
+    return {k: (sum((p[k] for p in parts), []) if k == "missed" else sum(p[k] for p in parts)) for k in parts[0]} if parts else {}
+
+
 def ok(summary: dict) -> bool:
+    inj = summary.get("injected")
     return (summary["half_applied"] == 0 and summary["rollbacks"] == 0 and summary["trials"] > 0 and not summary["stuck"]
-            and summary["resumed_within_limit"] == summary["trials"])
+            and summary["resumed_within_limit"] == summary["trials"]
+            and (inj is None or (inj and not inj["missed"] and inj["corruptions_caught"] > 0 and inj["flips"] > 0)))
 
 
 async def drive(args) -> dict:
@@ -389,11 +511,14 @@ def main(argv=None) -> int:
     ap.add_argument("--delta", default="", choices=["", "auto", "always"],
                     help="delta rounds (sparse versions: ~2%% of values change each); '': dense versions, auto")
     ap.add_argument("--full-check-every", type=int, default=8, help="the controller's full_check_every")
+    ap.add_argument("--inject", action="store_true", help="with --delta: corrupt delta payloads, flip served values")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--addr", default="")
     args = ap.parse_args(argv)
     global SPARSE
     SPARSE = bool(args.delta)
+    if args.inject and not args.delta:
+        ap.error("--inject needs --delta (it corrupts delta payloads)")
     if args.verb == "child":
         child = {"controller": controller_child, "sender": sender_child, "receiver": receiver_child}[args.role]
         asyncio.run(child(args))
@@ -401,7 +526,8 @@ def main(argv=None) -> int:
     summary = asyncio.run(drive(args))
     summary["command"] = (f"bench/faults.py --trials {args.trials} --senders {args.senders} --receivers "
                           f"{args.receivers} --checksum '{args.checksum}' --timeout {args.timeout} --seed {args.seed}"
-                          + (" --experts" if args.experts else "") + (f" --delta {args.delta}" if args.delta else ""))
+                          + (" --experts" if args.experts else "") + (f" --delta {args.delta}" if args.delta else "")
+                          + (" --inject" if args.inject else ""))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     if not args.json:

@@ -43,6 +43,7 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -54,6 +55,8 @@ from mn_setup import (  # noqa: E402  (the case, the model and its oracle, proce
     model_shapes, receiver_layout, tp_part,
 )
 from transfer_gpu import _median_timeline, _profiled  # noqa: E402
+
+BUCKET = 512 << 20  # the bucketed broadcast's bucket (verl, slime)
 
 
 # --- engine processes ------------------------------------------------------------------------------
@@ -201,9 +204,10 @@ def _timeline(ctl, done: list, case: Case) -> list:
 # --- the broadcast baseline ------------------------------------------------------------------------
 
 
-def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
-    """Rank 0 of 1 + N (1 + N - 1 colocated): every full tensor, one broadcast each; ranks >= 1 keep
-    their TP slice of it; colocated, rank 0 also keeps receiver 0's slice."""
+def _broadcaster(case: Case, rank: int, port: int, bucket: int, conn) -> None:
+    """Rank 0 of 1 + N (1 + N - 1 colocated): every full tensor, one broadcast each (``bucket`` bytes > 0:
+    packed into buckets of that size first, one broadcast a bucket, as verl and slime do); ranks >= 1
+    keep their TP slice of it; colocated, rank 0 also keeps receiver 0's slice."""
     import torch.distributed as dist
 
     from weightsync.engine.transforms.layouts import allocate
@@ -220,12 +224,27 @@ def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
                      else torch.empty(p.shape, dtype=torch.bfloat16, device=device)) for p in shapes}
     where = _slices(layouts, case)
 
+    def keep(name: str, t: torch.Tensor) -> None:
+        for r, entry, at in where.get(name, ()):
+            part = tp_part(t, entry, case.receivers, r)
+            mine[r][entry.name].narrow(0, at, part.shape[0]).copy_(part)
+
+    groups = _buckets(full, bucket) if bucket else [[name] for name in full]
+    flat = torch.empty(max(sum(full[n].numel() for n in g) for g in groups), dtype=torch.bfloat16, device=device)
+
     def one_round():
-        for name, t in full.items():
-            dist.broadcast(t, src=0)
-            for r, entry, at in where.get(name, ()):
-                keep = tp_part(t, entry, case.receivers, r)
-                mine[r][entry.name].narrow(0, at, keep.shape[0]).copy_(keep)
+        for names in groups:
+            if not bucket:
+                dist.broadcast(full[names[0]], src=0)
+                keep(names[0], full[names[0]])
+                continue
+            sizes = [full[n].numel() for n in names]
+            packed = flat[:sum(sizes)]
+            if rank == 0:
+                torch.cat([full[n].reshape(-1) for n in names], out=packed)
+            dist.broadcast(packed, src=0)
+            for n, part in zip(names, packed.split(sizes)):
+                keep(n, part.view(full[n].shape))
 
     times = []
     for _ in range(case.rounds):
@@ -244,6 +263,19 @@ def _broadcaster(case: Case, rank: int, port: int, conn) -> None:
     dist.destroy_process_group()
 
 
+def _buckets(full: dict[str, torch.Tensor], nbytes: int) -> list[list[str]]:
+    """Tensor names in order, grouped into buckets of at most ``nbytes`` (a larger tensor alone)."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for name, t in full.items():
+        if out[-1] and size + t.numel() * t.element_size() > nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += t.numel() * t.element_size()
+    return out
+
+
 def _slices(layouts: dict, case: Case) -> dict[str, list]:
     """source name -> [(receiver, its layout entry, row offset of this part in the fused tensor)]."""
     out: dict[str, list] = {}
@@ -258,13 +290,13 @@ def _slices(layouts: dict, case: Case) -> dict[str, list]:
     return out
 
 
-async def broadcast(case: Case) -> dict:
+async def broadcast(case: Case, bucket: int = 0) -> dict:
     procs = Procs()
     port = free_port()
     try:
         world = case.receivers + (0 if case.colocated else 1)
         for r in range(world):
-            procs.start(_broadcaster, case, r, port)
+            procs.start(_broadcaster, case, r, port, bucket)
         done = await procs.reports(world)
     finally:
         procs.close()
@@ -273,7 +305,7 @@ async def broadcast(case: Case) -> dict:
     return {"round_s": times, "ok": not bad, "mismatches": bad}
 
 
-def summary(case: Case, link, eng: dict, bc: dict) -> dict:
+def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = None, peer: Optional[dict] = None) -> dict:
     med = statistics.median
     engine_s = med(eng["round_s"])
     out = {
@@ -302,6 +334,17 @@ def summary(case: Case, link, eng: dict, bc: dict) -> dict:
                     "broadcast_with_gather_ms": round((bc_s + gather_s) * 1e3, 3),
                     "engine_over_broadcast_with_gather_ratio": round(engine_s / (bc_s + gather_s), 3),
                     "broadcast_bit_exact": bc["ok"], "broadcast_mismatches": bc["mismatches"][:10]})
+    if bucketed:
+        bk_s = med(bucketed["round_s"])
+        out.update({"broadcast_bucketed_ms": round(bk_s * 1e3, 3), "broadcast_bucket_mib": BUCKET >> 20,
+                    "engine_over_broadcast_bucketed_ratio": round(engine_s / bk_s, 3),
+                    "broadcast_bucketed_bit_exact": bucketed["ok"]})
+    if peer:
+        out.update({"ckpt_step_ms": peer["step_ms"], "ckpt_update_ms": peer["update_ms"],
+                    "ckpt_step_ms_all": [round(s * 1e3, 3) for s in peer["step_s"]],
+                    "engine_over_ckpt_ratio": round(engine_s * 1e3 / peer["step_ms"], 4),
+                    "engine_over_ckpt_update_ratio": round(engine_s * 1e3 / peer["update_ms"], 4),
+                    "ckpt_bit_exact": peer["ok"], "ckpt_mismatches": peer["mismatches"][:10]})
     return out
 
 
@@ -318,29 +361,42 @@ def show(s: dict) -> None:
     if "broadcast_ms" in s:
         rows += [("broadcast from rank 0, per tensor (full tensors given)", s["broadcast_ms"]),
                  ("  + FSDP full_tensor gather first", s["broadcast_with_gather_ms"])]
+    if "broadcast_bucketed_ms" in s:
+        rows += [(f"broadcast from rank 0, {s['broadcast_bucket_mib']} MiB buckets", s["broadcast_bucketed_ms"])]
+    if "ckpt_step_ms" in s:
+        rows += [("checkpoint-engine step (pinned copy + update)", s["ckpt_step_ms"]),
+                 ("  its update alone", s["ckpt_update_ms"])]
     for label, ms in rows:
         table.add_row(label, f"{ms:.2f}", f"{ms / s['bound_ms']:.2f}", f"{ms / s['engine_ms']:.2f}")
     Console(stderr=True).print(table)
 
 
-async def run(case: Case, with_broadcast: bool = True) -> dict:
+async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) -> dict:
     case.check()
     link = measured_link(case)
     eng = await engine(case, link)
     bc = await broadcast(case) if with_broadcast else {}
-    return summary(case, link, eng, bc)
+    bucketed = await broadcast(case, BUCKET) if with_broadcast else {}
+    peer = {}
+    if with_ckpt:
+        from peer_ckpt import ckpt
+
+        peer = await ckpt(case)
+    return summary(case, link, eng, bc, bucketed, peer)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--senders", type=int, default=2, help="FSDP2 trainer processes (M)")
     ap.add_argument("--receivers", type=int, default=2, help="tensor-parallel inference processes (N = TP)")
-    ap.add_argument("--model", default="qwen2.5-7b", choices=("tiny-dense", "tiny-moe", "qwen2.5-7b", "qwen3-30b-a3b"))
+    ap.add_argument("--model", default="qwen2.5-7b", choices=("tiny-dense", "tiny-moe", "qwen2.5-0.5b", "qwen2.5-7b",
+                                                                 "qwen3-30b-a3b"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--colocated", action="store_true", help="trainer i and receiver i share GPU i")
     ap.add_argument("--fp8", action="store_true", help="receivers hold the block-FP8 layout")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the first (plan, registration) is not counted")
-    ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baseline")
+    ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baselines")
+    ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each trainer's sender there (diagnostics)")
     args = ap.parse_args(argv)
@@ -348,12 +404,15 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile)
-    result = asyncio.run(run(case, not args.no_broadcast))
+    if args.ckpt and (args.device != "cuda" or args.fp8):
+        ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
+    result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))
     result["command"] = "bench/transfer_mn.py " + " ".join(sys.argv[1:] if argv is None else argv)
     show(result)
     if args.json:
         print(json.dumps(result))
-    ok = result["bit_exact"] and result.get("broadcast_bit_exact", True)
+    ok = all(result.get(k, True) for k in ("bit_exact", "broadcast_bit_exact", "broadcast_bucketed_bit_exact",
+                                            "ckpt_bit_exact"))
     return 0 if ok else 1
 
 

@@ -4,9 +4,11 @@ How this works: ``RoundInputs`` is the part of the controller's ``Rounds`` that 
 rounds, what the next one needs besides the plan. ``bases``: per receiver session, the committed version
 its landing memory holds, learned from its ``commit_ack`` and forgotten when it takes part in a round it
 does not apply (an abort, a missing acknowledgement) or leaves (docs/DELTAS.md). ``checksum``: the
-round's end-to-end check: ``ControllerOptions.checksum`` when set, else ``full_check`` on every
-``full_check_every``-th round (the first included) and on the round after an abort ("auto": fp64,
-computed on the device, where a member's tensors are on a GPU; crc32 otherwise). Pure bookkeeping.
+round's end-to-end check: ``ControllerOptions.checksum`` when set, else ``full_check`` once every
+``full_check_every`` rounds (the first included) and on the round after an abort ("auto": fp64,
+computed on the device, where a member's tensors are on a GPU; crc32 otherwise). A two-slot receiver
+lands alternate rounds in alternate slots, so with an even period every other check comes one round
+later (rounds 0, 9, 16, 25, ... for 8): both slots take turns being checked. Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ class RoundInputs:
         """The next round's checksum algorithm ("": none beyond each delta's fingerprint change), for
         members whose tensors are on ``devices``."""
         every = self.options.full_check_every
-        full = every and (self.started % every == 0 or self.after_abort)
+        if every:
+            visit, at = divmod(self.started, every)
+            full = at == (visit % 2 if every % 2 == 0 else 0) or self.after_abort
+        else:
+            full = False
         self.started += 1
         self.after_abort = False
         algo = self.options.full_check

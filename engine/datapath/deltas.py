@@ -20,12 +20,18 @@ Receiver (``landed``): the rows that came as deltas (``WriteSummary.deltas``) ar
 windows and checked — each names a row of the sender that sent it, once, inside its window, and is a
 well-formed delta for that row (``delta.check``) — all of them before any byte is applied; a bad one is
 a ``DeltaError`` naming the row and the sender. ``apply`` then adds them to the landing memory.
+
+CPU rows take the compiled one-pass kernels (``engine.transforms.delta_cpu``: ``encode``, ``check``
+and ``apply`` with the fingerprint in the same loop); rows elsewhere the vectorised torch code.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import logging
+import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -36,6 +42,7 @@ from weightsync.wire.messages import DeltaRow, WriteSummary
 
 from ..errors import ConfigError
 from ..transforms import delta as codec
+from ..transforms import delta_cpu
 from .checksums import fp64_change
 from ..transport import Connection
 
@@ -49,6 +56,9 @@ DEFAULT_BASE_BUDGET = 8 << 30  # bytes of bases a sender keeps, at most
 AUTO_MARGIN = 2.0  # "auto": deltas where rows encode this many times faster than the link writes them
 MEASURED = 1 << 20  # bytes a rate is measured over, at least
 REPROBE = 16  # "auto": a lane dense this many rounds in a row tries deltas again (the encoder is measured anew)
+OFF_LOOP_BYTES = 1 << 20  # CPU rows this large are encoded on worker threads (the event loop keeps writing)
+ENCODERS = 2  # such rows of a lane encoded at once (the compiled encoder lets go of the GIL)
+APPLY_THREADS = 4  # threads a receiver applies a round's CPU deltas with (rows in parallel), at most
 
 
 def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
@@ -120,6 +130,10 @@ class Bases:
         self.encode_rate: Optional[float] = None  # bytes/s of rows encoded against their base (measured)
         self._encoded = [0.0, 0]  # this round: seconds, bytes
         self.dense_rounds: dict[int, int] = {}  # receiver -> rounds since its lane was last in delta mode
+        self.lock = threading.Lock()  # (rows are encoded on worker threads: guards the dicts and counters)
+        self._idle = threading.Condition(self.lock)  # notified as each encode ends
+        self._busy = 0  # rows being encoded now
+        self._row_locks: dict[tuple, threading.Lock] = {}
 
     def __repr__(self) -> str:
         return (f"<Bases {len(self.entries)} rows {self.used}/{self.budget_bytes} bytes "
@@ -134,12 +148,18 @@ class Bases:
     def settle(self) -> None:
         """Close the last round: committed, its bytes take its version; otherwise its deltas are undone
         and bases that took whole bytes are forgotten. Call with no round of this sender running."""
+        with self.lock:  # (rows a cancelled round is still encoding finish first)
+            while self._busy:
+                self._idle.wait()
+            self._settle()
+
+    def _settle(self) -> None:
         for key, p in self.pending.items():
             base = self.entries[key]
             if self.committed:
                 base.version = self.version
             elif p.delta is not None and p.before is not None:
-                codec.apply(p.delta, base.tensor, str(key[0]), undo=True)
+                _apply(p.delta, base.tensor, str(key[0]), None, undo=True)
                 base.version = p.before
             else:
                 base.version = None
@@ -156,11 +176,32 @@ class Bases:
         return DeltaRound(self, frozenset(sizes), dict(bases), dict(sizes))
 
     def advance(self, t: Transfer, new: torch.Tensor) -> _Pending:
-        """Bring row ``t``'s base to ``new`` (once a round per base); what that did."""
+        """Bring row ``t``'s base to ``new`` (once a round per base); what that did. Thread-safe: rows
+        are encoded in parallel, one thread per row (a second asking for the same row waits for it)."""
         key = _key(t)
-        done = self.pending.get(key)
-        if done is not None:
+        with self.lock:
+            row_lock = self._row_locks.setdefault(key, threading.Lock())
+        with row_lock:
+            with self.lock:
+                done = self.pending.get(key)
+                if done is not None:
+                    return done
+                base = self._base(key, t, new)
+                if base is None:
+                    return _Pending(None, None)
+                self._busy += 1
+            try:
+                done = self._encode(base, new.reshape(-1))
+            finally:
+                with self.lock:
+                    self._busy -= 1
+                    self._idle.notify_all()
+            with self.lock:
+                self.pending[key] = done
             return done
+
+    def _base(self, key: tuple, t: Transfer, new: torch.Tensor) -> Optional[_Base]:
+        """Row ``key``'s base (made if the budget allows; None past it). Under ``lock``."""
         base = self.entries.get(key)
         nbytes = new.numel() * new.element_size()
         if base is not None and (base.tensor.shape != new.reshape(-1).shape or base.tensor.dtype != new.dtype):
@@ -170,27 +211,26 @@ class Bases:
         if base is None:
             if self.used + nbytes > self.budget_bytes:
                 self._over_budget(t, nbytes)
-                return _Pending(None, None)
+                return None
             device = "cpu" if self.on == "host" else new.device
             base = self.entries[key] = _Base(torch.empty(new.numel(), dtype=new.dtype, device=device,
                                                          pin_memory=self.on == "host" and torch.cuda.is_available()), None)
             self.used += nbytes
-        flat = new.reshape(-1)
-        delta = None
-        if base.version is not None:
+        return base
+
+    def _encode(self, base: _Base, flat: torch.Tensor) -> _Pending:
+        """Bring ``base`` to ``flat``: as a delta where it holds a version, else by copying."""
+        delta, change, copied, before = None, 0, False, base.version
+        if before is not None:
             t0 = time.perf_counter()
-            delta = codec.encode(base.tensor.to(flat.device, non_blocking=True), flat)
-            change = _take(delta, base.tensor) if delta is not None else 0
-            delta = dataclasses.replace(delta, changed=None) if delta is not None else None  # (kept for undo only)
-            self._encoded[0] += time.perf_counter() - t0
-            self._encoded[1] += nbytes
-        if delta is not None:
-            done = self.pending[key] = _Pending(base.version, delta, change)
-        else:
-            done = self.pending[key] = _Pending(base.version, None)
+            delta, change, copied = _advance(base.tensor, flat)
+            with self.lock:
+                self._encoded[0] += time.perf_counter() - t0
+                self._encoded[1] += flat.numel() * flat.element_size()
+        if not copied:
             base.tensor.copy_(flat, non_blocking=True)
         base.version = None
-        return done
+        return _Pending(before, delta, change)
 
     def observe(self, lanes: Mapping[int, object], seconds: float, delta_lanes: frozenset = frozenset()) -> None:
         """After a round of ``seconds`` (the pipeline's, wall clock): the rate each dense lane (not in
@@ -234,6 +274,12 @@ class DeltaRound:
         self.whole_bytes = 0  # what those rows would have been whole
         self.changed = 0  # values they changed
 
+    @staticmethod
+    def off_loop(new: torch.Tensor) -> bool:
+        """Whether ``stage`` of ``new`` belongs on a worker thread: a large CPU row (the compiled encoder
+        lets go of the GIL; a GPU row's launches stay on the loop's thread and stream)."""
+        return new.device.type == "cpu" and new.numel() * new.element_size() >= OFF_LOOP_BYTES
+
     def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
         """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's
         delta region, its fingerprint change, the values it changes), or None to send ``new`` whole."""
@@ -244,10 +290,40 @@ class DeltaRound:
         start, capacity = window(t.dst_offset, t.nbytes, *self.windows.get(t.dst_rank, (0, 0)))
         if done.delta.nbytes > capacity:
             return None
-        self.rows += 1
-        self.whole_bytes += t.nbytes
-        self.changed += done.delta.changes
+        with self.bases.lock:
+            self.rows += 1
+            self.whole_bytes += t.nbytes
+            self.changed += done.delta.changes
         return codec.pack_tensor(done.delta), start, done.change, done.delta.changes
+
+
+def _advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta], int, bool]:
+    """(the delta taking ``base`` to ``new`` or None, its fingerprint change, whether ``base`` now holds
+    ``new`` already): one compiled pass for CPU rows, else the torch encoder and ``_take``."""
+    if delta_cpu.usable(base, new):
+        delta, change = delta_cpu.advance(base, new)
+        return delta, change, True
+    delta = codec.encode(base.to(new.device, non_blocking=True), new)
+    if delta is None:
+        return None, 0, False
+    change = _take(delta, base)
+    return dataclasses.replace(delta, changed=None), change, True  # (the arrays: kept for an undo only)
+
+
+def _check(delta: codec.Delta, row: torch.Tensor, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``delta`` fits ``row`` (else ``DeltaError`` naming ``name``): the torch check's positions and
+    steps, or None where the compiled kernels will apply it."""
+    if delta_cpu.usable(row):
+        delta_cpu.check(delta, row, name)
+        return None
+    return codec.check(delta, row, name)
+
+
+def _apply(delta: codec.Delta, row: torch.Tensor, name: str, checked, *, undo: bool = False) -> int:
+    """Apply a delta in place (``undo``: take it back); the row's fp64 fingerprint change."""
+    if delta_cpu.usable(row):
+        return delta_cpu.apply(delta, row, name, undo=undo, checked=checked is None and not undo)
+    return fp64_change(*codec.apply(delta, row, name, checked=checked, undo=undo), delta.width)
 
 
 def _take(delta: codec.Delta, base: torch.Tensor) -> int:
@@ -268,7 +344,7 @@ class Landed:
     src: int
     entry: ExpectedEntry
     delta: codec.Delta
-    checked: tuple[torch.Tensor, torch.Tensor]
+    checked: Optional[tuple[torch.Tensor, torch.Tensor]]  # the torch check's (None: compiled kernels)
     change: int  # the fingerprint change its sender reported
 
 
@@ -317,7 +393,7 @@ def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optio
         delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
         if delta.changes != d.changes:
             raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
-        return Landed(src, entry, delta, codec.check(delta, _row(landing, entry, dtypes), entry.name), d.change)
+        return Landed(src, entry, delta, _check(delta, _row(landing, entry, dtypes), entry.name), d.change)
     except codec.DeltaError as exc:
         raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", peer) from None
 
@@ -327,12 +403,17 @@ def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torc
     """Add checked deltas to ``landing`` (1-D uint8); with ``fingerprint``, those whose row's ``fp64``
     did not move as their sender's did (worked out from the changed values alone: O(changes)): the
     receiver's base differs from the sender's where the delta touched it, or the delta changed on the way."""
-    wrong = []
-    for d in deltas:
-        changed = codec.apply(d.delta, _row(landing, d.entry, dtypes), d.entry.name, checked=d.checked)
-        if fingerprint and fp64_change(*changed, d.delta.width) != d.change:
-            wrong.append(d)
-    return wrong
+    def one(d: Landed) -> int:
+        return _apply(d.delta, _row(landing, d.entry, dtypes), d.entry.name, d.checked)
+
+    parallel = len(deltas) > 1 and delta_cpu.usable(landing)  # (rows are disjoint: in parallel, GIL let go)
+    changes = list(_apply_pool().map(one, deltas) if parallel else map(one, deltas))
+    return [d for d, change in zip(deltas, changes) if fingerprint and change != d.change]
+
+
+@functools.cache
+def _apply_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="weightsync-delta")
 
 
 def named(deltas: list[Landed]) -> list[str]:

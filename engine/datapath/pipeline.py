@@ -50,7 +50,7 @@ from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
-from .deltas import DELTA_REGION, DeltaRound
+from .deltas import DELTA_REGION, ENCODERS, DeltaRound
 from .staging import SourceSet, Staged, StagingPool
 
 MiB = 1 << 20
@@ -201,6 +201,7 @@ class Pipeline:
         algo = self.options.checksum
         # (not in lanes with transforms: their launches must keep ahead of the writes, docs/TRANSFORMS.md)
         prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
+        encoding: collections.deque = collections.deque()  # (t, staged, its encode, budget), in lane order
         try:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
@@ -216,9 +217,18 @@ class Pipeline:
                     t0 = time.perf_counter()
                     staged = await self.sources.stage(t, self.pool, algo, readable, view)
                     staged.charge = charge
+                    if deltas is not None and deltas.off_loop(staged.tensor):  # on worker threads, ENCODERS
+                        encode = asyncio.ensure_future(_as_delta(deltas, t, staged, report, t0))  # at a time
+                        encoding.append((t, staged, encode, upfront))
+                        handed_over = True  # (``encoding`` holds it now)
+                        while len(encoding) >= ENCODERS:
+                            await _hand_over(encoding, channel)
+                        continue
                     if deltas is not None:
                         await _as_delta(deltas, t, staged)
                     report.stage_s += time.perf_counter() - t0
+                    while encoding:  # (lane order)
+                        await _hand_over(encoding, channel)
                     await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
                     handed_over = True
                     if t is prompt:  # the lane's first row: the writer issues it now, not once the channel
@@ -227,8 +237,14 @@ class Pipeline:
                     if not handed_over:
                         self.budget.release(upfront)
                         self.sources.release(t)
+            while encoding:
+                await _hand_over(encoding, channel)
             channel.close()
         except BaseException as exc:
+            for t, _, encode, upfront in encoding:  # (a thread still encoding finishes: ``Bases.settle`` waits)
+                encode.cancel()
+                self.budget.release(upfront)
+                self.sources.release(t)
             channel.fail(exc)
             raise
 
@@ -341,13 +357,30 @@ def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
     return staged.target if staged.target is not None else (t.dst_region + slot, t.dst_offset)
 
 
-async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged) -> None:
-    """A row of a delta lane: its staged bytes become its delta where it may go as one."""
+async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: Optional[LaneReport] = None,
+                    t0: float = 0.0) -> None:
+    """A row of a delta lane: its staged bytes become its delta where it may go as one. Large CPU rows
+    (``off_loop``) are encoded on a worker thread, the event loop writing other rows meanwhile; their
+    time from ``t0`` counts into ``report``'s staging time."""
     await staged.wait()
-    out = deltas.stage(t, staged.tensor)
+    if deltas.off_loop(staged.tensor):
+        out = await asyncio.to_thread(deltas.stage, t, staged.tensor)
+        if report is not None:
+            report.stage_s += time.perf_counter() - t0
+    else:
+        out = deltas.stage(t, staged.tensor)
     if out is not None:
         staged.tensor, offset, change, changes = out
         staged.target, staged.delta = (DELTA_REGION, offset), (change, changes)
+
+
+async def _hand_over(encoding: collections.deque, channel: Channel) -> None:
+    """The oldest row being encoded, once it is, to the writer (on a failure, the stager's cleanup
+    gives its budget back: it stays in ``encoding`` until sent)."""
+    t, staged, encode, _ = encoding[0]
+    await encode
+    await channel.send((t, staged))
+    encoding.popleft()
 
 
 def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:

@@ -31,6 +31,13 @@ def _qwen25_7b():
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 
 
+def _qwen25_05b():  # (the real one ties lm_head to the embedding; untied here: every tensor its own)
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)
+
+
 def _qwen3_235b():
     from transformers import Qwen3MoeConfig
 
@@ -69,6 +76,7 @@ def gpt2_config(size: str = "small"):
 
 ARCHITECTURES: dict[str, Callable[[], object]] = {
     "qwen2.5-7b": _qwen25_7b,
+    "qwen2.5-0.5b": _qwen25_05b,
     "qwen3-235b-a22b": _qwen3_235b,
     "qwen3-30b-a3b": _qwen3_30b_a3b,
     "kimi-k2": _kimi_k2,
@@ -151,7 +159,8 @@ def tp_slice(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int,
 
 
 def bench_model(name: str) -> tuple[ParamShape, ...]:
-    """The state dicts the transfer benchmarks move: ``qwen2.5-7b`` (dense, 339 tensors, 15.2 GB) and
+    """The state dicts the transfer benchmarks move: ``qwen2.5-7b`` (dense, 339 tensors, 15.2 GB),
+    ``qwen2.5-0.5b`` (dense, 291 tensors, 1.26 GB: the size many RL research runs use) and
     ``qwen3-30b-a3b`` (12 of its 48 layers, per-expert tensors: 4,719 tensors, 16.2 GB)."""
     if name == "qwen3-30b-a3b":
         return per_expert(state_dict_shapes(name, layers=12))

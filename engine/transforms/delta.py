@@ -37,7 +37,13 @@ _FAR_STEP = {1: torch.int16, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # 
 MAX_NUMEL = (1 << 32) - 1
 _HEADER = struct.Struct("<IIIIII")  # magic, width, changes, far gaps, far steps, row numel
 MAGIC = 0x57534431  # "WSD1"
+HEADER_BYTES = _HEADER.size
 ESCAPE_STEP = -128
+
+
+def far_step_dtype(width: int):
+    """The numpy dtype of a ``width``-byte value's escaped steps (``Delta.far_steps``)."""
+    return torch.empty(0, dtype=_FAR_STEP[width]).numpy().dtype
 
 
 class DeltaError(WeightSyncError):
@@ -135,12 +141,17 @@ def steps_of(delta: Delta, row: str = "row") -> torch.Tensor:
 def check(delta: Delta, target: torch.Tensor, row: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, steps) of a delta that fits ``target``, else ``DeltaError`` naming ``row``; nothing
     is written."""
+    check_shape(delta, target, row)
+    return positions_of(delta, row), steps_of(delta, row)
+
+
+def check_shape(delta: Delta, target: torch.Tensor, row: str = "row") -> None:
+    """``DeltaError`` naming ``row`` unless the delta's width, length and array sizes fit ``target``."""
     if delta.width != target.element_size() or delta.numel != target.numel():
         raise DeltaError(row, f"a delta of {delta.numel} x {delta.width}-byte values for a row of "
                               f"{target.numel()} x {target.element_size()}")
     if delta.steps.numel() != delta.gaps.numel():
         raise DeltaError(row, f"{delta.gaps.numel()} positions but {delta.steps.numel()} steps")
-    return positions_of(delta, row), steps_of(delta, row)
 
 
 def apply(delta: Delta, target: torch.Tensor, row: str = "row", *, checked=None,

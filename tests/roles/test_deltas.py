@@ -251,6 +251,26 @@ async def test_a_served_byte_flipped_where_no_delta_touches_it_is_caught_by_the_
         assert same(send_t, recvs[0].state_dict()) == []
 
 
+async def test_a_flipped_byte_in_either_slot_of_a_two_slot_receiver_is_caught_by_a_full_check():
+    for flip_after in (2, 3):  # the byte goes bad in the slot served after v2, or after v3: the other one
+        async with cluster(receivers=("shadow",), full_check_every=2) as (c, sender, send_t, recvs):
+            version, caught = 0, None  # (checked: the rounds of v1, v4, v5, v8, v9, ...)
+            while caught is None and version < 12:
+                version += 1
+                rl_step(send_t, version)
+                try:
+                    await push(sender, version)
+                except RoundAborted as exc:
+                    caught = (version, exc.text)
+                if version == flip_after:
+                    recvs[0].state_dict()["layers.1.w"].view(torch.int16).reshape(-1)[7] ^= 0x40
+            assert caught is not None and "mismatch" in caught[1] and "layers.1.w" in caught[1], caught
+            assert caught[0] <= flip_after + 3  # the first check that lands in that slot
+            rl_step(send_t, version + 1)
+            await push(sender, version + 1)  # whole rows repair it
+            assert same(send_t, recvs[0].state_dict()) == []
+
+
 async def test_status_and_metrics_tell_wire_bytes_against_whole_and_the_values_changed():
     from weightsync.roles.cli import format_status
 
@@ -299,6 +319,13 @@ def test_every_nth_round_the_first_and_the_one_after_an_abort_are_checked_end_to
 
     inputs = RoundInputs(ControllerOptions(full_check_every=3), lambda key: None)
     assert [inputs.checksum({"cpu"}) for _ in range(7)] == ["crc32", "", "", "crc32", "", "", "crc32"]
+    for every in (2, 4, 8):  # an even period: the checks alternate odd and even rounds, so a two-slot
+        inputs = RoundInputs(ControllerOptions(full_check_every=every), lambda key: None)  # receiver's
+        checked = [i for i in range(8 * every) if inputs.checksum({"cpu"})]                 # slots take turns
+        assert len(checked) == 8 and {i % 2 for i in checked} == {0, 1}, checked
+        assert all(b - a in (every - 1, every + 1) for a, b in zip(checked, checked[1:]))
+    inputs = RoundInputs(ControllerOptions(full_check_every=3), lambda key: None)
+    [inputs.checksum({"cpu"}) for _ in range(7)]
     inputs.finished(SimpleNamespace(receivers=set(), applied=set()), ok=False)
     assert inputs.checksum({"cpu", "cuda:1"}) == "fp64"  # after an abort; on a GPU, computed on the device
     assert inputs.checksum({"cpu"}) == ""

@@ -1,0 +1,96 @@
+"""The compiled CPU deltas (engine/transforms/delta_cpu.py) against the torch codec they stand in for:
+the same delta bytes, the same bases, the same fingerprint changes, the same refusals, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_delta import DTYPES, changed, random_row
+
+from weightsync.engine.datapath.checksums import fp64, fp64_change
+from weightsync.engine.transforms import delta as d
+
+k = pytest.importorskip("weightsync.engine.transforms.delta_cpu")
+if k._kernels() is None:
+    pytest.skip("numba is not installed", allow_module_level=True)
+
+MASK = (1 << 64) - 1
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    return fp64(t.reshape(-1).view(torch.uint8))
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**16),
+       fraction=st.sampled_from([0.0, 0.001, 0.01, 0.03, 0.3, 1.0]), ulps=st.sampled_from([1, 2, 200]),
+       skew=st.integers(0, 7))
+def test_advance_gives_the_torch_delta_and_the_fingerprint_change_bit_for_bit(dtype, n, seed, fraction, ulps, skew):
+    width = torch.empty(0, dtype=dtype).element_size()
+    skew = skew // width * width  # (rows start anywhere a value may: off the 8-byte words the kernel compares)
+    room = torch.zeros(n * width + skew, dtype=torch.uint8)
+    base = room[skew:].view(dtype)
+    base.copy_(random_row(dtype, n, seed))
+    new = changed(base, seed + 1, fraction, ulps)
+    reference, before = d.encode(base, new), fingerprint(base)
+    got, change = k.advance(base, new)
+    assert torch.equal(d.bits(base), d.bits(new))  # (the base took the new row, delta or not)
+    if reference is None:
+        assert got is None
+        return
+    assert got is not None and d.pack(got) == d.pack(reference)
+    assert (before + change) & MASK == fingerprint(new)
+    assert change == fp64_change(*reference.changed, width)
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**16),
+       fraction=st.sampled_from([0.001, 0.03, 0.3]), ulps=st.sampled_from([1, 200]))
+def test_apply_and_undo_match_the_torch_apply(dtype, n, seed, fraction, ulps):
+    base = random_row(dtype, n, seed)
+    new = changed(base, seed + 1, fraction, ulps)
+    delta = d.unpack(d.pack(d.encode(base, new, whole_if_larger=False)))
+    ours, theirs = base.clone(), base.clone()
+    change = k.apply(delta, ours, "w")
+    expected = fp64_change(*d.apply(delta, theirs, "w"), delta.width)
+    assert torch.equal(d.bits(ours), d.bits(new)) and torch.equal(d.bits(ours), d.bits(theirs))
+    assert change == expected
+    assert (k.apply(delta, ours, "w", undo=True) + change) & MASK == 0
+    assert torch.equal(d.bits(ours), d.bits(base))
+
+
+def test_a_row_whose_delta_would_not_be_smaller_goes_whole_and_the_base_still_takes_it():
+    base = random_row(torch.bfloat16, 4096, 1)
+    new = changed(base, 2, 1.0, 1)
+    assert k.advance(base, new)[0] is None and torch.equal(d.bits(base), d.bits(new))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda x: x.__class__(x.width, x.numel, x.gaps[:-1], x.far_gaps, x.steps, x.far_steps), "positions but"),
+    (lambda x: x.__class__(x.width, 10, x.gaps, x.far_gaps, x.steps, x.far_steps), "for a row of"),
+    (lambda x: x.__class__(x.width, x.numel, torch.cat([x.gaps, torch.tensor([255] * 40, dtype=torch.uint8)]),
+                           x.far_gaps, torch.cat([x.steps, torch.ones(40, dtype=torch.int8)]), x.far_steps),
+     "outside the row"),
+    (lambda x: x.__class__(x.width, x.numel, torch.zeros_like(x.gaps), x.far_gaps, x.steps, x.far_steps), "escaped gaps"),
+    (lambda x: x.__class__(x.width, x.numel, x.gaps, x.far_gaps, torch.full_like(x.steps, -128), x.far_steps),
+     "escaped steps"),
+    (lambda x: x.__class__(x.width, x.numel, x.gaps, torch.zeros_like(x.far_gaps), x.steps, x.far_steps),
+     "strictly increasing"),
+])
+def test_a_malformed_delta_is_refused_with_the_torch_error_before_any_byte_is_written(damage, says):
+    base = random_row(torch.bfloat16, 100_000, 3)
+    new = changed(base, 4, 0.01, 1)
+    new[-1] = 1.0  # (and one far change: an escaped gap to damage)
+    delta = d.encode(base, new)
+    assert delta.far_gaps.numel()
+    target = base.clone()
+    with pytest.raises(d.DeltaError, match=f"layers.0.w: .*{says}"):
+        k.apply(damage(delta), target, "layers.0.w")
+    assert torch.equal(d.bits(target), d.bits(base))
+
+
+def test_cpu_rows_take_the_kernels_and_others_do_not():
+    assert k.usable(torch.zeros(4), torch.zeros(4))
+    assert not k.usable(torch.zeros(4), torch.zeros(4, device="meta"))
