@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
 #   source bench/gpu/env.sh .whl   (installs the carried wheels; sets UCCL's environment)
-# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|all]   (each part fits one 10-minute device call)
+# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|all]   (each part fits one 10-minute device call;
+# mn with its peers may not: run its cases one call each, as docs/results/transfer_mn_peers_h200x2.jsonl was)
 set -u
 out=${1:-bench/results}
 part=${2:-all}
@@ -48,9 +49,11 @@ case $gpus in
   4|5|6|7) cases=("2 2" "4 4 --colocated") ;;
   *) cases=("4 4" "8 8 --colocated") ;;
 esac
+# (--ckpt: checkpoint-engine on the same case, bench/peer_ckpt.py; its wheels come with `make gpu-wheels`)
 for c in "${cases[@]}"; do
   set -- $c
-  for m in "--model qwen2.5-7b" "--model qwen3-30b-a3b" "--model qwen2.5-7b --fp8 --no-broadcast"; do
+  for m in "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
+           "--model qwen2.5-7b --fp8 --no-broadcast"; do
     timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 6 --json 2>>"$out/transfer_mn.log" | tail -n 1
   done
 done > "$out/transfer_mn.jsonl"

@@ -33,6 +33,7 @@ class Case:
     rounds: int = 3
     seed: int = 0
     profile: str = ""  # a folder: cProfile each sender there
+    pitched_kernel: bool = True  # cuda_ipc: pitched rows in one descriptor-table launch (TransportOptions)
 
     def sender_device(self, rank: int) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{rank}"

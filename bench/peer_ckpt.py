@@ -44,11 +44,18 @@ def _pinned(ps, name: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _only_gpu(case: Case, rank: int) -> str:
+    """Receiver ``rank``'s GPU as this process's only one (checkpoint-engine takes its GPU from its rank
+    modulo the GPUs it sees; its worker must see the same): "cuda:0"."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(torch.device(case.receiver_device(rank)).index)
+    torch.cuda.set_device("cuda:0")
+    return "cuda:0"
+
+
 def _server(case: Case, rank: int, port: int, pair, conn) -> None:
     world = case.receivers
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = case.receiver_device(rank)
-    torch.cuda.set_device(device)
+    device = _only_gpu(case, rank)
     from checkpoint_engine.ps import ParameterServer
 
     ps = ParameterServer(rank=rank, world_size=world, auto_pg=False, master_addr="127.0.0.1", master_port=port)
@@ -88,8 +95,7 @@ def _worker(case: Case, rank: int, pair, conn) -> None:
 
     from weightsync.engine.transforms.layouts import allocate
 
-    device = case.receiver_device(rank)
-    torch.cuda.set_device(device)
+    device = _only_gpu(case, rank)
     from checkpoint_engine.worker import update_weights_from_ipc
 
     layout = {e.name: e for e in receiver_layout(case, rank)}
@@ -106,7 +112,7 @@ def _worker(case: Case, rank: int, pair, conn) -> None:
 
     try:
         while (handles := pair.recv()) is not None:
-            update_weights_from_ipc(ctx, handles[uuid], device_id=torch.device(device).index, run=run)
+            update_weights_from_ipc(ctx, handles[uuid], device_id=0, run=run)
         conn.send(("ckpt-worker", rank, mismatches(case, rank, tensors, list(layout.values()), case.rounds, device)))
     finally:
         ctx.term()

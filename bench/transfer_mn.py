@@ -22,14 +22,20 @@ Rows, measured in one run:
   tensor, to every inference rank (NCCL on GPUs, gloo on the CPU), which keeps its TP slice (a copy).
   Rank 0 is handed full tensors for free (no FSDP gather is timed): the baseline's best case. With
   ``--colocated`` the broadcaster also serves receiver 0 by a local copy (NCCL refuses two ranks of one
-  communicator on one GPU; colocated frameworks share that process).
+  communicator on one GPU; colocated frameworks share that process). **bucketed**: the same, the
+  tensors packed into 512 MiB buckets first, one broadcast a bucket (verl and slime's way).
+- **checkpoint-engine** (``--ckpt``, CUDA): the peer a vLLM user picks, on the receivers' GPUs in
+  broadcast mode, plain torch inference processes receiving through its ``update_weights_from_ipc``
+  (bench/peer_ckpt.py): ``ckpt_step_ms`` (copying the new weights into its pinned buffers, then
+  ``update``) and ``ckpt_update_ms``; ``engine_over_ckpt_ratio`` is the engine's round over its step.
 
-Models: ``tiny-dense`` / ``tiny-moe`` (Qwen2 / Qwen3-MoE configs small enough for a CPU), ``qwen2.5-7b``
-and ``qwen3-30b-a3b`` (12 layers, per-expert tensors; engine.models.shapes.bench_model).
+Models: ``tiny-dense`` / ``tiny-moe`` (Qwen2 / Qwen3-MoE configs small enough for a CPU), ``qwen2.5-0.5b``,
+``qwen2.5-7b`` and ``qwen3-30b-a3b`` (12 layers, per-expert tensors; engine.models.shapes.bench_model).
 ``--json`` prints the figures as one JSON object on the last line (paired ratios under ``*ratio*``).
 
     .venv/bin/python bench/transfer_mn.py --device cpu --senders 2 --receivers 2 --model tiny-dense --json
     python3 bench/transfer_mn.py --senders 4 --receivers 4 --model qwen2.5-7b            (x8: GPUs 0-3 -> 4-7)
+    python3 bench/transfer_mn.py --senders 2 --receivers 2 --colocated --model qwen2.5-7b --ckpt
     python3 bench/transfer_mn.py --senders 8 --receivers 8 --colocated --model qwen3-30b-a3b --fp8
 """
 
@@ -72,7 +78,8 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     install_uvloop()
     _init_dist(case, case.sender_device(rank), rank, case.senders, port)
     model = fsdp_model(case, rank)
-    opts = SenderOptions(transport=case.transport, transport_options=TransportOptions(device=case.sender_device(rank)))
+    opts = SenderOptions(transport=case.transport, transport_options=TransportOptions(
+        device=case.sender_device(rank), pitched_kernel=case.pitched_kernel))
 
     async def main():
         async with WeightSender(addr, model, rank=rank, options=opts) as sender:
@@ -396,6 +403,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true", help="receivers hold the block-FP8 layout")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the first (plan, registration) is not counted")
     ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baselines")
+    ap.add_argument("--no-pitched-kernel", action="store_true",
+                    help="pitched rows as a cudaMemcpy2DAsync each, not one descriptor-table launch")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each trainer's sender there (diagnostics)")
@@ -403,7 +412,7 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
-                profile=args.profile)
+                profile=args.profile, pitched_kernel=not args.no_pitched_kernel)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

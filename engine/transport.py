@@ -65,6 +65,8 @@ class TransportOptions:
     device: str = "cpu"
     uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
     busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
+    pitched_kernel: bool = True  # cuda_ipc: a compiled table's pitched rows to the same GPU in one kernel
+    #                              launch (engine.cuda.copy_kernel.PitchedKernel); False: a cudaMemcpy2DAsync each
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
     tcp_user_timeout_s: float = 10.0  # TCP_USER_TIMEOUT: a data connection whose sent bytes stay unacknowledged
     #                                   this long fails (a partitioned peer: the round aborts, the next plan reconnects)

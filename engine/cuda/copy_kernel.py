@@ -83,3 +83,49 @@ class CopyKernel:
                                                     TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
         if self.rest:
             cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.device)
+
+
+@triton.jit
+def _pitched_pieces_kernel(table, src, dst, TILE: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    src_at = tl.load(table + pid * 6)
+    dst_at = tl.load(table + pid * 6 + 1)
+    width = tl.load(table + pid * 6 + 2)
+    height = tl.load(table + pid * 6 + 3)
+    src_pitch = tl.load(table + pid * 6 + 4)
+    dst_pitch = tl.load(table + pid * 6 + 5)
+    offs = tl.arange(0, TILE)
+    across = offs < width
+    for r in tl.static_range(ROWS):
+        mask = across & (r < height)
+        tl.store(dst + dst_at + r * dst_pitch + offs, tl.load(src + src_at + r * src_pitch + offs, mask=mask), mask=mask)
+
+
+class PitchedKernel:
+    """Pitched copies ``(dst, src, width, height, pitch)`` from one device, to its own memory or a peer's
+    mapped memory, as one launch of a descriptor table (``engine.cuda.pitched_table``: one program per
+    piece of at most ``ROWS`` rows of ``TILE`` words); copies it cannot address (not 4-byte aligned)
+    go as ``cudaMemcpy2DAsync`` calls on the same stream."""
+
+    def __init__(self, copies, device: int) -> None:
+        from . import pitched_table
+
+        self.device = device
+        t = pitched_table.table(copies)
+        self.pieces, self.nbytes, self.src_base, self.dst_base = len(t), t.nbytes, t.src_base, t.dst_base
+        self.table = t.pieces.to(f"cuda:{device}") if len(t) else None
+        self.rest = cuda_rt.PitchedCopies(t.rest)
+
+    def __repr__(self) -> str:
+        return f"<PitchedKernel pieces={self.pieces} bytes={self.nbytes} pointer_copies={len(self.rest.copies)}>"
+
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        if self.table is not None:
+            from .pitched_table import ROWS, TILE
+
+            device = torch.device("cuda", self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                _pitched_pieces_kernel[(self.pieces,)](self.table, _Address(self.src_base, torch.int32, device),
+                                                       _Address(self.dst_base, torch.int32, device),
+                                                       TILE=TILE, ROWS=ROWS, num_warps=4)
+        self.rest.launch(stream)

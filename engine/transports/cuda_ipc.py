@@ -199,7 +199,8 @@ class CudaIpcTransport:
 
 class CudaIpcConnection:
     # depth: zero-copy and cheap to complete, so queue deep; batch: rows per batch of copies (docs/TRANSPORTS.md);
-    # compiled rows read CUDA memory in place, pitched sources included (one cudaMemcpy2DAsync each)
+    # compiled rows read CUDA memory in place, pitched sources included (on the same GPU one kernel launch
+    # for all of them, to another GPU a cudaMemcpy2DAsync each)
     abilities = Abilities(devices=frozenset({"cpu", "cuda"}), depth=64, compiles=True,
                           direct_devices=frozenset({"cuda"}), pitched_rows=True, submits=True, batch=16,
                           seals=True, writes_in_place=True)
@@ -282,11 +283,13 @@ class CudaIpcConnection:
     def compile(self, rows: Sequence[CopyRow]) -> "_IpcTable":
         """A plan's direct rows (``weightsync.engine.datapath.compiled``) as launches made once: to another GPU, batch calls
         of ``chunk_rows`` copies with their pointer arrays built; on the same GPU (colocated), one copy
-        kernel launch (``weightsync.engine.cuda.copy_kernel``); pitched rows (blocks of a rank's own rows),
-        one 2-D copy each (``cuda_rt.PitchedCopies``). A row that does not fit its region raises
-        ``StagingError`` naming the parameter."""
+        kernel launch (``weightsync.engine.cuda.copy_kernel``); pitched rows (blocks of a rank's own rows)
+        on the same GPU, one launch of a descriptor table (``PitchedKernel``), and to another GPU, or
+        without Triton or with ``TransportOptions.pitched_kernel`` off, a 2-D copy each
+        (``cuda_rt.PitchedCopies``; the kernel storing into a peer's memory is not measured yet). A row
+        that does not fit its region raises ``StagingError`` naming the parameter."""
         by_device: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        pitched: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        pitched: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
         for row in rows:
             desc = self.regions.get(row.region)
             if desc is None or row.offset + row.nbytes > desc[4]:
@@ -296,11 +299,13 @@ class CudaIpcConnection:
             device = row.src.device.index
             dst = self._base(row.region, desc, device) + row.offset
             if row.pitch:
-                pitched.setdefault(device, []).append((dst, row.src.data_ptr(), row.nbytes // row.height, row.height,
-                                                       row.pitch))
+                pitched.setdefault((device, desc[1]), []).append((dst, row.src.data_ptr(), row.nbytes // row.height,
+                                                                  row.height, row.pitch))
                 continue
             by_device.setdefault((device, desc[1]), []).append((dst, row.src.data_ptr(), row.nbytes))
-        launches = [(device, cuda_rt.PitchedCopies(copies)) for device, copies in sorted(pitched.items())]
+        kernel = copy_kernel() if self.owner.options.pitched_kernel else None
+        launches = [(device, kernel.PitchedKernel(copies, device) if kernel is not None and device == target
+                     else cuda_rt.PitchedCopies(copies)) for (device, target), copies in sorted(pitched.items())]
         for (device, target), copies in sorted(by_device.items()):
             if device == target and copy_kernel() is not None:
                 launches.append((device, copy_kernel().CopyKernel(copies, device)))

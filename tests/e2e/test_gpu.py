@@ -127,30 +127,39 @@ async def test_ipc_write_in_process_and_out_of_bounds():
     await tgt.close()
 
 
-@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
-async def test_ipc_pitched_rows_land_back_to_back():
-    """Compiled pitched rows (blocks: some columns of a rank's rows, one cudaMemcpy2DAsync each) beside a
-    dense row, replayed twice into another GPU: the columns land back to back, bit-exact."""
+@pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["descriptor-table", "cudaMemcpy2DAsync"])
+async def test_ipc_pitched_rows_land_back_to_back(dst, kernel):
+    """Compiled pitched rows (blocks: some columns of a rank's rows; on the same GPU one descriptor-table
+    launch, or a cudaMemcpy2DAsync each) beside a dense row, on the same GPU and into another, replayed
+    twice: the columns land back to back, bit-exact; an odd-width block (not 4-byte aligned) goes as a
+    2-D copy."""
     from weightsync.engine.datapath.compiled import CopyRow, pitch_of
     from weightsync.wire import PeerInfo
 
-    tgt, src = create_transport("cuda_ipc", TransportOptions(device="cuda:1")), create_transport("cuda_ipc")
+    if dst == "cuda:1" and not TWO_GPUS:
+        pytest.skip("needs two GPUs")
+    tgt = create_transport("cuda_ipc", TransportOptions(device=dst))
+    src = create_transport("cuda_ipc", TransportOptions(device="cuda:0", pitched_kernel=kernel))
     info = await tgt.start(1)
     await src.start(0)
-    region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:1")
+    region = torch.zeros(1 << 20, dtype=torch.uint8, device=dst)
     conn = await connect_authorized(src, tgt, PeerInfo(1, info, (tgt.register(0, region),)))
-    full = torch.randn(96, 200, device="cuda:0", dtype=torch.bfloat16)
-    block, dense = full[10:70, 40:104], full[80:90]
-    height, pitch = pitch_of(block)
-    rows = [CopyRow("w", block, 0, 4096, block.numel() * 2, height, pitch), CopyRow("d", dense, 0, 0, dense.numel() * 2)]
-    table = conn.compile(rows)
+    full = torch.randn(960, 2000, device="cuda:0", dtype=torch.bfloat16)
+    block, dense, odd = full[10:170, 40:1104], full[800:810], full[200:240, 3:70]
+    blocks = [(block, 65536), (odd, 65536 + block.numel() * 2)]  # (after the dense row's 40,000 bytes)
+    rows = [CopyRow(n, b, 0, at, b.numel() * 2, *pitch_of(b)) for n, (b, at) in zip("wo", blocks)]
+    table = conn.compile([*rows, CopyRow("d", dense, 0, 0, dense.numel() * 2)])
+    kinds = {type(launch).__name__ for _, launch in table.launches}
+    assert ("PitchedKernel" in kinds) == (kernel and dst == "cuda:0"), kinds  # (to another GPU: 2-D copies)
     for epoch in (1, 2):
         region.zero_()
         await asyncio.gather(*conn.replay(table, epoch))
         await conn.fence()
-        got = region[4096:4096 + block.numel() * 2].view(torch.bfloat16).view(60, 64)
-        assert torch.equal(got.cpu(), block.cpu()) and torch.equal(region[:dense.numel() * 2].cpu(),
-                                                                    dense.contiguous().view(torch.uint8).flatten().cpu())
+        for b, at in blocks:
+            got = region[at:at + b.numel() * 2].view(torch.bfloat16).view(b.shape)
+            assert torch.equal(got.cpu(), b.cpu())
+        assert torch.equal(region[:dense.numel() * 2].cpu(), dense.contiguous().view(torch.uint8).flatten().cpu())
     await conn.close()
     await src.close()
     await tgt.close()

@@ -1,0 +1,60 @@
+"""Descriptor tables of pitched copies (engine/cuda/pitched_table.py): carried out piece by piece they
+land every row where a copy per row would, byte for byte; what they cannot address is left to the caller."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.engine.cuda import pitched_table as pt
+
+
+def _copies(draw_sizes, src: torch.Tensor, dst: torch.Tensor) -> list[pt.Copy]:
+    """Blocks of rows (some columns of a matrix, ``pitch`` apart) and contiguous runs (height 1), landing
+    back to back in ``dst``."""
+    out, at = [], 0
+    for rows, cols, pitch_extra, col0, itemsize in draw_sizes:
+        width, pitch = cols * itemsize, (cols + pitch_extra) * itemsize
+        start = (col0 * itemsize) % max(1, src.numel() - rows * pitch)
+        if start + rows * pitch > src.numel() or at + width * rows > dst.numel():
+            break
+        out.append((dst.data_ptr() + at, src.data_ptr() + start, width, rows, pitch))
+        at += width * rows
+    return out
+
+
+def _per_row(copies, src: torch.Tensor, dst: torch.Tensor, dst_address: int) -> None:
+    """Each copy row by row into ``dst``, the copies' destinations counted from ``dst_address``."""
+    for d, s, width, height, pitch in copies:
+        for r in range(height):
+            a, b = s - src.data_ptr() + r * pitch, d - dst_address + r * width
+            dst[b:b + width] = src[a:a + width]
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 700), st.integers(0, 300), st.integers(0, 5000),
+                                st.sampled_from([1, 2, 4])), min_size=1, max_size=12),
+       tile=st.sampled_from([1, 7, 256]), rows=st.sampled_from([1, 3, 16]), seed=st.integers(0, 2**16))
+def test_a_table_lands_every_row_where_a_copy_per_row_would(sizes, tile, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (1 << 20,), generator=g, dtype=torch.uint8)
+    want, got = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+    copies = _copies(sizes, src, got)
+    _per_row(copies, src, want, got.data_ptr())
+    t = pt.table(copies, tile=tile, rows=rows)
+    assert len(t.rest) + sum(1 for c in copies if pt.aligned(c)) == len(copies)
+    assert t.pieces[:, 2].max().item() <= tile if len(t) else True
+    assert t.nbytes == sum(c[2] * c[3] for c in copies if pt.aligned(c))
+    if len(t):
+        pt.apply(t, src[t.src_base - src.data_ptr():], got[t.dst_base - got.data_ptr():])
+    _per_row(t.rest, src, got, got.data_ptr())  # (the caller's part: 2-D copies)
+    assert torch.equal(got, want)
+
+
+def test_unaligned_copies_are_left_to_the_caller_and_an_empty_list_makes_no_pieces():
+    src, dst = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    odd = (dst.data_ptr(), src.data_ptr() + 2, 6, 2, 10)  # a bf16 block of 3 columns: 6-byte rows
+    t = pt.table([odd, (dst.data_ptr() + 16, src.data_ptr(), 0, 3, 8)])
+    assert len(t) == 0 and t.rest == (odd,)
+    assert len(pt.table([])) == 0
