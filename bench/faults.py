@@ -22,7 +22,7 @@ one bit of one served value in 5% of the versions it commits (memory gone bad). 
 abort naming the row it damaged (``corruptions_caught``; a push that commits is ``corruptions_missed``;
 one a kill aborted first counts apart). Each flip is followed until the receiver has served two
 versions in a row without it: an abort naming its parameter meanwhile (the round's checks, or the
-next full check of that slot) makes it ``flips_caught``; gone without one, whole rows overwrote it
+next full check of that slot; not the abort of a corrupted push) makes it ``flips_caught``; gone without one, whole rows overwrote it
 (``flips_overwritten``, e.g. after another abort); still there ``--full-check-every`` x 2 + 3 versions
 later is ``flips_missed``. The receiver's checks excuse the one flipped value while it is there.
 
@@ -418,6 +418,7 @@ def injected(cluster: Cluster, newest: int) -> dict:
     out = {"corruptions": len(cluster.corruptions), "corruptions_caught": 0, "corruptions_missed": 0,
            "corruptions_aborted_otherwise": 0, "flips": len(cluster.flips), "flips_caught": 0,
            "flips_overwritten": 0, "flips_died": 0, "flips_missed": 0, "flips_pending": 0, "missed": []}
+    corrupted = {c["version"] for c in cluster.corruptions}  # (their aborts name the corrupted row, not a flip)
     for c in cluster.corruptions:
         kind = ("missed" if c["outcome"] == "committed" else "caught" if c["row"] in c["outcome"]
                 else "aborted_otherwise")
@@ -432,7 +433,7 @@ def injected(cluster: Cluster, newest: int) -> dict:
             out["flips_missed" if late else "flips_pending"] += 1
             if late:
                 out["missed"].append(f)
-        elif any(f["version"] < v <= f["gone"] and f["name"] in why for v, why in cluster.aborts):
+        elif any(f["version"] < v <= f["gone"] and v not in corrupted and f["name"] in why for v, why in cluster.aborts):
             out["flips_caught"] += 1
         else:
             out["flips_overwritten"] += 1

@@ -38,7 +38,7 @@ from .limits import PeerLimits, RateLimiter
 from .membership import Hearing, Membership, Peer
 from .planning import Planning
 from .round_state import RoundReport
-from .rounds import Rounds
+from .rounds import Rounds, crossed
 from .status import controller_status, run_command
 from .timeline import Timeline
 
@@ -280,6 +280,9 @@ class Controller(AsyncResource):
         peer.last_seen = time.monotonic()
         self.hearing.heard(peer.last_seen, len(self.peers))
         self.timeline.mark(env.version, f"recv:{env.type}<{peer.name}")
+        if crossed(self.rounds.round, env.type, env.version):
+            log.debug("controller: %s: %s of v%s crossed its abort: dropped", peer.name, env.type, env.version)
+            return
         illegal = peer.session.accept(env.type, env.version)
         if illegal is not None:
             log.warning("controller: %s: %s", peer.name, illegal.text)

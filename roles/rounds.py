@@ -321,6 +321,16 @@ class Rounds:
         return [self.task] if self.task is not None else []
 
 
+CROSSING = frozenset({m.BeginAck.TYPE, m.WritesDone.TYPE, m.FenceAck.TYPE})
+
+
+def crossed(rnd: Optional[RoundState], msg_type: str, version: Optional[int]) -> bool:
+    """A worker's begin_ack, writes_done or fence_ack of a round that is not the running one: sent before
+    the worker heard that round's ``abort`` (a receiver still verifying when another's verdict failed).
+    The controller drops it before the session table, which it then leaves as it is (docs/PROTOCOL.md)."""
+    return msg_type in CROSSING and (rnd is None or version != rnd.version)
+
+
 def report_or_raise(report: RoundReport) -> RoundReport:
     if not report.ok:
         reason, _, text = report.reason.partition(": ")

@@ -153,6 +153,56 @@ async def test_checksum_mismatch_aborts_and_names_parameter(n_recv):
         assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
 
 
+class SlowReceiver(WeightReceiver):
+    """Verifies version 2 only once ``gate`` is set: its fence_ack crosses the abort another's verdict set off."""
+
+    gate: asyncio.Event
+
+    async def _verdict(self, body):
+        if body.version == 2:
+            await self.gate.wait()
+        return await super()._verdict(body)
+
+
+class Telling(CorruptingReceiver):
+    """Fails version 2's verification; ``began`` is set when version 3's begin reaches it."""
+
+    began: asyncio.Event
+
+    async def _on_begin(self, env):
+        if env.body.version == 3:
+            self.began.set()
+        await super()._on_begin(env)
+
+
+@pytest.mark.parametrize("until", ["aborted", "next-begun"])
+async def test_a_fence_ack_that_crosses_its_rounds_abort_is_dropped_and_the_next_round_commits(until, caplog):
+    gate, began = asyncio.Event(), asyncio.Event()
+    SlowReceiver.gate, Telling.began = gate, began
+
+    def receiver_cls(addr, tensors, rank, **kw):
+        return (Telling if rank == 0 else SlowReceiver)(addr, tensors, rank=rank, **kw)
+
+    caplog.set_level(logging.DEBUG, logger="weightsync")
+    async with cluster(1, 2, receiver_cls=receiver_cls) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        handles = await push_all(senders, senders_t, 2)
+        with pytest.raises(RoundAborted, match="big"):  # receiver 0's verdict fails; receiver 1 is still verifying
+            await asyncio.wait_for(handles[0], WATCHDOG)
+        if until == "aborted":  # receiver 1's fence_ack(2) reaches a controller with no round running
+            gate.set()
+            handles = await push_all(senders, senders_t, 3)
+        else:  # ... or one already running round 3 (receiver 1's session there: RECEIVING)
+            handles = await push_all(senders, senders_t, 3)
+            await asyncio.wait_for(began.wait(), WATCHDOG)
+            gate.set()
+        await asyncio.wait_for(asyncio.gather(*handles), WATCHDOG)
+        assert (await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)).ok
+        assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
+    assert not [r.message for r in caplog.records if "illegal" in r.getMessage() or "PROTOCOL" in r.getMessage()]
+    assert any("fence_ack of v2 crossed its abort" in r.getMessage() for r in caplog.records)
+
+
 async def _join_error(spec_change, role="receiver"):
     async with Controller(senders=1, receivers=1, options=FAST) as ctl:
         async with WeightSender(ctl.address, sender_tensors(0), rank=0):
