@@ -19,7 +19,7 @@ rate (a network namespace whose loopback is shaped: tests/netns.py; root).
 ``--real-steps N``: instead of synthetic fractions, every round follows one AdamW step (lr 1e-6, fp32
 master weights, random tokens) of a ~125M-parameter Qwen2 in each sender (bench/delta_codec.py's model),
 whose bf16 casts are what the senders push; per step the served values changed, wire against whole bytes
-and each cluster's time, and ``bit_exact_steps``.
+and each cluster's time, and ``bit_exact_steps`` (with ``--out``, a PNG of them beside the JSON).
 
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
@@ -301,6 +301,34 @@ def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
     }
 
 
+def plot_steps(result: dict, path: pathlib.Path) -> None:
+    """``--real-steps``' PNG: per step the served values changed and whole over wire bytes, and every
+    cluster's round time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result["steps"]
+    x = [s["version"] for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(x, [100 * s["changed_fraction"] for s in steps], "o-", label="values changed (%)")
+    top.set_ylabel("% of served values changed")
+    twin = top.twinx()
+    twin.plot(x, [s["whole_over_wire"] for s in steps], "s--", color="tab:green", label="whole / wire bytes")
+    twin.set_ylabel("whole / wire bytes")
+    top.set_title(f"AdamW steps of a 125M Qwen2, bf16 served, over {result.get('link', 'loopback')}: "
+                  f"{result['bit_exact_steps']}/{result['total_steps']} bit-exact", fontsize=10)
+    for name in CLUSTERS:
+        bottom.plot(x, [s[f"{name}_s"] for s in steps], "o-", label=name)
+    bottom.set_ylabel("round (s)")
+    bottom.set_xlabel("version (one AdamW step each; the first are warm-up)")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def shaped(args, argv: list[str]) -> int:
     """Run this bench inside a network namespace whose loopback is shaped at ``args.rate`` (tests/netns.py:
     htb, the control plane's class first), so every round crosses a link of that rate."""
@@ -347,6 +375,8 @@ def main(argv=None) -> int:
                                                                 and a != args.link)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        if args.real_steps:
+            plot_steps(result, pathlib.Path(args.out).with_suffix(".png"))
     if args.json:
         print(json.dumps(result))
     else:
