@@ -68,7 +68,7 @@ def test_an_unchanged_row_is_an_empty_delta_and_a_dense_change_goes_whole():
     assert d.encode(base, changed(base, 2, 1.0, 1)) is None
 
 
-@pytest.mark.parametrize("damage, says", [
+DAMAGES = [
     (lambda x: x.__class__(x.width, x.numel, x.gaps[:-1], x.far_gaps, x.steps, x.far_steps), "positions but"),
     (lambda x: x.__class__(x.width, 10, x.gaps, x.far_gaps, x.steps, x.far_steps), "for a row of"),
     (lambda x: x.__class__(x.width, x.numel, torch.cat([x.gaps, torch.tensor([255] * 40, dtype=torch.uint8)]),
@@ -77,7 +77,10 @@ def test_an_unchanged_row_is_an_empty_delta_and_a_dense_change_goes_whole():
     (lambda x: x.__class__(x.width, x.numel, torch.zeros_like(x.gaps), x.far_gaps, x.steps, x.far_steps), "escaped gaps"),
     (lambda x: x.__class__(x.width, x.numel, x.gaps, x.far_gaps, torch.full_like(x.steps, -128), x.far_steps),
      "escaped steps"),
-])
+]  # (damage to a delta, what its refusal says)
+
+
+@pytest.mark.parametrize("damage, says", DAMAGES)
 def test_a_malformed_delta_is_refused_naming_the_row_before_any_byte_is_written(damage, says):
     base = random_row(torch.bfloat16, 8192, 3)
     delta = d.encode(base, changed(base, 4, 0.01, 1))

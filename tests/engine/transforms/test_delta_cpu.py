@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_delta import DTYPES, changed, random_row
+from test_delta import DAMAGES, DTYPES, changed, random_row
 
 from weightsync.engine.datapath.checksums import fp64, fp64_change
 from weightsync.engine.transforms import delta as d
@@ -67,15 +67,7 @@ def test_a_row_whose_delta_would_not_be_smaller_goes_whole_and_the_base_still_ta
     assert k.advance(base, new)[0] is None and torch.equal(d.bits(base), d.bits(new))
 
 
-@pytest.mark.parametrize("damage, says", [
-    (lambda x: x.__class__(x.width, x.numel, x.gaps[:-1], x.far_gaps, x.steps, x.far_steps), "positions but"),
-    (lambda x: x.__class__(x.width, 10, x.gaps, x.far_gaps, x.steps, x.far_steps), "for a row of"),
-    (lambda x: x.__class__(x.width, x.numel, torch.cat([x.gaps, torch.tensor([255] * 40, dtype=torch.uint8)]),
-                           x.far_gaps, torch.cat([x.steps, torch.ones(40, dtype=torch.int8)]), x.far_steps),
-     "outside the row"),
-    (lambda x: x.__class__(x.width, x.numel, torch.zeros_like(x.gaps), x.far_gaps, x.steps, x.far_steps), "escaped gaps"),
-    (lambda x: x.__class__(x.width, x.numel, x.gaps, x.far_gaps, torch.full_like(x.steps, -128), x.far_steps),
-     "escaped steps"),
+@pytest.mark.parametrize("damage, says", DAMAGES + [
     (lambda x: x.__class__(x.width, x.numel, x.gaps, torch.zeros_like(x.far_gaps), x.steps, x.far_steps),
      "strictly increasing"),
 ])
