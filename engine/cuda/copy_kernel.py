@@ -102,8 +102,9 @@ def _pitched_pieces_kernel(table, src, dst, TILE: tl.constexpr, ROWS: tl.constex
 
 
 class PitchedKernel:
-    """Pitched copies ``(dst, src, width, height, pitch)`` from one device, to its own memory or a peer's
-    mapped memory, as one launch of a descriptor table (``engine.cuda.pitched_table``: one program per
+    """Pitched copies ``(dst, src, width, height, pitch)`` from one device (cuda_ipc uses it for copies
+    into the same GPU; a peer's mapped memory is addressable too, not measured yet), as one launch of a
+    descriptor table (``engine.cuda.pitched_table``: one program per
     piece of at most ``ROWS`` rows of ``TILE`` words); copies it cannot address (not 4-byte aligned)
     go as ``cudaMemcpy2DAsync`` calls on the same stream."""
 

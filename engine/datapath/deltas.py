@@ -320,9 +320,10 @@ def _check(delta: codec.Delta, row: torch.Tensor, name: str) -> Optional[tuple[t
 
 
 def _apply(delta: codec.Delta, row: torch.Tensor, name: str, checked, *, undo: bool = False) -> int:
-    """Apply a delta in place (``undo``: take it back); the row's fp64 fingerprint change."""
+    """Apply a delta in place (``undo``: take it back); the row's fp64 fingerprint change. ``checked``:
+    the torch check's answer, or None for a delta checked by the compiled walk or the sender's own."""
     if delta_cpu.usable(row):
-        return delta_cpu.apply(delta, row, name, undo=undo, checked=checked is None and not undo)
+        return delta_cpu.apply(delta, row, name, undo=undo, checked=checked is None)
     return fp64_change(*codec.apply(delta, row, name, checked=checked, undo=undo), delta.width)
 
 
