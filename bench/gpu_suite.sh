@@ -52,7 +52,7 @@ esac
 # (--ckpt: checkpoint-engine on the same case, bench/peer_ckpt.py; its wheels come with `make gpu-wheels`)
 for c in "${cases[@]}"; do
   set -- $c
-  for m in "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
+  for m in "--model empty --no-broadcast" "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
            "--model qwen2.5-7b --fp8 --no-broadcast"; do
     timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 6 --json 2>>"$out/transfer_mn.log" | tail -n 1
   done

@@ -29,6 +29,10 @@ Rows, measured in one run:
   (bench/peer_ckpt.py): ``ckpt_step_ms`` (copying the new weights into its pinned buffers, then
   ``update``) and ``ckpt_update_ms``; ``engine_over_ckpt_ratio`` is the engine's round over its step.
 
+Every run also measures the back-to-back control round trip between two processes
+(bench/diagnostics/control_hops.py): ``control_rtt_ms`` and ``engine_over_rtt``; with ``--model empty``
+(one 64-value tensor: a round of control messages, nothing to move) that is ``empty_round_over_rtt``.
+
 Models: ``tiny-dense`` / ``tiny-moe`` (Qwen2 / Qwen3-MoE configs small enough for a CPU), ``qwen2.5-0.5b``,
 ``qwen2.5-7b`` and ``qwen3-30b-a3b`` (12 layers, per-expert tensors; engine.models.shapes.bench_model).
 ``--json`` prints the figures as one JSON object on the last line (paired ratios under ``*ratio*``).
@@ -321,7 +325,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "rounds_measured": len(eng["round_s"]),
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
         "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
-        "bound_ms": round(eng["bound_s"] * 1e3, 3),
+        "bound_ms": round(eng["bound_s"] * 1e3, 6),
         "predicted_ms": round(eng["predicted_s"] * 1e3, 3),
         "engine_ms": round(engine_s * 1e3, 3),
         "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
@@ -374,13 +378,23 @@ def show(s: dict) -> None:
         rows += [("checkpoint-engine step (pinned copy + update)", s["ckpt_step_ms"]),
                  ("  its update alone", s["ckpt_update_ms"])]
     for label, ms in rows:
-        table.add_row(label, f"{ms:.2f}", f"{ms / s['bound_ms']:.2f}", f"{ms / s['engine_ms']:.2f}")
+        over_bound = f"{ms / s['bound_ms']:.2f}" if s["bound_ms"] else "-"
+        table.add_row(label, f"{ms:.2f}", over_bound, f"{ms / s['engine_ms']:.2f}")
     Console(stderr=True).print(table)
+
+
+async def control_rtt_ms() -> float:
+    """The median back-to-back control round trip between two processes here (pyzmq on uvloop, 100-byte
+    messages: bench/diagnostics/control_hops.py), what a round's control hops are measured against."""
+    from diagnostics.control_hops import round_trips
+
+    return statistics.median(await round_trips(0.0, False)) * 1e3
 
 
 async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) -> dict:
     case.check()
     link = measured_link(case)
+    rtt = await control_rtt_ms()
     eng = await engine(case, link)
     bc = await broadcast(case) if with_broadcast else {}
     bucketed = await broadcast(case, BUCKET) if with_broadcast else {}
@@ -389,15 +403,20 @@ async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) 
         from peer_ckpt import ckpt
 
         peer = await ckpt(case)
-    return summary(case, link, eng, bc, bucketed, peer)
+    out = summary(case, link, eng, bc, bucketed, peer)
+    out["control_rtt_ms"] = round(rtt, 4)
+    out["engine_over_rtt"] = round(out["engine_ms"] / rtt, 2)
+    if case.model == "empty":
+        out["empty_round_over_rtt"] = out["engine_over_rtt"]
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--senders", type=int, default=2, help="FSDP2 trainer processes (M)")
     ap.add_argument("--receivers", type=int, default=2, help="tensor-parallel inference processes (N = TP)")
-    ap.add_argument("--model", default="qwen2.5-7b", choices=("tiny-dense", "tiny-moe", "qwen2.5-0.5b", "qwen2.5-7b",
-                                                                 "qwen3-30b-a3b"))
+    ap.add_argument("--model", default="qwen2.5-7b", choices=("empty", "tiny-dense", "tiny-moe", "qwen2.5-0.5b",
+                                                                 "qwen2.5-7b", "qwen3-30b-a3b"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--colocated", action="store_true", help="trainer i and receiver i share GPU i")
     ap.add_argument("--fp8", action="store_true", help="receivers hold the block-FP8 layout")
