@@ -83,14 +83,18 @@ def test_windows_of_rows_never_overlap_and_stay_inside_the_region():
             assert all(s + c <= delta for s, c in spans)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
-async def test_rounds_after_the_first_send_changed_bytes_only_and_land_bit_exact(compiled, monkeypatch):
+@pytest.mark.parametrize("compiled, threads", [(True, False), (True, True), (False, False)],
+                         ids=["compiled", "compiled-on-threads", "torch"])
+async def test_rounds_after_the_first_send_changed_bytes_only_and_land_bit_exact(compiled, threads, monkeypatch):
+    from weightsync.engine.datapath import deltas
     from weightsync.engine.transforms import delta_cpu
 
     if not compiled:  # (a host without numba: the torch codec encodes, checks and applies)
         monkeypatch.setattr(delta_cpu, "usable", lambda *tensors: False)
     elif not delta_cpu.usable(torch.zeros(1)):
         pytest.skip("numba is not installed")
+    if threads:  # every row encoded on worker threads, two at a time, both lanes sharing each row's base
+        monkeypatch.setattr(deltas, "OFF_LOOP_BYTES", 0)
     async with cluster() as (c, sender, send_t, recvs):
         first = await push(sender, 1, c)
         assert sender.last_delta.rows == 0  # no receiver held a base: every row whole
@@ -140,7 +144,12 @@ async def test_a_restarted_receiver_gets_whole_rows_while_the_others_get_deltas(
                 assert same(send_t, r.state_dict()) == []
 
 
-async def test_an_aborted_round_leaves_every_base_and_the_next_round_is_still_exact():
+@pytest.mark.parametrize("threads", [False, True], ids=["on-the-loop", "on-threads"])
+async def test_an_aborted_round_leaves_every_base_and_the_next_round_is_still_exact(threads, monkeypatch):
+    from weightsync.engine.datapath import deltas
+
+    if threads:
+        monkeypatch.setattr(deltas, "OFF_LOOP_BYTES", 0)
     async with cluster(round_timeout_s=5.0) as (c, sender, send_t, recvs):
         await push(sender, 1)
         rl_step(send_t, 2)
