@@ -146,8 +146,8 @@ class _corrupting:
         self.rng, self.armed, self.row = rng, False, ""
         real = pipeline._as_delta
 
-        async def as_delta(deltas, t, staged):
-            await real(deltas, t, staged)
+        async def as_delta(deltas, t, staged, *rest):
+            await real(deltas, t, staged, *rest)
             if self.armed and staged.target is not None:  # (a delta: its packed bytes)
                 self.armed, self.row = False, t.name
                 staged.tensor[self.rng.randrange(staged.tensor.numel())] ^= 1 << self.rng.randrange(8)

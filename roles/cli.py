@@ -218,6 +218,8 @@ def format_status(s: dict, width: int = 120) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    from .metrics import WORK
+
     out = io.StringIO()
     console = Console(file=out, width=width, highlight=False, color_system=None)
     console.print(f"controller {s['address']}: committed version {s['committed_version']}, "
@@ -238,7 +240,8 @@ def format_status(s: dict, width: int = 120) -> str:
         table = Table("version", "result", "GB", "of whole", "ms", "GB/s", "stages / links", title="last rounds",
                       title_justify="left")
         for r in rounds:
-            stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if not k.startswith("sender_"))
+            stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if k in ("transfer", "fence", "commit"))
+            work = " ".join(f"{name}={r['stages'][key] * 1e3:.1f}ms" for name, key in WORK if r["stages"].get(key))
             links = "\n".join(f"sender/{k['sender']} -> receiver/{k['receiver']}: {k['nbytes'] / 1e6:.1f} MB, "
                               f"{k['gbps']:.2f} GB/s" for k in r["links"])
             deltas = (f"{r['delta_rows']} rows as deltas, {r['changed_values']:,} values changed"
@@ -246,7 +249,7 @@ def format_status(s: dict, width: int = 120) -> str:
             whole = f"{r['nbytes'] / r['whole_bytes']:.1%}" if r.get("whole_bytes") else "-"
             table.add_row(f"v{r['version']}", "ok" if r["ok"] else "ABORTED " + r["reason"], f"{r['nbytes'] / 1e9:.3f}",
                           whole, f"{r['seconds'] * 1e3:.1f}", f"{r['gbps']:.2f}",
-                          "\n".join(x for x in (stages, deltas, links) if x))
+                          "\n".join(x for x in (stages, work, deltas, links) if x))
         console.print(table)
     return out.getvalue().rstrip("\n")
 

@@ -7,6 +7,9 @@ from weightsync.engine.errors import ConfigError
 from .round_state import RoundReport
 
 
+WORK = (("encode", "sender_encode_max"), ("apply", "receiver_apply_max"), ("verify", "receiver_verify_max"))
+
+
 class Metrics:
     """Counters and histograms of update rounds, served over HTTP on ``port``."""
 
@@ -20,7 +23,9 @@ class Metrics:
         self.bytes = prom.Counter("weightsync_bytes", "Bytes moved by committed rounds", registry=self.registry)
         self.seconds = prom.Histogram("weightsync_round_seconds", "Round time, begin to commit acknowledged",
                                       buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
-        self.stage = prom.Histogram("weightsync_stage_seconds", "Round stages", ["stage"], registry=self.registry)
+        self.stage = prom.Histogram("weightsync_stage_seconds", "Round stages (transfer, fence, commit) and the work "
+                                    "in them: encode (deltas, the busiest sender), apply (deltas) and verify "
+                                    "(checksums; the busiest receiver)", ["stage"], registry=self.registry)
         self.version = prom.Gauge("weightsync_committed_version", "Last committed version", registry=self.registry)
         self.whole = prom.Counter("weightsync_whole_bytes", "Bytes committed rounds' rows are whole (delta rounds "
                                   "move fewer: weightsync_bytes)", registry=self.registry)
@@ -42,6 +47,9 @@ class Metrics:
         for stage in ("transfer", "fence", "commit"):
             if stage in report.stages:
                 self.stage.labels(stage).observe(report.stages[stage])
+        for stage, key in WORK:  # (the busiest sender's or receiver's, as it reported)
+            if report.stages.get(key):
+                self.stage.labels(stage).observe(report.stages[key])
         self.version.set(report.version)
         for link in report.links:
             self.link.labels(str(link.sender), str(link.receiver)).set(link.gbps)

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -270,7 +271,7 @@ class WeightReceiver(Worker):
             await self._send(ack, version=ack.version)
             return
         self.rounds_one_phase += 1
-        await self._apply(ack.version)
+        await self._apply(ack.version, carried=(ack.apply_s, ack.verify_s))  # (its commit_ack says them)
 
     _on_fence_commit = _on_fence  # one handler for both messages
 
@@ -282,34 +283,43 @@ class WeightReceiver(Worker):
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
         expected = dp.expected(self._expected, self.table, body.checksums)  # (a delta counts its payload)
         problems, names, blame = verify.arrivals(self.transport, self.table, expected, self._pending, body.checksums)
+        t0 = time.perf_counter()
         if not problems:
             problems, names, blame = await verify.deltas(self.deltas, self.table, self.landing.storage,
                                                          self.dtypes, body.checksums)
+        t1 = time.perf_counter()
         if unproven:
             problems += [f"sender/{src}: {why}" for src, why in sorted(unproven.items())]
             names = sorted({*names, *(e.name for e in self.table.entries if e.src_rank in unproven)})
+        verify_s = 0.0
         if not problems and self._algo:
+            t2 = time.perf_counter()
             bad = await asyncio.to_thread(verify.checksums, self.table, self.landing.storage, self._algo,
                                           body.checksums)
+            verify_s = time.perf_counter() - t2
             if bad:
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")
                 names = bad
         received = sum(s.nbytes for s in body.checksums)
         if not problems:
             self.prepared = version
-        return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems), blame)
+        return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems), blame,
+                          apply_s=t1 - t0, verify_s=verify_s)
 
     async def _on_commit(self, env: Envelope) -> None:
         await self._apply(env.body.version)
 
-    async def _apply(self, version: int, ack: bool = True) -> None:
+    async def _apply(self, version: int, ack: bool = True, carried: tuple[float, float] = (0.0, 0.0)) -> None:
         """Make ``version`` live; ``ack``: say so with ``commit_ack`` (not for a prepared version
-        settled at a plan, outside any round)."""
+        settled at a plan, outside any round), with the seconds spent applying deltas since the verdict
+        (a second slot's catch-up) plus ``carried`` (a one-phase verdict's apply and verify seconds)."""
         self.prepared = None
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
+        t0 = time.perf_counter()
         self.deltas.committed(version, self.table, self.live.storage, self.landing.storage, self.dtypes)
+        caught_up = time.perf_counter() - t0
         self._open_regions(False)
         self.timeline.mark(version, "applied")
         self.dirty = False
@@ -324,7 +334,7 @@ class WeightReceiver(Worker):
         finally:
             self._spin(False)
             if ack:
-                await self._send(m.CommitAck(version, True, ""), version=version)
+                await self._send(m.CommitAck(version, True, "", carried[0] + caught_up, carried[1]), version=version)
 
     def _swap(self) -> None:
         """Make the landing buffer's bytes live; the next version lands in the old live memory.

@@ -84,6 +84,7 @@ class RoundState:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.writes: dict[int, m.WritesDone] = {}
         self.fence_acks: dict[int, Optional[m.FenceAck]] = {}  # None: a one-phase commit_ack stood for it
+        self.commit_acks: dict[int, m.CommitAck] = {}
         self.applied: set[int] = set()
         self.gated: set[int] = set()  # in-place receivers whose begin_ack the senders' begin waits for
         self.begin_acks: set[int] = set()
@@ -123,12 +124,14 @@ class RoundState:
             self.committed = True
         self._maybe("fenced", set(self.fence_acks) >= self.receivers)
 
-    def on_commit_ack(self, rank: int) -> None:
+    def on_commit_ack(self, rank: int, body: Optional[m.CommitAck] = None) -> None:
         if self.one_phase and rank not in self.fence_acks:  # verified and applied, said in one message
             self.committed = True
             self.fence_acks[rank] = None
             self._maybe("fenced", set(self.fence_acks) >= self.receivers)
         self.applied.add(rank)
+        if body is not None:
+            self.commit_acks[rank] = body
         self._maybe("applied", self.applied >= self.receivers)
 
     def receive(self, rank: int, body: m.Message, blame: str = "") -> None:
@@ -140,7 +143,7 @@ class RoundState:
         elif isinstance(body, m.FenceAck):
             self.on_fence_ack(rank, body, blame)
         elif isinstance(body, m.CommitAck):
-            self.on_commit_ack(rank)
+            self.on_commit_ack(rank, body)
 
     def drop(self, role: m.Role, rank: int) -> None:
         """A participant is gone after commit: stop waiting for it."""
@@ -179,6 +182,18 @@ class RoundState:
                 fut.set_exception(self.aborted)
         return True
 
+    def _work_s(self) -> dict[str, float]:
+        """The round's busiest sender encoding deltas, and receiver applying them (its verdict, then its
+        second slot's catch-up) and checking checksums, as they reported (seconds)."""
+        def receiver(rank: int, field: str) -> float:
+            fence, commit = self.fence_acks.get(rank), self.commit_acks.get(rank)
+            return (getattr(fence, field) if fence is not None else 0.0) + (getattr(commit, field) if commit else 0.0)
+
+        ranks = set(self.fence_acks) | set(self.commit_acks)
+        return {"sender_encode_max": max((b.encode_s for b in self.writes.values()), default=0.0),
+                "receiver_apply_max": max((receiver(r, "apply_s") for r in ranks), default=0.0),
+                "receiver_verify_max": max((receiver(r, "verify_s") for r in ranks), default=0.0)}
+
     def report(self) -> RoundReport:
         end = time.perf_counter()
         marks = {"begin": self.t0, **self.marks}
@@ -197,6 +212,7 @@ class RoundState:
                 changed += sum(d.changes for d in s.deltas)
         stages["sender_stage_max"] = max((b.stage_s for b in self.writes.values()), default=0.0)
         stages["sender_write_max"] = max((b.write_s for b in self.writes.values()), default=0.0)
+        stages.update(self._work_s())
         failed = self.aborted
         if failed is None and not self.applied:  # told to commit, but no receiver said it applied
             failed = RoundAborted(self.version, m.AbortReason.PEER_LOST,

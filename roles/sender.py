@@ -284,7 +284,8 @@ class WeightSender(Worker):
         def announce(sealed: PushReport) -> None:
             self.timeline.mark(version, "pipeline:sealed")
             announced.append(asyncio.ensure_future(self._send_if_allowed(
-                m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s),
+                m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
+                             sealed.encode_s),
                 version=version)))
 
         self.timeline.mark(version, "pipeline:start")

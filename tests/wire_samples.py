@@ -111,4 +111,13 @@ def samples() -> dict[str, Envelope]:
     out["writes_done_delta"] = Envelope(  # WriteSummary.deltas (optional): rows that went as deltas
         m.WritesDone(3, 9, (dataclasses.replace(SUMMARY, nbytes=92, deltas=(m.DeltaRow(0, 60, 2**63 + 5, 18), m.DeltaRow(1, 32, 7, 4))),),
                      0.25, 1.5), msg_id=211, sender="sender/0", parent_id=None, version=3)
+    out["writes_done_encode"] = Envelope(  # WritesDone.encode_s (optional): of stage_s, encoding deltas
+        m.WritesDone(3, 9, (SUMMARY,), 0.25, 1.5, encode_s=0.125), msg_id=212, sender="sender/0", parent_id=None,
+        version=3)
+    out["fence_ack_times"] = Envelope(  # FenceAck.apply_s and .verify_s (optional): the verdict's work
+        dataclasses.replace(BODIES["fence_ack"], apply_s=0.5, verify_s=0.25), msg_id=213, sender="receiver/0",
+        parent_id=None, version=3)
+    out["commit_ack_times"] = Envelope(  # CommitAck.apply_s and .verify_s (optional): catch-up; one-phase verdict
+        dataclasses.replace(BODIES["commit_ack"], apply_s=0.0625, verify_s=0.25), msg_id=214, sender="receiver/0",
+        parent_id=None, version=3)
     return out

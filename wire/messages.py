@@ -265,6 +265,7 @@ class WritesDone(Message):
     receivers: tuple[WriteSummary, ...]
     stage_s: float
     write_s: float
+    encode_s: float = 0.0  # of ``stage_s``, the seconds spent encoding delta rows (summed over threads)
 
 
 @struct
@@ -297,6 +298,8 @@ class FenceAck(Message):
     mismatches: tuple[str, ...]
     text: str
     blame: str = ""  # a failed verification caused by one sender's writes (refused, out of bounds, short): "sender/3"
+    apply_s: float = 0.0  # seconds the verdict spent checking and applying deltas
+    verify_s: float = 0.0  # seconds it spent on checksums (the round's end-to-end check)
 
 
 @struct
@@ -311,6 +314,8 @@ class CommitAck(Message):
     version: U64
     applied: bool
     text: str
+    apply_s: float = 0.0  # one-phase (it answers fence_commit): its verdict's times, as ``FenceAck`` has them
+    verify_s: float = 0.0
 
 
 @struct

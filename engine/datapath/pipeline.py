@@ -82,6 +82,7 @@ class LaneReport:
     checksums: list = dataclasses.field(default_factory=list)
     stage_s: float = 0.0
     write_s: float = 0.0
+    encode_s: float = 0.0  # of the staging, encoding delta rows (``datapath.deltas``; threads summed)
     proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
     deltas: list = dataclasses.field(default_factory=list)  # DeltaRow of each row that went as a delta
 
@@ -108,6 +109,10 @@ class PushReport:
     @property
     def write_s(self) -> float:
         return sum(lane.write_s for lane in self.lanes.values())
+
+    @property
+    def encode_s(self) -> float:
+        return sum(lane.encode_s for lane in self.lanes.values())
 
 
 class Pipeline:
@@ -225,7 +230,7 @@ class Pipeline:
                             await _hand_over(encoding, channel)
                         continue
                     if deltas is not None:
-                        await _as_delta(deltas, t, staged)
+                        await _as_delta(deltas, t, staged, report)
                     report.stage_s += time.perf_counter() - t0
                     while encoding:  # (lane order)
                         await _hand_over(encoding, channel)
@@ -357,18 +362,21 @@ def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
     return staged.target if staged.target is not None else (t.dst_region + slot, t.dst_offset)
 
 
-async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: Optional[LaneReport] = None,
-                    t0: float = 0.0) -> None:
-    """A row of a delta lane: its staged bytes become its delta where it may go as one. Large CPU rows
-    (``off_loop``) are encoded on a worker thread, the event loop writing other rows meanwhile; their
-    time from ``t0`` counts into ``report``'s staging time."""
+async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: LaneReport, t0: Optional[float] = None) -> None:
+    """A row of a delta lane: its staged bytes become its delta where it may go as one; the encoding's
+    seconds count into ``report.encode_s``. Large CPU rows (``off_loop``) are encoded on a worker
+    thread, the event loop writing other rows meanwhile; their time from ``t0`` also counts into
+    ``report.stage_s`` (the stager does not wait for them)."""
     await staged.wait()
+    start = time.perf_counter()
     if deltas.off_loop(staged.tensor):
         out = await asyncio.to_thread(deltas.stage, t, staged.tensor)
-        if report is not None:
-            report.stage_s += time.perf_counter() - t0
     else:
         out = deltas.stage(t, staged.tensor)
+    end = time.perf_counter()
+    report.encode_s += end - start
+    if t0 is not None:
+        report.stage_s += end - t0
     if out is not None:
         staged.tensor, offset, change, changes = out
         staged.target, staged.delta = (DELTA_REGION, offset), (change, changes)

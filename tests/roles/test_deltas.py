@@ -203,8 +203,8 @@ def _corrupting(monkeypatch, name: str, damage):
 
     original = pipeline._as_delta
 
-    async def corrupt(deltas, t, staged):
-        await original(deltas, t, staged)
+    async def corrupt(deltas, t, staged, *rest):
+        await original(deltas, t, staged, *rest)
         if staged.target is not None and t.name == name:
             staged.tensor = staged.tensor.clone()
             damage(staged.tensor)
@@ -300,6 +300,12 @@ async def test_status_and_metrics_tell_wire_bytes_against_whole_and_the_values_c
         text = format_status(c.status())
         assert f"{report.delta_rows} rows as deltas, {report.changed_values:,} values changed" in text
         assert f"{report.nbytes / report.whole_bytes:.1%}" in text
+        # the work inside the stages, as the busiest sender and receiver reported it: the first round checked
+        # end to end (checksums), the second encoded and applied deltas (one receiver: one-phase commit)
+        assert first.stages["receiver_verify_max"] > 0 and report.stages["receiver_verify_max"] == 0
+        assert report.stages["sender_encode_max"] > 0 and report.stages["receiver_apply_max"] > 0
+        assert report.stages["sender_encode_max"] <= report.stages["sender_stage_max"]
+        assert "encode=" in text and "apply=" in text
 
 
 GPU_CASES = [("cuda:0", "cuda:0")] + ([("cuda:0", "cuda:1")] if torch.cuda.device_count() >= 2 else [])
