@@ -237,7 +237,9 @@ def test_prometheus_metrics_endpoint():
 
     port = free_port()
     metrics = Metrics(port)
-    metrics.observe(RoundReport(7, True, 10**9, 0.5, {"transfer": 0.4, "fence": 0.05, "commit": 0.05},
+    metrics.observe(RoundReport(7, True, 10**9, 0.5, {"transfer": 0.4, "fence": 0.05, "commit": 0.05,
+                                                      "sender_encode_max": 0.3, "receiver_apply_max": 0.02,
+                                                      "receiver_verify_max": 0.0},
                                 [LinkStat(0, 1, 10**9, 3, 2.5)], whole_bytes=4 * 10**10, delta_rows=12,
                                 changed_values=5 * 10**8))
     metrics.observe(RoundReport(8, False, 0, 0.1, {}, [], reason="PEER_LOST: gone"))
@@ -248,6 +250,9 @@ def test_prometheus_metrics_endpoint():
     assert 'weightsync_link_gbps{receiver="1",sender="0"} 2.5' in text
     assert "weightsync_bytes_total 1e+09" in text and "weightsync_whole_bytes_total 4e+10" in text
     assert "weightsync_delta_rows_total 12.0" in text and "weightsync_changed_values_total 5e+08" in text
+    assert 'weightsync_stage_seconds_sum{stage="encode"} 0.3' in text
+    assert 'weightsync_stage_seconds_sum{stage="apply"} 0.02' in text
+    assert 'stage="verify"' not in text  # (no checksums that round)
 
 
 def test_demo_main_job_verifies_bit_exact():
