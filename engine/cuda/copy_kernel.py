@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..transforms.fp8_kernel import _Address
-from . import cuda_rt
+from . import cuda_rt, pitched_table
 
 TILE = 2048  # 4-byte words per step of a program
 STEPS = 8  # steps per program: a piece is TILE * STEPS words (64 KiB)
@@ -109,8 +109,6 @@ class PitchedKernel:
     go as ``cudaMemcpy2DAsync`` calls on the same stream."""
 
     def __init__(self, copies, device: int) -> None:
-        from . import pitched_table
-
         self.device = device
         t = pitched_table.table(copies)
         self.pieces, self.nbytes, self.src_base, self.dst_base = len(t), t.nbytes, t.src_base, t.dst_base
@@ -122,11 +120,9 @@ class PitchedKernel:
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         if self.table is not None:
-            from .pitched_table import ROWS, TILE
-
             device = torch.device("cuda", self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 _pitched_pieces_kernel[(self.pieces,)](self.table, _Address(self.src_base, torch.int32, device),
                                                        _Address(self.dst_base, torch.int32, device),
-                                                       TILE=TILE, ROWS=ROWS, num_warps=4)
+                                                       TILE=pitched_table.TILE, ROWS=pitched_table.ROWS, num_warps=4)
         self.rest.launch(stream)

@@ -7,8 +7,8 @@ of at most ``rows`` rows of at most ``tile`` words (4-byte units), one row of th
 ``(src_at, dst_at, width, height, src_pitch, dst_pitch)`` in words, counted from the lowest source and
 destination address (``Table.src_base``, ``dst_base``). A kernel then runs one program per piece
 (``engine.cuda.copy_kernel.PitchedKernel``), so every pitched row of a lane is one launch instead of a
-``cudaMemcpy2DAsync`` each. ``apply(table, src, dst)`` carries a table out with torch on any device:
-what the tests check the kernel's addressing against, byte for byte.
+``cudaMemcpy2DAsync`` each (tests/engine/test_pitched_table.py carries tables out piece by piece with
+torch against a copy per row, byte for byte).
 
 Copies whose addresses, widths or pitches are not 4-byte multiples are left out (``Table.rest``: the
 caller copies them its own way). Pure data in, data out.
@@ -63,11 +63,3 @@ def table(copies: Sequence[Copy], tile: int = TILE, rows: int = ROWS) -> Table:
                           (w[copy] - c).clamp(max=tile), (height[copy] - r).clamp(max=rows), p[copy], w[copy]], dim=1)
     return Table(pieces.contiguous(), src_base, dst_base, rest, int((width * height).sum()))
 
-
-def apply(t: Table, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Carry ``t`` out with torch: ``src`` and ``dst`` are 1-D uint8 tensors whose byte 0 is at
-    ``t.src_base`` and ``t.dst_base`` (what the kernel computes, piece by piece)."""
-    s, d = src.view(torch.int32), dst.view(torch.int32)
-    for src_at, dst_at, width, height, src_pitch, dst_pitch in t.pieces.tolist():
-        for r in range(height):
-            d[dst_at + r * dst_pitch:dst_at + r * dst_pitch + width] = s[src_at + r * src_pitch:src_at + r * src_pitch + width]

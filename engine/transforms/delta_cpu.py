@@ -32,17 +32,16 @@ import torch
 from . import delta as codec
 
 _MASK = (1 << 64) - 1
-_OK = 0  # (delta_kernels.OK)
 
 
 @functools.cache
 def _kernels():
-    """(encode, walk, apply), compiled (``delta_kernels``), or None without numba."""
+    """The compiled kernels (the ``delta_kernels`` module), or None without numba."""
     try:
-        from . import delta_kernels as k
+        from . import delta_kernels
     except ImportError:
         return None
-    return k.encode, k.walk, k.apply
+    return delta_kernels
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -68,8 +67,7 @@ def advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta
     far_gaps = np.empty(limit, np.uint32)
     far_steps = np.empty(limit, codec.far_step_dtype(width))
     aligned = numel * width // 8 * 8 // width if b.ctypes.data % 8 == 0 and n.ctypes.data % 8 == 0 else 0
-    encode, _, _ = _kernels()
-    c, fg, fs, fp = encode(b, n, b[:aligned].view(np.uint64), n[:aligned].view(np.uint64), gaps, far_gaps,
+    c, fg, fs, fp = _kernels().encode(b, n, b[:aligned].view(np.uint64), n[:aligned].view(np.uint64), gaps, far_gaps,
                            steps, far_steps, width, limit)
     if c < 0:
         base.copy_(new.reshape(-1))
@@ -86,8 +84,8 @@ def _arrays(delta: codec.Delta) -> tuple[np.ndarray, ...]:
 def check(delta: codec.Delta, row: torch.Tensor, name: str = "row") -> None:
     """Nothing written: a ``DeltaError`` naming ``name`` unless ``delta`` fits ``row``."""
     codec.check_shape(delta, row, name)
-    _, walk, _ = _kernels()
-    if walk(*_arrays(delta), delta.numel) != _OK:
+    k = _kernels()
+    if k.walk(*_arrays(delta), delta.numel) != k.OK:
         codec.check(delta, row, name)  # (the torch walk says what is wrong)
         raise codec.DeltaError(name, "malformed positions")
 
@@ -98,5 +96,4 @@ def apply(delta: codec.Delta, row: torch.Tensor, name: str = "row", *, undo: boo
     unless ``checked``; the change of the row's fp64 fingerprint, mod 2**64."""
     if not checked:
         check(delta, row, name)
-    _, _, run = _kernels()
-    return int(run(_np(row), *_arrays(delta), delta.width, -1 if undo else 1)) & _MASK
+    return int(_kernels().apply(_np(row), *_arrays(delta), delta.width, -1 if undo else 1)) & _MASK

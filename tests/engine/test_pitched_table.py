@@ -24,6 +24,15 @@ def _copies(draw_sizes, src: torch.Tensor, dst: torch.Tensor) -> list[pt.Copy]:
     return out
 
 
+def _pieces(t: pt.Table, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Carry ``t`` out piece by piece, as the kernel does: ``src`` and ``dst`` 1-D uint8 whose byte 0 is at
+    ``t.src_base`` and ``t.dst_base``."""
+    s, d = src.view(torch.int32), dst.view(torch.int32)
+    for src_at, dst_at, width, height, src_pitch, dst_pitch in t.pieces.tolist():
+        for r in range(height):
+            d[dst_at + r * dst_pitch:dst_at + r * dst_pitch + width] = s[src_at + r * src_pitch:src_at + r * src_pitch + width]
+
+
 def _per_row(copies, src: torch.Tensor, dst: torch.Tensor, dst_address: int) -> None:
     """Each copy row by row into ``dst``, the copies' destinations counted from ``dst_address``."""
     for d, s, width, height, pitch in copies:
@@ -47,7 +56,7 @@ def test_a_table_lands_every_row_where_a_copy_per_row_would(sizes, tile, rows, s
     assert t.pieces[:, 2].max().item() <= tile if len(t) else True
     assert t.nbytes == sum(c[2] * c[3] for c in copies if pt.aligned(c))
     if len(t):
-        pt.apply(t, src[t.src_base - src.data_ptr():], got[t.dst_base - got.data_ptr():])
+        _pieces(t, src[t.src_base - src.data_ptr():], got[t.dst_base - got.data_ptr():])
     _per_row(t.rest, src, got, got.data_ptr())  # (the caller's part: 2-D copies)
     assert torch.equal(got, want)
 
