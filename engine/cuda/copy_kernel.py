@@ -6,7 +6,7 @@ microseconds of launch each, far more than the bytes take. ``CopyKernel(copies, 
 ``(dst, src, nbytes)`` pointer triples once per plan and cuts every copy into pieces of at most
 ``tile * steps`` words (64 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table on
 the GPU, offsets counted in 4-byte words from the lowest source and destination (kernel arguments,
-so the compiler knows their alignment; ``fp8_kernel._Address`` stands for a raw address). ``launch``
+so the compiler knows their alignment; ``fp8_kernel.DeviceAddress`` stands for a raw address). ``launch``
 then runs one program per piece, each copying its words in 16-byte vectors: one launch per round,
 whatever the tensor count. Copies whose addresses or length are not 16-byte multiples (rare: odd
 shapes) go as pointer copies (``cuda_rt.memcpy_batch_async``) on the same stream.
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..transforms.fp8_kernel import _Address
+from ..transforms.fp8_kernel import DeviceAddress
 from . import cuda_rt, pitched_table
 
 TILE = 2048  # 4-byte words per step of a program
@@ -78,8 +78,8 @@ class CopyKernel:
         if self.pieces:
             device = torch.device("cuda", self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                _copy_pieces_kernel[(self.pieces,)](self.table, _Address(self.src_base, torch.int32, device),
-                                                    _Address(self.dst_base, torch.int32, device),
+                _copy_pieces_kernel[(self.pieces,)](self.table, DeviceAddress(self.src_base, torch.int32, device),
+                                                    DeviceAddress(self.dst_base, torch.int32, device),
                                                     TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
         if self.rest:
             cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.device)
@@ -122,7 +122,7 @@ class PitchedKernel:
         if self.table is not None:
             device = torch.device("cuda", self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                _pitched_pieces_kernel[(self.pieces,)](self.table, _Address(self.src_base, torch.int32, device),
-                                                       _Address(self.dst_base, torch.int32, device),
+                _pitched_pieces_kernel[(self.pieces,)](self.table, DeviceAddress(self.src_base, torch.int32, device),
+                                                       DeviceAddress(self.dst_base, torch.int32, device),
                                                        TILE=pitched_table.TILE, ROWS=pitched_table.ROWS, num_warps=4)
         self.rest.launch(stream)

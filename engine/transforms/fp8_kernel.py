@@ -17,7 +17,7 @@ compiler knows their alignment (a pointer loaded from memory would defeat vector
 
 Written in place: a ``Batch`` made with ``dests`` (per tensor, the addresses of its FP8 weight and of its
 scales, e.g. a receiver's tensors mapped over CUDA IPC) stores there instead of into fresh buffers: the
-same kernel, with the output offsets taken from the lowest destination of each kind (``_Address``
+same kernel, with the output offsets taken from the lowest destination of each kind (``DeviceAddress``
 stands for it as a kernel argument), and the aligned class only for 16-byte aligned destinations.
 
 The module imports Triton at import time: import it only where CUDA is.
@@ -138,8 +138,8 @@ class Batch:
         if self.tables_ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.tables_ready)
         if self.dests:
-            qbuf = _Address(self.bases[0], torch.float8_e4m3fn, self.device)
-            sbuf = _Address(self.bases[1], torch.float32, self.device)
+            qbuf = DeviceAddress(self.bases[0], torch.float8_e4m3fn, self.device)
+            sbuf = DeviceAddress(self.bases[1], torch.float32, self.device)
         else:
             qbuf = torch.empty(self.q_total, dtype=torch.float8_e4m3fn, device=self.device)
             sbuf = torch.empty(self.s_total, dtype=torch.float32, device=self.device)
@@ -165,7 +165,7 @@ class Batch:
         return _table(entries, self.device), len(members), first, blocks, inner, aligned
 
 
-class _Address:
+class DeviceAddress:
     """A raw device address as a Triton pointer argument (Triton reads ``data_ptr()`` and ``dtype``)."""
 
     def __init__(self, address: int, dtype: torch.dtype, device: torch.device) -> None:
