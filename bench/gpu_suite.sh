@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
 #   source bench/gpu/env.sh .whl   (installs the carried wheels; sets UCCL's environment)
-# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|all]   (each part fits one 10-minute device call;
-# mn with its peers may not: run its cases one call each, as docs/results/transfer_mn_peers_h200x2.jsonl was)
+# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|mn1|mn2|all]   (each part fits one 10-minute device
+# call but mn: mn1 and mn2 run its first and second GPU placement, one call each)
 set -u
 out=${1:-bench/results}
 part=${2:-all}
@@ -40,7 +40,7 @@ timeout 300 python3 bench/diagnostics/ipc_direction.py --gib 4 --out "$out/ipc_d
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
 timeout 200 python3 bench/diagnostics/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
 fi
-if [ "$part" = mn ]; then
+if [ "$part" = mn ] || [ "$part" = mn1 ] || [ "$part" = mn2 ]; then
 # M -> N (bench/transfer_mn.py): the cases this machine's GPU count allows, one JSON line each
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 case $gpus in
@@ -49,15 +49,18 @@ case $gpus in
   4|5|6|7) cases=("2 2" "4 4 --colocated") ;;
   *) cases=("4 4" "8 8 --colocated") ;;
 esac
-# (--ckpt: checkpoint-engine on the same case, bench/peer_ckpt.py; its wheels come with `make gpu-wheels`)
+[ "$part" = mn1 ] && cases=("${cases[0]}")
+[ "$part" = mn2 ] && cases=("${cases[@]:1}")
+# (--ckpt: checkpoint-engine on the same case, bench/peer_ckpt.py; its wheels come with `make gpu-wheels`;
+# 11 rounds: links into another GPU time their two ways on the first 7, which are not counted)
 for c in "${cases[@]}"; do
   set -- $c
   for m in "--model empty --no-broadcast" "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
            "--model qwen2.5-7b --fp8 --no-broadcast"; do
-    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 6 --json 2>>"$out/transfer_mn.log" | tail -n 1
+    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 11 --json 2>>"$out/transfer_mn.log" | tail -n 1
   done
-done > "$out/transfer_mn.jsonl"
-cat "$out/transfer_mn.jsonl"
+done > "$out/transfer_mn_$part.jsonl"
+cat "$out/transfer_mn_$part.jsonl"
 exit 0
 fi
 if [ "$part" != tests ]; then

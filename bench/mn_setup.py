@@ -34,6 +34,7 @@ class Case:
     seed: int = 0
     profile: str = ""  # a folder: cProfile each sender there
     pitched_kernel: bool = True  # cuda_ipc: pitched rows in one descriptor-table launch (TransportOptions)
+    peer_copies: str = "fastest"  # cuda_ipc: rows into another GPU by "kernel", "dma" or the "fastest" (TransportOptions)
 
     def sender_device(self, rank: int) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{rank}"

@@ -83,7 +83,9 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     _init_dist(case, case.sender_device(rank), rank, case.senders, port)
     model = fsdp_model(case, rank)
     opts = SenderOptions(transport=case.transport, transport_options=TransportOptions(
-        device=case.sender_device(rank), pitched_kernel=case.pitched_kernel))
+        device=case.sender_device(rank), pitched_kernel=case.pitched_kernel, peer_copies=case.peer_copies))
+
+    trying: dict[int, bool] = {}
 
     async def main():
         async with WeightSender(addr, model, rank=rank, options=opts) as sender:
@@ -94,14 +96,19 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                 if case.device == "cuda":
                     torch.cuda.synchronize()
                 await (await sender.push(v))
+                trying[v] = bool(getattr(sender.transport, "trying", ()))  # ways still timed (engine.cuda.fastest)
             g = sender.sources.gatherer
             marks = {v: sender.timeline.of(v) for v in range(2, case.rounds + 1)}
             # seconds from pipeline start to every write issued (sealed), per measured round
-            issue = [m.get("pipeline:sealed", m["pipeline:end"]) - m["pipeline:start"] for m in marks.values()]
+            issue = [m.get("pipeline:sealed", m["pipeline:end"]) - m["pipeline:start"] for m in marks.values()
+                     if "pipeline:start" in m]  # (a sender with no rows to send runs no pipeline)
             rows = len(sender.table.transfers)
             return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows, "marks": marks,
-                    "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows else None,
-                    "compiles": sender.pipeline.compiler.compiles}
+                    "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows and issue else None,
+                    "compiles": sender.pipeline.compiler.compiles, "trying": trying,
+                    "peer_copies": {link: {"chosen": t.chosen, "ms": {w: [round(x * 1e3, 3) for x in ms]
+                                                                      for w, ms in t.seconds.items()}}
+                                    for link, t in getattr(sender.transport, "choices", {}).items()}}
     try:
         stats = _profiled(main, f"{case.profile}/sender{rank}.txt" if case.profile else "")
         conn.send(("sender", rank, {**stats, "full_tensor_s": full_tensor_seconds(model, case)}))
@@ -182,14 +189,17 @@ async def engine(case: Case, link) -> dict:
     by_sender = {r: got for kind, r, got in done if kind == "sender"}
     by_receiver = {r: got for kind, r, got in done if kind == "receiver"}  # (mismatched names, marks)
     bad = {f"receiver {r}": got[0] for r, got in sorted(by_receiver.items()) if got[0]}
+    # rounds whose every link into another GPU ran its chosen way (none still timed after the round before)
+    settled = [r for r in reports[1:] if not any(s["trying"].get(r.version - 1, False) for s in by_sender.values())]
     return {
-        "round_s": [r.seconds for r in reports[1:]],
+        "round_s": [r.seconds for r in (settled or reports[1:])],
+        "rounds_timing_ways": len(reports) - 1 - len(settled),
         "ok": all(r.ok for r in reports) and not bad,
         "mismatches": bad,
         "nbytes": reports[-1].nbytes,
         "transfers": routing.transfer_count,
         "timeline_ms": timeline,
-        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items() if k not in ("full_tensor_s", "marks")}
+        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items() if k not in ("full_tensor_s", "marks", "trying")}
                     for r in sorted(by_sender)},
         "full_tensor_s": by_sender[0]["full_tensor_s"],
         "predicted_s": makespan(routing.senders, senders, receivers, link),
@@ -205,6 +215,8 @@ def _timeline(ctl, done: list, case: Case) -> list:
     rounds = []
     for v in range(2, case.rounds + 1):
         marks = ctl.timeline.of(v)
+        if "round:start" not in marks:
+            continue  # (timelines keep the last 16 versions)
         roles = {"controller": marks}
         for kind, r, got in done:
             roles[f"{kind} {r}"] = (got["marks"] if kind == "sender" else got[1]).get(v, {})
@@ -322,7 +334,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
         "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8,
-        "rounds_measured": len(eng["round_s"]),
+        "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
         "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
         "bound_ms": round(eng["bound_s"] * 1e3, 6),
@@ -332,7 +344,8 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
         "predicted_over_engine_ratio": round(eng["predicted_s"] / engine_s, 3),
         "senders": {k: {"gathered_per_round": v["gathered"], "rows": v["rows"], "compiles": v["compiles"],
-                        "host_us_per_row": v["host_us_per_row"] and round(v["host_us_per_row"], 2)}
+                        "host_us_per_row": v["host_us_per_row"] and round(v["host_us_per_row"], 2),
+                        **({"peer_copies": v["peer_copies"]} if v["peer_copies"] else {})}
                     for k, v in eng["senders"].items()},
         "bit_exact": eng["ok"], "mismatches": eng["mismatches"],
         "timeline_ms": eng["timeline_ms"],
@@ -424,6 +437,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baselines")
     ap.add_argument("--no-pitched-kernel", action="store_true",
                     help="pitched rows as a cudaMemcpy2DAsync each, not one descriptor-table launch")
+    ap.add_argument("--peer-copies", default="fastest", choices=("fastest", "kernel", "dma"),
+                    help="rows into another GPU: a kernel storing into its memory, the copy engines, or the faster "
+                         "of both timed on the first rounds (rounds still timing are not counted)")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each trainer's sender there (diagnostics)")
@@ -431,7 +447,7 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
-                profile=args.profile, pitched_kernel=not args.no_pitched_kernel)
+                profile=args.profile, pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

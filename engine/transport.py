@@ -54,6 +54,9 @@ from . import dataauth
 from .errors import ConfigError, TransportUnavailable
 
 
+PEER_COPIES = ("fastest", "kernel", "dma")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransportOptions:
     """Where a transport listens and what it advertises. Loopback unless told otherwise."""
@@ -67,12 +70,19 @@ class TransportOptions:
     busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
     pitched_kernel: bool = True  # cuda_ipc: a compiled table's pitched rows to the same GPU in one kernel
     #                              launch (engine.cuda.copy_kernel.PitchedKernel); False: a cudaMemcpy2DAsync each
+    peer_copies: str = "fastest"  # cuda_ipc, rows into another GPU: "kernel" (stores into its mapped memory), "dma"
+    #                               (copy engines), "fastest" (both timed on the first rounds, the faster kept per
+    #                               link: engine.cuda.fastest)
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
     tcp_user_timeout_s: float = 10.0  # TCP_USER_TIMEOUT: a data connection whose sent bytes stay unacknowledged
     #                                   this long fails (a partitioned peer: the round aborts, the next plan reconnects)
     handshake_timeout_s: float = 5.0  # a target closes a connection that has not proven a key by then
     max_unauthenticated: int = 64  # connections waiting to prove a key at once (a newcomer evicts the oldest)
     max_unauthenticated_per_address: int = 16  # of them, from one address
+
+    def __post_init__(self) -> None:
+        if self.peer_copies not in PEER_COPIES:
+            raise ConfigError("peer_copies", f"must be one of {PEER_COPIES}, got {self.peer_copies!r}")
 
     def host(self) -> str:
         """The host id this endpoint advertises: ``host_id``, else ``local_host_id()``."""

@@ -2,15 +2,18 @@
 round's deltas from fence to commit.
 
 How this works: ``DeltaLanding`` owns the delta region (``engine.datapath.deltas``: each row of the
-weights maps to a window of it) and ``base``, the committed version every byte of the landing memory
-holds (None: unknown). ``begin`` checks the version the round names as this receiver's base against
+weights maps to a window of it) and ``base``, the committed version deltas apply to
+(None: unknown). ``begin`` checks the version the round names as this receiver's base against
 ``base`` and forgets it (the landing memory is written from now on). At the fence ``land`` checks every
 delta the senders report and only then applies them all to the landing memory (the checks of
 ``engine.datapath.deltas.landed``: a bad one is a ``DeltaError`` naming row and sender, and nothing is
-applied). At commit ``committed`` records the new base; a two-slot receiver first brings its new
-landing slot (the old live one, which holds the round's base) up to the version it just made live:
-the round's deltas applied again, its whole rows copied (``catch_up``), so the next round's deltas
-apply to it. An abort leaves ``base`` None: the next round sends this receiver whole rows.
+applied). A two-slot receiver's landing slot holds an older version, so there each delta row is first
+copied from the live slot (which holds the base: the committed version) and the delta applied to that
+copy; rows that come whole overwrite the landing slot anyway. Every write the receiver makes to its
+landing memory thus happens at the fence, after every sender's writes are delivered: none can race the
+next round's writes (a copy at commit, on a GPU queued behind the commit, could). At commit
+``committed`` records the new base. An abort leaves ``base`` None: the next round sends this receiver
+whole rows.
 """
 
 from __future__ import annotations
@@ -35,17 +38,14 @@ def check_fraction(fraction: float) -> None:
 
 
 class DeltaLanding:
-    def __init__(self, fraction: float, nbytes: int, device: torch.device, two_slots: bool) -> None:
+    def __init__(self, fraction: float, nbytes: int, device: torch.device) -> None:
         check_fraction(fraction)
         size = int(nbytes * fraction) // dp.ALIGN * dp.ALIGN
         self.region: Optional[FlatBuffer] = FlatBuffer(size, device) if size > 0 else None
-        self.two_slots = two_slots
         self.base: Optional[int] = None
-        self.round: list[dp.Landed] = []  # the deltas applied at the last fence, until commit or abort
         self.rows = 0  # rows that came as deltas, all rounds
         self.changed = 0  # values they changed
         self.apply_s = 0.0
-        self.catch_up_s = 0.0
 
     def __repr__(self) -> str:
         size = self.region.nbytes if self.region is not None else 0
@@ -53,54 +53,41 @@ class DeltaLanding:
 
     def begin(self, rank: int, bases: tuple[m.Base, ...]) -> Optional[str]:
         """A round begins: why the base it names for this receiver is wrong (None: it is right, or none)."""
-        held, self.base, self.round = self.base, None, []
+        held, self.base = self.base, None
         named = next((b.version for b in bases if b.rank == rank), None)
         if named is not None and named != held:
             return f"the round's base for receiver/{rank} is v{named}, but its landing memory holds v{held}"
         return None
 
     def land(self, table: ReceiverTable, summaries: tuple[m.WriteSummary, ...], landing: torch.Tensor,
-             dtypes: Mapping[str, torch.dtype]) -> list[dp.Landed]:
-        """Check every delta of the round, then apply them all to ``landing`` (1-D uint8); the rows whose
-        fingerprint did not move as their sender said (``engine.datapath.deltas.apply``)."""
+             dtypes: Mapping[str, torch.dtype], live: Optional[torch.Tensor] = None) -> list[dp.Landed]:
+        """Check every delta of the round, then apply them all to ``landing`` (1-D uint8), each row first
+        copied from ``live`` where that is other memory (a two-slot receiver); the rows whose fingerprint
+        did not move as their sender said (``engine.datapath.deltas.apply``)."""
         t0 = time.perf_counter()
         region = self.region.storage if self.region is not None else None
         checked = dp.landed(table, summaries, region, landing, dtypes)
+        if live is not None and live.data_ptr() != landing.data_ptr():
+            for start, end in _spans((d.entry.offset, d.entry.offset + d.entry.nbytes) for d in checked):
+                landing[start:end].copy_(live[start:end])
         wrong = dp.apply(checked, landing, dtypes)
         self.changed += sum(d.delta.changes for d in checked)
         self.rows += len(checked)
-        self.round = checked
         self.apply_s += time.perf_counter() - t0
         return wrong
 
-    def committed(self, version: int, table: Optional[ReceiverTable], live: torch.Tensor, landing: torch.Tensor,
-                  dtypes: Mapping[str, torch.dtype]) -> None:
-        """``version`` is live; ``landing`` is where the next round lands (the old live memory for two slots)."""
-        if self.region is None:
-            return
-        self.base = version
-        if self.two_slots:
-            t0 = time.perf_counter()
-            catch_up(self.round, table, live, landing, dtypes)
-            self.catch_up_s += time.perf_counter() - t0
-        self.round = []
+    def committed(self, version: int) -> None:
+        """``version`` is live: the next round's deltas apply to it."""
+        if self.region is not None:
+            self.base = version
 
 
-def catch_up(round_deltas: list[dp.Landed], table: Optional[ReceiverTable], live: torch.Tensor,
-             landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> None:
-    """Bring ``landing`` (the round's base) to ``live`` (the round's result): apply the round's deltas
-    again, copy its whole rows (all of ``live`` when nothing came as a delta)."""
-    if not round_deltas or table is None:
-        landing.copy_(live)
-        return
-    dp.apply(round_deltas, landing, dtypes, fingerprint=False)  # (the next round's checks cover this slot)
-    by_delta = {(d.src, d.entry.index) for d in round_deltas}
-    spans = sorted((e.offset, e.offset + e.nbytes) for e in table.entries if (e.src_rank, e.index) not in by_delta)
+def _spans(spans) -> list[tuple[int, int]]:
+    """Byte ranges, sorted and merged where they touch or overlap (one copy per run of adjacent rows)."""
     merged: list[list[int]] = []
-    for start, end in spans:
+    for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
-    for start, end in merged:
-        landing[start:end].copy_(live[start:end])
+    return [(start, end) for start, end in merged]

@@ -95,7 +95,7 @@ class WeightReceiver(Worker):
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
         self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
         self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
-        self.deltas = DeltaLanding(options.delta_fraction, self.nbytes, self.device, self.mode == "shadow")
+        self.deltas = DeltaLanding(options.delta_fraction, self.nbytes, self.device)
         extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
         extra += ("delta",) if self.deltas.region is not None else ()
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
@@ -286,7 +286,7 @@ class WeightReceiver(Worker):
         t0 = time.perf_counter()
         if not problems:
             problems, names, blame = await verify.deltas(self.deltas, self.table, self.landing.storage,
-                                                         self.dtypes, body.checksums)
+                                                         self.dtypes, body.checksums, self.live.storage)
         t1 = time.perf_counter()
         if unproven:
             problems += [f"sender/{src}: {why}" for src, why in sorted(unproven.items())]
@@ -311,15 +311,13 @@ class WeightReceiver(Worker):
 
     async def _apply(self, version: int, ack: bool = True, carried: tuple[float, float] = (0.0, 0.0)) -> None:
         """Make ``version`` live; ``ack``: say so with ``commit_ack`` (not for a prepared version
-        settled at a plan, outside any round), with the seconds spent applying deltas since the verdict
-        (a second slot's catch-up) plus ``carried`` (a one-phase verdict's apply and verify seconds)."""
+        settled at a plan, outside any round), with ``carried`` (a one-phase verdict's apply and verify
+        seconds)."""
         self.prepared = None
         self.transport.close_epoch(version)
         if self.mode == "shadow":
             self._swap()
-        t0 = time.perf_counter()
-        self.deltas.committed(version, self.table, self.live.storage, self.landing.storage, self.dtypes)
-        caught_up = time.perf_counter() - t0
+        self.deltas.committed(version)
         self._open_regions(False)
         self.timeline.mark(version, "applied")
         self.dirty = False
@@ -334,7 +332,7 @@ class WeightReceiver(Worker):
         finally:
             self._spin(False)
             if ack:
-                await self._send(m.CommitAck(version, True, "", carried[0] + caught_up, carried[1]), version=version)
+                await self._send(m.CommitAck(version, True, "", *carried), version=version)
 
     def _swap(self) -> None:
         """Make the landing buffer's bytes live; the next version lands in the old live memory.

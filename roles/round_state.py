@@ -183,8 +183,8 @@ class RoundState:
         return True
 
     def _work_s(self) -> dict[str, float]:
-        """The round's busiest sender encoding deltas, and receiver applying them (its verdict, then its
-        second slot's catch-up) and checking checksums, as they reported (seconds)."""
+        """The round's busiest sender encoding deltas, and receiver applying them and checking checksums
+        (in its fence_ack, or as a one-phase round's receiver in its commit_ack), as they reported (seconds)."""
         def receiver(rank: int, field: str) -> float:
             fence, commit = self.fence_acks.get(rank), self.commit_acks.get(rank)
             return (getattr(fence, field) if fence is not None else 0.0) + (getattr(commit, field) if commit else 0.0)

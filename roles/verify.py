@@ -68,12 +68,14 @@ def arrivals(transport: Transport, table: ReceiverTable, expected: Mapping[int, 
 
 
 async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Tensor,
-                 dtypes: Mapping[str, torch.dtype], summaries: tuple[m.WriteSummary, ...]) -> tuple[list[str], list[str], str]:
-    """Check and apply the round's deltas to ``memory``: (problems, the parameter affected, the sender to blame)."""
+                 dtypes: Mapping[str, torch.dtype], summaries: tuple[m.WriteSummary, ...],
+                 live: torch.Tensor) -> tuple[list[str], list[str], str]:
+    """Check and apply the round's deltas to ``memory`` (each row taken from ``live`` first, where that is
+    other memory): (problems, the parameter affected, the sender to blame)."""
     if not any(s.deltas for s in summaries):
         return [], [], ""
     try:
-        wrong = await asyncio.to_thread(landing.land, table, summaries, memory, dtypes)
+        wrong = await asyncio.to_thread(landing.land, table, summaries, memory, dtypes, live)
     except DeltaError as exc:
         return [f"delta refused: {exc}"], [exc.row], exc.peer
     if wrong:

@@ -117,7 +117,7 @@ def samples() -> dict[str, Envelope]:
     out["fence_ack_times"] = Envelope(  # FenceAck.apply_s and .verify_s (optional): the verdict's work
         dataclasses.replace(BODIES["fence_ack"], apply_s=0.5, verify_s=0.25), msg_id=213, sender="receiver/0",
         parent_id=None, version=3)
-    out["commit_ack_times"] = Envelope(  # CommitAck.apply_s and .verify_s (optional): catch-up; one-phase verdict
+    out["commit_ack_times"] = Envelope(  # CommitAck.apply_s and .verify_s (optional): a one-phase verdict's
         dataclasses.replace(BODIES["commit_ack"], apply_s=0.0625, verify_s=0.25), msg_id=214, sender="receiver/0",
         parent_id=None, version=3)
     return out

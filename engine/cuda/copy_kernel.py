@@ -1,4 +1,4 @@
-"""Many device-to-device copies in one GPU launch (Triton): the same-GPU replay of a compiled round.
+"""Many device-to-device copies in one GPU launch (Triton): a compiled round's replay into the same GPU or a peer's.
 
 How this works. A trainer and an inference engine on the same GPU (colocated) exchange weights as
 device-to-device copies; thousands of them (a MoE model's per-expert tensors) issued one by one cost
@@ -16,7 +16,7 @@ The module imports Triton at import time: import it only where CUDA is.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -46,11 +46,14 @@ def _copy_pieces_kernel(table, src, dst, TILE: tl.constexpr, STEPS: tl.constexpr
 
 
 class CopyKernel:
-    """A fixed list of same-device copies, launched as one kernel (plus pointer copies for the unaligned)."""
+    """A fixed list of copies from ``device``'s memory, launched as one kernel on it (plus pointer copies for
+    the unaligned); the destinations are on ``target`` (default: the same device; another GPU's memory
+    mapped with peer access on, the kernel storing across the link)."""
 
-    def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, *, tile: int = TILE, steps: int = STEPS,
-                 warps: int = WARPS) -> None:
+    def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, target: Optional[int] = None, *,
+                 tile: int = TILE, steps: int = STEPS, warps: int = WARPS) -> None:
         self.device, self.tile, self.steps, self.warps = device, tile, steps, warps
+        self.target = device if target is None else target
         piece = tile * steps * 4
         aligned = [c for c in copies if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
         self.rest = [c for c in copies if c[2] and (c[0] | c[1] | c[2]) % ALIGN]
@@ -82,7 +85,7 @@ class CopyKernel:
                                                     DeviceAddress(self.dst_base, torch.int32, device),
                                                     TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
         if self.rest:
-            cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.device)
+            cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.target)
 
 
 @triton.jit
@@ -102,9 +105,9 @@ def _pitched_pieces_kernel(table, src, dst, TILE: tl.constexpr, ROWS: tl.constex
 
 
 class PitchedKernel:
-    """Pitched copies ``(dst, src, width, height, pitch)`` from one device (cuda_ipc uses it for copies
-    into the same GPU; a peer's mapped memory is addressable too, not measured yet), as one launch of a
-    descriptor table (``engine.cuda.pitched_table``: one program per
+    """Pitched copies ``(dst, src, width, height, pitch)`` from one device (into the same GPU, or into a
+    peer's mapped memory: cuda_ipc times both against the copy engines, ``engine.cuda.fastest``), as one
+    launch of a descriptor table (``engine.cuda.pitched_table``: one program per
     piece of at most ``ROWS`` rows of ``TILE`` words); copies it cannot address (not 4-byte aligned)
     go as ``cudaMemcpy2DAsync`` calls on the same stream."""
 

@@ -353,6 +353,8 @@ def expected(per_sender: Mapping[int, tuple[int, int]], table: ReceiverTable,
              summaries: tuple[WriteSummary, ...]) -> dict[int, tuple[int, int]]:
     """Sender rank -> (writes, bytes) to expect from it this round: ``per_sender`` (the table's), less
     what its deltas saved (it counts a delta's payload, not its row)."""
+    if not any(s.deltas for s in summaries):
+        return per_sender  # (a dense round: no walk over the table's rows at the fence)
     size = {(e.src_rank, e.index): e.nbytes for e in table.entries}
     saved = {s.peer_rank: sum(size.get((s.peer_rank, d.index), 0) - d.nbytes for d in s.deltas) for s in summaries}
     return {src: (count, nbytes - saved.get(src, 0)) for src, (count, nbytes) in per_sender.items()}

@@ -43,6 +43,7 @@ from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..cuda import cuda_rt
+from ..cuda.fastest import FastestLaunch, Trials
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError, TransportUnavailable
 from ..transport import Abilities, SourceCounters, TransportOptions, await_each_proof
 
@@ -75,9 +76,24 @@ class CudaIpcTransport:
         self.opened_events: dict[bytes, torch.cuda.Event] = {}  # target side: senders' proof events
         self.spin_s = math.inf if options.busy_poll else cuda_rt.SPIN_S  # completion and proof polling
         self.guard = dataauth.DataGuard()  # kept for the contract: IPC writes are one-sided (engine.dataauth)
+        self.choices: dict[str, Trials] = {}  # link -> how its ways into another GPU fare (``peer_copies``)
+        self.trying: set[str] = set()  # links whose ways are still being timed
 
     def __repr__(self) -> str:
-        return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)}>"
+        chosen = {link: trials.chosen for link, trials in self.choices.items()}
+        return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)} peer_copies={chosen}>"
+
+    def trials_of(self, link: str) -> Trials:
+        """The timings of a link's ways into another GPU, shared by its tables (``engine.cuda.fastest``)."""
+        trials = self.choices.get(link)
+        if trials is None:
+            trials = self.choices[link] = Trials(("kernel", "dma"))
+            self.trying.add(link)
+        return trials
+
+    def chose(self, link: str, trials: Trials) -> None:
+        """A link's way of copying into another GPU is chosen (``engine.cuda.fastest``)."""
+        self.trying.discard(link)
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
@@ -303,16 +319,39 @@ class CudaIpcConnection:
                                                                   row.height, row.pitch))
                 continue
             by_device.setdefault((device, desc[1]), []).append((dst, row.src.data_ptr(), row.nbytes))
-        kernel = copy_kernel() if self.owner.options.pitched_kernel else None
-        launches = [(device, kernel.PitchedKernel(copies, device) if kernel is not None and device == target
-                     else cuda_rt.PitchedCopies(copies)) for (device, target), copies in sorted(pitched.items())]
-        for (device, target), copies in sorted(by_device.items()):
-            if device == target and copy_kernel() is not None:
-                launches.append((device, copy_kernel().CopyKernel(copies, device)))
-                continue
-            launches += [(device, cuda_rt.BatchCopies(copies[i:i + self.chunk_rows], device, target))
-                         for i in range(0, len(copies), self.chunk_rows)]
+        launches = [(device, self._pitched(copies, device, target)) for (device, target), copies in sorted(pitched.items())]
+        launches += [(device, self._dense(copies, device, target)) for (device, target), copies in sorted(by_device.items())]
         return _IpcTable(launches, len(rows), sum(row.nbytes for row in rows))
+
+    def _pitched(self, copies: list, device: int, target: int):
+        """One link's pitched rows: one descriptor-table kernel into the same GPU; into another GPU as
+        ``TransportOptions.peer_copies`` says; a ``cudaMemcpy2DAsync`` each without Triton or with
+        ``pitched_kernel`` off."""
+        kernels = copy_kernel()
+        dma = cuda_rt.PitchedCopies(copies)
+        if kernels is None or not self.owner.options.pitched_kernel:
+            return dma
+        kernel = kernels.PitchedKernel(copies, device)
+        return kernel if device == target else self._peer(kernel, dma, device, target, "pitched")
+
+    def _dense(self, copies: list, device: int, target: int):
+        """One link's dense rows: one copy kernel into the same GPU; into another GPU as ``peer_copies``
+        says (the copy engines: batch calls of ``chunk_rows`` on two streams); batch calls without Triton."""
+        kernels = copy_kernel()
+        chunks = [cuda_rt.BatchCopies(copies[i:i + self.chunk_rows], device, target)
+                  for i in range(0, len(copies), self.chunk_rows)]
+        dma = _Striped(chunks, self.owner, device)
+        if kernels is None:
+            return dma
+        kernel = kernels.CopyKernel(copies, device, target)
+        return kernel if device == target else self._peer(kernel, dma, device, target, "dense")
+
+    def _peer(self, kernel, dma, device: int, target: int, kind: str):
+        mode = self.owner.options.peer_copies
+        if mode != "fastest":
+            return kernel if mode == "kernel" else dma
+        link = f"cuda:{device}->cuda:{target} {kind}"
+        return FastestLaunch({"kernel": kernel, "dma": dma}, link, self.owner.trials_of(link), self.owner.chose)
 
     def replay(self, table: "_IpcTable", epoch: int) -> list[asyncio.Future]:
         """Queue a compiled table's launches on the copy streams, in turn; a completion per launch."""
@@ -416,6 +455,26 @@ class CudaIpcConnection:
     async def close(self) -> None:
         self.closed = True
         self.completions.cancel()
+
+
+class _Striped:
+    """Launches of one device alternated over two of its copy streams (two streams of batch calls beat
+    one across GPUs: bench/diagnostics/copy_batches.py), joined back into the stream ``launch`` gets."""
+
+    def __init__(self, parts: list, owner: CudaIpcTransport, device: int) -> None:
+        self.parts, self.owner, self.device = parts, owner, device
+
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        if len(self.parts) < 2:
+            for part in self.parts:
+                part.launch(stream)
+            return
+        first, second = self.owner.stream(self.device, 0), self.owner.stream(self.device, 1)
+        side = second if stream == first else first
+        side.wait_stream(stream)
+        for i, part in enumerate(self.parts):
+            part.launch(stream if i % 2 == 0 else side)
+        stream.wait_stream(side)
 
 
 class _IpcTable:

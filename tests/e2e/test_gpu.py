@@ -127,20 +127,29 @@ async def test_ipc_write_in_process_and_out_of_bounds():
     await tgt.close()
 
 
+PEER_MODES = {  # (pitched_kernel, peer_copies) -> the launch a pitched block gets (same GPU, another GPU)
+    (True, "kernel"): ("PitchedKernel", "PitchedKernel"),
+    (True, "dma"): ("PitchedKernel", "PitchedCopies"),
+    (True, "fastest"): ("PitchedKernel", "FastestLaunch"),
+    (False, "fastest"): ("PitchedCopies", "PitchedCopies"),
+}
+
+
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"])
-@pytest.mark.parametrize("kernel", [True, False], ids=["descriptor-table", "cudaMemcpy2DAsync"])
-async def test_ipc_pitched_rows_land_back_to_back(dst, kernel):
-    """Compiled pitched rows (blocks: some columns of a rank's rows; on the same GPU one descriptor-table
-    launch, or a cudaMemcpy2DAsync each) beside a dense row, on the same GPU and into another, replayed
-    twice: the columns land back to back, bit-exact; an odd-width block (not 4-byte aligned) goes as a
-    2-D copy."""
+@pytest.mark.parametrize("mode", list(PEER_MODES), ids=["kernel", "dma", "fastest", "cudaMemcpy2DAsync"])
+async def test_ipc_pitched_rows_land_back_to_back(dst, mode):
+    """Compiled pitched rows (blocks: some columns of a rank's rows) beside a dense row, on the same GPU
+    and into another, each way cuda_ipc copies them (a descriptor-table kernel, into another GPU storing
+    into its mapped memory; the copy engines; the faster of both, timed on the replays; a
+    cudaMemcpy2DAsync each), replayed until "fastest" has chosen: the columns land back to back,
+    bit-exact, every time; an odd-width block (not 4-byte aligned) goes as a 2-D copy."""
     from weightsync.engine.datapath.compiled import CopyRow, pitch_of
     from weightsync.wire import PeerInfo
 
     if dst == "cuda:1" and not TWO_GPUS:
         pytest.skip("needs two GPUs")
     tgt = create_transport("cuda_ipc", TransportOptions(device=dst))
-    src = create_transport("cuda_ipc", TransportOptions(device="cuda:0", pitched_kernel=kernel))
+    src = create_transport("cuda_ipc", TransportOptions(device="cuda:0", pitched_kernel=mode[0], peer_copies=mode[1]))
     info = await tgt.start(1)
     await src.start(0)
     region = torch.zeros(1 << 20, dtype=torch.uint8, device=dst)
@@ -150,16 +159,21 @@ async def test_ipc_pitched_rows_land_back_to_back(dst, kernel):
     blocks = [(block, 65536), (odd, 65536 + block.numel() * 2)]  # (after the dense row's 40,000 bytes)
     rows = [CopyRow(n, b, 0, at, b.numel() * 2, *pitch_of(b)) for n, (b, at) in zip("wo", blocks)]
     table = conn.compile([*rows, CopyRow("d", dense, 0, 0, dense.numel() * 2)])
-    kinds = {type(launch).__name__ for _, launch in table.launches}
-    assert ("PitchedKernel" in kinds) == (kernel and dst == "cuda:0"), kinds  # (to another GPU: 2-D copies)
-    for epoch in (1, 2):
+    expected = PEER_MODES[mode][dst != "cuda:0"]
+    assert type(table.launches[0][1]).__name__ == expected, table.launches
+    for epoch in range(1, 9):
         region.zero_()
+        full.add_(1)  # new bytes each replay
         await asyncio.gather(*conn.replay(table, epoch))
         await conn.fence()
         for b, at in blocks:
             got = region[at:at + b.numel() * 2].view(torch.bfloat16).view(b.shape)
-            assert torch.equal(got.cpu(), b.cpu())
+            assert torch.equal(got.cpu(), b.cpu()), (epoch, [launch for _, launch in table.launches])
         assert torch.equal(region[:dense.numel() * 2].cpu(), dense.contiguous().view(torch.uint8).flatten().cpu())
+    if expected == "FastestLaunch":
+        chosen = {launch.link: launch.choice for _, launch in table.launches}
+        assert all(c in ("kernel", "dma") for c in chosen.values()), chosen
+        assert set(src.choices) == set(chosen), (src.choices, chosen)
     await conn.close()
     await src.close()
     await tgt.close()
@@ -341,7 +355,8 @@ async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
                + stack("experts.w2_weight", (4, 128, 256), 0, 0, 4)]
     wants = [lambda n: src[n][2:4].cpu(), lambda n: src[n][:, 128:256].cpu() if "w13" in n else src[n].cpu()]
     dst = "cuda:1" if TWO_GPUS else "cuda:0"
-    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0)
+    # (no end-to-end check either: a checked round reads the bytes on the sender, so it stages them)
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, full_check_every=0)
     async with Controller(senders=1, receivers=2, options=opts) as ctl:
         async with _over_cuda_ipc(ctl, src, layouts, dst) as (sender, receivers):
             await asyncio.wait_for(await sender.push(1), WATCHDOG)
@@ -372,3 +387,40 @@ async def _over_cuda_ipc(ctl, src: dict, layouts: list, dst: str):
             options=ReceiverOptions(transport="cuda_ipc"))) for r, lay in enumerate(layouts)]
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         yield sender, receivers
+
+
+@pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"])
+async def test_back_to_back_rounds_into_a_two_slot_receiver_serve_every_version_bit_exact(dst):
+    """A two-slot receiver with a delta region (the defaults) whose GPU is busy serving (100 ms of work
+    queued on its stream before each push), 1 GiB of weights changed whole every step, two rounds pushed
+    back to back: the version it serves after the second is the trainer's, bit for bit. Into another GPU
+    nothing orders the second round's writes after the receiver's stream, so a receiver that wrote its
+    landing slot at commit (a copy queued behind the serving work) would overwrite the second round's
+    bytes with the first's; on one GPU the sender's copies wait for that stream anyway."""
+    from weightsync.roles import ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
+
+    if dst == "cuda:1" and not TWO_GPUS:
+        pytest.skip("needs two GPUs")
+    g = torch.Generator(device="cuda:0").manual_seed(5)
+    src = {f"layers.{i}.w": torch.randn(4096, 16384, generator=g, device="cuda:0").to(torch.bfloat16)
+           for i in range(8)}  # 8 x 128 MiB
+    held = {name: torch.zeros_like(t, device=dst) for name, t in src.items()}
+    opts = ControllerOptions(heartbeat_s=0.1, timeout_s=30.0, full_check_every=0)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl:
+        receiver = WeightReceiver(ctl.address, held, rank=0, options=ReceiverOptions(
+            transport="cuda_ipc", transport_options=TransportOptions(device=dst)))
+        sender = WeightSender(ctl.address, src, rank=0, options=SenderOptions(
+            transport="cuda_ipc", transport_options=TransportOptions(device="cuda:0")))
+        async with receiver, sender:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            for version in range(1, 7):
+                with torch.cuda.device(dst):
+                    torch.cuda._sleep(200_000_000)  # the receiver's GPU serving: ~100 ms on its stream
+                for t in src.values():
+                    t.mul_(-1.0078125)  # every value changes
+                await asyncio.wait_for(await sender.push(version), WATCHDOG)
+                if version % 2 == 0:  # (the odd round's commit, and this round's writes, behind us)
+                    torch.cuda.synchronize(dst)
+                    for name, t in receiver.state_dict().items():
+                        assert torch.equal(t, src[name].to(dst)), (version, name)
+            await asyncio.wait_for(receiver.wait_for(6), WATCHDOG)
