@@ -7,8 +7,8 @@ on the link (NVLink or PCIe), the rows' shapes and what else the GPU runs, so cu
 a compiled table's rows for one link become a ``FastestLaunch`` holding every way to copy them. Each
 replay launches one of them between two timing events; ``Trials`` (pure) picks the way with the fewest
 timings so far, drops each way's first timing (it can include a kernel's JIT compile), and once every
-way has ``samples`` timings keeps the one of the lowest median for good; every table of a link shares one
-``Trials`` (the transport keeps them by link). Timings are read when they
+way has ``samples`` timings keeps the one of the lowest median for good; the tables of one set of rows over a
+link share one ``Trials`` (the transport keeps them by link and rows). Timings are read when they
 are ready (``Event.query`` at the next replay: never a host wait). Every way writes the same bytes to
 the same places, so a round is correct whichever runs; the choice and the timings are kept
 (``FastestLaunch.choice``) for the transport's ``repr`` and the benchmarks.

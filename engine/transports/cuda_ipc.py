@@ -84,7 +84,8 @@ class CudaIpcTransport:
         return f"<CudaIpcTransport regions={len(self.regions)} mappings={len(self.mappings)} peer_copies={chosen}>"
 
     def trials_of(self, link: str) -> Trials:
-        """The timings of a link's ways into another GPU, shared by its tables (``engine.cuda.fastest``)."""
+        """The timings of the ways a link's rows go into another GPU, shared by the tables of the same
+        rows (``engine.cuda.fastest``)."""
         trials = self.choices.get(link)
         if trials is None:
             trials = self.choices[link] = Trials(("kernel", "dma"))
@@ -332,7 +333,7 @@ class CudaIpcConnection:
         if kernels is None or not self.owner.options.pitched_kernel:
             return dma
         kernel = kernels.PitchedKernel(copies, device)
-        return kernel if device == target else self._peer(kernel, dma, device, target, "pitched")
+        return kernel if device == target else self._peer(kernel, dma, device, target, f"pitched {len(copies)} rows")
 
     def _dense(self, copies: list, device: int, target: int):
         """One link's dense rows: one copy kernel into the same GPU; into another GPU as ``peer_copies``
@@ -344,13 +345,15 @@ class CudaIpcConnection:
         if kernels is None:
             return dma
         kernel = kernels.CopyKernel(copies, device, target)
-        return kernel if device == target else self._peer(kernel, dma, device, target, "dense")
+        return kernel if device == target else self._peer(kernel, dma, device, target, f"dense {len(copies)} rows")
 
     def _peer(self, kernel, dma, device: int, target: int, kind: str):
         mode = self.owner.options.peer_copies
         if mode != "fastest":
             return kernel if mode == "kernel" else dma
-        link = f"cuda:{device}->cuda:{target} {kind}"
+        # (timings compare within one set of rows: a shadow receiver's two tables share theirs, another
+        #  connection over the same link has its own)
+        link = f"cuda:{device}->cuda:{target} {kind} {kernel.nbytes} B"
         return FastestLaunch({"kernel": kernel, "dma": dma}, link, self.owner.trials_of(link), self.owner.chose)
 
     def replay(self, table: "_IpcTable", epoch: int) -> list[asyncio.Future]:
