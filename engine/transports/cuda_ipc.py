@@ -12,7 +12,9 @@ NVLink/PCIe; the same GPU is a local device copy), behind the source's transform
 one (``stream.wait_event``: no host round trip), and waits for its CUDA event, which one poller task
 per connection queries from the event loop, oldest first (``cuda_rt.EventPoller``). So ``fence`` has
 nothing left to wait for: a completed copy is in the target's memory. In the owner's own process the raw pointer is used.
-Writes are not observable by the target (``counters`` is empty); senders report them instead.
+Writes are not observable by the target (``counters`` is empty); senders report them instead. A plan's direct rows
+are compiled once into a few launches per link (``cuda_ipc_tables``: copy kernels, batch and 2-D copies,
+or the faster of a kernel and the copy engines into another GPU) and replayed every round.
 
 Addressable targets. ``address`` gives the mapped address of a target byte range as the sender's device
 sees it (peer access on), so a kernel on the sender can store there itself (the FP8 quantization writes
@@ -31,7 +33,6 @@ carries the proof, so the target never sees an older record of the event.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import os
 import struct
@@ -43,9 +44,10 @@ from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
 from ..cuda import cuda_rt
-from ..cuda.fastest import FastestLaunch, Trials
+from ..cuda.fastest import Trials
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError, TransportUnavailable
 from ..transport import Abilities, SourceCounters, TransportOptions, await_each_proof
+from .cuda_ipc_tables import IpcTable, compile_table
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
@@ -297,16 +299,11 @@ class CudaIpcConnection:
         self.sent_bytes += sum(nbytes for _, nbytes in checked)
         return [self._completion(device, stream)] * len(rows)
 
-    def compile(self, rows: Sequence[CopyRow]) -> "_IpcTable":
-        """A plan's direct rows (``weightsync.engine.datapath.compiled``) as launches made once: to another GPU, batch calls
-        of ``chunk_rows`` copies with their pointer arrays built; on the same GPU (colocated), one copy
-        kernel launch (``weightsync.engine.cuda.copy_kernel``); pitched rows (blocks of a rank's own rows)
-        on the same GPU, one launch of a descriptor table (``PitchedKernel``), and to another GPU, or
-        without Triton or with ``TransportOptions.pitched_kernel`` off, a 2-D copy each
-        (``cuda_rt.PitchedCopies``; the kernel storing into a peer's memory is not measured yet). A row
-        that does not fit its region raises ``StagingError`` naming the parameter."""
-        by_device: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        pitched: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
+    def compile(self, rows: Sequence[CopyRow]) -> IpcTable:
+        """A plan's direct rows (``weightsync.engine.datapath.compiled``) as launches made once
+        (``cuda_ipc_tables``); a row that does not fit its region raises ``StagingError`` naming the
+        parameter."""
+        placed = []
         for row in rows:
             desc = self.regions.get(row.region)
             if desc is None or row.offset + row.nbytes > desc[4]:
@@ -314,49 +311,10 @@ class CudaIpcConnection:
                 raise StagingError(row.name, f"{row.nbytes} bytes at region {row.region}+{row.offset} do not fit "
                                              f"the target ({where}, {self.peer})")
             device = row.src.device.index
-            dst = self._base(row.region, desc, device) + row.offset
-            if row.pitch:
-                pitched.setdefault((device, desc[1]), []).append((dst, row.src.data_ptr(), row.nbytes // row.height,
-                                                                  row.height, row.pitch))
-                continue
-            by_device.setdefault((device, desc[1]), []).append((dst, row.src.data_ptr(), row.nbytes))
-        launches = [(device, self._pitched(copies, device, target)) for (device, target), copies in sorted(pitched.items())]
-        launches += [(device, self._dense(copies, device, target)) for (device, target), copies in sorted(by_device.items())]
-        return _IpcTable(launches, len(rows), sum(row.nbytes for row in rows))
+            placed.append((row, device, desc[1], self._base(row.region, desc, device) + row.offset))
+        return compile_table(placed, self.owner, self.chunk_rows)
 
-    def _pitched(self, copies: list, device: int, target: int):
-        """One link's pitched rows: one descriptor-table kernel into the same GPU; into another GPU as
-        ``TransportOptions.peer_copies`` says; a ``cudaMemcpy2DAsync`` each without Triton or with
-        ``pitched_kernel`` off."""
-        kernels = copy_kernel()
-        dma = cuda_rt.PitchedCopies(copies)
-        if kernels is None or not self.owner.options.pitched_kernel:
-            return dma
-        kernel = kernels.PitchedKernel(copies, device)
-        return kernel if device == target else self._peer(kernel, dma, device, target, f"pitched {len(copies)} rows")
-
-    def _dense(self, copies: list, device: int, target: int):
-        """One link's dense rows: one copy kernel into the same GPU; into another GPU as ``peer_copies``
-        says (the copy engines: batch calls of ``chunk_rows`` on two streams); batch calls without Triton."""
-        kernels = copy_kernel()
-        chunks = [cuda_rt.BatchCopies(copies[i:i + self.chunk_rows], device, target)
-                  for i in range(0, len(copies), self.chunk_rows)]
-        dma = _Striped(chunks, self.owner, device)
-        if kernels is None:
-            return dma
-        kernel = kernels.CopyKernel(copies, device, target)
-        return kernel if device == target else self._peer(kernel, dma, device, target, f"dense {len(copies)} rows")
-
-    def _peer(self, kernel, dma, device: int, target: int, kind: str):
-        mode = self.owner.options.peer_copies
-        if mode != "fastest":
-            return kernel if mode == "kernel" else dma
-        # (timings compare within one set of rows: a shadow receiver's two tables share theirs, another
-        #  connection over the same link has its own)
-        link = f"cuda:{device}->cuda:{target} {kind} {kernel.nbytes} B"
-        return FastestLaunch({"kernel": kernel, "dma": dma}, link, self.owner.trials_of(link), self.owner.chose)
-
-    def replay(self, table: "_IpcTable", epoch: int) -> list[asyncio.Future]:
+    def replay(self, table: IpcTable, epoch: int) -> list[asyncio.Future]:
         """Queue a compiled table's launches on the copy streams, in turn; a completion per launch."""
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
@@ -458,44 +416,3 @@ class CudaIpcConnection:
     async def close(self) -> None:
         self.closed = True
         self.completions.cancel()
-
-
-class _Striped:
-    """Launches of one device alternated over two of its copy streams (two streams of batch calls beat
-    one across GPUs: bench/diagnostics/copy_batches.py), joined back into the stream ``launch`` gets."""
-
-    def __init__(self, parts: list, owner: CudaIpcTransport, device: int) -> None:
-        self.parts, self.owner, self.device = parts, owner, device
-
-    def launch(self, stream: torch.cuda.Stream) -> None:
-        if len(self.parts) < 2:
-            for part in self.parts:
-                part.launch(stream)
-            return
-        first, second = self.owner.stream(self.device, 0), self.owner.stream(self.device, 1)
-        side = second if stream == first else first
-        side.wait_stream(stream)
-        for i, part in enumerate(self.parts):
-            part.launch(stream if i % 2 == 0 else side)
-        stream.wait_stream(side)
-
-
-class _IpcTable:
-    """A compiled table for cuda_ipc: (sender device, a launch with ``launch(stream)``) in order."""
-
-    def __init__(self, launches: list, count: int, nbytes: int) -> None:
-        self.launches, self.count, self.nbytes = launches, count, nbytes
-
-    def __repr__(self) -> str:
-        return f"<cuda_ipc table {self.count} rows in {len(self.launches)} launches>"
-
-
-@functools.lru_cache(maxsize=1)
-def copy_kernel():
-    """``weightsync.engine.cuda.copy_kernel`` where Triton imports, else None (same-GPU rows then go as batch calls)."""
-    try:
-        from ..cuda import copy_kernel as module
-    except ImportError:
-        return None
-    return module
-
