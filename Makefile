@@ -27,7 +27,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm bench-vllm bench-delta rl bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-bench test-vllm bench-vllm bench-delta rl rl-delta bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -91,6 +91,13 @@ test-vllm: $(VLLM_VENV)/.installed
 
 rl: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --out docs/results/rl_loop_cpu
+
+# the same loop with fp32 master weights and bf16 served (132 M parameters, AdamW at 1e-6): every round as
+# deltas, then every round whole, the same seeded steps (docs/DELTAS.md, "On real RL steps")
+rl-delta: $(STAMP)
+	for mode in always off; do OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/rl_loop.py \
+	  --bf16 --size 125m --optimizer adamw --lr 1e-6 --inference 2 --steps 8 --prompts 8 --group 4 --delta $$mode \
+	  --out docs/results/rl_loop_bf16_$${mode}_cpu || exit 1; done
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/transfer_cpu.py --pairs 9 --cases mix,small,one --json | tee docs/results/transfer_cpu.txt

@@ -4,6 +4,8 @@ processes that generate the next rollouts on it.
     torchrun --standalone --nproc-per-node 2 examples/rl_loop.py                       (CPU, gloo, TCP)
     torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --engine vllm         (vLLM inference)
     torchrun --standalone --nproc-per-node 1 examples/rl_loop.py --transport cuda_ipc  (one GPU: colocated)
+    torchrun --standalone --nproc-per-node 2 examples/rl_loop.py --bf16 --size 125m --optimizer adamw \
+        --lr 1e-6 --inference 2 --steps 8                                  (changed bytes on real steps)
 
 The task is verifiable: a prompt is three consecutive digits (mod 10); the policy must continue the
 count for four more tokens; the reward is the fraction of generated tokens that are the successor of
@@ -22,6 +24,13 @@ go on: the push's writes overlap the next step's collection, its release (the we
 read) is awaited before the next optimizer step, its commit before the next push. A vLLM engine takes
 updates while it waits for the version a request needs (``updates="on_wait"``). Rank 0 prints a line per step and a summary and
 writes a PNG of reward and update time per step (``--out``).
+
+Changed bytes (``--bf16``): the trainers keep fp32 master weights and push a bf16 cast of them (what
+inference serves), so a step changes only the bf16 values a step moves across a rounding boundary;
+rounds go as deltas where the link pays for it (``--delta``). Per step rank 0 records the fraction of
+bf16 values that changed, the round's wire bytes against its whole bytes, and each inference process
+reports a CRC-32 of the bytes it serves after every version, which rank 0 compares with the trainer's
+bf16 cast of that version (``bit_exact_steps``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
+from typing import Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -49,14 +60,29 @@ from weightsync.roles.integrations.torchrun import TorchrunSender  # noqa: E402
 DIGITS, PROMPT, ANSWER = 10, 3, 4  # digit d is token d + 1; token 0 pads
 
 
-def policy(seed: int = 0) -> torch.nn.Module:
+SIZES = {  # hidden, intermediate, layers, heads
+    "tiny": (128, 256, 2, 2),
+    "125m": (768, 3072, 14, 12),  # 132 M parameters
+}
+
+
+def policy(seed: int = 0, size: str = "tiny") -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+    hidden, inter, layers, heads = SIZES[size]
+    cfg = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
                       tie_word_embeddings=False)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).float()
+
+
+def served_crc(model: torch.nn.Module) -> int:
+    """CRC-32 of every parameter's bytes, in ``named_parameters`` order (an oracle independent of weightsync)."""
+    crc = 0
+    for _, p in sorted(model.named_parameters()):
+        crc = zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
 
 
 def prompts(step: int, count: int) -> list[list[int]]:
@@ -74,23 +100,26 @@ def reward(prompt: list[int], completion: list[int]) -> float:
 # --- inference processes -------------------------------------------------------------------------
 
 def inference_main(engine: str, controller: str, key: bytes, rank: int, transport: str, checkpoint: str,
-                   group: int, requests: "mp.Queue", results: "mp.Queue") -> None:
+                   group: int, requests: "mp.Queue", results: "mp.Queue", size: str = "tiny",
+                   checks: "Optional[mp.Queue]" = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(1 + rank)  # sampling
     if engine == "vllm":
         vllm_inference(controller, key, rank, checkpoint, group, requests, results)
     else:
-        asyncio.run(hf_inference(controller, key, rank, transport, group, requests, results))
+        asyncio.run(hf_inference(controller, key, rank, transport, group, requests, results, size, checks))
 
 
-async def hf_inference(controller, key, rank, transport, group, requests, results) -> None:
-    """transformers ``generate`` on an in-place receiver: a batch holds the gate, so it sees one version."""
-    model = policy().eval()
+async def hf_inference(controller, key, rank, transport, group, requests, results, size="tiny", checks=None) -> None:
+    """transformers ``generate`` on an in-place receiver: a batch holds the gate, so it sees one version.
+    ``checks``: served in bf16, and (rank, version, CRC-32 of the served bytes) put there after each update."""
+    model = policy(size=size).eval()
     device = "cuda" if transport == "cuda_ipc" else "cpu"
-    model.to(device)
+    model.to(device, torch.bfloat16 if checks is not None else torch.float32)
     gate = GenerationGate()
     options = ReceiverOptions(transport=transport, auth_key=key)
-    async with WeightReceiver(controller, model, rank=rank, mode="inplace", options=options,
+    on_update = (lambda version: checks.put((rank, version, served_crc(model)))) if checks is not None else None
+    async with WeightReceiver(controller, model, rank=rank, mode="inplace", options=options, on_update=on_update,
                               before_update=gate.before_update, after_update=gate.after_update) as receiver:
         while True:
             step, batch, min_version = await asyncio.to_thread(requests.get)
@@ -148,26 +177,45 @@ def grpo_loss(model, batch, completions, group: int, device) -> tuple[torch.Tens
     return -(adv * logp.sum(-1)).mean(), rewards.mean().item()
 
 
-def train_step(ddp, opt, batch, completions, group: int, device) -> float:
+def train_step(ddp, opt, batch, completions, group: int, device,
+               served: Optional[torch.nn.Module] = None) -> tuple[float, Optional[float]]:
+    """One optimizer step; with ``served`` (a bf16 copy of the model, what is pushed) the master weights
+    are cast into it afterwards: (the mean reward, the fraction of its values that changed)."""
     loss, mean_reward = grpo_loss(ddp, batch, completions, group, device)
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return mean_reward
+    return mean_reward, (cast_into(served, ddp.module) if served is not None else None)
+
+
+@torch.no_grad()
+def cast_into(served: torch.nn.Module, master: torch.nn.Module) -> float:
+    """Cast the fp32 master weights into the bf16 ``served`` copy; the fraction of its values that changed."""
+    changed = total = 0
+    for s, p in zip(served.parameters(), master.parameters()):
+        new = p.to(torch.bfloat16)
+        changed += int((new.view(torch.int16) != s.view(torch.int16)).sum())
+        total += s.numel()
+        s.copy_(new)
+    return changed / total
 
 
 async def train(args) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.transport == "cuda_ipc" else torch.device("cpu")
-    model = policy().to(device)
+    model = policy(size=args.size).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    async with TorchrunSender(model, receivers=args.inference, auth=True,
-                              controller_options=ControllerOptions(mapping="qwen2" if args.engine == "vllm" else "identity"),
-                              sender_options=SenderOptions(transport=args.transport)) as sync:
-        procs, requests, results = [], None, None
+    opt = (torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam)(model.parameters(), lr=args.lr)
+    served = policy(size=args.size).to(device, torch.bfloat16) if args.bf16 else None  # what is pushed
+    if served is not None:
+        cast_into(served, model)
+    expected: dict[int, int] = {}  # version -> CRC-32 of the bf16 bytes pushed (rank 0)
+    options = ControllerOptions(mapping="qwen2" if args.engine == "vllm" else "identity", delta=args.delta)
+    async with TorchrunSender(served if served is not None else model, receivers=args.inference, auth=True,
+                              controller_options=options, sender_options=SenderOptions(transport=args.transport)) as sync:
+        procs, requests, results, checks = [], None, None, None
         if rank == 0:
-            procs, requests, results = start_inference(args, sync)
+            procs, requests, results, checks = start_inference(args, sync)
         rows, pending, handle = [], None, None
         if rank == 0:
             ask(requests, 1, args.prompts, 0)
@@ -187,21 +235,25 @@ async def train(args) -> list[dict]:
             if handle is not None:  # the previous push no longer reads the weights: the optimizer may step
                 await asyncio.shield(handle.released)
             # in a thread: rank 0's event loop also runs the controller, which must keep answering
-            mean_reward = await asyncio.to_thread(train_step, ddp, opt, batch[mine],
-                                                  completions[mine.start * args.group:mine.stop * args.group],
-                                                  args.group, device)
+            mean_reward, changed = await asyncio.to_thread(
+                train_step, ddp, opt, batch[mine], completions[mine.start * args.group:mine.stop * args.group],
+                args.group, device, served)
             if pending is not None:  # the previous version is committed before the next push
-                rows[-1]["update_ms"] = round(1e3 * await pending, 2)
+                await _finish(rows[-1], pending, sync)
+            if served is not None and rank == 0:
+                expected[step] = await asyncio.to_thread(served_crc, served)
             started = time.perf_counter()
             handle = sync.push_nowait(step)  # (its writes overlap the next collect and broadcast)
             pending = asyncio.ensure_future(_timed(handle, started))
             rows.append({"step": step, "reward": round(mean_reward, 4), "rollout_version": version,
-                         "lag": step - 1 - version})
+                         "lag": step - 1 - version, **({"changed": round(changed, 6)} if changed is not None else {})})
             if rank == 0:
                 print(f"step {step:3d}  reward {mean_reward:.3f}  rollouts from v{version} (lag {step - 1 - version})"
                       + (f"  update v{step - 1} {rows[-2]['update_ms']:.1f} ms" if step > 1 else ""), flush=True)
-        rows[-1]["update_ms"] = round(1e3 * await pending, 2)
+        await _finish(rows[-1], pending, sync)
         if rank == 0:
+            if checks is not None:  # (drained before the joins: a process exits once its queue is read)
+                _check_served(rows, expected, checks, args.inference)
             for p in procs:
                 p.join(300)
     return rows
@@ -212,19 +264,43 @@ async def _timed(handle, started: float) -> float:
     return time.perf_counter() - started
 
 
+async def _finish(row: dict, pending: asyncio.Future, sync) -> None:
+    """A step's push has committed: its time, and (rank 0, which runs the controller) its round's bytes."""
+    row["update_ms"] = round(1e3 * await pending, 2)
+    if sync.controller is not None:
+        report = await sync.controller.wait_round(row["step"])
+        row.update(wire_bytes=report.nbytes, whole_bytes=report.whole_bytes, delta_rows=report.delta_rows,
+                   round_ms=round(1e3 * report.seconds, 2),  # (begin to every commit_ack; without the wait
+                   transfer_ms=round(1e3 * report.stages.get("transfer", 0.0), 2))  # for generation: gate)
+
+
+def _check_served(rows: list[dict], expected: dict[int, int], checks: "mp.Queue", inference: int) -> None:
+    """Each step's ``bit_exact``: every inference process served that version's bytes exactly (its CRC-32
+    of what it serves after the update equals the trainer's of the bf16 cast it pushed)."""
+    got: dict[int, list[int]] = {}
+    while len(sum(got.values(), [])) < inference * len(expected):
+        rank, version, crc = checks.get(timeout=60)
+        got.setdefault(version, []).append(crc)
+    for row in rows:
+        crcs = got.get(row["step"], [])
+        row["bit_exact"] = len(crcs) == inference and all(c == expected[row["step"]] for c in crcs)
+
+
 def start_inference(args, sync):
     ctx = mp.get_context("spawn")
     requests, results = [ctx.Queue() for _ in range(args.inference)], ctx.Queue()
+    checks = ctx.Queue() if args.bf16 else None
     checkpoint = ""
     if args.engine == "vllm":
         checkpoint = tempfile.mkdtemp(prefix="rl-policy-")
-        policy().save_pretrained(checkpoint)
+        policy(size=args.size).save_pretrained(checkpoint)
     procs = [ctx.Process(target=inference_main, args=(args.engine, sync.controller_address, sync.auth_key, r,
-                                                      args.transport, checkpoint, args.group, requests[r], results),
+                                                      args.transport, checkpoint, args.group, requests[r], results,
+                                                      args.size, checks),
                          daemon=args.engine != "vllm") for r in range(args.inference)]  # (vLLM starts processes)
     for p in procs:
         p.start()
-    return procs, requests, results
+    return procs, requests, results, checks
 
 
 def ask(requests, step: int, count: int, min_version: int) -> None:
@@ -251,7 +327,18 @@ def summarize(rows: list[dict], args) -> dict:
             "max_lag": max(r["lag"] for r in rows),
             "update_ms_median": round(statistics.median(r["update_ms"] for r in rows), 2),
             "engine": args.engine, "transport": args.transport, "trainers": dist.get_world_size(),
-            "inference": args.inference}
+            "inference": args.inference, **(_changed_bytes(rows, args) if args.bf16 else {})}
+
+
+def _changed_bytes(rows: list[dict], args) -> dict:
+    """What ``--bf16`` runs add to the summary (the first step, which registers and sends whole, apart)."""
+    later = rows[1:] or rows
+    return {"size": args.size, "optimizer": args.optimizer, "lr": args.lr, "delta": args.delta,
+            "changed_median": statistics.median(r["changed"] for r in later),
+            "bytes_ratio_median": round(statistics.median(r["whole_bytes"] / r["wire_bytes"] for r in later), 2),
+            "update_ms_median_after_first": round(statistics.median(r["update_ms"] for r in later), 2),
+            "transfer_ms_median_after_first": round(statistics.median(r["transfer_ms"] for r in later), 2),
+            "bit_exact_steps": sum(r["bit_exact"] for r in rows), "steps": len(rows)}
 
 
 def plot(rows: list[dict], out: str) -> None:
@@ -264,13 +351,20 @@ def plot(rows: list[dict], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    a.plot([r["step"] for r in rows], [r["reward"] for r in rows])
-    a.set_ylabel("mean reward")
-    b.plot([r["step"] for r in rows], [r["update_ms"] for r in rows])
-    b.set_ylabel("update ms (push -> commit)")
-    b.set_yscale("log")  # (the first round also registers memory and compiles its tables)
-    b.set_xlabel("step")
+    bf16 = "changed" in rows[0]
+    fig, axes = plt.subplots(3 if bf16 else 2, 1, figsize=(7, 7 if bf16 else 5), sharex=True)
+    steps = [r["step"] for r in rows]
+    axes[0].plot(steps, [r["reward"] for r in rows])
+    axes[0].set_ylabel("mean reward")
+    axes[1].plot(steps, [r["update_ms"] for r in rows])
+    axes[1].set_ylabel("update ms (push -> commit)")
+    axes[1].set_yscale("log")  # (the first round also registers memory and compiles its tables)
+    if bf16:  # changed bytes: the fraction of bf16 values a step changed, and whole / wire bytes
+        axes[2].plot(steps, [100 * r["changed"] for r in rows], label="% of bf16 values changed")
+        axes[2].plot(steps, [r["whole_bytes"] / r["wire_bytes"] for r in rows], label="whole / wire bytes")
+        axes[2].set_yscale("log")
+        axes[2].legend()
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
@@ -285,7 +379,14 @@ def main() -> int:
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--transport", default="tcp", help="tcp (CPU) or cuda_ipc (GPU)")
     ap.add_argument("--out", default="docs/results/rl_loop_cpu", help="writes OUT.png and OUT.json")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the policy's shape (125m: 132 M parameters)")
+    ap.add_argument("--optimizer", choices=("adam", "adamw"), default="adam")
+    ap.add_argument("--bf16", action="store_true",
+                    help="fp32 master weights, bf16 served: push a bf16 cast, record changed bytes and check every version")
+    ap.add_argument("--delta", choices=("auto", "always", "off"), default="auto", help="ControllerOptions.delta")
     args = ap.parse_args()
+    if args.bf16 and args.engine != "hf":
+        ap.error("--bf16 runs the transformers inference processes (--engine hf)")
     backend = "nccl" if args.transport == "cuda_ipc" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -293,7 +394,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = asyncio.run(train(args))
     if dist.get_rank() == 0:
-        summary = summarize(rows, args)
+        summary = {**summarize(rows, args), "command": "examples/rl_loop.py " + " ".join(sys.argv[1:])}
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out + ".json").write_text(json.dumps({"summary": summary, "steps": rows}, indent=1) + "\n")
         plot(rows, args.out + ".png")

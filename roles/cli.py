@@ -240,7 +240,7 @@ def format_status(s: dict, width: int = 120) -> str:
         table = Table("version", "result", "GB", "of whole", "ms", "GB/s", "stages / links", title="last rounds",
                       title_justify="left")
         for r in rounds:
-            stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if k in ("transfer", "fence", "commit"))
+            stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if k in ("gate", "transfer", "fence", "commit"))
             work = " ".join(f"{name}={r['stages'][key] * 1e3:.1f}ms" for name, key in WORK if r["stages"].get(key))
             links = "\n".join(f"sender/{k['sender']} -> receiver/{k['receiver']}: {k['nbytes'] / 1e6:.1f} MB, "
                               f"{k['gbps']:.2f} GB/s" for k in r["links"])

@@ -23,7 +23,7 @@ class Metrics:
         self.bytes = prom.Counter("weightsync_bytes", "Bytes moved by committed rounds", registry=self.registry)
         self.seconds = prom.Histogram("weightsync_round_seconds", "Round time, begin to commit acknowledged",
                                       buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
-        self.stage = prom.Histogram("weightsync_stage_seconds", "Round stages (transfer, fence, commit) and the work "
+        self.stage = prom.Histogram("weightsync_stage_seconds", "Round stages (gate, transfer, fence, commit) and the work "
                                     "in them: encode (deltas, the busiest sender), apply (deltas) and verify "
                                     "(checksums; the busiest receiver)", ["stage"], registry=self.registry)
         self.version = prom.Gauge("weightsync_committed_version", "Last committed version", registry=self.registry)
@@ -44,7 +44,7 @@ class Metrics:
         self.delta_rows.inc(report.delta_rows)
         self.changed.inc(report.changed_values)
         self.seconds.observe(report.seconds)
-        for stage in ("transfer", "fence", "commit"):
+        for stage in ("gate", "transfer", "fence", "commit"):
             if stage in report.stages:
                 self.stage.labels(stage).observe(report.stages[stage])
         for stage, key in WORK:  # (the busiest sender's or receiver's, as it reported)

@@ -198,7 +198,7 @@ class RoundState:
         end = time.perf_counter()
         marks = {"begin": self.t0, **self.marks}
         stages, prev = {}, self.t0
-        for stage, label in (("writes_done", "transfer"), ("fenced", "fence"), ("applied", "commit")):
+        for stage, label in (("ready", "gate"), ("writes_done", "transfer"), ("fenced", "fence"), ("applied", "commit")):
             if stage in marks:
                 stages[label] = marks[stage] - prev
                 prev = marks[stage]

@@ -62,3 +62,27 @@ def test_the_rl_loop_learns_and_tags_rollouts_with_their_version(tmp_path):
     assert all(s["update_ms"] > 0 for s in steps)
     assert summary["reward_last10"] > summary["reward_first10"] + 0.2, summary  # it learns
     assert (tmp_path / "rl.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_rl_loop_with_bf16_receivers_moves_changed_bytes_and_serves_every_version_exactly(tmp_path):
+    """examples/rl_loop.py --bf16: fp32 master weights under AdamW at lr 1e-6, bf16 served by two inference
+    processes, every round as deltas: a step changes a few percent of the bf16 values, the rounds after
+    the first move fewer bytes than whole, and every inference process's CRC-32 of what it serves equals
+    the trainer's bf16 cast of every version."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this interpreter")
+    out = tmp_path / "rl"
+    run = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "rl_loop.py"),
+                          "--bf16", "--optimizer", "adamw", "--lr", "1e-6", "--delta", "always", "--inference", "2",
+                          "--steps", "4", "--prompts", "8", "--group", "4", "--out", str(out)],
+                         capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "rl.json").read_text())
+    steps, summary = result["steps"], result["summary"]
+    assert summary["bit_exact_steps"] == summary["steps"] == 4, steps
+    assert all(s["changed"] < 0.5 for s in steps) and any(s["changed"] > 0 for s in steps), steps
+    assert steps[0]["wire_bytes"] == steps[0]["whole_bytes"]  # the first round has no base: whole rows
+    assert all(s["wire_bytes"] < s["whole_bytes"] for s in steps[1:]), steps
