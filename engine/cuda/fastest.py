@@ -5,12 +5,13 @@ How this works. Rows from one GPU into another GPU's memory can be copied by the
 sender's GPU storing straight into the peer's mapped memory (``copy_kernel``). Which is faster depends
 on the link (NVLink or PCIe), the rows' shapes and what else the GPU runs, so cuda_ipc does not guess:
 a compiled table's rows for one link become a ``FastestLaunch`` holding every way to copy them. Each
-replay launches one of them between two timing events; ``Trials`` (pure) picks the way with the fewest
-timings so far, drops each way's first timing (it can include a kernel's JIT compile), and once every
-way has ``samples`` timings keeps the one of the lowest median for good; the tables of one set of rows over a
-link share one ``Trials`` (the transport keeps them by link and rows). Timings are read when they
-are ready (``Event.query`` at the next replay: never a host wait). Every way writes the same bytes to
-the same places, so a round is correct whichever runs; the choice and the timings are kept
+replay launches one of them between two timing events; its cost is the longer of that time and the
+host's time to issue it (``cost``). ``Trials`` (pure) picks the way with the fewest timings so far,
+drops each way's first timing (it can include a kernel's JIT compile), and once every way has
+``samples`` timings keeps the one of the lowest median for good; the tables of one set of rows over a
+link share one ``Trials`` (the transport keeps them by link and rows). Timings are read when they are
+ready (``Event.query`` at the next replay: never a host wait). Every way writes the same bytes to the
+same places, so a round is correct whichever runs; the choice and the timings are kept
 (``FastestLaunch.choice``) for the transport's ``repr`` and the benchmarks.
 """
 
@@ -18,9 +19,17 @@ from __future__ import annotations
 
 import collections
 import statistics
+import time
 from typing import Callable, Mapping, Optional
 
 SAMPLES = 2  # timings per way, after the first, before the choice
+
+
+def cost(device_s: float, host_s: float) -> float:
+    """What a way costs a round: its copies take ``device_s`` on the GPU, and issuing them takes ``host_s``
+    of the sender's thread (a ``cudaMemcpy2DAsync`` per row adds up), during which the GPU already
+    copies; the round waits for the longer of the two."""
+    return max(device_s, host_s)
 
 
 class Trials:
@@ -85,14 +94,16 @@ class FastestLaunch:
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
+        issued = time.perf_counter()
         self.ways[way].launch(stream)
+        host_s = time.perf_counter() - issued
         end.record(stream)
-        self._pending.append((way, start, end))
+        self._pending.append((way, start, end, host_s))
 
     def _collect(self) -> None:
         while self._pending and self._pending[0][2].query():
-            way, start, end = self._pending.popleft()
-            self.trials.record(way, start.elapsed_time(end) / 1e3)
+            way, start, end, host_s = self._pending.popleft()
+            self.trials.record(way, cost(start.elapsed_time(end) / 1e3, host_s))
             if self.trials.chosen is not None:
                 self._pending.clear()
                 if self.on_choice is not None:

@@ -54,3 +54,10 @@ def test_an_unknown_peer_copies_mode_is_a_config_error_naming_the_field():
     with pytest.raises(ConfigError, match="peer_copies"):
         TransportOptions(peer_copies="nvlink")
     assert TransportOptions().peer_copies == "fastest"
+
+
+def test_a_way_costs_the_longer_of_its_device_time_and_its_host_issue_time():
+    from weightsync.engine.cuda.fastest import cost
+
+    assert cost(0.004, 0.001) == 0.004  # the copies outlast their issue
+    assert cost(0.0005, 0.003) == 0.003  # a 2-D copy call per row: the host is the bottleneck
