@@ -1,5 +1,5 @@
-"""A receiver's part in delta rounds: its delta region, the version its landing memory holds, and the
-round's deltas from fence to commit.
+"""A receiver's part in delta rounds: its delta region, the version its deltas apply to, and a round's
+deltas checked and applied at the fence.
 
 How this works: ``DeltaLanding`` owns the delta region (``engine.datapath.deltas``: each row of the
 weights maps to a window of it) and ``base``, the committed version deltas apply to
@@ -56,7 +56,7 @@ class DeltaLanding:
         held, self.base = self.base, None
         named = next((b.version for b in bases if b.rank == rank), None)
         if named is not None and named != held:
-            return f"the round's base for receiver/{rank} is v{named}, but its landing memory holds v{held}"
+            return f"the round's base for receiver/{rank} is v{named}, but the base it holds is v{held}"
         return None
 
     def land(self, table: ReceiverTable, summaries: tuple[m.WriteSummary, ...], landing: torch.Tensor,

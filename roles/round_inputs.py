@@ -2,7 +2,7 @@
 
 How this works: ``RoundInputs`` is the part of the controller's ``Rounds`` that remembers, across
 rounds, what the next one needs besides the plan. ``bases``: per receiver session, the committed version
-its landing memory holds, learned from its ``commit_ack`` and forgotten when it takes part in a round it
+its deltas apply to (what it serves), learned from its ``commit_ack`` and forgotten when it takes part in a round it
 does not apply (an abort, a missing acknowledgement) or leaves (docs/DELTAS.md). ``checksum``: the
 round's end-to-end check: ``ControllerOptions.checksum`` when set, else ``full_check`` once every
 ``full_check_every`` rounds (the first included) and on the round after an abort ("auto": fp64,
@@ -29,7 +29,7 @@ class RoundInputs:
     def __init__(self, options: "ControllerOptions", peer_of: Callable[[tuple[Role, int]], Optional[Peer]]) -> None:
         self.options = options
         self.peer_of = peer_of
-        self.bases: dict[bytes, int] = {}  # receiver session -> the committed version its landing memory holds
+        self.bases: dict[bytes, int] = {}  # receiver session -> the committed version its deltas apply to
         self.started = 0  # rounds started
         self.after_abort = False
 

@@ -75,7 +75,7 @@ class FastestLaunch:
         if self.trials.names != tuple(self.ways):
             raise ValueError(f"trials of {self.trials.names} for ways {tuple(self.ways)}")
         self.on_choice = on_choice
-        self._pending: collections.deque = collections.deque()  # (way, start event, end event)
+        self._pending: collections.deque = collections.deque()  # (way, start event, end event, host seconds)
 
     def __repr__(self) -> str:
         return f"<FastestLaunch {self.link} {self.trials!r}>"

@@ -167,7 +167,7 @@ async def test_an_aborted_round_leaves_every_base_and_the_next_round_is_still_ex
         recvs[0]._verdict = original
         assert all(r.deltas.base is None for r in recvs) and sender.bases.version == 3
         rl_step(send_t, 4)
-        await push(sender, 4)  # both receivers whole (their landing memory holds no base), bit-exact
+        await push(sender, 4)  # both receivers whole (they hold no base), bit-exact
         assert sender.last_delta.rows == 0
         for r in recvs:
             assert same(send_t, r.state_dict()) == []
@@ -240,7 +240,7 @@ async def test_a_damaged_delta_aborts_its_round_naming_the_row_and_nothing_of_it
             assert r.version == 2 and same(served, r.state_dict()) == []  # v2 served, untouched
         restore()
         rl_step(send_t, 4)
-        await push(sender, 4)  # whole rows to both (their landing memory holds no committed version)
+        await push(sender, 4)  # whole rows to both (they hold no committed version as a base)
         assert sender.last_delta.rows == 0
         rl_step(send_t, 5)
         await push(sender, 5)
