@@ -56,6 +56,7 @@ DEFAULT_BASE_BUDGET = 8 << 30  # bytes of bases a sender keeps, at most
 AUTO_MARGIN = 2.0  # "auto": deltas where rows encode this many times faster than the link writes them
 MEASURED = 1 << 20  # bytes a rate is measured over, at least
 REPROBE = 16  # "auto": a lane dense this many rounds in a row tries deltas again (the encoder is measured anew)
+REPROBE_MAX = 1024  # each try that does not pay doubles that wait, up to this many rounds
 OFF_LOOP_BYTES = 1 << 20  # CPU rows this large are encoded on worker threads (the event loop keeps writing)
 ENCODERS = 2  # such rows of a lane encoded at once (the compiled encoder lets go of the GIL)
 APPLY_THREADS = 4  # threads a receiver applies a round's CPU deltas with (rows in parallel), at most
@@ -130,6 +131,8 @@ class Bases:
         self.encode_rate: Optional[float] = None  # bytes/s of rows encoded against their base (measured)
         self._encoded = [0.0, 0]  # this round: seconds, bytes
         self.dense_rounds: dict[int, int] = {}  # receiver -> rounds since its lane was last in delta mode
+        self.reprobe: dict[int, int] = {}  # receiver -> dense rounds before its lane tries deltas again
+        self._probing: set[int] = set()  # receivers whose lane tries deltas again, until the encoder is measured
         self.lock = threading.Lock()  # (rows are encoded on worker threads: guards the dicts and counters)
         self._idle = threading.Condition(self.lock)  # notified as each encode ends
         self._busy = 0  # rows being encoded now
@@ -250,13 +253,20 @@ class Bases:
         """Whether a delta round may beat a dense one toward ``rank`` ("auto"): encoding (and, as costly
         again, applying at the receiver) must outrun the link. The link is measured first, by a dense
         round; then deltas are tried until the encode rate is measured too (it falls as more values
-        change); a lane dense for ``REPROBE`` rounds tries again."""
+        change); a lane dense for ``REPROBE`` rounds tries again, and each try that does not pay doubles
+        that wait (up to ``REPROBE_MAX``): on a link where deltas never pay, the tries cost ever less."""
         rate = self.link_rates.get(rank)
         if rate is None:
             return False
-        if self.dense_rounds.get(rank, 0) >= REPROBE:  # steps change: measure the encoder again now and then
+        wait = self.reprobe.get(rank, REPROBE)
+        if self.dense_rounds.get(rank, 0) >= wait:  # steps change: measure the encoder again now and then
             self.encode_rate = None
-        return self.encode_rate is None or self.encode_rate > AUTO_MARGIN * rate
+            self._probing.add(rank)
+        pays = self.encode_rate is None or self.encode_rate > AUTO_MARGIN * rate
+        if rank in self._probing and self.encode_rate is not None:  # the try measured it: the next wait
+            self._probing.discard(rank)
+            self.reprobe[rank] = REPROBE if pays else min(2 * wait, REPROBE_MAX)
+        return pays
 
     def _over_budget(self, t: Transfer, nbytes: int) -> None:
         if not self._over_budget_logged:

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from weightsync.engine.datapath.deltas import REPROBE, Bases, window
+from weightsync.engine.datapath.deltas import REPROBE, REPROBE_MAX, Bases, window
 from weightsync.engine.errors import RoundAborted
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 
@@ -195,6 +195,24 @@ def test_auto_measures_the_link_dense_first_then_sends_deltas_only_where_encodin
         assert not bases.pays(1)
         bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     assert bases.pays(1)  # dense REPROBE rounds in a row: the encoder is measured again
+    bases._encoded = [0.1, 100 << 20]  # the try: still ~1 GB/s, against a 10 GB/s link
+    bases.observe({1: Lane(nbytes=1 << 20)}, 1.0, delta_lanes=frozenset({1}))
+    assert not bases.pays(1) and bases.reprobe[1] == 2 * REPROBE  # it did not pay: the next try waits twice as long
+    for _ in range(2 * REPROBE - 1):
+        bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
+        assert not bases.pays(1)
+    bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
+    assert bases.pays(1)  # the second try
+    bases._encoded = [0.001, 100 << 20]  # the steps now change little: ~100 GB/s
+    bases.observe({1: Lane(nbytes=1 << 20)}, 1.0, delta_lanes=frozenset({1}))
+    assert bases.pays(1) and bases.reprobe[1] == REPROBE  # it paid: back to the first wait
+    bases.reprobe[1] = REPROBE_MAX  # (after many tries that did not pay)
+    bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
+    bases.dense_rounds[1] = REPROBE_MAX
+    assert bases.pays(1)
+    bases._encoded = [0.1, 100 << 20]
+    bases.observe({1: Lane(nbytes=1 << 20)}, 1.0, delta_lanes=frozenset({1}))
+    assert not bases.pays(1) and bases.reprobe[1] == REPROBE_MAX  # the wait grows no further
 
 
 def _corrupting(monkeypatch, name: str, damage):
