@@ -68,8 +68,9 @@ class TransportOptions:
     device: str = "cpu"
     uccl_tcp: bool = False  # the caller runs UCCL's tcp mode (UCCL_P2P_TRANSPORT=tcp): no RDMA NIC needed
     busy_poll: bool = False  # poll device completions without napping (WorkerOptions.spin sets it): one busy core
-    pitched_kernel: bool = True  # cuda_ipc: a compiled table's pitched rows to the same GPU in one kernel
-    #                              launch (engine.cuda.copy_kernel.PitchedKernel); False: a cudaMemcpy2DAsync each
+    pitched_kernel: bool = True  # cuda_ipc: a compiled table's pitched rows in one kernel launch (to the same
+    #                              GPU; to another as ``peer_copies`` says: engine.cuda.copy_kernel.PitchedKernel);
+    #                              False: a cudaMemcpy2DAsync each
     peer_copies: str = "fastest"  # cuda_ipc, rows into another GPU: "kernel" (stores into its mapped memory), "dma"
     #                               (copy engines), "fastest" (both timed on the first rounds, the faster kept per
     #                               link: engine.cuda.fastest)
