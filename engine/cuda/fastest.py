@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
 SAMPLES = 2  # timings per way, after the first, before the choice
 
@@ -65,16 +65,14 @@ class Trials:
 class FastestLaunch:
     """One link's rows with several launches that copy them; ``launch(stream)`` runs one, as ``trials``
     says (timed until the choice is made; tables of one link may share their ``Trials``: a shadow
-    receiver's two landing slots are two tables). ``on_choice(link, trials)`` hears the choice."""
+    receiver's two landing slots are two tables)."""
 
-    def __init__(self, ways: Mapping[str, object], link: str, trials: Optional[Trials] = None,
-                 on_choice: Optional[Callable[[str, Trials], None]] = None) -> None:
+    def __init__(self, ways: Mapping[str, object], link: str, trials: Optional[Trials] = None) -> None:
         self.ways = dict(ways)
         self.link = link
         self.trials = trials if trials is not None else Trials(tuple(self.ways))
         if self.trials.names != tuple(self.ways):
             raise ValueError(f"trials of {self.trials.names} for ways {tuple(self.ways)}")
-        self.on_choice = on_choice
         self._pending: collections.deque = collections.deque()  # (way, start event, end event, host seconds)
 
     def __repr__(self) -> str:
@@ -106,6 +104,4 @@ class FastestLaunch:
             self.trials.record(way, cost(start.elapsed_time(end) / 1e3, host_s))
             if self.trials.chosen is not None:
                 self._pending.clear()
-                if self.on_choice is not None:
-                    self.on_choice(self.link, self.trials)
                 return

@@ -79,7 +79,6 @@ class CudaIpcTransport:
         self.spin_s = math.inf if options.busy_poll else cuda_rt.SPIN_S  # completion and proof polling
         self.guard = dataauth.DataGuard()  # kept for the contract: IPC writes are one-sided (engine.dataauth)
         self.choices: dict[str, Trials] = {}  # link -> how its ways into another GPU fare (``peer_copies``)
-        self.trying: set[str] = set()  # links whose ways are still being timed
 
     def __repr__(self) -> str:
         chosen = {link: trials.chosen for link, trials in self.choices.items()}
@@ -88,15 +87,12 @@ class CudaIpcTransport:
     def trials_of(self, link: str) -> Trials:
         """The timings of the ways a link's rows go into another GPU, shared by the tables of the same
         rows (``engine.cuda.fastest``)."""
-        trials = self.choices.get(link)
-        if trials is None:
-            trials = self.choices[link] = Trials(("kernel", "dma"))
-            self.trying.add(link)
-        return trials
+        return self.choices.setdefault(link, Trials(("kernel", "dma")))
 
-    def chose(self, link: str, trials: Trials) -> None:
-        """A link's way of copying into another GPU is chosen (``engine.cuda.fastest``)."""
-        self.trying.discard(link)
+    @property
+    def trying(self) -> set[str]:
+        """Links whose ways into another GPU are still being timed."""
+        return {link for link, trials in self.choices.items() if trials.chosen is None}
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank

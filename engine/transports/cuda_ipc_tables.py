@@ -81,7 +81,7 @@ def _peer(kernel, dma, device: int, target: int, kind: str, owner: "CudaIpcTrans
     # (timings compare within one set of rows: a shadow receiver's two tables share theirs, another
     #  connection over the same link has its own)
     link = f"cuda:{device}->cuda:{target} {kind} {kernel.nbytes} B"
-    return FastestLaunch({"kernel": kernel, "dma": dma}, link, owner.trials_of(link), owner.chose)
+    return FastestLaunch({"kernel": kernel, "dma": dma}, link, owner.trials_of(link))
 
 
 class Striped:
