@@ -32,7 +32,8 @@ class Case:
     fp8: bool = False
     rounds: int = 3
     seed: int = 0
-    profile: str = ""  # a folder: cProfile each sender there
+    profile: str = ""  # a folder: cProfile each sender, receiver and the controller there
+    trace: str = ""  # a folder: torch.profiler (CPU and CUDA) each sender there
     pitched_kernel: bool = True  # cuda_ipc: pitched rows in one descriptor-table launch (TransportOptions)
     peer_copies: str = "fastest"  # cuda_ipc: rows into another GPU by "kernel", "dma" or the "fastest" (TransportOptions)
 

@@ -110,10 +110,33 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                                                                       for w, ms in t.seconds.items()}}
                                     for link, t in getattr(sender.transport, "choices", {}).items()}}
     try:
-        stats = _profiled(main, f"{case.profile}/sender{rank}.txt" if case.profile else "")
+        stats = (_traced(main, f"{case.trace}/sender{rank}") if case.trace else
+                 _profiled(main, f"{case.profile}/sender{rank}.txt" if case.profile else ""))
         conn.send(("sender", rank, {**stats, "full_tensor_s": full_tensor_seconds(model, case)}))
     finally:
         dist.destroy_process_group()
+
+
+def _traced(main, stem: str):
+    """Run ``main()`` on a new loop under torch.profiler (CPU and CUDA); write ``stem.txt`` (operators
+    and kernels by device time and by host time) and ``stem.json.gz`` (the Chrome trace); -> its result."""
+    import gzip
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = asyncio.run(main())
+    averages = prof.key_averages()
+    pathlib.Path(f"{stem}.txt").write_text(averages.table(sort_by="self_device_time_total", row_limit=30) + "\n"
+                                           + averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(f"{stem}.json.gz", "wb") as dst:
+            dst.write(src.read())
+    return result
 
 
 def full_tensor_seconds(model: torch.nn.Module, case: Case) -> list[float]:
@@ -153,7 +176,7 @@ def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
             await receiver.wait_for(case.rounds)
             marks = {v: receiver.timeline.of(v) for v in range(2, case.rounds + 1)}
             conn.send(("receiver", rank, (mismatches(case, rank, tensors, layout, case.rounds, device), marks)))
-    asyncio.run(main())
+    _profiled(main, f"{case.profile}/receiver{rank}.txt" if case.profile else "")
 
 
 async def engine(case: Case, link) -> dict:
@@ -408,7 +431,7 @@ async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) 
     case.check()
     link = measured_link(case)
     rtt = await control_rtt_ms()
-    eng = await engine(case, link)
+    eng = await _controller_profiled(engine(case, link), case.profile)
     bc = await broadcast(case) if with_broadcast else {}
     bucketed = await broadcast(case, BUCKET) if with_broadcast else {}
     peer = {}
@@ -422,6 +445,28 @@ async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) 
     if case.model == "empty":
         out["empty_round_over_rtt"] = out["engine_over_rtt"]
     return out
+
+
+async def _controller_profiled(coro, folder: str):
+    """``await coro``; with ``folder``, under cProfile (this process: the controller's side), written to
+    ``controller.txt`` there like the workers' profiles."""
+    if not folder:
+        return await coro
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        return await coro
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(40)
+        pathlib.Path(folder, "controller.txt").write_text(text.getvalue())
 
 
 def main(argv=None) -> int:
@@ -442,12 +487,13 @@ def main(argv=None) -> int:
                          "of both timed on the first rounds (rounds still timing are not counted)")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
-    ap.add_argument("--profile", default="", help="a folder: cProfile each trainer's sender there (diagnostics)")
+    ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
+    ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
-                profile=args.profile, pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
+                profile=args.profile, trace=args.trace, pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

@@ -13,6 +13,12 @@ for TCP), checking bounds there: a row that does not fit its target raises ``Sta
 the parameter. A round then calls ``Connection.replay(table, epoch)``: a few host calls per chunk of
 rows, whatever the tensor count.
 
+Rows written in place (a block-FP8 quantization that stores straight into the receiver's memory:
+``TransformSet.writes_directly``) are compiled too: a lane keeps them apart (``written``) with their
+totals per source device, and a round launches their quantizations once per group for all lanes
+(``TransformSet.write_all``) and hands each connection one ``submit_written`` per device for the
+lot, instead of staging and submitting them row by row.
+
 ``RoundCompiler`` caches compiled rounds by what they depend on: the table object (a plan's
 ``transfers`` tuple, the same every round), each lane's landing slot (a shadow receiver alternates
 two), the checksum setting, and each connection (the object, and its ``generation``, which it bumps
@@ -66,6 +72,9 @@ class CompiledLane:
     table: object  # what the connection's ``compile`` made of ``rows`` (None: no direct rows)
     staged: list[Transfer]  # the rest, in staging order
     nbytes: int = 0  # of the direct rows
+    written: tuple[Transfer, ...] = ()  # rows a quantization writes into the receiver (staging order)
+    written_totals: tuple[tuple[torch.device, int, int, int, int], ...] = ()  # per source device of ``written``:
+    # (device, rows, bytes, region, offset of its first row: what ``submit_written`` is handed)
 
 
 def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str,
@@ -93,16 +102,24 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
     compiles = enabled and abilities.compiles
     devices = abilities.direct_devices if compiles else frozenset()
     pitched = abilities.pitched_rows
-    rows, staged = [], []
+    rows, staged, written = [], [], []
+    totals: dict[torch.device, list[int]] = {}
     for t in transfers:
         direct = direct_view(t, sources, devices, checksum, pitched)
         if direct is None:
-            staged.append(t)
+            if compiles and t.transform and sources.transforms.writes_directly(t):
+                written.append(t)
+                total = totals.setdefault(sources.known_view(t).device, [0, 0, t.dst_region + slot, t.dst_offset])
+                total[0] += 1
+                total[1] += t.nbytes
+            else:
+                staged.append(t)
             continue
         view, height, pitch = direct
         rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes, height, pitch))
     table = conn.compile(rows) if rows else None
-    return CompiledLane(tuple(rows), table, staged, sum(r.nbytes for r in rows))
+    return CompiledLane(tuple(rows), table, staged, sum(r.nbytes for r in rows), tuple(written),
+                        tuple((device, *total) for device, total in totals.items()))
 
 
 class RoundCompiler:
@@ -111,19 +128,22 @@ class RoundCompiler:
 
     def __init__(self) -> None:
         self.compiles = 0  # lanes compiled so far (a replay does not count)
+        self.written = 0  # rows of those lanes written in place (``CompiledLane.written``)
         self._table: object = None  # the transfers the cached lanes come from
         self._by_rank: dict[int, list[Transfer]] = {}
         self._cache: dict[tuple, tuple[object, CompiledLane]] = {}  # key -> (its connection, lane)
 
     def __repr__(self) -> str:
-        return f"<RoundCompiler compiles={self.compiles} cached={len(self._cache)}>"
+        return f"<RoundCompiler compiles={self.compiles} written={self.written} cached={len(self._cache)}>"
 
     def lanes(self, transfers: Sequence[Transfer], sources: SourceSet, conns: Mapping[int, object],
               slots: Mapping[int, int], checksum: str, enabled: bool = True,
-              order: Optional[Sequence[Transfer]] = None, staged_lanes: frozenset = frozenset()) -> dict[int, CompiledLane]:
+              order: Optional[Sequence[Transfer]] = None, staged_lanes: frozenset = frozenset(),
+              token: object = None) -> dict[int, CompiledLane]:
         """Receiver rank -> its compiled lane, for every receiver ``transfers`` names. ``order``: the
         same rows in staging order (``SourceSet.begin``: fixed for a table), if not the table's.
-        ``staged_lanes``: receivers whose rows are all staged this round (delta lanes)."""
+        ``staged_lanes``: receivers whose rows are all staged this round (delta lanes). ``token``: what
+        decides which rows are written in place (``SourceSet.begin``'s: every lane's slot and connection)."""
         if transfers is not self._table or not isinstance(transfers, tuple):
             self._cache.clear()
             self._by_rank = {}
@@ -137,11 +157,12 @@ class RoundCompiler:
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
             compiled = enabled and rank not in staged_lanes
-            key = (rank, slot, checksum, compiled, conn.generation)
+            key = (rank, slot, checksum, compiled, conn.generation, token)
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
                 entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, compiled))
                 self.compiles += 1
+                self.written += len(entry[1].written)
             out[rank] = entry[1]
         if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables
             current = {id(c) for c in conns.values()}

@@ -28,9 +28,12 @@ has completed (the sender's tensors may be reused from then on).
 
 Written in place. A connection with ``address`` and ``submit_written`` (cuda_ipc) can name its target's
 memory; without checksums (they need the bytes on the sender) the pipeline lets quantizations write
-their outputs there (``weightsync.engine.transforms``). Such a row stages as already ``written``: the writer
-hands the connection its launch's event (``submit_written``: counted, sealed and completed like a
-copy) and the budget is not charged for it (it allocates nothing).
+their outputs there (``weightsync.engine.transforms``). In a compiled lane such rows are compiled too
+(``CompiledLane.written``): ``run`` launches their quantizations once per group for all lanes and each
+lane hands its connection one ``submit_written`` per source device (counted, sealed and completed like
+that many copies). Elsewhere such a row stages as already ``written`` and the writer hands it over with
+its launch's event. Neither charges the budget (they allocate nothing). A lane with no staged rows runs
+no stager or writer: it replays, seals and fences.
 """
 
 from __future__ import annotations
@@ -142,15 +145,17 @@ class Pipeline:
         resolve, token = self._resolver({r: c for r, c in conns.items() if r not in delta_lanes}, slots)
         ordered = self.sources.begin(transfers, resolve, token)
         lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled,
-                                    order=ordered, staged_lanes=delta_lanes)
+                                    order=ordered, staged_lanes=delta_lanes, token=token)
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
         seals = _Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
                        if on_sealed is not None else None)
         try:
+            launched = await self._write_all([t for lane in lanes.values() for t in lane.written])
             await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
-                                     on_sealed is not None, seals.one, deltas if r in delta_lanes else None)
+                                     on_sealed is not None, seals.one, deltas if r in delta_lanes else None,
+                                     launched)
                           for r, lane in lanes.items())
         except BaseException:
             self.sources.abort()
@@ -163,30 +168,50 @@ class Pipeline:
     def _resolver(self, conns: Mapping[int, Connection], slots: Mapping[int, int]):
         """(row, device) -> the address its bytes go to, for rows that may be written in place; and a
         token that changes when the answers may (landing slots, connections). (None, None): no row may."""
-        direct = {rank: conn.address for rank, conn in conns.items() if conn.abilities.writes_in_place}
+        direct = {rank: conn for rank, conn in conns.items() if conn.abilities.writes_in_place}
         if self.options.checksum or not direct:
             return None, None
 
         def resolve(t: Transfer, device) -> Optional[int]:
-            address = direct.get(t.dst_rank)
+            conn = direct.get(t.dst_rank)
             slot = slots.get(t.dst_rank, 0)
-            return None if address is None else address(t.dst_region + slot, t.dst_offset, t.nbytes, device)
-        return resolve, (tuple(sorted(slots.items())), tuple(sorted((r, id(c)) for r, c in direct.items())))
+            return None if conn is None else conn.address(t.dst_region + slot, t.dst_offset, t.nbytes, device)
+        return resolve, (tuple(sorted(slots.items())),
+                         tuple(sorted((r, id(c), c.generation) for r, c in direct.items())))
+
+    async def _write_all(self, rows: list[Transfer]) -> dict:
+        """Launch the quantizations of every lane's rows written in place, once each (one launch per
+        group, ``TransformSet.write_all``): on the loop for CUDA sources (launches return at once), in
+        a worker thread for CPU ones. -> per source device, the event after its last launch."""
+        if not rows:
+            return {}
+        transforms = self.sources.transforms
+        cuda = [t for t in rows if self.sources.known_view(t).device.type == "cuda"]
+        launched = transforms.write_all(cuda) if cuda else {}
+        if len(cuda) < len(rows):
+            host = [t for t in rows if self.sources.known_view(t).device.type != "cuda"]
+            launched.update(await asyncio.to_thread(transforms.write_all, host))
+        return launched
 
     async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
                     epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None],
-                    deltas: Optional[DeltaRound] = None) -> None:
-        """Replay the lane's compiled table (its direct rows), stage and write the rest, fence."""
+                    deltas: Optional[DeltaRound] = None, launched: Mapping = {}) -> None:
+        """Replay the lane's compiled table (its direct rows), hand over the rows written in place
+        (``launched``: their launches' events), stage and write the rest, fence."""
         depth = self.options.depth or conn.abilities.depth or DEFAULT_DEPTH
         channel: Channel = Channel(depth)
         # (only a connection with submit seals: its writes are queued in the transport before the seal)
         seal = conn.seal if seal_early and conn.abilities.seals and conn.abilities.submits else None
         t0 = time.perf_counter()
-        replayed = _replay(conn, lane, report, epoch)
+        replayed = _replay(conn, lane, report, epoch) + _submit_written(conn, lane, report, epoch, launched)
         try:
-            readable = conn.abilities.devices
-            await run_all([self._stager(transfers, channel, report, readable, deltas),
-                           self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
+            if transfers:
+                readable = conn.abilities.devices
+                await run_all([self._stager(transfers, channel, report, readable, deltas),
+                               self._writer(conn, channel, report, epoch, slot, depth, seal, sealed)])
+            elif seal is not None and report.count and (proof := seal()):  # every write issued already
+                report.proof = proof  # (what the writer does once its last row is issued)
+                sealed()
             if replayed:
                 await asyncio.gather(*replayed)
                 report.write_s += time.perf_counter() - t0
@@ -354,6 +379,18 @@ def _replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int
     ops = list(conn.replay(lane.table, epoch))
     report.count += len(lane.rows)
     report.nbytes += lane.nbytes
+    return ops
+
+
+def _submit_written(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,
+                    launched: Mapping) -> list[asyncio.Future]:
+    """Hand ``conn`` the lane's rows written in place, one call per source device (ordered after that
+    device's last quantization launch); their completions."""
+    ops = []
+    for device, count, nbytes, region, offset in lane.written_totals:
+        ops.append(conn.submit_written(device, region, offset, nbytes, epoch, launched.get(device), count=count))
+        report.count += count
+        report.nbytes += nbytes
     return ops
 
 

@@ -96,6 +96,7 @@ class TransformSet:
         self._resolve: Optional[Callable[[Transfer, torch.device], Optional[int]]] = None
         self._token: object = None  # what the resolver's answers depend on (landing slots, connections)
         self._dests: dict[int, Optional[tuple[int, int]]] = {}  # key -> where its launch writes (None: a buffer)
+        self._dests_by_token: dict[object, dict] = {}  # ``_dests`` of each token seen with this table
         self.written = 0  # rows whose bytes a launch wrote straight into the receiver
 
     def __repr__(self) -> str:
@@ -128,8 +129,12 @@ class TransformSet:
         self.rounds += 1
         if transfers is not self._table or not isinstance(transfers, tuple):  # a new table (a plan's is
             self._plan_table(transfers, view_of)  # one tuple, every round): check it, plan its quantizations
-        if resolve is None or token != self._token:
+        if resolve is None:
             self._dests = {}
+        elif token != self._token:  # (kept per token: a shadow receiver's two landing slots alternate)
+            if token not in self._dests_by_token and len(self._dests_by_token) >= 8:
+                self._dests_by_token.clear()
+            self._dests = self._dests_by_token.setdefault(token, {})
         self._view_of, self._resolve, self._token = view_of, resolve, token
         self.pending = self._wanted.copy()
 
@@ -149,7 +154,7 @@ class TransformSet:
         for t in transfers:
             if "fp8" in t.transform:
                 self._rows_of.setdefault(self._key_of[id(t)], []).append(t)
-        self._dests = {}
+        self._dests, self._dests_by_token = {}, {}
         groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices, self.group_bytes)
         self.groups = {numbers[key]: group for key, group in groups.items()}
         rows_bytes: Counter = Counter()  # key -> bytes of all its rows (weight and scales)
@@ -263,12 +268,53 @@ class TransformSet:
         moved.record_stream(side)  # (allocated on the copying thread's stream, used on the side stream)
         return moved
 
+    def write_all(self, rows) -> dict[torch.device, Optional[torch.cuda.Event]]:
+        """Run the quantizations of ``rows`` (rows whose bytes this round's launches write into the
+        receiver: ``writes_directly``), each once, in order: one launch per group. The rows are not
+        staged (``weightsync.engine.datapath.compiled``), so nothing is kept for them. -> per source device,
+        the event after its last launch (None on the CPU: written on return). Blocking on the CPU."""
+        launched: set = set()
+        last: dict[torch.device, Optional[torch.cuda.Event]] = {}
+        for t in rows:
+            key = self._key(t)
+            if key in launched:
+                continue
+            view = self._view_of(t)
+            if view is None or self._direct(key) is None:
+                raise StagingError(t.name, "compiled as written in place, but its quantization no longer is")
+            group = self.groups.get(key)
+            keys = [self._key(row) for row, _ in group] if group is not None else [key]
+            if view.device.type == "cuda":
+                stream = self._side_stream(view.device)
+                self._after_producer(stream, view.device)
+                with torch.cuda.stream(stream):
+                    last[view.device] = self._write_one(t, key, view)
+            else:
+                last[view.device] = self._write_one(t, key, view)
+            launched.update(keys)
+            for k in keys:
+                self.kept.pop(k, None)
+        return last
+
+    def _write_one(self, t: Transfer, key, view: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """``t``'s quantization and the rest of its group, written into the receivers; its event."""
+        block = int(parse(t.transform)[-1][1])
+        try:
+            x = as_matrix(self._head(t, view), block)
+        except ValueError as exc:
+            raise StagingError(t.name, str(exc)) from exc
+        return self._quantize_group(key, x, block)[2]
+
+    def _after_producer(self, stream: torch.cuda.Stream, device: torch.device) -> None:
+        """The side stream waits for the producer's stream once per round: the weights are final then."""
+        if self._ordered.get(stream.device.index) != self.rounds:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._ordered[stream.device.index] = self.rounds
+
     def _launch(self, t: Transfer, view: torch.Tensor, stream: torch.cuda.Stream):
         """Queue the work on the side stream, from the loop's thread (a worker thread would fight the
         loop for the GIL on every launch); launches return at once."""
-        if self._ordered.get(stream.device.index) != self.rounds:  # once per round: the weights are final
-            stream.wait_stream(torch.cuda.current_stream(view.device))
-            self._ordered[stream.device.index] = self.rounds
+        self._after_producer(stream, view.device)
         with torch.cuda.stream(stream):
             out = self.apply(t, view)
             done = torch.cuda.Event()

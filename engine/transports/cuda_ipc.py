@@ -355,12 +355,12 @@ class CudaIpcConnection:
         return self._base(dst_region, desc, index) + dst_offset
 
     def submit_written(self, device: torch.device, dst_region: int, dst_offset: int, nbytes: int, epoch: int,
-                       after: Optional[torch.cuda.Event]) -> asyncio.Future:
+                       after: Optional[torch.cuda.Event], count: int = 1) -> asyncio.Future:
         """Bytes that device work (marked complete by ``after``) stored at ``address(...)``: counted and
-        sealed as a write; the future completes once that work has."""
+        sealed as ``count`` writes; the future completes once that work has."""
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
-        self.sent_count += 1
+        self.sent_count += count
         self.sent_bytes += nbytes
         index = cuda_rt.device_index(device)
         stream = self.owner.stream(index, -1)

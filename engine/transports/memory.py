@@ -201,16 +201,16 @@ class MemoryConnection:
         return region.data_ptr() + dst_offset if dst_offset + nbytes <= region.numel() else None
 
     def submit_written(self, device: torch.device, dst_region: int, dst_offset: int, nbytes: int, epoch: int,
-                       after: Optional[torch.cuda.Event]) -> asyncio.Future:
-        """Bytes the sender stored at ``address(...)``: counted on both sides as one write."""
+                       after: Optional[torch.cuda.Event], count: int = 1) -> asyncio.Future:
+        """Bytes the sender stored at ``address(...)``: counted on both sides as ``count`` writes."""
         self._check_writable()
-        self.sent_count += 1
+        self.sent_count += count
         self.sent_bytes += nbytes
-        return asyncio.ensure_future(self._count_written(nbytes, epoch, after))
+        return asyncio.ensure_future(self._count_written(nbytes, epoch, after, count))
 
-    async def _count_written(self, nbytes: int, epoch: int, after: Optional[torch.cuda.Event]) -> None:
+    async def _count_written(self, nbytes: int, epoch: int, after: Optional[torch.cuda.Event], count: int) -> None:
         await wait_after(after)
-        await self._land(None, 0, nbytes, epoch)
+        await self._land(None, 0, nbytes, epoch, count)
 
     async def _copy(self, src: torch.Tensor, region: torch.Tensor, offset: int, epoch: int,
                     after: Optional[torch.cuda.Event]) -> None:
@@ -227,8 +227,9 @@ class MemoryConnection:
         await hold.wait()
         await self._land(region, offset, data, epoch)
 
-    async def _land(self, region: Optional[torch.Tensor], offset: int, data, epoch: int) -> None:
-        """``data``: bytes to put at ``region[offset:]``, or (no region) the count of bytes already there."""
+    async def _land(self, region: Optional[torch.Tensor], offset: int, data, epoch: int, count: int = 1) -> None:
+        """``data``: bytes to put at ``region[offset:]``, or (no region) the count of bytes already there
+        (in ``count`` writes)."""
         if epoch > self.target.closed_epoch:  # a late write of a closed round is dropped, as TCP's agent does
             nbytes = data if region is None else data.numel()
             c = self.target.count(self.local.rank, epoch)
@@ -240,10 +241,10 @@ class MemoryConnection:
                 c.errors.append(f"refused: {problem}")
             elif region is not None and nbytes:
                 region[offset:offset + nbytes].copy_(data)
-            c.count += 1
+            c.count += count
             c.nbytes += nbytes
         async with self._landed:
-            self.delivered += 1
+            self.delivered += count
             self._landed.notify_all()
 
     async def landed(self, issued: int) -> None:

@@ -310,8 +310,10 @@ def _cut(layout, name: str, dim: int, start: int, stop: int):
 
 
 async def _fp8_states(src, tps, checksum, grouped):
-    """Two rounds into FP8 receivers over the memory transport (its targets are addressable):
-    (each receiver's state dict, rows written straight into the receivers per FP8 row of the table)."""
+    """Three rounds into FP8 receivers over the memory transport (its targets are addressable):
+    (each receiver's state dict, rows written straight into the receivers per FP8 row of the table).
+    Rows written in place are compiled (``CompiledLane.written``): launched once per group a round,
+    handed to the connection once per lane."""
     shapes = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in src.items()}
     policy = FP8Policy(exclude=(r".*norm.*", r".*embed.*"))
     layouts = [receiver_layout(shapes, "qwen2", tp=tp, fp8=policy) for tp in tps]
@@ -319,13 +321,15 @@ async def _fp8_states(src, tps, checksum, grouped):
         transforms = sender.sources.transforms
         if grouped:
             transforms.group_devices = frozenset({"cpu"})
-        for version in (1, 2):  # the second round reuses the first one's decisions (same slots)
+        for version in (1, 2, 3):  # later rounds reuse the first one's decisions (both landing slots)
             await _one_round(sender, receivers, version)
             for tp, r in zip(tps, receivers):
                 check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
         assert transforms.kept == {}
         fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
         assert fp8_rows > 0
+        compiler = sender.pipeline.compiler  # (compiled once per landing slot: written rows of 1 or 2 tables)
+        assert compiler.written in ((fp8_rows, 2 * fp8_rows) if not checksum and transforms.written else (0,))
         return [{k: v.clone() for k, v in r.state_dict().items()} for r in receivers], transforms.written / fp8_rows
 
 
@@ -338,7 +342,7 @@ async def test_quantizations_are_written_straight_into_an_addressable_receiver(g
     tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
     direct, written = await _fp8_states(src, tps, "", grouped)
     buffered, none_written = await _fp8_states(src, tps, "crc32", grouped)
-    assert written == 2 and none_written == 0  # every FP8 row of the table in both rounds; none with checksums
+    assert written == 3 and none_written == 0  # every FP8 row of the table in every round; none with checksums
     for a, b in zip(direct, buffered):
         assert a.keys() == b.keys()
         for name in a:
