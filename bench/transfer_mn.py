@@ -82,7 +82,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     install_uvloop()
     _init_dist(case, case.sender_device(rank), rank, case.senders, port)
     model = fsdp_model(case, rank)
-    opts = SenderOptions(transport=case.transport, transport_options=TransportOptions(
+    opts = SenderOptions(transport=case.transport, spin=case.spin, transport_options=TransportOptions(
         device=case.sender_device(rank), pitched_kernel=case.pitched_kernel, peer_copies=case.peer_copies))
 
     trying: dict[int, bool] = {}
@@ -169,7 +169,7 @@ def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
         torch.cuda.set_device(device)
     layout = receiver_layout(case, rank)
     tensors, shards = allocate(layout, device)
-    opts = ReceiverOptions(transport=case.transport, transport_options=TransportOptions(device=device))
+    opts = ReceiverOptions(transport=case.transport, spin=case.spin, transport_options=TransportOptions(device=device))
 
     async def main():
         async with WeightReceiver(addr, tensors, rank=rank, shards=shards, options=opts) as receiver:
@@ -185,7 +185,7 @@ async def engine(case: Case, link) -> dict:
     from weightsync.roles import Controller, ControllerOptions
     from weightsync.roles.admission import participants
 
-    options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link, delta="off",
+    options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link, delta="off", spin=case.spin,
                                 full_check_every=0)  # dense rounds of the data path alone
     procs = Procs()
     try:
@@ -356,7 +356,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
     engine_s = med(eng["round_s"])
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
-        "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8,
+        "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": case.spin,
         "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
         "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
@@ -485,6 +485,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-copies", default="fastest", choices=("fastest", "kernel", "dma"),
                     help="rows into another GPU: a kernel storing into its memory, the copy engines, or the faster "
                          "of both timed on the first rounds (rounds still timing are not counted)")
+    ap.add_argument("--spin", action="store_true",
+                    help="every process polls its event loop while a round is open (ControllerOptions / WorkerOptions.spin)")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
@@ -493,7 +495,7 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
-                profile=args.profile, trace=args.trace, pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
+                profile=args.profile, trace=args.trace, spin=args.spin, pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

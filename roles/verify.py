@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from weightsync.engine.datapath.checksums import checksum
+from weightsync.engine.datapath.checksums import checksum, fp64_many
 from weightsync.engine.datapath.deltas import named
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
@@ -86,8 +86,10 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
 
 
 def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
-    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8)."""
+    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8).
+    Blocking (run it off the loop); ``fp64`` fingerprints of every entry in one launch on a GPU."""
     expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
-    bad = {e.name for e in table.entries if (e.src_rank, e.index) in expected
-           and checksum(landing[e.offset:e.offset + e.nbytes], algo) != expected[e.src_rank, e.index]}
-    return sorted(bad)
+    entries = [e for e in table.entries if (e.src_rank, e.index) in expected]
+    pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
+    values = fp64_many(pieces) if algo == "fp64" else [checksum(piece, algo) for piece in pieces]
+    return sorted({e.name for e, value in zip(entries, values) if value != expected[e.src_rank, e.index]})

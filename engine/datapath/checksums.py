@@ -8,16 +8,23 @@ of delta rounds: ``sum(w(i) * word(i)) mod 2**64`` where ``word(i)`` is the litt
 of bytes ``4i .. 4i+3`` of the row (the last one zero-padded) and ``w(i) = i mod 65521 + 1``. Being a
 weighted sum it can be *updated* from a row's changes (``fp64_change``: the words a delta touched,
 before and after) instead of read again whole, and 65521 words at a time it cannot overflow int64.
-All are deterministic; none is cryptographic.
+All are deterministic; none is cryptographic. ``fp64_many`` takes many rows at once: on a GPU one
+launch for all of them (``weightsync.engine.cuda.fp64_kernel``, dense and pitched rows read where they
+lie), elsewhere row by row.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import zlib
+from typing import Mapping, Optional, Sequence
 
 import torch
 
 from ..errors import ConfigError
+
+log = logging.getLogger("weightsync")
 
 ALGORITHMS = ("", "crc32", "sum64", "fp64")
 _CHUNK = 1 << 24
@@ -126,3 +133,51 @@ def fp64_change(positions: torch.Tensor, before: torch.Tensor, after: torch.Tens
 
 def _s32(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 1 << 31, v - (1 << 32), v)
+
+
+_KERNEL_FAILED: list[str] = []  # why the GPU kernel could not run here (then rows go one by one)
+
+
+def fp64_many(views: Sequence[torch.Tensor], streams: Mapping[torch.device, "torch.cuda.Stream"] = {}) -> list[int]:
+    """The ``fp64`` of each view's bytes in order: dense views, and views whose dim-0 rows are each dense
+    at a larger stride (pitched) read as they lie; any other layout is made contiguous first. CUDA views
+    of one device go in one launch (on ``streams[device]``, else the device's current stream; this waits
+    for it: call it off the event loop); the rest row by row."""
+    out: list[Optional[int]] = [None] * len(views)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(views):
+        if v.device.type == "cuda" and not _KERNEL_FAILED and _range(v) is not None:
+            by_device.setdefault(v.device, []).append(i)
+        else:
+            out[i] = fp64(_bytes(v.contiguous()))
+    for device, members in by_device.items():
+        try:
+            values = _fingerprints(tuple(_range(views[i]) for i in members), device).run(streams.get(device))
+        except Exception as exc:  # no Triton or a Triton problem here: row by row is correct
+            _KERNEL_FAILED.append(repr(exc)[:200])
+            log.warning("fp64: the GPU kernel cannot run here (%s); fingerprints go row by row", _KERNEL_FAILED[0])
+            values = [fp64(_bytes(views[i].contiguous())) for i in members]
+        for i, value in zip(members, values):
+            out[i] = value
+    return out  # type: ignore[return-value]
+
+
+def _range(v: torch.Tensor) -> Optional[tuple[int, int, int, int]]:
+    """(address, bytes, bytes per row, pitch) of a dense or pitched view; None for other layouts."""
+    nbytes = v.numel() * v.element_size()
+    if v.is_contiguous():
+        return v.data_ptr(), nbytes, nbytes, nbytes
+    if v.dim() >= 2 and v.shape[0] >= 2 and v[0].is_contiguous():
+        row = v[0].numel() * v.element_size()
+        pitch = v.stride(0) * v.element_size()
+        if pitch > row:
+            return v.data_ptr(), nbytes, row, pitch
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprints(ranges: tuple, device: torch.device):
+    """The prepared launch for ``ranges`` (a plan's rows come back every full check)."""
+    from ..cuda.fp64_kernel import Fingerprints
+
+    return Fingerprints(ranges, device)

@@ -11,7 +11,9 @@ landing slot applied, become ``CopyRow`` s that the connection compiles into its
 (``Connection.compile``: pointer arrays and a copy kernel for cuda_ipc, frame headers and memoryviews
 for TCP), checking bounds there: a row that does not fit its target raises ``StagingError`` naming
 the parameter. A round then calls ``Connection.replay(table, epoch)``: a few host calls per chunk of
-rows, whatever the tensor count.
+rows, whatever the tensor count. A round that checks ``fp64`` fingerprints keeps its direct rows
+compiled: their fingerprints are read from the sources, all of a lane's in one pass
+(``checksums.fp64_many``: one launch on a GPU); other checksums stage every row.
 
 Rows written in place (a block-FP8 quantization that stores straight into the receiver's memory:
 ``TransformSet.writes_directly``) are compiled too: a lane keeps them apart (``written``) with their
@@ -39,6 +41,9 @@ from ..errors import ConfigError, StagingError
 from .staging import SourceSet
 
 
+FINGERPRINTED = ("fp64",)  # checksums of direct rows computed from their sources in one pass (``fp64_many``)
+
+
 @dataclasses.dataclass(frozen=True)
 class CopyRow:
     """One direct row: ``nbytes`` of ``src`` to ``offset`` of the target's ``region`` (slot applied). A
@@ -52,6 +57,7 @@ class CopyRow:
     nbytes: int
     height: int = 1
     pitch: int = 0
+    index: int = -1  # the routing-table row's (its checksum is reported under it)
 
 
 def pitch_of(view: torch.Tensor) -> Optional[tuple[int, int]]:
@@ -81,7 +87,7 @@ def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: s
                 pitched: bool = False) -> Optional[tuple[torch.Tensor, int, int]]:
     """``t``'s source view with its (height, pitch) when the row can be replayed from a compiled table,
     else None; ``pitched``: the connection also copies pitched rows (``pitch_of``) as they lie."""
-    if checksum or t.transform or not devices or sources.gathered(t):
+    if (checksum and checksum not in FINGERPRINTED) or t.transform or not devices or sources.gathered(t):
         return None
     view = sources.known_view(t)
     if view is None or view.device.type not in devices:
@@ -116,7 +122,7 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
                 staged.append(t)
             continue
         view, height, pitch = direct
-        rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes, height, pitch))
+        rows.append(CopyRow(t.name, view, t.dst_region + slot, t.dst_offset, t.nbytes, height, pitch, t.index))
     table = conn.compile(rows) if rows else None
     return CompiledLane(tuple(rows), table, staged, sum(r.nbytes for r in rows), tuple(written),
                         tuple((device, *total) for device, total in totals.items()))

@@ -45,14 +45,16 @@ import functools
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
+import torch
+
 from weightsync.wire import Transfer
 from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
 
 from ..errors import ConfigError
 from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
-from .checksums import validate as validate_checksum
-from .compiled import CompiledLane, RoundCompiler
+from .checksums import fp64_many, validate as validate_checksum
+from .compiled import CompiledLane, CopyRow, RoundCompiler
 from .deltas import DELTA_REGION, ENCODERS, DeltaRound
 from .staging import SourceSet, Staged, StagingPool
 
@@ -205,6 +207,8 @@ class Pipeline:
         t0 = time.perf_counter()
         replayed = _replay(conn, lane, report, epoch) + _submit_written(conn, lane, report, epoch, launched)
         try:
+            if lane.rows and self.options.checksum:  # (fp64 only: ``compiled.direct_view``)
+                report.checksums.extend(await _fingerprints(lane.rows))
             if transfers:
                 readable = conn.abilities.devices
                 await run_all([self._stager(transfers, channel, report, readable, deltas),
@@ -380,6 +384,14 @@ def _replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int
     report.count += len(lane.rows)
     report.nbytes += lane.nbytes
     return ops
+
+
+async def _fingerprints(rows: Sequence[CopyRow]) -> list[Checksum]:
+    """The ``fp64`` of compiled rows' sources, all in one pass (a worker thread waits for it), computed on
+    each device's current stream as the loop sees it (the producer's: the weights are final there)."""
+    streams = {r.src.device: torch.cuda.current_stream(r.src.device) for r in rows if r.src.device.type == "cuda"}
+    values = await asyncio.to_thread(fp64_many, [r.src for r in rows], streams)
+    return [Checksum(r.index, value) for r, value in zip(rows, values)]
 
 
 def _submit_written(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,

@@ -212,6 +212,28 @@ async def test_ipc_batch_of_rows_lands_bit_exact(monkeypatch, one_call):
     await tgt.close()
 
 
+def test_fp64_fingerprints_of_many_rows_in_one_launch_equal_each_row_s():
+    """``fp64_many``'s kernel (engine.cuda.fp64_kernel) on dense, pitched, odd-length and unaligned rows,
+    small and past one chunk, on each GPU and from a worker thread as receivers call it: each equals the
+    torch reference row by row, bit for bit, and the kernel ran (no fallback)."""
+    import concurrent.futures
+
+    from weightsync.engine.datapath import checksums
+
+    gen = torch.Generator().manual_seed(11)
+    views = []
+    for device in ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"]:
+        flat = torch.randint(0, 256, (3 * 1024 * 1024 + 5,), generator=gen, dtype=torch.uint8).to(device)
+        grid = flat[:1000 * 3000].view(1000, 3000)
+        views += [flat, flat[1:], flat[3:70001], flat[:3], grid[:, 7:1007], grid[::2, :100], grid[5:6, 1:2999],
+                  grid.view(torch.int32)[:, 3:500], flat[:0]]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        got = pool.submit(checksums.fp64_many, views).result()
+    assert not checksums._KERNEL_FAILED, checksums._KERNEL_FAILED
+    assert got == [checksums.fp64(v.contiguous().reshape(-1).view(torch.uint8)) for v in views]
+    assert checksums.fp64_many(views) == got  # (again: the prepared launch, kept)
+
+
 def test_fp8_quantization_on_gpu_within_the_reference_bound():
     from weightsync.engine.transforms import quantize_blocks, within_fp8_bound
 

@@ -66,7 +66,36 @@ async def test_a_compiled_lane_is_the_per_row_plan_byte_for_byte():
         assert row.src.data_ptr() == view.data_ptr() and torch.equal(row.src, view)
     assert lane.nbytes == sum(t.nbytes for t in table if t.name != "t")
     assert compile_lane(table, sources, conn, 0, "crc32").rows == ()  # checksums: every row staged
+    assert len(compile_lane(table, sources, conn, 0, "fp64").rows) == len(lane.rows)  # read from the sources
     await _close(src, dst, conn)
+
+
+@pytest.mark.parametrize("algo", ["fp64", "crc32"])
+async def test_a_checked_round_reports_every_row_s_checksum_compiled_or_staged(algo):
+    """A round that checks ``fp64`` keeps its direct rows compiled and reads their fingerprints from the
+    sources (``checksums.fp64_many``); other checksums stage every row. Either way every row's checksum
+    is the one of the bytes that landed, and they land bit for bit."""
+    from weightsync.engine.datapath.checksums import checksum
+
+    src, dst, conn, (region,) = await _pair("memory", 256)
+    table = _table(SOURCES)
+    pipeline = Pipeline(SourceSet(SOURCES), PipelineOptions(checksum=algo))
+    report = await asyncio.wait_for(pipeline.run(table, {0: conn}, 1), WATCHDOG)
+    lane = pipeline.compiler.lanes(table, pipeline.sources, {0: conn}, {}, algo)[0]
+    assert len(lane.rows) == (len(SOURCES) - 1 if algo == "fp64" else 0)  # ("t" is not dense: staged)
+    got = {c.index: c.value for c in report.lanes[0].checksums}
+    assert got == {t.index: checksum(region[t.dst_offset:t.dst_offset + t.nbytes], algo) for t in table}
+    assert torch.equal(region[:48].view(torch.float32), SOURCES["a"])
+    await _close(src, dst, conn)
+
+
+def test_fp64_of_many_rows_equals_each_row_s_including_pitched_views():
+    from weightsync.engine.datapath.checksums import fp64, fp64_many
+
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randint(-2**31, 2**31 - 1, (40, 37), generator=gen, dtype=torch.int32)
+    views = [whole, whole[3:9, 5:20], whole.view(torch.uint8)[:, 1:7], whole.t(), whole[0, :0], whole.view(torch.uint8)[7]]
+    assert fp64_many(views) == [fp64(v.contiguous().reshape(-1).view(torch.uint8)) for v in views]
 
 
 async def test_slots_alternate_each_with_its_own_table_and_a_new_registration_recompiles():

@@ -1,0 +1,95 @@
+"""The ``fp64`` fingerprints of many byte ranges on one GPU in one launch (Triton), read back in one copy.
+
+How this works. ``fp64`` (``weightsync.engine.datapath.checksums``) is ``sum(w(i) * word(i)) mod 2**64``
+over a row's little-endian signed int32 words, ``w(i) = i mod 65521 + 1``. A word is linear in its
+bytes (the three low ones unsigned, the top one signed), so each byte at position ``p`` adds
+``byte << 8 * (p % 4)`` times ``w(p // 4)`` on its own, and a program can sum any run of bytes without
+looking at its neighbours. ``Fingerprints(ranges, device)`` takes the ranges once: each is
+``(address, nbytes, row_bytes, pitch)``, ``nbytes`` bytes read as rows of ``row_bytes`` bytes,
+``pitch`` bytes apart (a dense range: one row); it cuts them into chunks of ``CHUNK`` bytes, one
+program each, and puts every range's offset (from the lowest address), length, row, pitch and first
+program in a small int64 table on the GPU, and each program's range in another. ``run`` launches
+one program per chunk, each writing the int64 sum of its chunk (below 2**60 in magnitude, so exact),
+folds the partial sums of each range as low and high 32-bit halves (``index_add``: no overflow at any
+size) and copies the pair to the host once: one launch, two small reductions and one copy, whatever
+the number of ranges, instead of a chain of int64 temporaries and host reads per row.
+
+The module imports Triton at import time: import it only where CUDA is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+import triton
+import triton.language as tl
+
+from ..transforms.fp8_kernel import DeviceAddress
+
+CHUNK = 8192  # bytes per program
+_MASK = (1 << 64) - 1
+
+
+@triton.jit
+def _fp64_kernel(table, owner, src, partials, CHUNK: tl.constexpr, PITCHED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    entry = table + tl.load(owner + pid).to(tl.int64) * 5
+    src_at = tl.load(entry + 0)
+    nbytes = tl.load(entry + 1)
+    first = tl.load(entry + 4)
+    p = (pid - first) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    mask = p < nbytes
+    if PITCHED:
+        row = tl.load(entry + 2)
+        pitch = tl.load(entry + 3)
+        at = (p // row) * pitch + p % row
+    else:
+        at = p
+    b = tl.load(src + src_at + at, mask=mask, other=0).to(tl.int64)
+    slot = p % 4
+    b = tl.where((slot == 3) & (b >= 128), b - 256, b)  # a word's top byte counts signed
+    tl.store(partials + pid, tl.sum((b << (slot * 8)) * ((p // 4) % 65521 + 1), axis=0))
+
+
+class Fingerprints:
+    """The ``fp64`` of fixed byte ranges on ``device`` (see the module's header); ``run`` -> one int each."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int, int, int]], device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.count = len(ranges)
+        self.launches = []
+        for pitched in (False, True):
+            members = [i for i, (_, nbytes, row, pitch) in enumerate(ranges) if nbytes and (row != pitch) == pitched]
+            if members:
+                self.launches.append(self._launch_for([ranges[i] for i in members], members, pitched))
+
+    def _launch_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool) -> tuple:
+        base = min(address for address, *_ in ranges)
+        rows, owners, programs = [], [], 0
+        for i, (address, nbytes, row, pitch) in enumerate(ranges):
+            chunks = -(-nbytes // CHUNK)
+            rows.append((address - base, nbytes, row, pitch, programs))
+            owners.append(torch.full((chunks,), i, dtype=torch.int32))
+            programs += chunks
+        table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        owner = torch.cat(owners).to(self.device)
+        return (table, owner, DeviceAddress(base, torch.uint8, self.device), programs,
+                torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
+
+    def run(self, stream: Optional[torch.cuda.Stream] = None) -> list[int]:
+        """Every range's fingerprint, computed on ``stream`` (default: the device's current one); waits
+        for it (blocking: call it from a worker thread where the loop must not wait)."""
+        with torch.cuda.device(self.device):
+            stream = stream or torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                sums = torch.zeros((2, self.count), dtype=torch.int64, device=self.device)
+                for table, owner, src, programs, members, pitched in self.launches:
+                    partials = torch.empty(programs, dtype=torch.int64, device=self.device)
+                    _fp64_kernel[(programs,)](table, owner, src, partials, CHUNK=CHUNK, PITCHED=pitched,
+                                              num_warps=8)
+                    halves = torch.stack((partials & 0xFFFFFFFF, partials >> 32))
+                    sums.index_add_(1, members[owner.to(torch.int64)], halves)
+                low, high = sums.cpu().tolist()
+        return [((h << 32) + lo) & _MASK for lo, h in zip(low, high)]
