@@ -34,7 +34,7 @@ class Case:
     seed: int = 0
     profile: str = ""  # a folder: cProfile each sender, receiver and the controller there
     trace: str = ""  # a folder: torch.profiler (CPU and CUDA) each sender there
-    spin: bool = False  # every process polls its event loop while a round is open
+    spin: Optional[bool] = None  # processes poll their event loops while a round is open (None: the default)
     pitched_kernel: bool = True  # cuda_ipc: pitched rows in one descriptor-table launch (TransportOptions)
     peer_copies: str = "fastest"  # cuda_ipc: rows into another GPU by "kernel", "dma" or the "fastest" (TransportOptions)
 

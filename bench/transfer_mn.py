@@ -356,7 +356,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
     engine_s = med(eng["round_s"])
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
-        "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": case.spin,
+        "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": {None: "auto", True: "on", False: "off"}[case.spin],
         "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
         "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
@@ -485,8 +485,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-copies", default="fastest", choices=("fastest", "kernel", "dma"),
                     help="rows into another GPU: a kernel storing into its memory, the copy engines, or the faster "
                          "of both timed on the first rounds (rounds still timing are not counted)")
-    ap.add_argument("--spin", action="store_true",
-                    help="every process polls its event loop while a round is open (ControllerOptions / WorkerOptions.spin)")
+    ap.add_argument("--spin", default="auto", choices=("auto", "on", "off"),
+                    help="processes poll their event loops while a round is open (ControllerOptions / WorkerOptions.spin; "
+                         "auto, the default: where tensors are on a GPU)")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
-                profile=args.profile, trace=args.trace, spin=args.spin, pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
+                profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

@@ -59,7 +59,8 @@ class ControllerOptions:
     peer_limits: PeerLimits = PeerLimits()
     mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
     one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
-    spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
+    spin: Optional[bool] = None  # poll the event loop while a round runs (aio.Spinner): one busy core while a
+    #                              round is open, its hops seen sooner; None: where a member's tensors are on a GPU
     control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
     delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
     full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
@@ -93,7 +94,7 @@ class Controller(AsyncResource):
         self.on_round = on_round
         self.address = ""
         self.timeline = Timeline()  # per version: when each round message was sent / received
-        self.spinner = Spinner(options.spin)
+        self.spinner = Spinner(bool(options.spin))  # (None: decided per round, ``Rounds.start``)
         self.waiters = Waiters()  # ``wait_plan`` and tests wait on conditions the parts wake
         self.hearing = Hearing(3 * options.heartbeat_s)  # (members beat every heartbeat_s)
         self.membership = Membership({Role.SENDER: senders, Role.RECEIVER: receivers}, options.mapping,

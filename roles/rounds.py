@@ -133,6 +133,8 @@ class Rounds:
         devices = {peer.hello.device for key in self.planning.sessions if (peer := self.planning.peer_of(key))}
         self.round = RoundState(version, plan.plan_id, senders, receivers, self.inputs.checksum(devices), plan.nbytes)
         self.timeline.mark(version, "round:start", self.round.t0)
+        if self.options.spin is None and not self.spinner.holders:  # auto: where a member's tensors are on a GPU
+            self.spinner.enabled = any(str(d).startswith("cuda") for d in devices)
         self.spinner.hold()
         self.task = asyncio.ensure_future(self._run(self.round))
 

@@ -56,7 +56,8 @@ class WorkerOptions:
     rejoin_backoff_s: float = 0.05  # first pause between tries; doubles up to 1 s
     rank_wait_s: float = 30.0  # a join refused for a duplicate rank is tried again this long (a restarted
     #                            process waits for the controller to time out its previous session)
-    spin: bool = False  # poll the event loop while a round runs (aio.Spinner): lower latency, one busy core
+    spin: Optional[bool] = None  # poll the event loop while a round runs (aio.Spinner): one busy core while a
+    #                              round is open, a round's hops seen sooner; None: where the tensors are on a GPU
     control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
 
     def __post_init__(self) -> None:
@@ -98,7 +99,7 @@ class Worker(AsyncResource):
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
-        self.spinner = Spinner(options.spin)
+        self.spinner = Spinner(spins(options.spin, options.transport_options.device))
         self._spinning = False
 
     def __repr__(self) -> str:
@@ -109,7 +110,7 @@ class Worker(AsyncResource):
     async def start(self) -> None:
         try:
             transport_options = self.options.transport_options
-            if self.options.spin:  # (its completion and proof polls keep polling too)
+            if self.spinner.enabled:  # (its completion and proof polls keep polling too)
                 transport_options = dataclasses.replace(transport_options, busy_poll=True)
             self.transport = create_transport(self.options.transport, transport_options)
             self.transport_info = await self.transport.start(self.rank)
@@ -363,6 +364,13 @@ class Worker(AsyncResource):
 
     async def _close_data_plane(self) -> None:
         """Close connections the subclass opened."""
+
+
+def spins(spin: Optional[bool], device: str) -> bool:
+    """Whether a process polls its loop while rounds run: ``spin`` if given, else where its tensors are
+    on a GPU (a round there lasts milliseconds, and each hop to a sleeping loop costs tenths of one:
+    docs/TRANSPORTS.md); not on a CPU, where the loop's core is the data plane's."""
+    return spin if spin is not None else str(device).startswith("cuda")
 
 
 def with_device(options: WorkerOptions, tensors: dict) -> WorkerOptions:

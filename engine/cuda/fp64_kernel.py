@@ -38,8 +38,9 @@ def _fp64_kernel(table, owner, src, partials, CHUNK: tl.constexpr, PITCHED: tl.c
     entry = table + tl.load(owner + pid).to(tl.int64) * 5
     src_at = tl.load(entry + 0)
     nbytes = tl.load(entry + 1)
-    first = tl.load(entry + 4)
-    p = (pid - first) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    start = (pid - tl.load(entry + 4)) * CHUNK  # this program's first byte in its range (a multiple of 4)
+    local = tl.arange(0, CHUNK)  # (int32 from here: no 64-bit division or modulo per byte)
+    p = start + local
     mask = p < nbytes
     if PITCHED:
         row = tl.load(entry + 2)
@@ -47,10 +48,12 @@ def _fp64_kernel(table, owner, src, partials, CHUNK: tl.constexpr, PITCHED: tl.c
         at = (p // row) * pitch + p % row
     else:
         at = p
-    b = tl.load(src + src_at + at, mask=mask, other=0).to(tl.int64)
-    slot = p % 4
+    b = tl.load(src + src_at + at, mask=mask, other=0).to(tl.int32)
+    slot = local & 3
     b = tl.where((slot == 3) & (b >= 128), b - 256, b)  # a word's top byte counts signed
-    tl.store(partials + pid, tl.sum((b << (slot * 8)) * ((p // 4) % 65521 + 1), axis=0))
+    w = ((start // 4) % 65521).to(tl.int32) + (local >> 2)  # the word's index mod 65521 (CHUNK / 4 < 65521:
+    w = tl.where(w >= 65521, w - 65521, w) + 1  # it wraps at most once in a program), plus one
+    tl.store(partials + pid, tl.sum((b << (slot * 8)).to(tl.int64) * w.to(tl.int64), axis=0))
 
 
 class Fingerprints:

@@ -144,6 +144,26 @@ async def test_spinning_roles_poll_only_while_a_round_runs():
         assert sender.transport.options.busy_poll and receiver.transport.options.busy_poll  # device polls too
 
 
+async def test_by_default_only_members_on_a_gpu_spin():
+    """``spin=None`` (the default): a process spins while rounds run where its tensors are on a GPU, the
+    controller where a member's are; CPU members and their controller never do (the loop's core is the
+    data plane's there)."""
+    from weightsync.roles.worker import spins
+
+    assert spins(None, "cuda:1") and not spins(None, "cpu") and spins(True, "cpu") and not spins(False, "cuda:0")
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=ControllerOptions(heartbeat_s=0.05, timeout_s=2.0)) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0) as sender, WeightReceiver(ctl.address, recv_t, rank=0) as receiver:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        update_in_place(send_t, 1)
+        await asyncio.wait_for(await sender.push(1), WATCHDOG)
+        await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)
+        assert mismatches(recv_t, 1) == []
+        spinners = (ctl.spinner, sender.spinner, receiver.spinner)
+        assert [s.enabled for s in spinners] == [False] * 3 and [s.spins for s in spinners] == [0] * 3
+        assert not sender.transport.options.busy_poll
+
+
 async def test_busy_polling_waits_for_a_device_event_without_napping(monkeypatch):
     """A device event is polled from the loop: normally it yields for a while and then a helper thread
     blocks on it (the loop never naps or blocks); with ``busy_poll`` (``spin_s=inf``) it only polls.
