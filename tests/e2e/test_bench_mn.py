@@ -64,3 +64,24 @@ def test_the_gather_bench_checks_every_full_tensor_in_each_arm():
     assert r["windows_over_bound"] == pytest.approx(r["windows_s"] / r["bound_s"], rel=0.1)  # (both rounded)
     for arm in ("windows_s", "one_at_a_time_s", "full_tensor_s"):
         assert r[arm] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not (__import__("torch").cuda.is_available() and __import__("torch").cuda.device_count() >= 2),
+                    reason="needs 2 GPUs")
+@pytest.mark.parametrize("model, fp8", [("tiny-dense", False), ("tiny-moe", False), ("tiny-dense", True)],
+                         ids=["dense", "moe", "fp8"])
+def test_two_fsdp_trainers_to_two_tp_ranks_colocated_on_gpus(model, fp8):
+    """2 -> 2 colocated over CUDA IPC with the compiled launches (copy kernels and batches, pitched rows
+    in one table, FP8 rows written in place by one launch per group): every TP slice bit-exact (FP8
+    within its bound), every round after the link timings counted."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_mn.py"), "--device", "cuda", "--json",
+                          "--senders", "2", "--receivers", "2", "--colocated", "--model", model, "--rounds", "10",
+                          "--no-broadcast", *(["--fp8"] if fp8 else [])],
+                         capture_output=True, text=True, timeout=380, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["case"] == "2 -> 2 colocated" and r["transport"] == "cuda_ipc" and r["fp8"] == fp8
+    assert r["bit_exact"] and r["mismatches"] == {}
+    assert r["rounds_measured"] >= 1 and all(s["compiles"] <= 4 for s in r["senders"].values())
