@@ -159,11 +159,12 @@ class RoundCompiler:
         missing = sorted(set(self._by_rank) - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
-        out = {}
+        out, used = {}, set()
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
             compiled = enabled and rank not in staged_lanes
             key = (rank, slot, checksum, compiled, conn.generation, token)
+            used.add(key)
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
                 entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, compiled))
@@ -173,4 +174,6 @@ class RoundCompiler:
         if len(self._cache) > 4 * len(out):  # connections replaced since: drop their tables
             current = {id(c) for c in conns.values()}
             self._cache = {k: e for k, e in self._cache.items() if id(e[0]) in current}
+        if len(self._cache) > 8 * len(out):  # (many tokens: lanes in and out of delta mode) keep this round's
+            self._cache = {k: e for k, e in self._cache.items() if k in used}
         return out

@@ -214,3 +214,19 @@ async def test_blocks_of_a_ranks_own_rows_are_compiled_pitched_and_land_back_to_
         await asyncio.wait_for(Pipeline(sources).run(table, {0: conn}, 1), WATCHDOG)
         assert torch.equal(region[:48].view(torch.float32).view(4, 3), full[2:6, 1:4]), kind
         await _close(src, dst, conn)
+
+
+async def test_compiled_lanes_stay_bounded_however_many_tokens_come():
+    """Lanes are cached per token (which rows are written in place depends on every lane's slot and
+    connection): a sender whose lanes go in and out of delta mode sees many, and the cache keeps at most
+    8 entries a lane, this round's always among them."""
+    src, dst, conn, (region,) = await _pair("memory", 256)
+    sources = SourceSet(SOURCES)
+    table = _table(SOURCES)
+    sources.begin(table)
+    pipeline = Pipeline(sources)
+    for token in range(40):
+        lane = pipeline.compiler.lanes(table, sources, {0: conn}, {0: token % 2}, "", token=("t", token))[0]
+        assert len(pipeline.compiler._cache) <= 8 and lane.rows
+    assert pipeline.compiler.compiles == 40
+    await _close(src, dst, conn)
