@@ -33,7 +33,8 @@ their outputs there (``weightsync.engine.transforms``). In a compiled lane such 
 lane hands its connection one ``submit_written`` per source device (counted, sealed and completed like
 that many copies). Elsewhere such a row stages as already ``written`` and the writer hands it over with
 its launch's event. Neither charges the budget (they allocate nothing). A lane with no staged rows runs
-no stager or writer: it replays, seals and fences.
+no stager or writer: it replays, seals and fences. What lanes report, and the calls that issue their
+compiled parts, are in ``weightsync.engine.datapath.lanes``.
 """
 
 from __future__ import annotations
@@ -45,18 +46,18 @@ import functools
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-import torch
-
 from weightsync.wire import Transfer
-from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
 
 from ..errors import ConfigError
 from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
-from .checksums import fp64_many, validate as validate_checksum
-from .compiled import CompiledLane, CopyRow, RoundCompiler
+from .checksums import validate as validate_checksum
+from .compiled import CompiledLane, RoundCompiler
 from .deltas import DELTA_REGION, ENCODERS, DeltaRound
+from .lanes import LaneReport, PushReport, Seals, fingerprints, issued, replay, submit_written
 from .staging import SourceSet, Staged, StagingPool
+
+__all__ = ["DEFAULT_DEPTH", "LaneReport", "Pipeline", "PipelineOptions", "PushReport"]
 
 MiB = 1 << 20
 DEFAULT_DEPTH = 8  # for a connection that names none (``Connection.depth``): bench/pipeline_depth.py
@@ -78,46 +79,6 @@ class PipelineOptions:
         if self.batch is not None and self.batch < 1:
             raise ConfigError("batch", f"must be at least 1, got {self.batch}")
         validate_checksum(self.checksum)
-
-
-@dataclasses.dataclass
-class LaneReport:
-    count: int = 0
-    nbytes: int = 0
-    checksums: list = dataclasses.field(default_factory=list)
-    stage_s: float = 0.0
-    write_s: float = 0.0
-    encode_s: float = 0.0  # of the staging, encoding delta rows (``datapath.deltas``; threads summed)
-    proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
-    deltas: list = dataclasses.field(default_factory=list)  # DeltaRow of each row that went as a delta
-
-
-@dataclasses.dataclass
-class PushReport:
-    lanes: dict[int, LaneReport]
-    seconds: float
-
-    def summaries(self) -> tuple[WriteSummary, ...]:
-        return tuple(
-            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof, tuple(lane.deltas))
-            for rank, lane in sorted(self.lanes.items())
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return sum(lane.nbytes for lane in self.lanes.values())
-
-    @property
-    def stage_s(self) -> float:
-        return sum(lane.stage_s for lane in self.lanes.values())
-
-    @property
-    def write_s(self) -> float:
-        return sum(lane.write_s for lane in self.lanes.values())
-
-    @property
-    def encode_s(self) -> float:
-        return sum(lane.encode_s for lane in self.lanes.values())
 
 
 class Pipeline:
@@ -151,7 +112,7 @@ class Pipeline:
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
-        seals = _Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
+        seals = Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
                        if on_sealed is not None else None)
         try:
             launched = await self._write_all([t for lane in lanes.values() for t in lane.written])
@@ -205,10 +166,10 @@ class Pipeline:
         # (only a connection with submit seals: its writes are queued in the transport before the seal)
         seal = conn.seal if seal_early and conn.abilities.seals and conn.abilities.submits else None
         t0 = time.perf_counter()
-        replayed = _replay(conn, lane, report, epoch) + _submit_written(conn, lane, report, epoch, launched)
+        replayed = replay(conn, lane, report, epoch) + submit_written(conn, lane, report, epoch, launched)
         try:
             if lane.rows and self.options.checksum:  # (fp64 only: ``compiled.direct_view``)
-                report.checksums.extend(await _fingerprints(lane.rows))
+                report.checksums.extend(await fingerprints(lane.rows))
             if transfers:
                 readable = conn.abilities.devices
                 await run_all([self._stager(transfers, channel, report, readable, deltas),
@@ -334,7 +295,7 @@ class Pipeline:
                     # what it holds goes back the moment it completes (or is cancelled), not when we look
                     op.add_done_callback(functools.partial(self._written, t, staged))
                     inflight.append((op, t, staged, t0))
-                    _issued(report, t, staged)
+                    issued(report, t, staged)
                 queued = end
         except BaseException:
             for t, staged in items[queued:]:
@@ -376,36 +337,6 @@ class Pipeline:
             self.pool.give(staged.buffer)
 
 
-def _replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:
-    """Issue the lane's compiled table on ``conn`` (one or a few host calls); its completions."""
-    if lane.table is None:
-        return []
-    ops = list(conn.replay(lane.table, epoch))
-    report.count += len(lane.rows)
-    report.nbytes += lane.nbytes
-    return ops
-
-
-async def _fingerprints(rows: Sequence[CopyRow]) -> list[Checksum]:
-    """The ``fp64`` of compiled rows' sources, all in one pass (a worker thread waits for it), computed on
-    each device's current stream as the loop sees it (the producer's: the weights are final there)."""
-    streams = {r.src.device: torch.cuda.current_stream(r.src.device) for r in rows if r.src.device.type == "cuda"}
-    values = await asyncio.to_thread(fp64_many, [r.src for r in rows], streams)
-    return [Checksum(r.index, value) for r, value in zip(rows, values)]
-
-
-def _submit_written(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,
-                    launched: Mapping) -> list[asyncio.Future]:
-    """Hand ``conn`` the lane's rows written in place, one call per source device (ordered after that
-    device's last quantization launch); their completions."""
-    ops = []
-    for device, count, nbytes, region, offset in lane.written_totals:
-        ops.append(conn.submit_written(device, region, offset, nbytes, epoch, launched.get(device), count=count))
-        report.count += count
-        report.nbytes += nbytes
-    return ops
-
-
 def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
     """(region, offset) ``staged`` goes to: its row's in the landing slot, or the delta's window."""
     return staged.target if staged.target is not None else (t.dst_region + slot, t.dst_offset)
@@ -440,34 +371,4 @@ async def _hand_over(encoding: collections.deque, channel: Channel) -> None:
     encoding.popleft()
 
 
-def _issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
-    """What the lane reports is counted as writes are issued (a failed write fails the whole run)."""
-    report.count += 1
-    if staged.target is not None:
-        report.nbytes += staged.tensor.numel()
-        report.deltas.append(DeltaRow(t.index, staged.tensor.numel(), *staged.delta))
-    else:
-        report.nbytes += t.nbytes
-    if staged.checksum is not None:
-        report.checksums.append(Checksum(t.index, staged.checksum))
-
-
 _Inflight = collections.deque  # of (completion future, row, staged, issue time), oldest first
-
-
-class _Seals:
-    """Counts lanes down to sealed; calls ``done`` once, when the last one is."""
-
-    def __init__(self, lanes: int, done: Callable[[], None]) -> None:
-        self.left = lanes
-        self.done: Optional[Callable[[], None]] = done
-
-    def one(self) -> None:
-        self.left -= 1
-        if self.left <= 0:
-            self.all()
-
-    def all(self) -> None:
-        done, self.done = self.done, None
-        if done is not None:
-            done()

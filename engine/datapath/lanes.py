@@ -1,0 +1,126 @@
+"""What a lane of the pipeline reports, and the calls that issue the compiled parts of a lane.
+
+How this works: ``LaneReport`` counts what one connection's lane wrote (rows, bytes, checksums, deltas,
+the delivery proof) as writes are issued; ``PushReport`` is a round's lanes, whose ``summaries`` go out
+in ``writes_done``. ``replay`` issues a lane's compiled table, ``submit_written`` hands a connection the
+rows that quantizations wrote in place (one call per source device), ``fingerprints`` reads the
+``fp64`` of compiled rows from their sources (one pass; the round's checks), ``issued`` counts a staged
+row, and ``Seals`` counts lanes down to the moment every one is sealed
+(``weightsync.engine.datapath.pipeline``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from weightsync.wire import Transfer
+from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
+
+from ..transport import Connection
+from .checksums import fp64_many
+from .compiled import CompiledLane, CopyRow
+from .staging import Staged
+
+
+@dataclasses.dataclass
+class LaneReport:
+    count: int = 0
+    nbytes: int = 0
+    checksums: list = dataclasses.field(default_factory=list)
+    stage_s: float = 0.0
+    write_s: float = 0.0
+    encode_s: float = 0.0  # of the staging, encoding delta rows (``datapath.deltas``; threads summed)
+    proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
+    deltas: list = dataclasses.field(default_factory=list)  # DeltaRow of each row that went as a delta
+
+
+@dataclasses.dataclass
+class PushReport:
+    lanes: dict[int, LaneReport]
+    seconds: float
+
+    def summaries(self) -> tuple[WriteSummary, ...]:
+        return tuple(
+            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof, tuple(lane.deltas))
+            for rank, lane in sorted(self.lanes.items())
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lane.nbytes for lane in self.lanes.values())
+
+    @property
+    def stage_s(self) -> float:
+        return sum(lane.stage_s for lane in self.lanes.values())
+
+    @property
+    def write_s(self) -> float:
+        return sum(lane.write_s for lane in self.lanes.values())
+
+    @property
+    def encode_s(self) -> float:
+        return sum(lane.encode_s for lane in self.lanes.values())
+
+
+def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:
+    """Issue the lane's compiled table on ``conn`` (one or a few host calls); its completions."""
+    if lane.table is None:
+        return []
+    ops = list(conn.replay(lane.table, epoch))
+    report.count += len(lane.rows)
+    report.nbytes += lane.nbytes
+    return ops
+
+
+async def fingerprints(rows: Sequence[CopyRow]) -> list[Checksum]:
+    """The ``fp64`` of compiled rows' sources, all in one pass (a worker thread waits for it), computed on
+    each device's current stream as the loop sees it (the producer's: the weights are final there)."""
+    streams = {r.src.device: torch.cuda.current_stream(r.src.device) for r in rows if r.src.device.type == "cuda"}
+    values = await asyncio.to_thread(fp64_many, [r.src for r in rows], streams)
+    return [Checksum(r.index, value) for r, value in zip(rows, values)]
+
+
+def submit_written(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,
+                    launched: Mapping) -> list[asyncio.Future]:
+    """Hand ``conn`` the lane's rows written in place, one call per source device (ordered after that
+    device's last quantization launch); their completions."""
+    ops = []
+    for device, count, nbytes, region, offset in lane.written_totals:
+        ops.append(conn.submit_written(device, region, offset, nbytes, epoch, launched.get(device), count=count))
+        report.count += count
+        report.nbytes += nbytes
+    return ops
+
+
+def issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
+    """What the lane reports is counted as writes are issued (a failed write fails the whole run)."""
+    report.count += 1
+    if staged.target is not None:
+        report.nbytes += staged.tensor.numel()
+        report.deltas.append(DeltaRow(t.index, staged.tensor.numel(), *staged.delta))
+    else:
+        report.nbytes += t.nbytes
+    if staged.checksum is not None:
+        report.checksums.append(Checksum(t.index, staged.checksum))
+
+
+class Seals:
+    """Counts lanes down to sealed; calls ``done`` once, when the last one is."""
+
+    def __init__(self, lanes: int, done: Callable[[], None]) -> None:
+        self.left = lanes
+        self.done: Optional[Callable[[], None]] = done
+
+    def one(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.all()
+
+    def all(self) -> None:
+        done, self.done = self.done, None
+        if done is not None:
+            done()
