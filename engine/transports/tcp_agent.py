@@ -78,6 +78,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         if self.key is None and not self.dead:
             self.owner.guard.refuse(self.peer, f"no authenticated hello within "
                                     f"{self.owner.options.handshake_timeout_s}s", "handshake timeout")
+            self.owner.door.expired(self)
             self._close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -177,6 +178,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
 
     def _close(self) -> None:
         self.dead = True
+        self.owner.door.left(self)  # (at once: the peer may see the close before ``connection_lost`` runs)
         self.transport.close()
 
     def _expect_header(self) -> None:
@@ -283,9 +285,12 @@ class FrontDoor:
         self.per_address = per_address
         self.waiting: dict[AgentProtocol, str] = {}  # (insertion order: oldest first) -> its address
         self.evicted = 0
+        self.timed_out = 0  # closed by the handshake timeout
+        self.most = 0  # the most ever waiting at once (never above ``limit``)
 
     def __repr__(self) -> str:
-        return f"<FrontDoor waiting={len(self.waiting)} evicted={self.evicted}>"
+        return (f"<FrontDoor waiting={len(self.waiting)} most={self.most} evicted={self.evicted} "
+                f"timed_out={self.timed_out}>")
 
     def arrived(self, agent: AgentProtocol) -> None:
         address = agent.peer.rpartition(":")[0]
@@ -295,6 +300,12 @@ class FrontDoor:
         elif len(self.waiting) >= self.limit:
             self._evict(next(iter(self.waiting)), f"over {self.limit} unauthenticated connections")
         self.waiting[agent] = address
+        self.most = max(self.most, len(self.waiting))
+
+    def expired(self, agent: AgentProtocol) -> None:
+        """``agent`` proved no key within the handshake timeout (it is being closed)."""
+        if self.waiting.pop(agent, None) is not None:
+            self.timed_out += 1
 
     def _evict(self, agent: AgentProtocol, why: str) -> None:
         self.waiting.pop(agent, None)

@@ -350,9 +350,11 @@ async def test_idle_strangers_are_bounded_and_timed_out_and_a_restarted_sender_s
                 await push(s1, ts2, 2)
                 await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
                 assert mismatches(recv, 2) == []
-                assert len(r0.transport.door.waiting) <= 32 and r0.transport.door.evicted >= 210 - 32
                 await asyncio.gather(*[asyncio.to_thread(_read_to_eof, s) for s in strangers])  # all closed by us
-                assert not r0.transport.door.waiting
+                door = r0.transport.door
+                assert not door.waiting and door.most == 32  # the cap was reached and never passed ...
+                assert door.evicted + door.timed_out >= 200  # ... and every idle stranger was closed by it or by
+                #  the handshake timeout (how many each: how fast the 210 arrived, against the 1 s timeout)
         finally:
             for s in strangers:
                 s.close()
