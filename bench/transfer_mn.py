@@ -12,6 +12,9 @@ Rows, measured in one run:
   with every port class of a receiver running at once) with the bandwidths measured here: one NVLink
   peer copy GPU 0 -> 1 (across GPUs), one device-to-device copy on GPU 0 (the colocated share), or one
   loopback TCP stream (CPU). A receiver must take in its slice; a trainer must send what only it holds.
+- **quantize bound** (``--fp8`` on CUDA): the least time the busiest sender needs to quantize its share on its GPU,
+  reading the bf16 source and writing the FP8 weight at the measured device copy rate
+  (``quantize_bound``): ``bound`` counts only the FP8 bytes that move.
 - **predicted**: the planner's modeled makespan of the routing table the controller installed, under
   the same measured bandwidths.
 - **engine**: full rounds through the public API (Controller in this process; WeightSender on each
@@ -227,7 +230,19 @@ async def engine(case: Case, link) -> dict:
         "full_tensor_s": by_sender[0]["full_tensor_s"],
         "predicted_s": makespan(routing.senders, senders, receivers, link),
         "bound_s": lower_bound(pieces, senders, receivers, link),
+        "quantize_bound_s": quantize_bound(routing.senders, link),
     }
+
+
+def quantize_bound(tables, link) -> float:
+    """The least time the busiest sender needs to quantize its share into block FP8 on its GPU: each
+    quantization reads its bf16 source (2 bytes a value) and writes the FP8 weight (1 byte a value), all
+    at the device's copy rate (``link.local_bw`` bytes copied a second: one read and one write each).
+    ``lower_bound`` counts only the FP8 bytes written; this counts what the sender must read too."""
+    def seconds(table) -> float:
+        weights = {(t.name, t.slice): t.nbytes for t in table.transfers if t.transform.rpartition(",")[2].startswith("fp8w")}
+        return 3 * sum(weights.values()) / (2 * link.local_bw)
+    return max((seconds(t) for t in tables.values()), default=0.0)
 
 
 def _timeline(ctl, done: list, case: Case) -> list:
@@ -365,6 +380,9 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "engine_ms": round(engine_s * 1e3, 3),
         "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
+        **({"quantize_bound_ms": round(eng["quantize_bound_s"] * 1e3, 3),
+            "engine_over_quantize_bound_ratio": round(engine_s / eng["quantize_bound_s"], 3)}
+           if case.fp8 and case.device == "cuda" and eng["quantize_bound_s"] else {}),
         "predicted_over_engine_ratio": round(eng["predicted_s"] / engine_s, 3),
         "senders": {k: {"gathered_per_round": v["gathered"], "rows": v["rows"], "compiles": v["compiles"],
                         "host_us_per_row": v["host_us_per_row"] and round(v["host_us_per_row"], 2),

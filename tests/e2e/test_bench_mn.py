@@ -85,3 +85,4 @@ def test_two_fsdp_trainers_to_two_tp_ranks_colocated_on_gpus(model, fp8):
     assert r["case"] == "2 -> 2 colocated" and r["transport"] == "cuda_ipc" and r["fp8"] == fp8
     assert r["bit_exact"] and r["mismatches"] == {}
     assert r["rounds_measured"] >= 1 and all(s["compiles"] <= 4 for s in r["senders"].values())
+    assert ("quantize_bound_ms" in r) == fp8 and r.get("quantize_bound_ms", 1) > 0  # (reading bf16 counts too)
