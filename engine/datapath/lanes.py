@@ -49,21 +49,14 @@ class PushReport:
             for rank, lane in sorted(self.lanes.items())
         )
 
-    @property
-    def nbytes(self) -> int:
-        return sum(lane.nbytes for lane in self.lanes.values())
+    def total(self, field: str):
+        """``field`` of every lane's report, summed."""
+        return sum(getattr(lane, field) for lane in self.lanes.values())
 
-    @property
-    def stage_s(self) -> float:
-        return sum(lane.stage_s for lane in self.lanes.values())
-
-    @property
-    def write_s(self) -> float:
-        return sum(lane.write_s for lane in self.lanes.values())
-
-    @property
-    def encode_s(self) -> float:
-        return sum(lane.encode_s for lane in self.lanes.values())
+    nbytes = property(lambda self: self.total("nbytes"))
+    stage_s = property(lambda self: self.total("stage_s"))
+    write_s = property(lambda self: self.total("write_s"))
+    encode_s = property(lambda self: self.total("encode_s"))  # (of the staging, encoding delta rows)
 
 
 def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:
