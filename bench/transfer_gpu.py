@@ -286,17 +286,23 @@ def _profiled(main, path: str, trace: str = ""):
     if not path:
         return asyncio.run(main())
     import cProfile
-    import io
-    import pstats
 
     prof = cProfile.Profile()
     result = prof.runcall(asyncio.run, main())
+    write_profile(prof, path)
+    return result
+
+
+def write_profile(prof, path: str) -> None:
+    """A cProfile's hottest functions, by own time and by cumulative time, into ``path``."""
+    import io
+    import pstats
+
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(40)
     pathlib.Path(path).write_text(text.getvalue())
-    return result
 
 
 def _engine_receiver(addr: str, transport: str, rounds: int, uccl_tcp: bool, conn, fp8: bool = False,

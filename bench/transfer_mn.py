@@ -67,7 +67,7 @@ from mn_setup import (  # noqa: E402  (the case, the model and its oracle, proce
     MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, fused_parts, measured_link, mismatches,
     model_shapes, receiver_layout, tp_part,
 )
-from transfer_gpu import _median_timeline, _profiled  # noqa: E402
+from transfer_gpu import _median_timeline, _profiled, write_profile  # noqa: E402
 
 BUCKET = 512 << 20  # the bucketed broadcast's bucket (verl, slime)
 
@@ -471,8 +471,6 @@ async def _controller_profiled(coro, folder: str):
     if not folder:
         return await coro
     import cProfile
-    import io
-    import pstats
 
     prof = cProfile.Profile()
     prof.enable()
@@ -480,11 +478,7 @@ async def _controller_profiled(coro, folder: str):
         return await coro
     finally:
         prof.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("tottime").print_stats(40)
-        stats.sort_stats("cumulative").print_stats(40)
-        pathlib.Path(folder, "controller.txt").write_text(text.getvalue())
+        write_profile(prof, str(pathlib.Path(folder, "controller.txt")))
 
 
 def main(argv=None) -> int:

@@ -144,15 +144,16 @@ def fp64_many(views: Sequence[torch.Tensor], streams: Mapping[torch.device, "tor
     of one device go in one launch (on ``streams[device]``, else the device's current stream; this waits
     for it: call it off the event loop); the rest row by row."""
     out: list[Optional[int]] = [None] * len(views)
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[torch.device, dict[int, tuple]] = {}  # device -> view index -> its byte range
     for i, v in enumerate(views):
-        if v.device.type == "cuda" and not _KERNEL_FAILED and _range(v) is not None:
-            by_device.setdefault(v.device, []).append(i)
+        where = _range(v) if v.device.type == "cuda" and not _KERNEL_FAILED else None
+        if where is not None:
+            by_device.setdefault(v.device, {})[i] = where
         else:
             out[i] = fp64(_bytes(v.contiguous()))
     for device, members in by_device.items():
         try:
-            values = _fingerprints(tuple(_range(views[i]) for i in members), device).run(streams.get(device))
+            values = _fingerprints(tuple(members.values()), device).run(streams.get(device))
         except Exception as exc:  # no Triton or a Triton problem here: row by row is correct
             _KERNEL_FAILED.append(repr(exc)[:200])
             log.warning("fp64: the GPU kernel cannot run here (%s); fingerprints go row by row", _KERNEL_FAILED[0])

@@ -149,10 +149,11 @@ class Pipeline:
         if not rows:
             return {}
         transforms = self.sources.transforms
-        cuda = [t for t in rows if self.sources.known_view(t).device.type == "cuda"]
+        cuda, host = [], []
+        for t in rows:
+            (cuda if self.sources.known_view(t).device.type == "cuda" else host).append(t)
         launched = transforms.write_all(cuda) if cuda else {}
-        if len(cuda) < len(rows):
-            host = [t for t in rows if self.sources.known_view(t).device.type != "cuda"]
+        if host:
             launched.update(await asyncio.to_thread(transforms.write_all, host))
         return launched
 

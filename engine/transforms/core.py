@@ -58,6 +58,15 @@ THREAD_BYTES = 1 << 20  # CPU transforms above this run in a worker thread
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _matrix(t: Transfer, x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` as the 2-D grid it is quantized on (a stack of matrices, fused experts, as its 2-D view: the
+    same grid and bytes); a ``StagingError`` naming ``t``'s parameter where it has none."""
+    try:
+        return as_matrix(x, block)
+    except ValueError as exc:
+        raise StagingError(t.name, str(exc)) from exc
+
+
 def _copy_to_device(view: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
     """A CPU tensor copied to ``device`` (blocking this thread), and an event after the copy."""
     with torch.cuda.device(device):
@@ -199,14 +208,18 @@ class TransformSet:
         """Whether row ``t``'s bytes are written into the receiver by its quantization's launch."""
         return "fp8" in t.transform and t.transform not in self.custom and self._direct(self._key(t)) is not None
 
+    def _group_keys(self, key) -> list:
+        """The keys of the quantizations one launch makes with ``key``'s: its group's, or its own."""
+        group = self.groups.get(key)
+        return [self._key(row) for row, _ in group] if group is not None else [key]
+
     def _direct(self, key) -> Optional[tuple[int, int]]:
         """(weight address, scales address) where quantization ``key`` is written this round, or None.
         Decided for its whole group at once: a launch writes all its outputs one way."""
         if self._resolve is None or not isinstance(key, int):
             return None
         if key not in self._dests:
-            group = self.groups.get(key)
-            keys = [self._key(row) for row, _ in group] if group is not None else [key]
+            keys = self._group_keys(key)
             dests = [self._key_dests(k) for k in keys]
             if None in dests:
                 dests = [None] * len(keys)
@@ -282,8 +295,7 @@ class TransformSet:
             view = self._view_of(t)
             if view is None or self._direct(key) is None:
                 raise StagingError(t.name, "compiled as written in place, but its quantization no longer is")
-            group = self.groups.get(key)
-            keys = [self._key(row) for row, _ in group] if group is not None else [key]
+            keys = self._group_keys(key)
             if view.device.type == "cuda":
                 stream = self._side_stream(view.device)
                 self._after_producer(stream, view.device)
@@ -299,11 +311,7 @@ class TransformSet:
     def _write_one(self, t: Transfer, key, view: torch.Tensor) -> Optional[torch.cuda.Event]:
         """``t``'s quantization and the rest of its group, written into the receivers; its event."""
         block = int(parse(t.transform)[-1][1])
-        try:
-            x = as_matrix(self._head(t, view), block)
-        except ValueError as exc:
-            raise StagingError(t.name, str(exc)) from exc
-        return self._quantize_group(key, x, block)[2]
+        return self._quantize_group(key, _matrix(t, self._head(t, view), block), block)[2]
 
     def _after_producer(self, stream: torch.cuda.Stream, device: torch.device) -> None:
         """The side stream waits for the producer's stream once per round: the weights are final then."""
@@ -363,11 +371,7 @@ class TransformSet:
         key = self._key(t)
         both = self.kept.get(key)
         if both is None:
-            try:  # (a stack of matrices, fused experts, as its 2-D view: the same grid and bytes)
-                x = as_matrix(x, block)
-            except ValueError as exc:
-                raise StagingError(t.name, str(exc)) from exc
-            both = self._quantize_group(key, x, block)
+            both = self._quantize_group(key, _matrix(t, x, block), block)
         self.pending[key] -= 1
         if self.pending[key] > 0:  # more rows of this round want this quantization: keep it for them
             self.kept[key] = both
@@ -380,7 +384,7 @@ class TransformSet:
         launch's event on CUDA): ``(weight, scale_inv, event)`` of ``x``. A group is fixed for a plan
         (sources of one kind, transposes at most before the quantization), so its launch is reused."""
         group = self.groups.get(key)
-        keys = [self._key(row) for row, _ in group] if group is not None else [key]
+        keys = self._group_keys(key)
         dests = [self._dests[k] for k in keys] if self._direct(key) is not None else None
         if group is None:  # alone: its launch is still kept for the next rounds when the plan has it
             results = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None,

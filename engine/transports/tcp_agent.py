@@ -308,8 +308,7 @@ class FrontDoor:
             self.timed_out += 1
 
     def _evict(self, agent: AgentProtocol, why: str) -> None:
-        self.waiting.pop(agent, None)
-        self.evicted += 1
+        self.evicted += 1  # (``_close`` takes it off the waiting list)
         agent.owner.guard.refuse(agent.peer, f"closed, not authenticated: {why}", "evicted")
         agent._close()
 
