@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
 #   source bench/gpu/env.sh .whl   (installs the carried wheels; sets UCCL's environment)
-# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|mn1|mn2|all]   (each part fits one 10-minute device
+# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|mn1|mn2|deltas|all]   (each part fits one 10-minute device
 # call but mn: mn1 and mn2 run its first and second GPU placement, one call each)
 set -u
 out=${1:-bench/results}
@@ -35,6 +35,19 @@ echo "uccl smoke exit: $?" >> "$out/uccl_api.txt"
 # (the M -> N bench's GPU tests, tests/e2e/test_bench_mn.py -m gpu, take a few minutes more: a call of their own)
 timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_gpu.py -rs --timeout 90 --maxfail=5 -o log_cli=true --log-cli-level=WARNING > "$out/gpu_tests.txt" 2>&1
 echo "gpu tests exit: $?" >> "$out/gpu_tests.txt"
+fi
+if [ "$part" = deltas ]; then
+# delta rounds on the GPUs: the batched kernels' tests, fp64 fingerprints, transfer_delta across GPUs and on one
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/transforms/test_delta_kernel.py \
+  tests/roles/test_deltas.py tests/e2e/test_gpu.py -k "delta or fp64" -rs --timeout 120 > "$out/delta_tests.txt" 2>&1
+echo "delta tests exit: $?" >> "$out/delta_tests.txt"
+for arch in qwen2.5-7b qwen2.5-0.5b; do
+  timeout 90 python3 bench/diagnostics/fingerprints.py --json --arch $arch 2>&1 | tail -1 >> "$out/fingerprints.jsonl"
+done
+for where in across colocated; do
+  timeout 150 python3 bench/transfer_delta.py --gpus $where --mb ${DELTA_MB:-2048} --rounds 3 --warmup 3 \
+    --fractions 0.01,0.1,1.0 --out "$out/transfer_delta_$where.json" > "$out/transfer_delta_$where.txt" 2>&1
+done
 fi
 if [ "$part" = all ]; then
 timeout 300 python3 bench/diagnostics/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1

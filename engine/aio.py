@@ -58,6 +58,10 @@ class ByteBudget:
                 self.in_use += n
                 fut.set_result(None)
 
+    def fits_now(self, nbytes: int) -> bool:
+        """Whether ``acquire(nbytes)`` would return at once."""
+        return not self._waiters and self._fits(nbytes)
+
     def _fits(self, nbytes: int) -> bool:
         return self.in_use + nbytes <= self.limit or self.in_use == 0
 

@@ -71,7 +71,7 @@ class DeltaLanding:
             for start, end in _spans((d.entry.offset, d.entry.offset + d.entry.nbytes) for d in checked):
                 landing[start:end].copy_(live[start:end])
         wrong = dp.apply(checked, landing, dtypes)
-        self.changed += sum(d.delta.changes for d in checked)
+        self.changed += sum(d.changes for d in checked)
         self.rows += len(checked)
         self.apply_s += time.perf_counter() - t0
         return wrong

@@ -14,6 +14,12 @@ folds the partial sums of each range as low and high 32-bit halves (``index_add`
 size) and copies the pair to the host once: one launch, two small reductions and one copy, whatever
 the number of ranges, instead of a chain of int64 temporaries and host reads per row.
 
+Ranges whose address, length, row and pitch are multiples of 4 (nearly every row: tensors start
+aligned, and rows of 2- and 4-byte values have even lengths) take ``_fp64_words_kernel`` instead: it
+loads whole int32 words, ``WORDS`` a program, each times its weight, a quarter of the byte kernel's
+loads and arithmetic. Its table holds each range's own address (no common base), so it needs no
+tensor argument per range. Any other range takes the byte kernel.
+
 The module imports Triton at import time: import it only where CUDA is.
 """
 
@@ -56,6 +62,29 @@ def _fp64_kernel(table, owner, src, partials, CHUNK: tl.constexpr, PITCHED: tl.c
     tl.store(partials + pid, tl.sum((b << (slot * 8)).to(tl.int64) * w.to(tl.int64), axis=0))
 
 
+WORDS = 4096  # int32 words per program of the word kernel (< 65521: a program's weights wrap at most once)
+
+
+@triton.jit
+def _fp64_words_kernel(table, owner, partials, WORDS: tl.constexpr, PITCHED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    entry = table + tl.load(owner + pid).to(tl.int64) * 5
+    src = tl.load(entry + 0).to(tl.pointer_type(tl.int32))
+    start = (pid - tl.load(entry + 4)) * WORDS  # this program's first word in its range
+    local = tl.arange(0, WORDS)
+    p = start + local
+    mask = p < tl.load(entry + 1)
+    if PITCHED:
+        row = tl.load(entry + 2)
+        at = (p // row) * tl.load(entry + 3) + p % row
+    else:
+        at = p
+    word = tl.load(src + at, mask=mask, other=0).to(tl.int64)
+    w = (start % 65521).to(tl.int32) + local
+    w = tl.where(w >= 65521, w - 65521, w) + 1
+    tl.store(partials + pid, tl.sum(word * w.to(tl.int64), axis=0))
+
+
 class Fingerprints:
     """The ``fp64`` of fixed byte ranges on ``device`` (see the module's header); ``run`` -> one int each."""
 
@@ -63,10 +92,24 @@ class Fingerprints:
         self.device = torch.device(device)
         self.count = len(ranges)
         self.launches = []
-        for pitched in (False, True):
-            members = [i for i, (_, nbytes, row, pitch) in enumerate(ranges) if nbytes and (row != pitch) == pitched]
-            if members:
-                self.launches.append(self._launch_for([ranges[i] for i in members], members, pitched))
+        for words in (True, False):
+            for pitched in (False, True):
+                members = [i for i, (address, nbytes, row, pitch) in enumerate(ranges)
+                           if nbytes and (row != pitch) == pitched and _in_words(address, nbytes, row, pitch) == words]
+                if members:
+                    launch = self._words_for if words else self._launch_for
+                    self.launches.append(launch([ranges[i] for i in members], members, pitched))
+
+    def _words_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool) -> tuple:
+        rows, owners, programs = [], [], 0
+        for i, (address, nbytes, row, pitch) in enumerate(ranges):
+            chunks = -(-nbytes // (4 * WORDS))
+            rows.append((address, nbytes // 4, row // 4, pitch // 4, programs))
+            owners.append(torch.full((chunks,), i, dtype=torch.int32))
+            programs += chunks
+        table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        owner = torch.cat(owners).to(self.device)
+        return (table, owner, None, programs, torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
 
     def _launch_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool) -> tuple:
         base = min(address for address, *_ in ranges)
@@ -84,15 +127,26 @@ class Fingerprints:
     def run(self, stream: Optional[torch.cuda.Stream] = None) -> list[int]:
         """Every range's fingerprint, computed on ``stream`` (default: the device's current one); waits
         for it (blocking: call it from a worker thread where the loop must not wait)."""
+        if self.device.type != "cuda":  # (Triton's interpreter, in tests)
+            return self._sums()
         with torch.cuda.device(self.device):
-            stream = stream or torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(stream):
-                sums = torch.zeros((2, self.count), dtype=torch.int64, device=self.device)
-                for table, owner, src, programs, members, pitched in self.launches:
-                    partials = torch.empty(programs, dtype=torch.int64, device=self.device)
-                    _fp64_kernel[(programs,)](table, owner, src, partials, CHUNK=CHUNK, PITCHED=pitched,
-                                              num_warps=8)
-                    halves = torch.stack((partials & 0xFFFFFFFF, partials >> 32))
-                    sums.index_add_(1, members[owner.to(torch.int64)], halves)
-                low, high = sums.cpu().tolist()
+            with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+                return self._sums()
+
+    def _sums(self) -> list[int]:
+        sums = torch.zeros((2, self.count), dtype=torch.int64, device=self.device)
+        for table, owner, src, programs, members, pitched in self.launches:
+            partials = torch.empty(programs, dtype=torch.int64, device=self.device)
+            if src is None:
+                _fp64_words_kernel[(programs,)](table, owner, partials, WORDS=WORDS, PITCHED=pitched, num_warps=8)
+            else:
+                _fp64_kernel[(programs,)](table, owner, src, partials, CHUNK=CHUNK, PITCHED=pitched, num_warps=8)
+            halves = torch.stack((partials & 0xFFFFFFFF, partials >> 32))
+            sums.index_add_(1, members[owner.to(torch.int64)], halves)
+        low, high = sums.cpu().tolist()
         return [((h << 32) + lo) & _MASK for lo, h in zip(low, high)]
+
+
+def _in_words(address: int, nbytes: int, row: int, pitch: int) -> bool:
+    """Whether a range is whole int32 words where it lies (the word kernel's)."""
+    return address % 4 == 0 and nbytes % 4 == 0 and row % 4 == 0 and pitch % 4 == 0

@@ -28,6 +28,7 @@ and ``apply`` with the fingerprint in the same loop); rows elsewhere the vectori
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -58,7 +59,8 @@ MEASURED = 1 << 20  # bytes a rate is measured over, at least
 REPROBE = 16  # "auto": a lane dense this many rounds in a row tries deltas again (the encoder is measured anew)
 REPROBE_MAX = 1024  # each try that does not pay doubles that wait, up to this many rounds
 OFF_LOOP_BYTES = 1 << 20  # CPU rows this large are encoded on worker threads (the event loop keeps writing)
-ENCODERS = 2  # such rows of a lane encoded at once (the compiled encoder lets go of the GIL)
+ENCODERS = 2  # such rows (or batches) of a lane encoded at once (the compiled encoder lets go of the GIL)
+BATCH_BYTES = 256 << 20  # GPU rows of a lane encoded as one batch, up to this many bytes (``batched``)
 APPLY_THREADS = 4  # threads a receiver applies a round's CPU deltas with (rows in parallel), at most
 
 
@@ -109,6 +111,21 @@ class _Pending:
     before: Optional[int]
     delta: Optional[codec.Delta]
     change: int = 0  # what the delta did to the base's fp64 fingerprint
+    packed: Optional[torch.Tensor] = None  # the delta's bytes, where the batched kernels made them (no ``delta``)
+    changes: int = 0  # the values it changes
+
+    @property
+    def sends(self) -> bool:
+        """Whether the row may go as a delta (else whole)."""
+        return self.delta is not None or self.packed is not None
+
+    def undo(self) -> Optional[codec.Delta]:
+        """The delta to take back on an abort (None: the round went whole)."""
+        return self.delta if self.delta is not None or self.packed is None else codec.unpack_tensor(self.packed)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() if self.packed is not None else self.delta.nbytes  # type: ignore[union-attr]
 
 
 def _key(t: Transfer) -> tuple:
@@ -161,8 +178,8 @@ class Bases:
             base = self.entries[key]
             if self.committed:
                 base.version = self.version
-            elif p.delta is not None and p.before is not None:
-                _apply(p.delta, base.tensor, str(key[0]), None, undo=True)
+            elif (delta := p.undo()) is not None and p.before is not None:
+                _apply(delta, base.tensor, str(key[0]), None, undo=True)
                 base.version = p.before
             else:
                 base.version = None
@@ -233,7 +250,59 @@ class Bases:
         if not copied:
             base.tensor.copy_(flat, non_blocking=True)
         base.version = None
-        return _Pending(before, delta, change)
+        return _Pending(before, delta, change, changes=delta.changes if delta is not None else 0)
+
+    def advance_many(self, rows: Sequence[tuple[Transfer, torch.Tensor]]) -> list[_Pending]:
+        """``advance`` for many rows at once: those the batched GPU kernels take (``batched``) in a few
+        launches and one wait, the rest one by one. The rows are locked in one order (lanes to receivers
+        of the same bytes may batch them at the same time)."""
+        keys = sorted({_key(t) for t, _ in rows}, key=repr)
+        with self.lock:
+            locks = [self._row_locks.setdefault(key, threading.Lock()) for key in keys]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            done: dict[tuple, _Pending] = {}
+            todo: dict[tuple, tuple[_Base, torch.Tensor]] = {}
+            with self.lock:
+                for t, new in rows:
+                    key = _key(t)
+                    if key in done or key in todo:
+                        continue
+                    if key in self.pending:
+                        done[key] = self.pending[key]
+                    elif (base := self._base(key, t, new)) is None:
+                        done[key] = _Pending(None, None)
+                    else:
+                        todo[key] = (base, new.reshape(-1))
+                self._busy += 1
+            try:
+                fresh = self._advance_all(todo)
+            finally:
+                with self.lock:
+                    self._busy -= 1
+                    self._idle.notify_all()
+            with self.lock:
+                self.pending.update(fresh)
+            done.update(fresh)
+            return [done[_key(t)] for t, _ in rows]
+
+    def _advance_all(self, todo: Mapping[tuple, tuple[_Base, torch.Tensor]]) -> dict[tuple, _Pending]:
+        """Bring each base to its new bytes: in one batch those that hold a version, on the new bytes'
+        device, where the batched kernels serve; ``_encode`` the rest."""
+        fast = {key: (base, new) for key, (base, new) in todo.items()
+                if base.version is not None and base.tensor.device == new.device and batched(new)}
+        out = {key: self._encode(base, new) for key, (base, new) in todo.items() if key not in fast}
+        if fast:
+            t0 = time.perf_counter()
+            encoded = _kernel().encode_many([(base.tensor, new) for base, new in fast.values()])
+            with self.lock:
+                self._encoded[0] += time.perf_counter() - t0
+                self._encoded[1] += sum(new.numel() * new.element_size() for _, new in fast.values())
+            for (key, (base, _)), e in zip(fast.items(), encoded):
+                out[key] = _Pending(base.version, None, e.change if e.packed is not None else 0, e.packed, e.changes)
+                base.version = None
+        return out
 
     def observe(self, lanes: Mapping[int, object], seconds: float, delta_lanes: frozenset = frozenset()) -> None:
         """After a round of ``seconds`` (the pipeline's, wall clock): the rate each dense lane (not in
@@ -290,21 +359,56 @@ class DeltaRound:
         lets go of the GIL; a GPU row's launches stay on the loop's thread and stream)."""
         return new.device.type == "cpu" and new.numel() * new.element_size() >= OFF_LOOP_BYTES
 
+    @staticmethod
+    def batches(new: torch.Tensor) -> bool:
+        """Whether ``stage_many`` should take ``new`` with others (``batched``: GPU rows)."""
+        return batched(new)
+
     def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
         """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's
         delta region, its fingerprint change, the values it changes), or None to send ``new`` whole."""
-        done = self.bases.advance(t, new)
+        return self._staged(t, self.bases.advance(t, new))
+
+    def stage_many(self, rows: Sequence[tuple[Transfer, torch.Tensor]]) -> list[Optional[tuple[torch.Tensor, int, int, int]]]:
+        """``stage`` of many rows: GPU rows in one batch (``Bases.advance_many``). Blocks until their
+        packed bytes are complete: call it off the event loop."""
+        return [self._staged(t, done) for (t, _), done in zip(rows, self.bases.advance_many(rows))]
+
+    def _staged(self, t: Transfer, done: _Pending) -> Optional[tuple[torch.Tensor, int, int, int]]:
         held = self.held.get(t.dst_rank)
-        if done.delta is None or held is None or done.before != held:
+        if not done.sends or held is None or done.before != held:
             return None
         start, capacity = window(t.dst_offset, t.nbytes, *self.windows.get(t.dst_rank, (0, 0)))
-        if done.delta.nbytes > capacity:
+        if done.nbytes > capacity:
             return None
         with self.bases.lock:
             self.rows += 1
             self.whole_bytes += t.nbytes
-            self.changed += done.delta.changes
-        return codec.pack_tensor(done.delta), start, done.change, done.delta.changes
+            self.changed += done.changes
+        packed = done.packed if done.packed is not None else codec.pack_tensor(done.delta)  # type: ignore[arg-type]
+        return packed, start, done.change, done.changes
+
+
+KERNEL_ON_CPU = False  # tests: CPU rows take the batched kernels too (Triton's interpreter, TRITON_INTERPRET=1)
+_KERNEL_FAILED: list[str] = []
+
+
+@functools.cache
+def _kernel():
+    """``engine.cuda.delta_kernel``, or None where Triton does not import (then rows go one by one)."""
+    try:
+        from ..cuda import delta_kernel
+    except Exception as exc:  # no Triton here
+        _KERNEL_FAILED.append(repr(exc)[:200])
+        return None
+    return delta_kernel
+
+
+def batched(row: torch.Tensor) -> bool:
+    """Whether rows like ``row`` take the batched kernels: CUDA rows of 1, 2 or 4-byte values, contiguous,
+    where Triton imports (``KERNEL_ON_CPU``: CPU rows too)."""
+    return ((row.device.type == "cuda" or KERNEL_ON_CPU) and row.element_size() in (1, 2, 4)
+            and row.is_contiguous() and row.numel() <= codec.MAX_NUMEL and _kernel() is not None)
 
 
 def _advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta], int, bool]:
@@ -354,9 +458,10 @@ class Landed:
 
     src: int
     entry: ExpectedEntry
-    delta: codec.Delta
-    checked: Optional[tuple[torch.Tensor, torch.Tensor]]  # the torch check's (None: compiled kernels)
+    delta: Optional[codec.Delta]  # None: in a batch of the GPU kernels (``checked``: its Applier and place)
+    checked: Optional[tuple]  # the torch check's (positions, steps); None: the compiled kernels'
     change: int  # the fingerprint change its sender reported
+    changes: int  # the values it changes
 
 
 def expected(per_sender: Mapping[int, tuple[int, int]], table: ReceiverTable,
@@ -377,24 +482,45 @@ def _row(landing: torch.Tensor, entry: ExpectedEntry, dtypes: Mapping[str, torch
 
 def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_region: Optional[torch.Tensor],
            landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
-    """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in table order;
-    ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is written."""
+    """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in the senders'
+    order; ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is
+    written. Rows the batched kernels take (``batched``) are checked together: one read of their
+    headers, one of the verdicts."""
     entries = {(e.src_rank, e.index): e for e in table.entries}
-    out: list[Landed] = []
+    out: list[Optional[Landed]] = []
+    batch: list[tuple[int, int, DeltaRow, ExpectedEntry, int]] = []  # (place in out, sender, row, entry, start)
     for s in summaries:
         seen: set[int] = set()
         for d in s.deltas:
-            out.append(_one(s.peer_rank, d, entries, seen, delta_region, landing, dtypes))
-    return out
+            entry, start = _placed(s.peer_rank, d, entries, seen, delta_region, landing)
+            row = _row(landing, entry, dtypes)
+            if batched(row):
+                batch.append((len(out), s.peer_rank, d, entry, start))
+                out.append(None)
+            else:
+                out.append(_blamed(s.peer_rank, d, entry, lambda: _one(s.peer_rank, d, entry, start, delta_region, row)))
+    if batch:
+        _check_batch(batch, out, delta_region, landing, dtypes)
+    return out  # type: ignore[return-value]
 
 
-def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor],
-         landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> Landed:
-    entry = entries.get((src, d.index))
-    peer = f"sender/{src}"
-    if entry is None:
-        raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from that sender", peer)
+def _blamed(src: int, d: DeltaRow, entry: ExpectedEntry, check: Callable):
+    """``check()``, its ``DeltaError`` naming the row, the transfer and the sender."""
     try:
+        return check()
+    except codec.DeltaError as exc:
+        raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", f"sender/{src}") from None
+
+
+def _placed(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor],
+            landing: torch.Tensor) -> tuple[ExpectedEntry, int]:
+    """The row a delta names and where its window starts, after the checks that need no byte of it."""
+    entry = entries.get((src, d.index))
+    if entry is None:
+        raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from that sender",
+                               f"sender/{src}")
+
+    def check() -> int:
         if d.index in seen:
             raise codec.DeltaError(entry.name, "sent twice in one round")
         seen.add(d.index)
@@ -403,24 +529,72 @@ def _one(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optio
         start, capacity = window(entry.offset, entry.nbytes, landing.numel(), delta_region.numel())
         if d.nbytes > capacity:
             raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
-        delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
-        if delta.changes != d.changes:
-            raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
-        return Landed(src, entry, delta, _check(delta, _row(landing, entry, dtypes), entry.name), d.change)
-    except codec.DeltaError as exc:
-        raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", peer) from None
+        if d.nbytes < codec.HEADER_BYTES:
+            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes is shorter than a delta's header")
+        return start
+
+    return entry, _blamed(src, d, entry, check)
+
+
+def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: torch.Tensor,
+         row: torch.Tensor) -> Landed:
+    delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
+    if delta.changes != d.changes:
+        raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
+    return Landed(src, entry, delta, _check(delta, row, entry.name), d.change, delta.changes)
+
+
+def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: torch.Tensor,
+                 dtypes: Mapping[str, torch.dtype]) -> None:
+    """The batched rows' checks (``landed``): headers read at once, then the kernels' verdicts."""
+    kernel = _kernel()
+    heads = kernel.headers(delta_region, [start for *_, start in batch])
+    items = []
+    for (_, src, d, entry, start), head in zip(batch, heads):
+        row = _row(landing, entry, dtypes)
+        _blamed(src, d, entry, lambda: _header_fits(head, d, row, entry.name))
+        items.append((delta_region[start:start + d.nbytes], row, head))
+    applier = kernel.Applier(items)
+    for k, ((place, src, d, entry, _), why) in enumerate(zip(batch, applier.check())):
+        if why is not None:
+            raise codec.DeltaError(entry.name, f"transfer {d.index}: {why}", f"sender/{src}")
+        out[place] = Landed(src, entry, None, (applier, k), d.change, d.changes)
+
+
+def _header_fits(head: tuple[int, ...], d: DeltaRow, row: torch.Tensor, name: str) -> None:
+    """``DeltaError`` unless a delta's header (``delta_kernel.headers``) fits its report and its row."""
+    magic, width, changes, far_gaps, far_steps, numel = head
+    if magic != codec.MAGIC or width not in (1, 2, 4, 8):
+        raise codec.DeltaError(name, f"not a delta (magic {magic & 0xFFFFFFFF:#x}, width {width})")
+    want = codec.HEADER_BYTES + 2 * changes + 4 * far_gaps + codec.far_step_dtype(width).itemsize * far_steps
+    if min(changes, far_gaps, far_steps, numel) < 0 or d.nbytes != want:
+        raise codec.DeltaError(name, f"{d.nbytes} bytes, the header says {want}")
+    if changes != d.changes:
+        raise codec.DeltaError(name, f"changes {changes} values, its sender reported {d.changes}")
+    if width != row.element_size() or numel != row.numel():
+        raise codec.DeltaError(name, f"a delta of {numel} x {width}-byte values for a row of "
+                                     f"{row.numel()} x {row.element_size()}")
 
 
 def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype],
           fingerprint: bool = True) -> list[Landed]:
     """Add checked deltas to ``landing`` (1-D uint8); with ``fingerprint``, those whose row's ``fp64``
     did not move as their sender's did (worked out from the changed values alone: O(changes)): the
-    receiver's base differs from the sender's where the delta touched it, or the delta changed on the way."""
+    receiver's base differs from the sender's where the delta touched it, or the delta changed on the way.
+    Deltas of a batch are applied together (one launch per value width)."""
+    batches: dict[int, list[int]] = {}
+    for d in deltas:
+        if d.delta is None and id(d.checked[0]) not in batches:  # type: ignore[index]
+            batches[id(d.checked[0])] = d.checked[0].apply()  # type: ignore[index]
+
     def one(d: Landed) -> int:
+        if d.delta is None:
+            applier, k = d.checked  # type: ignore[misc]
+            return batches[id(applier)][k]
         return _apply(d.delta, _row(landing, d.entry, dtypes), d.entry.name, d.checked)
 
-    parallel = len(deltas) > 1 and delta_cpu.usable(landing)  # (rows are disjoint: in parallel, GIL let go)
-    changes = list(_apply_pool().map(one, deltas) if parallel else map(one, deltas))
+    parallel = len(deltas) > 1 and delta_cpu.usable(landing) and not batches  # (rows are disjoint: in
+    changes = list(_apply_pool().map(one, deltas) if parallel else map(one, deltas))  # parallel, GIL let go)
     return [d for d, change in zip(deltas, changes) if fingerprint and change != d.change]
 
 

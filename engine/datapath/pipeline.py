@@ -53,7 +53,7 @@ from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
-from .deltas import DELTA_REGION, ENCODERS, DeltaRound
+from .deltas import BATCH_BYTES, DELTA_REGION, ENCODERS, DeltaRound
 from .lanes import LaneReport, PushReport, Seals, fingerprints, issued, replay, submit_written
 from .staging import SourceSet, Staged, StagingPool
 
@@ -197,7 +197,17 @@ class Pipeline:
         algo = self.options.checksum
         # (not in lanes with transforms: their launches must keep ahead of the writes, docs/TRANSFORMS.md)
         prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
-        encoding: collections.deque = collections.deque()  # (t, staged, its encode, budget), in lane order
+        encoding: collections.deque = collections.deque()  # ([(t, staged, budget)], their encode), lane order
+        gathering: list = []  # GPU rows of a delta lane for the next batch: (t, staged, budget)
+
+        async def encode_gathered(limit: int) -> None:  # the rows gathered so far go as one batch; at most
+            nonlocal gathering  # ``limit`` encodes left running
+            if gathering:
+                encoding.append((gathering, asyncio.ensure_future(_as_deltas(deltas, gathering, report))))
+                gathering = []
+            while len(encoding) > limit:
+                await _hand_over(encoding, channel)
+
         try:
             for t in transfers:
                 await self.sources.ready(t)  # before taking budget: a lane waiting on a gather holds none
@@ -206,6 +216,8 @@ class Pipeline:
                 charge = t.nbytes if self.sources.makes_copy(t, view, readable) else 0  # freed once written
                 upfront = self.sources.upfront_bytes(t, charge) + moved  # taken now (a group: all of it)
                 charge += moved
+                if upfront and (gathering or encoding) and not self.budget.fits_now(upfront):
+                    await encode_gathered(0)  # (rows held for their encode would wait: written, they free theirs)
                 if upfront:
                     await self.budget.acquire(upfront)
                 handed_over = False
@@ -213,18 +225,24 @@ class Pipeline:
                     t0 = time.perf_counter()
                     staged = await self.sources.stage(t, self.pool, algo, readable, view)
                     staged.charge = charge
+                    if deltas is not None and deltas.batches(staged.tensor):  # GPU rows: encoded in batches
+                        gathering.append((t, staged, upfront))
+                        handed_over = True  # (``gathering`` holds it now)
+                        report.stage_s += time.perf_counter() - t0
+                        if sum(row[0].nbytes for row in gathering) >= BATCH_BYTES:
+                            await encode_gathered(ENCODERS - 1)
+                        continue
                     if deltas is not None and deltas.off_loop(staged.tensor):  # on worker threads, ENCODERS
-                        encode = asyncio.ensure_future(_as_delta(deltas, t, staged, report, t0))  # at a time
-                        encoding.append((t, staged, encode, upfront))
+                        await encode_gathered(ENCODERS)  # at a time (lane order: a batch gathered goes first)
+                        encode = asyncio.ensure_future(_as_delta(deltas, t, staged, report, t0))
+                        encoding.append(([(t, staged, upfront)], encode))
                         handed_over = True  # (``encoding`` holds it now)
-                        while len(encoding) >= ENCODERS:
-                            await _hand_over(encoding, channel)
+                        await encode_gathered(ENCODERS - 1)
                         continue
                     if deltas is not None:
                         await _as_delta(deltas, t, staged, report)
                     report.stage_s += time.perf_counter() - t0
-                    while encoding:  # (lane order)
-                        await _hand_over(encoding, channel)
+                    await encode_gathered(0)  # (lane order)
                     await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
                     handed_over = True
                     if t is prompt:  # the lane's first row: the writer issues it now, not once the channel
@@ -233,12 +251,12 @@ class Pipeline:
                     if not handed_over:
                         self.budget.release(upfront)
                         self.sources.release(t)
-            while encoding:
-                await _hand_over(encoding, channel)
+            await encode_gathered(0)
             channel.close()
         except BaseException as exc:
-            for t, _, encode, upfront in encoding:  # (a thread still encoding finishes: ``Bases.settle`` waits)
+            for _, encode in encoding:  # (a thread still encoding finishes: ``Bases.settle`` waits)
                 encode.cancel()
+            for t, _, upfront in gathering + [row for rows, _ in encoding for row in rows]:
                 self.budget.release(upfront)
                 self.sources.release(t)
             channel.fail(exc)
@@ -358,17 +376,36 @@ async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: Lan
     report.encode_s += end - start
     if t0 is not None:
         report.stage_s += end - t0
+    _as_sent(staged, out)
+
+
+async def _as_deltas(deltas: DeltaRound, rows: list, report: LaneReport) -> None:
+    """A batch of a delta lane's GPU rows (``(t, staged, budget)``), encoded together on a worker thread
+    (``DeltaRound.stage_many``: a few launches and waits for the whole batch)."""
+    for _, staged, _ in rows:
+        await staged.wait()
+    start = time.perf_counter()
+    outs = await asyncio.to_thread(deltas.stage_many, [(t, staged.tensor) for t, staged, _ in rows])
+    report.encode_s += time.perf_counter() - start
+    for (_, staged, _), out in zip(rows, outs):
+        _as_sent(staged, out)
+
+
+def _as_sent(staged: Staged, out: Optional[tuple]) -> None:
+    """A staged row goes as the delta ``DeltaRound.stage`` made of it (None: whole, as staged)."""
     if out is not None:
         staged.tensor, offset, change, changes = out
         staged.target, staged.delta = (DELTA_REGION, offset), (change, changes)
 
 
 async def _hand_over(encoding: collections.deque, channel: Channel) -> None:
-    """The oldest row being encoded, once it is, to the writer (on a failure, the stager's cleanup
-    gives its budget back: it stays in ``encoding`` until sent)."""
-    t, staged, encode, _ = encoding[0]
+    """The oldest rows being encoded, once they are, to the writer (each leaves its list as it is sent:
+    on a failure, the stager's cleanup gives back the budget of those still in it)."""
+    rows, encode = encoding[0]
     await encode
-    await channel.send((t, staged))
+    while rows:
+        await channel.send(rows[0][:2])
+        rows.pop(0)
     encoding.popleft()
 
 

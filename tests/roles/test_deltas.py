@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import os
+import threading
 
 import pytest
 import torch
@@ -83,13 +86,39 @@ def test_windows_of_rows_never_overlap_and_stay_inside_the_region():
             assert all(s + c <= delta for s, c in spans)
 
 
-@pytest.mark.parametrize("compiled, threads", [(True, False), (True, True), (False, False)],
-                         ids=["compiled", "compiled-on-threads", "torch"])
+def batched_kernels(monkeypatch) -> None:
+    """CPU rows take the batched kernels of GPU rows, run by Triton's interpreter (else: skip)."""
+    from weightsync.engine.datapath import deltas
+
+    if not (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton")):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(deltas, "KERNEL_ON_CPU", True)
+    monkeypatch.setitem(FAST, "heartbeat_s", 5.0)  # (the interpreter holds the GIL for seconds at a time)
+    monkeypatch.setitem(FAST, "timeout_s", 60.0)
+    from weightsync.engine.cuda import delta_kernel
+
+    lock = threading.Lock()  # (the interpreter runs one kernel at a time: it patches Triton while it runs)
+
+    def locked(fn):
+        def call(*args, **kwargs):
+            with lock:
+                return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(delta_kernel, "encode_many", locked(delta_kernel.encode_many))
+    for name in ("check", "apply"):
+        monkeypatch.setattr(delta_kernel.Applier, name, locked(getattr(delta_kernel.Applier, name)))
+
+
+@pytest.mark.parametrize("compiled, threads", [(True, False), (True, True), (False, False), ("batched", False)],
+                         ids=["compiled", "compiled-on-threads", "torch", "batched"])
 async def test_rounds_after_the_first_send_changed_bytes_only_and_land_bit_exact(compiled, threads, monkeypatch):
     from weightsync.engine.datapath import deltas
     from weightsync.engine.transforms import delta_cpu
 
-    if not compiled:  # (a host without numba: the torch codec encodes, checks and applies)
+    if compiled == "batched":  # (the GPU kernels' code path: a few launches per batch of rows)
+        batched_kernels(monkeypatch)
+    elif not compiled:  # (a host without numba: the torch codec encodes, checks and applies)
         monkeypatch.setattr(delta_cpu, "usable", lambda *tensors: False)
     elif not delta_cpu.usable(torch.zeros(1)):
         pytest.skip("numba is not installed")
@@ -144,14 +173,16 @@ async def test_a_restarted_receiver_gets_whole_rows_while_the_others_get_deltas(
                 assert same(send_t, r.state_dict()) == []
 
 
-@pytest.mark.parametrize("threads", [False, True], ids=["on-the-loop", "on-threads"])
+@pytest.mark.parametrize("threads", [False, True, "batched"], ids=["on-the-loop", "on-threads", "batched"])
 async def test_an_aborted_round_leaves_every_base_and_the_next_round_is_still_exact(threads, monkeypatch):
     from weightsync.engine.datapath import deltas
 
-    if threads:
+    if threads == "batched":
+        batched_kernels(monkeypatch)
+    elif threads:
         monkeypatch.setattr(deltas, "OFF_LOOP_BYTES", 0)
-    async with cluster(round_timeout_s=5.0) as (c, sender, send_t, recvs):
-        await push(sender, 1)
+    async with cluster(round_timeout_s=60.0 if threads == "batched" else 5.0) as (c, sender, send_t, recvs):
+        await push(sender, 1)  # (the interpreter takes seconds a round)
         rl_step(send_t, 2)
         await push(sender, 2)
         rl_step(send_t, 3)
@@ -217,18 +248,20 @@ def test_auto_measures_the_link_dense_first_then_sends_deltas_only_where_encodin
 
 def _corrupting(monkeypatch, name: str, damage):
     """Every delta of ``name`` the sender stages is damaged by ``damage(payload)`` (uint8, in place)."""
-    from weightsync.engine.datapath import pipeline
+    from weightsync.engine.datapath.deltas import DeltaRound
 
-    original = pipeline._as_delta
+    original = DeltaRound._staged
 
-    async def corrupt(deltas, t, staged, *rest):
-        await original(deltas, t, staged, *rest)
-        if staged.target is not None and t.name == name:
-            staged.tensor = staged.tensor.clone()
-            damage(staged.tensor)
+    def corrupt(self, t, done):
+        out = original(self, t, done)
+        if out is not None and t.name == name:
+            payload = out[0].clone()
+            damage(payload)
+            out = (payload, *out[1:])
+        return out
 
-    monkeypatch.setattr(pipeline, "_as_delta", corrupt)
-    return lambda: monkeypatch.setattr(pipeline, "_as_delta", original)
+    monkeypatch.setattr(DeltaRound, "_staged", corrupt)
+    return lambda: monkeypatch.setattr(DeltaRound, "_staged", original)
 
 
 def _first_step(payload):  # a well-formed delta that moves its first value one more unit: only the fingerprint
@@ -240,8 +273,12 @@ def _bad_gap(payload):  # a gap of 0 with no far gap to stand for it: malformed
     payload[24] = 0
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
 @pytest.mark.parametrize("damage, says", [(_first_step, "fp64 fingerprint"), (_bad_gap, "delta refused")])
-async def test_a_damaged_delta_aborts_its_round_naming_the_row_and_nothing_of_it_is_served(monkeypatch, damage, says):
+async def test_a_damaged_delta_aborts_its_round_naming_the_row_and_nothing_of_it_is_served(monkeypatch, damage, says,
+                                                                                           batched):
+    if batched:
+        batched_kernels(monkeypatch)
     async with cluster(receivers=("shadow", "shadow")) as (c, sender, send_t, recvs):
         for version in (1, 2):
             rl_step(send_t, version)

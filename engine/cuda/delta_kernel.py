@@ -1,0 +1,453 @@
+"""Deltas of many GPU rows in a few launches (Triton): the sender's encoder, the receiver's check and apply.
+
+``engine.transforms.delta`` defines the format (one byte per changed value for the gap from the
+previous change, 0 escaping to a uint32; one byte for the wrapped step of its bit pattern, -128
+escaping to a wider integer; a 24-byte header). Its torch code takes a dozen launches and several host
+synchronisations per row; here a whole batch of rows takes a fixed number of each.
+
+Encode (``encode_many``): each program takes ``BLOCK`` values of one row (a table of row addresses
+and sizes, so rows anywhere on the device go in one launch per value width).
+
+1. ``_count``: per block, its changes, first and last changed position, the gaps >= 256 between its
+   own changes, the steps that escape and its share of the row's ``fp64`` change.
+2. torch on the device: each block's previous change (the last one of the blocks before it in its
+   row: a running maximum), hence whether its first gap escapes; where each block's changes, far gaps
+   and far steps start (running sums per row); per row, the totals. One copy of the totals to the host
+   (the only wait): the host sizes each row's delta, keeps those smaller than the row, lays them out in
+   one buffer.
+3. ``_write``: per block, the changed values into the base (every row: a row that goes whole leaves its
+   base equal to the new bytes all the same) and, for rows that go as deltas, the gaps, steps, escapes
+   and the header at their places, in the packed format ``delta.unpack_tensor`` reads.
+
+Apply (``Applier``): each program takes ``BLOCK`` changes of one delta.
+
+1. ``_tally``: per block, its escaped gaps and steps and the sum of its small gaps.
+2. torch: where each block's escapes start (running sums per delta).
+3. ``_sum``: per block, the sum of its gaps with escapes resolved, and its smallest far gap; then the
+   checks, per delta on the device (escape counts as the header says, far gaps >= 1, the last position
+   inside the row) and one copy of the verdicts to the host: a bad delta is refused before any byte is
+   written.
+4. ``_apply``: per block, positions (its start, a running sum of its gaps), steps added to the row's
+   bit patterns in place (wrapping), and its share of the row's ``fp64`` change; one copy to the host.
+
+Far gaps and steps lie unaligned after the one-byte arrays, so they are stored and read byte by byte
+(they are rare). Values of 1, 2 and 4 bytes; others take the torch code. Addresses travel as int64 in
+the tables, so the kernels need no tensor of their own per row. The module imports Triton at import
+time: import it only where it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+import triton
+import triton.language as tl
+
+from ..transforms import delta as codec
+
+BLOCK = 2048  # values (encode) or changes (apply) per program
+WIDTHS = (1, 2, 4)
+_INT = {1: tl.uint8, 2: tl.int16, 4: tl.int32}
+_FAR = {1: 2, 2: 2, 4: 4}  # bytes of an escaped step
+_MASK = (1 << 64) - 1
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _wrap(v, W: tl.constexpr):
+    """``v`` (int64) wrapped to a signed integer of ``W`` bytes."""
+    half: tl.constexpr = 1 << (8 * W - 1)
+    return ((v + half) & (2 * half - 1)) - half
+
+
+@triton.jit
+def _share(p, b, a, W: tl.constexpr):
+    """What value ``p`` going from bit pattern ``b`` to ``a`` (int64: sign-extended for 2 and 4 bytes,
+    unsigned for 1) adds to its row's ``fp64`` (``checksums.fp64_change``)."""
+    if W == 4:
+        return (a - b) * (p % 65521 + 1)
+    elif W == 2:
+        low = (p & 1) == 0  # a word's low half counts unsigned
+        b = tl.where(low & (b < 0), b + 65536, b)
+        a = tl.where(low & (a < 0), a + 65536, a)
+        return (a - b) * tl.where(low, 1, 65536) * ((p >> 1) % 65521 + 1)
+    else:
+        slot = p & 3  # a word's top byte counts signed
+        b = tl.where((slot == 3) & (b >= 128), b - 256, b)
+        a = tl.where((slot == 3) & (a >= 128), a - 256, a)
+        return (a - b) * (1 << (slot * 8)) * ((p >> 2) % 65521 + 1)
+
+
+@triton.jit
+def _previous(changed, local, BLOCK: tl.constexpr):
+    """Per value, the index in the block of the block's last change before it (-1: none)."""
+    last = tl.associative_scan(tl.where(changed, local, -1), 0, _max)
+    return tl.where(local == 0, -1, tl.gather(last, tl.maximum(local - 1, 0), 0))
+
+
+@triton.jit
+def _count(table, owner, out, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    e = table + tl.load(owner + pid).to(tl.int64) * 8
+    base = tl.load(e + 0).to(tl.pointer_type(IT))
+    new = tl.load(e + 1).to(tl.pointer_type(IT))
+    local = tl.arange(0, BLOCK)
+    i = (pid - tl.load(e + 3)) * BLOCK + local
+    mask = i < tl.load(e + 2)
+    b = tl.load(base + i, mask=mask, other=0).to(tl.int64)
+    a = tl.load(new + i, mask=mask, other=0).to(tl.int64)
+    changed = (a != b) & mask
+    prev = _previous(changed, local, BLOCK)
+    step = _wrap(a - b, W)
+    o = out + pid * 6
+    tl.store(o + 0, tl.sum(changed.to(tl.int64)))
+    tl.store(o + 1, tl.min(tl.where(changed, local, BLOCK)).to(tl.int64))
+    tl.store(o + 2, tl.max(tl.where(changed, local, -1)).to(tl.int64))
+    tl.store(o + 3, tl.sum((changed & (prev >= 0) & (local - prev >= 256)).to(tl.int64)))
+    tl.store(o + 4, tl.sum((changed & ((step <= -128) | (step >= 128))).to(tl.int64)))
+    tl.store(o + 5, tl.sum(tl.where(changed, _share(i, b, a, W), 0)))
+
+
+@triton.jit
+def _write(table, owner, starts, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.constexpr, FS: tl.constexpr,
+           MAGIC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    e = table + tl.load(owner + pid).to(tl.int64) * 8
+    base = tl.load(e + 0).to(tl.pointer_type(IT))
+    new = tl.load(e + 1).to(tl.pointer_type(IT))
+    numel = tl.load(e + 2)
+    first = tl.load(e + 3)
+    local = tl.arange(0, BLOCK)
+    i = (pid - first) * BLOCK + local
+    mask = i < numel
+    b = tl.load(base + i, mask=mask, other=0)
+    a = tl.load(new + i, mask=mask, other=0)
+    changed = (a != b) & mask
+    tl.store(base + i, a, mask=changed)
+    out = tl.load(e + 4)
+    if out != 0:  # the row goes as a delta: its arrays, at their places in the packed bytes
+        c, fg, fs = tl.load(e + 5), tl.load(e + 6), tl.load(e + 7)
+        s = starts + pid * 4  # where the block's changes, far gaps, far steps start; its previous change
+        prev = _previous(changed, local, BLOCK)
+        gap = i - tl.where(prev >= 0, i - local + prev, tl.load(s + 3))
+        step = _wrap(a.to(tl.int64) - b.to(tl.int64), W)
+        far_gap = changed & (gap >= 256)
+        far_step = changed & ((step <= -128) | (step >= 128))
+        rank = tl.load(s + 0) + tl.cumsum(changed.to(tl.int64), 0) - changed.to(tl.int64)
+        gap_rank = tl.load(s + 1) + tl.cumsum(far_gap.to(tl.int64), 0) - far_gap.to(tl.int64)
+        step_rank = tl.load(s + 2) + tl.cumsum(far_step.to(tl.int64), 0) - far_step.to(tl.int64)
+        bytes_ = out.to(tl.pointer_type(tl.uint8))
+        tl.store(bytes_ + 24 + rank, tl.where(far_gap, 0, gap).to(tl.uint8), mask=changed)
+        tl.store(bytes_ + 24 + c + rank, (tl.where(far_step, -128, step) & 255).to(tl.uint8), mask=changed)
+        at = bytes_ + 24 + 2 * c + 4 * gap_rank
+        for k in tl.static_range(4):
+            tl.store(at + k, ((gap >> (8 * k)) & 255).to(tl.uint8), mask=far_gap)
+        at = bytes_ + 24 + 2 * c + 4 * fg + FS * step_rank
+        for k in tl.static_range(FS):
+            tl.store(at + k, ((step >> (8 * k)) & 255).to(tl.uint8), mask=far_step)
+        if pid == first:  # the header: magic, width, changes, far gaps, far steps, values
+            h = tl.arange(0, 8)
+            head = tl.where(h == 0, MAGIC, tl.where(h == 1, W, tl.where(h == 2, c, tl.where(
+                h == 3, fg, tl.where(h == 4, fs, numel)))))
+            tl.store(out.to(tl.pointer_type(tl.int32)) + h, head.to(tl.int32), mask=h < 6)
+
+
+def _segment_starts(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Each block's exclusive running sum of ``values`` within its row (``first``: each block's row's
+    first block)."""
+    running = torch.cumsum(values, 0) - values
+    return running - running[first]
+
+
+class Encoded:
+    """One row's outcome: ``packed`` (its delta's bytes) or None to go whole; the values it changed and
+    its ``fp64`` change (mod 2**64)."""
+
+    __slots__ = ("packed", "changes", "change")
+
+    def __init__(self, packed: Optional[torch.Tensor], changes: int, change: int) -> None:
+        self.packed, self.changes, self.change = packed, changes, change
+
+
+def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Encoded]:
+    """Bring each ``base`` to its ``new`` (1-D, contiguous, same dtype and device, values of 1, 2 or 4
+    bytes), returning each row's delta (see the module's header). Waits for the device once, for the
+    totals, and at the end (the packed bytes are complete when it returns)."""
+    if not rows:
+        return []
+    device = rows[0][1].device
+    out: list[Optional[Encoded]] = [None] * len(rows)
+    by_width: dict[int, list[int]] = {}
+    for k, (base, new) in enumerate(rows):
+        by_width.setdefault(new.element_size(), []).append(k)
+    with _on(device):  # (Triton launches on the current device)
+        for width, members in by_width.items():
+            for k, done in zip(members, _encode_width([rows[k] for k in members], width, device)):
+                out[k] = done
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return out  # type: ignore[return-value]
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, device: torch.device) -> list[Encoded]:
+    numels = [new.numel() for _, new in rows]
+    blocks = [-(-n // BLOCK) for n in numels]
+    firsts, programs = [], 0
+    for b in blocks:
+        firsts.append(programs)
+        programs += b
+    entries = [[base.data_ptr(), new.data_ptr(), n, f, 0, 0, 0, 0] for (base, new), n, f in zip(rows, numels, firsts)]
+    if not programs:  # empty rows: a header only
+        return _finish(rows, entries, torch.zeros((len(rows), 5), dtype=torch.int64), width, device)
+    owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks)).to(device)
+    table = torch.tensor(entries, dtype=torch.int64).to(device)
+    counts = torch.empty((programs, 6), dtype=torch.int64, device=device)
+    _count[(programs,)](table, owner, counts, BLOCK=BLOCK, W=width, IT=_INT[width], num_warps=4)
+    row = owner.to(torch.int64)
+    first_block = torch.tensor(firsts, dtype=torch.int64, device=device)[row]
+    n, first, last, inner, steps, fp = counts.unbind(1)
+    row_start = torch.tensor([0] + numels[:-1], dtype=torch.int64, device=device).cumsum(0)[row]
+    block_start = (torch.arange(programs, device=device) - first_block) * BLOCK + row_start  # in the batch
+    ends = torch.where(n > 0, block_start + last, -1)
+    before = torch.cummax(torch.cat((ends.new_full((1,), -1), ends[:-1])), 0).values
+    prev = torch.where(before >= row_start, before - row_start, -1)  # the previous change in the row
+    far_first = (n > 0) & (block_start - row_start + first - prev >= 256)
+    far = inner + far_first.to(torch.int64)
+    starts = torch.stack((_segment_starts(n, first_block), _segment_starts(far, first_block),
+                          _segment_starts(steps, first_block), prev), 1).contiguous()
+    totals = torch.zeros((len(rows), 5), dtype=torch.int64, device=device)
+    for col, v in enumerate((n, far, steps, fp & 0xFFFFFFFF, fp >> 32)):
+        totals[:, col].index_add_(0, row, v)
+    return _finish(rows, entries, totals.cpu(), width, device, (table, owner, starts, programs))
+
+
+def _finish(rows, entries, totals: torch.Tensor, width: int, device: torch.device, launch=None) -> list[Encoded]:
+    """Size the deltas, keep those smaller than their rows, write them (and every base)."""
+    far = _FAR[width]
+    sizes, at, total = [], [], 0
+    for (c, fg, fs, low, high), (_, new) in zip(totals.tolist(), rows):
+        nbytes = codec.HEADER_BYTES + 2 * c + 4 * fg + far * fs
+        keep = nbytes < new.numel() * width
+        sizes.append(nbytes if keep else 0)
+        at.append(total)
+        total += -(-nbytes // 16) * 16 if keep else 0
+    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    for k, (c, fg, fs, *_) in enumerate(totals.tolist()):
+        entries[k][4:8] = [packed.data_ptr() + at[k] if sizes[k] else 0, c, fg, fs]
+    if launch is not None:
+        table, owner, starts, programs = launch
+        table.copy_(torch.tensor(entries, dtype=torch.int64))
+        _write[(programs,)](table, owner, starts, BLOCK=BLOCK, W=width, IT=_INT[width], FS=far, MAGIC=codec.MAGIC,
+                                   num_warps=4)
+    else:  # no values at all: headers only
+        for k, e in enumerate(entries):
+            if sizes[k]:
+                packed[at[k]:at[k] + codec.HEADER_BYTES].copy_(_header(width, e[5], e[6], e[7], e[2]))
+    return [Encoded(packed[a:a + s] if s else None, c, ((high << 32) + low) & _MASK)
+            for a, s, (c, _, _, low, high) in zip(at, sizes, totals.tolist())]
+
+
+def _header(width: int, c: int, fg: int, fs: int, numel: int) -> torch.Tensor:
+    import struct
+
+    return torch.frombuffer(bytearray(struct.pack("<IIIIII", codec.MAGIC, width, c, fg, fs, numel)), dtype=torch.uint8)
+
+
+# --- the receiver's side ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _changes(e, pid, BLOCK: tl.constexpr):
+    """A program's changes of its delta: (packed bytes, index of each, in range, gap bytes, steps)."""
+    src = tl.load(e + 0).to(tl.pointer_type(tl.uint8))
+    c = tl.load(e + 4)
+    j = (pid - tl.load(e + 3)) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < c
+    gaps = tl.load(src + 24 + j, mask=mask, other=1).to(tl.int64)
+    steps = tl.load(src.to(tl.pointer_type(tl.int8)) + 24 + c + j, mask=mask, other=0).to(tl.int64)
+    return src, c, mask, gaps, steps
+
+
+@triton.jit
+def _far_gaps(src, c, gaps, mask, first):
+    """Each change's gap with escapes resolved (``first``: the block's first far gap), and which escaped."""
+    zero = (gaps == 0) & mask
+    at = src + 24 + 2 * c + 4 * (first + tl.cumsum(zero.to(tl.int64), 0) - zero.to(tl.int64))
+    far = tl.zeros_like(gaps)
+    for k in tl.static_range(4):
+        far += tl.load(at + k, mask=zero, other=0).to(tl.int64) << (8 * k)
+    return tl.where(zero, far, gaps), zero
+
+
+@triton.jit
+def _tally(table, owner, out, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    e = table + tl.load(owner + pid).to(tl.int64) * 8
+    src, c, mask, gaps, steps = _changes(e, pid, BLOCK)
+    o = out + pid * 3
+    tl.store(o + 0, tl.sum(((gaps == 0) & mask).to(tl.int64)))
+    tl.store(o + 1, tl.sum(((steps == -128) & mask).to(tl.int64)))
+
+
+@triton.jit
+def _sum(table, owner, starts, out, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    e = table + tl.load(owner + pid).to(tl.int64) * 8
+    src, c, mask, gaps, steps = _changes(e, pid, BLOCK)
+    first = tl.load(starts + pid)  # the block's first far gap
+    mask = mask & ~((gaps == 0) & (first + tl.cumsum((gaps == 0).to(tl.int64), 0) > tl.load(e + 5)))  # (past fg)
+    full, zero = _far_gaps(src, c, gaps, mask, first)
+    o = out + pid * 3
+    tl.store(o + 0, tl.sum(tl.where(mask, full, 0)))
+    tl.store(o + 1, tl.min(tl.where(zero, full, 1 << 40)))
+
+
+@triton.jit
+def _apply(table, owner, starts, out, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.constexpr, FS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    e = table + tl.load(owner + pid).to(tl.int64) * 8
+    src, c, mask, gaps, steps = _changes(e, pid, BLOCK)
+    s = starts + pid * 3  # the block's first far gap, first far step, and the position before its first change
+    full, _ = _far_gaps(src, c, gaps, mask, tl.load(s + 0))
+    position = tl.load(s + 2) + tl.cumsum(tl.where(mask, full, 0), 0)
+    escaped = (steps == -128) & mask
+    at = src + 24 + 2 * c + 4 * tl.load(e + 5) + FS * (tl.load(s + 1) + tl.cumsum(escaped.to(tl.int64), 0)
+                                                        - escaped.to(tl.int64))
+    far = tl.zeros_like(steps)
+    for k in tl.static_range(FS):
+        far += tl.load(at + k, mask=escaped, other=0).to(tl.int64) << (8 * k)
+    far = tl.where(far >= (1 << (8 * FS - 1)), far - (1 << (8 * FS)), far)
+    step = tl.where(escaped, far, steps)
+    target = tl.load(e + 1).to(tl.pointer_type(IT))
+    old = tl.load(target + position, mask=mask, other=0).to(tl.int64)
+    if W == 1:
+        new = (old + step) & 255
+    else:
+        new = _wrap(old + step, W)
+    tl.store(target + position, new.to(IT), mask=mask)
+    tl.store(out + pid, tl.sum(tl.where(mask, _share(position, old, new, W), 0)))
+
+
+def headers(region: torch.Tensor, starts: Sequence[int]) -> list[tuple[int, ...]]:
+    """The header fields of the deltas packed at ``starts`` of ``region`` (uint8), read in one copy."""
+    if not starts:
+        return []
+    at = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(codec.HEADER_BYTES)
+    raw = region[at.to(region.device)].cpu().contiguous()
+    return [tuple(r) for r in raw.view(torch.int32).view(-1, 6).tolist()]
+
+
+class Applier:
+    """Deltas checked, then applied, many in a few launches: each ``(packed, row, header)`` (``packed``
+    a uint8 view of the delta's bytes whose header fields ``header`` gives, as ``headers`` reads them;
+    ``row`` the 1-D values it applies to, of the header's width and count: the caller checks those)."""
+
+    def __init__(self, deltas: Sequence[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]) -> None:
+        self.deltas = list(deltas)
+        self.device = self.deltas[0][1].device if self.deltas else torch.device("cpu")
+        self.launches = []
+        by_width: dict[int, list[int]] = {}
+        for k, (_, _, head) in enumerate(self.deltas):
+            by_width.setdefault(head[1], []).append(k)
+        for width, members in by_width.items():
+            self.launches.append(self._launch_for(width, members))
+        self.checked: Optional[list] = None
+
+    def _launch_for(self, width: int, members: list[int]) -> dict:
+        entries, blocks, programs = [], [], 0
+        for k in members:
+            packed, row, (_, _, c, fg, fs, numel) = self.deltas[k]
+            entries.append((packed.data_ptr(), row.data_ptr(), numel, programs, c, fg, fs, 0))
+            blocks.append(-(-c // BLOCK))
+            programs += blocks[-1]
+        launch = {"width": width, "members": members, "programs": programs}
+        if programs:
+            launch["table"] = torch.tensor(entries, dtype=torch.int64).to(self.device)
+            launch["owner"] = torch.repeat_interleave(torch.arange(len(members), dtype=torch.int32),
+                                                      torch.tensor(blocks)).to(self.device)
+            row = launch["owner"].to(torch.int64)
+            launch["row"] = row
+            launch["first"] = torch.tensor([e[3] for e in entries], dtype=torch.int64, device=self.device)[row]
+        return launch
+
+    def check(self) -> list[Optional[str]]:
+        """Per delta, why it does not fit its row (None: it does); nothing written. One wait."""
+        with _on(self.device):
+            return self._run_check()
+
+    def _run_check(self) -> list[Optional[str]]:
+        found = torch.zeros((len(self.deltas), 4), dtype=torch.int64)
+        parts = []
+        for launch in self.launches:
+            if not launch["programs"]:
+                continue
+            table, owner, programs, row, first = (launch[k] for k in ("table", "owner", "programs", "row", "first"))
+            tally = torch.empty((programs, 3), dtype=torch.int64, device=self.device)
+            _tally[(programs,)](table, owner, tally, BLOCK=BLOCK, num_warps=4)
+            escaped_gaps, escaped_steps = tally[:, 0], tally[:, 1]
+            gaps_at, steps_at = _segment_starts(escaped_gaps, first), _segment_starts(escaped_steps, first)
+            sums = torch.empty((programs, 3), dtype=torch.int64, device=self.device)
+            _sum[(programs,)](table, owner, gaps_at.contiguous(), sums,
+                              BLOCK=BLOCK, num_warps=4)
+            launch["starts"] = torch.stack((gaps_at, steps_at, _segment_starts(sums[:, 0], first) - 1), 1).contiguous()
+            per = torch.zeros((len(launch["members"]), 4), dtype=torch.int64, device=self.device)
+            per[:, 3] = 1 << 40
+            for col, v in enumerate((escaped_gaps, escaped_steps, sums[:, 0])):
+                per[:, col].index_add_(0, row, v)
+            per[:, 3].scatter_reduce_(0, row, sums[:, 1], "amin")
+            parts.append((launch["members"], per))
+        for members, per in parts:
+            found[members] = per.cpu()
+        self.checked = [_verdict(head, *map(int, f)) for (_, _, head), f in zip(self.deltas, found)]
+        return self.checked
+
+    def apply(self) -> list[int]:
+        """Apply every delta (after ``check`` found them all good); each row's ``fp64`` change. One wait."""
+        if self.checked is None or any(self.checked):
+            raise codec.DeltaError("row", "apply before a check that every delta passed")
+        with _on(self.device):
+            return self._run_apply()
+
+    def _run_apply(self) -> list[int]:
+        changes = [0] * len(self.deltas)
+        parts = []
+        for launch in self.launches:
+            if not launch["programs"]:
+                continue
+            width, programs = launch["width"], launch["programs"]
+            shares = torch.empty(programs, dtype=torch.int64, device=self.device)
+            _apply[(programs,)](launch["table"], launch["owner"], launch["starts"], shares, BLOCK=BLOCK, W=width,
+                                IT=_INT[width], FS=_FAR[width], num_warps=4)
+            halves = torch.zeros((len(launch["members"]), 2), dtype=torch.int64, device=self.device)
+            halves[:, 0].index_add_(0, launch["row"], shares & 0xFFFFFFFF)
+            halves[:, 1].index_add_(0, launch["row"], shares >> 32)
+            parts.append((launch["members"], halves))
+        for members, halves in parts:
+            for k, (low, high) in zip(members, halves.cpu().tolist()):
+                changes[k] = ((high << 32) + low) & _MASK
+        return changes
+
+
+def _verdict(head: tuple[int, ...], escaped_gaps: int, escaped_steps: int, total: int, least: int) -> Optional[str]:
+    """Why a delta does not fit its row, from its header and what the kernels found (None: it fits)."""
+    _, _, c, fg, fs, numel = head
+    if escaped_gaps != fg:
+        return f"{escaped_gaps} escaped gaps, {fg} given"
+    if fg and least < 1:
+        return "a gap below 1: positions must be strictly increasing"
+    if c and total - 1 >= numel:
+        return f"position {total - 1} is outside the row's {numel} values"
+    if escaped_steps != fs:
+        return f"{escaped_steps} escaped steps, {fs} given"
+    return None

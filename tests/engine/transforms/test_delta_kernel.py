@@ -1,0 +1,149 @@
+"""The batched delta kernels (``engine.cuda.delta_kernel``) against the torch codec, bit for bit.
+
+On a GPU (``gpu``), and on the CPU under Triton's interpreter where it is installed
+(``TRITON_INTERPRET=1``; ``make test`` has no Triton and skips those). Rows of every width the kernels
+take, block edges, gaps around 256 (escaped across a block boundary too), far steps; malformed deltas
+refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from weightsync.engine.datapath.checksums import fp64_change
+from weightsync.engine.transforms import delta as codec
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs CUDA")]),
+           pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter"))]
+
+
+def _kernel():
+    from weightsync.engine.cuda import delta_kernel
+
+    return delta_kernel
+
+
+def _pair(g, numel: int, dtype: torch.dtype, fraction: float, far: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, new): ``fraction`` of the values changed, most by one unit, ``far`` of those by a lot."""
+    new = (torch.randn(numel, generator=g) * 0.02).to(dtype) if dtype.is_floating_point else \
+        torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8)
+    base = new.clone()
+    bits = codec.bits(base)
+    picked = torch.rand(numel, generator=g) < fraction
+    steps = torch.where(torch.rand(numel, generator=g) < far, torch.randint(-3000, 3000, (numel,), generator=g),
+                        torch.ones(numel, dtype=torch.long))
+    span = 1 << (8 * bits.element_size())
+    moved = (bits[picked].to(torch.int64) + steps[picked]) % span
+    if bits.dtype != torch.uint8:
+        moved = torch.where(moved >= span // 2, moved - span, moved)
+    bits[picked] = moved.to(bits.dtype)
+    return base, new
+
+
+def _edges(block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rows whose changes sit at block boundaries, with gaps of 255, 256 and more across them."""
+    rows = []
+    for numel in (block - 1, block, block + 1, 3 * block + 7):
+        new = torch.zeros(numel, dtype=torch.bfloat16)
+        base = new.clone()
+        bits = codec.bits(base)
+        for p in (0, 254, 255 + 254, block - 1, block, block + 256, 2 * block + 1, numel - 1):
+            if p < numel:
+                bits[p] = 1
+        rows.append((base, new))
+    return rows
+
+
+def _rows(g) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rows = [_pair(g, n, dtype, f) for n, dtype, f in (
+        (5000, torch.bfloat16, 0.01), (3000, torch.float32, 0.2), (70000, torch.bfloat16, 0.001),
+        (4100, torch.uint8, 0.05), (9000, torch.float16, 0.3), (100, torch.bfloat16, 0.9), (0, torch.bfloat16, 0.1),
+        (2048, torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.uint8, 0.02))]
+    return rows + _edges(_kernel().BLOCK)
+
+
+def _on(device: str, rows):
+    return [(b.to(device), n.to(device)) for b, n in rows]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_encode_equals_the_torch_codec_and_brings_every_base_to_the_new_bytes(device):
+    g = torch.Generator().manual_seed(7)
+    rows = _rows(g)
+    refs = [codec.encode(base.clone(), new) for base, new in rows]
+    bases = _on(device, rows)
+    out = _kernel().encode_many(bases)
+    for (base, new), ref, got in zip(bases, refs, out):
+        assert torch.equal(codec.bits(base).cpu(), codec.bits(new).cpu())
+        if ref is None:
+            assert got.packed is None
+            continue
+        assert torch.equal(got.packed.cpu(), codec.pack_tensor(ref))
+        assert (got.changes, got.change) == (ref.changes, fp64_change(*ref.changed, ref.width))
+
+
+def _packed(rows) -> tuple[torch.Tensor, list[int], list]:
+    """Every row's delta packed into one region, 16-byte aligned; the deltas."""
+    deltas = [codec.encode(base.clone(), new, whole_if_larger=False) for base, new in rows]
+    parts = [codec.pack_tensor(d) for d in deltas]
+    starts, at = [], 0
+    for p in parts:
+        starts.append(at)
+        at += -(-p.numel() // 16) * 16
+    region = torch.zeros(at + 64, dtype=torch.uint8)
+    for s, p in zip(starts, parts):
+        region[s:s + p.numel()] = p
+    return region, starts, deltas
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_apply_lands_every_row_bit_exact_with_the_fingerprint_change(device):
+    g = torch.Generator().manual_seed(8)
+    rows = [r for r in _rows(g) if r[1].numel()]
+    region, starts, deltas = _packed(rows)
+    region = region.to(device)
+    heads = _kernel().headers(region, starts)
+    targets = [base.clone().to(device) for base, _ in rows]
+    applier = _kernel().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
+    assert applier.check() == [None] * len(rows)
+    changes = applier.apply()
+    for (_, new), t, d, change in zip(rows, targets, deltas, changes):
+        assert torch.equal(codec.bits(t).cpu(), codec.bits(new))
+        assert change == fp64_change(*d.changed, d.width)
+
+
+def _at(region, start, head):
+    """Offsets of a packed delta's arrays: gaps, steps, far gaps, far steps."""
+    c, fg = head[2], head[3]
+    return start + 24, start + 24 + c, start + 24 + 2 * c, start + 24 + 2 * c + 4 * fg
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("damage, says", [
+    (lambda r, a: r.__setitem__(a[0] + 3, 0), "escaped gaps"),  # a zero gap no far gap stands for
+    (lambda r, a: r.__setitem__(a[0] + 3, 255), "outside the row"),  # positions run past the row
+    (lambda r, a: r.__setitem__(slice(a[2], a[2] + 4), 0), "a gap below 1"),  # a far gap of 0
+    (lambda r, a: r.__setitem__(a[1], 0x80), "escaped steps"),  # an escaped step with no far step
+])
+def test_malformed_deltas_are_refused_before_any_byte_is_written(device, damage, says):
+    g = torch.Generator().manual_seed(9)
+    rows = [_pair(g, 70000, torch.bfloat16, 0.004, far=0.0), _pair(g, 5000, torch.bfloat16, 0.01)]
+    region, starts, deltas = _packed(rows)
+    heads = _kernel().headers(region, starts)
+    assert heads[0][3] > 0  # the first row has far gaps to damage
+    damage(region, _at(region, starts[0], heads[0]))
+    region = region.to(device)
+    targets = [base.clone().to(device) for base, _ in rows]
+    applier = _kernel().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
+    verdicts = applier.check()
+    assert verdicts[0] is not None and says in verdicts[0] and verdicts[1] is None
+    with pytest.raises(codec.DeltaError):
+        applier.apply()
+    for (base, _), t in zip(rows, targets):
+        assert torch.equal(codec.bits(t).cpu(), codec.bits(base))
