@@ -37,15 +37,17 @@ timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_gpu.p
 echo "gpu tests exit: $?" >> "$out/gpu_tests.txt"
 fi
 if [ "$part" = deltas ]; then
-# delta rounds on the GPUs: the batched kernels' tests, fp64 fingerprints, transfer_delta across GPUs and on one
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/transforms/test_delta_kernel.py \
-  tests/roles/test_deltas.py tests/e2e/test_gpu.py -k "delta or fp64" -rs --timeout 120 > "$out/delta_tests.txt" 2>&1
+# delta rounds on the GPUs: the batched kernels' tests, kernel timings, transfer_delta across GPUs and on one
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/transforms/test_delta_kernel.py \
+  tests/engine/datapath/test_fp64_kernel.py tests/roles/test_deltas.py tests/e2e/test_gpu.py -k "delta or fp64" \
+  -rs --timeout 120 > "$out/delta_tests.txt" 2>&1
 echo "delta tests exit: $?" >> "$out/delta_tests.txt"
-for arch in qwen2.5-7b qwen2.5-0.5b; do
-  timeout 90 python3 bench/diagnostics/fingerprints.py --json --arch $arch 2>&1 | tail -1 >> "$out/fingerprints.jsonl"
+timeout 60 python3 bench/diagnostics/fingerprints.py --json --arch qwen2.5-7b 2>&1 | tail -1 >> "$out/fingerprints.jsonl"
+for arch in qwen2.5-0.5b qwen2.5-7b; do
+  timeout 90 python3 bench/diagnostics/delta_kernels.py --json --arch $arch 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
 done
 for where in across colocated; do
-  timeout 150 python3 bench/transfer_delta.py --gpus $where --mb ${DELTA_MB:-2048} --rounds 3 --warmup 3 \
+  timeout 160 python3 bench/transfer_delta.py --gpus $where --mb ${DELTA_MB:-2048} --rounds 3 --warmup 3 \
     --fractions 0.01,0.1,1.0 --out "$out/transfer_delta_$where.json" > "$out/transfer_delta_$where.txt" 2>&1
 done
 fi

@@ -191,6 +191,7 @@ class Cluster:
         sent = await loop.run_in_executor(None, self.from_sender.recv)
         served = await loop.run_in_executor(None, self.from_receiver.recv)
         return {"seconds": report.seconds, "bytes": report.nbytes, "bit_exact": sent["crc"] == served,
+                "stages": {k: round(v, 5) for k, v in report.stages.items()},
                 **{k: sent[k] for k in ("rows", "changed", "whole_bytes", "stepped", "values")}}
 
     async def __aexit__(self, *exc) -> None:
@@ -223,7 +224,8 @@ async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, g
                     row[name] = await c.round(version, fraction, seed=version)
                 rows.append(row)
                 print(json.dumps({"fraction": fraction, **{n: round(row[n]["seconds"], 4) for n in clusters},
-                                  "auto_bytes": row["auto"]["bytes"]}), flush=True)
+                                  "auto_bytes": row["auto"]["bytes"], "always_stages": row["always"]["stages"],
+                                  "dense_stages": row["dense"]["stages"]}), flush=True)
     finally:
         for c in clusters.values():
             await c.__aexit__(None, None, None)

@@ -294,8 +294,7 @@ class WeightReceiver(Worker):
         verify_s = 0.0
         if not problems and self._algo:
             t2 = time.perf_counter()
-            bad = await asyncio.to_thread(verify.checksums, self.table, self.landing.storage, self._algo,
-                                          body.checksums)
+            bad = await verify.checksums(self.table, self.landing.storage, self._algo, body.checksums)
             verify_s = time.perf_counter() - t2
             if bad:
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from weightsync.engine.datapath.checksums import checksum, fp64_many
+from weightsync.engine.datapath.checksums import checksum, fp64_many_async
 from weightsync.engine.datapath.deltas import named
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
@@ -75,7 +75,10 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
     if not any(s.deltas for s in summaries):
         return [], [], ""
     try:
-        wrong = await asyncio.to_thread(landing.land, table, summaries, memory, dtypes, live)
+        if memory.is_cuda:  # (the batched kernels: a few launches and short waits, on the loop's thread)
+            wrong = landing.land(table, summaries, memory, dtypes, live)
+        else:  # (the compiled CPU kernels let go of the GIL)
+            wrong = await asyncio.to_thread(landing.land, table, summaries, memory, dtypes, live)
     except DeltaError as exc:
         return [f"delta refused: {exc}"], [exc.row], exc.peer
     if wrong:
@@ -85,11 +88,16 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
     return [], [], ""
 
 
-def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str, summaries: tuple[m.WriteSummary, ...]) -> list[str]:
-    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8).
-    Blocking (run it off the loop); ``fp64`` fingerprints of every entry in one launch on a GPU."""
+async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
+                    summaries: tuple[m.WriteSummary, ...]) -> list[str]:
+    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8):
+    ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop polls for; other
+    checksums on a worker thread."""
     expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
     entries = [e for e in table.entries if (e.src_rank, e.index) in expected]
     pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
-    values = fp64_many(pieces) if algo == "fp64" else [checksum(piece, algo) for piece in pieces]
+    if algo == "fp64":
+        values = await fp64_many_async(pieces)
+    else:
+        values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
     return sorted({e.name for e, value in zip(entries, values) if value != expected[e.src_rank, e.index]})

@@ -176,10 +176,11 @@ class Encoded:
         self.packed, self.changes, self.change = packed, changes, change
 
 
-def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Encoded]:
+def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], wait: bool = True) -> list[Encoded]:
     """Bring each ``base`` to its ``new`` (1-D, contiguous, same dtype and device, values of 1, 2 or 4
     bytes), returning each row's delta (see the module's header). Waits for the device once, for the
-    totals, and at the end (the packed bytes are complete when it returns)."""
+    totals; with ``wait``, also at the end (else the packed bytes and bases are complete once the work
+    queued on the device's current stream so far is)."""
     if not rows:
         return []
     device = rows[0][1].device
@@ -191,7 +192,7 @@ def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Encod
         for width, members in by_width.items():
             for k, done in zip(members, _encode_width([rows[k] for k in members], width, device)):
                 out[k] = done
-        if device.type == "cuda":
+        if wait and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     return out  # type: ignore[return-value]
 

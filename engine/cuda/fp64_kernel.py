@@ -127,13 +127,31 @@ class Fingerprints:
     def run(self, stream: Optional[torch.cuda.Stream] = None) -> list[int]:
         """Every range's fingerprint, computed on ``stream`` (default: the device's current one); waits
         for it (blocking: call it from a worker thread where the loop must not wait)."""
-        if self.device.type != "cuda":  # (Triton's interpreter, in tests)
-            return self._sums()
-        with torch.cuda.device(self.device):
-            with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-                return self._sums()
+        host, event = self.launch(stream)
+        if event is not None:
+            event.synchronize()
+        return self.values(host)
 
-    def _sums(self) -> list[int]:
+    def launch(self, stream: Optional[torch.cuda.Stream] = None) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+        """Queue the fingerprints on ``stream``: (where their sums land on the host, the event after
+        which they are there; ``values`` reads them then). Does not wait."""
+        if self.device.type != "cuda":  # (Triton's interpreter, in tests)
+            return self._sums(), None
+        with torch.cuda.device(self.device):
+            stream = stream or torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                host = torch.empty((2, self.count), dtype=torch.int64, pin_memory=True)
+                host.copy_(self._sums(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        return host, event
+
+    @staticmethod
+    def values(host: torch.Tensor) -> list[int]:
+        low, high = host.tolist()
+        return [((h << 32) + lo) & _MASK for lo, h in zip(low, high)]
+
+    def _sums(self) -> torch.Tensor:
         sums = torch.zeros((2, self.count), dtype=torch.int64, device=self.device)
         for table, owner, src, programs, members, pitched in self.launches:
             partials = torch.empty(programs, dtype=torch.int64, device=self.device)
@@ -143,8 +161,7 @@ class Fingerprints:
                 _fp64_kernel[(programs,)](table, owner, src, partials, CHUNK=CHUNK, PITCHED=pitched, num_warps=8)
             halves = torch.stack((partials & 0xFFFFFFFF, partials >> 32))
             sums.index_add_(1, members[owner.to(torch.int64)], halves)
-        low, high = sums.cpu().tolist()
-        return [((h << 32) + lo) & _MASK for lo, h in zip(low, high)]
+        return sums
 
 
 def _in_words(address: int, nbytes: int, row: int, pitch: int) -> bool:

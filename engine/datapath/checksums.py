@@ -142,7 +142,44 @@ def fp64_many(views: Sequence[torch.Tensor], streams: Mapping[torch.device, "tor
     """The ``fp64`` of each view's bytes in order: dense views, and views whose dim-0 rows are each dense
     at a larger stride (pitched) read as they lie; any other layout is made contiguous first. CUDA views
     of one device go in one launch (on ``streams[device]``, else the device's current stream; this waits
-    for it: call it off the event loop); the rest row by row."""
+    for it: call it off the event loop, or use ``fp64_many_async``); the rest row by row."""
+    out, launched = _launch_many(views, streams)
+    for members, (fingerprints, host, event) in launched.items():
+        if event is not None:
+            event.synchronize()
+        _place(out, members, fingerprints.values(host))
+    return out  # type: ignore[return-value]
+
+
+async def fp64_many_async(views: Sequence[torch.Tensor],
+                          streams: Mapping[torch.device, "torch.cuda.Stream"] = {}) -> list[int]:
+    """``fp64_many`` without blocking the event loop: the CUDA launches from the loop's thread, their sums
+    copied to pinned host memory behind an event the loop polls; CPU views on a worker thread. (A
+    worker thread would need the GIL back from a loop that polls, once per step.)"""
+    import asyncio
+
+    cpu = [i for i, v in enumerate(views) if not _launchable(v)]
+    out, launched = _launch_many([v for v in views if _launchable(v)], streams)
+    rows = await asyncio.to_thread(lambda: [fp64(_bytes(views[i].contiguous())) for i in cpu]) if cpu else []
+    for members, (fingerprints, host, event) in launched.items():
+        if event is not None:
+            from ..cuda import cuda_rt
+
+            await cuda_rt.wait_event(event)
+        _place(out, members, fingerprints.values(host))
+    merged, on_gpu, on_cpu = [], iter(out), iter(rows)
+    for v in views:
+        merged.append(next(on_gpu) if _launchable(v) else next(on_cpu))
+    return merged
+
+
+def _launchable(v: torch.Tensor) -> bool:
+    return v.device.type == "cuda" and not _KERNEL_FAILED and _range(v) is not None
+
+
+def _launch_many(views: Sequence[torch.Tensor], streams: Mapping) -> tuple[list, dict]:
+    """(the fingerprints of views the kernel does not take, computed here, None for the others; per
+    device, its views' indices -> (the prepared launch, the host tensor its sums land in, their event))."""
     out: list[Optional[int]] = [None] * len(views)
     by_device: dict[torch.device, dict[int, tuple]] = {}  # device -> view index -> its byte range
     for i, v in enumerate(views):
@@ -151,16 +188,21 @@ def fp64_many(views: Sequence[torch.Tensor], streams: Mapping[torch.device, "tor
             by_device.setdefault(v.device, {})[i] = where
         else:
             out[i] = fp64(_bytes(v.contiguous()))
+    launched = {}
     for device, members in by_device.items():
         try:
-            values = _fingerprints(tuple(members.values()), device).run(streams.get(device))
+            fingerprints = _fingerprints(tuple(members.values()), device)
+            launched[tuple(members)] = (fingerprints, *fingerprints.launch(streams.get(device)))
         except Exception as exc:  # no Triton or a Triton problem here: row by row is correct
             _KERNEL_FAILED.append(repr(exc)[:200])
             log.warning("fp64: the GPU kernel cannot run here (%s); fingerprints go row by row", _KERNEL_FAILED[0])
-            values = [fp64(_bytes(views[i].contiguous())) for i in members]
-        for i, value in zip(members, values):
-            out[i] = value
-    return out  # type: ignore[return-value]
+            _place(out, tuple(members), [fp64(_bytes(views[i].contiguous())) for i in members])
+    return out, launched
+
+
+def _place(out: list, members: tuple, values: list[int]) -> None:
+    for i, value in zip(members, values):
+        out[i] = value
 
 
 def _range(v: torch.Tensor) -> Optional[tuple[int, int, int, int]]:

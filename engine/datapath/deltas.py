@@ -252,9 +252,10 @@ class Bases:
         base.version = None
         return _Pending(before, delta, change, changes=delta.changes if delta is not None else 0)
 
-    def advance_many(self, rows: Sequence[tuple[Transfer, torch.Tensor]]) -> list[_Pending]:
+    def advance_many(self, rows: Sequence[tuple[Transfer, torch.Tensor]], wait: bool = True) -> list[_Pending]:
         """``advance`` for many rows at once: those the batched GPU kernels take (``batched``) in a few
-        launches and one wait, the rest one by one. The rows are locked in one order (lanes to receivers
+        launches and one wait (``wait``: and one at the end; else their work is queued on the device's
+        current stream), the rest one by one. The rows are locked in one order (lanes to receivers
         of the same bytes may batch them at the same time)."""
         keys = sorted({_key(t) for t, _ in rows}, key=repr)
         with self.lock:
@@ -277,7 +278,7 @@ class Bases:
                         todo[key] = (base, new.reshape(-1))
                 self._busy += 1
             try:
-                fresh = self._advance_all(todo)
+                fresh = self._advance_all(todo, wait)
             finally:
                 with self.lock:
                     self._busy -= 1
@@ -287,7 +288,7 @@ class Bases:
             done.update(fresh)
             return [done[_key(t)] for t, _ in rows]
 
-    def _advance_all(self, todo: Mapping[tuple, tuple[_Base, torch.Tensor]]) -> dict[tuple, _Pending]:
+    def _advance_all(self, todo: Mapping[tuple, tuple[_Base, torch.Tensor]], wait: bool) -> dict[tuple, _Pending]:
         """Bring each base to its new bytes: in one batch those that hold a version, on the new bytes'
         device, where the batched kernels serve; ``_encode`` the rest."""
         fast = {key: (base, new) for key, (base, new) in todo.items()
@@ -295,7 +296,7 @@ class Bases:
         out = {key: self._encode(base, new) for key, (base, new) in todo.items() if key not in fast}
         if fast:
             t0 = time.perf_counter()
-            encoded = _kernel().encode_many([(base.tensor, new) for base, new in fast.values()])
+            encoded = _kernel().encode_many([(base.tensor, new) for base, new in fast.values()], wait)
             with self.lock:
                 self._encoded[0] += time.perf_counter() - t0
                 self._encoded[1] += sum(new.numel() * new.element_size() for _, new in fast.values())
@@ -369,10 +370,11 @@ class DeltaRound:
         delta region, its fingerprint change, the values it changes), or None to send ``new`` whole."""
         return self._staged(t, self.bases.advance(t, new))
 
-    def stage_many(self, rows: Sequence[tuple[Transfer, torch.Tensor]]) -> list[Optional[tuple[torch.Tensor, int, int, int]]]:
-        """``stage`` of many rows: GPU rows in one batch (``Bases.advance_many``). Blocks until their
-        packed bytes are complete: call it off the event loop."""
-        return [self._staged(t, done) for (t, _), done in zip(rows, self.bases.advance_many(rows))]
+    def stage_many(self, rows: Sequence[tuple[Transfer, torch.Tensor]],
+                   wait: bool = True) -> list[Optional[tuple[torch.Tensor, int, int, int]]]:
+        """``stage`` of many rows: GPU rows in one batch (``Bases.advance_many``; without ``wait`` their
+        packed bytes are complete once the work queued on their device's current stream is)."""
+        return [self._staged(t, done) for (t, _), done in zip(rows, self.bases.advance_many(rows, wait))]
 
     def _staged(self, t: Transfer, done: _Pending) -> Optional[tuple[torch.Tensor, int, int, int]]:
         held = self.held.get(t.dst_rank)

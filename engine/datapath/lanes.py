@@ -21,7 +21,7 @@ from weightsync.wire import Transfer
 from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
 
 from ..transport import Connection
-from .checksums import fp64_many
+from .checksums import fp64_many_async
 from .compiled import CompiledLane, CopyRow
 from .staging import Staged
 
@@ -70,10 +70,10 @@ def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int)
 
 
 async def fingerprints(rows: Sequence[CopyRow]) -> list[Checksum]:
-    """The ``fp64`` of compiled rows' sources, all in one pass (a worker thread waits for it), computed on
-    each device's current stream as the loop sees it (the producer's: the weights are final there)."""
+    """The ``fp64`` of compiled rows' sources, all in one pass (the loop polls for it), computed on each
+    device's current stream as the loop sees it (the producer's: the weights are final there)."""
     streams = {r.src.device: torch.cuda.current_stream(r.src.device) for r in rows if r.src.device.type == "cuda"}
-    values = await asyncio.to_thread(fp64_many, [r.src for r in rows], streams)
+    values = await fp64_many_async([r.src for r in rows], streams)
     return [Checksum(r.index, value) for r, value in zip(rows, values)]
 
 

@@ -380,15 +380,31 @@ async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: Lan
 
 
 async def _as_deltas(deltas: DeltaRound, rows: list, report: LaneReport) -> None:
-    """A batch of a delta lane's GPU rows (``(t, staged, budget)``), encoded together on a worker thread
-    (``DeltaRound.stage_many``: a few launches and waits for the whole batch)."""
+    """A batch of a delta lane's GPU rows (``(t, staged, budget)``), encoded together on the loop's
+    thread (``DeltaRound.stage_many``: a few launches and one wait, for the sizes; a worker thread would
+    wait milliseconds for the GIL each time it needs it back from a polling loop). Each delta's write
+    waits for an event behind the launches."""
     for _, staged, _ in rows:
         await staged.wait()
     start = time.perf_counter()
-    outs = await asyncio.to_thread(deltas.stage_many, [(t, staged.tensor) for t, staged, _ in rows])
+    outs = deltas.stage_many([(t, staged.tensor) for t, staged, _ in rows], wait=False)
+    done = _recorded(rows[0][1].tensor.device)
     report.encode_s += time.perf_counter() - start
     for (_, staged, _), out in zip(rows, outs):
         _as_sent(staged, out)
+        if out is not None:
+            staged.event = done
+
+
+def _recorded(device):
+    """An event behind the work queued so far on ``device``'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _as_sent(staged: Staged, out: Optional[tuple]) -> None:

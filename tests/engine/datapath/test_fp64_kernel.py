@@ -27,3 +27,12 @@ def test_the_word_kernel_equals_the_reference_on_dense_and_pitched_rows():
     ranges = tuple(_range(v) for v in views)
     assert ranges[3][2] != ranges[3][3]  # (pitched indeed)
     assert Fingerprints(ranges, torch.device("cpu")).run() == [fp64(_bytes(v.contiguous())) for v in views]
+
+
+async def test_fp64_many_async_equals_the_blocking_one_in_order():
+    from weightsync.engine.datapath.checksums import fp64_many, fp64_many_async
+
+    g = torch.Generator().manual_seed(1)
+    views = [torch.randn(37, 11, generator=g).to(torch.bfloat16), torch.randint(0, 255, (1001,), generator=g,
+             dtype=torch.uint8), torch.randn(64, 300, generator=g)[:, 3:50], torch.empty(0)]
+    assert await fp64_many_async(views) == fp64_many(views) == [fp64(_bytes(v.contiguous())) for v in views]
