@@ -48,7 +48,8 @@ import triton.language as tl
 
 from ..transforms import delta as codec
 
-BLOCK = 2048  # values (encode) or changes (apply) per program
+BLOCK = 1024  # values (encode) or changes (apply) per program
+WARPS = 8  # per program: 4 values a thread, few registers
 WIDTHS = (1, 2, 4)
 _INT = {1: tl.uint8, 2: tl.int16, 4: tl.int32}
 _FAR = {1: 2, 2: 2, 4: 4}  # bytes of an escaped step
@@ -86,77 +87,114 @@ def _share(p, b, a, W: tl.constexpr):
 
 
 @triton.jit
-def _previous(changed, local, BLOCK: tl.constexpr):
-    """Per value, the index in the block of the block's last change before it (-1: none)."""
+def _previous(changed, local):
+    """Per value, the index in the block of the block's last change before it (-1: none); int32."""
     last = tl.associative_scan(tl.where(changed, local, -1), 0, _max)
     return tl.where(local == 0, -1, tl.gather(last, tl.maximum(local - 1, 0), 0))
 
 
 @triton.jit
-def _count(table, owner, out, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.constexpr):
+def _step(a, b, W: tl.constexpr):
+    """The wrapped step from bit pattern ``b`` to ``a`` (int32: sign-extended, unsigned for 1 byte)."""
+    if W == 4:
+        return _wrap(a.to(tl.int64) - b.to(tl.int64), 4).to(tl.int32)
+    else:
+        half: tl.constexpr = 1 << (8 * W - 1)
+        return ((a - b + half) & (2 * half - 1)) - half
+
+
+@triton.jit
+def _block_share(b, a, local, start, W: tl.constexpr):
+    """``_share`` of a block's values (int32 bit patterns, the block starting at value ``start``, a
+    multiple of 4): word weights in int32, from one 64-bit modulo per block."""
+    SHIFT: tl.constexpr = 0 if W == 4 else (1 if W == 2 else 2)
+    w = ((start >> SHIFT) % 65521).to(tl.int32) + (local >> SHIFT)
+    w = (tl.where(w >= 65521, w - 65521, w) + 1).to(tl.int64)
+    if W == 4:
+        return (a.to(tl.int64) - b.to(tl.int64)) * w
+    elif W == 2:
+        low = (local & 1) == 0  # a word's low half counts unsigned
+        b = tl.where(low & (b < 0), b + 65536, b)
+        a = tl.where(low & (a < 0), a + 65536, a)
+        return (a - b).to(tl.int64) * tl.where(low, 1, 65536) * w
+    else:
+        slot = local & 3  # a word's top byte counts signed
+        b = tl.where((slot == 3) & (b >= 128), b - 256, b)
+        a = tl.where((slot == 3) & (a >= 128), a - 256, a)
+        return (a - b).to(tl.int64) * (1 << (slot * 8)).to(tl.int64) * w
+
+
+@triton.jit
+def _values(table, owner, BLOCK: tl.constexpr, IT: tl.constexpr):
+    """A program's block of its row: (table entry, first value, indices in the block, in range, base
+    and new pointers at the block, their bit patterns as int32)."""
     pid = tl.program_id(0).to(tl.int64)
     e = table + tl.load(owner + pid).to(tl.int64) * 8
-    base = tl.load(e + 0).to(tl.pointer_type(IT))
-    new = tl.load(e + 1).to(tl.pointer_type(IT))
+    start = (pid - tl.load(e + 3)) * BLOCK
     local = tl.arange(0, BLOCK)
-    i = (pid - tl.load(e + 3)) * BLOCK + local
-    mask = i < tl.load(e + 2)
-    b = tl.load(base + i, mask=mask, other=0).to(tl.int64)
-    a = tl.load(new + i, mask=mask, other=0).to(tl.int64)
+    mask = local < tl.minimum(tl.load(e + 2) - start, BLOCK).to(tl.int32)
+    base = tl.load(e + 0).to(tl.pointer_type(IT)) + start
+    new = tl.load(e + 1).to(tl.pointer_type(IT)) + start
+    return pid, e, start, local, mask, base, new
+
+
+@triton.jit
+def _count(table, owner, out, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.constexpr):
+    pid, e, start, local, mask, base, new = _values(table, owner, BLOCK, IT)
+    b = tl.load(base + local, mask=mask, other=0).to(tl.int32)
+    a = tl.load(new + local, mask=mask, other=0).to(tl.int32)
     changed = (a != b) & mask
-    prev = _previous(changed, local, BLOCK)
-    step = _wrap(a - b, W)
+    n = tl.sum(changed.to(tl.int32))
+    step = _step(a, b, W)
+    inner = n * 0
+    if n > 1:  # gaps of 256 or more between the block's own changes
+        prev = _previous(changed, local)
+        inner = tl.sum((changed & (prev >= 0) & (local - prev >= 256)).to(tl.int32))
     o = out + pid * 6
-    tl.store(o + 0, tl.sum(changed.to(tl.int64)))
+    tl.store(o + 0, n.to(tl.int64))
     tl.store(o + 1, tl.min(tl.where(changed, local, BLOCK)).to(tl.int64))
     tl.store(o + 2, tl.max(tl.where(changed, local, -1)).to(tl.int64))
-    tl.store(o + 3, tl.sum((changed & (prev >= 0) & (local - prev >= 256)).to(tl.int64)))
-    tl.store(o + 4, tl.sum((changed & ((step <= -128) | (step >= 128))).to(tl.int64)))
-    tl.store(o + 5, tl.sum(tl.where(changed, _share(i, b, a, W), 0)))
+    tl.store(o + 3, inner.to(tl.int64))
+    tl.store(o + 4, tl.sum((changed & ((step < -127) | (step > 127))).to(tl.int32)).to(tl.int64))
+    tl.store(o + 5, tl.sum(tl.where(changed, _block_share(b, a, local, start, W), 0)))
 
 
 @triton.jit
 def _write(table, owner, starts, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.constexpr, FS: tl.constexpr,
            MAGIC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    e = table + tl.load(owner + pid).to(tl.int64) * 8
-    base = tl.load(e + 0).to(tl.pointer_type(IT))
-    new = tl.load(e + 1).to(tl.pointer_type(IT))
-    numel = tl.load(e + 2)
-    first = tl.load(e + 3)
-    local = tl.arange(0, BLOCK)
-    i = (pid - first) * BLOCK + local
-    mask = i < numel
-    b = tl.load(base + i, mask=mask, other=0)
-    a = tl.load(new + i, mask=mask, other=0)
+    pid, e, start, local, mask, base, new = _values(table, owner, BLOCK, IT)
+    raw = tl.load(new + local, mask=mask, other=0)
+    b = tl.load(base + local, mask=mask, other=0).to(tl.int32)
+    a = raw.to(tl.int32)
     changed = (a != b) & mask
-    tl.store(base + i, a, mask=changed)
+    tl.store(base + local, raw, mask=changed)
     out = tl.load(e + 4)
     if out != 0:  # the row goes as a delta: its arrays, at their places in the packed bytes
         c, fg, fs = tl.load(e + 5), tl.load(e + 6), tl.load(e + 7)
-        s = starts + pid * 4  # where the block's changes, far gaps, far steps start; its previous change
-        prev = _previous(changed, local, BLOCK)
-        gap = i - tl.where(prev >= 0, i - local + prev, tl.load(s + 3))
-        step = _wrap(a.to(tl.int64) - b.to(tl.int64), W)
-        far_gap = changed & (gap >= 256)
-        far_step = changed & ((step <= -128) | (step >= 128))
-        rank = tl.load(s + 0) + tl.cumsum(changed.to(tl.int64), 0) - changed.to(tl.int64)
-        gap_rank = tl.load(s + 1) + tl.cumsum(far_gap.to(tl.int64), 0) - far_gap.to(tl.int64)
-        step_rank = tl.load(s + 2) + tl.cumsum(far_step.to(tl.int64), 0) - far_step.to(tl.int64)
-        bytes_ = out.to(tl.pointer_type(tl.uint8))
-        tl.store(bytes_ + 24 + rank, tl.where(far_gap, 0, gap).to(tl.uint8), mask=changed)
-        tl.store(bytes_ + 24 + c + rank, (tl.where(far_step, -128, step) & 255).to(tl.uint8), mask=changed)
-        at = bytes_ + 24 + 2 * c + 4 * gap_rank
-        for k in tl.static_range(4):
-            tl.store(at + k, ((gap >> (8 * k)) & 255).to(tl.uint8), mask=far_gap)
-        at = bytes_ + 24 + 2 * c + 4 * fg + FS * step_rank
-        for k in tl.static_range(FS):
-            tl.store(at + k, ((step >> (8 * k)) & 255).to(tl.uint8), mask=far_step)
-        if pid == first:  # the header: magic, width, changes, far gaps, far steps, values
+        if pid == tl.load(e + 3):  # the header: magic, width, changes, far gaps, far steps, values
             h = tl.arange(0, 8)
             head = tl.where(h == 0, MAGIC, tl.where(h == 1, W, tl.where(h == 2, c, tl.where(
-                h == 3, fg, tl.where(h == 4, fs, numel)))))
+                h == 3, fg, tl.where(h == 4, fs, tl.load(e + 2))))))
             tl.store(out.to(tl.pointer_type(tl.int32)) + h, head.to(tl.int32), mask=h < 6)
+        if tl.sum(changed.to(tl.int32)) > 0:
+            s = starts + pid * 4  # where the block's changes, far gaps, far steps start; its previous change
+            prev = _previous(changed, local)
+            gap = tl.where(prev >= 0, (local - prev).to(tl.int64), start + local - tl.load(s + 3))
+            step = _step(a, b, W)
+            far_gap = changed & (gap >= 256)
+            far_step = changed & ((step < -127) | (step > 127))
+            rank = tl.load(s + 0) + (tl.cumsum(changed.to(tl.int32), 0) - changed.to(tl.int32))
+            gap_rank = tl.load(s + 1) + (tl.cumsum(far_gap.to(tl.int32), 0) - far_gap.to(tl.int32))
+            step_rank = tl.load(s + 2) + (tl.cumsum(far_step.to(tl.int32), 0) - far_step.to(tl.int32))
+            bytes_ = out.to(tl.pointer_type(tl.uint8))
+            tl.store(bytes_ + 24 + rank, tl.where(far_gap, 0, gap).to(tl.uint8), mask=changed)
+            tl.store(bytes_ + 24 + c + rank, (tl.where(far_step, -128, step) & 255).to(tl.uint8), mask=changed)
+            at = bytes_ + 24 + 2 * c + 4 * gap_rank
+            for k in tl.static_range(4):
+                tl.store(at + k, ((gap >> (8 * k)) & 255).to(tl.uint8), mask=far_gap)
+            at = bytes_ + 24 + 2 * c + 4 * fg + FS * step_rank
+            for k in tl.static_range(FS):
+                tl.store(at + k, ((step >> (8 * k)) & 255).to(tl.uint8), mask=far_step)
 
 
 def _segment_starts(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -214,7 +252,7 @@ def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, dev
     owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks)).to(device)
     table = torch.tensor(entries, dtype=torch.int64).to(device)
     counts = torch.empty((programs, 6), dtype=torch.int64, device=device)
-    _count[(programs,)](table, owner, counts, BLOCK=BLOCK, W=width, IT=_INT[width], num_warps=4)
+    _count[(programs,)](table, owner, counts, BLOCK=BLOCK, W=width, IT=_INT[width], num_warps=WARPS)
     row = owner.to(torch.int64)
     first_block = torch.tensor(firsts, dtype=torch.int64, device=device)[row]
     n, first, last, inner, steps, fp = counts.unbind(1)
@@ -250,7 +288,7 @@ def _finish(rows, entries, totals: torch.Tensor, width: int, device: torch.devic
         table, owner, starts, programs = launch
         table.copy_(torch.tensor(entries, dtype=torch.int64))
         _write[(programs,)](table, owner, starts, BLOCK=BLOCK, W=width, IT=_INT[width], FS=far, MAGIC=codec.MAGIC,
-                                   num_warps=4)
+                                   num_warps=WARPS)
     else:  # no values at all: headers only
         for k, e in enumerate(entries):
             if sizes[k]:
@@ -395,12 +433,12 @@ class Applier:
                 continue
             table, owner, programs, row, first = (launch[k] for k in ("table", "owner", "programs", "row", "first"))
             tally = torch.empty((programs, 3), dtype=torch.int64, device=self.device)
-            _tally[(programs,)](table, owner, tally, BLOCK=BLOCK, num_warps=4)
+            _tally[(programs,)](table, owner, tally, BLOCK=BLOCK, num_warps=WARPS)
             escaped_gaps, escaped_steps = tally[:, 0], tally[:, 1]
             gaps_at, steps_at = _segment_starts(escaped_gaps, first), _segment_starts(escaped_steps, first)
             sums = torch.empty((programs, 3), dtype=torch.int64, device=self.device)
             _sum[(programs,)](table, owner, gaps_at.contiguous(), sums,
-                              BLOCK=BLOCK, num_warps=4)
+                              BLOCK=BLOCK, num_warps=WARPS)
             launch["starts"] = torch.stack((gaps_at, steps_at, _segment_starts(sums[:, 0], first) - 1), 1).contiguous()
             per = torch.zeros((len(launch["members"]), 4), dtype=torch.int64, device=self.device)
             per[:, 3] = 1 << 40
@@ -429,7 +467,7 @@ class Applier:
             width, programs = launch["width"], launch["programs"]
             shares = torch.empty(programs, dtype=torch.int64, device=self.device)
             _apply[(programs,)](launch["table"], launch["owner"], launch["starts"], shares, BLOCK=BLOCK, W=width,
-                                IT=_INT[width], FS=_FAR[width], num_warps=4)
+                                IT=_INT[width], FS=_FAR[width], num_warps=WARPS)
             halves = torch.zeros((len(launch["members"]), 2), dtype=torch.int64, device=self.device)
             halves[:, 0].index_add_(0, launch["row"], shares & 0xFFFFFFFF)
             halves[:, 1].index_add_(0, launch["row"], shares >> 32)
