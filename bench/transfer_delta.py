@@ -10,7 +10,8 @@ step to its bf16 model (``--mb`` of tensors shaped like a transformer's: large m
 vectors): a fraction of the values, spread uniformly, move by one or two units in the last place. Then
 the four push the version one after another (one cluster moves bytes at a time), and the round's
 seconds (begin -> commit acknowledged, as the controller times it) and wire bytes are recorded. After
-every round each receiver's CRC-32 over its served tensors must equal its sender's (``bit_exact``).
+every round each receiver's CRC-32 over its served tensors (on GPUs: the ``fp64`` fingerprint of each
+tensor) must equal its sender's (``bit_exact``).
 Fractions 0.1, 1, 3, 10, 30 and 100%, ``--rounds`` rounds each, after one whole round per cluster and
 ``--warmup`` rounds at 1% (reported apart: there ``auto`` measures the link, with a dense round, and
 then the encoder, with delta rounds, before it settles). ``--rate 1gbit`` runs it all on a link of that
@@ -108,9 +109,16 @@ class Trainer:
         return changed
 
 
-def crc(tensors: dict[str, torch.Tensor]) -> int:
+def crc(tensors: dict[str, torch.Tensor]):
+    """What both ends compare after a round: CRC-32 of every tensor's bytes on CPUs; on GPUs the ``fp64``
+    fingerprint of each (one launch: a CRC of gigabytes on the host would take seconds a round)."""
+    names = sorted(tensors)
+    if any(tensors[n].is_cuda for n in names):
+        from weightsync.engine.datapath.checksums import fp64_many
+
+        return fp64_many([tensors[n].reshape(-1) for n in names])
     value = 0
-    for name in sorted(tensors):
+    for name in names:
         value = zlib.crc32(tensors[name].view(torch.uint8).reshape(-1).cpu().numpy(), value)
     return value
 

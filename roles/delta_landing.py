@@ -6,7 +6,7 @@ weights maps to a window of it) and ``base``, the committed version deltas apply
 (None: unknown). ``begin`` checks the version the round names as this receiver's base against
 ``base`` and forgets it (the landing memory is written from now on). At the fence ``land`` checks every
 delta the senders report and only then applies them all to the landing memory (the checks of
-``engine.datapath.deltas.landed``: a bad one is a ``DeltaError`` naming row and sender, and nothing is
+``engine.datapath.delta_checks.landed``: a bad one is a ``DeltaError`` naming row and sender, and nothing is
 applied). A two-slot receiver's landing slot holds an older version, so there each delta row is first
 copied from the live slot (which holds the base: the committed version) and the delta applied to that
 copy; rows that come whole overwrite the landing slot anyway. Every write the receiver makes to its
@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from weightsync.engine.datapath import delta_checks as checks
 from weightsync.engine.datapath import deltas as dp
 from weightsync.engine.datapath.tensors import FlatBuffer
 from weightsync.engine.errors import ConfigError
@@ -60,17 +61,17 @@ class DeltaLanding:
         return None
 
     def land(self, table: ReceiverTable, summaries: tuple[m.WriteSummary, ...], landing: torch.Tensor,
-             dtypes: Mapping[str, torch.dtype], live: Optional[torch.Tensor] = None) -> list[dp.Landed]:
+             dtypes: Mapping[str, torch.dtype], live: Optional[torch.Tensor] = None) -> list[checks.Landed]:
         """Check every delta of the round, then apply them all to ``landing`` (1-D uint8), each row first
         copied from ``live`` where that is other memory (a two-slot receiver); the rows whose fingerprint
-        did not move as their sender said (``engine.datapath.deltas.apply``)."""
+        did not move as their sender said (``engine.datapath.delta_checks.apply``)."""
         t0 = time.perf_counter()
         region = self.region.storage if self.region is not None else None
-        checked = dp.landed(table, summaries, region, landing, dtypes)
+        checked = checks.landed(table, summaries, region, landing, dtypes)
         if live is not None and live.data_ptr() != landing.data_ptr():
             for start, end in _spans((d.entry.offset, d.entry.offset + d.entry.nbytes) for d in checked):
                 landing[start:end].copy_(live[start:end])
-        wrong = dp.apply(checked, landing, dtypes)
+        wrong = checks.apply(checked, landing, dtypes)
         self.changed += sum(d.changes for d in checked)
         self.rows += len(checked)
         self.apply_s += time.perf_counter() - t0

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from weightsync.engine.datapath import deltas as dp
+from weightsync.engine.datapath import delta_checks as checks
 from weightsync.engine.datapath.deltas import DELTA_REGION
 from weightsync.engine.datapath.exchange import Exchange, memory_exchange
 from weightsync.engine.datapath.registry import RegistrationCache
@@ -96,6 +96,7 @@ class WeightReceiver(Worker):
         self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
         self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
         self.deltas = DeltaLanding(options.delta_fraction, self.nbytes, self.device)
+        self.delta_side = "apply" if self.deltas.region is not None else ""
         extra = ("fence_commit", "slots:2") if self.mode == "shadow" else ("fence_commit", "begin_ack")
         extra += ("delta",) if self.deltas.region is not None else ()
         self.options = dataclasses.replace(self.options, capabilities=(*self.options.capabilities, *extra))
@@ -281,7 +282,7 @@ class WeightReceiver(Worker):
         unproven = await verify.await_proofs(self.transport, body.checksums, self.options.proof_timeout_s)
         self.timeline.mark(version, "proofs:checked")
         await self.transport.settle()  # landed bytes visible in the registered buffers (e.g. pinned -> GPU)
-        expected = dp.expected(self._expected, self.table, body.checksums)  # (a delta counts its payload)
+        expected = checks.expected(self._expected, self.table, body.checksums)  # (a delta counts its payload)
         problems, names, blame = verify.arrivals(self.transport, self.table, expected, self._pending, body.checksums)
         t0 = time.perf_counter()
         if not problems:

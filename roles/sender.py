@@ -117,6 +117,7 @@ class WeightSender(Worker):
         self._last_version = -1
         self.committed: Optional[int] = None  # the newest version this sender saw committed
         self.bases = Bases(options.base_budget_bytes, options.base_on)
+        self.delta_side = "encode"
         self.last_delta: Optional[DeltaRound] = None  # the newest round's delta lanes and what went as deltas
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from weightsync.engine.datapath.checksums import checksum, fp64_many_async
-from weightsync.engine.datapath.deltas import named
+from weightsync.engine.datapath.delta_checks import named
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
 from weightsync.wire import ReceiverTable

@@ -101,6 +101,7 @@ class Worker(AsyncResource):
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
         self.spinner = Spinner(spins(options.spin, options.transport_options.device))
         self._spinning = False
+        self.delta_side = ""  # the delta kernels it runs: "encode" (a sender), "apply" (a receiver with a region)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.session.state.value}>"
@@ -115,6 +116,7 @@ class Worker(AsyncResource):
             self.transport = create_transport(self.options.transport, transport_options)
             self.transport_info = await self.transport.start(self.rank)
             self._on_transport(self.transport)
+            await warm_kernels(getattr(self, "tensors", {}), self.delta_side)
             self._hello_manifest = self._manifest()
             await self._join_retrying(time.monotonic() + self.options.join_timeout_s)
         except BaseException:
@@ -364,6 +366,19 @@ class Worker(AsyncResource):
 
     async def _close_data_plane(self) -> None:
         """Close connections the subclass opened."""
+
+
+async def warm_kernels(tensors: dict, delta_side: str) -> None:
+    """Compile the GPU kernels rounds may launch on the devices of ``tensors`` before joining
+    (``engine.cuda.warm``: Triton compiles each on its first launch, which no round should pay)."""
+    widths: dict = {}
+    for t in tensors.values():
+        if t.device.type == "cuda":
+            widths.setdefault(t.device, set()).add(t.element_size())
+    if widths:
+        from weightsync.engine.cuda.warm import warm
+
+        await asyncio.to_thread(warm, widths, delta_side)
 
 
 def spins(spin: Optional[bool], device: str) -> bool:

@@ -197,6 +197,23 @@ def _write(table, owner, starts, BLOCK: tl.constexpr, W: tl.constexpr, IT: tl.co
                 tl.store(at + k, ((step >> (8 * k)) & 255).to(tl.uint8), mask=far_step)
 
 
+def _owners(blocks: list[int], programs: int, device: torch.device) -> torch.Tensor:
+    """Each program's row (int64, made on the device: millions of programs for a large model)."""
+    counts = torch.tensor(blocks, dtype=torch.int64).to(device)
+    return torch.repeat_interleave(torch.arange(len(blocks), device=device), counts, output_size=programs)
+
+
+def _last_before(nonempty: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Per block, ``ends`` of the last nonempty block before it (-1: none). Ends grow with the block
+    index, so that is the end of the k-th nonempty block, k the nonempty blocks before: a scatter and a
+    gather (a running maximum over millions of blocks is one thread block's work in torch)."""
+    rank = torch.cumsum(nonempty.to(torch.int64), 0)  # nonempty blocks up to each, inclusive
+    listed = torch.full((ends.numel() + 1,), -1, dtype=torch.int64, device=ends.device)
+    listed.scatter_(0, torch.where(nonempty, rank - 1, ends.numel()), ends)  # (empty ones: the spare slot)
+    k = rank - nonempty.to(torch.int64)
+    return torch.where(k > 0, listed[(k - 1).clamp(min=0)], -1)
+
+
 def _segment_starts(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """Each block's exclusive running sum of ``values`` within its row (``first``: each block's row's
     first block)."""
@@ -249,17 +266,16 @@ def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, dev
     entries = [[base.data_ptr(), new.data_ptr(), n, f, 0, 0, 0, 0] for (base, new), n, f in zip(rows, numels, firsts)]
     if not programs:  # empty rows: a header only
         return _finish(rows, entries, torch.zeros((len(rows), 5), dtype=torch.int64), width, device)
-    owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks)).to(device)
+    owner = _owners(blocks, programs, device)
     table = torch.tensor(entries, dtype=torch.int64).to(device)
     counts = torch.empty((programs, 6), dtype=torch.int64, device=device)
     _count[(programs,)](table, owner, counts, BLOCK=BLOCK, W=width, IT=_INT[width], num_warps=WARPS)
-    row = owner.to(torch.int64)
+    row = owner
     first_block = torch.tensor(firsts, dtype=torch.int64, device=device)[row]
     n, first, last, inner, steps, fp = counts.unbind(1)
     row_start = torch.tensor([0] + numels[:-1], dtype=torch.int64, device=device).cumsum(0)[row]
     block_start = (torch.arange(programs, device=device) - first_block) * BLOCK + row_start  # in the batch
-    ends = torch.where(n > 0, block_start + last, -1)
-    before = torch.cummax(torch.cat((ends.new_full((1,), -1), ends[:-1])), 0).values
+    before = _last_before(n > 0, block_start + last)
     prev = torch.where(before >= row_start, before - row_start, -1)  # the previous change in the row
     far_first = (n > 0) & (block_start - row_start + first - prev >= 256)
     far = inner + far_first.to(torch.int64)
@@ -413,9 +429,7 @@ class Applier:
         launch = {"width": width, "members": members, "programs": programs}
         if programs:
             launch["table"] = torch.tensor(entries, dtype=torch.int64).to(self.device)
-            launch["owner"] = torch.repeat_interleave(torch.arange(len(members), dtype=torch.int32),
-                                                      torch.tensor(blocks)).to(self.device)
-            row = launch["owner"].to(torch.int64)
+            launch["owner"] = row = _owners(blocks, programs, self.device)
             launch["row"] = row
             launch["first"] = torch.tensor([e[3] for e in entries], dtype=torch.int64, device=self.device)[row]
         return launch

@@ -16,18 +16,16 @@ way the base becomes the new bytes at once (a delta is applied to it; whole byte
 makes them the base's version; an abort undoes the deltas (``settle``, before the next round) and
 forgets bases that took whole bytes: a base never holds bytes of a round that did not commit.
 
-Receiver (``landed``): the rows that came as deltas (``WriteSummary.deltas``) are read from their
-windows and checked — each names a row of the sender that sent it, once, inside its window, and is a
-well-formed delta for that row (``delta.check``) — all of them before any byte is applied; a bad one is
-a ``DeltaError`` naming the row and the sender. ``apply`` then adds them to the landing memory.
+The receiver's side (checks, then applies, at the fence) is ``engine.datapath.delta_checks``.
 
 CPU rows take the compiled one-pass kernels (``engine.transforms.delta_cpu``: ``encode``, ``check``
-and ``apply`` with the fingerprint in the same loop); rows elsewhere the vectorised torch code.
+and ``apply`` with the fingerprint in the same loop); GPU rows the batched Triton kernels
+(``engine.cuda.delta_kernel``, ``batched``: a lane's rows in a few launches per batch); other rows the
+vectorised torch code.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -38,8 +36,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from weightsync.wire import ExpectedEntry, PeerInfo, ReceiverTable, Transfer
-from weightsync.wire.messages import DeltaRow, WriteSummary
+from weightsync.wire import PeerInfo, Transfer
 
 from ..errors import ConfigError
 from ..transforms import delta as codec
@@ -61,7 +58,6 @@ REPROBE_MAX = 1024  # each try that does not pay doubles that wait, up to this m
 OFF_LOOP_BYTES = 1 << 20  # CPU rows this large are encoded on worker threads (the event loop keeps writing)
 ENCODERS = 2  # such rows (or batches) of a lane encoded at once (the compiled encoder lets go of the GIL)
 BATCH_BYTES = 256 << 20  # GPU rows of a lane encoded as one batch, up to this many bytes (``batched``)
-APPLY_THREADS = 4  # threads a receiver applies a round's CPU deltas with (rows in parallel), at most
 
 
 def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
@@ -179,7 +175,7 @@ class Bases:
             if self.committed:
                 base.version = self.version
             elif (delta := p.undo()) is not None and p.before is not None:
-                _apply(delta, base.tensor, str(key[0]), None, undo=True)
+                apply_row(delta, base.tensor, str(key[0]), None, undo=True)
                 base.version = p.before
             else:
                 base.version = None
@@ -296,7 +292,14 @@ class Bases:
         out = {key: self._encode(base, new) for key, (base, new) in todo.items() if key not in fast}
         if fast:
             t0 = time.perf_counter()
-            encoded = _kernel().encode_many([(base.tensor, new) for base, new in fast.values()], wait)
+            try:
+                encoded = gpu_kernels().encode_many([(base.tensor, new) for base, new in fast.values()], wait)
+            except Exception as exc:  # (a kernel that cannot run here: these rows whole, later ones one by one)
+                kernel_failed(exc)
+                for key, (base, new) in fast.items():
+                    base.version = None  # (what the launches did to it is unknown: copied whole)
+                    out[key] = self._encode(base, new)
+                return out
             with self.lock:
                 self._encoded[0] += time.perf_counter() - t0
                 self._encoded[1] += sum(new.numel() * new.element_size() for _, new in fast.values())
@@ -392,25 +395,33 @@ class DeltaRound:
 
 
 KERNEL_ON_CPU = False  # tests: CPU rows take the batched kernels too (Triton's interpreter, TRITON_INTERPRET=1)
-_KERNEL_FAILED: list[str] = []
+KERNEL_FAILED: list[str] = []  # why the batched kernels could not run here (then rows go one by one)
 
 
 @functools.cache
-def _kernel():
+def gpu_kernels():
     """``engine.cuda.delta_kernel``, or None where Triton does not import (then rows go one by one)."""
     try:
         from ..cuda import delta_kernel
     except Exception as exc:  # no Triton here
-        _KERNEL_FAILED.append(repr(exc)[:200])
+        KERNEL_FAILED.append(repr(exc)[:200])
         return None
     return delta_kernel
 
 
+def kernel_failed(exc: BaseException) -> None:
+    """The batched kernels failed here: every later row goes one by one (logged once)."""
+    if not KERNEL_FAILED:
+        log.warning("weightsync: the batched delta kernels cannot run here (%r); rows go one by one", exc)
+    KERNEL_FAILED.append(repr(exc)[:200])
+
+
 def batched(row: torch.Tensor) -> bool:
     """Whether rows like ``row`` take the batched kernels: CUDA rows of 1, 2 or 4-byte values, contiguous,
-    where Triton imports (``KERNEL_ON_CPU``: CPU rows too)."""
+    where Triton imports and has not failed (``KERNEL_ON_CPU``: CPU rows too)."""
     return ((row.device.type == "cuda" or KERNEL_ON_CPU) and row.element_size() in (1, 2, 4)
-            and row.is_contiguous() and row.numel() <= codec.MAX_NUMEL and _kernel() is not None)
+            and row.is_contiguous() and row.numel() <= codec.MAX_NUMEL and not KERNEL_FAILED
+            and gpu_kernels() is not None)
 
 
 def _advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta], int, bool]:
@@ -426,7 +437,7 @@ def _advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delt
     return dataclasses.replace(delta, changed=None), change, True  # (the arrays: kept for an undo only)
 
 
-def _check(delta: codec.Delta, row: torch.Tensor, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def check_row(delta: codec.Delta, row: torch.Tensor, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``delta`` fits ``row`` (else ``DeltaError`` naming ``name``): the torch check's positions and
     steps, or None where the compiled kernels will apply it."""
     if delta_cpu.usable(row):
@@ -435,7 +446,7 @@ def _check(delta: codec.Delta, row: torch.Tensor, name: str) -> Optional[tuple[t
     return codec.check(delta, row, name)
 
 
-def _apply(delta: codec.Delta, row: torch.Tensor, name: str, checked, *, undo: bool = False) -> int:
+def apply_row(delta: codec.Delta, row: torch.Tensor, name: str, checked, *, undo: bool = False) -> int:
     """Apply a delta in place (``undo``: take it back); the row's fp64 fingerprint change. ``checked``:
     the torch check's answer, or None for a delta checked by the compiled walk or the sender's own."""
     if delta_cpu.usable(row):
@@ -449,162 +460,3 @@ def _take(delta: codec.Delta, base: torch.Tensor) -> int:
     bits = codec.bits(base)
     bits[positions.to(bits.device)] = after.to(bits.device, bits.dtype)
     return fp64_change(positions, before, after, delta.width)
-
-
-# --- the receiver's side ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Landed:
-    """A checked delta: entry ``entry`` of sender ``src``, ready to apply."""
-
-    src: int
-    entry: ExpectedEntry
-    delta: Optional[codec.Delta]  # None: in a batch of the GPU kernels (``checked``: its Applier and place)
-    checked: Optional[tuple]  # the torch check's (positions, steps); None: the compiled kernels'
-    change: int  # the fingerprint change its sender reported
-    changes: int  # the values it changes
-
-
-def expected(per_sender: Mapping[int, tuple[int, int]], table: ReceiverTable,
-             summaries: tuple[WriteSummary, ...]) -> dict[int, tuple[int, int]]:
-    """Sender rank -> (writes, bytes) to expect from it this round: ``per_sender`` (the table's), less
-    what its deltas saved (it counts a delta's payload, not its row)."""
-    if not any(s.deltas for s in summaries):
-        return per_sender  # (a dense round: no walk over the table's rows at the fence)
-    size = {(e.src_rank, e.index): e.nbytes for e in table.entries}
-    saved = {s.peer_rank: sum(size.get((s.peer_rank, d.index), 0) - d.nbytes for d in s.deltas) for s in summaries}
-    return {src: (count, nbytes - saved.get(src, 0)) for src, (count, nbytes) in per_sender.items()}
-
-
-def _row(landing: torch.Tensor, entry: ExpectedEntry, dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
-    """``entry``'s row of ``landing`` (1-D uint8), as its values."""
-    return landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
-
-
-def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_region: Optional[torch.Tensor],
-           landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
-    """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in the senders'
-    order; ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is
-    written. Rows the batched kernels take (``batched``) are checked together: one read of their
-    headers, one of the verdicts."""
-    entries = {(e.src_rank, e.index): e for e in table.entries}
-    out: list[Optional[Landed]] = []
-    batch: list[tuple[int, int, DeltaRow, ExpectedEntry, int]] = []  # (place in out, sender, row, entry, start)
-    for s in summaries:
-        seen: set[int] = set()
-        for d in s.deltas:
-            entry, start = _placed(s.peer_rank, d, entries, seen, delta_region, landing)
-            row = _row(landing, entry, dtypes)
-            if batched(row):
-                batch.append((len(out), s.peer_rank, d, entry, start))
-                out.append(None)
-            else:
-                out.append(_blamed(s.peer_rank, d, entry, lambda: _one(s.peer_rank, d, entry, start, delta_region, row)))
-    if batch:
-        _check_batch(batch, out, delta_region, landing, dtypes)
-    return out  # type: ignore[return-value]
-
-
-def _blamed(src: int, d: DeltaRow, entry: ExpectedEntry, check: Callable):
-    """``check()``, its ``DeltaError`` naming the row, the transfer and the sender."""
-    try:
-        return check()
-    except codec.DeltaError as exc:
-        raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", f"sender/{src}") from None
-
-
-def _placed(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor],
-            landing: torch.Tensor) -> tuple[ExpectedEntry, int]:
-    """The row a delta names and where its window starts, after the checks that need no byte of it."""
-    entry = entries.get((src, d.index))
-    if entry is None:
-        raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from that sender",
-                               f"sender/{src}")
-
-    def check() -> int:
-        if d.index in seen:
-            raise codec.DeltaError(entry.name, "sent twice in one round")
-        seen.add(d.index)
-        if delta_region is None:
-            raise codec.DeltaError(entry.name, "a delta for a receiver without a delta region")
-        start, capacity = window(entry.offset, entry.nbytes, landing.numel(), delta_region.numel())
-        if d.nbytes > capacity:
-            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
-        if d.nbytes < codec.HEADER_BYTES:
-            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes is shorter than a delta's header")
-        return start
-
-    return entry, _blamed(src, d, entry, check)
-
-
-def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: torch.Tensor,
-         row: torch.Tensor) -> Landed:
-    delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
-    if delta.changes != d.changes:
-        raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
-    return Landed(src, entry, delta, _check(delta, row, entry.name), d.change, delta.changes)
-
-
-def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: torch.Tensor,
-                 dtypes: Mapping[str, torch.dtype]) -> None:
-    """The batched rows' checks (``landed``): headers read at once, then the kernels' verdicts."""
-    kernel = _kernel()
-    heads = kernel.headers(delta_region, [start for *_, start in batch])
-    items = []
-    for (_, src, d, entry, start), head in zip(batch, heads):
-        row = _row(landing, entry, dtypes)
-        _blamed(src, d, entry, lambda: _header_fits(head, d, row, entry.name))
-        items.append((delta_region[start:start + d.nbytes], row, head))
-    applier = kernel.Applier(items)
-    for k, ((place, src, d, entry, _), why) in enumerate(zip(batch, applier.check())):
-        if why is not None:
-            raise codec.DeltaError(entry.name, f"transfer {d.index}: {why}", f"sender/{src}")
-        out[place] = Landed(src, entry, None, (applier, k), d.change, d.changes)
-
-
-def _header_fits(head: tuple[int, ...], d: DeltaRow, row: torch.Tensor, name: str) -> None:
-    """``DeltaError`` unless a delta's header (``delta_kernel.headers``) fits its report and its row."""
-    magic, width, changes, far_gaps, far_steps, numel = head
-    if magic != codec.MAGIC or width not in (1, 2, 4, 8):
-        raise codec.DeltaError(name, f"not a delta (magic {magic & 0xFFFFFFFF:#x}, width {width})")
-    want = codec.HEADER_BYTES + 2 * changes + 4 * far_gaps + codec.far_step_dtype(width).itemsize * far_steps
-    if min(changes, far_gaps, far_steps, numel) < 0 or d.nbytes != want:
-        raise codec.DeltaError(name, f"{d.nbytes} bytes, the header says {want}")
-    if changes != d.changes:
-        raise codec.DeltaError(name, f"changes {changes} values, its sender reported {d.changes}")
-    if width != row.element_size() or numel != row.numel():
-        raise codec.DeltaError(name, f"a delta of {numel} x {width}-byte values for a row of "
-                                     f"{row.numel()} x {row.element_size()}")
-
-
-def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype],
-          fingerprint: bool = True) -> list[Landed]:
-    """Add checked deltas to ``landing`` (1-D uint8); with ``fingerprint``, those whose row's ``fp64``
-    did not move as their sender's did (worked out from the changed values alone: O(changes)): the
-    receiver's base differs from the sender's where the delta touched it, or the delta changed on the way.
-    Deltas of a batch are applied together (one launch per value width)."""
-    batches: dict[int, list[int]] = {}
-    for d in deltas:
-        if d.delta is None and id(d.checked[0]) not in batches:  # type: ignore[index]
-            batches[id(d.checked[0])] = d.checked[0].apply()  # type: ignore[index]
-
-    def one(d: Landed) -> int:
-        if d.delta is None:
-            applier, k = d.checked  # type: ignore[misc]
-            return batches[id(applier)][k]
-        return _apply(d.delta, _row(landing, d.entry, dtypes), d.entry.name, d.checked)
-
-    parallel = len(deltas) > 1 and delta_cpu.usable(landing) and not batches  # (rows are disjoint: in
-    changes = list(_apply_pool().map(one, deltas) if parallel else map(one, deltas))  # parallel, GIL let go)
-    return [d for d, change in zip(deltas, changes) if fingerprint and change != d.change]
-
-
-@functools.cache
-def _apply_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="weightsync-delta")
-
-
-def named(deltas: list[Landed]) -> list[str]:
-    """Each as "parameter (sender/S transfer I)"."""
-    return [f"{d.entry.name} (sender/{d.src} transfer {d.entry.index})" for d in deltas]

@@ -137,6 +137,26 @@ async def test_rounds_after_the_first_send_changed_bytes_only_and_land_bit_exact
         assert all(r.deltas.rows > 0 and r.deltas.base == 5 for r in recvs)
 
 
+async def test_batched_kernels_that_fail_leave_their_rows_whole_and_later_rows_one_by_one(monkeypatch):
+    from weightsync.engine.datapath import deltas
+
+    class Broken:  # (a GPU whose Triton cannot compile: every launch fails)
+        def encode_many(self, rows, wait=True):
+            raise RuntimeError("the kernel does not compile here")
+
+    monkeypatch.setattr(deltas, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(deltas, "KERNEL_FAILED", [])
+    monkeypatch.setattr(deltas, "gpu_kernels", lambda: Broken())
+    async with cluster() as (c, sender, send_t, recvs):
+        for version in range(1, 5):
+            rl_step(send_t, version)
+            await push(sender, version)
+            for r in recvs:
+                assert same(send_t, r.state_dict()) == [], (r.mode, version)
+        assert deltas.KERNEL_FAILED and "does not compile" in deltas.KERNEL_FAILED[0]
+        assert sender.last_delta.rows >= LARGE * len(recvs)  # one by one from then on
+
+
 async def test_off_sends_whole_rows_and_auto_sends_none_over_memory():
     async with cluster(delta="off") as (c, sender, send_t, recvs):
         reports = []

@@ -1,0 +1,196 @@
+"""Delta rounds on the receiver: the round's deltas checked, then applied, at the fence.
+
+How this works: the rows that came as deltas (``WriteSummary.deltas``) are read from their windows of
+the delta region (``engine.datapath.deltas.window``) and checked by ``landed`` — each names a row of the
+sender that sent it, once, inside its window, and is a well-formed delta for that row (header, escape
+counts, positions strictly increasing and inside the row) — all of them before any byte is applied; a
+bad one is a ``DeltaError`` naming the row and the sender. ``apply`` then adds them to the landing
+memory and returns those whose ``fp64`` fingerprint moved otherwise than their sender said. Rows the
+batched GPU kernels take (``deltas.batched``) are checked and applied together: one read of their
+headers, one launch pair and one read for the verdicts, one launch and one read for the fingerprint
+changes (``engine.cuda.delta_kernel.Applier``); CPU rows take the compiled kernels, on up to
+``APPLY_THREADS`` threads; others the torch codec.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from weightsync.wire import ExpectedEntry, ReceiverTable
+from weightsync.wire.messages import DeltaRow, WriteSummary
+
+from ..transforms import delta as codec
+from ..transforms import delta_cpu
+from . import deltas as dp
+from .deltas import apply_row, batched, check_row, window
+
+APPLY_THREADS = 4  # threads a receiver applies a round's CPU deltas with (rows in parallel), at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """A checked delta: entry ``entry`` of sender ``src``, ready to apply."""
+
+    src: int
+    entry: ExpectedEntry
+    delta: Optional[codec.Delta]  # None: in a batch of the GPU kernels (``checked``: its Applier and place)
+    checked: Optional[tuple]  # the torch check's (positions, steps); None: the compiled kernels'
+    change: int  # the fingerprint change its sender reported
+    changes: int  # the values it changes
+
+
+def expected(per_sender: Mapping[int, tuple[int, int]], table: ReceiverTable,
+             summaries: tuple[WriteSummary, ...]) -> dict[int, tuple[int, int]]:
+    """Sender rank -> (writes, bytes) to expect from it this round: ``per_sender`` (the table's), less
+    what its deltas saved (it counts a delta's payload, not its row)."""
+    if not any(s.deltas for s in summaries):
+        return per_sender  # (a dense round: no walk over the table's rows at the fence)
+    size = {(e.src_rank, e.index): e.nbytes for e in table.entries}
+    saved = {s.peer_rank: sum(size.get((s.peer_rank, d.index), 0) - d.nbytes for d in s.deltas) for s in summaries}
+    return {src: (count, nbytes - saved.get(src, 0)) for src, (count, nbytes) in per_sender.items()}
+
+
+def _row(landing: torch.Tensor, entry: ExpectedEntry, dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
+    """``entry``'s row of ``landing`` (1-D uint8), as its values."""
+    return landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
+
+
+def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_region: Optional[torch.Tensor],
+           landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
+    """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in the senders'
+    order; ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is
+    written. Rows the batched kernels take (``batched``) are checked together: one read of their
+    headers, one of the verdicts."""
+    entries = {(e.src_rank, e.index): e for e in table.entries}
+    out: list[Optional[Landed]] = []
+    batch: list[tuple[int, int, DeltaRow, ExpectedEntry, int]] = []  # (place in out, sender, row, entry, start)
+    for s in summaries:
+        seen: set[int] = set()
+        for d in s.deltas:
+            entry, start = _placed(s.peer_rank, d, entries, seen, delta_region, landing)
+            row = _row(landing, entry, dtypes)
+            if batched(row):
+                batch.append((len(out), s.peer_rank, d, entry, start))
+                out.append(None)
+            else:
+                out.append(_blamed(s.peer_rank, d, entry, lambda: _one(s.peer_rank, d, entry, start, delta_region, row)))
+    if batch:
+        _check_batch(batch, out, delta_region, landing, dtypes)
+    return out  # type: ignore[return-value]
+
+
+def _blamed(src: int, d: DeltaRow, entry: ExpectedEntry, check: Callable):
+    """``check()``, its ``DeltaError`` naming the row, the transfer and the sender."""
+    try:
+        return check()
+    except codec.DeltaError as exc:
+        raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", f"sender/{src}") from None
+
+
+def _placed(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor],
+            landing: torch.Tensor) -> tuple[ExpectedEntry, int]:
+    """The row a delta names and where its window starts, after the checks that need no byte of it."""
+    entry = entries.get((src, d.index))
+    if entry is None:
+        raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from that sender",
+                               f"sender/{src}")
+
+    def check() -> int:
+        if d.index in seen:
+            raise codec.DeltaError(entry.name, "sent twice in one round")
+        seen.add(d.index)
+        if delta_region is None:
+            raise codec.DeltaError(entry.name, "a delta for a receiver without a delta region")
+        start, capacity = window(entry.offset, entry.nbytes, landing.numel(), delta_region.numel())
+        if d.nbytes > capacity:
+            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
+        if d.nbytes < codec.HEADER_BYTES:
+            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes is shorter than a delta's header")
+        return start
+
+    return entry, _blamed(src, d, entry, check)
+
+
+def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: torch.Tensor,
+         row: torch.Tensor) -> Landed:
+    delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
+    if delta.changes != d.changes:
+        raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
+    return Landed(src, entry, delta, check_row(delta, row, entry.name), d.change, delta.changes)
+
+
+def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: torch.Tensor,
+                 dtypes: Mapping[str, torch.dtype]) -> None:
+    """The batched rows' checks (``landed``): headers read at once, then the kernels' verdicts."""
+    kernel = dp.gpu_kernels()
+    heads = kernel.headers(delta_region, [start for *_, start in batch])
+    items = []
+    for (_, src, d, entry, start), head in zip(batch, heads):
+        row = _row(landing, entry, dtypes)
+        _blamed(src, d, entry, lambda: _header_fits(head, d, row, entry.name))
+        items.append((delta_region[start:start + d.nbytes], row, head))
+    applier = kernel.Applier(items)
+    try:
+        verdicts = applier.check()
+    except Exception as exc:  # (a kernel that cannot run here, nothing written yet: these one by one)
+        dp.kernel_failed(exc)
+        for place, src, d, entry, start in batch:
+            row = _row(landing, entry, dtypes)
+            out[place] = _blamed(src, d, entry, lambda: _one(src, d, entry, start, delta_region, row))
+        return
+    for k, ((place, src, d, entry, _), why) in enumerate(zip(batch, verdicts)):
+        if why is not None:
+            raise codec.DeltaError(entry.name, f"transfer {d.index}: {why}", f"sender/{src}")
+        out[place] = Landed(src, entry, None, (applier, k), d.change, d.changes)
+
+
+def _header_fits(head: tuple[int, ...], d: DeltaRow, row: torch.Tensor, name: str) -> None:
+    """``DeltaError`` unless a delta's header (``delta_kernel.headers``) fits its report and its row."""
+    magic, width, changes, far_gaps, far_steps, numel = head
+    if magic != codec.MAGIC or width not in (1, 2, 4, 8):
+        raise codec.DeltaError(name, f"not a delta (magic {magic & 0xFFFFFFFF:#x}, width {width})")
+    want = codec.HEADER_BYTES + 2 * changes + 4 * far_gaps + codec.far_step_dtype(width).itemsize * far_steps
+    if min(changes, far_gaps, far_steps, numel) < 0 or d.nbytes != want:
+        raise codec.DeltaError(name, f"{d.nbytes} bytes, the header says {want}")
+    if changes != d.changes:
+        raise codec.DeltaError(name, f"changes {changes} values, its sender reported {d.changes}")
+    if width != row.element_size() or numel != row.numel():
+        raise codec.DeltaError(name, f"a delta of {numel} x {width}-byte values for a row of "
+                                     f"{row.numel()} x {row.element_size()}")
+
+
+def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype],
+          fingerprint: bool = True) -> list[Landed]:
+    """Add checked deltas to ``landing`` (1-D uint8); with ``fingerprint``, those whose row's ``fp64``
+    did not move as their sender's did (worked out from the changed values alone: O(changes)): the
+    receiver's base differs from the sender's where the delta touched it, or the delta changed on the way.
+    Deltas of a batch are applied together (one launch per value width)."""
+    batches: dict[int, list[int]] = {}
+    for d in deltas:
+        if d.delta is None and id(d.checked[0]) not in batches:  # type: ignore[index]
+            batches[id(d.checked[0])] = d.checked[0].apply()  # type: ignore[index]
+
+    def one(d: Landed) -> int:
+        if d.delta is None:
+            applier, k = d.checked  # type: ignore[misc]
+            return batches[id(applier)][k]
+        return apply_row(d.delta, _row(landing, d.entry, dtypes), d.entry.name, d.checked)
+
+    parallel = len(deltas) > 1 and delta_cpu.usable(landing) and not batches  # (rows are disjoint: in
+    changes = list(_apply_pool().map(one, deltas) if parallel else map(one, deltas))  # parallel, GIL let go)
+    return [d for d, change in zip(deltas, changes) if fingerprint and change != d.change]
+
+
+@functools.cache
+def _apply_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="weightsync-delta")
+
+
+def named(deltas: list[Landed]) -> list[str]:
+    """Each as "parameter (sender/S transfer I)"."""
+    return [f"{d.entry.name} (sender/{d.src} transfer {d.entry.index})" for d in deltas]
