@@ -10,8 +10,8 @@ and sizes, so rows anywhere on the device go in one launch per value width).
 
 1. ``_count``: per block, its changes, first and last changed position, the gaps >= 256 between its
    own changes, the steps that escape and its share of the row's ``fp64`` change.
-2. torch on the device: each block's previous change (the last one of the blocks before it in its
-   row: a running maximum), hence whether its first gap escapes; where each block's changes, far gaps
+2. torch on the device: each block's previous change (the last change of the nonempty blocks before
+   it in its row: a scatter and a gather, ``_last_before``), hence whether its first gap escapes; where each block's changes, far gaps
    and far steps start (running sums per row); per row, the totals. One copy of the totals to the host
    (the only wait): the host sizes each row's delta, keeps those smaller than the row, lays them out in
    one buffer.
