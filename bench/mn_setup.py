@@ -13,6 +13,7 @@ import statistics
 import time
 import traceback
 import zlib
+from typing import Optional
 
 import torch
 

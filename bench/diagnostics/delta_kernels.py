@@ -3,7 +3,7 @@
 A bf16 model of ``--arch``'s shapes, ``--fraction`` of its values moved by one unit in the last place
 (a few by more). Times (median of ``--rounds`` after a warm-up): ``delta_kernel.encode_many`` over every
 row (the sender: deltas, bases brought to the new bytes, fingerprint changes; one wait for the sizes),
-``Applier`` check and apply (the receiver), and the torch codec row by row (``delta.encode``: what GPU
+``delta_apply.Applier`` check and apply (the receiver), and the torch codec row by row (``delta.encode``: what GPU
 rows cost before), and a device copy of the model (what a colocated dense round moves). Checks that the
 applied rows equal the new ones bit for bit and that the packed deltas equal the torch codec's.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from weightsync.engine.cuda import delta_kernel  # noqa: E402
+from weightsync.engine.cuda import delta_apply, delta_kernel  # noqa: E402
 from weightsync.engine.models.shapes import state_dict_shapes  # noqa: E402
 from weightsync.engine.transforms import delta as codec  # noqa: E402
 
@@ -88,11 +88,11 @@ def main(argv=None) -> int:
         starts.append(at)
         at += e.packed.numel() if e.packed is not None else 0
     kept = [k for k, e in enumerate(encoded) if e.packed is not None]
-    heads = delta_kernel.headers(region, [starts[k] for k in kept])
+    heads = delta_apply.headers(region, [starts[k] for k in kept])
     targets = [o.clone() for o in old]
 
     def land():
-        applier = delta_kernel.Applier([(region[starts[k]:], targets[k], h) for k, h in zip(kept, heads)])
+        applier = delta_apply.Applier([(region[starts[k]:], targets[k], h) for k, h in zip(kept, heads)])
         assert applier.check() == [None] * len(kept)
         return applier.apply()
 

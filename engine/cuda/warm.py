@@ -34,7 +34,7 @@ def warm(widths: Mapping[torch.device, set[int]], deltas: str = "") -> None:
 
 def _deltas(device: torch.device, widths: list[int], side: str) -> None:
     from ..transforms import delta as codec
-    from . import delta_kernel
+    from . import delta_apply, delta_kernel
 
     dtypes = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
     for width in widths:
@@ -45,6 +45,6 @@ def _deltas(device: torch.device, widths: list[int], side: str) -> None:
             delta_kernel.encode_many([(base, new)])
         else:
             packed = codec.pack_tensor(codec.encode(new, base))
-            applier = delta_kernel.Applier([(packed, new, delta_kernel.headers(packed, [0])[0])])
+            applier = delta_apply.Applier([(packed, new, delta_apply.headers(packed, [0])[0])])
             if applier.check() == [None]:
                 applier.apply()

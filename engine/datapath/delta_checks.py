@@ -6,9 +6,9 @@ sender that sent it, once, inside its window, and is a well-formed delta for tha
 counts, positions strictly increasing and inside the row) — all of them before any byte is applied; a
 bad one is a ``DeltaError`` naming the row and the sender. ``apply`` then adds them to the landing
 memory and returns those whose ``fp64`` fingerprint moved otherwise than their sender said. Rows the
-batched GPU kernels take (``deltas.batched``) are checked and applied together: one read of their
+batched GPU kernels take (``delta_rows.batched``) are checked and applied together: one read of their
 headers, one launch pair and one read for the verdicts, one launch and one read for the fingerprint
-changes (``engine.cuda.delta_kernel.Applier``); CPU rows take the compiled kernels, on up to
+changes (``engine.cuda.delta_apply.Applier``); CPU rows take the compiled kernels, on up to
 ``APPLY_THREADS`` threads; others the torch codec.
 """
 
@@ -26,8 +26,9 @@ from weightsync.wire.messages import DeltaRow, WriteSummary
 
 from ..transforms import delta as codec
 from ..transforms import delta_cpu
-from . import deltas as dp
-from .deltas import apply_row, batched, check_row, window
+from . import delta_rows
+from .delta_rows import apply_row, batched, check_row
+from .deltas import window
 
 APPLY_THREADS = 4  # threads a receiver applies a round's CPU deltas with (rows in parallel), at most
 
@@ -127,7 +128,8 @@ def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: 
 def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: torch.Tensor,
                  dtypes: Mapping[str, torch.dtype]) -> None:
     """The batched rows' checks (``landed``): headers read at once, then the kernels' verdicts."""
-    kernel = dp.gpu_kernels()
+    from ..cuda import delta_apply as kernel  # (batched rows: Triton imports here)
+
     heads = kernel.headers(delta_region, [start for *_, start in batch])
     items = []
     for (_, src, d, entry, start), head in zip(batch, heads):
@@ -138,7 +140,7 @@ def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: to
     try:
         verdicts = applier.check()
     except Exception as exc:  # (a kernel that cannot run here, nothing written yet: these one by one)
-        dp.kernel_failed(exc)
+        delta_rows.kernel_failed(exc)
         for place, src, d, entry, start in batch:
             row = _row(landing, entry, dtypes)
             out[place] = _blamed(src, d, entry, lambda: _one(src, d, entry, start, delta_region, row))
@@ -150,7 +152,7 @@ def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: to
 
 
 def _header_fits(head: tuple[int, ...], d: DeltaRow, row: torch.Tensor, name: str) -> None:
-    """``DeltaError`` unless a delta's header (``delta_kernel.headers``) fits its report and its row."""
+    """``DeltaError`` unless a delta's header (``delta_apply.headers``) fits its report and its row."""
     magic, width, changes, far_gaps, far_steps, numel = head
     if magic != codec.MAGIC or width not in (1, 2, 4, 8):
         raise codec.DeltaError(name, f"not a delta (magic {magic & 0xFFFFFFFF:#x}, width {width})")

@@ -1,4 +1,4 @@
-"""Delta rounds on the data path: the sender's bases, where a delta lands, and the receiver's checks.
+"""Delta rounds on the data path: the sender's bases and where a delta lands.
 
 How this works. A receiver that takes deltas registers a *delta region* beside its weights (a budget,
 ``ReceiverOptions.delta_fraction`` of them). Each row of the receiver's weights maps to a *window* of
@@ -18,17 +18,15 @@ forgets bases that took whole bytes: a base never holds bytes of a round that di
 
 The receiver's side (checks, then applies, at the fence) is ``engine.datapath.delta_checks``.
 
-CPU rows take the compiled one-pass kernels (``engine.transforms.delta_cpu``: ``encode``, ``check``
-and ``apply`` with the fingerprint in the same loop); GPU rows the batched Triton kernels
-(``engine.cuda.delta_kernel``, ``batched``: a lane's rows in a few launches per batch); other rows the
-vectorised torch code.
+Which code encodes a row is ``engine.datapath.delta_rows``'s choice: compiled kernels on CPUs; on GPUs
+the batched Triton kernels, a lane's rows gathered into batches (``stage_many``, ``advance_many``: a few
+launches and one wait per batch); the torch codec elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -40,8 +38,7 @@ from weightsync.wire import PeerInfo, Transfer
 
 from ..errors import ConfigError
 from ..transforms import delta as codec
-from ..transforms import delta_cpu
-from .checksums import fp64_change
+from . import delta_rows
 from ..transport import Connection
 
 log = logging.getLogger("weightsync")
@@ -175,7 +172,7 @@ class Bases:
             if self.committed:
                 base.version = self.version
             elif (delta := p.undo()) is not None and p.before is not None:
-                apply_row(delta, base.tensor, str(key[0]), None, undo=True)
+                delta_rows.apply_row(delta, base.tensor, str(key[0]), None, undo=True)
                 base.version = p.before
             else:
                 base.version = None
@@ -239,7 +236,7 @@ class Bases:
         delta, change, copied, before = None, 0, False, base.version
         if before is not None:
             t0 = time.perf_counter()
-            delta, change, copied = _advance(base.tensor, flat)
+            delta, change, copied = delta_rows.advance(base.tensor, flat)
             with self.lock:
                 self._encoded[0] += time.perf_counter() - t0
                 self._encoded[1] += flat.numel() * flat.element_size()
@@ -288,14 +285,14 @@ class Bases:
         """Bring each base to its new bytes: in one batch those that hold a version, on the new bytes'
         device, where the batched kernels serve; ``_encode`` the rest."""
         fast = {key: (base, new) for key, (base, new) in todo.items()
-                if base.version is not None and base.tensor.device == new.device and batched(new)}
+                if base.version is not None and base.tensor.device == new.device and delta_rows.batched(new)}
         out = {key: self._encode(base, new) for key, (base, new) in todo.items() if key not in fast}
         if fast:
             t0 = time.perf_counter()
             try:
-                encoded = gpu_kernels().encode_many([(base.tensor, new) for base, new in fast.values()], wait)
+                encoded = delta_rows.gpu_kernels().encode_many([(base.tensor, new) for base, new in fast.values()], wait)
             except Exception as exc:  # (a kernel that cannot run here: these rows whole, later ones one by one)
-                kernel_failed(exc)
+                delta_rows.kernel_failed(exc)
                 for key, (base, new) in fast.items():
                     base.version = None  # (what the launches did to it is unknown: copied whole)
                     out[key] = self._encode(base, new)
@@ -366,7 +363,7 @@ class DeltaRound:
     @staticmethod
     def batches(new: torch.Tensor) -> bool:
         """Whether ``stage_many`` should take ``new`` with others (``batched``: GPU rows)."""
-        return batched(new)
+        return delta_rows.batched(new)
 
     def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
         """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's
@@ -392,71 +389,3 @@ class DeltaRound:
             self.changed += done.changes
         packed = done.packed if done.packed is not None else codec.pack_tensor(done.delta)  # type: ignore[arg-type]
         return packed, start, done.change, done.changes
-
-
-KERNEL_ON_CPU = False  # tests: CPU rows take the batched kernels too (Triton's interpreter, TRITON_INTERPRET=1)
-KERNEL_FAILED: list[str] = []  # why the batched kernels could not run here (then rows go one by one)
-
-
-@functools.cache
-def gpu_kernels():
-    """``engine.cuda.delta_kernel``, or None where Triton does not import (then rows go one by one)."""
-    try:
-        from ..cuda import delta_kernel
-    except Exception as exc:  # no Triton here
-        KERNEL_FAILED.append(repr(exc)[:200])
-        return None
-    return delta_kernel
-
-
-def kernel_failed(exc: BaseException) -> None:
-    """The batched kernels failed here: every later row goes one by one (logged once)."""
-    if not KERNEL_FAILED:
-        log.warning("weightsync: the batched delta kernels cannot run here (%r); rows go one by one", exc)
-    KERNEL_FAILED.append(repr(exc)[:200])
-
-
-def batched(row: torch.Tensor) -> bool:
-    """Whether rows like ``row`` take the batched kernels: CUDA rows of 1, 2 or 4-byte values, contiguous,
-    where Triton imports and has not failed (``KERNEL_ON_CPU``: CPU rows too)."""
-    return ((row.device.type == "cuda" or KERNEL_ON_CPU) and row.element_size() in (1, 2, 4)
-            and row.is_contiguous() and row.numel() <= codec.MAX_NUMEL and not KERNEL_FAILED
-            and gpu_kernels() is not None)
-
-
-def _advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta], int, bool]:
-    """(the delta taking ``base`` to ``new`` or None, its fingerprint change, whether ``base`` now holds
-    ``new`` already): one compiled pass for CPU rows, else the torch encoder and ``_take``."""
-    if delta_cpu.usable(base, new):
-        delta, change = delta_cpu.advance(base, new)
-        return delta, change, True
-    delta = codec.encode(base.to(new.device, non_blocking=True), new)
-    if delta is None:
-        return None, 0, False
-    change = _take(delta, base)
-    return dataclasses.replace(delta, changed=None), change, True  # (the arrays: kept for an undo only)
-
-
-def check_row(delta: codec.Delta, row: torch.Tensor, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``delta`` fits ``row`` (else ``DeltaError`` naming ``name``): the torch check's positions and
-    steps, or None where the compiled kernels will apply it."""
-    if delta_cpu.usable(row):
-        delta_cpu.check(delta, row, name)
-        return None
-    return codec.check(delta, row, name)
-
-
-def apply_row(delta: codec.Delta, row: torch.Tensor, name: str, checked, *, undo: bool = False) -> int:
-    """Apply a delta in place (``undo``: take it back); the row's fp64 fingerprint change. ``checked``:
-    the torch check's answer, or None for a delta checked by the compiled walk or the sender's own."""
-    if delta_cpu.usable(row):
-        return delta_cpu.apply(delta, row, name, undo=undo, checked=checked is None)
-    return fp64_change(*codec.apply(delta, row, name, checked=checked, undo=undo), delta.width)
-
-
-def _take(delta: codec.Delta, base: torch.Tensor) -> int:
-    """The encoder's own base takes the changed values it found (no decoding); their fingerprint change."""
-    positions, before, after = delta.changed
-    bits = codec.bits(base)
-    bits[positions.to(bits.device)] = after.to(bits.device, bits.dtype)
-    return fp64_change(positions, before, after, delta.width)

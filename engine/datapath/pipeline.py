@@ -53,7 +53,8 @@ from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
-from .deltas import BATCH_BYTES, DELTA_REGION, ENCODERS, DeltaRound
+from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
+from .delta_staging import as_delta, as_deltas, hand_over
 from .lanes import LaneReport, PushReport, Seals, fingerprints, issued, replay, submit_written
 from .staging import SourceSet, Staged, StagingPool
 
@@ -203,10 +204,10 @@ class Pipeline:
         async def encode_gathered(limit: int) -> None:  # the rows gathered so far go as one batch; at most
             nonlocal gathering  # ``limit`` encodes left running
             if gathering:
-                encoding.append((gathering, asyncio.ensure_future(_as_deltas(deltas, gathering, report))))
+                encoding.append((gathering, asyncio.ensure_future(as_deltas(deltas, gathering, report))))
                 gathering = []
             while len(encoding) > limit:
-                await _hand_over(encoding, channel)
+                await hand_over(encoding, channel)
 
         try:
             for t in transfers:
@@ -234,13 +235,13 @@ class Pipeline:
                         continue
                     if deltas is not None and deltas.off_loop(staged.tensor):  # on worker threads, ENCODERS
                         await encode_gathered(ENCODERS)  # at a time (lane order: a batch gathered goes first)
-                        encode = asyncio.ensure_future(_as_delta(deltas, t, staged, report, t0))
+                        encode = asyncio.ensure_future(as_delta(deltas, t, staged, report, t0))
                         encoding.append(([(t, staged, upfront)], encode))
                         handed_over = True  # (``encoding`` holds it now)
                         await encode_gathered(ENCODERS - 1)
                         continue
                     if deltas is not None:
-                        await _as_delta(deltas, t, staged, report)
+                        await as_delta(deltas, t, staged, report)
                     report.stage_s += time.perf_counter() - t0
                     await encode_gathered(0)  # (lane order)
                     await channel.send((t, staged))  # (no yield per row: measured slower, docs/TRANSFORMS.md)
@@ -359,70 +360,6 @@ class Pipeline:
 def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
     """(region, offset) ``staged`` goes to: its row's in the landing slot, or the delta's window."""
     return staged.target if staged.target is not None else (t.dst_region + slot, t.dst_offset)
-
-
-async def _as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: LaneReport, t0: Optional[float] = None) -> None:
-    """A row of a delta lane: its staged bytes become its delta where it may go as one; the encoding's
-    seconds count into ``report.encode_s``. Large CPU rows (``off_loop``) are encoded on a worker
-    thread, the event loop writing other rows meanwhile; their time from ``t0`` also counts into
-    ``report.stage_s`` (the stager does not wait for them)."""
-    await staged.wait()
-    start = time.perf_counter()
-    if deltas.off_loop(staged.tensor):
-        out = await asyncio.to_thread(deltas.stage, t, staged.tensor)
-    else:
-        out = deltas.stage(t, staged.tensor)
-    end = time.perf_counter()
-    report.encode_s += end - start
-    if t0 is not None:
-        report.stage_s += end - t0
-    _as_sent(staged, out)
-
-
-async def _as_deltas(deltas: DeltaRound, rows: list, report: LaneReport) -> None:
-    """A batch of a delta lane's GPU rows (``(t, staged, budget)``), encoded together on the loop's
-    thread (``DeltaRound.stage_many``: a few launches and one wait, for the sizes; a worker thread would
-    wait milliseconds for the GIL each time it needs it back from a polling loop). Each delta's write
-    waits for an event behind the launches."""
-    for _, staged, _ in rows:
-        await staged.wait()
-    start = time.perf_counter()
-    outs = deltas.stage_many([(t, staged.tensor) for t, staged, _ in rows], wait=False)
-    done = _recorded(rows[0][1].tensor.device)
-    report.encode_s += time.perf_counter() - start
-    for (_, staged, _), out in zip(rows, outs):
-        _as_sent(staged, out)
-        if out is not None:
-            staged.event = done
-
-
-def _recorded(device):
-    """An event behind the work queued so far on ``device``'s current stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    import torch
-
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def _as_sent(staged: Staged, out: Optional[tuple]) -> None:
-    """A staged row goes as the delta ``DeltaRound.stage`` made of it (None: whole, as staged)."""
-    if out is not None:
-        staged.tensor, offset, change, changes = out
-        staged.target, staged.delta = (DELTA_REGION, offset), (change, changes)
-
-
-async def _hand_over(encoding: collections.deque, channel: Channel) -> None:
-    """The oldest rows being encoded, once they are, to the writer (each leaves its list as it is sent:
-    on a failure, the stager's cleanup gives back the budget of those still in it)."""
-    rows, encode = encoding[0]
-    await encode
-    while rows:
-        await channel.send(rows[0][:2])
-        rows.pop(0)
-    encoding.popleft()
 
 
 _Inflight = collections.deque  # of (completion future, row, staged, issue time), oldest first

@@ -88,14 +88,14 @@ def test_windows_of_rows_never_overlap_and_stay_inside_the_region():
 
 def batched_kernels(monkeypatch) -> None:
     """CPU rows take the batched kernels of GPU rows, run by Triton's interpreter (else: skip)."""
-    from weightsync.engine.datapath import deltas
+    from weightsync.engine.datapath import delta_rows
 
     if not (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton")):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
-    monkeypatch.setattr(deltas, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(delta_rows, "KERNEL_ON_CPU", True)
     monkeypatch.setitem(FAST, "heartbeat_s", 5.0)  # (the interpreter holds the GIL for seconds at a time)
     monkeypatch.setitem(FAST, "timeout_s", 60.0)
-    from weightsync.engine.cuda import delta_kernel
+    from weightsync.engine.cuda import delta_apply, delta_kernel
 
     lock = threading.Lock()  # (the interpreter runs one kernel at a time: it patches Triton while it runs)
 
@@ -107,7 +107,7 @@ def batched_kernels(monkeypatch) -> None:
 
     monkeypatch.setattr(delta_kernel, "encode_many", locked(delta_kernel.encode_many))
     for name in ("check", "apply"):
-        monkeypatch.setattr(delta_kernel.Applier, name, locked(getattr(delta_kernel.Applier, name)))
+        monkeypatch.setattr(delta_apply.Applier, name, locked(getattr(delta_apply.Applier, name)))
 
 
 @pytest.mark.parametrize("compiled, threads", [(True, False), (True, True), (False, False), ("batched", False)],
@@ -138,22 +138,22 @@ async def test_rounds_after_the_first_send_changed_bytes_only_and_land_bit_exact
 
 
 async def test_batched_kernels_that_fail_leave_their_rows_whole_and_later_rows_one_by_one(monkeypatch):
-    from weightsync.engine.datapath import deltas
+    from weightsync.engine.datapath import delta_rows
 
     class Broken:  # (a GPU whose Triton cannot compile: every launch fails)
         def encode_many(self, rows, wait=True):
             raise RuntimeError("the kernel does not compile here")
 
-    monkeypatch.setattr(deltas, "KERNEL_ON_CPU", True)
-    monkeypatch.setattr(deltas, "KERNEL_FAILED", [])
-    monkeypatch.setattr(deltas, "gpu_kernels", lambda: Broken())
+    monkeypatch.setattr(delta_rows, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(delta_rows, "KERNEL_FAILED", [])
+    monkeypatch.setattr(delta_rows, "gpu_kernels", lambda: Broken())
     async with cluster() as (c, sender, send_t, recvs):
         for version in range(1, 5):
             rl_step(send_t, version)
             await push(sender, version)
             for r in recvs:
                 assert same(send_t, r.state_dict()) == [], (r.mode, version)
-        assert deltas.KERNEL_FAILED and "does not compile" in deltas.KERNEL_FAILED[0]
+        assert delta_rows.KERNEL_FAILED and "does not compile" in delta_rows.KERNEL_FAILED[0]
         assert sender.last_delta.rows >= LARGE * len(recvs)  # one by one from then on
 
 

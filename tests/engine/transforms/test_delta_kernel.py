@@ -1,4 +1,5 @@
-"""The batched delta kernels (``engine.cuda.delta_kernel``) against the torch codec, bit for bit.
+"""The batched delta kernels (``engine.cuda.delta_kernel`` and ``delta_apply``) against the torch codec, bit for
+bit.
 
 On a GPU (``gpu``), and on the CPU under Triton's interpreter where it is installed
 (``TRITON_INTERPRET=1``; ``make test`` has no Triton and skips those). Rows of every width the kernels
@@ -27,6 +28,12 @@ def _kernel():
     from weightsync.engine.cuda import delta_kernel
 
     return delta_kernel
+
+
+def _apply():
+    from weightsync.engine.cuda import delta_apply
+
+    return delta_apply
 
 
 def _pair(g, numel: int, dtype: torch.dtype, fraction: float, far: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +115,9 @@ def test_batched_apply_lands_every_row_bit_exact_with_the_fingerprint_change(dev
     rows = [r for r in _rows(g) if r[1].numel()]
     region, starts, deltas = _packed(rows)
     region = region.to(device)
-    heads = _kernel().headers(region, starts)
+    heads = _apply().headers(region, starts)
     targets = [base.clone().to(device) for base, _ in rows]
-    applier = _kernel().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
+    applier = _apply().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
     assert applier.check() == [None] * len(rows)
     changes = applier.apply()
     for (_, new), t, d, change in zip(rows, targets, deltas, changes):
@@ -135,12 +142,12 @@ def test_malformed_deltas_are_refused_before_any_byte_is_written(device, damage,
     g = torch.Generator().manual_seed(9)
     rows = [_pair(g, 70000, torch.bfloat16, 0.004, far=0.0), _pair(g, 5000, torch.bfloat16, 0.01)]
     region, starts, deltas = _packed(rows)
-    heads = _kernel().headers(region, starts)
+    heads = _apply().headers(region, starts)
     assert heads[0][3] > 0  # the first row has far gaps to damage
     damage(region, _at(region, starts[0], heads[0]))
     region = region.to(device)
     targets = [base.clone().to(device) for base, _ in rows]
-    applier = _kernel().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
+    applier = _apply().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
     verdicts = applier.check()
     assert verdicts[0] is not None and says in verdicts[0] and verdicts[1] is None
     with pytest.raises(codec.DeltaError):
