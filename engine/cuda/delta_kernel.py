@@ -41,7 +41,6 @@ from ..transforms import delta as codec
 
 BLOCK = 1024  # values (encode) or changes (apply) per program
 WARPS = 8  # per program: 4 values a thread, few registers
-WIDTHS = (1, 2, 4)
 _INT = {1: tl.uint8, 2: tl.int16, 4: tl.int32}
 _FAR = {1: 2, 2: 2, 4: 4}  # bytes of an escaped step
 _MASK = (1 << 64) - 1

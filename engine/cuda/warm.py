@@ -22,12 +22,13 @@ log = logging.getLogger("weightsync")
 def warm(widths: Mapping[torch.device, set[int]], deltas: str = "") -> None:
     """Launch each kernel once per device (``deltas``: "encode", "apply" or "" for none)."""
     from ..datapath.checksums import fp64_many
+    from ..datapath.delta_rows import WIDTHS
 
     for device, sizes in widths.items():
         try:
             fp64_many([torch.zeros(256, dtype=torch.int32, device=device)])
             if deltas:
-                _deltas(device, sorted(w for w in sizes if w in (1, 2, 4)), deltas)
+                _deltas(device, sorted(w for w in sizes if w in WIDTHS), deltas)
         except Exception as exc:  # (no Triton here: the rounds take their fallbacks)
             log.info("weightsync: kernels not compiled ahead on %s: %r", device, exc)
 

@@ -22,6 +22,8 @@ from .checksums import fp64_change
 
 log = logging.getLogger("weightsync")
 
+WIDTHS = (1, 2, 4)  # bytes per value the batched GPU kernels take
+
 KERNEL_ON_CPU = False  # tests: CPU rows take the batched kernels too (Triton's interpreter, TRITON_INTERPRET=1)
 KERNEL_FAILED: list[str] = []  # why the batched kernels could not run here (then rows go one by one)
 
@@ -47,7 +49,7 @@ def kernel_failed(exc: BaseException) -> None:
 def batched(row: torch.Tensor) -> bool:
     """Whether rows like ``row`` take the batched kernels: CUDA rows of 1, 2 or 4-byte values, contiguous,
     where Triton imports and has not failed (``KERNEL_ON_CPU``: CPU rows too)."""
-    return ((row.device.type == "cuda" or KERNEL_ON_CPU) and row.element_size() in (1, 2, 4)
+    return ((row.device.type == "cuda" or KERNEL_ON_CPU) and row.element_size() in WIDTHS
             and row.is_contiguous() and row.numel() <= codec.MAX_NUMEL and not KERNEL_FAILED
             and gpu_kernels() is not None)
 
