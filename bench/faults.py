@@ -137,22 +137,25 @@ async def sender_child(args) -> None:
 
 
 class _corrupting:
-    """``--inject``: flips one bit of the first delta payload of an armed push (the pipeline's
-    ``_as_delta``, wrapped in this process: the payload is packed, the sender's base already moved)."""
+    """``--inject``: flips one bit of the first delta payload of an armed push (``DeltaRound._staged``,
+    wrapped in this process: a copy of the packed payload, the sender's base already moved)."""
 
     def __init__(self, rng: random.Random) -> None:
-        from weightsync.engine.datapath import pipeline
+        from weightsync.engine.datapath.deltas import DeltaRound
 
         self.rng, self.armed, self.row = rng, False, ""
-        real = pipeline._as_delta
+        real = DeltaRound._staged
 
-        async def as_delta(deltas, t, staged, *rest):
-            await real(deltas, t, staged, *rest)
-            if self.armed and staged.target is not None:  # (a delta: its packed bytes)
+        def staged(round_, t, done):
+            out = real(round_, t, done)
+            if self.armed and out is not None:  # (a delta: its packed bytes, copied: a batch's are shared)
                 self.armed, self.row = False, t.name
-                staged.tensor[self.rng.randrange(staged.tensor.numel())] ^= 1 << self.rng.randrange(8)
+                payload = out[0].clone()
+                payload[self.rng.randrange(payload.numel())] ^= 1 << self.rng.randrange(8)
+                out = (payload, *out[1:])
+            return out
 
-        pipeline._as_delta = as_delta
+        DeltaRound._staged = staged
 
     def arm(self) -> bool:
         self.armed, self.row = self.rng.random() < 0.10, ""
