@@ -258,11 +258,16 @@ def _waiters() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="weightsync-cuda-wait")
 
 
-async def stream_done(device: torch.device) -> None:
-    """Wait, without blocking the loop, for the work queued so far on ``device``'s current stream."""
+def recorded(device: torch.device) -> torch.cuda.Event:
+    """An event behind the work queued so far on ``device``'s current stream."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    await wait_event(event)
+    return event
+
+
+async def stream_done(device: torch.device) -> None:
+    """Wait, without blocking the loop, for the work queued so far on ``device``'s current stream."""
+    await wait_event(recorded(device))
 
 
 async def pause(since: float, spin_s: float = SPIN_S) -> None:

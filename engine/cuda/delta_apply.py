@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..transforms import delta as codec
 from . import delta_kernel as kernels
-from .delta_kernel import _FAR, _INT, _MASK, _on, _owners, _segment_starts, _share, _wrap
+from .delta_kernel import _FAR, _INT, _MASK, _layout, _on, _owners, _segment_starts, _share, _wrap
 
 
 @triton.jit
@@ -129,18 +129,16 @@ class Applier:
         self.checked: Optional[list] = None
 
     def _launch_for(self, width: int, members: list[int]) -> dict:
-        entries, blocks, programs = [], [], 0
-        for k in members:
+        blocks, firsts, programs = _layout([self.deltas[k][2][2] for k in members])  # (by changes)
+        entries = []
+        for k, first in zip(members, firsts):
             packed, row, (_, _, c, fg, fs, numel) = self.deltas[k]
-            entries.append((packed.data_ptr(), row.data_ptr(), numel, programs, c, fg, fs, 0))
-            blocks.append(-(-c // kernels.BLOCK))
-            programs += blocks[-1]
+            entries.append((packed.data_ptr(), row.data_ptr(), numel, first, c, fg, fs, 0))
         launch = {"width": width, "members": members, "programs": programs}
         if programs:
             launch["table"] = torch.tensor(entries, dtype=torch.int64).to(self.device)
-            launch["owner"] = row = _owners(blocks, programs, self.device)
-            launch["row"] = row
-            launch["first"] = torch.tensor([e[3] for e in entries], dtype=torch.int64, device=self.device)[row]
+            launch["owner"] = row = _owners(blocks, programs, self.device)  # (each block's delta)
+            launch["first"] = torch.tensor(firsts, dtype=torch.int64, device=self.device)[row]
         return launch
 
     def check(self) -> list[Optional[str]]:
@@ -154,7 +152,8 @@ class Applier:
         for launch in self.launches:
             if not launch["programs"]:
                 continue
-            table, owner, programs, row, first = (launch[k] for k in ("table", "owner", "programs", "row", "first"))
+            table, owner, programs, first = (launch[k] for k in ("table", "owner", "programs", "first"))
+            row = owner
             tally = torch.empty((programs, 3), dtype=torch.int64, device=self.device)
             _tally[(programs,)](table, owner, tally, BLOCK=kernels.BLOCK, num_warps=kernels.WARPS)
             escaped_gaps, escaped_steps = tally[:, 0], tally[:, 1]
@@ -192,8 +191,8 @@ class Applier:
             _apply[(programs,)](launch["table"], launch["owner"], launch["starts"], shares, BLOCK=kernels.BLOCK, W=width,
                                 IT=_INT[width], FS=_FAR[width], num_warps=kernels.WARPS)
             halves = torch.zeros((len(launch["members"]), 2), dtype=torch.int64, device=self.device)
-            halves[:, 0].index_add_(0, launch["row"], shares & 0xFFFFFFFF)
-            halves[:, 1].index_add_(0, launch["row"], shares >> 32)
+            halves[:, 0].index_add_(0, launch["owner"], shares & 0xFFFFFFFF)
+            halves[:, 1].index_add_(0, launch["owner"], shares >> 32)
             parts.append((launch["members"], halves))
         for members, halves in parts:
             for k, (low, high) in zip(members, halves.cpu().tolist()):

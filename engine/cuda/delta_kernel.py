@@ -246,13 +246,20 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, device: torch.device) -> list[Encoded]:
-    numels = [new.numel() for _, new in rows]
-    blocks = [-(-n // BLOCK) for n in numels]
+def _layout(counts: list[int]) -> tuple[list[int], list[int], int]:
+    """Programs for items of ``counts`` values (changes), ``BLOCK`` a program: (each item's programs,
+    its first program, all of them)."""
+    blocks = [-(-n // BLOCK) for n in counts]
     firsts, programs = [], 0
     for b in blocks:
         firsts.append(programs)
         programs += b
+    return blocks, firsts, programs
+
+
+def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, device: torch.device) -> list[Encoded]:
+    numels = [new.numel() for _, new in rows]
+    blocks, firsts, programs = _layout(numels)
     entries = [[base.data_ptr(), new.data_ptr(), n, f, 0, 0, 0, 0] for (base, new), n, f in zip(rows, numels, firsts)]
     if not programs:  # empty rows: a header only
         return _finish(rows, entries, torch.zeros((len(rows), 5), dtype=torch.int64), width, device)
@@ -260,7 +267,7 @@ def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, dev
     table = torch.tensor(entries, dtype=torch.int64).to(device)
     counts = torch.empty((programs, 6), dtype=torch.int64, device=device)
     _count[(programs,)](table, owner, counts, BLOCK=BLOCK, W=width, IT=_INT[width], num_warps=WARPS)
-    row = owner
+    row = owner  # (each block's row)
     first_block = torch.tensor(firsts, dtype=torch.int64, device=device)[row]
     n, first, last, inner, steps, fp = counts.unbind(1)
     row_start = torch.tensor([0] + numels[:-1], dtype=torch.int64, device=device).cumsum(0)[row]
@@ -280,15 +287,16 @@ def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, dev
 def _finish(rows, entries, totals: torch.Tensor, width: int, device: torch.device, launch=None) -> list[Encoded]:
     """Size the deltas, keep those smaller than their rows, write them (and every base)."""
     far = _FAR[width]
+    totals = totals.tolist()
     sizes, at, total = [], [], 0
-    for (c, fg, fs, low, high), (_, new) in zip(totals.tolist(), rows):
+    for (c, fg, fs, low, high), (_, new) in zip(totals, rows):
         nbytes = codec.HEADER_BYTES + 2 * c + 4 * fg + far * fs
         keep = nbytes < new.numel() * width
         sizes.append(nbytes if keep else 0)
         at.append(total)
         total += -(-nbytes // 16) * 16 if keep else 0
     packed = torch.empty(total, dtype=torch.uint8, device=device)
-    for k, (c, fg, fs, *_) in enumerate(totals.tolist()):
+    for k, (c, fg, fs, *_) in enumerate(totals):
         entries[k][4:8] = [packed.data_ptr() + at[k] if sizes[k] else 0, c, fg, fs]
     if launch is not None:
         table, owner, starts, programs = launch
@@ -298,12 +306,7 @@ def _finish(rows, entries, totals: torch.Tensor, width: int, device: torch.devic
     else:  # no values at all: headers only
         for k, e in enumerate(entries):
             if sizes[k]:
-                packed[at[k]:at[k] + codec.HEADER_BYTES].copy_(_header(width, e[5], e[6], e[7], e[2]))
+                head = codec.header(width, e[5], e[6], e[7], e[2])
+                packed[at[k]:at[k] + codec.HEADER_BYTES].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     return [Encoded(packed[a:a + s] if s else None, c, ((high << 32) + low) & _MASK)
-            for a, s, (c, _, _, low, high) in zip(at, sizes, totals.tolist())]
-
-
-def _header(width: int, c: int, fg: int, fs: int, numel: int) -> torch.Tensor:
-    import struct
-
-    return torch.frombuffer(bytearray(struct.pack("<IIIIII", codec.MAGIC, width, c, fg, fs, numel)), dtype=torch.uint8)
+            for a, s, (c, _, _, low, high) in zip(at, sizes, totals)]

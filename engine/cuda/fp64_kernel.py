@@ -97,32 +97,24 @@ class Fingerprints:
                 members = [i for i, (address, nbytes, row, pitch) in enumerate(ranges)
                            if nbytes and (row != pitch) == pitched and _in_words(address, nbytes, row, pitch) == words]
                 if members:
-                    launch = self._words_for if words else self._launch_for
-                    self.launches.append(launch([ranges[i] for i in members], members, pitched))
+                    self.launches.append(self._launch_for([ranges[i] for i in members], members, pitched, words))
 
-    def _words_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool) -> tuple:
+    def _launch_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool,
+                    words: bool) -> tuple:
+        """One launch's table: for the word kernel each range's own address and its lengths in words;
+        for the byte kernel offsets from the lowest address (its ``DeviceAddress``) and lengths in bytes."""
+        base = 0 if words else min(address for address, *_ in ranges)
+        unit, per_program = (4, WORDS) if words else (1, CHUNK)
         rows, owners, programs = [], [], 0
         for i, (address, nbytes, row, pitch) in enumerate(ranges):
-            chunks = -(-nbytes // (4 * WORDS))
-            rows.append((address, nbytes // 4, row // 4, pitch // 4, programs))
+            chunks = -(-nbytes // (unit * per_program))
+            rows.append((address - base, nbytes // unit, row // unit, pitch // unit, programs))
             owners.append(torch.full((chunks,), i, dtype=torch.int32))
             programs += chunks
         table = torch.tensor(rows, dtype=torch.int64).to(self.device)
         owner = torch.cat(owners).to(self.device)
-        return (table, owner, None, programs, torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
-
-    def _launch_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool) -> tuple:
-        base = min(address for address, *_ in ranges)
-        rows, owners, programs = [], [], 0
-        for i, (address, nbytes, row, pitch) in enumerate(ranges):
-            chunks = -(-nbytes // CHUNK)
-            rows.append((address - base, nbytes, row, pitch, programs))
-            owners.append(torch.full((chunks,), i, dtype=torch.int32))
-            programs += chunks
-        table = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        owner = torch.cat(owners).to(self.device)
-        return (table, owner, DeviceAddress(base, torch.uint8, self.device), programs,
-                torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
+        src = None if words else DeviceAddress(base, torch.uint8, self.device)
+        return (table, owner, src, programs, torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
 
     def run(self, stream: Optional[torch.cuda.Stream] = None) -> list[int]:
         """Every range's fingerprint, computed on ``stream`` (default: the device's current one); waits

@@ -143,7 +143,8 @@ def fp64_many(views: Sequence[torch.Tensor], streams: Mapping[torch.device, "tor
     at a larger stride (pitched) read as they lie; any other layout is made contiguous first. CUDA views
     of one device go in one launch (on ``streams[device]``, else the device's current stream; this waits
     for it: call it off the event loop, or use ``fp64_many_async``); the rest row by row."""
-    out, launched = _launch_many(views, streams)
+    out, launched, rest = _launch_many(views, streams)
+    _place(out, rest, [fp64(_bytes(views[i].contiguous())) for i in rest])
     for members, (fingerprints, host, event) in launched.items():
         if event is not None:
             event.synchronize()
@@ -154,40 +155,35 @@ def fp64_many(views: Sequence[torch.Tensor], streams: Mapping[torch.device, "tor
 async def fp64_many_async(views: Sequence[torch.Tensor],
                           streams: Mapping[torch.device, "torch.cuda.Stream"] = {}) -> list[int]:
     """``fp64_many`` without blocking the event loop: the CUDA launches from the loop's thread, their sums
-    copied to pinned host memory behind an event the loop polls; CPU views on a worker thread. (A
+    copied to pinned host memory behind an event the loop polls; the other views on a worker thread. (A
     worker thread would need the GIL back from a loop that polls, once per step.)"""
     import asyncio
 
-    cpu = [i for i, v in enumerate(views) if not _launchable(v)]
-    out, launched = _launch_many([v for v in views if _launchable(v)], streams)
-    rows = await asyncio.to_thread(lambda: [fp64(_bytes(views[i].contiguous())) for i in cpu]) if cpu else []
+    out, launched, rest = _launch_many(views, streams)
+    if rest:
+        _place(out, rest, await asyncio.to_thread(lambda: [fp64(_bytes(views[i].contiguous())) for i in rest]))
     for members, (fingerprints, host, event) in launched.items():
         if event is not None:
             from ..cuda import cuda_rt
 
             await cuda_rt.wait_event(event)
         _place(out, members, fingerprints.values(host))
-    merged, on_gpu, on_cpu = [], iter(out), iter(rows)
-    for v in views:
-        merged.append(next(on_gpu) if _launchable(v) else next(on_cpu))
-    return merged
+    return out  # type: ignore[return-value]
 
 
-def _launchable(v: torch.Tensor) -> bool:
-    return v.device.type == "cuda" and not _KERNEL_FAILED and _range(v) is not None
-
-
-def _launch_many(views: Sequence[torch.Tensor], streams: Mapping) -> tuple[list, dict]:
-    """(the fingerprints of views the kernel does not take, computed here, None for the others; per
-    device, its views' indices -> (the prepared launch, the host tensor its sums land in, their event))."""
+def _launch_many(views: Sequence[torch.Tensor], streams: Mapping) -> tuple[list, dict, list[int]]:
+    """Launch the kernel for every CUDA view it takes: (a list for the fingerprints, filled where a launch
+    failed and its views went row by row here; per device, its views' indices -> (the prepared launch,
+    the host tensor its sums land in, their event); the indices of the views left to the caller)."""
     out: list[Optional[int]] = [None] * len(views)
     by_device: dict[torch.device, dict[int, tuple]] = {}  # device -> view index -> its byte range
+    rest = []
     for i, v in enumerate(views):
         where = _range(v) if v.device.type == "cuda" and not _KERNEL_FAILED else None
         if where is not None:
             by_device.setdefault(v.device, {})[i] = where
         else:
-            out[i] = fp64(_bytes(v.contiguous()))
+            rest.append(i)
     launched = {}
     for device, members in by_device.items():
         try:
@@ -197,10 +193,10 @@ def _launch_many(views: Sequence[torch.Tensor], streams: Mapping) -> tuple[list,
             _KERNEL_FAILED.append(repr(exc)[:200])
             log.warning("fp64: the GPU kernel cannot run here (%s); fingerprints go row by row", _KERNEL_FAILED[0])
             _place(out, tuple(members), [fp64(_bytes(views[i].contiguous())) for i in members])
-    return out, launched
+    return out, launched, rest
 
 
-def _place(out: list, members: tuple, values: list[int]) -> None:
+def _place(out: list, members: Sequence[int], values: list[int]) -> None:
     for i, value in zip(members, values):
         out[i] = value
 

@@ -120,8 +120,7 @@ def _placed(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Op
 def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: torch.Tensor,
          row: torch.Tensor) -> Landed:
     delta = codec.unpack_tensor(delta_region[start:start + d.nbytes], entry.name)
-    if delta.changes != d.changes:
-        raise codec.DeltaError(entry.name, f"changes {delta.changes} values, its sender reported {d.changes}")
+    _reported(delta.changes, d, entry.name)
     return Landed(src, entry, delta, check_row(delta, row, entry.name), d.change, delta.changes)
 
 
@@ -153,17 +152,14 @@ def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: to
 
 def _header_fits(head: tuple[int, ...], d: DeltaRow, row: torch.Tensor, name: str) -> None:
     """``DeltaError`` unless a delta's header (``delta_apply.headers``) fits its report and its row."""
-    magic, width, changes, far_gaps, far_steps, numel = head
-    if magic != codec.MAGIC or width not in (1, 2, 4, 8):
-        raise codec.DeltaError(name, f"not a delta (magic {magic & 0xFFFFFFFF:#x}, width {width})")
-    want = codec.HEADER_BYTES + 2 * changes + 4 * far_gaps + codec.far_step_dtype(width).itemsize * far_steps
-    if min(changes, far_gaps, far_steps, numel) < 0 or d.nbytes != want:
-        raise codec.DeltaError(name, f"{d.nbytes} bytes, the header says {want}")
+    codec.check_header(head, d.nbytes, name)
+    _reported(head[2], d, name)
+    codec.check_fits(head[1], head[5], row, name)
+
+
+def _reported(changes: int, d: DeltaRow, name: str) -> None:
     if changes != d.changes:
         raise codec.DeltaError(name, f"changes {changes} values, its sender reported {d.changes}")
-    if width != row.element_size() or numel != row.numel():
-        raise codec.DeltaError(name, f"a delta of {numel} x {width}-byte values for a row of "
-                                     f"{row.numel()} x {row.element_size()}")
 
 
 def apply(deltas: list[Landed], landing: torch.Tensor, dtypes: Mapping[str, torch.dtype],

@@ -51,23 +51,17 @@ async def as_deltas(deltas: DeltaRound, rows: list, report: LaneReport) -> None:
         await staged.wait()
     start = time.perf_counter()
     outs = deltas.stage_many([(t, staged.tensor) for t, staged, _ in rows], wait=False)
-    done = _recorded(rows[0][1].tensor.device)
+    device = rows[0][1].tensor.device
+    done = None
+    if device.type == "cuda":
+        from ..cuda import cuda_rt
+
+        done = cuda_rt.recorded(device)
     report.encode_s += time.perf_counter() - start
     for (_, staged, _), out in zip(rows, outs):
         _as_sent(staged, out)
         if out is not None:
             staged.event = done
-
-
-def _recorded(device):
-    """An event behind the work queued so far on ``device``'s current stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    import torch
-
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _as_sent(staged: Staged, out: Optional[tuple]) -> None:

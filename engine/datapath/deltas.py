@@ -191,27 +191,7 @@ class Bases:
     def advance(self, t: Transfer, new: torch.Tensor) -> _Pending:
         """Bring row ``t``'s base to ``new`` (once a round per base); what that did. Thread-safe: rows
         are encoded in parallel, one thread per row (a second asking for the same row waits for it)."""
-        key = _key(t)
-        with self.lock:
-            row_lock = self._row_locks.setdefault(key, threading.Lock())
-        with row_lock:
-            with self.lock:
-                done = self.pending.get(key)
-                if done is not None:
-                    return done
-                base = self._base(key, t, new)
-                if base is None:
-                    return _Pending(None, None)
-                self._busy += 1
-            try:
-                done = self._encode(base, new.reshape(-1))
-            finally:
-                with self.lock:
-                    self._busy -= 1
-                    self._idle.notify_all()
-            with self.lock:
-                self.pending[key] = done
-            return done
+        return self.advance_many([(t, new)])[0]
 
     def _base(self, key: tuple, t: Transfer, new: torch.Tensor) -> Optional[_Base]:
         """Row ``key``'s base (made if the budget allows; None past it). Under ``lock``."""

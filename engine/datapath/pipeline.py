@@ -200,12 +200,13 @@ class Pipeline:
         prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
         encoding: collections.deque = collections.deque()  # ([(t, staged, budget)], their encode), lane order
         gathering: list = []  # GPU rows of a delta lane for the next batch: (t, staged, budget)
+        gathered = 0  # their bytes
 
         async def encode_gathered(limit: int) -> None:  # the rows gathered so far go as one batch; at most
-            nonlocal gathering  # ``limit`` encodes left running
+            nonlocal gathering, gathered  # ``limit`` encodes left running
             if gathering:
                 encoding.append((gathering, asyncio.ensure_future(as_deltas(deltas, gathering, report))))
-                gathering = []
+                gathering, gathered = [], 0
             while len(encoding) > limit:
                 await hand_over(encoding, channel)
 
@@ -228,9 +229,10 @@ class Pipeline:
                     staged.charge = charge
                     if deltas is not None and deltas.batches(staged.tensor):  # GPU rows: encoded in batches
                         gathering.append((t, staged, upfront))
+                        gathered += t.nbytes
                         handed_over = True  # (``gathering`` holds it now)
                         report.stage_s += time.perf_counter() - t0
-                        if sum(row[0].nbytes for row in gathering) >= BATCH_BYTES:
+                        if gathered >= BATCH_BYTES:
                             await encode_gathered(ENCODERS - 1)
                         continue
                     if deltas is not None and deltas.off_loop(staged.tensor):  # on worker threads, ENCODERS

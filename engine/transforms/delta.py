@@ -147,9 +147,7 @@ def check(delta: Delta, target: torch.Tensor, row: str = "row") -> tuple[torch.T
 
 def check_shape(delta: Delta, target: torch.Tensor, row: str = "row") -> None:
     """``DeltaError`` naming ``row`` unless the delta's width, length and array sizes fit ``target``."""
-    if delta.width != target.element_size() or delta.numel != target.numel():
-        raise DeltaError(row, f"a delta of {delta.numel} x {delta.width}-byte values for a row of "
-                              f"{target.numel()} x {target.element_size()}")
+    check_fits(delta.width, delta.numel, target, row)
     if delta.steps.numel() != delta.gaps.numel():
         raise DeltaError(row, f"{delta.gaps.numel()} positions but {delta.steps.numel()} steps")
 
@@ -174,15 +172,40 @@ def apply(delta: Delta, target: torch.Tensor, row: str = "row", *, checked=None,
     return positions, before, updated
 
 
+def check_fits(width: int, numel: int, target: torch.Tensor, row: str = "row") -> None:
+    """``DeltaError`` naming ``row`` unless a delta of ``numel`` values of ``width`` bytes fits ``target``."""
+    if width != target.element_size() or numel != target.numel():
+        raise DeltaError(row, f"a delta of {numel} x {width}-byte values for a row of "
+                              f"{target.numel()} x {target.element_size()}")
+
+
+def check_header(fields: tuple[int, ...], nbytes: int, row: str = "row") -> torch.dtype:
+    """``DeltaError`` naming ``row`` unless a header's fields (magic, width, changes, far gaps, far steps,
+    values) describe a delta of ``nbytes`` bytes; the dtype of its far steps."""
+    magic, width, changes, far_gaps, far_steps, numel = fields
+    if magic != MAGIC or width not in _INT:
+        raise DeltaError(row, f"not a delta (magic {magic & 0xFFFFFFFF:#x}, width {width})")
+    far_step = _FAR_STEP[width]
+    want = _HEADER.size + 2 * changes + 4 * far_gaps + far_step.itemsize * far_steps
+    if min(changes, far_gaps, far_steps, numel) < 0 or nbytes != want:
+        raise DeltaError(row, f"{nbytes} bytes, the header says {want}")
+    return far_step
+
+
+def header(width: int, changes: int, far_gaps: int, far_steps: int, numel: int) -> bytes:
+    """A packed delta's first ``HEADER_BYTES``."""
+    return _HEADER.pack(MAGIC, width, changes, far_gaps, far_steps, numel)
+
+
 def pack(delta: Delta) -> bytes:
-    head = _HEADER.pack(MAGIC, delta.width, delta.changes, delta.far_gaps.numel(), delta.far_steps.numel(), delta.numel)
+    head = header(delta.width, delta.changes, delta.far_gaps.numel(), delta.far_steps.numel(), delta.numel)
     arrays = (delta.gaps, delta.steps, delta.far_gaps, delta.far_steps)
     return head + b"".join(a.contiguous().cpu().numpy().tobytes() for a in arrays)
 
 
 def pack_tensor(delta: Delta) -> torch.Tensor:
     """``pack``'s bytes as a uint8 tensor on the delta's device (no round trip through the host)."""
-    head = _HEADER.pack(MAGIC, delta.width, delta.changes, delta.far_gaps.numel(), delta.far_steps.numel(), delta.numel)
+    head = header(delta.width, delta.changes, delta.far_gaps.numel(), delta.far_steps.numel(), delta.numel)
     device = delta.gaps.device
     arrays = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)]
     arrays += [a.contiguous().reshape(-1).view(torch.uint8) for a in (delta.gaps, delta.steps, delta.far_gaps,
@@ -195,13 +218,9 @@ def unpack_tensor(data: torch.Tensor, row: str = "row") -> Delta:
     host); lengths that do not add up are a ``DeltaError`` naming ``row``."""
     if data.numel() < _HEADER.size:
         raise DeltaError(row, f"{data.numel()} bytes is shorter than a delta's header")
-    magic, width, changes, far_gaps, far_steps, numel = _HEADER.unpack(bytes(data[:_HEADER.size].cpu().numpy()))
-    if magic != MAGIC or width not in _INT:
-        raise DeltaError(row, f"not a delta (magic {magic:#x}, width {width})")
-    far_step = _FAR_STEP[width]
-    want = _HEADER.size + 2 * changes + 4 * far_gaps + far_step.itemsize * far_steps
-    if data.numel() != want:
-        raise DeltaError(row, f"{data.numel()} bytes, the header says {want}")
+    fields = _HEADER.unpack(bytes(data[:_HEADER.size].cpu().numpy()))
+    far_step = check_header(fields, data.numel(), row)
+    _, width, changes, far_gaps, far_steps, numel = fields
     at = _HEADER.size
 
     def take(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -219,13 +238,9 @@ def unpack(data: bytes, row: str = "row") -> Delta:
     """A delta from ``pack``'s bytes; lengths that do not add up are a ``DeltaError`` naming ``row``."""
     if len(data) < _HEADER.size:
         raise DeltaError(row, f"{len(data)} bytes is shorter than a delta's header")
-    magic, width, changes, far_gaps, far_steps, numel = _HEADER.unpack_from(data)
-    if magic != MAGIC or width not in _INT:
-        raise DeltaError(row, f"not a delta (magic {magic:#x}, width {width})")
-    far_step = _FAR_STEP[width]
-    want = _HEADER.size + 2 * changes + 4 * far_gaps + far_step.itemsize * far_steps
-    if len(data) != want:
-        raise DeltaError(row, f"{len(data)} bytes, the header says {want}")
+    fields = _HEADER.unpack_from(data)
+    far_step = check_header(fields, len(data), row)
+    _, width, changes, far_gaps, far_steps, numel = fields
     buf, at = bytearray(data), _HEADER.size
 
     def take(n: int, dtype: torch.dtype) -> torch.Tensor:
