@@ -191,8 +191,12 @@ class ControlChannel:
         await self._refusal_waiters.wait(lambda: self.refused >= count)
 
     async def send(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
-                   parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> int:
-        """``body_frame``: ``encode_body(body)`` made beforehand (off the event loop)."""
+                   parent_id: Optional[int] = None, body_frame: Optional[bytes] = None,
+                   timeout: Optional[float] = None) -> int:
+        """``body_frame``: ``encode_body(body)`` made beforehand (off the event loop). With ``timeout``,
+        a message not queued within that many seconds is dropped with ``zmq.Again``: a DEALER whose
+        only connection ended in a failed handshake (a key or mechanism mismatch) has no pipe left, a
+        send there waits forever, and every later send (pyzmq queues them) waits behind it."""
         msg_id = next(self._ids)
         frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits, body_frame)
         if self.auth_key is not None:
@@ -201,7 +205,15 @@ class ControlChannel:
             if to is None:
                 raise ValueError("a ROUTER send needs the peer's routing id")
             frames = [to, *frames]
-        await self.sock.send_multipart(frames, copy=False)
+        sending = self.sock.send_multipart(frames, copy=False)
+        if timeout is None:
+            await sending
+        else:
+            try:  # (cancelling a queued send takes it out of the queue whole)
+                await asyncio.wait_for(sending, timeout)
+            except asyncio.TimeoutError:
+                log.debug("%s: %s not queued within %.2fs (no connection)", self.name, body.TYPE, timeout)
+                raise zmq.Again() from None
         self.sent += 1
         return msg_id
 

@@ -203,9 +203,11 @@ async def request(addr: str, body: m.Message, *, timeout_s: float = 10.0, auth_k
     chan = ControlChannel(zmq.DEALER, "cli", auth_key=auth_key)
     try:
         chan.connect(addr)
-        await chan.send(body)
-        _, env = await asyncio.wait_for(chan.recv(), timeout_s)
-        return env
+
+        async def ask() -> Envelope:
+            await chan.send(body)
+            return (await chan.recv())[1]
+        return await asyncio.wait_for(ask(), timeout_s)
     finally:
         chan.close()
 

@@ -131,7 +131,7 @@ class Worker(AsyncResource):
     async def _teardown(self) -> None:
         if self._channel is not None and self.session.allowed(Origin.WORKER, m.Leave.TYPE):
             try:
-                await self._send(m.Leave("closing"))
+                await self._send(m.Leave("closing"), timeout=0)  # best effort: never waits on a dead pipe
             except (zmq.ZMQError, ProtocolError):
                 pass
         self.spinner.cancel()
@@ -189,7 +189,7 @@ class Worker(AsyncResource):
                         os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
                         self.options.capabilities, manifest, self.transport_info, incarnation=self.incarnation,
                         **self._hello_fields())
-        await self._send(hello)
+        await self._send(hello, timeout=timeout)  # (a fresh channel queues it at once)
         try:
             _, env = await asyncio.wait_for(self._channel.recv(), timeout)
         except asyncio.TimeoutError:
@@ -256,12 +256,16 @@ class Worker(AsyncResource):
                 self._session_lost(ControllerLost(f"controller silent for more than {timeout:.1f}s"))
                 return
             seq += 1
-            await self._send(m.Heartbeat(seq))
+            try:  # never blocks: this loop is what notices a controller gone silent
+                await self._send(m.Heartbeat(seq), timeout=period)
+            except zmq.Again:
+                log.debug("%s: heartbeat %d not queued (no connection to the controller)", self.name, seq)
 
-    async def _send(self, body: m.Message, *, version: Optional[int] = None, parent_id: Optional[int] = None) -> int:
+    async def _send(self, body: m.Message, *, version: Optional[int] = None, parent_id: Optional[int] = None,
+                    timeout: Optional[float] = None) -> int:
         self.session.send(body.TYPE)
         self._state_moved()
-        msg_id = await self._channel.send(body, version=version, parent_id=parent_id)
+        msg_id = await self._channel.send(body, version=version, parent_id=parent_id, timeout=timeout)
         self.timeline.mark(version, f"send:{body.TYPE}")
         return msg_id
 

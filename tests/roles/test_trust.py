@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from children import free_port
 from proc_helpers import mismatches, push, receiver_tensors, sender_tensors, update_in_place
-from weightsync.engine.errors import ConfigError, PlanError, RoundAborted
+from weightsync.engine.errors import ConfigError, ControllerLost, PlanError, RoundAborted
 from weightsync.engine.logs import Repeats
 from weightsync.engine.transport import TransportOptions
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
@@ -304,6 +304,27 @@ async def test_a_keyless_client_cannot_take_a_live_senders_routing_id():
         finally:
             thief.close()
             ctx.term()
+
+
+async def test_a_worker_whose_control_pipe_is_gone_closes_at_once_and_a_live_one_rejoins():
+    """A DEALER whose connection ended in a failed handshake (a key or mechanism mismatch) has no pipe
+    left, and a blocking send on it waits forever. ``disconnect`` leaves the same state, deterministically.
+    The worker's leave, hello and heartbeats never wait on it: closing returns, and a worker left
+    running notices the silence, fails the push it had in flight, joins again and commits the next."""
+    ts, recv = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightSender(ctl.address, ts, rank=0) as s0, WeightReceiver(ctl.address, recv, rank=0) as r0:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(s0, ts, 1)
+        r0._channel.sock.disconnect(ctl.address)
+        await asyncio.wait_for(r0.close(), WATCHDOG)  # (its leave finds no pipe)
+        async with WeightReceiver(ctl.address, receiver_tensors(), rank=0) as r1:
+            s0._channel.sock.disconnect(ctl.address)
+            with pytest.raises(ControllerLost, match="silent"):
+                await push(s0, ts, 2)  # its push message waits on the dead pipe; its heartbeats never do
+            await push(s0, ts, 3)  # (a fresh channel and session)
+            await asyncio.wait_for(r1.wait_for(3), WATCHDOG)
+            assert s0.sessions == 2 and mismatches(r1.tensors, 3) == []
 
 
 def test_an_auth_key_shorter_than_sixteen_bytes_is_refused_at_construction():
