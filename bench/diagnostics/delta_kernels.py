@@ -7,7 +7,11 @@ row (the sender: deltas, bases brought to the new bytes, fingerprint changes; on
 rows cost before), and a device copy of the model (what a colocated dense round moves). Checks that the
 applied rows equal the new ones bit for bit and that the packed deltas equal the torch codec's.
 
-    python3 bench/diagnostics/delta_kernels.py [--arch qwen2.5-0.5b] [--fraction 0.01] [--json]
+    python3 bench/diagnostics/delta_kernels.py [--arch qwen2.5-0.5b] [--fraction 0.01] [--json] [--profile]
+
+``--profile`` adds where one encode and one check + apply spend their time (torch.profiler): the
+device time of each operation (Triton kernels and torch's), their sum beside the wall time, and the
+host's share.
 """
 
 from __future__ import annotations
@@ -57,12 +61,33 @@ def _stepped(views: list[torch.Tensor], fraction: float, seed: int) -> list[torc
     return out
 
 
+def _profile(fn, before=lambda: None, top: int = 10) -> dict:
+    """One call of ``fn`` under torch.profiler: wall ms, device-busy ms and the ``top`` operations by
+    their own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        wall = time.perf_counter() - t0
+    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                  key=lambda e: e.self_device_time_total, reverse=True)
+    busy = sum(e.self_device_time_total for e in rows) / 1e3
+    return {"wall_ms": round(wall * 1e3, 3), "device_busy_ms": round(busy, 3),
+            "ops_ms": {e.key[:60]: round(e.self_device_time_total / 1e3, 3) for e in rows[:top]},
+            "ops_calls": {e.key[:60]: e.count for e in rows[:top]}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="qwen2.5-0.5b")
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="where one encode and one check + apply spend their time")
     ap.add_argument("--device", default="cuda:0", help=argparse.SUPPRESS)  # (cpu: Triton's interpreter)
     ap.add_argument("--max-numel", type=int, default=0, help=argparse.SUPPRESS)  # (smaller tensors only)
     ap.add_argument("--block", type=int, default=delta_kernel.BLOCK, help="values (changes) per program")
@@ -115,6 +140,9 @@ def main(argv=None) -> int:
            "encode_gbps": round(nbytes / encode_s / 1e9, 1), "bit_exact": exact, "equal_to_torch": same,
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else args.device,
            "command": "bench/diagnostics/delta_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    if args.profile and torch.cuda.is_available():
+        out["encode_profile"] = _profile(lambda: delta_kernel.encode_many(list(zip(bases, new))), reset)
+        out["check_apply_profile"] = _profile(land, reset_targets)
     print(json.dumps(out) if args.json else out)
     return 0 if exact and same else 1
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..transforms import delta as codec
 from . import delta_kernel as kernels
-from .delta_kernel import _FAR, _INT, _MASK, _layout, _on, _owners, _segment_starts, _share, _wrap
+from .delta_kernel import _FAR, _INT, _MASK, _layout, _on, _owners, _segment_starts, _segment_totals, _share, _wrap
 
 
 @triton.jit
@@ -138,7 +138,9 @@ class Applier:
         if programs:
             launch["table"] = torch.tensor(entries, dtype=torch.int64).to(self.device)
             launch["owner"] = row = _owners(blocks, programs, self.device)  # (each block's delta)
-            launch["first"] = torch.tensor(firsts, dtype=torch.int64, device=self.device)[row]
+            launch["firsts"] = torch.tensor(firsts, dtype=torch.int64, device=self.device)
+            launch["blocks"] = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            launch["first"] = launch["firsts"][row]
         return launch
 
     def check(self) -> list[Optional[str]]:
@@ -162,10 +164,10 @@ class Applier:
             _sum[(programs,)](table, owner, gaps_at.contiguous(), sums,
                               BLOCK=kernels.BLOCK, num_warps=kernels.WARPS)
             launch["starts"] = torch.stack((gaps_at, steps_at, _segment_starts(sums[:, 0], first) - 1), 1).contiguous()
-            per = torch.zeros((len(launch["members"]), 4), dtype=torch.int64, device=self.device)
+            per = torch.empty((len(launch["members"]), 4), dtype=torch.int64, device=self.device)
+            per[:, :3] = _segment_totals(torch.stack((escaped_gaps, escaped_steps, sums[:, 0]), 1),
+                                         launch["firsts"], launch["blocks"])
             per[:, 3] = 1 << 40
-            for col, v in enumerate((escaped_gaps, escaped_steps, sums[:, 0])):
-                per[:, col].index_add_(0, row, v)
             per[:, 3].scatter_reduce_(0, row, sums[:, 1], "amin")
             parts.append((launch["members"], per))
         for members, per in parts:
@@ -190,9 +192,8 @@ class Applier:
             shares = torch.empty(programs, dtype=torch.int64, device=self.device)
             _apply[(programs,)](launch["table"], launch["owner"], launch["starts"], shares, BLOCK=kernels.BLOCK, W=width,
                                 IT=_INT[width], FS=_FAR[width], num_warps=kernels.WARPS)
-            halves = torch.zeros((len(launch["members"]), 2), dtype=torch.int64, device=self.device)
-            halves[:, 0].index_add_(0, launch["owner"], shares & 0xFFFFFFFF)
-            halves[:, 1].index_add_(0, launch["owner"], shares >> 32)
+            halves = _segment_totals(torch.stack((shares & 0xFFFFFFFF, shares >> 32), 1),
+                                     launch["firsts"], launch["blocks"])
             parts.append((launch["members"], halves))
         for members, halves in parts:
             for k, (low, high) in zip(members, halves.cpu().tolist()):

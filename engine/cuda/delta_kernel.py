@@ -204,6 +204,16 @@ def _last_before(nonempty: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch.where(k > 0, listed[(k - 1).clamp(min=0)], -1)
 
 
+def _segment_totals(values: torch.Tensor, firsts: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of ``values`` (rows of ``values.shape[1]`` columns) over its blocks (``firsts``:
+    its first block; ``blocks``: how many, maybe 0): differences of one running sum, read at each row's
+    ends (an ``index_add_`` of millions of blocks into a few hundred rows serialises on atomics)."""
+    running = torch.cumsum(values, 0)
+    last = (firsts + blocks - 1).clamp(min=0)
+    before = torch.where((firsts > 0)[:, None], running[(firsts - 1).clamp(min=0)], 0)
+    return torch.where((blocks > 0)[:, None], running[last] - before, 0)
+
+
 def _segment_starts(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """Each block's exclusive running sum of ``values`` within its row (``first``: each block's row's
     first block)."""
@@ -268,7 +278,8 @@ def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, dev
     counts = torch.empty((programs, 6), dtype=torch.int64, device=device)
     _count[(programs,)](table, owner, counts, BLOCK=BLOCK, W=width, IT=_INT[width], num_warps=WARPS)
     row = owner  # (each block's row)
-    first_block = torch.tensor(firsts, dtype=torch.int64, device=device)[row]
+    firsts_t = torch.tensor(firsts, dtype=torch.int64, device=device)
+    first_block = firsts_t[row]
     n, first, last, inner, steps, fp = counts.unbind(1)
     row_start = torch.tensor([0] + numels[:-1], dtype=torch.int64, device=device).cumsum(0)[row]
     block_start = (torch.arange(programs, device=device) - first_block) * BLOCK + row_start  # in the batch
@@ -278,9 +289,8 @@ def _encode_width(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, dev
     far = inner + far_first.to(torch.int64)
     starts = torch.stack((_segment_starts(n, first_block), _segment_starts(far, first_block),
                           _segment_starts(steps, first_block), prev), 1).contiguous()
-    totals = torch.zeros((len(rows), 5), dtype=torch.int64, device=device)
-    for col, v in enumerate((n, far, steps, fp & 0xFFFFFFFF, fp >> 32)):
-        totals[:, col].index_add_(0, row, v)
+    totals = _segment_totals(torch.stack((n, far, steps, fp & 0xFFFFFFFF, fp >> 32), 1),
+                             firsts_t, torch.tensor(blocks, dtype=torch.int64, device=device))
     return _finish(rows, entries, totals.cpu(), width, device, (table, owner, starts, programs))
 
 
