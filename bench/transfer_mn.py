@@ -17,6 +17,10 @@ Rows, measured in one run:
   (``quantize_bound``): ``bound`` counts only the FP8 bytes that move.
 - **predicted**: the planner's modeled makespan of the routing table the controller installed, under
   the same measured bandwidths.
+- **learned**: the controller's own prediction of each measured round, made before it from the
+  rounds before (``roles.costs``: the plan's makespan with the per-row host cost the senders reported,
+  plus the per-round cost the model missed so far): ``learned_predicted_ms``, ``learned_over_engine_ratio``
+  (median of prediction / round) and ``learned_worst_error`` (the worst |prediction / round - 1|).
 - **engine**: full rounds through the public API (Controller in this process; WeightSender on each
   FSDP2 rank; WeightReceiver on each TP rank; begin -> commit acknowledged), median of the rounds after
   the first (which plans, registers and compiles). Bit-exact against tensors built here with plain
@@ -219,6 +223,8 @@ async def engine(case: Case, link) -> dict:
     settled = [r for r in reports[1:] if not any(s["trying"].get(r.version - 1, False) for s in by_sender.values())]
     return {
         "round_s": [r.seconds for r in (settled or reports[1:])],
+        # (each made by the controller before its round, from the rounds before: roles.costs)
+        "learned_s": [(r.predicted_s, r.seconds) for r in (settled or reports[1:]) if r.predicted_s > 0],
         "rounds_timing_ways": len(reports) - 1 - len(settled),
         "ok": all(r.ok for r in reports) and not bad,
         "mismatches": bad,
@@ -366,6 +372,16 @@ async def broadcast(case: Case, bucket: int = 0) -> dict:
     return {"round_s": times, "ok": not bad, "mismatches": bad}
 
 
+def _learned(pairs: list[tuple[float, float]]) -> dict:
+    """The controller's own predictions (learned costs, ``roles.costs``) beside the rounds they preceded."""
+    if not pairs:
+        return {}
+    ratios = [p / s for p, s in pairs]
+    return {"learned_predicted_ms": round(statistics.median(p for p, _ in pairs) * 1e3, 3),
+            "learned_over_engine_ratio": round(statistics.median(ratios), 3),
+            "learned_worst_error": round(max(abs(r - 1) for r in ratios), 3), "learned_rounds": len(pairs)}
+
+
 def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = None, peer: Optional[dict] = None) -> dict:
     med = statistics.median
     engine_s = med(eng["round_s"])
@@ -384,6 +400,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
             "engine_over_quantize_bound_ratio": round(engine_s / eng["quantize_bound_s"], 3)}
            if case.fp8 and case.device == "cuda" and eng["quantize_bound_s"] else {}),
         "predicted_over_engine_ratio": round(eng["predicted_s"] / engine_s, 3),
+        **_learned(eng["learned_s"]),
         "senders": {k: {"gathered_per_round": v["gathered"], "rows": v["rows"], "compiles": v["compiles"],
                         "host_us_per_row": v["host_us_per_row"] and round(v["host_us_per_row"], 2),
                         **({"peer_copies": v["peer_copies"]} if v["peer_copies"] else {})}
@@ -422,6 +439,7 @@ def show(s: dict) -> None:
     for col in ("row", "ms", "x bound", "x engine"):
         table.add_column(col, justify="right" if col != "row" else "left")
     rows = [("bound (measured bandwidths)", s["bound_ms"]), ("planner's prediction", s["predicted_ms"]),
+            *([("controller's prediction (learned costs)", s["learned_predicted_ms"])] if "learned_predicted_ms" in s else []),
             ("engine", s["engine_ms"])]
     if "broadcast_ms" in s:
         rows += [("broadcast from rank 0, per tensor (full tensors given)", s["broadcast_ms"]),

@@ -34,6 +34,7 @@ from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
 from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure
+from .costs import Costs
 from .limits import PeerLimits, RateLimiter
 from .membership import Hearing, Membership, Peer
 from .planning import Planning
@@ -102,8 +103,9 @@ class Controller(AsyncResource):
         self.planning = Planning(self.membership, options, self._send, busy=lambda: self.rounds.task is not None,
                                  committed=lambda: self.rounds.committed, on_ready=self._planned,
                                  on_final_error=lambda exc: self.rounds.drop_pushes())
+        self.costs = Costs(options.link)  # what rounds cost beyond the makespan model, learned; predictions
         self.rounds = Rounds(self.planning, options, self._send, timeline=self.timeline, spinner=self.spinner,
-                             wake=self.waiters.wake, on_finished=self._round_over)
+                             wake=self.waiters.wake, on_finished=self._round_over, predict=self.costs.predict)
         self.dropped = 0  # messages dropped unauthenticated, replayed or over a peer's rate
         self._drops = Repeats(log)  # (a flood of bad messages logs a line per peer and window, with a count)
         self._rates = RateLimiter(options.peer_limits)
@@ -164,7 +166,7 @@ class Controller(AsyncResource):
         self.spinner.cancel()
         for task in self._tasks:
             task.cancel()
-        pending = [*self._tasks, *self.rounds.cancel(), *filter(None, [self.planning.cancel()])]
+        pending = [*self._tasks, *self.rounds.cancel(), *filter(None, [self.planning.cancel()]), *self.costs.cancel()]
         await asyncio.gather(*pending, return_exceptions=True)
         for peer in self.membership:
             if peer.session.allowed(Origin.CONTROLLER, m.Leave.TYPE):
@@ -197,16 +199,18 @@ class Controller(AsyncResource):
         self.rounds.start(version)
 
     def status(self) -> dict:
-        return controller_status(self.address, self.membership, self.planning, self.rounds)
+        return controller_status(self.address, self.membership, self.planning, self.rounds, self.costs)
 
     # --- what the parts tell each other -----------------------------------------------------------
 
     def _planned(self) -> None:
         """A plan is acknowledged by every member: rounds its senders pushed for may start."""
+        self.costs.on_plan(self.planning.plan, self.planning.participants)
         self.waiters.wake()
         self.rounds.maybe_start()
 
     def _round_over(self, report: RoundReport) -> None:
+        self.costs.on_round(report, self.planning.plan, self.planning.participants)
         if self.on_round is not None:
             self.on_round(report)
         self.planning.maybe_plan()

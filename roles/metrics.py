@@ -31,6 +31,8 @@ class Metrics:
                                   "move fewer: weightsync_bytes)", registry=self.registry)
         self.delta_rows = prom.Counter("weightsync_delta_rows", "Rows that went as deltas", registry=self.registry)
         self.changed = prom.Counter("weightsync_changed_values", "Values the deltas changed", registry=self.registry)
+        self.predicted = prom.Gauge("weightsync_round_predicted_seconds", "The controller's prediction of the last "
+                                    "committed round, made before it (learned costs; 0: none yet)", registry=self.registry)
         self.link = prom.Gauge("weightsync_link_gbps", "GB/s of the last round per link", ["sender", "receiver"],
                                registry=self.registry)
         prom.start_http_server(port, addr=addr, registry=self.registry)
@@ -44,6 +46,7 @@ class Metrics:
         self.delta_rows.inc(report.delta_rows)
         self.changed.inc(report.changed_values)
         self.seconds.observe(report.seconds)
+        self.predicted.set(report.predicted_s)
         for stage in ("gate", "transfer", "fence", "commit"):
             if stage in report.stages:
                 self.stage.labels(stage).observe(report.stages[stage])

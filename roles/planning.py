@@ -53,6 +53,7 @@ class Planning:
         self.error: Optional[PlanError] = None
         self.error_final = False  # the error holds with every configured member joined: pushes fail with it
         self.sessions: dict[tuple[Role, int], bytes] = {}  # the plan's members by session
+        self.participants: tuple[list, list] = ([], [])  # the plan's senders and receivers, as it planned them
         self.planned_once = False
         self.ready = asyncio.Event()  # the plan is acknowledged by every member
         self.cache = PlanCache()  # what the last plan resolved (the planning thread's own; one plan at a time)
@@ -130,6 +131,7 @@ class Planning:
             log.info("controller: plan %d is void: the members changed while it was made; planning again", plan_id)
             self.maybe_plan()
             return
+        self.participants = (senders, receivers)
         await self._install(routing, bodies, members)
         log.info("controller: plan %d: %d transfers, %.3f GB", plan_id, routing.transfer_count, routing.nbytes / 1e9)
 

@@ -58,6 +58,9 @@ class RoundReport:
     whole_bytes: int = 0  # what the round's rows are whole (``nbytes`` is what went: less where deltas went)
     delta_rows: int = 0  # rows that went as deltas
     changed_values: int = 0  # values those deltas changed
+    plan_id: int = 0
+    predicted_s: float = 0.0  # what the controller predicted before it ran (roles.costs; 0: nothing learned yet)
+    senders_host_s: dict[int, float] = dataclasses.field(default_factory=dict)  # per sender: staging + queueing writes
 
     @property
     def gbps(self) -> float:
@@ -66,6 +69,7 @@ class RoundReport:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["gbps"] = round(self.gbps, 3)
+        d["senders_host_s"] = {str(r): s for r, s in self.senders_host_s.items()}  # (JSON keys are strings)
         return d
 
 
@@ -83,6 +87,7 @@ class RoundState:
         for fut in self.futures.values():
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.writes: dict[int, m.WritesDone] = {}
+        self.predicted_s = 0.0  # (set by ``Rounds.start``)
         self.fence_acks: dict[int, Optional[m.FenceAck]] = {}  # None: a one-phase commit_ack stood for it
         self.commit_acks: dict[int, m.CommitAck] = {}
         self.applied: set[int] = set()
@@ -222,4 +227,6 @@ class RoundState:
             version=self.version, ok=ok, nbytes=total, seconds=end - self.t0, stages=stages, links=links,
             reason="" if ok else getattr(failed.reason, "name", str(failed.reason)) + ": " + failed.text,
             culprit="" if ok else failed.culprit, whole_bytes=self.whole_bytes, delta_rows=rows, changed_values=changed,
+            plan_id=self.plan_id, predicted_s=self.predicted_s,
+            senders_host_s={r: b.stage_s + b.issue_s for r, b in sorted(self.writes.items())},
         )

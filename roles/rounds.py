@@ -42,12 +42,12 @@ log = logging.getLogger("weightsync")
 class Rounds:
     def __init__(self, planning: Planning, options: "ControllerOptions", send: Callable[..., Awaitable[None]], *,
                  timeline: Timeline, spinner: Spinner, wake: Callable[[], None],
-                 on_finished: Callable[[RoundReport], Any]) -> None:
+                 on_finished: Callable[[RoundReport], Any], predict: Callable[[int], float] = lambda plan_id: 0.0) -> None:
         self.planning = planning
         self.options = options
         self.send = send
         self.timeline, self.spinner = timeline, spinner
-        self.wake, self.on_finished = wake, on_finished
+        self.wake, self.on_finished, self.predict = wake, on_finished, predict
         self.pushes = PushBook()  # pending pushes, by the session that made them
         self.round: Optional[RoundState] = None
         self.task: Optional[asyncio.Task] = None
@@ -132,6 +132,7 @@ class Rounds:
         receivers = {r for role, r in self.planning.sessions if role is Role.RECEIVER}
         devices = {peer.hello.device for key in self.planning.sessions if (peer := self.planning.peer_of(key))}
         self.round = RoundState(version, plan.plan_id, senders, receivers, self.inputs.checksum(devices), plan.nbytes)
+        self.round.predicted_s = self.predict(plan.plan_id)
         self.timeline.mark(version, "round:start", self.round.t0)
         if self.options.spin is None and not self.spinner.holders:  # auto: where a member's tensors are on a GPU
             self.spinner.enabled = any(str(d).startswith("cuda") for d in devices)

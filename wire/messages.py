@@ -266,6 +266,7 @@ class WritesDone(Message):
     stage_s: float
     write_s: float
     encode_s: float = 0.0  # of ``stage_s``, the seconds spent encoding delta rows (summed over threads)
+    issue_s: float = 0.0  # host seconds queueing its writes (with ``stage_s``: its rows' host cost)
 
 
 @struct

@@ -34,6 +34,7 @@ class LaneReport:
     stage_s: float = 0.0
     write_s: float = 0.0
     encode_s: float = 0.0  # of the staging, encoding delta rows (``datapath.deltas``; threads summed)
+    issue_s: float = 0.0  # host seconds queueing the staged rows' writes (``Pipeline._issue``)
     proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
     deltas: list = dataclasses.field(default_factory=list)  # DeltaRow of each row that went as a delta
 
@@ -57,6 +58,7 @@ class PushReport:
     stage_s = property(lambda self: self.total("stage_s"))
     write_s = property(lambda self: self.total("write_s"))
     encode_s = property(lambda self: self.total("encode_s"))  # (of the staging, encoding delta rows)
+    issue_s = property(lambda self: self.total("issue_s"))
 
 
 def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:

@@ -323,6 +323,8 @@ class Pipeline:
             for t, staged in items[queued:]:
                 self._give_back(t, staged)
             raise
+        finally:
+            report.issue_s += time.perf_counter() - t0
 
     def _submit(self, conn: Connection, items: list[tuple[Transfer, Staged]], start: int, end: int, epoch: int,
                 slot: int) -> Sequence[asyncio.Future]:

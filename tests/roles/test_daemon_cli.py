@@ -241,13 +241,14 @@ def test_prometheus_metrics_endpoint():
                                                       "sender_encode_max": 0.3, "receiver_apply_max": 0.02,
                                                       "receiver_verify_max": 0.0},
                                 [LinkStat(0, 1, 10**9, 3, 2.5)], whole_bytes=4 * 10**10, delta_rows=12,
-                                changed_values=5 * 10**8))
+                                changed_values=5 * 10**8, predicted_s=0.45))
     metrics.observe(RoundReport(8, False, 0, 0.1, {}, [], reason="PEER_LOST: gone"))
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WATCHDOG).read().decode()
     assert 'weightsync_rounds_total{outcome="committed"} 1.0' in text
     assert 'weightsync_rounds_total{outcome="aborted"} 1.0' in text
     assert "weightsync_committed_version 7.0" in text
     assert 'weightsync_link_gbps{receiver="1",sender="0"} 2.5' in text
+    assert "weightsync_round_predicted_seconds 0.45" in text
     assert "weightsync_bytes_total 1e+09" in text and "weightsync_whole_bytes_total 4e+10" in text
     assert "weightsync_delta_rows_total 12.0" in text and "weightsync_changed_values_total 5e+08" in text
     assert 'weightsync_stage_seconds_sum{stage="encode"} 0.3' in text

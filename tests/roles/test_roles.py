@@ -401,3 +401,48 @@ async def test_the_heartbeat_outlives_a_beat_that_fails(caplog):
         with caplog.at_level(logging.ERROR, logger="weightsync"):
             await asyncio.wait_for(third.wait(), 10)
     assert "heartbeat 1 failed" in caplog.text and "a beat that fails" in caplog.text
+
+
+async def test_the_controller_learns_round_costs_from_committed_rounds_only_and_predicts_each_round():
+    """A plan's first round (connecting, registering) and aborted rounds teach nothing; from the second
+    committed round on, each round's report carries the prediction made before it: the plan's makespan
+    with the per-row host cost the senders reported, plus the per-round cost the model missed."""
+    from weightsync.engine.plan import makespan
+
+    async with cluster(2, 2) as (ctl, senders, senders_t, receivers, receivers_t):
+        for v in (1, 2):
+            await asyncio.gather(*await push_all(senders, senders_t, v))
+            await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
+            await asyncio.wait_for(ctl.costs.settled(), WATCHDOG)
+        assert (await ctl.wait_round(1)).predicted_s == 0.0 == (await ctl.wait_round(2)).predicted_s
+        costs = ctl.costs.learner.costs
+        assert costs.rounds == 1 and costs.per_row_s > 0 and ctl.status()["costs"]["rounds"] == 1
+        assert all(s > 0 for s in (await ctl.wait_round(2)).senders_host_s.values())
+        plan, (ps, pr) = ctl.planning.plan, ctl.planning.participants
+        expected = costs.predict(makespan(plan.senders, ps, pr, dataclasses.replace(FAST.link, per_transfer_s=costs.per_row_s)))
+        assert expected > 0 and ctl.costs.predict(plan.plan_id) == pytest.approx(expected, rel=1e-12)
+        from weightsync.roles.daemon import request
+
+        status = (await request(ctl.address, m.StatusRequest(False), timeout_s=WATCHDOG)).body.status  # (over the wire)
+        assert status["plan"]["predicted_round_ms"] == round(expected * 1e3, 3) and status["costs"]["rounds"] == 1
+        assert status["rounds"][-1]["predicted_s"] == 0.0 and set(status["rounds"][-1]["senders_host_s"]) == {"0", "1"}
+
+        real = senders[0].sources.stage
+
+        async def failing_stage(t, *args):
+            raise StagingError(t.name, "injected failure")
+
+        senders[0].sources.stage = failing_stage
+        update_in_place(senders_t[0], 3)
+        with pytest.raises(RoundAborted):
+            await asyncio.wait_for(asyncio.gather(*[s.push(3) for s in senders]), WATCHDOG)
+        with pytest.raises(RoundAborted):
+            await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)
+        await asyncio.wait_for(ctl.costs.settled(), WATCHDOG)
+        assert ctl.costs.learner.costs.rounds == 1  # (the abort taught nothing)
+        senders[0].sources.stage = real
+        await asyncio.gather(*await push_all(senders, senders_t, 4))
+        report = await asyncio.wait_for(ctl.wait_round(4), WATCHDOG)
+        assert report.predicted_s == pytest.approx(expected, rel=1e-12)  # (made before it ran)
+        await asyncio.wait_for(ctl.costs.settled(), WATCHDOG)
+        assert ctl.costs.learner.costs.rounds == 2

@@ -222,6 +222,16 @@ def test_optional_field_stays_off_the_wire_at_its_default_and_decodes_to_it():
     assert body["receivers"][0]["proof"] == b"\x01" * 72 and decode(_with(header, body)) == env
 
 
+def test_the_host_seconds_a_sender_spent_issuing_travel_only_when_it_has_some():
+    """``writes_done.issue_s`` (what the controller learns the per-row cost from): off the wire at 0.0,
+    so a sender that predates it and one that issued nothing send the bytes they always did."""
+    env, header, body = _writes_done_frames(b"")
+    assert "issue_s" not in body and decode(_with(header, body)).body.issue_s == 0.0
+    env = Envelope(m.WritesDone(3, 9, (), 0.1, 0.2, 0.0, 0.0125), 1, "sender/0", None, 3)
+    header, raw = encode(env)
+    assert msgpack.unpackb(raw)["issue_s"] == 0.0125 and decode([header, raw]) == env
+
+
 def test_optional_field_is_still_validated():
     with pytest.raises(errors.InvalidMessage, match="proof"):
         encode(Envelope(m.WritesDone(3, 9, (m.WriteSummary(0, 2, 64, (), b"x" * 257),), 0.1, 0.2), 1, "sender/0"))
