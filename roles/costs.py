@@ -1,14 +1,16 @@
 """The controller's part that learns what rounds cost and predicts the next one.
 
-How this works: after every committed round but a plan's first (which connects, registers and compiles:
-a cost paid once per plan, not per round), ``on_round`` hands ``engine.plan.costs.CostLearner`` each
-sender's host seconds (its ``writes_done``) with its rows in the plan, then replays the plan's makespan
-with the learned per-row cost (``engine.plan.model.makespan``, in a worker thread: a plan of thousands
-of rows takes milliseconds to replay) and learns the per-round cost from the round's seconds. Each
-replay also gives the prediction for the next round of that plan; a new plan (``on_plan``) is replayed
-with the costs learned so far, so its first round is predicted too. ``predict(plan_id)`` is what
-``Rounds`` stores in each round's report before it runs (0 while nothing is learned), beside its
-measured seconds; ``status`` shows the learned costs.
+How this works: a plan, once installed (``on_plan``), is replayed (``engine.plan.model.makespan``, in
+a worker thread: a plan of many thousand rows takes up to a second) at every per-row cost of ``GRID``,
+while its first round runs. After every committed round but a plan's first (which connects, registers
+and compiles: a cost paid once per plan, not per round), ``on_round`` hands
+``engine.plan.costs.CostLearner`` each sender's host seconds (its ``writes_done``) with its rows in the
+plan, reads the plan's makespan at the learned per-row cost from those replays (interpolated between
+the two around it; makespans grow with the per-row cost), learns the per-round cost from the round's
+seconds and predicts the next round, all at once, before the next round can start; a replay at exactly
+the learned cost then refines the prediction. ``predict(plan_id)`` is what ``Rounds`` stores in each
+round's report before it runs (0 while nothing is learned), beside its measured seconds; a new plan
+is predicted with what earlier plans taught once its replays are done; ``status`` shows the costs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import asyncio
 import dataclasses
 import logging
 from typing import Optional, Sequence
+
+import numpy
 
 from weightsync.engine.plan import LinkModel, RoutingPlan
 from weightsync.engine.plan.costs import CostLearner
@@ -27,6 +31,7 @@ from .round_state import RoundReport
 
 log = logging.getLogger("weightsync")
 REUSE = 0.02  # a replay stands for per-row costs within 2% of its own
+GRID = (0.0, 1e-7, 3e-7, 1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3)  # per-row costs every plan is replayed at
 
 
 class Costs:
@@ -34,8 +39,9 @@ class Costs:
         self.link = link
         self.learner = CostLearner(keep)
         self._predicted: dict[int, float] = {}  # plan id -> the next round's predicted seconds
-        self._replays: dict[tuple[int, float], float] = {}  # (plan id, per-row seconds) -> makespan
-        self._lock = asyncio.Lock()  # (one replay at a time, in the order rounds finished)
+        self._replays: dict[float, float] = {}  # the plan's makespan at each per-row cost replayed (GRID and exact)
+        self._plan_id = 0  # (whose replays those are)
+        self._lock = asyncio.Lock()  # (one replay at a time, in the order asked)
         self._tasks: set[asyncio.Task] = set()
         self._first: dict[int, int] = {}  # plan id -> the version of its first committed round (not learned from)
 
@@ -47,8 +53,10 @@ class Costs:
         return self._predicted.get(plan_id, 0.0)
 
     def on_plan(self, plan: RoutingPlan, participants: tuple[Sequence[Participant], Sequence[Participant]]) -> None:
-        if self.learner.costs is not None:
-            self._spawn(self._predict(plan, participants))
+        """A plan is installed: replay it at every ``GRID`` per-row cost (during its first round, which
+        teaches nothing), so each later round is learned from and predicted at once."""
+        self._plan_id, self._replays, self._predicted = plan.plan_id, {}, {}
+        self._spawn(self._replayed(plan, participants, GRID))
 
     def on_round(self, report: RoundReport, plan: Optional[RoutingPlan],
                  participants: tuple[Sequence[Participant], Sequence[Participant]]) -> None:
@@ -60,30 +68,62 @@ class Costs:
         hosts = {r: (host_s, len(plan.senders[r].transfers)) for r, host_s in report.senders_host_s.items()
                  if r in plan.senders}
         per_row = self.learner.observe_rows(hosts)
-        self._spawn(self._learn(report.seconds, plan, participants, per_row))
+        span = self._makespan(plan.plan_id, per_row)
+        if span is None:  # (its replays are still running: learn once they are done)
+            self._spawn(self._learn(report.seconds, plan, participants, per_row))
+            return
+        self.learner.observe_round(report.seconds, span)
+        self._refresh(plan.plan_id)
+        if self._exact(self.learner.per_row_s) is None:  # refine: a replay at exactly the learned cost
+            self._spawn(self._refine(plan, participants, self.learner.per_row_s))
+
+    def _makespan(self, plan_id: int, per_row: float) -> Optional[float]:
+        """The plan's makespan at ``per_row``: a replay within ``REUSE`` of it, else interpolated between
+        the replays around it (makespans grow with the per-row cost); None before any."""
+        if plan_id != self._plan_id or len(self._replays) < 2:
+            return None
+        exact = self._exact(per_row)
+        if exact is not None:
+            return exact
+        points = sorted(self._replays.items())
+        return float(numpy.interp(per_row, [a for a, _ in points], [m for _, m in points]))
+
+    def _exact(self, per_row: float) -> Optional[float]:
+        near = [a for a in self._replays if abs(a - per_row) <= REUSE * max(a, 1e-12)]
+        return self._replays[near[0]] if near else None
+
+    def _refresh(self, plan_id: int) -> None:
+        span, costs = self._makespan(plan_id, self.learner.per_row_s), self.learner.costs
+        if span is not None and costs is not None:
+            self._predicted[plan_id] = costs.predict(span)
 
     async def _learn(self, round_s: float, plan: RoutingPlan, participants, per_row: float) -> None:
-        self.learner.observe_round(round_s, await self._replay(plan, participants, per_row))
-        await self._predict(plan, participants)
+        await self._replay(plan, participants, (per_row,))
+        span = self._makespan(plan.plan_id, per_row)
+        if span is not None:  # (None: the plan was replaced meanwhile)
+            self.learner.observe_round(round_s, span)
+            self._refresh(plan.plan_id)
 
-    async def _predict(self, plan: RoutingPlan, participants) -> None:
-        costs = self.learner.costs
-        self._predicted[plan.plan_id] = costs.predict(await self._replay(plan, participants, costs.per_row_s))
-        for old in [p for p in self._predicted if p < plan.plan_id]:
-            del self._predicted[old]
+    async def _replayed(self, plan: RoutingPlan, participants, per_rows: Sequence[float]) -> None:
+        await self._replay(plan, participants, per_rows)
+        self._refresh(plan.plan_id)
 
-    async def _replay(self, plan: RoutingPlan, participants, per_row: float) -> float:
-        """The plan's makespan with ``per_row`` as its issue cost; a replay of the same plan with a
-        per-row cost within ``REUSE`` of it stands in (a plan of many thousand rows takes a while)."""
+    async def _refine(self, plan: RoutingPlan, participants, per_row: float) -> None:
+        await self._replayed(plan, participants, (per_row,))
+
+    async def _replay(self, plan: RoutingPlan, participants, per_rows: Sequence[float]) -> None:
+        """Replay the plan at each of ``per_rows`` not replayed yet (in a worker thread: a plan of many
+        thousand rows takes a while)."""
         async with self._lock:
-            near = [k for k in self._replays if k[0] == plan.plan_id and abs(k[1] - per_row) <= REUSE * max(k[1], 1e-9)]
-            key = near[0] if near else (plan.plan_id, per_row)
-            if key not in self._replays:
-                link = dataclasses.replace(self.link, per_transfer_s=per_row)
-                senders, receivers = participants
-                self._replays = {k: v for k, v in self._replays.items() if k[0] == plan.plan_id}
-                self._replays[key] = await asyncio.to_thread(makespan, plan.senders, senders, receivers, link)
-            return self._replays[key]
+            todo = [a for a in per_rows if self._exact(a) is None or plan.plan_id != self._plan_id]
+            if plan.plan_id != self._plan_id or not todo:
+                return
+            senders, receivers = participants
+            spans = await asyncio.to_thread(
+                lambda: [makespan(plan.senders, senders, receivers, dataclasses.replace(self.link, per_transfer_s=a))
+                         for a in todo])
+            if plan.plan_id == self._plan_id:  # (not replaced meanwhile)
+                self._replays.update(zip(todo, spans))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
