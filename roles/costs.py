@@ -55,6 +55,8 @@ class Costs:
     def on_plan(self, plan: RoutingPlan, participants: tuple[Sequence[Participant], Sequence[Participant]]) -> None:
         """A plan is installed: replay it at every ``GRID`` per-row cost (during its first round, which
         teaches nothing), so each later round is learned from and predicted at once."""
+        if plan.plan_id == self._plan_id:
+            return  # (acknowledged again: its replays stand)
         self._plan_id, self._replays, self._predicted = plan.plan_id, {}, {}
         self._spawn(self._replayed(plan, participants, GRID))
 
