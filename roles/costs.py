@@ -43,7 +43,7 @@ class Costs:
         self._plan_id = 0  # (whose replays those are)
         self._lock = asyncio.Lock()  # (one replay at a time, in the order asked)
         self._tasks: set[asyncio.Task] = set()
-        self._first: dict[int, int] = {}  # plan id -> the version of its first committed round (not learned from)
+        self._first = (0, -1)  # (plan id, version) of the latest plan's first committed round: not learned from
 
     def __repr__(self) -> str:
         return f"<Costs {self.learner!r} predicted={self._predicted}>"
@@ -64,8 +64,9 @@ class Costs:
                  participants: tuple[Sequence[Participant], Sequence[Participant]]) -> None:
         if not report.ok or plan is None or report.plan_id != plan.plan_id or not report.senders_host_s:
             return
-        if self._first.setdefault(plan.plan_id, report.version) == report.version:
-            self._first = {plan.plan_id: report.version}
+        if self._first[0] != plan.plan_id:
+            self._first = (plan.plan_id, report.version)
+        if self._first[1] == report.version:
             return
         hosts = {r: (host_s, len(plan.senders[r].transfers)) for r, host_s in report.senders_host_s.items()
                  if r in plan.senders}
@@ -77,7 +78,7 @@ class Costs:
         self.learner.observe_round(report.seconds, span)
         self._refresh(plan.plan_id)
         if self._exact(self.learner.per_row_s) is None:  # refine: a replay at exactly the learned cost
-            self._spawn(self._refine(plan, participants, self.learner.per_row_s))
+            self._spawn(self._replayed(plan, participants, (self.learner.per_row_s,)))
 
     def _makespan(self, plan_id: int, per_row: float) -> Optional[float]:
         """The plan's makespan at ``per_row``: a replay within ``REUSE`` of it, else interpolated between
@@ -110,14 +111,11 @@ class Costs:
         await self._replay(plan, participants, per_rows)
         self._refresh(plan.plan_id)
 
-    async def _refine(self, plan: RoutingPlan, participants, per_row: float) -> None:
-        await self._replayed(plan, participants, (per_row,))
-
     async def _replay(self, plan: RoutingPlan, participants, per_rows: Sequence[float]) -> None:
         """Replay the plan at each of ``per_rows`` not replayed yet (in a worker thread: a plan of many
         thousand rows takes a while)."""
         async with self._lock:
-            todo = [a for a in per_rows if self._exact(a) is None or plan.plan_id != self._plan_id]
+            todo = [a for a in per_rows if self._exact(a) is None]
             if plan.plan_id != self._plan_id or not todo:
                 return
             senders, receivers = participants
