@@ -405,8 +405,9 @@ async def test_the_heartbeat_outlives_a_beat_that_fails(caplog):
 
 async def test_the_controller_learns_round_costs_from_committed_rounds_only_and_predicts_each_round():
     """A plan's first round (connecting, registering) and aborted rounds teach nothing; from the second
-    committed round on, each round's report carries the prediction made before it: the plan's makespan
-    with the per-row host cost the senders reported, plus the per-round cost the model missed."""
+    committed round on, each round's report carries the prediction made before it: the plan's data
+    makespan or its busiest sender's rows at the per-row host cost the senders reported, whichever is
+    longer, plus the per-round cost the model missed."""
     from weightsync.engine.plan import makespan
 
     async with cluster(2, 2) as (ctl, senders, senders_t, receivers, receivers_t):
@@ -419,7 +420,9 @@ async def test_the_controller_learns_round_costs_from_committed_rounds_only_and_
         assert costs.rounds == 1 and costs.per_row_s > 0 and ctl.status()["costs"]["rounds"] == 1
         assert all(s > 0 for s in (await ctl.wait_round(2)).senders_host_s.values())
         plan, (ps, pr) = ctl.planning.plan, ctl.planning.participants
-        expected = costs.predict(makespan(plan.senders, ps, pr, dataclasses.replace(FAST.link, per_transfer_s=costs.per_row_s)))
+        data_s = makespan(plan.senders, ps, pr, dataclasses.replace(FAST.link, per_transfer_s=0.0))
+        rows = max(len(t.transfers) for t in plan.senders.values())
+        expected = costs.predict(max(data_s, rows * costs.per_row_s))
         assert expected > 0 and ctl.costs.predict(plan.plan_id) == pytest.approx(expected, rel=1e-12)
         from weightsync.roles.daemon import request
 
