@@ -228,8 +228,13 @@ def format_status(s: dict, width: int = 120) -> str:
         console.print(f"PLAN ERROR: {s['plan_error']}")
     if s.get("plan"):
         p = s["plan"]
+        predicted = f", next round predicted {p['predicted_round_ms']:.1f} ms" if p.get("predicted_round_ms") else ""
         console.print(f"plan {p['id']}: {p['transfers']} transfers, {p['bytes'] / 1e9:.3f} GB, "
-                      f"{'acknowledged' if p['acknowledged'] else 'pending'}")
+                      f"{'acknowledged' if p['acknowledged'] else 'pending'}{predicted}")
+    if s.get("costs"):
+        c = s["costs"]
+        console.print(f"learned costs: {c['per_row_us']:.2f} us a row, {c['per_round_ms']:.2f} ms a round "
+                      f"({c['rounds']} rounds)")
     peers = Table("role", "rank", "host", "device", "transport", "state", "last seen", title="peers", title_justify="left")
     for p in s["peers"]:
         peers.add_row(p["role"], str(p["rank"]), p["host"], p["device"], p["transport"], p["state"],
@@ -237,8 +242,8 @@ def format_status(s: dict, width: int = 120) -> str:
     console.print(peers)
     rounds = s.get("rounds", [])[-5:]
     if rounds:
-        table = Table("version", "result", "GB", "of whole", "ms", "GB/s", "stages / links", title="last rounds",
-                      title_justify="left")
+        table = Table("version", "result", "GB", "of whole", "ms", "pred.", "GB/s", "stages / links",
+                      title="last rounds", title_justify="left")
         for r in rounds:
             stages = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in r["stages"].items() if k in ("gate", "transfer", "fence", "commit"))
             work = " ".join(f"{name}={r['stages'][key] * 1e3:.1f}ms" for name, key in WORK if r["stages"].get(key))
@@ -248,7 +253,8 @@ def format_status(s: dict, width: int = 120) -> str:
                       if r.get("delta_rows") else "")
             whole = f"{r['nbytes'] / r['whole_bytes']:.1%}" if r.get("whole_bytes") else "-"
             table.add_row(f"v{r['version']}", "ok" if r["ok"] else "ABORTED " + r["reason"], f"{r['nbytes'] / 1e9:.3f}",
-                          whole, f"{r['seconds'] * 1e3:.1f}", f"{r['gbps']:.2f}",
+                          whole, f"{r['seconds'] * 1e3:.1f}",
+                          f"{r['predicted_s'] * 1e3:.1f}" if r.get("predicted_s") else "-", f"{r['gbps']:.2f}",
                           "\n".join(x for x in (stages, work, deltas, links) if x))
         console.print(table)
     return out.getvalue().rstrip("\n")

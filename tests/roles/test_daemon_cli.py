@@ -303,6 +303,13 @@ def test_status_renders_peers_and_rounds_as_tables():
     assert "trainer-0" in text and "cuda_ipc" in text and "0.2s ago" in text
     assert "ABORTED TIMEOUT" in text and "transfer=400.0ms" in text and "sender_stage_max" not in text
     assert "sender/0 -> receiver/0: 2000.0 MB, 4.00 GB/s" in text
+    assert "predicted" not in text and "learned costs" not in text  # (nothing learned yet)
+    status["plan"]["predicted_round_ms"] = 412.5
+    status["costs"] = {"per_row_us": 5.25, "per_round_ms": 1.5, "rounds": 4}
+    status["rounds"][0].update(ok=True, predicted_s=0.4125)
+    text = format_status(status, width=160)
+    assert "next round predicted 412.5 ms" in text and "learned costs: 5.25 us a row, 1.50 ms a round (4 rounds)" in text
+    assert "│ 500.0 │ 412.5 │" in text  # (the round's seconds beside its prediction)
 
 
 def test_daemon_layout_of_an_moe_rank_with_expert_parallel_fp8():
