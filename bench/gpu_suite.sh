@@ -46,7 +46,7 @@ timeout 60 python3 bench/diagnostics/fingerprints.py --json --arch qwen2.5-7b 2>
 for config in "--block 1024 --warps 8" "--block 2048 --warps 8" "--block 1024 --warps 4" "--block 512 --warps 4"; do
   timeout 60 python3 bench/diagnostics/delta_kernels.py --json --arch qwen2.5-0.5b $config 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
 done
-timeout 90 python3 bench/diagnostics/delta_kernels.py --json --arch qwen2.5-7b 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
+timeout 90 python3 bench/diagnostics/delta_kernels.py --json --profile --arch qwen2.5-7b 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
 for where in across colocated; do
   timeout ${DELTA_TIMEOUT:-160} python3 bench/transfer_delta.py --gpus $where --mb ${DELTA_MB:-2048} --rounds 3 --warmup 3 \
     --fractions 0.01,0.1,1.0 --out "$out/transfer_delta_$where.json" > "$out/transfer_delta_$where.txt" 2>&1
