@@ -11,7 +11,7 @@ applied rows equal the new ones bit for bit and that the packed deltas equal the
 
 ``--profile`` adds where one encode and one check + apply spend their time (torch.profiler): the
 device time of each operation (Triton kernels and torch's), their sum beside the wall time, and the
-host's share.
+operations that take the most host time.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def _stepped(views: list[torch.Tensor], fraction: float, seed: int) -> list[torc
 
 
 def _profile(fn, before=lambda: None, top: int = 10) -> dict:
-    """One call of ``fn`` under torch.profiler: wall ms, device-busy ms and the ``top`` operations by
-    their own device time."""
+    """One call of ``fn`` under torch.profiler: wall ms, device-busy ms, the ``top`` operations by their
+    own device time, and the ``top`` by their own host time (host glue: table building, copies, waits)."""
     from torch.profiler import ProfilerActivity, profile
 
     before()
@@ -76,9 +76,11 @@ def _profile(fn, before=lambda: None, top: int = 10) -> dict:
     rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                   key=lambda e: e.self_device_time_total, reverse=True)
     busy = sum(e.self_device_time_total for e in rows) / 1e3
+    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {"wall_ms": round(wall * 1e3, 3), "device_busy_ms": round(busy, 3),
             "ops_ms": {e.key[:60]: round(e.self_device_time_total / 1e3, 3) for e in rows[:top]},
-            "ops_calls": {e.key[:60]: e.count for e in rows[:top]}}
+            "ops_calls": {e.key[:60]: e.count for e in rows[:top]},
+            "host_ops_ms": {e.key[:60]: round(e.self_cpu_time_total / 1e3, 3) for e in host}}
 
 
 def main(argv=None) -> int:
