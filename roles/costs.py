@@ -21,7 +21,7 @@ import logging
 from typing import Optional, Sequence
 
 from weightsync.engine.plan import LinkModel, RoutingPlan
-from weightsync.engine.plan.costs import CostLearner
+from weightsync.engine.plan.costs import CostLearner, makespan_at
 from weightsync.engine.plan.links import Participant
 from weightsync.engine.plan.model import makespan
 
@@ -34,27 +34,27 @@ class Costs:
     def __init__(self, link: LinkModel, keep: int = 8) -> None:
         self.link = link
         self.learner = CostLearner(keep)
-        self._predicted: dict[int, float] = {}  # plan id -> the next round's predicted seconds
-        self._plan_id = 0  # the latest plan's: its data's makespan (None until replayed) and most rows a sender has
-        self._data_s: Optional[float] = None
+        self._plan_id = 0  # the latest plan's: its data's makespan (None until replayed), most rows a sender
+        self._data_s: Optional[float] = None  # has, and its next round's predicted seconds (0: none yet)
         self._rows = 0
+        self._next_s = 0.0
         self._lock = asyncio.Lock()  # (one replay at a time)
         self._tasks: set[asyncio.Task] = set()
         self._first = (0, -1)  # (plan id, version) of the latest plan's first committed round: not learned from
 
     def __repr__(self) -> str:
-        return f"<Costs {self.learner!r} predicted={self._predicted}>"
+        return f"<Costs {self.learner!r} plan={self._plan_id} next={self._next_s * 1e3:.3f}ms>"
 
     def predict(self, plan_id: int) -> float:
         """The next round of ``plan_id``, in seconds (0.0: nothing learned for it yet)."""
-        return self._predicted.get(plan_id, 0.0)
+        return self._next_s if plan_id == self._plan_id else 0.0
 
     def on_plan(self, plan: RoutingPlan, participants: tuple[Sequence[Participant], Sequence[Participant]]) -> None:
         """A plan is installed: replay its data once (no per-row cost), during its first round, which
         teaches nothing; each later round is then learned from and predicted at once."""
         if plan.plan_id == self._plan_id:
             return  # (acknowledged again: its replay stands)
-        self._plan_id, self._data_s, self._predicted = plan.plan_id, None, {}
+        self._plan_id, self._data_s, self._next_s = plan.plan_id, None, 0.0
         self._rows = max((len(t.transfers) for t in plan.senders.values()), default=0)
         self._spawn(self._replay(plan, participants))
 
@@ -69,32 +69,33 @@ class Costs:
         hosts = {r: (host_s, len(plan.senders[r].transfers)) for r, host_s in report.senders_host_s.items()
                  if r in plan.senders}
         per_row = self.learner.observe_rows(hosts)
-        if self._makespan(plan.plan_id, per_row) is None:  # (its replay is still running: learn once done)
+        if not self._observe(plan.plan_id, report.seconds, per_row):  # (its replay is still running)
             self._spawn(self._learn(report.seconds, plan, participants, per_row))
-            return
-        self.learner.observe_round(report.seconds, self._makespan(plan.plan_id, per_row))
-        self._refresh(plan.plan_id)
+
+    def _observe(self, plan_id: int, round_s: float, per_row: float) -> bool:
+        """Learn the round's per-round cost and predict the next; False while the plan's replay runs
+        (or once the plan was replaced)."""
+        span = self._makespan(plan_id, per_row)
+        if span is None:
+            return False
+        self.learner.observe_round(round_s, span)
+        self._refresh(plan_id)
+        return True
 
     def _makespan(self, plan_id: int, per_row: float) -> Optional[float]:
-        """The plan's makespan at ``per_row``: the larger of its data's (replayed at no per-row cost) and
-        its busiest sender's rows issued one every ``per_row`` (both are lower bounds of the replay at
-        that cost; within 2.3% of it on a 12,658-row MoE plan from 0 to 1 ms a row). None before the
-        replay is done."""
+        """The plan's makespan at ``per_row`` (``makespan_at``); None before its data's replay is done."""
         if plan_id != self._plan_id or self._data_s is None:
             return None
-        return max(self._data_s, self._rows * per_row)
+        return makespan_at(self._data_s, self._rows, per_row)
 
     def _refresh(self, plan_id: int) -> None:
         span, costs = self._makespan(plan_id, self.learner.per_row_s), self.learner.costs
         if span is not None and costs is not None:
-            self._predicted[plan_id] = costs.predict(span)
+            self._next_s = costs.predict(span)
 
     async def _learn(self, round_s: float, plan: RoutingPlan, participants, per_row: float) -> None:
         await self._replay(plan, participants)
-        span = self._makespan(plan.plan_id, per_row)
-        if span is not None:  # (None: the plan was replaced meanwhile)
-            self.learner.observe_round(round_s, span)
-            self._refresh(plan.plan_id)
+        self._observe(plan.plan_id, round_s, per_row)
 
     async def _replay(self, plan: RoutingPlan, participants) -> None:
         """The plan's data makespan, once (in a worker thread, like planning: 34 ms for 12,658 rows)."""

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from weightsync.engine.errors import ConfigError
 
 
-def controller_status(address: str, membership: Any, planning: Any, rounds: Any, costs: Any = None) -> dict:
+def controller_status(address: str, membership: Any, planning: Any, rounds: Any, costs: Any) -> dict:
     """The controller's parts (``Membership``, ``Planning``, ``Rounds``, ``Costs``), as plain data."""
     now = time.monotonic()
     peers = [
@@ -34,7 +34,7 @@ def controller_status(address: str, membership: Any, planning: Any, rounds: Any,
     if planning.plan is not None:
         plan = {"id": planning.plan.plan_id, "transfers": planning.plan.transfer_count, "bytes": planning.plan.nbytes,
                 "acknowledged": planning.ready.is_set(),
-                "predicted_round_ms": round(costs.predict(planning.plan.plan_id) * 1e3, 3) if costs else 0.0}
+                "predicted_round_ms": round(costs.predict(planning.plan.plan_id) * 1e3, 3)}
     names = {p.identity: p.name for p in membership}
     return {
         "address": address,
@@ -47,7 +47,7 @@ def controller_status(address: str, membership: Any, planning: Any, rounds: Any,
         "pending_pushes": {str(v): sorted(names[i] for i in ids if i in names)
                            for v, ids in sorted(rounds.pushes.pushes.items())},
         "rounds": [r.to_json() for r in rounds.reports[-10:]],
-        "costs": costs.status() if costs is not None else None,  # learned per-row and per-round costs
+        "costs": costs.status(),  # learned per-row and per-round costs (None: none yet)
     }
 
 
