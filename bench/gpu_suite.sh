@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one call. From the project root, after
 #   source bench/gpu/env.sh .whl   (installs the carried wheels; sets UCCL's environment)
-# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|mn1|mn2|deltas|all]   (each part fits one 10-minute device
+# usage: bash bench/gpu_suite.sh OUTDIR [tests|bench|mn|mn1|mn2|deltas|grids|all]   (each part fits one 10-minute device
 # call but mn: mn1 and mn2 run its first and second GPU placement, one call each)
 set -u
 out=${1:-bench/results}
@@ -56,6 +56,21 @@ if [ "$part" = all ]; then
 timeout 300 python3 bench/diagnostics/ipc_direction.py --gib 4 --out "$out/ipc_direction.json" > "$out/ipc_direction.txt" 2>&1
 timeout 300 python3 bench/pipeline_depth.py --cpu-mib 64 --out "$out/pipeline_depth.json" > "$out/pipeline_depth.txt" 2>&1
 timeout 200 python3 bench/diagnostics/copy_batches.py --out "$out/copy_batches.json" > "$out/copy_batches.txt" 2>&1
+fi
+if [ "$part" = grids ]; then
+# copy kernels' grids: the two copies of a colocated sender at once (bench/diagnostics/copy_overlap.py), then
+# 2 -> 2 colocated rounds at three grids side by side (docs/TRANSPORTS.md, "Two copies at once")
+timeout 90 python3 bench/diagnostics/copy_overlap.py > "$out/copy_overlap.jsonl" 2>>"$out/transfer_mn.log"
+C="--senders 2 --receivers 2 --colocated --no-broadcast"
+for g in 0,0 1,2 2,4; do
+  for m in qwen3-30b-a3b qwen2.5-7b; do
+    timeout 75 python3 bench/transfer_mn.py --rounds 11 --json $C --model $m --kernel-grid $g 2>>"$out/transfer_mn.log" | tail -n 1
+  done
+done > "$out/transfer_mn_grids.jsonl"
+for g in 0,0 1,2; do
+  timeout 75 python3 bench/transfer_mn.py --rounds 11 --json $C --model qwen2.5-7b --fp8 --kernel-grid $g 2>>"$out/transfer_mn.log" | tail -n 1
+done >> "$out/transfer_mn_grids.jsonl"
+exit 0
 fi
 if [ "$part" = mn ] || [ "$part" = mn1 ] || [ "$part" = mn2 ]; then
 # M -> N (bench/transfer_mn.py): the cases this machine's GPU count allows, one JSON line each

@@ -38,6 +38,7 @@ class Case:
     spin: Optional[bool] = None  # processes poll their event loops while a round is open (None: the default)
     pitched_kernel: bool = True  # cuda_ipc: pitched rows in one descriptor-table launch (TransportOptions)
     peer_copies: str = "fastest"  # cuda_ipc: rows into another GPU by "kernel", "dma" or the "fastest" (TransportOptions)
+    kernel_grid: Optional[tuple[float, float]] = None  # cuda_ipc copy kernels' programs per SM (None: TransportOptions')
 
     def sender_device(self, rank: int) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{rank}"

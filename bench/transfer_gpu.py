@@ -302,6 +302,7 @@ def write_profile(prof, path: str) -> None:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(40)
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(path).write_text(text.getvalue())
 
 

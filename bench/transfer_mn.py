@@ -90,7 +90,8 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     _init_dist(case, case.sender_device(rank), rank, case.senders, port)
     model = fsdp_model(case, rank)
     opts = SenderOptions(transport=case.transport, spin=case.spin, transport_options=TransportOptions(
-        device=case.sender_device(rank), pitched_kernel=case.pitched_kernel, peer_copies=case.peer_copies))
+        device=case.sender_device(rank), pitched_kernel=case.pitched_kernel, peer_copies=case.peer_copies,
+        **({"kernel_grid": case.kernel_grid} if case.kernel_grid is not None else {})))
 
     trying: dict[int, bool] = {}
 
@@ -102,7 +103,8 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                         p.to_local().add_(1)
                 if case.device == "cuda":
                     torch.cuda.synchronize()
-                await (await sender.push(v))
+                with torch.profiler.record_function(f"round v{v}"):  # (marks the round in --trace; no cost otherwise)
+                    await (await sender.push(v))
                 trying[v] = bool(getattr(sender.transport, "trying", ()))  # ways still timed (engine.cuda.fastest)
             g = sender.sources.gatherer
             marks = {v: sender.timeline.of(v) for v in range(2, case.rounds + 1)}
@@ -515,6 +517,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-copies", default="fastest", choices=("fastest", "kernel", "dma"),
                     help="rows into another GPU: a kernel storing into its memory, the copy engines, or the faster "
                          "of both timed on the first rounds (rounds still timing are not counted)")
+    ap.add_argument("--kernel-grid", default="", metavar="SAME,OTHER",
+                    help="cuda_ipc copy kernels' programs per SM, into the same GPU and into another (0: a program "
+                         "per piece; default: TransportOptions.kernel_grid)")
     ap.add_argument("--spin", default="auto", choices=("auto", "on", "off"),
                     help="processes poll their event loops while a round is open (ControllerOptions / WorkerOptions.spin; "
                          "auto, the default: where tensors are on a GPU)")
@@ -526,7 +531,8 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
-                profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies)
+                profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
+                kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

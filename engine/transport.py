@@ -74,6 +74,11 @@ class TransportOptions:
     peer_copies: str = "fastest"  # cuda_ipc, rows into another GPU: "kernel" (stores into its mapped memory), "dma"
     #                               (copy engines), "fastest" (both timed on the first rounds, the faster kept per
     #                               link: engine.cuda.fastest)
+    kernel_grid: tuple[float, float] = (2.0, 4.0)  # cuda_ipc copy kernels' programs per SM: into the same GPU,
+    #                                               into another; each loops over its pieces, so the colocated copy and
+    #                                               the one into another GPU share the SMs and run at once (0: a
+    #                                               program per piece, the first kernel fills the GPU; engine.cuda.copy_kernel.grid;
+    #                                               measured: bench/diagnostics/copy_overlap.py, docs/TRANSPORTS.md)
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
     tcp_user_timeout_s: float = 10.0  # TCP_USER_TIMEOUT: a data connection whose sent bytes stay unacknowledged
     #                                   this long fails (a partitioned peer: the round aborts, the next plan reconnects)
@@ -84,6 +89,10 @@ class TransportOptions:
     def __post_init__(self) -> None:
         if self.peer_copies not in PEER_COPIES:
             raise ConfigError("peer_copies", f"must be one of {PEER_COPIES}, got {self.peer_copies!r}")
+        if (not isinstance(self.kernel_grid, tuple) or len(self.kernel_grid) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in self.kernel_grid)):
+            raise ConfigError("kernel_grid", f"must be (same GPU, another GPU) programs per SM, each >= 0, "
+                                             f"got {self.kernel_grid!r}")
 
     def host(self) -> str:
         """The host id this endpoint advertises: ``host_id``, else ``local_host_id()``."""

@@ -7,8 +7,9 @@ microseconds of launch each, far more than the bytes take. ``CopyKernel(copies, 
 ``tile * steps`` words (64 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table on
 the GPU, offsets counted in 4-byte words from the lowest source and destination (kernel arguments,
 so the compiler knows their alignment; ``fp8_kernel.DeviceAddress`` stands for a raw address). ``launch``
-then runs one program per piece, each copying its words in 16-byte vectors: one launch per round,
-whatever the tensor count. Copies whose addresses or length are not 16-byte multiples (rare: odd
+then runs one program per piece, or a bounded grid of programs each looping over every ``programs``-th
+piece (``grid``: so two copy kernels on two streams share the GPU), copying words in 16-byte
+vectors: one launch per round, whatever the tensor count. Copies whose addresses or length are not 16-byte multiples (rare: odd
 shapes) go as pointer copies (``cuda_rt.memcpy_batch_async``) on the same stream.
 
 The module imports Triton at import time: import it only where CUDA is.
@@ -33,16 +34,40 @@ ALIGN = 16
 
 
 @triton.jit
-def _copy_pieces_kernel(table, src, dst, TILE: tl.constexpr, STEPS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    src_at = tl.multiple_of(tl.load(table + pid * 3), 4)
-    dst_at = tl.multiple_of(tl.load(table + pid * 3 + 1), 4)
-    words = tl.multiple_of(tl.load(table + pid * 3 + 2), 4)
+def _copy_pieces_kernel(table, src, dst, pieces, TILE: tl.constexpr, STEPS: tl.constexpr):
     offs = tl.arange(0, TILE)
-    for step in tl.static_range(STEPS):
-        at = step * TILE + offs
-        mask = at < words
-        tl.store(dst + dst_at + at, tl.load(src + src_at + at, mask=mask), mask=mask)
+    for piece in tl.range(tl.program_id(0), pieces, tl.num_programs(0)):  # (a program per piece, or fewer looping)
+        p = piece  # (table offsets stay far below 2**31: pieces * 6)
+        src_at = tl.multiple_of(tl.load(table + p * 3), 4)
+        dst_at = tl.multiple_of(tl.load(table + p * 3 + 1), 4)
+        words = tl.multiple_of(tl.load(table + p * 3 + 2), 4)
+        for step in tl.static_range(STEPS):
+            at = step * TILE + offs
+            mask = at < words
+            tl.store(dst + dst_at + at, tl.load(src + src_at + at, mask=mask), mask=mask)
+
+
+def grid(pieces: int, programs: Optional[int]) -> int:
+    """Programs to launch for ``pieces``: one each, or at most ``programs`` that loop over them. A bounded
+    grid leaves room on the GPU for a kernel of another stream: a grid of one program per piece (tens of
+    thousands for a model) fills every SM until its last pieces are dispatched, so a second copy kernel
+    (the one storing into another GPU beside the colocated copy) would start only when the first ends."""
+    return pieces if not programs else max(1, min(pieces, programs))
+
+
+def piece_table(copies: Sequence[tuple[int, int, int]], piece: int) -> tuple[torch.Tensor, int, int]:
+    """Aligned ``(dst, src, nbytes)`` copies cut into pieces of at most ``piece`` bytes: the int64 table
+    (source word offset, destination word offset, words) from the lowest source and destination, and
+    those two addresses."""
+    dst, src, size = (torch.tensor([c[i] for c in copies], dtype=torch.int64) for i in range(3))
+    src_base, dst_base = int(src.min()), int(dst.min())
+    counts = (size + piece - 1) // piece
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    k = torch.arange(int(counts.sum()), dtype=torch.int64) - first  # piece number inside its copy
+    copy = torch.repeat_interleave(torch.arange(len(copies)), counts)
+    table = torch.stack([(src[copy] - src_base + k * piece) // 4, (dst[copy] - dst_base + k * piece) // 4,
+                         (size[copy] - k * piece).clamp(max=piece) // 4], dim=1)
+    return table.contiguous(), src_base, dst_base
 
 
 class CopyKernel:
@@ -51,57 +76,52 @@ class CopyKernel:
     mapped with peer access on, the kernel storing across the link)."""
 
     def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, target: Optional[int] = None, *,
-                 tile: int = TILE, steps: int = STEPS, warps: int = WARPS) -> None:
-        self.device, self.tile, self.steps, self.warps = device, tile, steps, warps
+                 tile: int = TILE, steps: int = STEPS, warps: int = WARPS, programs: Optional[int] = None) -> None:
+        self.device, self.tile, self.steps, self.warps, self.programs = device, tile, steps, warps, programs
         self.target = device if target is None else target
-        piece = tile * steps * 4
         aligned = [c for c in copies if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
         self.rest = [c for c in copies if c[2] and (c[0] | c[1] | c[2]) % ALIGN]
         self.pieces = 0
         self.nbytes = sum(c[2] for c in copies)
         if not aligned:
             return
-        dst, src, size = (torch.tensor([c[i] for c in aligned], dtype=torch.int64) for i in range(3))
-        self.src_base, self.dst_base = int(src.min()), int(dst.min())
-        counts = (size + piece - 1) // piece
-        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        k = torch.arange(int(counts.sum()), dtype=torch.int64) - first  # piece number inside its copy
-        copy = torch.repeat_interleave(torch.arange(len(aligned)), counts)
-        table = torch.stack([(src[copy] - self.src_base + k * piece) // 4, (dst[copy] - self.dst_base + k * piece) // 4,
-                             (size[copy] - k * piece).clamp(max=piece) // 4], dim=1)
+        table, self.src_base, self.dst_base = piece_table(aligned, tile * steps * 4)
         self.pieces = len(table)
-        self.table = table.contiguous().to(f"cuda:{device}")
+        self.table = table.to(f"cuda:{device}")
 
     def __repr__(self) -> str:
         return (f"<CopyKernel pieces={self.pieces} of {self.tile * self.steps * 4} bytes, {self.warps} warps, "
-                f"pointer_copies={len(self.rest)} bytes={self.nbytes}>")
+                f"{grid(self.pieces, self.programs)} programs, pointer_copies={len(self.rest)} bytes={self.nbytes}>")
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         """Queue every copy on ``stream`` (a stream of ``device``)."""
         if self.pieces:
             device = torch.device("cuda", self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                _copy_pieces_kernel[(self.pieces,)](self.table, DeviceAddress(self.src_base, torch.int32, device),
-                                                    DeviceAddress(self.dst_base, torch.int32, device),
-                                                    TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
+                _copy_pieces_kernel[(grid(self.pieces, self.programs),)](
+                    self.table, DeviceAddress(self.src_base, torch.int32, device),
+                    DeviceAddress(self.dst_base, torch.int32, device), self.pieces,
+                    TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
         if self.rest:
             cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.target)
 
 
 @triton.jit
-def _pitched_pieces_kernel(table, src, dst, TILE: tl.constexpr, ROWS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    src_at = tl.load(table + pid * 6)
-    dst_at = tl.load(table + pid * 6 + 1)
-    width = tl.load(table + pid * 6 + 2)
-    height = tl.load(table + pid * 6 + 3)
-    src_pitch = tl.load(table + pid * 6 + 4)
-    dst_pitch = tl.load(table + pid * 6 + 5)
+def _pitched_pieces_kernel(table, src, dst, pieces, TILE: tl.constexpr, ROWS: tl.constexpr):
     offs = tl.arange(0, TILE)
-    across = offs < width
-    for r in tl.static_range(ROWS):
-        mask = across & (r < height)
-        tl.store(dst + dst_at + r * dst_pitch + offs, tl.load(src + src_at + r * src_pitch + offs, mask=mask), mask=mask)
+    for piece in tl.range(tl.program_id(0), pieces, tl.num_programs(0)):
+        p = piece  # (table offsets stay far below 2**31: pieces * 6)
+        src_at = tl.load(table + p * 6)
+        dst_at = tl.load(table + p * 6 + 1)
+        width = tl.load(table + p * 6 + 2)
+        height = tl.load(table + p * 6 + 3)
+        src_pitch = tl.load(table + p * 6 + 4)
+        dst_pitch = tl.load(table + p * 6 + 5)
+        across = offs < width
+        for r in tl.static_range(ROWS):
+            mask = across & (offs * 0 + r < height)  # (a vector compare: the interpreter needs one)
+            tl.store(dst + dst_at + r * dst_pitch + offs, tl.load(src + src_at + r * src_pitch + offs, mask=mask),
+                     mask=mask)
 
 
 class PitchedKernel:
@@ -111,21 +131,23 @@ class PitchedKernel:
     piece of at most ``ROWS`` rows of ``TILE`` words); copies it cannot address (not 4-byte aligned)
     go as ``cudaMemcpy2DAsync`` calls on the same stream."""
 
-    def __init__(self, copies, device: int) -> None:
-        self.device = device
+    def __init__(self, copies, device: int, programs: Optional[int] = None) -> None:
+        self.device, self.programs = device, programs
         t = pitched_table.table(copies)
         self.pieces, self.nbytes, self.src_base, self.dst_base = len(t), t.nbytes, t.src_base, t.dst_base
         self.table = t.pieces.to(f"cuda:{device}") if len(t) else None
         self.rest = cuda_rt.PitchedCopies(t.rest)
 
     def __repr__(self) -> str:
-        return f"<PitchedKernel pieces={self.pieces} bytes={self.nbytes} pointer_copies={len(self.rest.copies)}>"
+        return (f"<PitchedKernel pieces={self.pieces} {grid(self.pieces, self.programs)} programs bytes={self.nbytes} "
+                f"pointer_copies={len(self.rest.copies)}>")
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         if self.table is not None:
             device = torch.device("cuda", self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                _pitched_pieces_kernel[(self.pieces,)](self.table, DeviceAddress(self.src_base, torch.int32, device),
-                                                       DeviceAddress(self.dst_base, torch.int32, device),
-                                                       TILE=pitched_table.TILE, ROWS=pitched_table.ROWS, num_warps=4)
+                _pitched_pieces_kernel[(grid(self.pieces, self.programs),)](
+                    self.table, DeviceAddress(self.src_base, torch.int32, device),
+                    DeviceAddress(self.dst_base, torch.int32, device), self.pieces,
+                    TILE=pitched_table.TILE, ROWS=pitched_table.ROWS, num_warps=4)
         self.rest.launch(stream)

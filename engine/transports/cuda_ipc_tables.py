@@ -9,7 +9,10 @@ pitched ones: blocks of a rank's own rows, landing back to back), and builds eac
 | dense | one copy kernel launch (``engine.cuda.copy_kernel.CopyKernel``) | the kernel storing into the peer's mapped memory, or ``cudaMemcpyBatchAsync`` calls of ``chunk_rows`` rows on two copy streams (``Striped``), or the faster of both timed per link (``engine.cuda.fastest``) |
 | pitched | one descriptor-table launch (``PitchedKernel``) | the same choice, with a ``cudaMemcpy2DAsync`` per row as the copy engines' way |
 
-Without Triton every group goes the copy engines' way; with ``pitched_kernel`` off pitched rows do.
+Without Triton every group goes the copy engines' way; with ``pitched_kernel`` off pitched rows do. The
+kernels' grids are bounded (``TransportOptions.kernel_grid`` programs per SM, ``programs``): the kernel
+into the colocated receiver and the one into another GPU, on their connections' own streams, share the
+SMs and run at once.
 A replay (``CudaIpcConnection.replay``) queues each launch on a copy stream of its sender GPU.
 """
 
@@ -60,7 +63,7 @@ def _pitched(copies: list, device: int, target: int, owner: "CudaIpcTransport"):
     dma = cuda_rt.PitchedCopies(copies)
     if kernels is None or not owner.options.pitched_kernel:
         return dma
-    kernel = kernels.PitchedKernel(copies, device)
+    kernel = kernels.PitchedKernel(copies, device, programs(device, target, owner))
     return kernel if device == target else _peer(kernel, dma, device, target, f"pitched {len(copies)} rows", owner)
 
 
@@ -70,8 +73,15 @@ def _dense(copies: list, device: int, target: int, owner: "CudaIpcTransport", ch
                    for i in range(0, len(copies), chunk_rows)], owner, device)
     if kernels is None:
         return dma
-    kernel = kernels.CopyKernel(copies, device, target)
+    kernel = kernels.CopyKernel(copies, device, target, programs=programs(device, target, owner))
     return kernel if device == target else _peer(kernel, dma, device, target, f"dense {len(copies)} rows", owner)
+
+
+def programs(device: int, target: int, owner: "CudaIpcTransport") -> int:
+    """A copy kernel's grid bound on ``device`` (``TransportOptions.kernel_grid`` times its SM count; 0:
+    a program per piece)."""
+    per_sm = owner.options.kernel_grid[0 if device == target else 1]
+    return round(per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _peer(kernel, dma, device: int, target: int, kind: str, owner: "CudaIpcTransport"):
@@ -85,8 +95,9 @@ def _peer(kernel, dma, device: int, target: int, kind: str, owner: "CudaIpcTrans
 
 
 class Striped:
-    """Launches of one device alternated over two of its copy streams (two streams of batch calls beat
-    one across GPUs: bench/diagnostics/copy_batches.py), joined back into the stream ``launch`` gets."""
+    """Launches of one device alternated over the two copy streams of a connection's lane (two streams of
+    batch calls beat one across GPUs: bench/diagnostics/copy_batches.py), joined back into the stream
+    ``launch`` gets."""
 
     def __init__(self, parts: list, owner: "CudaIpcTransport", device: int) -> None:
         self.parts, self.owner, self.device = parts, owner, device
@@ -96,8 +107,7 @@ class Striped:
             for part in self.parts:
                 part.launch(stream)
             return
-        first, second = self.owner.stream(self.device, 0), self.owner.stream(self.device, 1)
-        side = second if stream == first else first
+        side = self.owner.partner(self.device, stream)
         side.wait_stream(stream)
         for i, part in enumerate(self.parts):
             part.launch(stream if i % 2 == 0 else side)

@@ -127,6 +127,40 @@ async def test_ipc_write_in_process_and_out_of_bounds():
     await tgt.close()
 
 
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+async def test_ipc_connections_copy_on_their_own_streams_and_prove_with_their_own_events():
+    """A colocated sender's two connections (its own GPU's receiver, the other GPU's) queue on streams of
+    their own, and each seal's proof is its lane's event: a proof completes once its own copies have."""
+    from weightsync.engine.transports.cuda_ipc import PROOF
+    from weightsync.wire import PeerInfo
+
+    src = create_transport("cuda_ipc", TransportOptions(device="cuda:0"))
+    await src.start(0)
+    targets, conns, regions = [], [], []
+    for rank, device in ((1, "cuda:0"), (2, "cuda:1")):
+        tgt = create_transport("cuda_ipc", TransportOptions(device=device))
+        info = await tgt.start(rank)
+        regions.append(torch.zeros(64 << 20, dtype=torch.uint8, device=device))
+        conns.append(await connect_authorized(src, tgt, PeerInfo(rank, info, (tgt.register(0, regions[-1]),))))
+        targets.append(tgt)
+    a, b = conns
+    assert a.lane != b.lane
+    assert {id(src.stream(0, a.lane, i)) for i in (0, 1)}.isdisjoint({id(src.stream(0, b.lane, i)) for i in (0, 1)})
+    data = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda:0")
+    done = [a.submit(data, 0, 0, 1), b.submit(data, 0, 0, 1)]
+    proofs = [conn.seal() for conn in conns]
+    assert PROOF.unpack(proofs[0])[3] != PROOF.unpack(proofs[1])[3]  # (two events, one per lane)
+    for tgt, rank, proof in zip(targets, (1, 2), proofs):
+        assert await tgt.await_proofs({0: proof}, 30) == {}  # (checked by the target that opens the event)
+    await asyncio.gather(*done)
+    for region in regions:
+        assert torch.equal(region.cpu(), data.cpu())
+    for conn in conns:
+        await conn.close()
+    for t in (src, *targets):
+        await t.close()
+
+
 PEER_MODES = {  # (pitched_kernel, peer_copies) -> the launch a pitched block gets (same GPU, another GPU)
     (True, "kernel"): ("PitchedKernel", "PitchedKernel"),
     (True, "dma"): ("PitchedKernel", "PitchedCopies"),

@@ -61,3 +61,10 @@ def test_a_way_costs_the_longer_of_its_device_time_and_its_host_issue_time():
 
     assert cost(0.004, 0.001) == 0.004  # the copies outlast their issue
     assert cost(0.0005, 0.003) == 0.003  # a 2-D copy call per row: the host is the bottleneck
+
+
+@pytest.mark.parametrize("grid", [(2.0,), (1.0, -1.0), (1.0, "4"), [2.0, 4.0], (True, 1.0)])
+def test_a_bad_kernel_grid_is_a_config_error_naming_the_field(grid):
+    with pytest.raises(ConfigError, match="kernel_grid"):
+        TransportOptions(kernel_grid=grid)
+    assert TransportOptions(kernel_grid=(0, 3.5)).kernel_grid == (0, 3.5)  # (0: a program per piece)
