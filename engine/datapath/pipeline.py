@@ -27,8 +27,10 @@ control messages of the round overlap the data. ``run`` itself still returns onl
 has completed (the sender's tensors may be reused from then on).
 
 Written in place. A connection with ``address`` and ``submit_written`` (cuda_ipc) can name its target's
-memory; without checksums (they need the bytes on the sender) the pipeline lets quantizations write
-their outputs there (``weightsync.engine.transforms``). In a compiled lane such rows are compiled too
+memory; the pipeline lets quantizations write their outputs there (``weightsync.engine.transforms``)
+without checksums, or with ``fp64`` ones, which the launch computes from what it writes
+(``fp8_kernel``, ``_Prints``: a lane reports its written rows' fingerprints once the launches are done;
+other checksums need the bytes on the sender, which are then staged). In a compiled lane such rows are compiled too
 (``CompiledLane.written``): ``run`` launches their quantizations once per group for all lanes and each
 lane hands its connection one ``submit_written`` per source device (counted, sealed and completed like
 that many copies). Elsewhere such a row stages as already ``written`` and the writer hands it over with
@@ -47,6 +49,7 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from weightsync.wire import Transfer
+from weightsync.wire.messages import Checksum
 
 from ..errors import ConfigError
 from ..transport import Connection
@@ -107,6 +110,7 @@ class Pipeline:
         go as deltas where they may (``weightsync.engine.datapath.deltas``)."""
         delta_lanes = deltas.lanes if deltas is not None else frozenset()
         resolve, token = self._resolver({r: c for r, c in conns.items() if r not in delta_lanes}, slots)
+        self.sources.transforms.fingerprint = resolve is not None and bool(self.options.checksum)
         ordered = self.sources.begin(transfers, resolve, token)
         lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled,
                                     order=ordered, staged_lanes=delta_lanes, token=token)
@@ -117,9 +121,10 @@ class Pipeline:
                        if on_sealed is not None else None)
         try:
             launched = await self._write_all([t for lane in lanes.values() for t in lane.written])
+            prints = _Prints(self.sources.transforms.prints, launched)
             await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
                                      on_sealed is not None, seals.one, deltas if r in delta_lanes else None,
-                                     launched)
+                                     launched, prints)
                           for r, lane in lanes.items())
         except BaseException:
             self.sources.abort()
@@ -132,8 +137,12 @@ class Pipeline:
     def _resolver(self, conns: Mapping[int, Connection], slots: Mapping[int, int]):
         """(row, device) -> the address its bytes go to, for rows that may be written in place; and a
         token that changes when the answers may (landing slots, connections). (None, None): no row may."""
-        direct = {rank: conn for rank, conn in conns.items() if conn.abilities.writes_in_place}
-        if self.options.checksum or not direct:
+        checksum = self.options.checksum
+        if checksum and checksum not in WRITTEN_CHECKSUMS:
+            return None, None  # (other checksums need the bytes on the sender: they are staged)
+        direct = {rank: conn for rank, conn in conns.items() if conn.abilities.writes_in_place
+                  and (not checksum or (conn.abilities.compiles and self.options.compiled))}  # (a verified row
+        if not direct:  # written in place is a compiled lane's: its launch's fingerprints are read for it there)
             return None, None
 
         def resolve(t: Transfer, device) -> Optional[int]:
@@ -160,9 +169,10 @@ class Pipeline:
 
     async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
                     epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None],
-                    deltas: Optional[DeltaRound] = None, launched: Mapping = {}) -> None:
+                    deltas: Optional[DeltaRound] = None, launched: Mapping = {},
+                    prints: Optional["_Prints"] = None) -> None:
         """Replay the lane's compiled table (its direct rows), hand over the rows written in place
-        (``launched``: their launches' events), stage and write the rest, fence."""
+        (``launched``: their launches' events; ``prints``: their fingerprints), stage and write the rest, fence."""
         depth = self.options.depth or conn.abilities.depth or DEFAULT_DEPTH
         channel: Channel = Channel(depth)
         # (only a connection with submit seals: its writes are queued in the transport before the seal)
@@ -172,6 +182,9 @@ class Pipeline:
         try:
             if lane.rows and self.options.checksum:  # (fp64 only: ``compiled.direct_view``)
                 report.checksums.extend(await fingerprints(lane.rows))
+            if lane.written and self.options.checksum and prints is not None:  # (fp64: ``_resolver``)
+                values = await prints.values()
+                report.checksums.extend(Checksum(t.index, values[t.index]) for t in lane.written)
             if transfers:
                 readable = conn.abilities.devices
                 await run_all([self._stager(transfers, channel, report, readable, deltas),
@@ -367,3 +380,35 @@ def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
 
 
 _Inflight = collections.deque  # of (completion future, row, staged, issue time), oldest first
+
+
+WRITTEN_CHECKSUMS = ("fp64",)  # checksums the launches writing in place compute themselves (``fp8_kernel``)
+
+
+class _Prints:
+    """The fingerprints of a round's rows written in place, read once for every lane: per device the
+    launches' last event is awaited (polled: ``cuda_rt.wait_event``), then every launch's ``fp8.Prints``
+    is read -> table index -> ``fp64``."""
+
+    def __init__(self, launches: list, launched: Mapping) -> None:
+        self.launches, self.launched = launches, launched
+        self._task: Optional[asyncio.Future] = None
+
+    def values(self) -> asyncio.Future:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._read())
+        return asyncio.shield(self._task)
+
+    async def _read(self) -> dict[int, int]:
+        from .checksums import fp64
+
+        for event in self.launched.values():
+            if event is not None:
+                from ..cuda import cuda_rt
+
+                await cuda_rt.wait_event(event)
+        out: dict[int, int] = {}
+        for prints, pairs in self.launches:
+            for (weight, scales), (w, s) in zip(pairs, prints.values(fp64)):
+                out[weight], out[scales] = w, s
+        return out

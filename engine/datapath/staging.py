@@ -236,7 +236,7 @@ class SourceSet:
         if t.transform:
             device = view.device
             view, event = await self.transforms.run(t, view)
-            if view is None:  # written into the receiver by the launch (never with checksums: see Pipeline)
+            if view is None:  # written into the receiver by the launch (with a checksum only in compiled lanes: Pipeline)
                 return Staged(None, event=event, written=device)
         nbytes = view.numel() * view.element_size()
         if nbytes != t.nbytes:

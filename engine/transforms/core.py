@@ -21,11 +21,13 @@ parameters, so quantization of later parameters overlaps the copies of earlier o
 own named transforms (``custom``): a function from a source view to a tensor.
 
 Writing in place. Where the pipeline can name the receiver's memory for a row (``begin``'s ``resolve``:
-a connection whose target is addressable from the source's device, cuda_ipc, and no checksums), a
-quantization whose outputs go to exactly one weight row and one scale row is *written directly*: the
-launch stores the FP8 weight and its scales straight into the receiver's tensors (over NVLink on
-another GPU) instead of into a buffer that is then copied, so those rows cost no copy and no memory
-(``written`` rows; ``run`` returns ``None`` with the launch's event). A group goes direct only whole.
+a connection whose target is addressable from the source's device, cuda_ipc, and no checksums or
+``fp64`` ones), a quantization whose outputs go to exactly one weight row and one scale row is *written
+directly*: the launch stores the FP8 weight and its scales straight into the receiver's tensors (over
+NVLink on another GPU) instead of into a buffer that is then copied, so those rows cost no copy and no
+memory (``written`` rows; ``run`` returns ``None`` with the launch's event). A group goes direct only
+whole. With ``fingerprint`` (an ``fp64`` round) the launch also fingerprints what it writes: ``prints``
+holds, per launch, its ``fp8.Prints`` and each tensor's (weight row, scales row) table indexes.
 
 Host sources. With ``quantize_on`` (a CUDA device), a quantization of a CPU-held source (CPU offload)
 first copies the source slice to that device (in a worker thread; the side stream waits for the copy's
@@ -107,6 +109,9 @@ class TransformSet:
         self._dests: dict[int, Optional[tuple[int, int]]] = {}  # key -> where its launch writes (None: a buffer)
         self._dests_by_token: dict[object, dict] = {}  # ``_dests`` of each token seen with this table
         self.written = 0  # rows whose bytes a launch wrote straight into the receiver
+        self.fingerprint = False  # launches writing in place also fingerprint what they write (``fp64``)
+        self.prints: list[tuple[object, list[tuple[int, int]]]] = []  # this round's: (fp8.Prints, per tensor its
+        #                                                               weight row's and scales row's table index)
 
     def __repr__(self) -> str:
         return (f"<TransformSet quantized={self.quantized} written={self.written} kept={len(self.kept)} "
@@ -135,6 +140,7 @@ class TransformSet:
         ``resolve``: a row's destination address, reachable from a device, or None (see the header);
         its answers are kept while ``token`` stays the same."""
         self.kept.clear()
+        self.prints = []
         self.rounds += 1
         if transfers is not self._table or not isinstance(transfers, tuple):  # a new table (a plan's is
             self._plan_table(transfers, view_of)  # one tuple, every round): check it, plan its quantizations
@@ -386,12 +392,15 @@ class TransformSet:
         group = self.groups.get(key)
         keys = self._group_keys(key)
         dests = [self._dests[k] for k in keys] if self._direct(key) is not None else None
+        fingerprint = self.fingerprint and dests is not None
         if group is None:  # alone: its launch is still kept for the next rounds when the plan has it
             results = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None,
-                                          dests=dests)
+                                          dests=dests, fingerprint=fingerprint)
         else:
             results = self.quantizer.many([self._head(row, view) for row, view in group], block,
-                                          reuse=id(group), dests=dests)
+                                          reuse=id(group), dests=dests, fingerprint=fingerprint)
+        if fingerprint:
+            self.prints.append((results, [self._pair_of(k) for k in keys]))
         if dests is not None:
             results = [(None, None)] * len(keys)  # in the receiver's memory: nothing to hand to the rows
             self.written += 2 * len(keys)
@@ -407,6 +416,14 @@ class TransformSet:
             elif self.pending[k] > 0:
                 self.kept[k] = (q, s, done)
         return mine
+
+    def _pair_of(self, key: int) -> tuple[int, int]:
+        """The table indexes of quantization ``key``'s weight row and scales row (``_key_dests`` made sure
+        it has exactly those two)."""
+        rows = self._rows_of[key]
+        weight = next(r for r in rows if parse(r.transform)[-1][0] == "fp8w")
+        scales = next(r for r in rows if parse(r.transform)[-1][0] == "fp8s")
+        return weight.index, scales.index
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         from ..cuda import cuda_rt

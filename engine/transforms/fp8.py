@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,24 +81,24 @@ class Quantizer:
         return f"<Quantizer {mode} launches={self.launches}>"
 
     def many(self, xs: list[torch.Tensor], block: int, reuse=None,
-             dests: Optional[list[tuple[int, int]]] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             dests: Optional[list[tuple[int, int]]] = None, fingerprint: bool = False):
         """(fp8, scale_inv) for each 2-D tensor of ``xs`` (one dtype, one device). ``reuse``: a key under
         which the same list comes back (every round): its launch is prepared once and kept. ``dests``:
         per tensor, the addresses (reachable from its device) where its FP8 weight and scales are to be
-        written instead; then nothing is returned."""
+        written instead; then nothing is returned, or with ``fingerprint`` their ``Prints``."""
         if xs and self._kernel_for(xs[0].device):
             try:
                 from . import fp8_kernel
 
-                key = reuse if dests is None or reuse is None else (reuse, tuple(dests))
+                key = reuse if dests is None or reuse is None else (reuse, tuple(dests), fingerprint)
                 batch = self._batches.get(key) if key is not None else None
                 if batch is None or batch.block != block or not batch.matches(xs):
-                    batch = fp8_kernel.Batch(xs, block, dests)
+                    batch = fp8_kernel.Batch(xs, block, dests, fingerprint=fingerprint and dests is not None)
                     if key is not None:
                         self._batches[key] = batch
                 out = batch.run()
                 self.launches += 1
-                return out
+                return Prints(batch.prints) if fingerprint and dests is not None else out
             except Exception as exc:  # no Triton or a Triton problem on this machine: eager is correct
                 self._give_up(exc)
         self.launches += len(xs)
@@ -108,7 +108,7 @@ class Quantizer:
         for (q, s), (q_at, s_at) in zip(out, dests):
             _copy_to_address(q, q_at)
             _copy_to_address(s, s_at)
-        return []
+        return Prints(outputs=out) if fingerprint else []
 
     def writes_to(self, device: torch.device) -> bool:
         """Whether ``many`` can write outputs to addresses for sources on ``device``."""
@@ -134,6 +134,31 @@ class Quantizer:
 
     def _kernel_for(self, device: torch.device) -> bool:
         return self.use_kernel and self.fallback is None and device.type == "cuda"
+
+
+class Prints:
+    """The ``fp64`` fingerprints of quantizations written in place, per tensor (its FP8 weight row, its
+    scales row): the kernel's are folded on the GPU by its launch and read by ``values`` once that launch
+    is done (``fp8_kernel.fingerprints``); the eager path keeps its outputs, which ``values`` fingerprints
+    with the caller's ``fp64`` (a row's bytes -> int: the data path's, which transforms do not import)."""
+
+    def __init__(self, halves: Optional[torch.Tensor] = None,
+                 outputs: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+        self.halves, self.outputs = halves, outputs
+
+    def __repr__(self) -> str:
+        return f"<Prints {'on the device' if self.halves is not None else 'eager'}>"
+
+    def values(self, fp64: Callable[[torch.Tensor], int]) -> list[tuple[int, int]]:
+        if self.halves is not None:
+            from . import fp8_kernel
+
+            return fp8_kernel.fingerprints(self.halves)
+        return [(fp64(_row_bytes(q)), fp64(_row_bytes(s))) for q, s in self.outputs or ()]
+
+
+def _row_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _copy_to_address(x: torch.Tensor, address: int) -> None:

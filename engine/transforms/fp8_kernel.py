@@ -20,6 +20,15 @@ scales, e.g. a receiver's tensors mapped over CUDA IPC) stores there instead of 
 same kernel, with the output offsets taken from the lowest destination of each kind (``DeviceAddress``
 stands for it as a kernel argument), and the aligned class only for 16-byte aligned destinations.
 
+Fingerprints in the same launch (``fingerprint=True``): the bytes written in place are never on the
+sender, so a round that verifies (``fp64``, ``weightsync.engine.datapath.checksums``) gets their
+fingerprints from the kernel itself: ``fp64`` is ``sum(w(i) * word(i)) mod 2**64`` over a row's signed
+int32 words, ``w(i) = i mod 65521 + 1``, linear in each byte (``byte << 8 * (p % 4)`` times ``w(p // 4)``,
+the top byte of a word signed), so each program adds up its block's share of the weight row (below 2**61
+in magnitude: exact in int64) and of the scales row (its one float32 word), and ``run`` folds the shares
+of each tensor as low and high 32-bit halves (``index_add``: exact at any size) into ``Batch.prints``
+(copied to pinned host memory on the launch's stream), read once the launch is done (``fingerprints``).
+
 The module imports Triton at import time: import it only where CUDA is.
 """
 
@@ -39,8 +48,8 @@ _IN_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 @triton.jit(do_not_specialize=["n"])
-def _quantize_blocks_kernel(table, n, src, out, scales, BLOCK: tl.constexpr, MAXN: tl.constexpr,
-                            INNER_CONTIGUOUS: tl.constexpr, ALIGNED: tl.constexpr):
+def _quantize_blocks_kernel(table, n, src, out, scales, prints, BLOCK: tl.constexpr, MAXN: tl.constexpr,
+                            INNER_CONTIGUOUS: tl.constexpr, ALIGNED: tl.constexpr, FINGERPRINT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, MAXN)
     firsts = tl.load(table + idx * 8 + 7, mask=idx < n, other=1 << 62)
@@ -69,9 +78,24 @@ def _quantize_blocks_kernel(table, n, src, out, scales, BLOCK: tl.constexpr, MAX
     x = tl.load(src + src_at + at, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12)  # fp8.MIN_AMAX
     scale_inv = amax / 448.0  # fp8.FP8_MAX
-    q = x * (1.0 / scale_inv)
-    tl.store(out + out_at + r[:, None] * cols + c[None, :], q.to(tl.float8e4nv), mask=mask)
+    q = (x * (1.0 / scale_inv)).to(tl.float8e4nv)
+    tl.store(out + out_at + r[:, None] * cols + c[None, :], q, mask=mask)
     tl.store(scales + scale_at + blk, scale_inv)
+    if FINGERPRINT:  # this block's share of the fp64 of the weight row and of the scales row (header)
+        p = r[:, None].to(tl.int64) * cols + c[None, :]  # the byte's position in the weight row
+        slot = p % 4
+        b = q.to(tl.uint8, bitcast=True).to(tl.int64)
+        b = tl.where((slot == 3) & (b >= 128), b - 256, b)  # (a word's top byte is signed)
+        share = tl.where(mask, (b << (slot * 8)) * (p // 4 % 65521 + 1), 0)
+        tl.store(prints + pid * 2, tl.sum(tl.sum(share, axis=1), axis=0))
+        tl.store(prints + pid * 2 + 1, scale_inv.to(tl.int32, bitcast=True).to(tl.int64) * (blk % 65521 + 1))
+
+
+def fingerprints(prints: torch.Tensor) -> list[tuple[int, int]]:
+    """``Batch.prints`` (host memory, read once its launch is done: an event recorded after ``run``) ->
+    per tensor, the ``fp64`` of its FP8 weight row and of its scales row."""
+    mask = (1 << 64) - 1
+    return [tuple(((high << 32) + low) & mask for low, high in kinds) for kinds in prints.cpu().tolist()]
 
 
 def quantize_many(xs: list[torch.Tensor], block: int = 128) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,12 +111,14 @@ class Batch:
     then allocates the two buffers and launches once per class: no per-tensor allocation, no table
     upload. ``matches`` says whether a list of tensors is still the one it was made for."""
 
-    def __init__(self, xs: list[torch.Tensor], block: int, dests: Optional[list[tuple[int, int]]] = None) -> None:
+    def __init__(self, xs: list[torch.Tensor], block: int, dests: Optional[list[tuple[int, int]]] = None,
+                 fingerprint: bool = False) -> None:
         if not xs:
             raise ValueError("a quantization batch needs at least one tensor")
         if dests is not None and (len(dests) != len(xs) or any(s_at % 4 for _, s_at in dests)):
             raise ValueError("a quantization batch needs one (weight, 4-aligned scales) address per tensor")
-        self.xs, self.block, self.dests = list(xs), block, dests
+        self.xs, self.block, self.dests, self.fingerprint = list(xs), block, dests, fingerprint
+        self.prints: Optional[torch.Tensor] = None  # int64 [tensors, 2 (weight, scales), 2 (low, high halves)]
         self.device, self.dtype = xs[0].device, xs[0].dtype
         if self.dtype not in _IN_TYPES:
             raise ValueError(f"block FP8 quantizes bfloat16, float16 or float32 tensors, got {self.dtype}")
@@ -143,10 +169,19 @@ class Batch:
         else:
             qbuf = torch.empty(self.q_total, dtype=torch.float8_e4m3fn, device=self.device)
             sbuf = torch.empty(self.s_total, dtype=torch.float32, device=self.device)
-        for table, count, first, blocks, inner, aligned in self.launches:
-            _quantize_blocks_kernel[(blocks,)](table, count, first, qbuf, sbuf, BLOCK=self.block, MAXN=MAX_TENSORS,
-                                               INNER_CONTIGUOUS=inner, ALIGNED=aligned,
-                                               num_warps=8 if self.block >= 128 else 4)
+        if self.fingerprint:
+            self.prints = torch.zeros((len(self.xs), 2, 2), dtype=torch.int64, device=self.device)
+        for table, count, first, blocks, inner, aligned, owners in self.launches:
+            shares = torch.empty((blocks, 2), dtype=torch.int64, device=self.device) if self.fingerprint else table
+            _quantize_blocks_kernel[(blocks,)](table, count, first, qbuf, sbuf, shares, BLOCK=self.block,
+                                               MAXN=MAX_TENSORS, INNER_CONTIGUOUS=inner, ALIGNED=aligned,
+                                               FINGERPRINT=self.fingerprint, num_warps=8 if self.block >= 128 else 4)
+            if self.fingerprint:
+                self.prints[:, :, 0].index_add_(0, owners, shares & 0xFFFFFFFF)
+                self.prints[:, :, 1].index_add_(0, owners, shares >> 32)
+        if self.fingerprint and self.device.type == "cuda":  # to pinned memory behind the launch, on its stream:
+            host = torch.empty(self.prints.shape, dtype=torch.int64, pin_memory=True)  # read once it is done
+            self.prints = host.copy_(self.prints, non_blocking=True)
         if self.dests:
             return []
         return [(qbuf[q_at:q_at + rows * cols].view(rows, cols), sbuf[s_at:s_at + grid[0] * grid[1]].view(grid))
@@ -162,7 +197,11 @@ class Batch:
             entries.append((rows, cols, x.stride(0), x.stride(1), (x.data_ptr() - first.data_ptr()) // size,
                             q_at, s_at, blocks))
             blocks += grid[0] * grid[1]
-        return _table(entries, self.device), len(members), first, blocks, inner, aligned
+        owners = None  # (each block's tensor, for folding the fingerprints' shares)
+        if self.fingerprint:
+            counts = torch.tensor([self.layout[i][4][0] * self.layout[i][4][1] for i in members])
+            owners = torch.repeat_interleave(torch.tensor(members), counts).to(self.device)
+        return _table(entries, self.device), len(members), first, blocks, inner, aligned, owners
 
 
 class DeviceAddress:
@@ -199,5 +238,7 @@ def warm(device: torch.device, dtype: torch.dtype, block: int) -> None:
     odd = torch.zeros((2 * ALIGN, 2 * ALIGN + 1), dtype=dtype, device=device)
     quantize_many([aligned, odd, odd.t()], block)  # one tensor of each class
     quantize_many([aligned], block)  # a launch of one tensor (Triton specializes an argument equal to 1)
+    Batch([aligned, odd, odd.t()], block, fingerprint=True).run()  # (the fingerprinting variants)
+    Batch([aligned], block, fingerprint=True).run()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -322,31 +322,40 @@ async def _fp8_states(src, tps, checksum, grouped):
         if grouped:
             transforms.group_devices = frozenset({"cpu"})
         for version in (1, 2, 3):  # later rounds reuse the first one's decisions (both landing slots)
-            await _one_round(sender, receivers, version)
+            handle = await _one_round(sender, receivers, version)
             for tp, r in zip(tps, receivers):
                 check_fp8_receiver(r.state_dict(), lambda n: expected_qwen2(src, n, tp))
+            if checksum:  # every row of the table was verified: each has its sender's checksum
+                report = await handle.released
+                reported = sorted(c.index for lane in report.lanes.values() for c in lane.checksums)
+                assert reported == sorted(t.index for t in sender.table.transfers)
         assert transforms.kept == {}
         fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
         assert fp8_rows > 0
         compiler = sender.pipeline.compiler  # (compiled once per landing slot: written rows of 1 or 2 tables)
-        assert compiler.written in ((fp8_rows, 2 * fp8_rows) if not checksum and transforms.written else (0,))
+        assert compiler.written in ((fp8_rows, 2 * fp8_rows) if checksum in ("", "fp64") and transforms.written
+                                    else (0,))
         return [{k: v.clone() for k, v in r.state_dict().items()} for r in receivers], transforms.written / fp8_rows
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
 async def test_quantizations_are_written_straight_into_an_addressable_receiver(grouped):
-    """Without checksums, a quantization whose two outputs go to one receiver whose memory the
-    connection can address is stored there by the quantizing code itself (no buffer, no copy): the
-    same bytes as the buffered path, which checksums force."""
+    """A quantization whose two outputs go to one receiver whose memory the connection can address is
+    stored there by the quantizing code itself (no buffer, no copy), without checksums and with ``fp64``
+    ones (the launch fingerprints what it writes; every round passes the receivers' verification): the
+    same bytes as the buffered path, which other checksums force."""
     src = qwen2_state(seed=2)
     tps = [TensorParallel(0, 1), TensorParallel(1, 2)]
     direct, written = await _fp8_states(src, tps, "", grouped)
+    verified, verified_written = await _fp8_states(src, tps, "fp64", grouped)
     buffered, none_written = await _fp8_states(src, tps, "crc32", grouped)
-    assert written == 3 and none_written == 0  # every FP8 row of the table in every round; none with checksums
-    for a, b in zip(direct, buffered):
-        assert a.keys() == b.keys()
+    assert written == verified_written == 3  # every FP8 row of the table in every round
+    assert none_written == 0  # (crc32 needs the bytes on the sender)
+    for a, b, c in zip(direct, buffered, verified):
+        assert a.keys() == b.keys() == c.keys()
         for name in a:
             assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+            assert torch.equal(c[name].view(torch.uint8), b[name].view(torch.uint8)), name
 
 
 async def test_a_quantization_two_receivers_want_is_buffered_with_its_whole_group():
@@ -731,9 +740,9 @@ def test_every_planned_launch_is_prepared_once_and_reused_by_later_rounds(monkey
     asked = []
     real_many = Quantizer.many
 
-    def spy(self, xs, block, reuse=None, dests=None):
+    def spy(self, xs, block, reuse=None, dests=None, **kw):
         asked.append(reuse)
-        return real_many(self, xs, block, reuse, dests)
+        return real_many(self, xs, block, reuse, dests, **kw)
 
     monkeypatch.setattr(Quantizer, "many", spy)
     views = {"a": torch.randn(128, 128), "b": torch.randn(128, 128), "big": torch.randn(256, 256)}
