@@ -90,14 +90,16 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
 
 async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
                     summaries: tuple[m.WriteSummary, ...]) -> list[str]:
-    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8):
-    ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop polls for; other
-    checksums on a worker thread."""
+    """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8),
+    and those a sender gave no checksum for (a round that verifies verifies every row: a row left out
+    would pass unchecked): ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop
+    polls for; other checksums on a worker thread."""
     expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
+    missing = {e.name for e in table.entries if (e.src_rank, e.index) not in expected}
     entries = [e for e in table.entries if (e.src_rank, e.index) in expected]
     pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
     if algo == "fp64":
         values = await fp64_many_async(pieces)
     else:
         values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
-    return sorted({e.name for e, value in zip(entries, values) if value != expected[e.src_rank, e.index]})
+    return sorted(missing | {e.name for e, value in zip(entries, values) if value != expected[e.src_rank, e.index]})

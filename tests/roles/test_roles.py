@@ -153,6 +153,31 @@ async def test_checksum_mismatch_aborts_and_names_parameter(n_recv):
         assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
 
 
+async def test_a_row_its_sender_gave_no_checksum_for_fails_the_verified_round(monkeypatch):
+    """A round that verifies verifies every row: a row whose sender reported no checksum (a path that
+    forgot one) is not passed unchecked, it fails the round naming the parameter."""
+    from weightsync.engine.datapath.lanes import PushReport
+
+    async with cluster(1, 1) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        big = next(t.index for t in senders[0].table.transfers if t.name == "big")
+        real = PushReport.summaries
+
+        def without_big(self):
+            return tuple(dataclasses.replace(s, checksums=tuple(c for c in s.checksums if c.index != big))
+                         for s in real(self))
+
+        monkeypatch.setattr(PushReport, "summaries", without_big)
+        handles = await push_all(senders, senders_t, 2)
+        with pytest.raises(RoundAborted) as e:
+            await asyncio.wait_for(handles[0], WATCHDOG)
+        assert e.value.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in e.value.text
+        assert receivers[0].version == 1 and mismatches(receivers_t[0], 1) == []
+        monkeypatch.setattr(PushReport, "summaries", real)
+        await asyncio.gather(*await push_all(senders, senders_t, 3))
+        assert (await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)).ok
+
+
 class SlowReceiver(WeightReceiver):
     """Verifies version 2 only once ``gate`` is set: its fence_ack crosses the abort another's verdict set off."""
 
