@@ -5,7 +5,8 @@ How this works: a plan, once installed (``on_plan``), has its data replayed once
 MoE plan; replays at every per-row cost would hold the GIL for seconds, slowing the rounds beside
 them). After every committed round but a plan's first (which connects, registers and compiles: a cost
 paid once per plan, not per round), ``on_round`` hands ``engine.plan.costs.CostLearner`` each sender's
-host seconds (its ``writes_done``) with its rows in the plan, takes the plan's makespan at the learned
+host seconds (its ``writes_done``) with its rows in the plan (not a round in which a sender was still
+timing its transport's ways, ``writes_done.trying``: cuda_ipc alternates slow and fast ways then), takes the plan's makespan at the learned
 per-row cost as the larger of that data makespan and the busiest sender's rows at that cost
 (``_makespan``), learns the per-round cost from the round's seconds and predicts the next round, all at
 once, before the next round can start. ``predict(plan_id)`` is what ``Rounds`` stores in each
@@ -61,6 +62,8 @@ class Costs:
     def on_round(self, report: RoundReport, plan: Optional[RoutingPlan],
                  participants: tuple[Sequence[Participant], Sequence[Participant]]) -> None:
         if not report.ok or plan is None or report.plan_id != plan.plan_id or not report.senders_host_s:
+            return
+        if report.trying:  # (a sender still timing its ways: that round's cost is not the plan's)
             return
         if self._first[0] != plan.plan_id:
             self._first = (plan.plan_id, report.version)

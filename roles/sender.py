@@ -286,7 +286,7 @@ class WeightSender(Worker):
             self.timeline.mark(version, "pipeline:sealed")
             announced.append(asyncio.ensure_future(self._send_if_allowed(
                 m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
-                             sealed.encode_s, sealed.issue_s),
+                             sealed.encode_s, sealed.issue_s, bool(getattr(self.transport, "trying", ()))),
                 version=version)))
 
         self.timeline.mark(version, "pipeline:start")

@@ -267,6 +267,7 @@ class WritesDone(Message):
     write_s: float
     encode_s: float = 0.0  # of ``stage_s``, the seconds spent encoding delta rows (summed over threads)
     issue_s: float = 0.0  # host seconds queueing its writes (with ``stage_s``: its rows' host cost)
+    trying: bool = False  # its transport was still timing its ways this round (not the plan's steady cost)
 
 
 @struct

@@ -61,3 +61,19 @@ async def test_a_new_plan_is_predicted_with_what_the_last_one_taught_and_a_repla
     data_s = makespan(large.senders, *members, dataclasses.replace(LINK, per_transfer_s=0.0))
     assert costs.predict(2) == pytest.approx(max(data_s, 1000 * 50e-6) + learned.per_round_s)
     assert costs.status() == learned.to_json()
+
+
+async def test_rounds_in_which_a_sender_was_still_timing_its_ways_teach_nothing():
+    """cuda_ipc times its ways into another GPU on a plan's first rounds, alternating a slow and a fast
+    one (``writes_done.trying``): those rounds are not what the plan costs, so the prediction comes from
+    the rounds after them only."""
+    costs = Costs(LINK)
+    plan, members = _plan(1, 100)
+    costs.on_plan(plan, members)
+    await asyncio.wait_for(costs.settled(), 30)
+    rounds = [(1, 9.0, False), (2, 0.030, True), (3, 0.010, True), (4, 0.030, True), (5, 0.010, False),
+              (6, 0.010, False)]
+    for v, seconds, trying in rounds:
+        costs.on_round(dataclasses.replace(_report(v, 1, seconds, host_s=100 * 20e-6), trying=trying), plan, members)
+    assert costs.learner.costs.rounds == 2
+    assert costs.predict(1) == pytest.approx(0.010)

@@ -232,6 +232,15 @@ def test_the_host_seconds_a_sender_spent_issuing_travel_only_when_it_has_some():
     assert msgpack.unpackb(raw)["issue_s"] == 0.0125 and decode([header, raw]) == env
 
 
+def test_a_round_in_which_a_sender_was_timing_its_ways_says_so_only_then():
+    """``writes_done.trying`` (the controller learns no cost from such a round): off the wire when false."""
+    env, header, body = _writes_done_frames(b"")
+    assert "trying" not in body and decode(_with(header, body)).body.trying is False
+    env = Envelope(m.WritesDone(3, 9, (), 0.1, 0.2, 0.0, 0.0, True), 1, "sender/0", None, 3)
+    header, raw = encode(env)
+    assert msgpack.unpackb(raw)["trying"] is True and decode([header, raw]) == env
+
+
 def test_optional_field_is_still_validated():
     with pytest.raises(errors.InvalidMessage, match="proof"):
         encode(Envelope(m.WritesDone(3, 9, (m.WriteSummary(0, 2, 64, (), b"x" * 257),), 0.1, 0.2), 1, "sender/0"))
