@@ -17,7 +17,7 @@ compiled: their fingerprints are read from the sources, all of a lane's in one p
 
 Rows written in place (a block-FP8 quantization that stores straight into the receiver's memory:
 ``TransformSet.writes_directly``) are compiled too: a lane keeps them apart (``written``) with their
-totals per source device, and a round launches their quantizations once per group for all lanes
+totals per source device, and a round launches their quantizations together for all lanes
 (``TransformSet.write_all``) and hands each connection one ``submit_written`` per device for the
 lot, instead of staging and submitting them row by row.
 

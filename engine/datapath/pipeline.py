@@ -31,7 +31,7 @@ memory; the pipeline lets quantizations write their outputs there (``weightsync.
 without checksums, or with ``fp64`` ones, which the launch computes from what it writes
 (``fp8_kernel``, ``_Prints``: a lane reports its written rows' fingerprints once the launches are done;
 other checksums need the bytes on the sender, which are then staged). In a compiled lane such rows are compiled too
-(``CompiledLane.written``): ``run`` launches their quantizations once per group for all lanes and each
+(``CompiledLane.written``): ``run`` launches their quantizations together for all lanes (``TransformSet.write_all``) and each
 lane hands its connection one ``submit_written`` per source device (counted, sealed and completed like
 that many copies). Elsewhere such a row stages as already ``written`` and the writer hands it over with
 its launch's event. Neither charges the budget (they allocate nothing). A lane with no staged rows runs

@@ -26,7 +26,8 @@ a connection whose target is addressable from the source's device, cuda_ipc, and
 directly*: the launch stores the FP8 weight and its scales straight into the receiver's tensors (over
 NVLink on another GPU) instead of into a buffer that is then copied, so those rows cost no copy and no
 memory (``written`` rows; ``run`` returns ``None`` with the launch's event). A group goes direct only
-whole. With ``fingerprint`` (an ``fp64`` round) the launch also fingerprints what it writes: ``prints``
+whole; a compiled round's written rows launch together (``write_all``: one ``Quantizer.many`` per source
+device, dtype and block size, their groups merged, since they hold no buffer). With ``fingerprint`` (an ``fp64`` round) the launch also fingerprints what it writes: ``prints``
 holds, per launch, its ``fp8.Prints`` and each tensor's (weight row, scales row) table indexes.
 
 Host sources. With ``quantize_on`` (a CUDA device), a quantization of a CPU-held source (CPU offload)
@@ -289,11 +290,14 @@ class TransformSet:
 
     def write_all(self, rows) -> dict[torch.device, Optional[torch.cuda.Event]]:
         """Run the quantizations of ``rows`` (rows whose bytes this round's launches write into the
-        receiver: ``writes_directly``), each once, in order: one launch per group. The rows are not
-        staged (``weightsync.engine.datapath.compiled``), so nothing is kept for them. -> per source device,
-        the event after its last launch (None on the CPU: written on return). Blocking on the CPU."""
+        receiver: ``writes_directly``), each once: every one of a source device, dtype and block size in
+        one ``Quantizer.many`` (its groups merged: written in place, they hold no buffer, so nothing bounds
+        a launch but the kernel's table; a launch per 64 tensors and class, instead of one per group: the
+        host's cost of a round of written rows was its launches). The rows are not staged
+        (``weightsync.engine.datapath.compiled``), so nothing is kept for them. -> per source device, the
+        event after its launches (None on the CPU: written on return). Blocking on the CPU."""
+        batches: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # (device, dtype, block) -> [(key, matrix)]
         launched: set = set()
-        last: dict[torch.device, Optional[torch.cuda.Event]] = {}
         for t in rows:
             key = self._key(t)
             if key in launched:
@@ -301,23 +305,42 @@ class TransformSet:
             view = self._view_of(t)
             if view is None or self._direct(key) is None:
                 raise StagingError(t.name, "compiled as written in place, but its quantization no longer is")
-            keys = self._group_keys(key)
-            if view.device.type == "cuda":
-                stream = self._side_stream(view.device)
-                self._after_producer(stream, view.device)
+            block = int(parse(t.transform)[-1][1])
+            group = self.groups.get(key)
+            members = ([(self._key(row), self._head(row, v)) for row, v in group] if group is not None
+                       else [(key, _matrix(t, self._head(t, view), block))])
+            for k, x in members:
+                batches.setdefault((view.device, x.dtype, block), []).append((k, x))
+            launched.update(k for k, _ in members)
+        last: dict[torch.device, Optional[torch.cuda.Event]] = {}
+        for (device, dtype, block), members in batches.items():
+            if device.type == "cuda":
+                stream = self._side_stream(device)
+                self._after_producer(stream, device)
                 with torch.cuda.stream(stream):
-                    last[view.device] = self._write_one(t, key, view)
+                    last[device] = self._write_batch(members, device, dtype, block)
             else:
-                last[view.device] = self._write_one(t, key, view)
-            launched.update(keys)
-            for k in keys:
-                self.kept.pop(k, None)
+                last[device] = self._write_batch(members, device, dtype, block)
+        for k in launched:
+            self.kept.pop(k, None)
         return last
 
-    def _write_one(self, t: Transfer, key, view: torch.Tensor) -> Optional[torch.cuda.Event]:
-        """``t``'s quantization and the rest of its group, written into the receivers; its event."""
-        block = int(parse(t.transform)[-1][1])
-        return self._quantize_group(key, _matrix(t, self._head(t, view), block), block)[2]
+    def _write_batch(self, members: list, device: torch.device, dtype: torch.dtype, block: int):
+        """One ``Quantizer.many`` storing ``members``' outputs where ``_dests`` says (fingerprinted in
+        ``fp64`` rounds: ``prints``); its event on CUDA (queued on the current stream: the side stream)."""
+        keys = [k for k, _ in members]
+        fingerprint = self.fingerprint
+        prints = self.quantizer.many([x for _, x in members], block, reuse=("written", device, dtype, block),
+                                     dests=[self._dests[k] for k in keys], fingerprint=fingerprint)
+        if fingerprint:
+            self.prints.append((prints, [self._pair_of(k) for k in keys]))
+        self.written += 2 * len(keys)
+        self.quantized += len(keys)
+        if device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def _after_producer(self, stream: torch.cuda.Stream, device: torch.device) -> None:
         """The side stream waits for the producer's stream once per round: the weights are final then."""

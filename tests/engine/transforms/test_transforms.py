@@ -753,3 +753,46 @@ def test_every_planned_launch_is_prepared_once_and_reused_by_later_rounds(monkey
         for t in rows:
             transforms.apply(t, views[t.name])
     assert len(asked) == 4 and None not in asked and asked[:2] == asked[2:] and asked[0] != asked[1]
+
+
+def test_rows_written_in_place_go_in_one_launch_per_device_dtype_and_block(monkeypatch):
+    """Quantizations written in place hold no buffer, so a round's go together whatever their groups: one
+    ``Quantizer.many`` per (device, dtype, block) with a stable ``reuse`` key (the host's cost of such a
+    round was a launch per group), each output where its rows land, equal to the buffered quantization."""
+    from weightsync.engine.transforms import Quantizer, TransformSet
+    from weightsync.wire import Transfer
+
+    asked = []
+    real_many = Quantizer.many
+
+    def spy(self, xs, block, reuse=None, dests=None, **kw):
+        asked.append((reuse, len(xs)))
+        return real_many(self, xs, block, reuse, dests, **kw)
+
+    monkeypatch.setattr(Quantizer, "many", spy)
+    g = torch.Generator().manual_seed(5)
+    views = {n: torch.randn(*shape, generator=g) for n, shape in (("a", (128, 128)), ("b", (128, 200)), ("big", (256, 256)))}
+    out = {n: (torch.zeros(v.shape, dtype=torch.float8_e4m3fn), torch.zeros(-(-v.shape[0] // 128), -(-v.shape[1] // 128)))
+           for n, v in views.items()}
+    rows = []
+    for n, v in views.items():
+        q, s = out[n]
+        rows += [Transfer(len(rows), n, None, 0, n, 0, 0, q.numel(), "fp8w:128"),
+                 Transfer(len(rows) + 1, n, None, 0, n + "_scale_inv", 0, 0, 4 * s.numel(), "fp8s:128")]
+    rows = tuple(rows)
+
+    def resolve(t, device):
+        q, s = out[t.name]
+        return (q if t.transform.startswith("fp8w") else s).data_ptr()
+
+    transforms = TransformSet(group_devices=frozenset({"cpu"}), group_bytes=2 * 128 * 200)  # "big" is alone
+    for _ in range(2):
+        transforms.begin(rows, lambda t: views[t.name], resolve, token="slots")
+        assert len(transforms.groups) == 2 and all(transforms.writes_directly(t) for t in rows)
+        assert transforms.write_all(list(rows)) == {torch.device("cpu"): None}
+        for n, v in views.items():
+            q, s = quantize_blocks(v, 128)
+            assert torch.equal(out[n][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(out[n][1], s), n
+            out[n][0].view(torch.uint8).zero_()
+    assert asked == [(("written", torch.device("cpu"), torch.float32, 128), 3)] * 2
+    assert transforms.written == 2 * len(rows) and transforms.kept == {}
