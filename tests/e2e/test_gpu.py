@@ -355,7 +355,7 @@ async def test_cpu_held_sources_are_quantized_on_the_gpu():
             assert sender.pipeline.budget.in_use == 0  # the copies to the GPU were charged and given back
 
 
-@pytest.mark.parametrize("checksum", ["crc32", ""], ids=["checksums", "device-ordered"])
+@pytest.mark.parametrize("checksum", ["crc32", "", "fp64"], ids=["checksums", "device-ordered", "fingerprinted"])
 @pytest.mark.parametrize("dst", ["cuda:0", "cuda:1"] if TWO_GPUS else ["cuda:0"])
 async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
     from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout
@@ -381,8 +381,9 @@ async def test_fused_tp_and_fp8_transforms_on_the_sender_gpu(dst, checksum):
                     assert torch.equal(got.cpu(), expected_qwen2(cpu_src, name, tp)), name
                 state = {k: v.cpu() for k, v in receivers[1].state_dict().items()}
                 assert check_fp8_receiver(state, lambda n: expected_qwen2(cpu_src, n))
-            written = sender.sources.transforms.written
-            assert (written > 0) == (not checksum), written  # without checksums: stored in the receiver
+            written = sender.sources.transforms.written  # stored in the receiver without checksums, and with
+            assert (written > 0) == (checksum != "crc32"), written  # fp64 ones (the kernel fingerprints it)
+            assert sender.sources.transforms.quantizer.fallback is None  # (the kernel ran, every variant)
 
 
 async def test_fused_experts_quantized_matrix_by_matrix_by_the_kernel():
