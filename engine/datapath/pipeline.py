@@ -397,7 +397,8 @@ class _Prints:
     def values(self) -> asyncio.Future:
         if self._task is None:
             self._task = asyncio.ensure_future(self._read())
-        return asyncio.shield(self._task)
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a failed round's lanes
+        return asyncio.shield(self._task)  #                                      may not all be there to see it)
 
     async def _read(self) -> dict[int, int]:
         from .checksums import fp64
