@@ -93,6 +93,14 @@ for c in "${cases[@]}"; do
   done
 done > "$out/transfer_mn_$part.jsonl"
 cat "$out/transfer_mn_$part.jsonl"
+# where the FP8 case's round goes on the GPU: its senders traced (bench/diagnostics/trace_rounds.py), mn1 only
+if [ "$part" != mn2 ]; then
+  set -- ${cases[0]}
+  timeout 300 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} --model qwen2.5-7b --fp8 --no-broadcast \
+    --rounds 11 --json --trace /tmp/fp8_trace 2>>"$out/transfer_mn.log" | tail -n 1 > /dev/null
+  for f in /tmp/fp8_trace/sender*.json.gz; do echo "== $f"; python3 bench/diagnostics/trace_rounds.py "$f" --top 20 --skip 8; done \
+    > "$out/fp8_trace.txt" 2>&1
+fi
 exit 0
 fi
 if [ "$part" != tests ]; then
