@@ -75,8 +75,9 @@ class TransportOptions:
     #                               (copy engines), "fastest" (both timed on the first rounds, the faster kept per
     #                               link: engine.cuda.fastest)
     kernel_grid: tuple[float, float] = (2.0, 4.0)  # cuda_ipc copy kernels' programs per SM: into the same GPU,
-    #                                               into another; each loops over its pieces, so the colocated copy and
-    #                                               the one into another GPU share the SMs and run at once (0: a
+    #                                               into another, where a sender copies into several GPUs; each loops
+    #                                               over its pieces, so the colocated copy and the one into
+    #                                               another GPU share the SMs and run at once (0: a
     #                                               program per piece, the first kernel fills the GPU; engine.cuda.copy_kernel.grid;
     #                                               measured: bench/diagnostics/copy_overlap.py, docs/TRANSPORTS.md)
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge

@@ -78,6 +78,7 @@ class CudaIpcTransport:
         self.streams: dict[int, list[torch.cuda.Stream]] = {}  # device -> its copy streams, two per lane
         self.written: dict[int, torch.cuda.Stream] = {}  # device -> the stream tracking bytes kernels stored
         self.lanes = 0  # connections made (each copies on the two streams of lane ``n % LANES``)
+        self.live: set = set()  # open connections (whose targets' devices bound the copy kernels' grids)
         self.proof_events: dict[tuple[int, int], tuple[torch.cuda.Event, bytes]] = {}  # (device, lane) -> (event, IPC handle)
         self.opened_events: dict[bytes, torch.cuda.Event] = {}  # target side: senders' proof events
         self.spin_s = math.inf if options.busy_poll else cuda_rt.SPIN_S  # completion and proof polling
@@ -256,6 +257,8 @@ class CudaIpcConnection:
         self.closed = False
         self._issued = 0
         self.lane = owner.new_lane()
+        self.targets = frozenset(desc[1] for desc in regions.values())  # the target's devices
+        owner.live.add(self)
         self._ordered: dict[int, int] = {}  # device -> the round (epoch) whose producer work we are after
         self._bases: dict[tuple[int, int], int] = {}  # (region, local device) -> mapped address of its byte 0
         self._events: dict[int, list[torch.cuda.Event]] = {}  # device -> its completion events seen complete
@@ -435,4 +438,5 @@ class CudaIpcConnection:
 
     async def close(self) -> None:
         self.closed = True
+        self.owner.live.discard(self)
         self.completions.cancel()

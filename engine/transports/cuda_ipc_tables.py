@@ -10,9 +10,9 @@ pitched ones: blocks of a rank's own rows, landing back to back), and builds eac
 | pitched | one descriptor-table launch (``PitchedKernel``) | the same choice, with a ``cudaMemcpy2DAsync`` per row as the copy engines' way |
 
 Without Triton every group goes the copy engines' way; with ``pitched_kernel`` off pitched rows do. The
-kernels' grids are bounded (``TransportOptions.kernel_grid`` programs per SM, ``programs``): the kernel
-into the colocated receiver and the one into another GPU, on their connections' own streams, share the
-SMs and run at once.
+kernels' grids are bounded where the sender also copies into another target (``TransportOptions.kernel_grid``
+programs per SM, ``grid_per_sm``): the kernel into the colocated receiver and the one into another GPU,
+on their connections' own streams, share the SMs and run at once.
 A replay (``CudaIpcConnection.replay``) queues each launch on a copy stream of its sender GPU.
 """
 
@@ -78,10 +78,21 @@ def _dense(copies: list, device: int, target: int, owner: "CudaIpcTransport", ch
 
 
 def programs(device: int, target: int, owner: "CudaIpcTransport") -> int:
-    """A copy kernel's grid bound on ``device`` (``TransportOptions.kernel_grid`` times its SM count; 0:
-    a program per piece)."""
-    per_sm = owner.options.kernel_grid[0 if device == target else 1]
-    return round(per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    """A copy kernel's grid bound on ``device``: ``grid_per_sm`` times its SM count (0: a program per piece)."""
+    targets = {t for conn in owner.live for t in conn.targets}
+    per_sm = grid_per_sm(device, target, targets, owner.options.kernel_grid)
+    return round(per_sm * torch.cuda.get_device_properties(device).multi_processor_count) if per_sm else 0
+
+
+def grid_per_sm(device: int, target: int, targets: set, kernel_grid: tuple[float, float]) -> float:
+    """Programs per SM for a kernel copying from ``device`` into ``target`` while the sender's open
+    connections reach ``targets``: ``kernel_grid``'s (same GPU, another GPU) share where some other
+    target's copies run beside it, so that the two kernels share the SMs; 0 (a program per piece, the
+    whole GPU for this one) where this target is the only one (1 -> 1: a bound grid would only slow it:
+    7% on a lone same-GPU copy, bench/diagnostics/copy_overlap.py)."""
+    if not targets - {target}:
+        return 0.0
+    return kernel_grid[0 if device == target else 1]
 
 
 def _peer(kernel, dma, device: int, target: int, kind: str, owner: "CudaIpcTransport"):

@@ -68,3 +68,18 @@ def test_a_bad_kernel_grid_is_a_config_error_naming_the_field(grid):
     with pytest.raises(ConfigError, match="kernel_grid"):
         TransportOptions(kernel_grid=grid)
     assert TransportOptions(kernel_grid=(0, 3.5)).kernel_grid == (0, 3.5)  # (0: a program per piece)
+
+
+def test_copy_kernels_share_the_gpu_only_where_the_sender_copies_to_another_target_too():
+    """A bounded grid (``kernel_grid`` programs per SM) lets a sender's copy into its own GPU and its copy
+    into another run at once; with a single target, the kernel keeps a program per piece (a bound grid
+    would only slow a lone copy)."""
+    from weightsync.engine.transports.cuda_ipc_tables import grid_per_sm
+
+    grid = (2.0, 4.0)
+    assert grid_per_sm(0, 0, {0}, grid) == 0.0  # 1 -> 1 colocated
+    assert grid_per_sm(0, 1, {1}, grid) == 0.0  # 1 -> 1 into another GPU
+    assert grid_per_sm(0, 0, {0, 1}, grid) == 2.0  # 2 -> 2 colocated: the same GPU's share
+    assert grid_per_sm(0, 1, {0, 1}, grid) == 4.0  # ... and the other GPU's
+    assert grid_per_sm(0, 1, {1, 2}, grid) == 4.0  # two other GPUs at once
+    assert grid_per_sm(0, 1, {0, 1}, (0.0, 0.0)) == 0.0  # (0: a program per piece, asked for)
