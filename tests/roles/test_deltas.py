@@ -61,13 +61,23 @@ async def cluster(receivers=("shadow", "inplace"), delta="always", transport="tc
                 c.address, model(seed=100 + rank), rank=rank, mode=mode,
                 options=ReceiverOptions(transport=transport))))
         await asyncio.wait_for(c.wait_ready(), WATCHDOG)
-        yield c, sender, send_t, recvs
+        CONTROLLERS[id(sender)] = c
+        try:
+            yield c, sender, send_t, recvs
+        finally:
+            CONTROLLERS.pop(id(sender), None)
+
+
+CONTROLLERS: dict = {}  # id(a cluster's sender) -> its controller, whose rounds ``push`` waits for
 
 
 async def push(sender, version, controller=None):
-    """Push ``version``; the controller's report of its round (once the round is over)."""
+    """Push ``version`` and wait for its round to be over: the controller's report. (The sender's push
+    completes at its commit; a receiver applies it on its own commit, maybe later: a test that looked at
+    the receivers then raced them.)"""
     await asyncio.wait_for(await sender.push(version), WATCHDOG)
-    return await asyncio.wait_for(controller.wait_round(version), WATCHDOG) if controller is not None else None
+    controller = controller if controller is not None else CONTROLLERS[id(sender)]
+    return await asyncio.wait_for(controller.wait_round(version), WATCHDOG)
 
 
 def test_windows_of_rows_never_overlap_and_stay_inside_the_region():
