@@ -5,8 +5,9 @@ the delivery proof) as writes are issued; ``PushReport`` is a round's lanes, who
 in ``writes_done``. ``replay`` issues a lane's compiled table, ``submit_written`` hands a connection the
 rows that quantizations wrote in place (one call per source device), ``fingerprints`` reads the
 ``fp64`` of compiled rows from their sources (one pass; the round's checks), ``issued`` counts a staged
-row, and ``Seals`` counts lanes down to the moment every one is sealed
-(``weightsync.engine.datapath.pipeline``).
+row, ``Seals`` counts lanes down to the moment every one is sealed
+(``weightsync.engine.datapath.pipeline``), and ``WrittenPrints`` reads, once for all lanes, the ``fp64``
+that a round's quantizations written in place computed of what they wrote.
 """
 
 from __future__ import annotations
@@ -119,3 +120,36 @@ class Seals:
         done, self.done = self.done, None
         if done is not None:
             done()
+
+
+WRITTEN_CHECKSUMS = ("fp64",)  # checksums the launches writing in place compute themselves (``fp8_kernel``)
+
+
+class WrittenPrints:
+    """The fingerprints of a round's rows written in place, read once for every lane: per device the
+    launches' last event is awaited (polled: ``cuda_rt.wait_event``), then every launch's ``fp8.Prints``
+    is read -> table index -> ``fp64``."""
+
+    def __init__(self, launches: list, launched: Mapping) -> None:
+        self.launches, self.launched = launches, launched
+        self._task: Optional[asyncio.Future] = None
+
+    def values(self) -> asyncio.Future:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._read())
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a failed round's lanes
+        return asyncio.shield(self._task)  #                                      may not all be there to see it)
+
+    async def _read(self) -> dict[int, int]:
+        from .checksums import fp64
+
+        for event in self.launched.values():
+            if event is not None:
+                from ..cuda import cuda_rt
+
+                await cuda_rt.wait_event(event)
+        out: dict[int, int] = {}
+        for prints, pairs in self.launches:
+            for (weight, scales), (w, s) in zip(pairs, prints.values(fp64)):
+                out[weight], out[scales] = w, s
+        return out

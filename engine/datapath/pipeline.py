@@ -29,7 +29,7 @@ has completed (the sender's tensors may be reused from then on).
 Written in place. A connection with ``address`` and ``submit_written`` (cuda_ipc) can name its target's
 memory; the pipeline lets quantizations write their outputs there (``weightsync.engine.transforms``)
 without checksums, or with ``fp64`` ones, which the launch computes from what it writes
-(``fp8_kernel``, ``_Prints``: a lane reports its written rows' fingerprints once the launches are done;
+(``fp8_kernel``, ``lanes.WrittenPrints``: a lane reports its written rows' fingerprints once the launches are done;
 other checksums need the bytes on the sender, which are then staged). In a compiled lane such rows are compiled too
 (``CompiledLane.written``): ``run`` launches their quantizations together for all lanes (``TransformSet.write_all``) and each
 lane hands its connection one ``submit_written`` per source device (counted, sealed and completed like
@@ -58,7 +58,8 @@ from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
 from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
 from .delta_staging import as_delta, as_deltas, hand_over
-from .lanes import LaneReport, PushReport, Seals, fingerprints, issued, replay, submit_written
+from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints, issued, replay,
+                    submit_written)
 from .staging import SourceSet, Staged, StagingPool
 
 __all__ = ["DEFAULT_DEPTH", "LaneReport", "Pipeline", "PipelineOptions", "PushReport"]
@@ -121,7 +122,7 @@ class Pipeline:
                        if on_sealed is not None else None)
         try:
             launched = await self._write_all([t for lane in lanes.values() for t in lane.written])
-            prints = _Prints(self.sources.transforms.prints, launched)
+            prints = WrittenPrints(self.sources.transforms.prints, launched)
             await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
                                      on_sealed is not None, seals.one, deltas if r in delta_lanes else None,
                                      launched, prints)
@@ -170,7 +171,7 @@ class Pipeline:
     async def _lane(self, conn: Connection, lane: CompiledLane, transfers: list[Transfer], report: LaneReport,
                     epoch: int, slot: int, seal_early: bool, sealed: Callable[[], None],
                     deltas: Optional[DeltaRound] = None, launched: Mapping = {},
-                    prints: Optional["_Prints"] = None) -> None:
+                    prints: Optional[WrittenPrints] = None) -> None:
         """Replay the lane's compiled table (its direct rows), hand over the rows written in place
         (``launched``: their launches' events; ``prints``: their fingerprints), stage and write the rest, fence."""
         depth = self.options.depth or conn.abilities.depth or DEFAULT_DEPTH
@@ -380,36 +381,3 @@ def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
 
 
 _Inflight = collections.deque  # of (completion future, row, staged, issue time), oldest first
-
-
-WRITTEN_CHECKSUMS = ("fp64",)  # checksums the launches writing in place compute themselves (``fp8_kernel``)
-
-
-class _Prints:
-    """The fingerprints of a round's rows written in place, read once for every lane: per device the
-    launches' last event is awaited (polled: ``cuda_rt.wait_event``), then every launch's ``fp8.Prints``
-    is read -> table index -> ``fp64``."""
-
-    def __init__(self, launches: list, launched: Mapping) -> None:
-        self.launches, self.launched = launches, launched
-        self._task: Optional[asyncio.Future] = None
-
-    def values(self) -> asyncio.Future:
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._read())
-            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a failed round's lanes
-        return asyncio.shield(self._task)  #                                      may not all be there to see it)
-
-    async def _read(self) -> dict[int, int]:
-        from .checksums import fp64
-
-        for event in self.launched.values():
-            if event is not None:
-                from ..cuda import cuda_rt
-
-                await cuda_rt.wait_event(event)
-        out: dict[int, int] = {}
-        for prints, pairs in self.launches:
-            for (weight, scales), (w, s) in zip(pairs, prints.values(fp64)):
-                out[weight], out[scales] = w, s
-        return out

@@ -3,7 +3,8 @@ block FP8), and the FSDP gathers that make full tensors of sharded ones.
 
 How this works: ``steps`` is the transform grammar, pure (a row's steps parsed, the ``share`` step, FP8
 quantizations grouped into launches); ``core`` runs a row's steps (``TransformSet``: per round, shared
-and grouped quantizations, written straight into the receiver where the transport can address it);
+and grouped quantizations; ``in_place``: those written straight into the receiver where the transport can
+address it);
 ``fp8`` is the block-FP8 reference (eager torch) and ``fp8_kernel`` the Triton kernel that quantizes
 many tensors in one launch (imported only where CUDA is); ``layouts`` builds receiver layouts (vLLM's
 TP shards, fused qkv / gate_up, the FP8 policy); ``gather`` runs FSDP2 all-gathers under a byte budget.

@@ -13,6 +13,7 @@ import torch
 from weightsync.wire import Transfer
 
 from ..errors import StagingError
+from .fp8 import as_matrix
 
 GROUP_BYTES = 256 << 20  # FP8 output bytes quantized in one launch (held until their rows are written)
 GROUP_SIZE = 16  # tensors per launch
@@ -87,3 +88,12 @@ def quant_key(t: Transfer) -> tuple:
     head = t.transform.split("fp8")[0]
     block = t.transform.rpartition(":")[2]
     return (t.name, t.slice, head, block)
+
+
+def quant_matrix(t: Transfer, x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` as the 2-D grid it is quantized on (a stack of matrices, fused experts, as its 2-D view: the
+    same grid and bytes); a ``StagingError`` naming ``t``'s parameter where it has none."""
+    try:
+        return as_matrix(x, block)
+    except ValueError as exc:
+        raise StagingError(t.name, str(exc)) from exc

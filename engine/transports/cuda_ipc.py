@@ -8,7 +8,7 @@ caches the mapping (a block shared by several regions is opened once). The first
 orders the copy streams after the producer's stream; each write queues a pointer-to-pointer
 ``cudaMemcpyAsync`` (``submit_many``: many rows in one ``cudaMemcpyBatchAsync``, one completion for them)
 on a copy stream of the sender's device (the copy engine pushes over NVLink/PCIe; the same GPU is a
-local device copy; each connection has a pair of its own, ``LANES``, so the copies to a colocated
+local device copy; each connection has a pair of its own, ``cuda_ipc_streams``, so the copies to a colocated
 receiver and to one on another GPU run at once, not one queued behind the other), behind the source's
 transform event if it has one (``stream.wait_event``: no host round trip), and waits for its CUDA event, which one poller task
 per connection queries from the event loop, oldest first (``cuda_rt.EventPoller``). So ``fence`` has
@@ -48,18 +48,15 @@ from ..cuda import cuda_rt
 from ..cuda.fastest import Trials
 from ..errors import ConnectionClosed, RegistrationError, StagingError, TransportError, TransportUnavailable
 from ..transport import Abilities, SourceCounters, TransportOptions, await_each_proof
+from .cuda_ipc_streams import _OWN_EVENTS, PROOF, PROOF_MAGIC, CopyStreams
 from .cuda_ipc_tables import IpcTable, compile_table
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
 
 DESCRIPTOR = struct.Struct("<II64sQQQ")  # pid, device, handle, offset in block, size, raw pointer
-PROOF = struct.Struct("<4sII64s")  # PROOF_MAGIC, pid, device, interprocess event handle
-PROOF_MAGIC = b"cipc"
 PROOF_TAG = b"proofs:ipc_event"  # in a target's TransportInfo.data: it checks delivery proofs
-LANES = 4  # connections of one sender copy on streams of their own, up to this many (then they share)
 Row = tuple[torch.Tensor, int, int, Optional[torch.cuda.Event]]  # source, region, offset, after (``submit_many``)
-_OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # handle -> our own proof events (CUDA will not reopen them here)
 
 
 class CudaIpcTransport:
@@ -75,11 +72,8 @@ class CudaIpcTransport:
         self.rank = -1
         self.regions: dict[int, torch.Tensor] = {}
         self.mappings: dict[tuple[bytes, int], int] = {}  # (block handle, local device) -> base pointer
-        self.streams: dict[int, list[torch.cuda.Stream]] = {}  # device -> its copy streams, two per lane
-        self.written: dict[int, torch.cuda.Stream] = {}  # device -> the stream tracking bytes kernels stored
-        self.lanes = 0  # connections made (each copies on the two streams of lane ``n % LANES``)
+        self.copies = CopyStreams()  # the connections' copy streams and proof events, per device and lane
         self.live: set = set()  # open connections (whose targets' devices bound the copy kernels' grids)
-        self.proof_events: dict[tuple[int, int], tuple[torch.cuda.Event, bytes]] = {}  # (device, lane) -> (event, IPC handle)
         self.opened_events: dict[bytes, torch.cuda.Event] = {}  # target side: senders' proof events
         self.spin_s = math.inf if options.busy_poll else cuda_rt.SPIN_S  # completion and proof polling
         self.guard = dataauth.DataGuard()  # kept for the contract: IPC writes are one-sided (engine.dataauth)
@@ -142,55 +136,6 @@ class CudaIpcTransport:
             base = self.mappings[key] = cuda_rt.open_ipc_handle(handle, local_device)
         return base
 
-    def new_lane(self) -> int:
-        """The lane of a new connection: its copies queue on streams of their own (``LANES`` lanes,
-        shared round robin beyond), so a connection's launches never wait behind another's."""
-        self.lanes += 1
-        return (self.lanes - 1) % LANES
-
-    def stream(self, device: int, lane: int, index: int) -> torch.cuda.Stream:
-        """Copy stream ``index`` (round robin over two) of ``lane`` on ``device``; index -1: the stream that
-        tracks bytes stored by kernels (``submit_written``, one per device)."""
-        if index < 0:
-            written = self.written.get(device)
-            if written is None:
-                written = self.written[device] = torch.cuda.Stream(device=device)
-            return written
-        streams = self.streams.setdefault(device, [])
-        while len(streams) < 2 * (lane + 1):
-            streams.append(torch.cuda.Stream(device=device))
-        return streams[2 * lane + index % 2]
-
-    def partner(self, device: int, stream: torch.cuda.Stream) -> torch.cuda.Stream:
-        """The other copy stream of ``stream``'s lane."""
-        streams = self.streams[device]
-        return streams[streams.index(stream) ^ 1]
-
-    def order_after_producer(self, device: int, lane: int) -> None:
-        """The lane's copy streams on ``device`` (and the kernels' stream) wait for the work queued so far
-        on its current stream."""
-        for index in (0, 1, -1):
-            self.stream(device, lane, index).wait_stream(torch.cuda.current_stream(device))
-
-    def seal(self, device: int, lane: int) -> bytes:
-        """A proof of delivery of every copy queued so far on ``lane``'s copy streams of ``device`` and
-        on its kernels' stream: an interprocess event of that lane (another lane's seal records its own)."""
-        first, second = self.stream(device, lane, 0), self.stream(device, lane, 1)
-        first.wait_stream(second)
-        if device in self.written:
-            first.wait_stream(self.written[device])
-        entry = self.proof_events.get((device, lane))
-        if entry is None:
-            with torch.cuda.device(device):
-                event = torch.cuda.Event(interprocess=True)
-                event.record(first)
-                handle = bytes(event.ipc_handle())
-            entry = self.proof_events[(device, lane)] = (event, handle)
-            _OWN_EVENTS[handle] = event
-        else:
-            entry[0].record(first)
-        return PROOF.pack(PROOF_MAGIC, os.getpid(), device, entry[1])
-
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
         """Target side: wait for each sender's proof event; sender rank -> why it is not confirmed."""
         return await await_each_proof(proofs, timeout_s,
@@ -231,9 +176,7 @@ class CudaIpcTransport:
                 pass
         self.mappings.clear()
         self.opened_events.clear()
-        for _, handle in self.proof_events.values():
-            _OWN_EVENTS.pop(handle, None)
-        self.proof_events.clear()
+        self.copies.close()
 
 
 class CudaIpcConnection:
@@ -256,7 +199,7 @@ class CudaIpcConnection:
         self.sent_bytes = 0
         self.closed = False
         self._issued = 0
-        self.lane = owner.new_lane()
+        self.lane = owner.copies.new_lane()
         self.targets = frozenset(desc[1] for desc in regions.values())  # the target's devices
         owner.live.add(self)
         self._ordered: dict[int, int] = {}  # device -> the round (epoch) whose producer work we are after
@@ -290,7 +233,7 @@ class CudaIpcConnection:
         dst = self._base(dst_region, desc, device) + dst_offset
         if src.device.type == "cuda":
             self._after_producer(device, epoch)
-        stream = self.owner.stream(device, self.lane, self._issued)
+        stream = self.owner.copies.stream(device, self.lane, self._issued)
         self._issued += 1
         self._unsealed.add(device)
         self._wait_for(stream, after)
@@ -310,7 +253,7 @@ class CudaIpcConnection:
             return [self.submit(src, region, offset, epoch, after) for src, region, offset, after in rows]
         device = devices.pop()
         self._after_producer(device, epoch)
-        stream = self.owner.stream(device, self.lane, self._issued)
+        stream = self.owner.copies.stream(device, self.lane, self._issued)
         self._issued += 1
         self._unsealed.add(device)
         for *_, after in rows:
@@ -344,7 +287,7 @@ class CudaIpcConnection:
         done = []
         for device, launch in table.launches:
             self._after_producer(device, epoch)
-            stream = self.owner.stream(device, self.lane, self._issued)
+            stream = self.owner.copies.stream(device, self.lane, self._issued)
             self._issued += 1
             self._unsealed.add(device)
             launch.launch(stream)
@@ -367,7 +310,7 @@ class CudaIpcConnection:
     def _after_producer(self, device: int, epoch: int) -> None:
         """Copy streams follow the producer's stream, once per round: the weights are final by then."""
         if self._ordered.get(device) != epoch:
-            self.owner.order_after_producer(device, self.lane)
+            self.owner.copies.order_after_producer(device, self.lane)
             self._ordered[device] = epoch
 
     def address(self, dst_region: int, dst_offset: int, nbytes: int, device: torch.device) -> Optional[int]:
@@ -390,7 +333,7 @@ class CudaIpcConnection:
         self.sent_count += count
         self.sent_bytes += nbytes
         index = cuda_rt.device_index(device)
-        stream = self.owner.stream(index, self.lane, -1)
+        stream = self.owner.copies.stream(index, self.lane, -1)
         self._unsealed.add(index)
         self._wait_for(stream, after)
         return self._completion(index, stream)
@@ -429,7 +372,7 @@ class CudaIpcConnection:
         devices, self._unsealed = self._unsealed, set()
         if self.closed or not self.proofs or len(devices) != 1:
             return None
-        return self.owner.seal(devices.pop(), self.lane)
+        return self.owner.copies.seal(devices.pop(), self.lane)
 
     async def fence(self) -> None:
         if self.closed:

@@ -118,7 +118,7 @@ class Striped:
             for part in self.parts:
                 part.launch(stream)
             return
-        side = self.owner.partner(self.device, stream)
+        side = self.owner.copies.partner(self.device, stream)
         side.wait_stream(stream)
         for i, part in enumerate(self.parts):
             part.launch(stream if i % 2 == 0 else side)

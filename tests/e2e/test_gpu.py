@@ -145,7 +145,8 @@ async def test_ipc_connections_copy_on_their_own_streams_and_prove_with_their_ow
         targets.append(tgt)
     a, b = conns
     assert a.lane != b.lane
-    assert {id(src.stream(0, a.lane, i)) for i in (0, 1)}.isdisjoint({id(src.stream(0, b.lane, i)) for i in (0, 1)})
+    streams = src.copies.stream
+    assert {id(streams(0, a.lane, i)) for i in (0, 1)}.isdisjoint({id(streams(0, b.lane, i)) for i in (0, 1)})
     data = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda:0")
     done = [a.submit(data, 0, 0, 1), b.submit(data, 0, 0, 1)]
     proofs = [conn.seal() for conn in conns]
