@@ -189,7 +189,11 @@ class Worker(AsyncResource):
                         os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
                         self.options.capabilities, manifest, self.transport_info, incarnation=self.incarnation,
                         **self._hello_fields())
-        await self._send(hello, timeout=timeout)  # (a fresh channel queues it at once)
+        try:  # (a fresh channel queues it at once: unless its connection failed its handshake, no pipe left)
+            await self._send(hello, timeout=timeout)
+        except zmq.Again:
+            raise ControllerLost(f"hello to {self.controller_addr} could not be sent within {timeout:.1f}s: "
+                                 f"no connection (is it running? same auth key?)") from None
         try:
             _, env = await asyncio.wait_for(self._channel.recv(), timeout)
         except asyncio.TimeoutError:

@@ -164,6 +164,28 @@ async def test_sigterm_during_a_round_leaves_no_half_applied_version(tmp_path):
         kids.close()
 
 
+async def test_a_hello_that_cannot_even_be_queued_is_reported_with_its_likely_cause(monkeypatch):
+    """A worker whose connection failed its handshake (a keyless one meeting a keyed controller) may be
+    left with no pipe, so its hello cannot be queued: it says so with the likely cause, as it does for a
+    hello left unanswered, not as a bare "resource temporarily unavailable"."""
+    from weightsync.roles.channel import ControlChannel
+    from weightsync.wire import messages as m
+
+    real = ControlChannel.send
+
+    async def no_pipe(self, body, **kw):
+        if isinstance(body, m.Hello):
+            raise zmq.Again()
+        return await real(self, body, **kw)
+
+    monkeypatch.setattr(ControlChannel, "send", no_pipe)
+    async with Controller(senders=1, receivers=1, options=ControllerOptions(heartbeat_s=0.1, timeout_s=5.0)) as ctl:
+        with pytest.raises(ControllerLost, match="could not be sent.*same auth key"):
+            async with WeightSender(ctl.address, {"w": torch.zeros(4)}, rank=0,
+                                    options=SenderOptions(join_timeout_s=0.5)):
+                pass
+
+
 async def test_authentication_accepts_holders_and_drops_the_rest():
     opts = ControllerOptions(heartbeat_s=0.1, timeout_s=5.0, auth_key=KEY)
     async with Controller(senders=1, receivers=1, options=opts) as ctl:
