@@ -303,15 +303,14 @@ class TransformSet(InPlace):
         group = self.groups.get(key)
         keys = self._group_keys(key)
         dests = [self._dests[k] for k in keys] if self._direct(key) is not None else None
-        fingerprint = self.fingerprint and dests is not None
+        # (a row written in place is staged only outside compiled lanes, which rounds with checksums never
+        #  write in place: ``Pipeline._resolver``; fingerprints are ``write_all``'s alone)
         if group is None:  # alone: its launch is still kept for the next rounds when the plan has it
             results = self.quantizer.many([x], block, reuse=("alone", key) if isinstance(key, int) else None,
-                                          dests=dests, fingerprint=fingerprint)
+                                          dests=dests)
         else:
             results = self.quantizer.many([self._head(row, view) for row, view in group], block,
-                                          reuse=id(group), dests=dests, fingerprint=fingerprint)
-        if fingerprint:
-            self.prints.append((results, [self._pair_of(k) for k in keys]))
+                                          reuse=id(group), dests=dests)
         if dests is not None:
             results = [(None, None)] * len(keys)  # in the receiver's memory: nothing to hand to the rows
             self.written += 2 * len(keys)
