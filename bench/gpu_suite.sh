@@ -43,10 +43,10 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/transfo
   -rs --timeout 120 > "$out/delta_tests.txt" 2>&1
 echo "delta tests exit: $?" >> "$out/delta_tests.txt"
 timeout 60 python3 bench/diagnostics/fingerprints.py --json --arch qwen2.5-7b 2>&1 | tail -1 >> "$out/fingerprints.jsonl"
-for config in "--block 1024 --warps 8" "--block 2048 --warps 8" "--block 1024 --warps 4" "--block 512 --warps 4"; do
+for config in "--fraction 0.01 --profile" "--fraction 0.001" "--fraction 0.1" "--fraction 0.01 --tile 4096"; do
   timeout 60 python3 bench/diagnostics/delta_kernels.py --json --arch qwen2.5-0.5b $config 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
 done
-timeout 90 python3 bench/diagnostics/delta_kernels.py --json --profile --arch qwen2.5-7b 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
+timeout 90 python3 bench/diagnostics/delta_kernels.py --json --arch qwen2.5-7b 2>&1 | tail -1 >> "$out/delta_kernels.jsonl"
 for where in across colocated; do
   timeout ${DELTA_TIMEOUT:-160} python3 bench/transfer_delta.py --gpus $where --mb ${DELTA_MB:-2048} --rounds 3 --warmup 3 \
     --fractions 0.01,0.1,1.0 --out "$out/transfer_delta_$where.json" > "$out/transfer_delta_$where.txt" 2>&1

@@ -138,6 +138,7 @@ def _traced(main, stem: str):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         result = asyncio.run(main())
     averages = prof.key_averages()
+    pathlib.Path(stem).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(f"{stem}.txt").write_text(averages.table(sort_by="self_device_time_total", row_limit=30) + "\n"
                                            + averages.table(sort_by="self_cpu_time_total", row_limit=30))
     with tempfile.TemporaryDirectory() as tmp:

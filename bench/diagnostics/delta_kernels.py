@@ -92,10 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="where one encode and one check + apply spend their time")
     ap.add_argument("--device", default="cuda:0", help=argparse.SUPPRESS)  # (cpu: Triton's interpreter)
     ap.add_argument("--max-numel", type=int, default=0, help=argparse.SUPPRESS)  # (smaller tensors only)
-    ap.add_argument("--block", type=int, default=delta_kernel.BLOCK, help="values (changes) per program")
+    ap.add_argument("--tile", type=int, default=delta_kernel.TILE, help="values per program (count, compact)")
+    ap.add_argument("--block", type=int, default=delta_kernel.BLOCK, help="changes per program (measure, pack, apply)")
     ap.add_argument("--warps", type=int, default=delta_kernel.WARPS, help="warps per program")
     args = ap.parse_args(argv)
-    delta_kernel.BLOCK, delta_kernel.WARPS = args.block, args.warps
+    delta_kernel.TILE, delta_kernel.BLOCK, delta_kernel.WARPS = args.tile, args.block, args.warps
     gen = torch.Generator(device=args.device).manual_seed(0)
     shapes = state_dict_shapes(args.arch)
     old = [(torch.randn(p.shape, generator=gen, device=args.device) * 0.02).to(torch.bfloat16).reshape(-1)
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
     copy_s, _ = _time(lambda: torch.cat(new, out=flat), args.rounds)
     out = {"arch": args.arch, "tensors": len(old), "bytes": nbytes, "fraction": args.fraction,
-           "block": args.block, "warps": args.warps,
+           "tile": args.tile, "block": args.block, "warps": args.warps,
            "delta_bytes": region.numel(), "rows_as_deltas": len(kept),
            "encode_ms": round(encode_s * 1e3, 3), "check_apply_ms": round(apply_s * 1e3, 3),
            "torch_encode_ms": round(torch_s * 1e3, 3), "copy_ms": round(copy_s * 1e3, 3),

@@ -172,7 +172,7 @@ class Applier:
             parts.append((launch["members"], per))
         for members, per in parts:
             found[members] = per.cpu()
-        self.checked = [_verdict(head, *map(int, f)) for (_, _, head), f in zip(self.deltas, found)]
+        self.checked = [_verdict(head, *f) for (_, _, head), f in zip(self.deltas, found.tolist())]
         return self.checked
 
     def apply(self) -> list[int]:

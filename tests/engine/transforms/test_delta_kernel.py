@@ -72,7 +72,19 @@ def _rows(g) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (5000, torch.bfloat16, 0.01), (3000, torch.float32, 0.2), (70000, torch.bfloat16, 0.001),
         (4100, torch.uint8, 0.05), (9000, torch.float16, 0.3), (100, torch.bfloat16, 0.9), (0, torch.bfloat16, 0.1),
         (2048, torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.uint8, 0.02))]
-    return rows + _edges(_kernel().BLOCK)
+    return rows + _edges(_kernel().TILE) + [_change_edges(_kernel().BLOCK)]
+
+
+def _change_edges(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row whose changes cross blocks of ``block`` changes with far gaps and far steps at the edges."""
+    positions = list(range(block - 1)) + [block - 1 + 300, block - 1 + 600, block + 601] + \
+        [block + 1000 + 3 * k for k in range(block + 5)]
+    new = torch.zeros(positions[-1] + 50, dtype=torch.bfloat16)
+    base = new.clone()
+    bits = codec.bits(base)
+    for k, p in enumerate(positions):
+        bits[p] = 1 if k % (block // 2) else 2000  # (a far step every half block, at the edges too)
+    return base, new
 
 
 def _on(device: str, rows):
@@ -93,6 +105,28 @@ def test_batched_encode_equals_the_torch_codec_and_brings_every_base_to_the_new_
             continue
         assert torch.equal(got.packed.cpu(), codec.pack_tensor(ref))
         assert (got.changes, got.change) == (ref.changes, fp64_change(*ref.changed, ref.width))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("room, whole", [(lambda c: c[0] + c[2], [False, True, False]),  # row 1 alone outgrows it
+                                         (lambda c: c[1] + 1, [False, False, False])])  # three groups
+def test_rows_past_the_staging_go_in_groups_or_whole_and_every_base_still_lands(device, monkeypatch, room, whole):
+    kernel = _kernel()
+    g = torch.Generator().manual_seed(9)
+    rows = [_pair(g, 20000, torch.bfloat16, f) for f in (0.001, 0.02, 0.01)]  # ~20, ~400, ~200 changes
+    changed = [int((codec.bits(b) != codec.bits(n)).sum()) for b, n in rows]
+    monkeypatch.setattr(kernel, "STAGING_MIN", 4 * room(changed))
+    monkeypatch.setattr(kernel, "STAGING_SHARE", 1 << 40)
+    refs = [codec.encode(base.clone(), new) for base, new in rows]
+    bases = _on(device, rows)
+    out = kernel.encode_many(bases)
+    assert [o.packed is None for o in out] == whole
+    assert [o.changes for o in out] == changed
+    for (base, new), ref, got in zip(bases, refs, out):
+        assert torch.equal(codec.bits(base).cpu(), codec.bits(new).cpu())
+        if got.packed is not None:
+            assert torch.equal(got.packed.cpu(), codec.pack_tensor(ref))
+            assert got.change == fp64_change(*ref.changed, ref.width)
 
 
 def _packed(rows) -> tuple[torch.Tensor, list[int], list]:
