@@ -50,17 +50,25 @@ CLUSTERS = {"dense": dict(delta="off"), "dense-unchecked": dict(delta="off", ful
             "auto": dict(delta="auto"), "always": dict(delta="always")}
 
 
-def model(mb: int) -> dict[str, torch.Tensor]:
-    """``mb`` MiB of bf16: per layer four 1024 x 4096 matrices and two 4096 vectors, as many layers as fit."""
-    g = torch.Generator().manual_seed(0)
-    out, layer = {}, 0
-    while sum(t.numel() * 2 for t in out.values()) < mb * MiB:
+def layout(mb: int) -> dict[str, tuple[int, ...]]:
+    """``model``'s names and shapes, without making it."""
+    out, layer, nbytes = {}, 0, 0
+    while nbytes < mb * MiB:
         for i in range(4):
-            out[f"layers.{layer}.w{i}"] = (torch.randn(1024, 4096, generator=g) * 0.02).to(torch.bfloat16)
+            out[f"layers.{layer}.w{i}"] = (1024, 4096)
         for i in range(2):
-            out[f"layers.{layer}.norm{i}"] = torch.ones(4096, dtype=torch.bfloat16)
+            out[f"layers.{layer}.norm{i}"] = (4096,)
+        nbytes += 2 * (4 * 1024 * 4096 + 2 * 4096)
         layer += 1
     return out
+
+
+def model(mb: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``mb`` MiB of bf16: per layer four 1024 x 4096 matrices and two 4096 vectors, as many layers as fit
+    (drawn on ``device``, seeded: the same bytes in every process that draws them there)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return {name: (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16) if len(shape) > 1
+            else torch.ones(shape, dtype=torch.bfloat16, device=device) for name, shape in layout(mb).items()}
 
 
 def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
@@ -132,7 +140,7 @@ def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool
     async def main():
         transport, device = where
         trainer = Trainer() if real else None
-        tensors = trainer.served if real else {k: v.to(device) for k, v in model(mb).items()}
+        tensors = trainer.served if real else model(mb, device)
         loop = asyncio.get_running_loop()
         async with WeightSender(addr, tensors, rank=0, options=SenderOptions(transport=transport)) as sender:
             while (order := await loop.run_in_executor(None, orders.recv)) is not None:
@@ -157,7 +165,7 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bo
 
     async def main():
         transport, device = where
-        shapes = Trainer.shapes() if real else {k: tuple(v.shape) for k, v in model(mb).items()}
+        shapes = Trainer.shapes() if real else layout(mb)
         tensors = {k: torch.zeros(shape, dtype=torch.bfloat16, device=device) for k, shape in shapes.items()}
         loop = asyncio.get_running_loop()
         async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport=transport)) as receiver:
@@ -298,7 +306,7 @@ def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
               "always_over_dense": ratio(f, "always", "dense"), "whole_over_always_bytes": total / med(f, "always", "bytes")}
              for f in fractions]
     return {
-        "model_bytes": total, "tensors": len(model(mb)), "cases": cases,
+        "model_bytes": total, "tensors": len(layout(mb)), "cases": cases,
         "bytes_per_changed_value": (statistics.median((r["always"]["bytes"] - (total - r["always"]["whole_bytes"]))
                                                       / max(1, r["always"]["changed"]) for r in at1) if at1 else None),
         "bytes_ratio_1pct": total / statistics.median(r["auto"]["bytes"] for r in at1) if at1 else None,

@@ -175,9 +175,10 @@ def _pack(rows, cowner, pos, starts, BLOCK: tl.constexpr, W: tl.constexpr, IT: t
     tl.store(base + p, raw, mask=mask)  # (after every read of the old values)
 
 
-def _owners(blocks: list[int], programs: int, device: torch.device) -> torch.Tensor:
-    """Each program's row (int64, made on the device: millions of programs for a large model)."""
-    counts = torch.tensor(blocks, dtype=torch.int64).to(device)
+def _owners(blocks, programs: int, device: torch.device) -> torch.Tensor:
+    """Each program's row (int64, made on the device: millions of programs for a large model); ``blocks``
+    a list or an int64 tensor on ``device``."""
+    counts = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, dtype=torch.int64).to(device)
     return torch.repeat_interleave(torch.arange(len(blocks), device=device), counts, output_size=programs)
 
 
@@ -249,6 +250,12 @@ def _tensor(values, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device)
 
 
+def _upload(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """Lists of ints as int64 tensors on ``device``, in one copy. (Made before a stage's launches: a copy
+    from pageable memory waits for the work queued before it.)"""
+    return list(_tensor([v for values in lists for v in values], device).split([len(v) for v in lists]))
+
+
 class _Batch:
     """One width's rows through the four stages (the module's header)."""
 
@@ -274,15 +281,14 @@ class _Batch:
         if not sum(counted):
             self._finish(members, counted, [(0, 0, 0, 0)] * len(members), None, out)
             return
-        pos, rows, cowner, blocks, bfirsts, programs = self._compact(members, counted)
+        pos, rows, cowner, blocks_t, bfirsts_t, programs = self._compact(members, counted)
         sums = torch.empty((programs, 3), dtype=torch.int64, device=self.device)
         _measure[(programs,)](rows, cowner, pos, sums, BLOCK=BLOCK, W=self.width, IT=self.it, num_warps=WARPS)
         fg, fs, share = sums.unbind(1)
-        bfirsts_t = _tensor(bfirsts, self.device)
         first = bfirsts_t[cowner]
         starts = torch.stack((_segment_starts(fg, first), _segment_starts(fs, first)), 1).contiguous()
         totals = _segment_totals(torch.stack((fg, fs, share & 0xFFFFFFFF, share >> 32), 1), bfirsts_t,
-                                 _tensor(blocks, self.device)).cpu().tolist()
+                                 blocks_t).cpu().tolist()
         self._finish(members, counted, totals, (pos, rows, cowner, starts, programs), out)
 
     def _count(self) -> list[int]:
@@ -293,13 +299,13 @@ class _Batch:
                         for (base, new), n, f in zip(self.rows, numels, firsts)]
         if not programs:
             return [0] * len(self.rows)
-        self.owner = _owners(tiles, programs, self.device)
+        tiles_t, firsts_t = _upload(self.device, tiles, firsts)
         self.table = _tensor(self.entries, self.device)
+        self.owner = _owners(tiles_t, programs, self.device)
         self.counts = torch.empty(programs, dtype=torch.int64, device=self.device)
         _count[(programs,)](self.table, self.owner, self.counts, TILE=TILE, IT=self.it, num_warps=TILE_WARPS)
-        firsts_t = _tensor(firsts, self.device)
         self.in_row = _segment_starts(self.counts, firsts_t[self.owner])
-        return _segment_totals(self.counts[:, None], firsts_t, _tensor(tiles, self.device))[:, 0].cpu().tolist()
+        return _segment_totals(self.counts[:, None], firsts_t, tiles_t)[:, 0].cpu().tolist()
 
     def _groups(self, changes: list[int]) -> list[list[int]]:
         """The rows that may go as deltas (two bytes a change at least: smaller than the row), in groups
@@ -324,14 +330,15 @@ class _Batch:
         placed = [-1] * len(self.rows)
         for k, first in zip(members, bfirsts):
             placed[k] = first * BLOCK
+        self.change_rows = [[placed[k], c, f, 0, 0, 0, *self.entries[k][:2]] for k, c, f in zip(members, counted, bfirsts)]
+        rows = _tensor(self.change_rows, self.device)
+        placed_t, blocks_t, bfirsts_t = _upload(self.device, placed, blocks, bfirsts)
         pos = torch.empty(programs * BLOCK, dtype=torch.int32, device=self.device)
-        at = _tensor(placed, self.device)[self.owner]
+        at = placed_t[self.owner]
         offsets = torch.where(at >= 0, at + self.in_row, -1)
         _compact[(self.owner.numel(),)](self.table, self.owner, self.counts, offsets, pos, TILE=TILE, IT=self.it,
                                         num_warps=TILE_WARPS)
-        self.change_rows = [[placed[k], c, f, 0, 0, 0, *self.entries[k][:2]] for k, c, f in zip(members, counted, bfirsts)]
-        rows = _tensor(self.change_rows, self.device)
-        return pos, rows, _owners(blocks, programs, self.device), blocks, bfirsts, programs
+        return pos, rows, _owners(blocks_t, programs, self.device), blocks_t, bfirsts_t, programs
 
     def _finish(self, members: list[int], counted: list[int], totals, launch, out: list) -> None:
         """Size the deltas of rows ``members``, keep those smaller than their rows, write them and
@@ -359,8 +366,10 @@ class _Batch:
             rows.copy_(torch.tensor(self.change_rows, dtype=torch.int64))
             _pack[(programs,)](rows, cowner, pos, starts, BLOCK=BLOCK, W=self.width, IT=self.it, FS=far,
                                num_warps=WARPS)
-        for k, c, a, size, (_, _, low, high) in zip(members, counted, at, sizes, totals):
+        lengths = [n for size in sizes if size for n in (size, -(-size // 16) * 16 - size)]
+        views = iter(packed.split(lengths)[::2])  # (one call for every row's view of the packed bytes)
+        for k, c, size, (_, _, low, high) in zip(members, counted, sizes, totals):
             if size:
-                out[k] = Encoded(packed[a:a + size], c, ((high << 32) + low) & _MASK)
+                out[k] = Encoded(next(views), c, ((high << 32) + low) & _MASK)
             elif c:  # (a delta no smaller than its row: the base took the new values all the same)
                 out[k] = Encoded(None, c, 0)

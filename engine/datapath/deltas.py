@@ -54,7 +54,7 @@ REPROBE = 16  # "auto": a lane dense this many rounds in a row tries deltas agai
 REPROBE_MAX = 1024  # each try that does not pay doubles that wait, up to this many rounds
 OFF_LOOP_BYTES = 1 << 20  # CPU rows this large are encoded on worker threads (the event loop keeps writing)
 ENCODERS = 2  # such rows (or batches) of a lane encoded at once (the compiled encoder lets go of the GIL)
-BATCH_BYTES = 256 << 20  # GPU rows of a lane encoded as one batch, up to this many bytes (``batched``)
+BATCH_BYTES = 1 << 30  # GPU rows of a lane encoded as one batch, up to this many bytes (``batched``)
 
 
 def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
