@@ -73,11 +73,17 @@ def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int)
 
 
 async def fingerprints(rows: Sequence[CopyRow]) -> list[Checksum]:
-    """The ``fp64`` of compiled rows' sources, all in one pass (the loop polls for it), computed on each
-    device's current stream as the loop sees it (the producer's: the weights are final there)."""
-    streams = {r.src.device: torch.cuda.current_stream(r.src.device) for r in rows if r.src.device.type == "cuda"}
-    values = await fp64_many_async([r.src for r in rows], streams)
-    return [Checksum(r.index, value) for r, value in zip(rows, values)]
+    """The ``fp64`` of compiled rows' sources, all in one pass (``prints``)."""
+    return await prints([(r.index, r.src) for r in rows])
+
+
+async def prints(rows: Sequence[tuple[int, torch.Tensor]]) -> list[Checksum]:
+    """The ``fp64`` of each (table index, bytes), all in one pass (the loop polls for it), computed on each
+    device's current stream as the loop sees it (the producer's: the weights are final there; staged
+    copies are complete before they are listed)."""
+    streams = {v.device: torch.cuda.current_stream(v.device) for _, v in rows if v.device.type == "cuda"}
+    values = await fp64_many_async([v for _, v in rows], streams)
+    return [Checksum(index, value) for (index, _), value in zip(rows, values)]
 
 
 def submit_written(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,

@@ -58,13 +58,14 @@ from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
 from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
 from .delta_staging import as_delta, as_deltas, hand_over
-from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints, issued, replay,
-                    submit_written)
+from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints, issued, prints,
+                    replay, submit_written)
 from .staging import SourceSet, Staged, StagingPool
 
 __all__ = ["DEFAULT_DEPTH", "LaneReport", "Pipeline", "PipelineOptions", "PushReport"]
 
 MiB = 1 << 20
+PRINT_BYTES = 256 << 20  # bytes of staged rows whose fp64 waits for one pass, at most (copies among them stay held)
 DEFAULT_DEPTH = 8  # for a connection that names none (``Connection.depth``): bench/pipeline_depth.py
 
 
@@ -215,6 +216,14 @@ class Pipeline:
         encoding: collections.deque = collections.deque()  # ([(t, staged, budget)], their encode), lane order
         gathering: list = []  # GPU rows of a delta lane for the next batch: (t, staged, budget)
         gathered = 0  # their bytes
+        unprinted: list = []  # (table index, bytes) whose checksum is taken in one pass (``staging.LATER``)
+        unprinted_bytes = 0
+
+        async def print_unprinted() -> None:  # (before the channel closes: the writer seals after that)
+            nonlocal unprinted, unprinted_bytes
+            if unprinted:
+                rows, unprinted, unprinted_bytes = unprinted, [], 0
+                report.checksums.extend(await prints(rows))
 
         async def encode_gathered(limit: int) -> None:  # the rows gathered so far go as one batch; at most
             nonlocal gathering, gathered  # ``limit`` encodes left running
@@ -241,6 +250,12 @@ class Pipeline:
                     t0 = time.perf_counter()
                     staged = await self.sources.stage(t, self.pool, algo, readable, view)
                     staged.charge = charge
+                    if staged.unprinted is not None:
+                        unprinted.append((t.index, staged.unprinted))
+                        unprinted_bytes += t.nbytes
+                        staged.unprinted = None
+                        if unprinted_bytes >= PRINT_BYTES:
+                            await print_unprinted()
                     if deltas is not None and deltas.batches(staged.tensor):  # GPU rows: encoded in batches
                         gathering.append((t, staged, upfront))
                         gathered += t.nbytes
@@ -269,6 +284,7 @@ class Pipeline:
                         self.budget.release(upfront)
                         self.sources.release(t)
             await encode_gathered(0)
+            await print_unprinted()
             channel.close()
         except BaseException as exc:
             for _, encode in encoding:  # (a thread still encoding finishes: ``Bases.settle`` waits)

@@ -27,6 +27,8 @@ from ..transforms.gather import Gatherer
 from .checksums import checksum
 
 THREAD_THRESHOLD = 1 << 20  # copies / checksums above this many bytes run off the event loop
+LATER = ("fp64",)  # checksums of unpooled rows taken for many rows in one pass (``Pipeline._stager``:
+#                   one launch on GPUs instead of a dozen torch operations and host waits per row)
 
 
 @dataclasses.dataclass
@@ -41,6 +43,7 @@ class Staged:
     written: Optional[torch.device] = None  # the bytes are in the receiver already, put there from this device
     target: Optional[tuple[int, int]] = None  # (region, offset) it goes to instead of its row's: a delta
     delta: tuple[int, int] = (0, 0)  # a delta's fp64 fingerprint change and values changed (``datapath.deltas``)
+    unprinted: Optional[torch.Tensor] = None  # bytes whose ``fp64`` the lane takes with its others' (``LATER``)
 
     async def wait(self) -> None:
         """Until the bytes exist (a transform queued on a side stream may still be running)."""
@@ -251,6 +254,9 @@ class SourceSet:
             staged = await _dense_copy(t, view, nbytes, pool, readable)
         if algo:
             await staged.wait()
+            if algo in LATER and not staged.pooled:  # (its bytes stay put until the lane's pass: not a pool buffer)
+                staged.unprinted = staged.tensor
+                return staged
             big = nbytes > THREAD_THRESHOLD and staged.tensor.device.type == "cpu"
             staged.checksum = await asyncio.to_thread(checksum, staged.tensor, algo) if big else checksum(staged.tensor, algo)
         return staged

@@ -89,6 +89,34 @@ async def test_a_checked_round_reports_every_row_s_checksum_compiled_or_staged(a
     await _close(src, dst, conn)
 
 
+@pytest.mark.parametrize("print_bytes", [256 << 20, 1])  # one pass for the lane; a pass after every row
+async def test_staged_rows_fp64_is_taken_in_passes_before_the_lane_seals(monkeypatch, print_bytes):
+    """Compiling off, every row is staged: those staged without a pool copy (contiguous sources) have their
+    ``fp64`` taken together (``staging.LATER``), in passes of up to ``PRINT_BYTES``, the pooled copy's
+    inline; every row still reports the checksum of the bytes that landed."""
+    from weightsync.engine.datapath import lanes, pipeline as pipeline_mod
+    from weightsync.engine.datapath.checksums import checksum
+
+    passes = []
+    real = lanes.prints
+
+    async def counted(rows):
+        passes.append(sorted(index for index, _ in rows))
+        return await real(rows)
+
+    monkeypatch.setattr(pipeline_mod, "prints", counted)
+    monkeypatch.setattr(pipeline_mod, "PRINT_BYTES", print_bytes)
+    src, dst, conn, (region,) = await _pair("memory", 256)
+    table = _table(SOURCES)
+    pipeline = Pipeline(SourceSet(SOURCES), PipelineOptions(checksum="fp64", compiled=False))
+    report = await asyncio.wait_for(pipeline.run(table, {0: conn}, 1), WATCHDOG)
+    got = {c.index: c.value for c in report.lanes[0].checksums}
+    assert got == {t.index: checksum(region[t.dst_offset:t.dst_offset + t.nbytes], "fp64") for t in table}
+    # ("t" is not dense: a pool copy, its fp64 taken at once; "empty", of no bytes, waits for the next row)
+    assert passes == ([[0, 1, 2, 3]] if print_bytes > 1 else [[0], [1], [2, 3]])
+    await _close(src, dst, conn)
+
+
 def test_fp64_of_many_rows_equals_each_row_s_including_pitched_views():
     from weightsync.engine.datapath.checksums import fp64, fp64_many
 
