@@ -72,17 +72,20 @@ def model(mb: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 
 def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
-    """Move about ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded;
-    drawn on the CPU whatever the tensors' device, so every cluster's sender makes the same step):
+    """Move about ``fraction`` of every tensor's values by +-1 or +-2 units in the last place (seeded,
+    drawn on the tensors' device, so every cluster's sender, on the same kind of device, makes the same
+    step; on a GPU a full step of gigabytes takes milliseconds, not the CPU's seconds):
     ``fraction * numel`` positions drawn with replacement (one drawn twice moves twice), all at 1."""
-    g = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     for t in tensors.values():
+        g = generators.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
         bits = t.view(torch.int16).reshape(-1)
         count = int(bits.numel() * fraction)
-        picked = torch.arange(count) if fraction >= 1 else torch.randint(0, bits.numel(), (count,), generator=g)
-        moves = torch.randint(1, 3, (count,), generator=g, dtype=torch.int16)
-        signs = torch.randint(0, 2, (count,), generator=g, dtype=torch.int16) * 2 - 1
-        bits.index_add_(0, picked.to(bits.device), (moves * signs).to(bits.device))
+        picked = (torch.arange(count, device=t.device) if fraction >= 1 else
+                  torch.randint(0, bits.numel(), (count,), generator=g, device=t.device))
+        moves = torch.randint(1, 3, (count,), generator=g, dtype=torch.int16, device=t.device)
+        signs = torch.randint(0, 2, (count,), generator=g, dtype=torch.int16, device=t.device) * 2 - 1
+        bits.index_add_(0, picked, moves * signs)
 
 
 class Trainer:
