@@ -197,7 +197,7 @@ class Bases:
         """Row ``key``'s base (made if the budget allows; None past it). Under ``lock``."""
         base = self.entries.get(key)
         nbytes = new.numel() * new.element_size()
-        if base is not None and (base.tensor.shape != new.reshape(-1).shape or base.tensor.dtype != new.dtype):
+        if base is not None and (base.tensor.numel() != new.numel() or base.tensor.dtype != new.dtype):  # (flat)
             self.used -= base.tensor.numel() * base.tensor.element_size()
             del self.entries[key]
             base = None
