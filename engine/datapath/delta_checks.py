@@ -69,19 +69,20 @@ def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_regi
     headers, one of the verdicts."""
     entries = {(e.src_rank, e.index): e for e in table.entries}
     out: list[Optional[Landed]] = []
-    batch: list[tuple[int, int, DeltaRow, ExpectedEntry, int]] = []  # (place in out, sender, row, entry, start)
+    batch: list[tuple[int, int, DeltaRow, ExpectedEntry, int, torch.Tensor]] = []  # (place in out, sender,
+    #                                                                     its report, entry, start, row's values)
     for s in summaries:
         seen: set[int] = set()
         for d in s.deltas:
             entry, start = _placed(s.peer_rank, d, entries, seen, delta_region, landing)
             row = _row(landing, entry, dtypes)
             if batched(row):
-                batch.append((len(out), s.peer_rank, d, entry, start))
+                batch.append((len(out), s.peer_rank, d, entry, start, row))
                 out.append(None)
             else:
                 out.append(_blamed(s.peer_rank, d, entry, lambda: _one(s.peer_rank, d, entry, start, delta_region, row)))
     if batch:
-        _check_batch(batch, out, delta_region, landing, dtypes)
+        _check_batch(batch, out, delta_region)
     return out  # type: ignore[return-value]
 
 
@@ -124,15 +125,13 @@ def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: 
     return Landed(src, entry, delta, check_row(delta, row, entry.name), d.change, delta.changes)
 
 
-def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: torch.Tensor,
-                 dtypes: Mapping[str, torch.dtype]) -> None:
+def _check_batch(batch: list, out: list, delta_region: torch.Tensor) -> None:
     """The batched rows' checks (``landed``): headers read at once, then the kernels' verdicts."""
     from ..cuda import delta_apply as kernel  # (batched rows: Triton imports here)
 
-    heads = kernel.headers(delta_region, [start for *_, start in batch])
+    heads = kernel.headers(delta_region, [start for *_, start, _ in batch])
     items = []
-    for (_, src, d, entry, start), head in zip(batch, heads):
-        row = _row(landing, entry, dtypes)
+    for (_, src, d, entry, start, row), head in zip(batch, heads):
         _blamed(src, d, entry, lambda: _header_fits(head, d, row, entry.name))
         items.append((delta_region[start:start + d.nbytes], row, head))
     applier = kernel.Applier(items)
@@ -140,11 +139,10 @@ def _check_batch(batch: list, out: list, delta_region: torch.Tensor, landing: to
         verdicts = applier.check()
     except Exception as exc:  # (a kernel that cannot run here, nothing written yet: these one by one)
         delta_rows.kernel_failed(exc)
-        for place, src, d, entry, start in batch:
-            row = _row(landing, entry, dtypes)
+        for place, src, d, entry, start, row in batch:
             out[place] = _blamed(src, d, entry, lambda: _one(src, d, entry, start, delta_region, row))
         return
-    for k, ((place, src, d, entry, _), why) in enumerate(zip(batch, verdicts)):
+    for k, ((place, src, d, entry, _, _), why) in enumerate(zip(batch, verdicts)):
         if why is not None:
             raise codec.DeltaError(entry.name, f"transfer {d.index}: {why}", f"sender/{src}")
         out[place] = Landed(src, entry, None, (applier, k), d.change, d.changes)
