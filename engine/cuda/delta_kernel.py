@@ -202,7 +202,7 @@ def _segment_starts(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
 
 class Encoded:
     """One row's outcome: ``packed`` (its delta's bytes) or None to go whole; the values it changed and
-    its ``fp64`` change (mod 2**64; 0 where the row goes whole for want of staging)."""
+    its ``fp64`` change (mod 2**64; 0 for a row that goes whole)."""
 
     __slots__ = ("packed", "changes", "change")
 
