@@ -30,7 +30,9 @@ Rows, measured in one run:
   Rank 0 is handed full tensors for free (no FSDP gather is timed): the baseline's best case. With
   ``--colocated`` the broadcaster also serves receiver 0 by a local copy (NCCL refuses two ranks of one
   communicator on one GPU; colocated frameworks share that process). **bucketed**: the same, the
-  tensors packed into 512 MiB buckets first, one broadcast a bucket (verl and slime's way).
+  tensors packed into 512 MiB buckets first, one broadcast a bucket (verl and slime's way). With
+  ``--fp8`` each inference rank then quantizes the bf16 it was sent into its block-FP8 weights, as
+  vLLM does on load, inside the timed round, and is checked like the engine's receivers.
 - **checkpoint-engine** (``--ckpt``, CUDA): the peer a vLLM user picks, on the receivers' GPUs in
   broadcast mode, plain torch inference processes receiving through its ``update_weights_from_ipc``
   (bench/peer_ckpt.py): ``ckpt_step_ms`` (copying the new weights into its pinned buffers, then
@@ -280,6 +282,7 @@ def _broadcaster(case: Case, rank: int, port: int, bucket: int, conn) -> None:
     keep their TP slice of it; colocated, rank 0 also keeps receiver 0's slice."""
     import torch.distributed as dist
 
+    from weightsync.engine.transforms.fp8 import quantize_blocks
     from weightsync.engine.transforms.layouts import allocate
 
     first = 1 if case.colocated else 0  # the receiver rank that process 1 plays
@@ -316,6 +319,21 @@ def _broadcaster(case: Case, rank: int, port: int, bucket: int, conn) -> None:
             for n, part in zip(names, packed.split(sizes)):
                 keep(n, part.view(full[n].shape))
 
+    served = {r: list(layouts[r].values()) for r in serves}
+    if case.fp8:  # FP8 receivers quantize the bf16 they were sent (as vLLM does on load): counted in the round
+        served = {r: receiver_layout(case, r) for r in serves}
+        state = {r: allocate(served[r], device)[0] for r in serves}
+
+    def quantize() -> None:
+        for r in serves:
+            for e in served[r]:
+                if str(e.dtype).endswith("float8_e4m3fn"):
+                    q, scale_inv = quantize_blocks(mine[r][e.name])
+                    state[r][e.name].copy_(q)
+                    state[r][e.name + "_scale_inv"].copy_(scale_inv)
+                elif not e.name.endswith("_scale_inv"):
+                    state[r][e.name] = mine[r][e.name]
+
     times = []
     for _ in range(case.rounds):
         dist.barrier()
@@ -323,12 +341,14 @@ def _broadcaster(case: Case, rank: int, port: int, bucket: int, conn) -> None:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         one_round()
+        if case.fp8:
+            quantize()
         if case.device == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
         times.append(time.perf_counter() - t0)
     bad = [f"receiver {r}: {n}" for r in serves
-           for n in mismatches(case, r, mine[r], list(layouts[r].values()), 1, device)]
+           for n in mismatches(case, r, state[r] if case.fp8 else mine[r], served[r], 1, device)]
     conn.send(("broadcast", rank, (times[1:], bad)))
     dist.destroy_process_group()
 
