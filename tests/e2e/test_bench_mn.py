@@ -51,6 +51,17 @@ def test_four_fsdp_trainers_to_two_fp8_tp_ranks_on_a_moe_shape():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_the_fp8_broadcast_baselines_quantize_at_their_receivers_and_are_checked():
+    """With ``--fp8`` the broadcast baselines do the receivers' work too: each inference rank quantizes
+    the bf16 it was sent into block FP8 inside the timed round, checked within the FP8 bound."""
+    r = _bench("--senders", "2", "--receivers", "2", "--model", "tiny-dense", "--fp8", "--rounds", "2")
+    assert r["fp8"] and r["bit_exact"]
+    assert r["broadcast_bit_exact"] and r["broadcast_bucketed_bit_exact"], r.get("broadcast_mismatches")
+    assert r["broadcast_ms"] > 0 and r["broadcast_bucketed_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_the_gather_bench_checks_every_full_tensor_in_each_arm():
     """bench/gather_fsdp.py on the CPU (gloo): three ranks, the MoE shape; every full tensor of its
     first rounds, in each arm, equals what the ranks filled in."""
