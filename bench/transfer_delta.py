@@ -22,6 +22,10 @@ master weights, random tokens) of a ~125M-parameter Qwen2 in each sender (bench/
 whose bf16 casts are what the senders push; per step the served values changed, wire against whole bytes
 and each cluster's time, and ``bit_exact_steps`` (with ``--out``, a PNG of them beside the JSON).
 
+``--trace DIR``: the ``always`` and ``dense`` clusters' sender and receiver run under torch.profiler,
+each round marked ``round vN``; their Chrome traces in DIR (``bench/diagnostics/trace_rounds.py`` lists
+a round's GPU work by stream).
+
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
 round over ``auto`` round at 1%), ``auto_worst_slowdown`` / ``always_worst_slowdown`` (the worst
@@ -134,7 +138,18 @@ def crc(tensors: dict[str, torch.Tensor]):
     return value
 
 
-def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False) -> None:
+def _run(main, trace: str) -> None:
+    """``main()`` on a new loop; with ``trace``, under torch.profiler, its Chrome trace written there
+    (bench/transfer_gpu.py's; rounds are marked ``round vN`` for bench/diagnostics/trace_rounds.py)."""
+    if trace:
+        from transfer_gpu import _profiled
+
+        _profiled(main, "", trace=trace)
+    else:
+        asyncio.run(main())
+
+
+def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import SenderOptions, WeightSender
 
@@ -151,16 +166,17 @@ def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool
                 stepped = trainer.step(seed) if real and fraction else 0
                 if fraction and not real:
                     step(tensors, fraction, seed)
-                await (await sender.push(version))
+                with torch.profiler.record_function(f"round v{version}"):  # (no cost unless traced)
+                    await (await sender.push(version))
                 d = sender.last_delta
                 done.send({"crc": crc(tensors), "rows": d.rows if d else 0, "changed": d.changed if d else 0,
                            "whole_bytes": d.whole_bytes if d else 0, "stepped": stepped,
                            "values": sum(t.numel() for t in tensors.values())})
 
-    asyncio.run(main())
+    _run(main, trace)
 
 
-def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False) -> None:
+def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import ReceiverOptions, WeightReceiver
 
@@ -173,17 +189,18 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bo
         loop = asyncio.get_running_loop()
         async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport=transport)) as receiver:
             while (version := await loop.run_in_executor(None, orders.recv)) is not None:
-                await receiver.wait_for(version)
+                with torch.profiler.record_function(f"round v{version}"):
+                    await receiver.wait_for(version)
                 done.send(crc(receiver.state_dict()))
 
-    asyncio.run(main())
+    _run(main, trace)
 
 
 class Cluster:
     """One controller here, a sender and a receiver process."""
 
-    def __init__(self, name: str, mb: int, gpus: str = "", real: bool = False) -> None:
-        self.name, self.mb, self.real = name, mb, real
+    def __init__(self, name: str, mb: int, gpus: str = "", real: bool = False, trace: str = "") -> None:
+        self.name, self.mb, self.real, self.trace = name, mb, real, trace
         self.ends = ((("tcp", "cpu"), ("tcp", "cpu")) if not gpus else
                      (("cuda_ipc", "cuda:0"), ("cuda_ipc", "cuda:1" if gpus == "across" else "cuda:0")))
 
@@ -196,8 +213,11 @@ class Cluster:
         self.pipes = [ctx.Pipe() for _ in range(4)]
         (s_in, s_out), (s_done_r, s_done_w), (r_in, r_out), (r_done_r, r_done_w) = self.pipes
         self.to_sender, self.from_sender, self.to_receiver, self.from_receiver = s_out, s_done_r, r_out, r_done_r
-        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0], self.real)),
-                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1], self.real))]
+        traces = [f"{self.trace}/{end}_{self.name}.json" if self.trace else "" for end in ("sender", "receiver")]
+        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0], self.real,
+                                                        traces[0])),
+                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1], self.real,
+                                                          traces[1]))]
         for p in self.procs:
             p.start()
         return self
@@ -221,8 +241,10 @@ class Cluster:
         await self.ctl.__aexit__(*exc)
 
 
-async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "") -> dict:
-    clusters = {name: Cluster(name, mb, gpus) for name in CLUSTERS}
+async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "") -> dict:
+    if trace:
+        pathlib.Path(trace).mkdir(parents=True, exist_ok=True)
+    clusters = {name: Cluster(name, mb, gpus, trace=trace if name in ("always", "dense") else "") for name in CLUSTERS}
     rows, warmups = [], []
     for c in clusters.values():
         await c.__aenter__()
@@ -378,6 +400,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", default="", choices=["", "across", "colocated"],
                     help="CUDA IPC between GPU 0 and 1 (across) or on GPU 0 (colocated), instead of TCP on the CPU")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
+    ap.add_argument("--trace", default="", help="a folder: the always and dense clusters' sender and receiver under "
+                                                "torch.profiler there (Chrome traces; diagnostics)")
     ap.add_argument("--out", default="", help="write the figures (with the command) to this file")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -387,7 +411,7 @@ def main(argv=None) -> int:
         result = asyncio.run(run_real(args.real_steps, args.warmup))
     else:
         result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(",")),
-                                 args.warmup, args.gpus))
+                                 args.warmup, args.gpus, args.trace))
     result["link"] = f"cuda_ipc {args.gpus}" if args.gpus else args.link
     if args.gpus:
         result[f"time_ratio_gpu_{args.gpus}_1pct"] = next(c["always_over_dense"] for c in result["cases"]
