@@ -52,7 +52,7 @@ for where in across colocated; do
     --fractions 0.01,0.1,1.0 --out "$out/transfer_delta_$where.json" > "$out/transfer_delta_$where.txt" 2>&1
 done
 # where a 1% delta round's time goes: the always and dense clusters' processes traced, their rounds summarised
-# (10 rounds: the 9th is a full check)
+# (10 rounds: the 10th is a full check: roles/round_inputs.py)
 timeout 150 python3 bench/transfer_delta.py --gpus across --mb ${DELTA_MB:-2048} --rounds 7 --warmup 2 --fractions 0.01 \
   --trace /tmp/delta_trace > /dev/null 2>&1
 for f in /tmp/delta_trace/*.json; do echo "== $f"; python3 bench/diagnostics/trace_rounds.py "$f" --top 20 --skip 3; done \
