@@ -298,7 +298,8 @@ class WeightSender(Worker):
             sizes = windows(mode, self.table.peers, self.conns, self.bases.pays)
             deltas = self.last_delta = self.bases.round(version, mode, held, sizes)
             report = await self.pipeline.run(self.table.transfers, self.conns, epoch=version, slots=slots,
-                                             on_sealed=announce, deltas=deltas)
+                                             on_sealed=announce, deltas=deltas,
+                                             mark=lambda event: self.timeline.mark(version, event))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported, never left hanging; after writes_done if it went out already

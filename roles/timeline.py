@@ -2,7 +2,7 @@
 
 How this works: every role keeps a ``Timeline``; the channel owner marks ``send:<type>`` and
 ``recv:<type>`` for each message that belongs to a version (begin, writes_done, fence, ...), and the
-sender adds its pipeline's start and end. Marks are ``time.perf_counter()`` values, which on Linux
+sender adds its pipeline's steps (``Pipeline.run``'s ``mark``). Marks are ``time.perf_counter()`` values, which on Linux
 read ``CLOCK_MONOTONIC``: one clock for every process of a host, so the marks of the controller, a
 sender and a receiver on one machine can be merged (``merge``) into one timeline of the round,
 relative to its start. Only the last ``keep`` versions are kept. A mark costs a dict store.

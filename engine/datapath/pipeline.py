@@ -103,19 +103,23 @@ class Pipeline:
     async def run(self, transfers: Sequence[Transfer], conns: Mapping[int, Connection], epoch: int,
                   slots: Mapping[int, int] = {},
                   on_sealed: Optional[Callable[[PushReport], None]] = None,
-                  deltas: Optional[DeltaRound] = None) -> PushReport:
+                  deltas: Optional[DeltaRound] = None,
+                  mark: Callable[[str], None] = lambda event: None) -> PushReport:
         """Write every transfer, fence every connection used; return what went to whom.
 
         ``slots``: receiver rank -> landing slot this round (added to each transfer's region id).
         ``on_sealed``: called once, when every lane is sealed (see the module's header); without it
         no connection seals early. ``deltas``: the round's delta lanes, whose rows are all staged and
-        go as deltas where they may (``weightsync.engine.datapath.deltas``)."""
+        go as deltas where they may (``weightsync.engine.datapath.deltas``). ``mark``: told of the
+        round's steps as they pass ("pipeline:lanes": the lanes are compiled or found; "pipeline:written":
+        the quantizations written in place are launched), for the sender's timeline."""
         delta_lanes = deltas.lanes if deltas is not None else frozenset()
         resolve, token = self._resolver({r: c for r, c in conns.items() if r not in delta_lanes}, slots)
         self.sources.transforms.fingerprint = resolve is not None and bool(self.options.checksum)
         ordered = self.sources.begin(transfers, resolve, token)
         lanes = self.compiler.lanes(transfers, self.sources, conns, slots, self.options.checksum, self.options.compiled,
                                     order=ordered, staged_lanes=delta_lanes, token=token)
+        mark("pipeline:lanes")
         reports = {rank: LaneReport() for rank in lanes}
         self.budget = ByteBudget(self.options.max_inflight_bytes)
         start = time.perf_counter()
@@ -123,6 +127,7 @@ class Pipeline:
                        if on_sealed is not None else None)
         try:
             launched = await self._write_all([t for lane in lanes.values() for t in lane.written])
+            mark("pipeline:written")
             prints = WrittenPrints(self.sources.transforms.prints, launched)
             await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
                                      on_sealed is not None, seals.one, deltas if r in delta_lanes else None,

@@ -98,6 +98,8 @@ async def test_writes_done_leaves_before_delivery_and_the_receiver_waits_for_the
         assert report.ok and receiver.version == 2 and mismatches(recv_t, 2) == []
         marks = sender.timeline.of(2)
         assert marks["send:writes_done"] < marks["pipeline:end"]  # the announcement overlapped delivery
+        steps = ["pipeline:start", "pipeline:lanes", "pipeline:written", "pipeline:sealed"]  # the pipeline's steps
+        assert [marks[s] for s in steps] == sorted(marks[s] for s in steps)
 
 
 async def test_a_proof_never_fulfilled_aborts_the_round_and_keeps_the_last_version():
