@@ -5,9 +5,9 @@ inside each lane. Rows that need no work on the sender (no transform, gather or 
 source the connection reads where it is) are *compiled* once per plan (``weightsync.engine.datapath.compiled``) and each
 round *replays* them: one ``Connection.replay`` call issues the whole table in a few host calls per
 chunk. The other rows (staged rows) go through the stages below. Each lane runs two stages joined by a bounded ``Channel`` of ``depth`` items: the
-stager prepares sources (views or staging copies, optional checksums) and the writer issues
-one-sided writes (ordered after the source's transform event, if any) and waits for their completion,
-then fences the connection. ``depth`` is the connection's own unless the options name one. A
+stager prepares sources (views or staging copies, optional checksums) and the writer
+(``weightsync.engine.datapath.writer``) issues one-sided writes (ordered after the source's transform
+event, if any) and waits for their completion, then the lane fences the connection. ``depth`` is the connection's own unless the options name one. A
 connection with ``submit_many`` gets the rows staged meanwhile (up to ``batch``) in one call: cuda_ipc
 makes them one batch of copies, faster than a call per row (docs/TRANSPORTS.md). A lane's first row
 goes to the writer at once (lanes without transforms), not once the channel is full. All lanes share one
@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -58,9 +57,10 @@ from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
 from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
 from .delta_staging import as_delta, as_deltas, hand_over
-from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints, issued, prints,
-                    replay, submit_written)
+from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints, prints, replay,
+                    submit_written)
 from .staging import SourceSet, Staged, StagingPool
+from .writer import Writer
 
 __all__ = ["DEFAULT_DEPTH", "LaneReport", "Pipeline", "PipelineOptions", "PushReport"]
 
@@ -303,90 +303,8 @@ class Pipeline:
     async def _writer(self, conn: Connection, channel: Channel, report: LaneReport, epoch: int,
                       slot: int, depth: int, seal: Optional[Callable[[], Optional[bytes]]],
                       sealed: Callable[[], None]) -> None:
-        """Issue writes in lane order with up to ``depth`` in flight on this connection; complete them
-        oldest first. A connection with ``submit`` (queue now, a future for the completion) is driven
-        without a task per write; one with ``submit_many`` gets the rows staged meanwhile (up to
-        ``batch``) in one call. With ``seal``, the lane is sealed once the last write is issued."""
-        inflight: _Inflight = collections.deque()
         batch = (self.options.batch or conn.abilities.batch) if conn.abilities.submits and conn.abilities.batch > 1 else 1
-        try:
-            async for item in channel:
-                items = [item]
-                while len(items) < batch and (more := channel.receive_nowait()) is not None:
-                    items.append(more)
-                self._issue(conn, items, inflight, report, epoch, slot)
-                while len(inflight) >= depth:
-                    await self._complete(*inflight.popleft(), report)
-            proof = seal() if seal is not None and report.count else None
-            if proof:  # every write is issued and the target can wait for them itself
-                report.proof = proof
-                sealed()
-            while inflight:
-                await self._complete(*inflight.popleft(), report)
-        finally:
-            for op, *_ in inflight:
-                op.cancel()
-            await asyncio.gather(*(op for op, *_ in inflight), return_exceptions=True)
-
-    def _issue(self, conn: Connection, items: list[tuple[Transfer, Staged]], inflight: "_Inflight",
-               report: LaneReport, epoch: int, slot: int) -> None:
-        """Queue ``items`` on ``conn`` in order: rows written in place through ``submit_written``, runs
-        of two or more other rows through ``submit_many`` (where the connection has it), single rows
-        through ``submit`` (or a task around ``write``). Rows not queued when something raises are
-        given back (budget, source, buffer)."""
-        t0 = time.perf_counter()
-        queued, count = 0, len(items)
-        try:
-            while queued < count:
-                end = queued + 1
-                t, staged = items[queued]
-                if staged.written is not None:  # (only on a connection that has it: ``_resolver``)
-                    ops = (conn.submit_written(staged.written, *_target(t, staged, slot), t.nbytes, epoch,
-                                               staged.event),)
-                else:
-                    while end < count and items[end][1].written is None:
-                        end += 1
-                    ops = self._submit(conn, items, queued, end, epoch, slot)
-                for i, op in enumerate(ops, queued):
-                    t, staged = items[i]
-                    # what it holds goes back the moment it completes (or is cancelled), not when we look
-                    op.add_done_callback(functools.partial(self._written, t, staged))
-                    inflight.append((op, t, staged, t0))
-                    issued(report, t, staged)
-                queued = end
-        except BaseException:
-            for t, staged in items[queued:]:
-                self._give_back(t, staged)
-            raise
-        finally:
-            report.issue_s += time.perf_counter() - t0
-
-    def _submit(self, conn: Connection, items: list[tuple[Transfer, Staged]], start: int, end: int, epoch: int,
-                slot: int) -> Sequence[asyncio.Future]:
-        """Completion futures of the copy rows ``items[start:end]``, queued in one call where the
-        connection batches."""
-        if end - start == 1:
-            t, s = items[start]
-            if conn.abilities.submits:
-                return (conn.submit(s.tensor, *_target(t, s, slot), epoch, s.event),)
-            return (asyncio.ensure_future(self._write(conn, t, s, epoch, slot)),)
-        return conn.submit_many([(s.tensor, *_target(t, s, slot), s.event) for t, s in items[start:end]],
-                                epoch)  # (only where the connection has it: ``batch`` > 1)
-
-    @staticmethod
-    async def _write(conn: Connection, t: Transfer, staged: Staged, epoch: int, slot: int) -> None:
-        if staged.event is None:
-            await conn.write(staged.tensor, *_target(t, staged, slot), epoch)
-        else:  # a side-stream transform may still be running: the transport orders the write after it
-            await conn.write(staged.tensor, *_target(t, staged, slot), epoch, after=staged.event)
-
-    async def _complete(self, op: asyncio.Future, t: Transfer, staged: Staged, t0: float,
-                        report: LaneReport) -> None:
-        await op
-        report.write_s += time.perf_counter() - t0
-
-    def _written(self, t: Transfer, staged: Staged, op: asyncio.Future) -> None:
-        self._give_back(t, staged)
+        await Writer(conn, report, epoch, slot, self._give_back).run(channel, depth, batch, seal, sealed)
 
     def _give_back(self, t: Transfer, staged: Staged) -> None:
         """``t`` is written or dropped: its budget, its source (a gathered one may go) and its buffer."""
@@ -394,11 +312,3 @@ class Pipeline:
         self.sources.release(t)
         if staged.pooled:
             self.pool.give(staged.buffer)
-
-
-def _target(t: Transfer, staged: Staged, slot: int) -> tuple[int, int]:
-    """(region, offset) ``staged`` goes to: its row's in the landing slot, or the delta's window."""
-    return staged.target if staged.target is not None else (t.dst_region + slot, t.dst_offset)
-
-
-_Inflight = collections.deque  # of (completion future, row, staged, issue time), oldest first
