@@ -4,7 +4,7 @@ How this works. A trainer and an inference engine on the same GPU (colocated) ex
 device-to-device copies; thousands of them (a MoE model's per-expert tensors) issued one by one cost
 microseconds of launch each, far more than the bytes take. ``CopyKernel(copies, device)`` takes the
 ``(dst, src, nbytes)`` pointer triples once per plan and cuts every copy into pieces of at most
-``tile * steps`` words (64 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table on
+``tile * steps`` words (64 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table (``pitched_table.dense``) on
 the GPU, offsets counted in 4-byte words from the lowest source and destination (kernel arguments,
 so the compiler knows their alignment; ``fp8_kernel.DeviceAddress`` stands for a raw address). ``launch``
 then runs one program per piece, or a bounded grid of programs each looping over every ``programs``-th
@@ -55,21 +55,6 @@ def grid(pieces: int, programs: Optional[int]) -> int:
     return pieces if not programs else max(1, min(pieces, programs))
 
 
-def piece_table(copies: Sequence[tuple[int, int, int]], piece: int) -> tuple[torch.Tensor, int, int]:
-    """Aligned ``(dst, src, nbytes)`` copies cut into pieces of at most ``piece`` bytes: the int64 table
-    (source word offset, destination word offset, words) from the lowest source and destination, and
-    those two addresses."""
-    dst, src, size = (torch.tensor([c[i] for c in copies], dtype=torch.int64) for i in range(3))
-    src_base, dst_base = int(src.min()), int(dst.min())
-    counts = (size + piece - 1) // piece
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    k = torch.arange(int(counts.sum()), dtype=torch.int64) - first  # piece number inside its copy
-    copy = torch.repeat_interleave(torch.arange(len(copies)), counts)
-    table = torch.stack([(src[copy] - src_base + k * piece) // 4, (dst[copy] - dst_base + k * piece) // 4,
-                         (size[copy] - k * piece).clamp(max=piece) // 4], dim=1)
-    return table.contiguous(), src_base, dst_base
-
-
 class CopyKernel:
     """A fixed list of copies from ``device``'s memory, launched as one kernel on it (plus pointer copies for
     the unaligned); the destinations are on ``target`` (default: the same device; another GPU's memory
@@ -85,7 +70,7 @@ class CopyKernel:
         self.nbytes = sum(c[2] for c in copies)
         if not aligned:
             return
-        table, self.src_base, self.dst_base = piece_table(aligned, tile * steps * 4)
+        table, self.src_base, self.dst_base = pitched_table.dense(aligned, tile * steps * 4)
         self.pieces = len(table)
         self.table = table.to(f"cuda:{device}")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 import triton
@@ -105,14 +106,13 @@ class Fingerprints:
         for the byte kernel offsets from the lowest address (its ``DeviceAddress``) and lengths in bytes."""
         base = 0 if words else min(address for address, *_ in ranges)
         unit, per_program = (4, WORDS) if words else (1, CHUNK)
-        rows, owners, programs = [], [], 0
-        for i, (address, nbytes, row, pitch) in enumerate(ranges):
-            chunks = -(-nbytes // (unit * per_program))
+        rows, chunks, programs = [], [], 0
+        for address, nbytes, row, pitch in ranges:
+            chunks.append(-(-nbytes // (unit * per_program)))
             rows.append((address - base, nbytes // unit, row // unit, pitch // unit, programs))
-            owners.append(torch.full((chunks,), i, dtype=torch.int32))
-            programs += chunks
+            programs += chunks[-1]
         table = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        owner = torch.cat(owners).to(self.device)
+        owner = torch.from_numpy(np.repeat(np.arange(len(ranges), dtype=np.int32), chunks)).to(self.device)
         src = None if words else DeviceAddress(base, torch.uint8, self.device)
         return (table, owner, src, programs, torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
 

@@ -23,7 +23,8 @@ lot, instead of staging and submitting them row by row.
 
 ``RoundCompiler`` caches compiled rounds by what they depend on: the table object (a plan's
 ``transfers`` tuple, the same every round), each lane's landing slot (a shadow receiver alternates
-two), the checksum setting, and each connection (the object, and its ``generation``, which it bumps
+two), the checksum setting (none and ``fp64`` compile the same lanes: a full check every 8th round
+replays the tables of the rounds between), and each connection (the object, and its ``generation``, which it bumps
 when what it knows of the target's registrations changes). A new plan, new connections, a new slot or
 a changed registration compile again; anything else replays.
 """
@@ -130,7 +131,7 @@ def compile_lane(transfers: Sequence[Transfer], sources: SourceSet, conn, slot: 
 
 class RoundCompiler:
     """Compiled lanes by (receiver, landing slot, checksum, connection and its generation), for the
-    current table; a new table forgets them all."""
+    current table (``fp64`` rounds share the unchecked rounds' lanes); a new table forgets them all."""
 
     def __init__(self) -> None:
         self.compiles = 0  # lanes compiled so far (a replay does not count)
@@ -156,6 +157,7 @@ class RoundCompiler:
             for t in (transfers if order is None else order):
                 self._by_rank.setdefault(t.dst_rank, []).append(t)
             self._table = transfers if isinstance(transfers, tuple) else None  # (a list may change: never cached)
+        shape = "" if checksum in FINGERPRINTED else checksum  # (fingerprinted rows compile as unchecked ones)
         missing = sorted(set(self._by_rank) - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
@@ -163,11 +165,11 @@ class RoundCompiler:
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
             compiled = enabled and rank not in staged_lanes
-            key = (rank, slot, checksum, compiled, conn.generation, token)
+            key = (rank, slot, shape, compiled, conn.generation, token)
             used.add(key)
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
-                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, checksum, compiled))
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, shape, compiled))
                 self.compiles += 1
                 self.written += len(entry[1].written)
             out[rank] = entry[1]

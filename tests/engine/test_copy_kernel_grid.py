@@ -23,14 +23,14 @@ def _addr(x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("programs", [None, 1, 3, 10_000])
 def test_dense_pieces_equal_the_copies_whatever_the_grid(programs):
-    from weightsync.engine.cuda.copy_kernel import _copy_pieces_kernel, grid, piece_table
+    from weightsync.engine.cuda.copy_kernel import _copy_pieces_kernel, grid
 
     g = torch.Generator().manual_seed(0)
     src = torch.randint(-2**31, 2**31 - 1, (9000,), generator=g, dtype=torch.int32)
     dst = torch.zeros(9000, dtype=torch.int32)
     spans = [(0, 4000), (4000, 4004), (4100, 9000)]  # (word ranges: one spans several 1 KiB pieces)
     copies = [(_addr(dst) + a * 4, _addr(src) + a * 4, (b - a) * 4) for a, b in spans]
-    table, src_base, dst_base = piece_table(copies, 256 * 4)
+    table, src_base, dst_base = pitched_table.dense(copies, 256 * 4)
     assert len(table) > 3 and (src_base, dst_base) == (_addr(src), _addr(dst))
     # (the interpreter takes tensors where the GPU launch passes raw addresses: the same bases here)
     _copy_pieces_kernel[(grid(len(table), programs),)](table, src, dst, len(table), TILE=64, STEPS=4)

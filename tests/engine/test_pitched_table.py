@@ -1,5 +1,5 @@
-"""Descriptor tables of pitched copies (engine/cuda/pitched_table.py): carried out piece by piece they
-land every row where a copy per row would, byte for byte; what they cannot address is left to the caller."""
+"""Descriptor tables of copies (engine/cuda/pitched_table.py): carried out piece by piece they land every
+byte where a copy per row (or per dense copy) would; what they cannot address is left to the caller."""
 
 from __future__ import annotations
 
@@ -67,3 +67,25 @@ def test_unaligned_copies_are_left_to_the_caller_and_an_empty_list_makes_no_piec
     t = pt.table([odd, (dst.data_ptr() + 16, src.data_ptr(), 0, 3, 8)])
     assert len(t) == 0 and t.rest == (odd,)
     assert len(pt.table([])) == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 5000)), min_size=1, max_size=12),
+       piece=st.sampled_from([16, 1024, 65536]), seed=st.integers(0, 2**16))
+def test_a_dense_table_lands_every_copy_where_the_copy_would(spans, piece, seed):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int32)
+    want, got = torch.zeros(1 << 17, dtype=torch.int32), torch.zeros(1 << 17, dtype=torch.int32)
+    copies, at = [], 0
+    for start, words in spans:  # (word ranges of src, landing back to back, a gap of 3 words between)
+        words = min(words, src.numel() - start)
+        copies.append((got.data_ptr() + 4 * at, src.data_ptr() + 4 * start, 4 * words))
+        want[at:at + words] = src[start:start + words]
+        at += words + 3
+    table, src_base, dst_base = pt.dense(copies, piece)
+    assert table.dtype == torch.int64 and table.shape[1] == 3
+    assert int(table[:, 2].max()) <= piece // 4 and int(table[:, 2].sum()) == sum(c[2] for c in copies) // 4
+    s, d = src[(src_base - src.data_ptr()) // 4:], got[(dst_base - got.data_ptr()) // 4:]
+    for src_at, dst_at, words in table.tolist():
+        d[dst_at:dst_at + words] = s[src_at:src_at + words]
+    assert torch.equal(got, want)

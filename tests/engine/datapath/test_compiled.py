@@ -143,6 +143,22 @@ async def test_slots_alternate_each_with_its_own_table_and_a_new_registration_re
     await _close(src, dst, conn)
 
 
+async def test_a_fingerprinted_round_replays_the_unchecked_rounds_tables():
+    """A full ``fp64`` check (every 8th round by default) compiles nothing: its direct rows are the
+    unchecked rounds' (compiling a 2 GiB lane took 0.18 s inside a round on a busy GPU host); another
+    checksum stages every row, so it has lanes of its own."""
+    src, dst, conn, regions = await _pair("memory", 256, 256)
+    table = _table(SOURCES)
+    pipeline = Pipeline(SourceSet(SOURCES))
+    for epoch, algo in enumerate(["", "", "fp64", "fp64", "", "crc32"], start=1):
+        pipeline.options = PipelineOptions(checksum=algo)
+        report = await asyncio.wait_for(pipeline.run(table, {0: conn}, epoch, slots={0: epoch % 2}), WATCHDOG)
+        assert len(report.lanes[0].checksums) == (len(table) if algo else 0)
+        assert torch.equal(regions[epoch % 2][:48].view(torch.float32), SOURCES["a"])
+    assert pipeline.compiler.compiles == 3  # slot 1 and slot 0 once each, then crc32's own lane
+    await _close(src, dst, conn)
+
+
 async def test_compiling_can_be_turned_off_and_every_row_is_staged():
     src, dst, conn, (region,) = await _pair("memory", 256)
     pipeline = Pipeline(SourceSet(SOURCES), PipelineOptions(compiled=False))
