@@ -51,7 +51,7 @@ import torch
 from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from . import dataauth
-from .errors import ConfigError, TransportUnavailable
+from .errors import ConfigError, TransportError, TransportUnavailable
 
 
 PEER_COPIES = ("fastest", "kernel", "dma")
@@ -261,6 +261,8 @@ async def await_each_proof(proofs: dict[int, bytes], timeout_s: float,
             await asyncio.wait_for(fulfilled, timeout_s)
         except asyncio.TimeoutError:
             failed[src] = f"writes not delivered within {timeout_s}s of the fence"
+        except TransportError as exc:  # (its connection closed first)
+            failed[src] = f"writes not delivered: {exc}"
     return failed
 
 

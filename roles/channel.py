@@ -197,15 +197,7 @@ class ControlChannel:
         a message not queued within that many seconds is dropped with ``zmq.Again``: a DEALER whose
         only connection ended in a failed handshake (a key or mechanism mismatch) has no pipe left, a
         send there waits forever, and every later send (pyzmq queues them) waits behind it."""
-        msg_id = next(self._ids)
-        frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits, body_frame)
-        if self.auth_key is not None:
-            frames = sign(frames, self.auth_key)
-        if self.router:
-            if to is None:
-                raise ValueError("a ROUTER send needs the peer's routing id")
-            frames = [to, *frames]
-        sending = self.sock.send_multipart(frames, copy=False)
+        msg_id, sending = self._queue(body, to, version, parent_id, body_frame)
         if timeout is None:
             await sending
         else:
@@ -216,6 +208,32 @@ class ControlChannel:
                 raise zmq.Again() from None
         self.sent += 1
         return msg_id
+
+    def post(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
+             parent_id: Optional[int] = None) -> asyncio.Future:
+        """``send`` without waiting, for a message that must leave now rather than when a task gets its
+        turn: ZeroMQ takes it during this call (or, where earlier sends still wait for room, queues it
+        behind them, in order); the future completes when it is taken (await it for a failure)."""
+        _, sending = self._queue(body, to, version, parent_id, None)
+        sending.add_done_callback(self._posted)
+        return sending
+
+    def _posted(self, sending: asyncio.Future) -> None:
+        if not sending.cancelled() and sending.exception() is None:
+            self.sent += 1
+
+    def _queue(self, body: Message, to: Optional[bytes], version: Optional[int], parent_id: Optional[int],
+               body_frame: Optional[bytes]) -> tuple[int, asyncio.Future]:
+        """Encode, sign and hand ``body`` to the socket: (its message id, the socket's send future)."""
+        msg_id = next(self._ids)
+        frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits, body_frame)
+        if self.auth_key is not None:
+            frames = sign(frames, self.auth_key)
+        if self.router:
+            if to is None:
+                raise ValueError("a ROUTER send needs the peer's routing id")
+            frames = [to, *frames]
+        return msg_id, self.sock.send_multipart(frames, copy=False)
 
     async def recv(self) -> tuple[Optional[bytes], Envelope]:
         frames = await self.sock.recv_multipart()

@@ -233,7 +233,8 @@ class WeightSender(Worker):
             log.warning("%s: cannot take plan %d: %s", self.name, body.plan_id, exc)
             ack = m.PlanAck(body.plan_id, False, str(exc))
         try:
-            await self._send_if_allowed(ack)
+            if (sending := self._post_if_allowed(ack)) is not None:
+                await sending
         except zmq.ZMQError as exc:  # (the session is being torn down: it will not need the ack)
             log.debug("%s: plan_ack %d not sent: %s", self.name, body.plan_id, exc)
 
@@ -280,14 +281,16 @@ class WeightSender(Worker):
         the next one starts after them (``previous``)."""
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)
-        announced: list[asyncio.Task] = []
+        announced: list[asyncio.Future] = []
 
-        def announce(sealed: PushReport) -> None:
+        def announce(sealed: PushReport) -> None:  # (posted at once: not behind the lanes' own steps)
             self.timeline.mark(version, "pipeline:sealed")
-            announced.append(asyncio.ensure_future(self._send_if_allowed(
+            sending = self._post_if_allowed(
                 m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
                              sealed.encode_s, sealed.issue_s, bool(getattr(self.transport, "trying", ()))),
-                version=version)))
+                version=version)
+            if sending is not None:
+                announced.append(sending)
 
         self.timeline.mark(version, "pipeline:start")
         self._spin(False)  # from here the pipeline's completion polling keeps the loop awake
@@ -333,8 +336,11 @@ class WeightSender(Worker):
         self._spin(False)
         field = getattr(exc, "peer", None) or getattr(exc, "param", None) or ""
         handle.cause = exc
-        if not await self._send_if_allowed(m.Error(code, str(exc), field, version), version=version):
+        sending = self._post_if_allowed(m.Error(code, str(exc), field, version), version=version)
+        if sending is None:
             handle.fail(exc)
+        else:
+            await sending
 
     async def _on_commit(self, env: Envelope) -> None:
         self.committed = env.body.version

@@ -273,13 +273,18 @@ class Worker(AsyncResource):
         self.timeline.mark(version, f"send:{body.TYPE}")
         return msg_id
 
-    async def _send_if_allowed(self, body: m.Message, *, version: Optional[int] = None) -> bool:
-        """Send unless the session has moved on (a round aborted or the session closed meanwhile)."""
+    def _post_if_allowed(self, body: m.Message, *, version: Optional[int] = None) -> Optional[asyncio.Future]:
+        """Send ``body`` unless the session has moved on (a round aborted or the session closed meanwhile),
+        handed to ZeroMQ now (``Channel.post``, not behind the loop's other tasks): the send's future to
+        await, or None where the session has moved on."""
         if not self.session.allowed(Origin.WORKER, body.TYPE):
             log.debug("%s: not sending %s in state %s", self.name, body.TYPE, self.session.state.value)
-            return False
-        await self._send(body, version=version)
-        return True
+            return None
+        self.session.send(body.TYPE)
+        self._state_moved()
+        sending = self._channel.post(body, version=version)
+        self.timeline.mark(version, f"send:{body.TYPE}")
+        return sending
 
     async def _wait_state(self, *states: State) -> None:
         """Wait until the session is in one of ``states``; raises if the session is lost first."""

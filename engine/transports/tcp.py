@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import itertools
 import socket
 import struct
@@ -47,16 +48,21 @@ from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 from .. import dataauth
 from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
-from ..transport import Abilities, EpochCounts, TransportOptions, wait_after
+from ..transport import Abilities, EpochCounts, TransportOptions, await_each_proof, wait_after
 
 from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
-from .tcp_frames import ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, Frames
+from .tcp_frames import (ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, PROOF, PROOF_MAGIC,
+                         PROOF_TAG, Frames)
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
 
+EARLY_SEAL_BYTES = 16 << 20  # a lane seals before its fence only up to this much (0.13 s at 1 Gbit/s)
+
+
 class TcpTransport(EpochCounts):
     kind = "tcp"
+    proof_magic = PROOF_MAGIC
     devices: frozenset = frozenset()  # GPU sources are staged through pinned host memory
 
     def __init__(self, options: TransportOptions = TransportOptions()) -> None:
@@ -87,7 +93,7 @@ class TcpTransport(EpochCounts):
         host = self.options.advertise_host or self.options.bind_host
         self.address = f"{host}:{port}"
         host_id = self.options.host()
-        return TransportInfo(self.kind, host_id, self.address, self.options.device, b"")
+        return TransportInfo(self.kind, host_id, self.address, self.options.device, PROOF_TAG)
 
     def register(self, region_id: int, buffer: torch.Tensor) -> RegionInfo:
         """CPU buffers are written in place; a CUDA buffer lands in a pinned host mirror first and is
@@ -141,9 +147,31 @@ class TcpTransport(EpochCounts):
         except BaseException:
             sock.close()
             raise
-        conn = TcpConnection(sock, name, {r.region_id: r.nbytes for r in peer.regions})
+        conn = TcpConnection(sock, name, {r.region_id: r.nbytes for r in peer.regions}, nonce,
+                             proofs=peer.transport.data == PROOF_TAG)
         await conn.hello(self.rank, dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES))
         return conn
+
+    async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
+        """Target side: wait until each sender's connection named in its proof (by its challenge) has
+        proven that sender's key and landed the writes the proof counts; sender rank -> why not (no
+        open connection has the challenge, another sender's has, it closed first, or the writes did not
+        arrive within ``timeout_s``)."""
+        failed: dict[int, str] = {}
+        for src, proof in sorted(proofs.items()):
+            failed.update(await await_each_proof({src: proof}, timeout_s, functools.partial(self._landed, src)))
+        return failed
+
+    def _landed(self, src: int, proof: bytes) -> asyncio.Future:
+        magic, nonce, count, nbytes = PROOF.unpack(proof)
+        if magic != PROOF_MAGIC:
+            raise KeyError(f"not a tcp proof (magic {magic!r})")
+        for agent in self._agents:  # (the connection exists: the sender had its challenge from it)
+            if agent.nonce == nonce:
+                if agent.key is not None and agent.source != src:
+                    raise KeyError(f"it names a connection of sender/{agent.source}")
+                return agent.landed_by(src, count, nbytes)
+        raise KeyError("no open connection has its challenge")
 
     def close_epoch(self, epoch: int) -> None:
         super().close_epoch(epoch)
@@ -192,17 +220,23 @@ class TcpConnection:
 
     # GPU sources are staged through pinned host memory; compiled rows (ready-made frames) read CPU memory
     abilities = Abilities(devices=frozenset({"cpu"}), compiles=True, direct_devices=frozenset({"cpu"}),
-                          delta_auto=True)
+                          submits=True, seals=True, delta_auto=True)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
-    def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int]) -> None:
+    def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int], nonce: bytes = bytes(16),
+                 proofs: bool = False) -> None:
         self.sock = sock
         self.peer = peer
         self.sizes = sizes  # region -> bytes, as the target registered them (compiled tables are checked against it)
+        self.nonce = nonce  # the target's challenge: names this connection in a delivery proof
+        self.proofs = proofs  # the target checks delivery proofs (it advertised PROOF_TAG)
         self.loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
-        self.sent_count = 0
+        self.issued_count = 0  # writes queued (counted when issued, before they reach the socket): a seal's
+        self.issued_bytes = 0
+        self.sent_count = 0  # writes the socket took (what a fence compares)
         self.sent_bytes = 0
+        self._fenced_bytes = 0  # sent_bytes as of the last fence the target acknowledged
         self._seq = 0
         self._acks: dict[int, asyncio.Future] = {}
         self._closed = False
@@ -218,6 +252,55 @@ class TcpConnection:
 
     async def write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
                     after: Optional[torch.cuda.Event] = None) -> None:
+        left = self._issue(1, src.numel() * src.element_size())
+        try:
+            await self._write(src, dst_region, dst_offset, epoch, after, left)
+        finally:
+            self._unissue(left)
+
+    def submit(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+               after: Optional[torch.cuda.Event] = None) -> asyncio.Future:
+        """``write`` in two halves: counted as issued now (a ``seal`` from here covers it), sent in a task
+        (frames go out in issue order: the connection's lock is FIFO); the task is its completion."""
+        if self._closed:
+            raise ConnectionClosed("connection is closed", peer=self.peer)
+        left = self._issue(1, src.numel() * src.element_size())
+        task = asyncio.ensure_future(self._write(src, dst_region, dst_offset, epoch, after, left))
+        task.add_done_callback(lambda _: self._unissue(left))
+        return task
+
+    def seal(self) -> Optional[bytes]:
+        """A delivery proof of every write issued so far: the target waits until this connection (named
+        by its challenge) has landed that many writes and bytes (``TcpTransport.await_proofs``), so
+        ``writes_done`` need not wait for a fence's round trip. None where the target does not check,
+        and where more than ``EARLY_SEAL_BYTES`` were issued since the last fence: the receiver's
+        verdict would wait on bulk data still crossing the link (while its loop hears no controller),
+        where a fence's round trip is small beside the transfer anyway."""
+        if not self.proofs or self._closed or self.issued_bytes - self._fenced_bytes > EARLY_SEAL_BYTES:
+            return None
+        return PROOF.pack(PROOF_MAGIC, self.nonce, self.issued_count, self.issued_bytes)
+
+    def _issue(self, count: int, nbytes: int) -> list[int]:
+        """Count writes as issued; -> their [count, bytes] not yet sent, which the sending lowers."""
+        self.issued_count += count
+        self.issued_bytes += nbytes
+        return [count, nbytes]
+
+    def _unissue(self, left: list[int]) -> None:
+        """Writes issued but never sent (cancelled with a failed round, even before their task started,
+        or failed before their frame did) leave the issued count: a later seal must not wait for them."""
+        self.issued_count -= left[0]
+        self.issued_bytes -= left[1]
+        left[0] = left[1] = 0
+
+    def _sent(self, left: list[int], count: int, nbytes: int) -> None:
+        self.sent_count += count
+        self.sent_bytes += nbytes
+        left[0] -= count
+        left[1] -= nbytes
+
+    async def _write(self, src: torch.Tensor, dst_region: int, dst_offset: int, epoch: int,
+                     after: Optional[torch.cuda.Event], left: list[int]) -> None:
         await wait_after(after)
         payload = byte_view(src)
         header = HEADER.pack(OP_WRITE, dst_region, dst_offset, len(payload), epoch)
@@ -225,11 +308,9 @@ class TcpConnection:
             try:
                 await self._send([header, payload])
             except asyncio.CancelledError:  # (the frame was finished first: it counts)
-                self.sent_count += 1
-                self.sent_bytes += len(payload)
+                self._sent(left, 1, len(payload))
                 raise
-            self.sent_count += 1
-            self.sent_bytes += len(payload)
+            self._sent(left, 1, len(payload))
 
     def compile(self, rows: Sequence[CopyRow]) -> "Frames":
         """A plan's direct rows as ready-made frames (``weightsync.engine.datapath.compiled``): bounds checked here, once."""
@@ -245,17 +326,19 @@ class TcpConnection:
         """Send every frame of a compiled table for round ``epoch``, many per ``sendmsg``; one future."""
         if self._closed:
             raise ConnectionClosed("connection is closed", peer=self.peer)
-        return [asyncio.ensure_future(self._replay(frames, epoch))]
+        left = self._issue(frames.rows, frames.nbytes)
+        task = asyncio.ensure_future(self._replay(frames, epoch, left))
+        task.add_done_callback(lambda _: self._unissue(left))
+        return [task]
 
-    async def _replay(self, frames: "Frames", epoch: int) -> None:
+    async def _replay(self, frames: "Frames", epoch: int, left: list[int]) -> None:
         async with self.lock:
             frames.stamp(epoch)
             for views, count, nbytes in frames.chunks:
                 try:
                     await self._send_views(list(views))
                 finally:  # a chunk that started is finished (``_send_views``), even when cancelled: it counts
-                    self.sent_count += count
-                    self.sent_bytes += nbytes
+                    self._sent(left, count, nbytes)
 
     async def fence(self) -> None:
         self._seq += 1
@@ -266,6 +349,7 @@ class TcpConnection:
             await self._send([HEADER.pack(OP_FENCE, 0, seq, 0, 0)])
             want = (self.sent_count, self.sent_bytes)
         count, nbytes, errors = await fut
+        self._fenced_bytes = want[1]
         if errors:
             raise TransportError(f"target reported: {errors}", peer=self.peer)
         if (count, nbytes) != want:

@@ -12,7 +12,8 @@ connection that has not proven a key within ``handshake_timeout_s`` is closed, a
 their proof at once: a newcomer over the cap evicts the oldest waiting one, so strangers can hold
 neither the process's descriptors nor a planned sender's place.
 Counts are per row (a WRITE_RUN counts as its rows) and cumulative per connection, what a FENCE's ACK
-reports.
+reports, and what a delivery proof waits on (``landed_by``: fulfilled once the connection has landed a
+count and bytes, failed when it closes first).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 from typing import TYPE_CHECKING, Optional
 
 from .. import dataauth
+from ..errors import ConnectionClosed
 from .tcp_frames import (ACK, DIRECT_MIN, HEADER, INTAKE, MAGIC, OFFSET_MASK, OP_ACK, OP_CHALLENGE, OP_FENCE,
                          OP_HELLO, OP_WRITE, OP_WRITE_RUN, RUN_SHIFT, SCRATCH)
 
@@ -53,6 +55,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
         self.landed_bytes = 0
         self.errors: list[str] = []
+        self.waiting: list[tuple[int, int, int, asyncio.Future]] = []  # delivery proofs: (source, count, bytes, fulfilled)
         self.transport: asyncio.Transport
         self.deadline: Optional[asyncio.TimerHandle] = None
 
@@ -73,6 +76,39 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.owner.door.left(self)
         if self.deadline is not None:
             self.deadline.cancel()
+        self._fail_waiting("closed")
+
+    def landed_by(self, source: int, count: int, nbytes: int) -> asyncio.Future:
+        """Fulfilled once this connection has proven ``source``'s key (its hello may still be on the way)
+        and landed (or drained) ``count`` writes and ``nbytes`` bytes in all; failed with
+        ``ConnectionClosed`` if it closes first (a hello that does not verify closes it)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((source, count, nbytes, fut))
+        if self.dead:
+            self._fail_waiting("closed")
+        self._wake()
+        return fut
+
+    def _wake(self) -> None:
+        if not self.waiting:
+            return
+        still = []
+        for source, count, nbytes, fut in self.waiting:
+            if fut.done():
+                continue
+            proven = self.key is not None and self.source == source
+            if proven and self.landed_count >= count and self.landed_bytes >= nbytes:
+                fut.set_result(None)
+            else:
+                still.append((source, count, nbytes, fut))
+        self.waiting = still
+
+    def _fail_waiting(self, why: str) -> None:
+        waiting, self.waiting = self.waiting, []
+        for _, count, _, fut in waiting:
+            if not fut.done():
+                fut.set_exception(ConnectionClosed(f"the connection {why} after {self.landed_count} of the "
+                                                   f"{count} writes a delivery proof counts", peer=self.peer))
 
     def _expired(self) -> None:
         if self.key is None and not self.dead:
@@ -103,6 +139,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
             self.pos += nbytes
             if self.pos == len(self.target):
                 self._complete()
+        self._wake()
 
     def _feed(self, nbytes: int) -> None:
         """Consume ``nbytes`` of the intake: each state takes what it needs, in order."""
@@ -180,6 +217,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.dead = True
         self.owner.door.left(self)  # (at once: the peer may see the close before ``connection_lost`` runs)
         self.transport.close()
+        self._fail_waiting("was closed")
 
     def _expect_header(self) -> None:
         self.state, self.target, self.pos = "header", memoryview(self.header), 0
@@ -253,6 +291,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
             self.state, self.drain_left = "drain", left
         else:
             self._expect_header()
+        self._wake()
 
     def _on_proof(self) -> None:
         self._expect_header()

@@ -1,7 +1,8 @@
 """TCP frames: the wire format both ends of ``weightsync.engine.transports.tcp`` speak, and a compiled table's frames.
 
 How this works: every frame starts with a 29-byte header ``<BIQQQ`` (op, a, b, c, epoch); the target
-answers a FENCE with an ACK ``<BQQQH`` and error text. ``Frames`` turns a plan's direct rows into ready
+answers a FENCE with an ACK ``<BQQQH`` and error text (and a delivery proof, ``PROOF``, names a
+connection and counts for the target to wait on). ``Frames`` turns a plan's direct rows into ready
 WRITE / WRITE_RUN frames (runs of rows that land back to back go as one frame) grouped into chunks of
 whole frames, each one ``sendmsg``; a round only stamps its epoch into the headers. docs/TRANSPORTS.md
 ("TCP") has the table of frames.
@@ -23,6 +24,12 @@ HEADER = struct.Struct("<BIQQQ")
 ACK = struct.Struct("<BQQQH")
 OP_HELLO, OP_WRITE, OP_FENCE, OP_ACK, OP_CHALLENGE, OP_WRITE_RUN = 0, 1, 2, 3, 4, 5
 MAGIC = 0x57535443_0003  # "WSTC", version 3 (authenticated hello, runs of writes)
+# A delivery proof (``TcpConnection.seal``; it travels in ``writes_done``, not on this stream): the
+# connection's challenge nonce and the writes and bytes issued on it so far. A target that checks them
+# advertises PROOF_TAG in its TransportInfo.data.
+PROOF = struct.Struct("<4s16sQQ")
+PROOF_MAGIC = b"tcpp"
+PROOF_TAG = b"proofs:tcp"
 RUN_SHIFT = 48  # WRITE_RUN: b = offset | rows << RUN_SHIFT
 OFFSET_MASK = (1 << RUN_SHIFT) - 1
 MAX_RUN_ROWS = (1 << (64 - RUN_SHIFT)) - 1
@@ -61,6 +68,7 @@ class Frames:
             nbytes += size
         if views:
             self.chunks.append((views, count, nbytes))
+        self.nbytes = sum(c[2] for c in self.chunks)
         self.epoch = 0
 
     def __repr__(self) -> str:

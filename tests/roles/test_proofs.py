@@ -229,3 +229,24 @@ async def test_auto_hands_each_proof_to_the_transport_that_made_it():
     await conn.close()
     await src.close()
     await dst.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "auto"])
+async def test_a_tcp_round_announces_its_writes_with_a_proof_and_commits_bit_exact(kind):
+    """Over TCP a small round's ``writes_done`` carries a delivery proof (the connection's challenge and
+    the writes issued on it), so it leaves without waiting for the fence's round trip; the receiver
+    waits on its own agent's counts, and the rounds land bit for bit."""
+    from weightsync.engine.transports import tcp
+
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with WatchedController(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightSender(ctl.address, send_t, rank=0, options=SenderOptions(transport=kind)) as sender, \
+            WatchedReceiver(ctl.address, recv_t, rank=0, options=ReceiverOptions(transport=kind)) as receiver:
+        for version in (1, 2, 3):
+            update_in_place(send_t, version)
+            await asyncio.wait_for(await sender.push(version), WATCHDOG)
+            assert mismatches(recv_t, version) == []
+        conn = sender.conns[0]  # (auto hands out its child's connection)
+        magic, nonce, count, nbytes = tcp.PROOF.unpack(receiver.proofs_seen[-1][0])
+        assert (magic, nonce) == (tcp.PROOF_MAGIC, conn.nonce)
+        assert (count, nbytes) == (conn.sent_count, conn.sent_bytes)  # every write of the three rounds

@@ -1,4 +1,5 @@
-"""TCP specifics: mirrors, whole frames, payloads drained when their region closes (engine/transports/tcp.py)."""
+"""TCP specifics: mirrors, whole frames, payloads drained when their region closes, delivery proofs
+(engine/transports/tcp.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import pytest
 import torch
 
+from weightsync.engine.datapath.compiled import CopyRow
 from weightsync.engine.errors import TransportError
+from weightsync.engine.transports import tcp
 from transport_helpers import tcp_pair
 
 WATCHDOG = 20
@@ -74,3 +77,60 @@ async def test_a_payload_still_arriving_when_its_region_closes_is_drained_not_la
         region = dst.regions[0]
         assert landed_before < big and region[big - 1] == 0  # the rest never landed
         assert bytes(region[landed_before:]).count(0) == big - landed_before
+
+
+async def test_a_seal_proves_the_issued_writes_and_the_target_waits_until_they_land():
+    """``seal`` right after ``submit`` (the frame not yet sent: its task has not run): the target's
+    ``await_proofs`` waits until the bytes are in its region, and only for the sender that proved its key
+    on that connection."""
+    async with tcp_pair(64) as (src, dst, conn):
+        done = conn.submit(torch.full((48,), 7, dtype=torch.uint8), 0, 8, 1)
+        proof = conn.seal()
+        assert proof is not None and not done.done()
+        assert await asyncio.wait_for(dst.await_proofs({0: proof}, 10.0), WATCHDOG) == {}
+        assert bytes(dst.regions[0][8:56]) == bytes([7]) * 48
+        wrong = await asyncio.wait_for(dst.await_proofs({3: proof}, 10.0), WATCHDOG)  # another sender cites it
+        assert "sender/0" in wrong[3]
+        forged = tcp.PROOF.pack(tcp.PROOF_MAGIC, bytes(16), 1, 48)  # a challenge no connection has
+        assert "no open connection" in (await dst.await_proofs({0: forged}, 10.0))[0]
+        await done
+        await conn.fence()
+
+
+async def test_writes_cancelled_before_they_are_sent_leave_the_issued_count():
+    """A failed round cancels its queued writes, some before their task ever ran: a later proof must
+    count only what was sent, or the receiver would wait for writes that never come."""
+    async with tcp_pair(64) as (src, dst, conn):
+        ops = [conn.submit(torch.full((8,), i, dtype=torch.uint8), 0, 8 * i, 1) for i in range(4)]
+        replayed = conn.replay(conn.compile([CopyRow("r", torch.ones(8, dtype=torch.uint8), 0, 32, 8)]), 1)
+        for op in ops[1:] + replayed:
+            op.cancel()
+        await asyncio.gather(*ops, *replayed, return_exceptions=True)
+        assert (conn.issued_count, conn.issued_bytes) == (conn.sent_count, conn.sent_bytes) == (1, 8)
+        await conn.write(torch.full((8,), 5, dtype=torch.uint8), 0, 56, 2)
+        assert await asyncio.wait_for(dst.await_proofs({0: conn.seal()}, 10.0), WATCHDOG) == {}
+        await conn.fence()
+
+
+async def test_a_proof_fails_at_once_when_its_connection_closes():
+    """Writes a proof counts that can never arrive (the sender's connection is gone) fail the wait when
+    the target sees the close, not at the proof timeout."""
+    async with tcp_pair(64) as (src, dst, conn):
+        proof = tcp.PROOF.pack(tcp.PROOF_MAGIC, conn.nonce, 1, 8)  # one write more than will ever come
+        waiting = asyncio.ensure_future(dst.await_proofs({0: proof}, 600.0))
+        await conn.close()
+        failed = await asyncio.wait_for(waiting, WATCHDOG)
+        assert "closed" in failed[0]
+
+
+async def test_a_lane_seals_early_only_up_to_the_early_seal_bytes(monkeypatch):
+    """Past ``EARLY_SEAL_BYTES`` since the last fence a connection does not seal (``writes_done`` then
+    follows the fence, as without proofs): a verdict must not wait on bulk data still on the link."""
+    monkeypatch.setattr(tcp, "EARLY_SEAL_BYTES", 16)
+    async with tcp_pair(64) as (src, dst, conn):
+        await conn.write(torch.ones(16, dtype=torch.uint8), 0, 0, 1)
+        assert conn.seal() is not None
+        await conn.write(torch.ones(8, dtype=torch.uint8), 0, 16, 1)
+        assert conn.seal() is None
+        await conn.fence()
+        assert conn.seal() is not None  # (counted from the fence)
