@@ -129,6 +129,13 @@ class Seals:
 
 
 WRITTEN_CHECKSUMS = ("fp64",)  # checksums the launches writing in place compute themselves (``fp8_kernel``)
+# Device types whose launches writing in place may fingerprint what they write in a checked round. Not
+# CUDA: the compiled Triton kernel's fingerprints of its FP8 weights differ from ``fp64`` of the bytes it
+# wrote on an H200 (its scales' agree; under Triton's interpreter both do), so a checked round would fail
+# every verification (tests/e2e/test_gpu.py::test_the_fp8_kernels_weight_fingerprints_equal_fp64_on_the_gpu,
+# an expected failure until they agree). There a checked round stages those rows; their bytes are
+# fingerprinted like any staged row's.
+PRINTED_IN_PLACE = frozenset({"cpu"})
 
 
 class WrittenPrints:

@@ -57,8 +57,8 @@ from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
 from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
 from .delta_staging import as_delta, as_deltas, hand_over
-from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints, prints, replay,
-                    submit_written)
+from .lanes import (PRINTED_IN_PLACE, WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints,
+                    prints, replay, submit_written)
 from .staging import SourceSet, Staged, StagingPool
 from .writer import Writer
 
@@ -95,6 +95,8 @@ class Pipeline:
         self.pool = pool or StagingPool()
         self.budget = ByteBudget(options.max_inflight_bytes)  # replaced per run: a failed run leaks nothing
         self.compiler = RoundCompiler()
+        self._written_split: tuple = ((), ((), ()))  # (the lanes' written rows, split by device): ``_written``
+        self._source_devices = frozenset(v.device.type for v in self.sources.tensors.values())
         self.runs = 0
 
     def __repr__(self) -> str:
@@ -126,7 +128,7 @@ class Pipeline:
         seals = Seals(len(lanes), lambda: on_sealed(PushReport(reports, time.perf_counter() - start))
                        if on_sealed is not None else None)
         try:
-            launched = await self._write_all([t for lane in lanes.values() for t in lane.written])
+            launched = await self._write_all(self._written(lanes))
             mark("pipeline:written")
             prints = WrittenPrints(self.sources.transforms.prints, launched)
             await run_all(self._lane(conns[r], lane, lane.staged, reports[r], epoch, slots.get(r, 0),
@@ -154,21 +156,36 @@ class Pipeline:
 
         def resolve(t: Transfer, device) -> Optional[int]:
             conn = direct.get(t.dst_rank)
-            slot = slots.get(t.dst_rank, 0)
-            return None if conn is None else conn.address(t.dst_region + slot, t.dst_offset, t.nbytes, device)
-        return resolve, (tuple(sorted(slots.items())),
+            if conn is None or (checksum and device.type not in PRINTED_IN_PLACE):
+                return None
+            return conn.address(t.dst_region + slots.get(t.dst_rank, 0), t.dst_offset, t.nbytes, device)
+        staged = bool(checksum) and not self._source_devices <= PRINTED_IN_PLACE
+        return resolve, (tuple(sorted(slots.items())), staged,  # (checked rounds stage such sources' rows)
                          tuple(sorted((r, id(c), c.generation) for r, c in direct.items())))
 
-    async def _write_all(self, rows: list[Transfer]) -> dict:
-        """Launch the quantizations of every lane's rows written in place, once each (one launch per
-        group, ``TransformSet.write_all``): on the loop for CUDA sources (launches return at once), in
-        a worker thread for CPU ones. -> per source device, the event after its last launch."""
-        if not rows:
+    def _written(self, lanes: Mapping[int, CompiledLane]) -> tuple[tuple, tuple]:
+        """Every lane's rows written in place, split by their sources' device (CUDA, host): the same two
+        objects every round of the same compiled lanes (``TransformSet.write_all`` keeps what it works out
+        for a rows object)."""
+        parts = tuple(lane.written for lane in lanes.values() if lane.written)
+        kept_parts, split = self._written_split
+        if len(parts) != len(kept_parts) or any(a is not b for a, b in zip(parts, kept_parts)):
+            cuda, host = [], []
+            for t in (t for part in parts for t in part):
+                (cuda if self.sources.known_view(t).device.type == "cuda" else host).append(t)
+            split = (tuple(cuda), tuple(host))
+            self._written_split = (parts, split)
+        return split
+
+    async def _write_all(self, rows: tuple[tuple, tuple]) -> dict:
+        """Launch the quantizations of every lane's rows written in place (``_written``: CUDA sources,
+        host ones), once each (one launch per group, ``TransformSet.write_all``): on the loop for CUDA
+        sources (launches return at once), in a worker thread for CPU ones. -> per source device, the
+        event after its last launch."""
+        cuda, host = rows
+        if not cuda and not host:
             return {}
         transforms = self.sources.transforms
-        cuda, host = [], []
-        for t in rows:
-            (cuda if self.sources.known_view(t).device.type == "cuda" else host).append(t)
         launched = transforms.write_all(cuda) if cuda else {}
         if host:
             launched.update(await asyncio.to_thread(transforms.write_all, host))

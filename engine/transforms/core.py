@@ -80,6 +80,7 @@ class TransformSet(InPlace):
         self.pending: Counter = Counter()  # quantization key -> rows of this round still to ask for it
         self.kept: dict[tuple, tuple] = {}  # key -> (weight, scale_inv, CUDA event or None) still wanted
         self.groups: dict[tuple, list[tuple[Transfer, torch.Tensor]]] = {}  # key -> its group's (row, source view)
+        self._written_by_token: dict = {}  # token -> (rows, batches, keys): ``InPlace.write_all``'s, prepared
         self.quantized = 0
         self.rounds = 0
         self._table: object = None  # the routing table planned below (the same object every round of a plan)
@@ -165,6 +166,7 @@ class TransformSet(InPlace):
         self._cost = {k: sum(rows_bytes[self._key_of[id(row)]] for row, _ in self.groups[k]) if k in self.groups
                       else rows_bytes[k] for k in self._wanted}
         self.quantizer.forget()
+        self._written_by_token = {}
         self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
     def _key(self, t: Transfer):

@@ -118,6 +118,7 @@ class Batch:
         if dests is not None and (len(dests) != len(xs) or any(s_at % 4 for _, s_at in dests)):
             raise ValueError("a quantization batch needs one (weight, 4-aligned scales) address per tensor")
         self.xs, self.block, self.dests, self.fingerprint = list(xs), block, dests, fingerprint
+        self.given = xs  # (a caller that passes the same list every round is matched at once: ``matches``)
         self.prints: Optional[torch.Tensor] = None  # int64 [tensors, 2 (weight, scales), 2 (low, high halves)]
         self.device, self.dtype = xs[0].device, xs[0].dtype
         if self.dtype not in _IN_TYPES:
@@ -155,6 +156,8 @@ class Batch:
         return f"<Batch {len(self.xs)} tensors, {len(self.launches)} launches, {self.q_total} fp8 bytes>"
 
     def matches(self, xs: list[torch.Tensor]) -> bool:
+        if xs is self.given:  # (``InPlace.write_all`` passes its prepared list, a plan's fixed views)
+            return True
         return len(xs) == len(self.xs) and all(
             a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
             for a, b in zip(xs, self.xs))

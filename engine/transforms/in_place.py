@@ -77,9 +77,32 @@ class InPlace:
         one ``Quantizer.many`` (its groups merged: written in place, they hold no buffer, so nothing bounds
         a launch but the kernel's table; a launch per 64 tensors and class, instead of one per group: the
         host's cost of a round of written rows was its launches). The rows are not staged
-        (``weightsync.engine.datapath.compiled``), so nothing is kept for them. -> per source device, the
-        event after its launches (None on the CPU: written on return). Blocking on the CPU."""
-        batches: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # (device, dtype, block) -> [(key, matrix)]
+        (``weightsync.engine.datapath.compiled``), so nothing is kept for them. What the launches take
+        (tensors, destinations) is worked out once per ``rows`` object and token (``_written_batches``:
+        a compiled round passes the same rows every round). -> per source device, the event after its
+        launches (None on the CPU: written on return). Blocking on the CPU."""
+        batches, launched = self._written_batches(rows)
+        last: dict[torch.device, Optional[torch.cuda.Event]] = {}
+        for (device, dtype, block), batch in batches.items():
+            if device.type == "cuda":
+                stream = self._side_stream(device)
+                self._after_producer(stream, device)
+                with torch.cuda.stream(stream):
+                    last[device] = self._write_batch(batch, device, dtype, block)
+            else:
+                last[device] = self._write_batch(batch, device, dtype, block)
+        for k in launched:
+            self.kept.pop(k, None)
+        return last
+
+    def _written_batches(self, rows) -> tuple[dict, tuple]:
+        """``rows``' quantizations by (source device, dtype, block): each batch's keys, source matrices,
+        destinations and (weight, scales) table indexes; and every key launched. Kept per ``rows`` object
+        and token (the sources are a plan's fixed views; the token names the destinations)."""
+        kept = self._written_by_token.get(self._token)
+        if kept is not None and kept[0] is rows:
+            return kept[1], kept[2]
+        batches: dict[tuple, tuple[list, list, list, list]] = {}  # (device, dtype, block) -> keys, xs, dests, pairs
         launched: set = set()
         for t in rows:
             key = self._key(t)
@@ -93,30 +116,27 @@ class InPlace:
             members = ([(self._key(row), self._head(row, v)) for row, v in group] if group is not None
                        else [(key, quant_matrix(t, self._head(t, view), block))])
             for k, x in members:
-                batches.setdefault((view.device, x.dtype, block), []).append((k, x))
+                keys, xs, dests, pairs = batches.setdefault((view.device, x.dtype, block), ([], [], [], []))
+                keys.append(k)
+                xs.append(x)
+                dests.append(self._dests[k])
+                pairs.append(self._pair_of(k))
             launched.update(k for k, _ in members)
-        last: dict[torch.device, Optional[torch.cuda.Event]] = {}
-        for (device, dtype, block), members in batches.items():
-            if device.type == "cuda":
-                stream = self._side_stream(device)
-                self._after_producer(stream, device)
-                with torch.cuda.stream(stream):
-                    last[device] = self._write_batch(members, device, dtype, block)
-            else:
-                last[device] = self._write_batch(members, device, dtype, block)
-        for k in launched:
-            self.kept.pop(k, None)
-        return last
+        if len(self._written_by_token) >= 8:  # (tokens come and go as lanes go in and out of delta mode)
+            self._written_by_token.clear()
+        frozen = {where: (keys, xs, tuple(dests), pairs) for where, (keys, xs, dests, pairs) in batches.items()}
+        self._written_by_token[self._token] = (rows, frozen, tuple(launched))
+        return frozen, tuple(launched)
 
-    def _write_batch(self, members: list, device: torch.device, dtype: torch.dtype, block: int):
-        """One ``Quantizer.many`` storing ``members``' outputs where ``_dests`` says (fingerprinted in
+    def _write_batch(self, batch: tuple, device: torch.device, dtype: torch.dtype, block: int):
+        """One ``Quantizer.many`` storing the batch's outputs at its destinations (fingerprinted in
         ``fp64`` rounds: ``prints``); its event on CUDA (queued on the current stream: the side stream)."""
-        keys = [k for k, _ in members]
+        keys, xs, dests, pairs = batch
         fingerprint = self.fingerprint
-        prints = self.quantizer.many([x for _, x in members], block, reuse=("written", device, dtype, block),
-                                     dests=[self._dests[k] for k in keys], fingerprint=fingerprint)
+        prints = self.quantizer.many(xs, block, reuse=("written", device, dtype, block), dests=dests,
+                                     fingerprint=fingerprint)
         if fingerprint:
-            self.prints.append((prints, [self._pair_of(k) for k in keys]))
+            self.prints.append((prints, pairs))
         self.written += 2 * len(keys)
         self.quantized += len(keys)
         if device.type != "cuda":
