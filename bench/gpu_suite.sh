@@ -94,7 +94,7 @@ esac
 for c in "${cases[@]}"; do
   set -- $c
   for m in "--model empty --no-broadcast" "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
-           "--model qwen2.5-7b --fp8 --no-broadcast"; do
+           "--model qwen2.5-7b --fp8 --no-broadcast" "--model qwen2.5-7b --fp8 --no-broadcast --full-check-every 8"; do
     timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 11 --json 2>>"$out/transfer_mn.log" | tail -n 1
   done
 done > "$out/transfer_mn_$part.jsonl"

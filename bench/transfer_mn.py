@@ -198,7 +198,7 @@ async def engine(case: Case, link) -> dict:
     from weightsync.roles.admission import participants
 
     options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link, delta="off", spin=case.spin,
-                                full_check_every=0)  # dense rounds of the data path alone
+                                full_check_every=case.full_check_every)  # (0, the default here: the data path alone)
     procs = Procs()
     try:
         async with Controller(senders=case.senders, receivers=case.receivers, options=options) as ctl:
@@ -232,6 +232,7 @@ async def engine(case: Case, link) -> dict:
         "learned_s": [(r.predicted_s, r.seconds) for r in (settled or reports[1:]) if r.predicted_s > 0],
         "rounds_timing_ways": len(reports) - 1 - len(settled),
         "ok": all(r.ok for r in reports) and not bad,
+        "checked_rounds": sum(1 for r in reports if r.stages.get("receiver_verify_max", 0) > 0),
         "mismatches": bad,
         "nbytes": reports[-1].nbytes,
         "transfers": routing.transfer_count,
@@ -411,6 +412,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
         "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": {None: "auto", True: "on", False: "off"}[case.spin],
+        "full_check_every": case.full_check_every, "checked_rounds": eng["checked_rounds"],
         "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
         "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
@@ -545,6 +547,9 @@ def main(argv=None) -> int:
                     help="processes poll their event loops while a round is open (ControllerOptions / WorkerOptions.spin; "
                          "auto, the default: where tensors are on a GPU)")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
+    ap.add_argument("--full-check-every", type=int, default=0, metavar="N",
+                    help="end-to-end checks every N rounds, as ControllerOptions.full_check_every (default 0: none, "
+                         "the data path alone; the product's default is 8)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
@@ -553,7 +558,8 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 2 (the first is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
-                kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None)
+                kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None,
+                full_check_every=args.full_check_every)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))

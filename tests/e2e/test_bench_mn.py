@@ -40,9 +40,12 @@ def test_two_fsdp_trainers_to_two_tp_ranks_colocated_beside_the_broadcast_baseli
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_four_fsdp_trainers_to_two_fp8_tp_ranks_on_a_moe_shape():
-    r = _bench("--senders", "4", "--receivers", "2", "--model", "tiny-moe", "--fp8", "--rounds", "2",
-               "--no-broadcast")  # (make bench-mn runs this case beside the broadcast)
+    """Every round verified end to end (``--full-check-every 1``: what the product checks every 8th round)
+    and committed: the bench measures rounds as users run them when asked to."""
+    r = _bench("--senders", "4", "--receivers", "2", "--model", "tiny-moe", "--fp8", "--rounds", "3",
+               "--no-broadcast", "--full-check-every", "1")  # (make bench-mn runs this case beside the broadcast)
     assert r["case"] == "4 -> 2 disaggregated" and r["fp8"]
+    assert r["full_check_every"] == 1 and r["checked_rounds"] == 3 and r["rounds_measured"] == 2
     assert r["bit_exact"]  # FP8 weights within the block-FP8 bound, everything else equal
     assert r["transfers"] > 200  # per-expert tensors: hundreds of writes a round
     assert "broadcast_ms" not in r
