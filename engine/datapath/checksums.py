@@ -215,7 +215,6 @@ def _range(v: torch.Tensor) -> Optional[tuple[int, int, int, int]]:
 
 
 @functools.lru_cache(maxsize=16)
-@functools.lru_cache(maxsize=8)
 def _fingerprints(ranges: tuple, device: torch.device):
     """The prepared launch for ``ranges``, kept: a plan's rows come back every full check (a sender's
     lanes, a two-slot receiver's two slots), and their tables then cost nothing to make again. A launch

@@ -157,7 +157,7 @@ class RoundCompiler:
             for t in (transfers if order is None else order):
                 self._by_rank.setdefault(t.dst_rank, []).append(t)
             self._table = transfers if isinstance(transfers, tuple) else None  # (a list may change: never cached)
-        shape = "" if checksum in FINGERPRINTED else checksum  # (fingerprinted rows compile as unchecked ones)
+        compiles_as = "" if checksum in FINGERPRINTED else checksum  # (fingerprinted rows compile as unchecked ones)
         missing = sorted(set(self._by_rank) - set(conns))
         if missing:
             raise ConfigError("connections", f"no connection to receivers {missing}")
@@ -165,11 +165,11 @@ class RoundCompiler:
         for rank, rows in sorted(self._by_rank.items()):
             conn, slot = conns[rank], slots.get(rank, 0)
             compiled = enabled and rank not in staged_lanes
-            key = (rank, slot, shape, compiled, conn.generation, token)
+            key = (rank, slot, compiles_as, compiled, conn.generation, token)
             used.add(key)
             entry = self._cache.get(key)
             if entry is None or entry[0] is not conn:  # (the object itself: a closed one's id may be reused)
-                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, shape, compiled))
+                entry = self._cache[key] = (conn, compile_lane(rows, sources, conn, slot, compiles_as, compiled))
                 self.compiles += 1
                 self.written += len(entry[1].written)
             out[rank] = entry[1]

@@ -81,6 +81,7 @@ class TransformSet(InPlace):
         self.kept: dict[tuple, tuple] = {}  # key -> (weight, scale_inv, CUDA event or None) still wanted
         self.groups: dict[tuple, list[tuple[Transfer, torch.Tensor]]] = {}  # key -> its group's (row, source view)
         self._written_by_token: dict = {}  # token -> (rows, batches, keys): ``InPlace.write_all``'s, prepared
+        # (kept and dropped with ``_dests_by_token``: made from that token's destinations)
         self.quantized = 0
         self.rounds = 0
         self._table: object = None  # the routing table planned below (the same object every round of a plan)
@@ -136,6 +137,7 @@ class TransformSet(InPlace):
         elif token != self._token:  # (kept per token: a shadow receiver's two landing slots alternate)
             if token not in self._dests_by_token and len(self._dests_by_token) >= 8:
                 self._dests_by_token.clear()
+                self._written_by_token.clear()
             self._dests = self._dests_by_token.setdefault(token, {})
         self._view_of, self._resolve, self._token = view_of, resolve, token
         self.pending = self._wanted.copy()
@@ -156,7 +158,7 @@ class TransformSet(InPlace):
         for t in transfers:
             if "fp8" in t.transform:
                 self._rows_of.setdefault(self._key_of[id(t)], []).append(t)
-        self._dests, self._dests_by_token = {}, {}
+        self._dests, self._dests_by_token, self._written_by_token = {}, {}, {}
         groups = plan_quant_groups(transfers, view_of, frozenset(self.custom), self.group_devices, self.group_bytes)
         self.groups = {numbers[key]: group for key, group in groups.items()}
         rows_bytes: Counter = Counter()  # key -> bytes of all its rows (weight and scales)
@@ -166,7 +168,6 @@ class TransformSet(InPlace):
         self._cost = {k: sum(rows_bytes[self._key_of[id(row)]] for row, _ in self.groups[k]) if k in self.groups
                       else rows_bytes[k] for k in self._wanted}
         self.quantizer.forget()
-        self._written_by_token = {}
         self._table = transfers  # (kept alive here, so the ids above stay its rows')
 
     def _key(self, t: Transfer):

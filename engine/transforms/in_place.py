@@ -122,8 +122,6 @@ class InPlace:
                 dests.append(self._dests[k])
                 pairs.append(self._pair_of(k))
             launched.update(k for k, _ in members)
-        if len(self._written_by_token) >= 8:  # (tokens come and go as lanes go in and out of delta mode)
-            self._written_by_token.clear()
         frozen = {where: (keys, xs, tuple(dests), pairs) for where, (keys, xs, dests, pairs) in batches.items()}
         self._written_by_token[self._token] = (rows, frozen, tuple(launched))
         return frozen, tuple(launched)
