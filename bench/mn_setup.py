@@ -39,7 +39,7 @@ class Case:
     pitched_kernel: bool = True  # cuda_ipc: pitched rows in one descriptor-table launch (TransportOptions)
     peer_copies: str = "fastest"  # cuda_ipc: rows into another GPU by "kernel", "dma" or the "fastest" (TransportOptions)
     kernel_grid: Optional[tuple[float, float]] = None  # cuda_ipc copy kernels' programs per SM (None: TransportOptions')
-    full_check_every: int = 0  # the controller's end-to-end checks (0: none, the data path alone; the product's default is 8)
+    full_check_every: int = 8  # the controller's end-to-end checks (the product's default; 0: none, the data path alone)
 
     def sender_device(self, rank: int) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{rank}"

@@ -22,8 +22,10 @@ Rows, measured in one run:
   plus the per-round cost the model missed so far): ``learned_predicted_ms``, ``learned_over_engine_ratio``
   (median of prediction / round) and ``learned_worst_error`` (the worst |prediction / round - 1|).
 - **engine**: full rounds through the public API (Controller in this process; WeightSender on each
-  FSDP2 rank; WeightReceiver on each TP rank; begin -> commit acknowledged), median of the rounds after
-  the first (which plans, registers and compiles). Bit-exact against tensors built here with plain
+  FSDP2 rank; WeightReceiver on each TP rank; begin -> commit acknowledged), median (``engine_ms``) and
+  mean (``engine_mean_ms``) of the rounds after the first two (each landing slot's first: it registers,
+  opens and compiles; ``first_rounds_ms``), with the product's checks (``--full-check-every 8``: every
+  8th round reads the model on both sides; ``checked_rounds`` counts them). Bit-exact against tensors built here with plain
   torch (cat, chunk) from the same seeds; FP8 weights within the block-FP8 error bound.
 - **broadcast**: what verl / slime do: trainer rank 0 broadcasts every full tensor, one collective per
   tensor, to every inference rank (NCCL on GPUs, gloo on the CPU), which keeps its TP slice (a copy).
@@ -76,6 +78,7 @@ from mn_setup import (  # noqa: E402  (the case, the model and its oracle, proce
 from transfer_gpu import _median_timeline, _profiled, write_profile  # noqa: E402
 
 BUCKET = 512 << 20  # the bucketed broadcast's bucket (verl, slime)
+WARM_ROUNDS = 2  # rounds not counted: each landing slot's first
 
 
 # --- engine processes ------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ async def engine(case: Case, link) -> dict:
     from weightsync.roles.admission import participants
 
     options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link, delta="off", spin=case.spin,
-                                full_check_every=case.full_check_every)  # (0, the default here: the data path alone)
+                                full_check_every=case.full_check_every)  # (8 by default: the product's checks)
     procs = Procs()
     try:
         async with Controller(senders=case.senders, receivers=case.receivers, options=options) as ctl:
@@ -225,12 +228,15 @@ async def engine(case: Case, link) -> dict:
     by_receiver = {r: got for kind, r, got in done if kind == "receiver"}  # (mismatched names, marks)
     bad = {f"receiver {r}": got[0] for r, got in sorted(by_receiver.items()) if got[0]}
     # rounds whose every link into another GPU ran its chosen way (none still timed after the round before)
-    settled = [r for r in reports[1:] if not any(s["trying"].get(r.version - 1, False) for s in by_sender.values())]
+    # (the first two rounds are each landing slot's first: registration, IPC opening, compiling, 0.05-0.5 s)
+    counted = reports[WARM_ROUNDS:]
+    settled = [r for r in counted if not any(s["trying"].get(r.version - 1, False) for s in by_sender.values())]
     return {
-        "round_s": [r.seconds for r in (settled or reports[1:])],
+        "round_s": [r.seconds for r in (settled or counted)],
+        "first_rounds_ms": [round(r.seconds * 1e3, 3) for r in reports[:WARM_ROUNDS]],
         # (each made by the controller before its round, from the rounds before: roles.costs)
-        "learned_s": [(r.predicted_s, r.seconds) for r in (settled or reports[1:]) if r.predicted_s > 0],
-        "rounds_timing_ways": len(reports) - 1 - len(settled),
+        "learned_s": [(r.predicted_s, r.seconds) for r in (settled or counted) if r.predicted_s > 0],
+        "rounds_timing_ways": len(counted) - len(settled),
         "ok": all(r.ok for r in reports) and not bad,
         "checked_rounds": sum(1 for r in reports if r.stages.get("receiver_verify_max", 0) > 0),
         "mismatches": bad,
@@ -413,6 +419,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
         "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": {None: "auto", True: "on", False: "off"}[case.spin],
         "full_check_every": case.full_check_every, "checked_rounds": eng["checked_rounds"],
+        "first_rounds_ms": eng["first_rounds_ms"],
         "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
         "bandwidth_gbps": {"across": round(link.host_bw / 1e9, 2), "local": round(link.local_bw / 1e9, 2)},
@@ -420,7 +427,9 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "predicted_ms": round(eng["predicted_s"] * 1e3, 3),
         "engine_ms": round(engine_s * 1e3, 3),
         "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
+        "engine_mean_ms": round(statistics.mean(eng["round_s"]) * 1e3, 3),  # (checked rounds included)
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
+        "engine_mean_over_bound_ratio": round(statistics.mean(eng["round_s"]) / eng["bound_s"], 3),
         **({"quantize_bound_ms": round(eng["quantize_bound_s"] * 1e3, 3),
             "engine_over_quantize_bound_ratio": round(engine_s / eng["quantize_bound_s"], 3)}
            if case.fp8 and case.device == "cuda" and eng["quantize_bound_s"] else {}),
@@ -547,15 +556,15 @@ def main(argv=None) -> int:
                     help="processes poll their event loops while a round is open (ControllerOptions / WorkerOptions.spin; "
                          "auto, the default: where tensors are on a GPU)")
     ap.add_argument("--ckpt", action="store_true", help="run checkpoint-engine beside it (bench/peer_ckpt.py; CUDA)")
-    ap.add_argument("--full-check-every", type=int, default=0, metavar="N",
-                    help="end-to-end checks every N rounds, as ControllerOptions.full_check_every (default 0: none, "
-                         "the data path alone; the product's default is 8)")
+    ap.add_argument("--full-check-every", type=int, default=8, metavar="N",
+                    help="end-to-end checks every N rounds, as ControllerOptions.full_check_every (default 8, the "
+                         "product's; 0: none, the data path alone)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
     args = ap.parse_args(argv)
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (the first is not counted)")
+    if args.rounds <= WARM_ROUNDS:
+        ap.error(f"--rounds must be more than {WARM_ROUNDS} (each landing slot's first round is not counted)")
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
                 kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
+import threading
 from typing import Any, Awaitable, Callable, Coroutine, Generic, Iterable, Optional, TypeVar
 
 T = TypeVar("T")
@@ -222,35 +224,45 @@ class AsyncResource:
 
 
 class Spinner:
-    """Keeps the event loop polling instead of sleeping while someone holds it: a message or a
-    completion that arrives meanwhile is picked up at the next loop iteration, not after the
-    thread wakes from an idle ``epoll`` (hundreds of microseconds on the GPU machine,
-    docs/TRANSPORTS.md). Costs one busy core while held; ``hold``/``release`` nest."""
+    """Keeps a process ready while someone holds it (a round is open): its event loop polls instead of
+    sleeping (``enabled``), so a message or a completion that arrives meanwhile is picked up at the next
+    loop iteration, not after the thread wakes from an idle ``epoll`` (hundreds of microseconds on the
+    GPU machine, docs/TRANSPORTS.md; costs one busy core while held), and Python's cyclic garbage
+    collector waits (``Collector``: a full collection of a process holding torch took 50-250 ms, and
+    one that fell inside a checked round stalled it that long). ``hold``/``release`` nest."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, collector: bool = True) -> None:
         self.enabled = enabled
+        self.collector = collector
         self.holders = 0
         self.held = 0  # times held
         self.spins = 0  # loop iterations spent polling
         self._task: Optional[asyncio.Task] = None
 
     def __repr__(self) -> str:
-        return f"<Spinner enabled={self.enabled} holders={self.holders} held={self.held} spins={self.spins}>"
+        return (f"<Spinner enabled={self.enabled} holders={self.holders} held={self.held} spins={self.spins} "
+                f"collector_paused={Collector.paused()}>")
 
     def hold(self) -> None:
-        if not self.enabled:
+        if not self.enabled and not self.collector:
             return
         self.holders += 1
         self.held += 1
-        if self._task is None or self._task.done():
+        if self.collector:
+            Collector.pause(1)
+        if self.enabled and (self._task is None or self._task.done()):
             self._task = asyncio.ensure_future(self._spin())
 
     def release(self) -> None:
-        if self.enabled and self.holders > 0:
+        if self.holders > 0:
             self.holders -= 1
+            if self.collector:
+                Collector.resume(1)
 
     def cancel(self) -> None:
-        self.holders = 0
+        held, self.holders = self.holders, 0
+        if self.collector:
+            Collector.resume(held)
         if self._task is not None:
             self._task.cancel()
 
@@ -258,6 +270,38 @@ class Spinner:
         while self.holders > 0:
             self.spins += 1
             await asyncio.sleep(0)
+
+
+class Collector:
+    """Python's cyclic garbage collector (``gc``), paused while any holder in the process holds it (one
+    per open round of each controller and worker, threads included) and enabled again when the last one
+    lets go, unless it was disabled before the first. Reference counting frees everything else as
+    usual; cycles made meanwhile are collected after."""
+
+    _lock = threading.Lock()
+    _holds = 0
+    _enable_after = False
+
+    @classmethod
+    def pause(cls, n: int) -> None:
+        with cls._lock:
+            if cls._holds == 0:
+                cls._enable_after = gc.isenabled()
+                gc.disable()
+            cls._holds += n
+
+    @classmethod
+    def resume(cls, n: int) -> None:
+        if n <= 0:
+            return
+        with cls._lock:
+            cls._holds = max(0, cls._holds - n)
+            if cls._holds == 0 and cls._enable_after:
+                gc.enable()
+
+    @classmethod
+    def paused(cls) -> int:
+        return cls._holds
 
 
 def install_uvloop() -> bool:

@@ -93,6 +93,7 @@ class WeightReceiver(Worker):
             memory_exchange(self.device)  # (on a torch without the binding, its layout probe runs now, not
             #                                in the first commit)
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
+        self._prints: dict = {}  # the checked rounds' fp64 launch per landing slot (``verify.checksums``)
         self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
         self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
         self.deltas = DeltaLanding(options.delta_fraction, self.nbytes, self.device)
@@ -206,6 +207,7 @@ class WeightReceiver(Worker):
         self.plan_error = None
         await self._settle_prepared(env.body.committed)
         self.table = env.body.receiver
+        self._prints = {}  # (another table's launches: dropped)
         self._expected: dict[int, tuple[int, int]] = {}  # sender -> (writes, bytes), fixed for this plan
         for e in self.table.entries:
             count, nbytes = self._expected.get(e.src_rank, (0, 0))
@@ -295,7 +297,7 @@ class WeightReceiver(Worker):
         verify_s = 0.0
         if not problems and self._algo:
             t2 = time.perf_counter()
-            bad = await verify.checksums(self.table, self.landing.storage, self._algo, body.checksums)
+            bad = await verify.checksums(self.table, self.landing.storage, self._algo, body.checksums, self._prints)
             verify_s = time.perf_counter() - t2
             if bad:
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")

@@ -15,11 +15,11 @@ sender's checksum (when the round asked for them). Each names the parameters aff
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 
-from weightsync.engine.datapath.checksums import checksum, fp64_many_async
+from weightsync.engine.datapath.checksums import ManyPrints, checksum
 from weightsync.engine.datapath.delta_checks import named
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
@@ -89,17 +89,30 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
 
 
 async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
-                    summaries: tuple[m.WriteSummary, ...]) -> list[str]:
+                    summaries: tuple[m.WriteSummary, ...], kept: Optional[dict] = None) -> list[str]:
     """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8),
     and those a sender gave no checksum for (a round that verifies verifies every row: a row left out
     would pass unchecked): ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop
-    polls for; other checksums on a worker thread."""
+    polls for; other checksums on a worker thread. ``kept``: where the ``fp64`` launch over a table's
+    landing pieces is kept between rounds (per landing memory, a two-slot receiver's two; the owner
+    empties it when its table changes, so it never holds memory a plan let go of)."""
     expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
-    missing = {e.name for e in table.entries if (e.src_rank, e.index) not in expected}
-    entries = [e for e in table.entries if (e.src_rank, e.index) in expected]
-    pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
+    entries = table.entries
+    missing: set[str] = set()
+    if len(expected) != len(entries) or any((e.src_rank, e.index) not in expected for e in entries):
+        missing = {e.name for e in entries if (e.src_rank, e.index) not in expected}
+        entries = tuple(e for e in entries if (e.src_rank, e.index) in expected)
     if algo == "fp64":
-        values = await fp64_many_async(pieces)
+        key = (landing.data_ptr(), len(entries))
+        table_of, many = kept.get(key, (None, None)) if kept is not None else (None, None)
+        if table_of is not table:
+            many = ManyPrints([landing[e.offset:e.offset + e.nbytes] for e in entries])
+            if kept is not None:
+                if any(t is not table for t, _ in kept.values()):
+                    kept.clear()  # (another table's: its landing memory is not held past it)
+                kept[key] = (table, many)
+        values = await many.values_async()
     else:
+        pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
         values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
     return sorted(missing | {e.name for e, value in zip(entries, values) if value != expected[e.src_rank, e.index]})

@@ -4,7 +4,8 @@ Triton compiles a kernel on its first launch in a process: a tenth of a second o
 once its disk cache holds it). Inside a round that is a spike no transfer explains: the first full
 check of a dense run took 0.2 s for 8 ms of copies on 2 x H200 until the fingerprint kernel was
 compiled at start. ``warm(widths)`` launches each kernel once on a few bytes of every device named
-(``widths``: device -> the value widths of its tensors): the ``fp64`` word kernel (full checks), and
+(``widths``: device -> the value widths of its tensors): the ``fp64`` kernels (full checks: words and
+bytes, dense and pitched), and
 with ``deltas`` the delta encoder (senders) or the check and apply (receivers) for widths of 1, 2 and
 4 bytes. Blocking: call it off the event loop. Errors are left to the round (it falls back itself).
 """
@@ -26,11 +27,20 @@ def warm(widths: Mapping[torch.device, set[int]], deltas: str = "") -> None:
 
     for device, sizes in widths.items():
         try:
-            fp64_many([torch.zeros(256, dtype=torch.int32, device=device)])
+            fp64_many(_fp64_classes(device))
             if deltas:
                 _deltas(device, sorted(w for w in sizes if w in WIDTHS), deltas)
         except Exception as exc:  # (no Triton here: the rounds take their fallbacks)
             log.info("weightsync: kernels not compiled ahead on %s: %r", device, exc)
+
+
+def _fp64_classes(device: torch.device) -> list[torch.Tensor]:
+    """A view of each class the ``fp64`` kernels specialise on: whole words dense and pitched, bytes
+    dense and pitched (a receiver's landing pieces and a sender's sources may be any of them; the first
+    full check of a two-slot receiver's second slot compiled one in a round, 0.2-0.5 s)."""
+    words = torch.zeros(64, 64, dtype=torch.int32, device=device)
+    raw = words.view(torch.uint8)
+    return [words, words[:, :32], raw.reshape(-1)[1:258], raw[:, 1:8]]
 
 
 def _deltas(device: torch.device, widths: list[int], side: str) -> None:

@@ -22,8 +22,8 @@ from weightsync.wire import Transfer
 from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
 
 from ..transport import Connection
-from .checksums import fp64_many_async
-from .compiled import CompiledLane, CopyRow
+from .checksums import ManyPrints
+from .compiled import CompiledLane
 from .staging import Staged
 
 
@@ -72,17 +72,20 @@ def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int)
     return ops
 
 
-async def fingerprints(rows: Sequence[CopyRow]) -> list[Checksum]:
-    """The ``fp64`` of compiled rows' sources, all in one pass (``prints``)."""
-    return await prints([(r.index, r.src) for r in rows])
+async def fingerprints(lane: CompiledLane) -> list[Checksum]:
+    """The ``fp64`` of a compiled lane's direct rows' sources, all in one pass: the same rows every checked
+    round of the lane, so their ``ManyPrints`` is worked out once and kept with it."""
+    if lane.prints is None:
+        lane.prints = ManyPrints([r.src for r in lane.rows])
+    values = await lane.prints.values_async()
+    return [Checksum(r.index, value) for r, value in zip(lane.rows, values)]
 
 
 async def prints(rows: Sequence[tuple[int, torch.Tensor]]) -> list[Checksum]:
     """The ``fp64`` of each (table index, bytes), all in one pass (the loop polls for it), computed on each
     device's current stream as the loop sees it (the producer's: the weights are final there; staged
     copies are complete before they are listed)."""
-    streams = {v.device: torch.cuda.current_stream(v.device) for _, v in rows if v.device.type == "cuda"}
-    values = await fp64_many_async([v for _, v in rows], streams)
+    values = await ManyPrints([v for _, v in rows]).values_async()
     return [Checksum(index, value) for (index, _), value in zip(rows, values)]
 
 
@@ -129,13 +132,6 @@ class Seals:
 
 
 WRITTEN_CHECKSUMS = ("fp64",)  # checksums the launches writing in place compute themselves (``fp8_kernel``)
-# Device types whose launches writing in place may fingerprint what they write in a checked round. Not
-# CUDA: the compiled Triton kernel's fingerprints of its FP8 weights differ from ``fp64`` of the bytes it
-# wrote on an H200 (its scales' agree; under Triton's interpreter both do), so a checked round would fail
-# every verification (tests/e2e/test_gpu.py::test_the_fp8_kernels_weight_fingerprints_equal_fp64_on_the_gpu,
-# an expected failure until they agree). There a checked round stages those rows; their bytes are
-# fingerprinted like any staged row's.
-PRINTED_IN_PLACE = frozenset({"cpu"})
 
 
 class WrittenPrints:

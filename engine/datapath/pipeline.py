@@ -57,7 +57,7 @@ from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
 from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
 from .delta_staging import as_delta, as_deltas, hand_over
-from .lanes import (PRINTED_IN_PLACE, WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints,
+from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints,
                     prints, replay, submit_written)
 from .staging import SourceSet, Staged, StagingPool
 from .writer import Writer
@@ -96,7 +96,6 @@ class Pipeline:
         self.budget = ByteBudget(options.max_inflight_bytes)  # replaced per run: a failed run leaks nothing
         self.compiler = RoundCompiler()
         self._written_split: tuple = ((), ((), ()))  # (the lanes' written rows, split by device): ``_written``
-        self._source_devices = frozenset(v.device.type for v in self.sources.tensors.values())
         self.runs = 0
 
     def __repr__(self) -> str:
@@ -156,12 +155,10 @@ class Pipeline:
 
         def resolve(t: Transfer, device) -> Optional[int]:
             conn = direct.get(t.dst_rank)
-            if conn is None or (checksum and device.type not in PRINTED_IN_PLACE):
+            if conn is None:
                 return None
             return conn.address(t.dst_region + slots.get(t.dst_rank, 0), t.dst_offset, t.nbytes, device)
-        staged = bool(checksum) and not self._source_devices <= PRINTED_IN_PLACE
-        return resolve, (tuple(sorted(slots.items())), staged,  # (checked rounds stage such sources' rows)
-                         tuple(sorted((r, id(c), c.generation) for r, c in direct.items())))
+        return resolve, (tuple(sorted(slots.items())), tuple(sorted((r, id(c), c.generation) for r, c in direct.items())))
 
     def _written(self, lanes: Mapping[int, CompiledLane]) -> tuple[tuple, tuple]:
         """Every lane's rows written in place, split by their sources' device (CUDA, host): the same two
@@ -205,7 +202,7 @@ class Pipeline:
         replayed = replay(conn, lane, report, epoch) + submit_written(conn, lane, report, epoch, launched)
         try:
             if lane.rows and self.options.checksum:  # (fp64 only: ``compiled.direct_view``)
-                report.checksums.extend(await fingerprints(lane.rows))
+                report.checksums.extend(await fingerprints(lane))
             if lane.written and self.options.checksum and prints is not None:  # (fp64: ``_resolver``)
                 values = await prints.values()
                 report.checksums.extend(Checksum(t.index, values[t.index]) for t in lane.written)

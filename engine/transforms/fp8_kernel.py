@@ -28,6 +28,10 @@ the top byte of a word signed), so each program adds up its block's share of the
 in magnitude: exact in int64) and of the scales row (its one float32 word), and ``run`` folds the shares
 of each tensor as low and high 32-bit halves (``index_add``: exact at any size) into ``Batch.prints``
 (copied to pinned host memory on the launch's stream), read once the launch is done (``fingerprints``).
+The program reads its stored FP8 bytes back (after a barrier) rather than bitcasting its registers: on an
+H200 with Triton 3.6, a kernel that both stored ``q`` and bitcast it to bytes stored wrong bytes in about
+a quarter of the 16-aligned blocks' elements (and fingerprinted other ones); read back, both are right
+(``test_the_fp8_kernel_stores_and_fingerprints_what_it_quantizes_on_the_gpu`` in tests/e2e/test_gpu.py).
 
 The module imports Triton at import time: import it only where CUDA is.
 """
@@ -84,7 +88,9 @@ def _quantize_blocks_kernel(table, n, src, out, scales, prints, BLOCK: tl.conste
     if FINGERPRINT:  # this block's share of the fp64 of the weight row and of the scales row (header)
         p = r[:, None].to(tl.int64) * cols + c[None, :]  # the byte's position in the weight row
         slot = p % 4
-        b = q.to(tl.uint8, bitcast=True).to(tl.int64)
+        tl.debug_barrier()  # (the block's stores are visible to all its threads past this)
+        b = tl.load((out + out_at + r[:, None] * cols + c[None, :]).to(tl.pointer_type(tl.uint8)), mask=mask,
+                    other=0, volatile=True).to(tl.int64)  # the bytes stored, read back: see the module's header
         b = tl.where((slot == 3) & (b >= 128), b - 256, b)  # (a word's top byte is signed)
         share = tl.where(mask, (b << (slot * 8)) * (p // 4 % 65521 + 1), 0)
         tl.store(prints + pid * 2, tl.sum(tl.sum(share, axis=1), axis=0))

@@ -85,3 +85,37 @@ async def test_run_all_cancels_siblings_on_first_error():
     with pytest.raises(RuntimeError, match="first"):
         await asyncio.wait_for(run_all([forever(), fail()]), WATCHDOG)
     assert cancelled.is_set()
+
+
+async def test_the_collector_waits_while_any_round_is_open_and_comes_back_after_the_last():
+    """``Spinner`` pauses Python's cyclic garbage collector while held (a round is open; a full collection
+    of a process holding torch took 50-250 ms, inside a round that long a stall): holders nest, across
+    spinners of the process (a controller and workers in one), and ``cancel`` lets go of all of a
+    spinner's holds; a collector the application had disabled stays disabled."""
+    import gc
+
+    from weightsync.engine.aio import Collector, Spinner
+
+    assert gc.isenabled() and Collector.paused() == 0
+    controller, worker = Spinner(enabled=False), Spinner(enabled=True)
+    controller.hold()
+    assert not gc.isenabled()
+    worker.hold()
+    worker.hold()
+    controller.release()
+    assert not gc.isenabled() and Collector.paused() == 2  # (the worker's two rounds still open)
+    worker.cancel()
+    assert gc.isenabled() and Collector.paused() == 0 and worker.holders == 0
+    controller.release()  # (nothing held: no effect)
+    assert gc.isenabled() and Collector.paused() == 0
+    off = Spinner(enabled=False, collector=False)
+    off.hold()
+    assert gc.isenabled()
+    off.release()
+    gc.disable()  # the application's choice
+    try:
+        controller.hold()
+        controller.release()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -250,3 +250,38 @@ async def test_a_tcp_round_announces_its_writes_with_a_proof_and_commits_bit_exa
         magic, nonce, count, nbytes = tcp.PROOF.unpack(receiver.proofs_seen[-1][0])
         assert (magic, nonce) == (tcp.PROOF_MAGIC, conn.nonce)
         assert (count, nbytes) == (conn.sent_count, conn.sent_bytes)  # every write of the three rounds
+
+
+async def test_a_receiver_s_kept_fp64_launch_reads_each_round_s_landing_and_is_dropped_with_its_table():
+    """``verify.checksums`` keeps the ``fp64`` launch over a table's landing pieces between rounds
+    (``kept``, per landing memory) and still reads the bytes of each round: a byte changed since the
+    last check is caught, a row no sender checksummed is named, and another table's launch replaces
+    every kept one (nothing holds landing memory a plan let go of)."""
+    import torch
+    from weightsync.engine.datapath.checksums import fp64
+    from weightsync.wire import ReceiverTable
+    from weightsync.wire.routing import ExpectedEntry
+
+    def table(names):
+        return ReceiverTable(0, tuple(ExpectedEntry(n, 0, i, None, 0, 16 * i, 16, "") for i, n in enumerate(names)))
+
+    landing = torch.arange(64, dtype=torch.uint8)
+    one = table("abcd")
+
+    def summary(land):
+        return (m.WriteSummary(0, 4, 64, tuple(m.Checksum(i, fp64(land[16 * i:16 * i + 16])) for i in range(4))),)
+
+    kept: dict = {}
+    assert await verify.checksums(one, landing, "fp64", summary(landing), kept) == []
+    (first,) = kept.values()
+    landing[20] ^= 1  # (row "b" changed after the sender's checksum was taken)
+    assert await verify.checksums(one, landing, "fp64", summary(landing.clone().fill_(0)), kept) == ["a", "b", "c", "d"]
+    assert await verify.checksums(one, landing, "fp64", summary(landing)[:0] + (
+        m.WriteSummary(0, 3, 48, summary(landing)[0].checksums[:3]),), kept) == ["d"]  # (d: no checksum given)
+    want = summary(landing)
+    landing[20] ^= 1
+    assert await verify.checksums(one, landing, "fp64", want, kept) == ["b"]
+    assert list(kept.values())[0] is first  # (the same launch, every round with every row checksummed)
+    other = table("wxyz")
+    assert await verify.checksums(other, landing, "fp64", summary(landing), kept) == []
+    assert [t for t, _ in kept.values()] == [other]
