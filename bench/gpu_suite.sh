@@ -70,11 +70,11 @@ timeout 90 python3 bench/diagnostics/copy_overlap.py > "$out/copy_overlap.jsonl"
 C="--senders 2 --receivers 2 --colocated --no-broadcast"
 for g in 0,0 1,2 2,4; do
   for m in qwen3-30b-a3b qwen2.5-7b; do
-    timeout 75 python3 bench/transfer_mn.py --rounds 11 --json $C --model $m --kernel-grid $g 2>>"$out/transfer_mn.log" | tail -n 1
+    timeout 75 python3 bench/transfer_mn.py --rounds 19 --json $C --model $m --kernel-grid $g 2>>"$out/transfer_mn.log" | tail -n 1
   done
 done > "$out/transfer_mn_grids.jsonl"
 for g in 0,0 1,2; do
-  timeout 75 python3 bench/transfer_mn.py --rounds 11 --json $C --model qwen2.5-7b --fp8 --kernel-grid $g 2>>"$out/transfer_mn.log" | tail -n 1
+  timeout 75 python3 bench/transfer_mn.py --rounds 19 --json $C --model qwen2.5-7b --fp8 --kernel-grid $g 2>>"$out/transfer_mn.log" | tail -n 1
 done >> "$out/transfer_mn_grids.jsonl"
 exit 0
 fi
@@ -90,12 +90,13 @@ esac
 [ "$part" = mn1 ] && cases=("${cases[0]}")
 [ "$part" = mn2 ] && cases=("${cases[@]:1}")
 # (--ckpt: checkpoint-engine on the same case, bench/peer_ckpt.py; its wheels come with `make gpu-wheels`;
-# 11 rounds: links into another GPU time their two ways on the first 7, which are not counted)
+# 27 rounds: each landing slot's first is not counted, links into another GPU time their two ways on the
+# first 7, which are not counted either, and of the rest every 8th is checked end to end, as the product does)
 for c in "${cases[@]}"; do
   set -- $c
   for m in "--model empty --no-broadcast" "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
-           "--model qwen2.5-7b --fp8 --no-broadcast" "--model qwen2.5-7b --fp8 --no-broadcast --full-check-every 8"; do
-    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 11 --json 2>>"$out/transfer_mn.log" | tail -n 1
+           "--model qwen2.5-7b --fp8 --no-broadcast" "--model qwen2.5-7b --fp8 --no-broadcast --full-check-every 0"; do
+    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 27 --json 2>>"$out/transfer_mn.log" | tail -n 1
   done
 done > "$out/transfer_mn_$part.jsonl"
 cat "$out/transfer_mn_$part.jsonl"
@@ -103,7 +104,7 @@ cat "$out/transfer_mn_$part.jsonl"
 if [ "$part" != mn2 ]; then
   set -- ${cases[0]}
   timeout 300 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} --model qwen2.5-7b --fp8 --no-broadcast \
-    --rounds 11 --json --trace /tmp/fp8_trace 2>>"$out/transfer_mn.log" | tail -n 1 > /dev/null
+    --rounds 19 --json --trace /tmp/fp8_trace 2>>"$out/transfer_mn.log" | tail -n 1 > /dev/null
   for f in /tmp/fp8_trace/sender*.json.gz; do echo "== $f"; python3 bench/diagnostics/trace_rounds.py "$f" --top 20 --skip 8; done \
     > "$out/fp8_trace.txt" 2>&1
 fi
