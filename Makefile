@@ -119,7 +119,7 @@ bench-cpu: $(STAMP)
 bench-mn: $(STAMP)
 	(for c in "2 2 --model tiny-dense" "4 2 --model tiny-moe" "4 2 --model tiny-moe --fp8"; do set -- $$c; \
 	  OMP_NUM_THREADS=1 $(BIN)/python bench/transfer_mn.py --device cpu --senders $$1 --receivers $$2 $$3 $$4 $$5 \
-	  --rounds 8 --json | tail -n 1; done) | tee docs/results/transfer_mn_cpu.jsonl
+	  --rounds 17 --json | tail -n 1; done) | tee docs/results/transfer_mn_cpu.jsonl
 
 bench-depth: $(STAMP)
 	$(BIN)/python bench/pipeline_depth.py --out docs/results/pipeline_depth_cpu.json
