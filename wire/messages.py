@@ -248,7 +248,7 @@ class WriteSummary:
     peer_rank: U32
     count: U32
     nbytes: U64
-    checksums: tuple[Checksum, ...]
+    checksums: Columns[Checksum]  # (columns: a checked round of thousands of rows, protocol 3.0)
     proof: bytes = b""
     deltas: Columns[DeltaRow] = ()  # rows that went as deltas (``nbytes`` counts their payloads)
 

@@ -82,8 +82,8 @@ class CompiledLane:
     written: tuple[Transfer, ...] = ()  # rows a quantization writes into the receiver (staging order)
     written_totals: tuple[tuple[torch.device, int, int, int, int], ...] = ()  # per source device of ``written``:
     # (device, rows, bytes, region, offset of its first row: what ``submit_written`` is handed)
-    prints: Optional[object] = dataclasses.field(default=None, repr=False, compare=False)  # its rows'
-    # ``checksums.ManyPrints``, made by the first checked round (``lanes.fingerprints``)
+    prints: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)  # its rows' table
+    # indices and ``checksums.ManyPrints``, made by the first checked round (``lanes.fingerprints``)
 
 
 def direct_view(t: Transfer, sources: SourceSet, devices: frozenset, checksum: str,

@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from weightsync.wire import Transfer
+from weightsync.wire.columns import Rows
 from weightsync.wire.messages import Checksum, DeltaRow, WriteSummary
 
 from ..transport import Connection
@@ -31,13 +32,24 @@ from .staging import Staged
 class LaneReport:
     count: int = 0
     nbytes: int = 0
-    checksums: list = dataclasses.field(default_factory=list)
+    checked: list = dataclasses.field(default_factory=list)  # the checksummed rows' table indices, in order
+    sums: list = dataclasses.field(default_factory=list)  # and their checksums
     stage_s: float = 0.0
     write_s: float = 0.0
     encode_s: float = 0.0  # of the staging, encoding delta rows (``datapath.deltas``; threads summed)
     issue_s: float = 0.0  # host seconds queueing the staged rows' writes (``Pipeline._issue``)
     proof: bytes = b""  # the connection's delivery proof, when it sealed before its writes completed
     deltas: list = dataclasses.field(default_factory=list)  # DeltaRow of each row that went as a delta
+
+    def add_checksums(self, indices: Sequence[int], values: Sequence[int]) -> None:
+        self.checked.extend(indices)
+        self.sums.extend(values)
+
+    @property
+    def checksums(self) -> Rows:
+        """Every row's checksum as ``WriteSummary`` carries them: columns, no object per row (a lane of
+        4,720 rows spent 2 ms making them and 2.5 ms encoding them one by one)."""
+        return Rows(Checksum, {"index": self.checked, "value": self.sums})
 
 
 @dataclasses.dataclass
@@ -47,7 +59,7 @@ class PushReport:
 
     def summaries(self) -> tuple[WriteSummary, ...]:
         return tuple(
-            WriteSummary(rank, lane.count, lane.nbytes, tuple(lane.checksums), lane.proof, tuple(lane.deltas))
+            WriteSummary(rank, lane.count, lane.nbytes, lane.checksums, lane.proof, tuple(lane.deltas))
             for rank, lane in sorted(self.lanes.items())
         )
 
@@ -72,21 +84,22 @@ def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int)
     return ops
 
 
-async def fingerprints(lane: CompiledLane) -> list[Checksum]:
-    """The ``fp64`` of a compiled lane's direct rows' sources, all in one pass: the same rows every checked
-    round of the lane, so their ``ManyPrints`` is worked out once and kept with it."""
+async def fingerprints(lane: CompiledLane) -> tuple[Sequence[int], list[int]]:
+    """The ``fp64`` of a compiled lane's direct rows' sources, all in one pass: (their table indices, their
+    fingerprints). The same rows every checked round of the lane, so their ``ManyPrints`` is worked out
+    once and kept with it."""
     if lane.prints is None:
-        lane.prints = ManyPrints([r.src for r in lane.rows])
-    values = await lane.prints.values_async()
-    return [Checksum(r.index, value) for r, value in zip(lane.rows, values)]
+        lane.prints = ([r.index for r in lane.rows], ManyPrints([r.src for r in lane.rows]))
+    indices, many = lane.prints
+    return indices, await many.values_async()
 
 
-async def prints(rows: Sequence[tuple[int, torch.Tensor]]) -> list[Checksum]:
+async def prints(rows: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[int], list[int]]:
     """The ``fp64`` of each (table index, bytes), all in one pass (the loop polls for it), computed on each
     device's current stream as the loop sees it (the producer's: the weights are final there; staged
-    copies are complete before they are listed)."""
+    copies are complete before they are listed): (the indices, the fingerprints)."""
     values = await ManyPrints([v for _, v in rows]).values_async()
-    return [Checksum(index, value) for (index, _), value in zip(rows, values)]
+    return [index for index, _ in rows], values
 
 
 def submit_written(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,
@@ -110,7 +123,7 @@ def issued(report: LaneReport, t: Transfer, staged: Staged) -> None:
     else:
         report.nbytes += t.nbytes
     if staged.checksum is not None:
-        report.checksums.append(Checksum(t.index, staged.checksum))
+        report.add_checksums((t.index,), (staged.checksum,))
 
 
 class Seals:

@@ -48,7 +48,6 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from weightsync.wire import Transfer
-from weightsync.wire.messages import Checksum
 
 from ..errors import ConfigError
 from ..transport import Connection
@@ -202,10 +201,10 @@ class Pipeline:
         replayed = replay(conn, lane, report, epoch) + submit_written(conn, lane, report, epoch, launched)
         try:
             if lane.rows and self.options.checksum:  # (fp64 only: ``compiled.direct_view``)
-                report.checksums.extend(await fingerprints(lane))
+                report.add_checksums(*await fingerprints(lane))
             if lane.written and self.options.checksum and prints is not None:  # (fp64: ``_resolver``)
                 values = await prints.values()
-                report.checksums.extend(Checksum(t.index, values[t.index]) for t in lane.written)
+                report.add_checksums([t.index for t in lane.written], [values[t.index] for t in lane.written])
             if transfers:
                 readable = conn.abilities.devices
                 await run_all([self._stager(transfers, channel, report, readable, deltas),
@@ -242,7 +241,7 @@ class Pipeline:
             nonlocal unprinted, unprinted_bytes
             if unprinted:
                 rows, unprinted, unprinted_bytes = unprinted, [], 0
-                report.checksums.extend(await prints(rows))
+                report.add_checksums(*await prints(rows))
 
         async def encode_gathered(limit: int) -> None:  # the rows gathered so far go as one batch; at most
             nonlocal gathering, gathered  # ``limit`` encodes left running
