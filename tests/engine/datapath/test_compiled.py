@@ -303,3 +303,22 @@ async def test_compiled_lanes_stay_bounded_however_many_tokens_come():
         assert len(pipeline.compiler._cache) <= 8 and lane.rows
     assert pipeline.compiler.compiles == 40
     await _close(src, dst, conn)
+
+
+def test_a_lane_s_checksums_go_out_as_columns_without_an_object_per_row():
+    """``LaneReport`` keeps a lane's checksums as two lists and ``summaries`` hands them to the wire as
+    ``Rows`` (protocol 3.0: ``WriteSummary.checksums`` is ``columns[Checksum]``): equal to the tuple of
+    Checksums, encoded column by column, decoded back to the same values."""
+    from weightsync.engine.datapath.lanes import LaneReport, PushReport
+    from weightsync.wire import Envelope, decode, encode
+    from weightsync.wire import messages as m
+    from weightsync.wire.columns import Rows
+
+    lane = LaneReport(count=3, nbytes=12)
+    lane.add_checksums([0, 2], [5, 2**64 - 1])
+    lane.add_checksums((7,), (0,))
+    (summary,) = PushReport({1: lane}, 0.0).summaries()
+    assert type(summary.checksums) is Rows
+    assert summary.checksums == (m.Checksum(0, 5), m.Checksum(2, 2**64 - 1), m.Checksum(7, 0))
+    env = decode(encode(Envelope(m.WritesDone(1, 1, (summary,), 0.0, 0.0), 1, "sender/0")))
+    assert [(c.index, c.value) for c in env.body.receivers[0].checksums] == [(0, 5), (2, 2**64 - 1), (7, 0)]
