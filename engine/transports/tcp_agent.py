@@ -271,6 +271,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
             self.errors = []
             self.transport.write(ACK.pack(OP_ACK, b, self.landed_count, self.landed_bytes, len(text)) + text)
         else:
+            self.owner.guard.refuse(self.peer, f"sender/{self.source}: unknown frame op {op}; closing", "bad frame")
             self._error(f"unknown frame op={op} (or bad hello); closing")
             self._close()
 

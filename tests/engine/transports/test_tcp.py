@@ -134,3 +134,16 @@ async def test_a_lane_seals_early_only_up_to_the_early_seal_bytes(monkeypatch):
         assert conn.seal() is None
         await conn.fence()
         assert conn.seal() is not None  # (counted from the fence)
+
+
+async def test_a_frame_of_unknown_op_closes_the_connection_and_is_counted_and_logged(caplog):
+    """An authenticated sender whose stream goes wrong (a frame of an op the target does not know) is
+    closed, and the target says so where an operator looks: a refusal counted and logged, naming the
+    sender, not only an error its next fence would have carried."""
+    async with tcp_pair(64) as (src, dst, conn):
+        async with conn.lock:
+            await conn._send([tcp.HEADER.pack(99, 0, 0, 0, 0)])
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(conn.fence(), WATCHDOG)  # (the target closed: the fence fails)
+        assert dst.guard.refused == 1 and any("unknown frame op 99" in r for r in dst.guard.recent)
+        assert "unknown frame op 99" in caplog.text
