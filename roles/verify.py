@@ -15,6 +15,7 @@ sender's checksum (when the round asked for them). Each names the parameters aff
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
@@ -24,6 +25,7 @@ from weightsync.engine.datapath.delta_checks import named
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
 from weightsync.wire import ReceiverTable
+from weightsync.wire.columns import column
 from weightsync.wire import messages as m
 
 if TYPE_CHECKING:
@@ -96,23 +98,28 @@ async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
     polls for; other checksums on a worker thread. ``kept``: where the ``fp64`` launch over a table's
     landing pieces is kept between rounds (per landing memory, a two-slot receiver's two; the owner
     empties it when its table changes, so it never holds memory a plan let go of)."""
-    expected = {(s.peer_rank, c.index): c.value for s in summaries for c in s.checksums}
+    expected: dict[tuple[int, int], int] = {}  # (sender, transfer index) -> its checksum (columns: no object per row)
+    for s in summaries:
+        expected.update(zip(zip(itertools.repeat(s.peer_rank), column(s.checksums, "index")), column(s.checksums, "value")))
     entries = table.entries
+    keys = list(zip(column(entries, "src_rank"), column(entries, "index")))
+    whole = len(expected) == len(keys) and all(k in expected for k in keys)  # (the common case: every row)
     missing: set[str] = set()
-    if len(expected) != len(entries) or any((e.src_rank, e.index) not in expected for e in entries):
-        missing = {e.name for e in entries if (e.src_rank, e.index) not in expected}
-        entries = tuple(e for e in entries if (e.src_rank, e.index) in expected)
+    if not whole:
+        missing = {e.name for e, k in zip(entries, keys) if k not in expected}
+        entries = tuple(e for e, k in zip(entries, keys) if k in expected)
+        keys = [k for k in keys if k in expected]
     if algo == "fp64":
-        key = (landing.data_ptr(), len(entries))
-        table_of, many = kept.get(key, (None, None)) if kept is not None else (None, None)
-        if table_of is not table:
-            many = ManyPrints([landing[e.offset:e.offset + e.nbytes] for e in entries])
-            if kept is not None:
+        many = kept.get(landing.data_ptr()) if kept is not None and whole else None
+        if many is None or many[0] is not table:
+            many = (table, ManyPrints([landing[e.offset:e.offset + e.nbytes] for e in entries]))
+            if kept is not None and whole:  # (a subset, some rows unchecksummed, is a failed round: not kept)
                 if any(t is not table for t, _ in kept.values()):
                     kept.clear()  # (another table's: its landing memory is not held past it)
-                kept[key] = (table, many)
-        values = await many.values_async()
+                kept[landing.data_ptr()] = many
+        values = await many[1].values_async()
     else:
         pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
         values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
-    return sorted(missing | {e.name for e, value in zip(entries, values) if value != expected[e.src_rank, e.index]})
+    wrong = [i for i, (k, value) in enumerate(zip(keys, values)) if value != expected[k]]
+    return sorted(missing | {entries[i].name for i in wrong})

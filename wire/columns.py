@@ -199,17 +199,21 @@ def _structs(cls: type) -> tuple[Callable, Callable]:
 
     encode.from_columns = from_columns  # type: ignore[attr-defined]  (``Rows``: the columns as they are)
 
-    def decode(data: Any, n: int, path: str) -> list:
+    def decode_columns(data: Any, n: int, path: str) -> list:
         got = _fields(data, ("n", *c.names), path)
         if got[0] != n or type(got[0]) is not int:
             raise Violation("value", f"{path}.n", f"{got[0]!r} elements where {n} are expected")
-        values = [col.decode(v, n, f"{path}.{name}") for name, col, v in zip(c.names, cols(), got[1:])]
+        return [col.decode(v, n, f"{path}.{name}") for name, col, v in zip(c.names, cols(), got[1:])]
+
+    def decode(data: Any, n: int, path: str) -> list:
+        values = decode_columns(data, n, path)
         out = [make(*row) for row in zip(*values)]
         if check:
             for i, v in enumerate(out):
                 run_check(v, f"{path}[{i}]")
         return out
 
+    decode.columns = decode_columns  # type: ignore[attr-defined]  (``Rows``: the columns, checked, as they came)
     return encode, decode
 
 
@@ -269,6 +273,7 @@ def converters(cls: type) -> tuple[Callable[[Any, str], Any], Callable[[Any, str
     encode, decode = _structs(cls)
     element_to = struct_converters(cls)[0]
     check = getattr(cls, "_check", None) is not None
+    kept = getattr(cls, "KEPT_AS_COLUMNS", False) and not check  # (decoded as ``Rows``: no object per element)
 
     def to(v: Any, path: str) -> Any:
         if not isinstance(v, (tuple, list, Rows)):
@@ -291,6 +296,8 @@ def converters(cls: type) -> tuple[Callable[[Any, str], Any], Callable[[Any, str
         n = v.get("n")
         if type(n) is not int or n < 0:
             raise Violation("value", f"{path}.n", f"expected a count, got {n!r}")
+        if kept:
+            return Rows(cls, dict(zip(compiled_struct(cls).names, decode.columns(v, n, path))))
         return tuple(decode(v, n, path))
 
     return to, frm

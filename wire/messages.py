@@ -218,6 +218,8 @@ class BeginAck(Message):
 
 @struct
 class Checksum:
+    KEPT_AS_COLUMNS: ClassVar[bool] = True  # ``columns[Checksum]`` decodes to ``wire.columns.Rows``: a
+    # checked round carries one per row (4,720 for a MoE lane), read once by the receiver, passed on by C
     index: U32
     value: U64
 

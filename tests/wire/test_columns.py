@@ -137,3 +137,21 @@ def test_rows_need_every_column_at_one_length():
     cols = {f.name: (0,) for f in dataclasses.fields(Transfer)}
     with pytest.raises(ValueError, match="different lengths"):
         Rows(Transfer, {**cols, "nbytes": (1, 2)})
+
+
+def test_checksums_decode_as_columns_checked_and_equal_to_their_elements():
+    """``columns[Checksum]`` decodes to ``Rows`` (``Checksum.KEPT_AS_COLUMNS``: a checked round carries
+    one per row; the controller passes them on, the receiver reads two columns), equal to the tuple of
+    Checksums it was made from and re-encoded to the same bytes; the columns are still checked first."""
+    from weightsync.wire.columns import column
+
+    summary = m.WriteSummary(1, 2, 8, (m.Checksum(0, 2**64 - 1), m.Checksum(3, 0)))
+    frames = encode(Envelope(m.Fence(4, (summary,)), 1, "controller"))
+    got = decode(frames).body.checksums[0].checksums
+    assert type(got) is Rows and got == summary.checksums and column(got, "value") == (2**64 - 1, 0)
+    assert encode(Envelope(m.Fence(4, (dataclasses.replace(summary, checksums=got),)), 1, "controller")) == frames
+    body = msgpack.unpackb(frames[1])
+    body["checksums"][0]["checksums"]["n"] = 3  # (two values in each column)
+    with pytest.raises(errors.ProtocolError) as e:
+        decode([frames[0], msgpack.packb(body)])
+    assert "checksums" in str(e.value)
