@@ -110,14 +110,14 @@ async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
         entries = tuple(e for e, k in zip(entries, keys) if k in expected)
         keys = [k for k in keys if k in expected]
     if algo == "fp64":
-        many = kept.get(landing.data_ptr()) if kept is not None and whole else None
-        if many is None or many[0] is not table:
-            many = (table, ManyPrints([landing[e.offset:e.offset + e.nbytes] for e in entries]))
+        table_of, many = kept.get(landing.data_ptr(), (None, None)) if kept is not None and whole else (None, None)
+        if table_of is not table:
+            many = ManyPrints([landing[e.offset:e.offset + e.nbytes] for e in entries])
             if kept is not None and whole:  # (a subset, some rows unchecksummed, is a failed round: not kept)
                 if any(t is not table for t, _ in kept.values()):
                     kept.clear()  # (another table's: its landing memory is not held past it)
-                kept[landing.data_ptr()] = many
-        values = await many[1].values_async()
+                kept[landing.data_ptr()] = (table, many)
+        values = await many.values_async()
     else:
         pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
         values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])

@@ -161,7 +161,6 @@ class ManyPrints:
 
     def __init__(self, views: Sequence[torch.Tensor]) -> None:
         self.views = list(views)
-        self.kernel: dict[torch.device, tuple[tuple[int, ...], tuple]] = {}  # device -> (indices, ranges)
         self.rest: list[int] = []
         by_device: dict[torch.device, dict[int, tuple]] = {}
         for i, v in enumerate(self.views):
@@ -170,7 +169,7 @@ class ManyPrints:
                 by_device.setdefault(v.device, {})[i] = where
             else:
                 self.rest.append(i)
-        self.kernel = {d: (tuple(m), tuple(m.values())) for d, m in by_device.items()}
+        self.kernel = {d: (tuple(m), tuple(m.values())) for d, m in by_device.items()}  # -> (indices, ranges)
         self._prepared: dict = {}  # device -> its launch (``_fingerprints``), once asked for
 
     def __repr__(self) -> str:
