@@ -415,6 +415,7 @@ def _learned(pairs: list[tuple[float, float]]) -> dict:
 def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = None, peer: Optional[dict] = None) -> dict:
     med = statistics.median
     engine_s = med(eng["round_s"])
+    mean_s = statistics.mean(eng["round_s"])  # (checked rounds included)
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
         "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": {None: "auto", True: "on", False: "off"}[case.spin],
@@ -427,9 +428,9 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "predicted_ms": round(eng["predicted_s"] * 1e3, 3),
         "engine_ms": round(engine_s * 1e3, 3),
         "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
-        "engine_mean_ms": round(statistics.mean(eng["round_s"]) * 1e3, 3),  # (checked rounds included)
+        "engine_mean_ms": round(mean_s * 1e3, 3),
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
-        "engine_mean_over_bound_ratio": round(statistics.mean(eng["round_s"]) / eng["bound_s"], 3),
+        "engine_mean_over_bound_ratio": round(mean_s / eng["bound_s"], 3),
         **({"quantize_bound_ms": round(eng["quantize_bound_s"] * 1e3, 3),
             "engine_over_quantize_bound_ratio": round(engine_s / eng["quantize_bound_s"], 3)}
            if case.fp8 and case.device == "cuda" and eng["quantize_bound_s"] else {}),

@@ -94,6 +94,7 @@ class WeightReceiver(Worker):
             #                                in the first commit)
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> each tensor's view in it, in order
         self._prints: dict = {}  # the checked rounds' fp64 launch per landing slot (``verify.checksums``)
+        self._entry_keys: Optional[list] = None  # the table's entries' (sender, index) (``verify.table_keys``)
         self._region_addresses: dict[int, int] = {}  # slot -> the memory it was registered with
         self.storage_swaps = 0  # commits made by exchanging the buffers' memory (``_swap``)
         self.deltas = DeltaLanding(options.delta_fraction, self.nbytes, self.device)
@@ -208,6 +209,7 @@ class WeightReceiver(Worker):
         await self._settle_prepared(env.body.committed)
         self.table = env.body.receiver
         self._prints = {}  # (another table's launches: dropped)
+        self._entry_keys = verify.table_keys(self.table)  # (what the checked rounds look checksums up by)
         self._expected: dict[int, tuple[int, int]] = {}  # sender -> (writes, bytes), fixed for this plan
         for e in self.table.entries:
             count, nbytes = self._expected.get(e.src_rank, (0, 0))
@@ -297,7 +299,8 @@ class WeightReceiver(Worker):
         verify_s = 0.0
         if not problems and self._algo:
             t2 = time.perf_counter()
-            bad = await verify.checksums(self.table, self.landing.storage, self._algo, body.checksums, self._prints)
+            bad = await verify.checksums(self.table, self.landing.storage, self._algo, body.checksums, self._prints,
+                                         self._entry_keys)
             verify_s = time.perf_counter() - t2
             if bad:
                 problems.append(f"{self._algo} mismatch in {len(bad)} parameter(s)")

@@ -90,19 +90,26 @@ async def deltas(landing: "DeltaLanding", table: ReceiverTable, memory: torch.Te
     return [], [], ""
 
 
+def table_keys(table: ReceiverTable) -> list[tuple[int, int]]:
+    """Each entry's (sender, transfer index), in table order: what a checksum is looked up by."""
+    return list(zip(column(table.entries, "src_rank"), column(table.entries, "index")))
+
+
 async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
-                    summaries: tuple[m.WriteSummary, ...], kept: Optional[dict] = None) -> list[str]:
+                    summaries: tuple[m.WriteSummary, ...], kept: Optional[dict] = None,
+                    keys: Optional[list[tuple[int, int]]] = None) -> list[str]:
     """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8),
     and those a sender gave no checksum for (a round that verifies verifies every row: a row left out
     would pass unchecked): ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop
     polls for; other checksums on a worker thread. ``kept``: where the ``fp64`` launch over a table's
     landing pieces is kept between rounds (per landing memory, a two-slot receiver's two; the owner
-    empties it when its table changes, so it never holds memory a plan let go of)."""
+    empties it when its table changes, so it never holds memory a plan let go of); ``keys``: the table's
+    ``table_keys``, which its owner works out once per plan."""
     expected: dict[tuple[int, int], int] = {}  # (sender, transfer index) -> its checksum (columns: no object per row)
     for s in summaries:
         expected.update(zip(zip(itertools.repeat(s.peer_rank), column(s.checksums, "index")), column(s.checksums, "value")))
     entries = table.entries
-    keys = list(zip(column(entries, "src_rank"), column(entries, "index")))
+    keys = keys if keys is not None else table_keys(table)
     whole = len(expected) == len(keys) and all(k in expected for k in keys)  # (the common case: every row)
     missing: set[str] = set()
     if not whole:

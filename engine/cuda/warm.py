@@ -36,8 +36,8 @@ def warm(widths: Mapping[torch.device, set[int]], deltas: str = "") -> None:
 
 def _fp64_classes(device: torch.device) -> list[torch.Tensor]:
     """A view of each class the ``fp64`` kernels specialise on: whole words dense and pitched, bytes
-    dense and pitched (a receiver's landing pieces and a sender's sources may be any of them; the first
-    full check of a two-slot receiver's second slot compiled one in a round, 0.2-0.5 s)."""
+    dense and pitched (a receiver's landing pieces and a sender's sources may be any of them, so any may
+    be a round's first launch of its class)."""
     words = torch.zeros(64, 64, dtype=torch.int32, device=device)
     raw = words.view(torch.uint8)
     return [words, words[:, :32], raw.reshape(-1)[1:258], raw[:, 1:8]]

@@ -76,7 +76,7 @@ class Frames:
         return f"<TCP frames: {self.rows} rows in {len(self.headers)} frames, {len(self.chunks)} chunks>"
 
     def stamp(self, epoch: int) -> None:
-        """Write ``epoch`` into every header (one tensor operation)."""
+        """Write ``epoch`` into every header (one assignment through a numpy view of their epoch fields)."""
         if epoch != self.epoch:
             self._epochs[:] = epoch  # (numpy: a torch tensor made and copied each round cost ~50 us)
             self.epoch = epoch
