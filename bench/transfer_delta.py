@@ -407,6 +407,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rate:
         return shaped(args, argv)
+    from weightsync.engine.aio import install_uvloop
+
+    install_uvloop()  # the controllers on uvloop, as `weightsync controller` runs them
     if args.real_steps:
         result = asyncio.run(run_real(args.real_steps, args.warmup))
     else:

@@ -572,6 +572,9 @@ def main(argv=None) -> int:
                 full_check_every=args.full_check_every)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
+    from weightsync.engine.aio import install_uvloop
+
+    install_uvloop()  # the controller on uvloop, as `weightsync controller` runs it (the workers install it too)
     result = asyncio.run(run(case, not args.no_broadcast, args.ckpt))
     result["command"] = "bench/transfer_mn.py " + " ".join(sys.argv[1:] if argv is None else argv)
     show(result)

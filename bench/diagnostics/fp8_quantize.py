@@ -3,8 +3,10 @@
 Times (median of N after a warm-up, all weights the FP8 receiver takes): the engine's
 ``quantize_blocks``; its two passes alone (block max, scale-and-round); the same function under
 ``torch.compile`` (fused by Inductor, if it compiles here); and the engine's Triton kernel
-(``weightsync.engine.transforms.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch. Bytes read/written per element say how
-far each is from the memory bound.
+(``weightsync.engine.transforms.fp8_kernel``) one weight per launch, one layer per launch and all weights in one launch;
+then as a round runs it (``fp8_kernel.Batch`` written in place at fixed destinations, as into a receiver's
+tensors), plain and fingerprinted (a checked round's launch: ``fingerprint=True``), beside a device copy
+of the same bf16 bytes. Bytes read/written per element say how far each is from the memory bound.
 
     python3 bench/diagnostics/fp8_quantize.py --rounds 5
 """
@@ -87,6 +89,24 @@ def main(argv=None) -> int:
     per_layer = [weights[i:i + 7] for i in range(0, len(weights), 7)]  # q, k, v, o, gate, up, down
     rows["Triton kernel, one launch per layer (7 weights)"] = _time(quantize_many, per_layer, args.rounds)
     rows["Triton kernel, one launch for all weights"] = _time(quantize_many, [weights], args.rounds)
+    from weightsync.engine.transforms.fp8_kernel import Batch
+
+    q = torch.empty(elems + 16 * len(weights), dtype=torch.float8_e4m3fn, device="cuda")  # (16-aligned starts)
+    s = torch.empty(sum(-(-w.shape[0] // 128) * -(-w.shape[1] // 128) for w in weights), dtype=torch.float32, device="cuda")
+    dests, q_at, s_at = [], q.data_ptr(), s.data_ptr()
+    for w in weights:
+        dests.append((q_at, s_at))
+        q_at += -(-w.numel() // 16) * 16
+        s_at += 4 * -(-w.shape[0] // 128) * -(-w.shape[1] // 128)
+    for fingerprint in (False, True):
+        batch = Batch(weights, 128, dests, fingerprint=fingerprint)
+        label = "  the same, fingerprinted (a checked round)" if fingerprint else \
+            f"Triton kernel written in place (a round's Batch, {len(batch.launches)} launches)"
+        rows[label] = _time(lambda _: batch.run(), [None], args.rounds)
+    flat = torch.cat([w.reshape(-1) for w in weights])
+    rows["device copy of the same bf16 bytes (for scale)"] = _time(lambda _: torch.empty_like(flat).copy_(flat), [None],
+                                                                   args.rounds)
+    del q, s, flat
     print(f"{len(weights)} weights, {elems / 1e9:.2f} G elements ({2 * elems / 1e9:.1f} GB bf16)")
     for name, s in rows.items():
         print(f"  {name:<60} {s * 1e3:8.2f} ms  {2 * elems / s / 1e9:7.0f} GB/s of bf16 read")

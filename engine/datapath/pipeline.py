@@ -94,7 +94,7 @@ class Pipeline:
         self.pool = pool or StagingPool()
         self.budget = ByteBudget(options.max_inflight_bytes)  # replaced per run: a failed run leaks nothing
         self.compiler = RoundCompiler()
-        self._written_split: tuple = ((), ((), ()))  # (the lanes' written rows, split by device): ``_written``
+        self._written_split: dict = {}  # ids of lanes' written rows -> (those rows, split by device): ``_written``
         self.runs = 0
 
     def __repr__(self) -> str:
@@ -162,16 +162,18 @@ class Pipeline:
     def _written(self, lanes: Mapping[int, CompiledLane]) -> tuple[tuple, tuple]:
         """Every lane's rows written in place, split by their sources' device (CUDA, host): the same two
         objects every round of the same compiled lanes (``TransformSet.write_all`` keeps what it works out
-        for a rows object)."""
+        for a rows object), kept per set of lanes: a shadow receiver's two landing slots alternate theirs."""
         parts = tuple(lane.written for lane in lanes.values() if lane.written)
-        kept_parts, split = self._written_split
-        if len(parts) != len(kept_parts) or any(a is not b for a, b in zip(parts, kept_parts)):
+        key = tuple(map(id, parts))
+        kept = self._written_split.get(key)
+        if kept is None or any(a is not b for a, b in zip(parts, kept[0])):
             cuda, host = [], []
             for t in (t for part in parts for t in part):
                 (cuda if self.sources.known_view(t).device.type == "cuda" else host).append(t)
-            split = (tuple(cuda), tuple(host))
-            self._written_split = (parts, split)
-        return split
+            if len(self._written_split) >= 8:  # (a few plans' worth; the parts are kept, so ids stay theirs)
+                self._written_split.clear()
+            kept = self._written_split[key] = (parts, (tuple(cuda), tuple(host)))
+        return kept[1]
 
     async def _write_all(self, rows: tuple[tuple, tuple]) -> dict:
         """Launch the quantizations of every lane's rows written in place (``_written``: CUDA sources,

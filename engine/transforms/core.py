@@ -97,12 +97,13 @@ class TransformSet(InPlace):
         self._dests: dict[int, Optional[tuple[int, int]]] = {}  # key -> where its launch writes (None: a buffer)
         self._dests_by_token: dict[object, dict] = {}  # ``_dests`` of each token seen with this table
         self.written = 0  # rows whose bytes a launch wrote straight into the receiver
+        self.batchings = 0  # times ``InPlace.write_all`` worked out its launches (once per landing slot and plan)
         self.fingerprint = False  # launches writing in place also fingerprint what they write (``fp64``)
         self.prints: list[tuple[object, list[tuple[int, int]]]] = []  # this round's: (fp8.Prints, per tensor its
         #                                                               weight row's and scales row's table index)
 
     def __repr__(self) -> str:
-        return (f"<TransformSet quantized={self.quantized} written={self.written} kept={len(self.kept)} "
+        return (f"<TransformSet quantized={self.quantized} written={self.written} batchings={self.batchings} kept={len(self.kept)} "
                 f"groups={len(self.groups)} {self.quantizer!r} custom={sorted(self.custom)}>")
 
     def check(self, name: str, transform: str) -> None:

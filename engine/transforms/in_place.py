@@ -102,6 +102,7 @@ class InPlace:
         kept = self._written_by_token.get(self._token)
         if kept is not None and kept[0] is rows:
             return kept[1], kept[2]
+        self.batchings += 1
         batches: dict[tuple, tuple[list, list, list, list]] = {}  # (device, dtype, block) -> keys, xs, dests, pairs
         launched: set = set()
         for t in rows:

@@ -24,7 +24,8 @@ def test_the_launchs_fingerprints_equal_fp64_of_what_it_wrote(dtype):
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(300, 260, generator=g) * 3).to(dtype)
-    xs = [x, x.t(), x[:, 5:133], torch.randn(128, 256, generator=g).to(dtype), torch.zeros(130, 17, dtype=dtype)]
+    wide = torch.randn(530, 509, generator=g).to(dtype)  # (past 65521 words, odd rows: weights wrap, slots carry)
+    xs = [x, x.t(), x[:, 5:133], torch.randn(128, 256, generator=g).to(dtype), torch.zeros(130, 17, dtype=dtype), wide]
     batch = fp8_kernel.Batch(xs, 128, fingerprint=True)
     out = batch.run()
     want = [(fp64(_bytes(q.contiguous())), fp64(_bytes(s.contiguous()))) for q, s in out]

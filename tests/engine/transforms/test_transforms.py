@@ -330,6 +330,7 @@ async def _fp8_states(src, tps, checksum, grouped):
                 reported = sorted(c.index for lane in report.lanes.values() for c in lane.checksums)
                 assert reported == sorted(t.index for t in sender.table.transfers)
         assert transforms.kept == {}
+        assert transforms.batchings == (2 if transforms.written else 0)  # (once per landing slot, not per round)
         fp8_rows = sum("fp8" in t.transform for t in sender.table.transfers)
         assert fp8_rows > 0
         compiler = sender.pipeline.compiler  # (compiled once per landing slot: written rows of 1 or 2 tables)
