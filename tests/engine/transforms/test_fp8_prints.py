@@ -25,7 +25,9 @@ def test_the_launchs_fingerprints_equal_fp64_of_what_it_wrote(dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(300, 260, generator=g) * 3).to(dtype)
     wide = torch.randn(530, 509, generator=g).to(dtype)  # (past 65521 words, odd rows: weights wrap, slots carry)
-    xs = [x, x.t(), x[:, 5:133], torch.randn(128, 256, generator=g).to(dtype), torch.zeros(130, 17, dtype=dtype), wide]
+    aligned = torch.randn(650, 528, generator=g).to(dtype)  # (read back as words; past 65521 of them; edge blocks)
+    xs = [x, x.t(), x[:, 5:133], torch.randn(128, 256, generator=g).to(dtype), torch.zeros(130, 17, dtype=dtype), wide,
+          aligned]
     batch = fp8_kernel.Batch(xs, 128, fingerprint=True)
     out = batch.run()
     want = [(fp64(_bytes(q.contiguous())), fp64(_bytes(s.contiguous()))) for q, s in out]
