@@ -1,7 +1,8 @@
 """The control channel: a ZeroMQ socket speaking ``wire`` envelopes. The only place zmq meets wire.
 
-How this works: ``ControlChannel`` wraps a ``zmq.asyncio`` ROUTER (controller, daemon) or DEALER
-(worker, CLI) socket. ``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's
+How this works: ``ControlChannel`` wraps a ZeroMQ ROUTER (controller, daemon) or DEALER (worker, CLI)
+socket, driven from the event loop by ``channel_io.Pump`` (``sock``, a ``zmq.asyncio`` socket, is there for
+options and monitoring; the channel's own sends and receives never go through its futures). ``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's
 routing id. ``recv`` returns (routing id or None, envelope); frames that do not decode raise the
 wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on.
 
@@ -37,6 +38,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from weightsync.engine.logs import Repeats
+from weightsync.roles.channel_io import Pump
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
 from weightsync.engine.aio import Waiters
 from weightsync.engine.errors import ConfigError
@@ -139,6 +141,7 @@ class ControlChannel:
         self._monitor: Optional[asyncio.Task] = None
         self._monitor_sock: Optional[zmq.asyncio.Socket] = None
         self._refusal_waiters = Waiters()
+        self._io = Pump(zmq.Socket.shadow(self.sock.underlying))  # (sends and receives: ``channel_io``)
 
     def __repr__(self) -> str:
         kind = "ROUTER" if self.router else "DEALER"
@@ -233,10 +236,10 @@ class ControlChannel:
             if to is None:
                 raise ValueError("a ROUTER send needs the peer's routing id")
             frames = [to, *frames]
-        return msg_id, self.sock.send_multipart(frames, copy=False)
+        return msg_id, self._io.send(frames)
 
     async def recv(self) -> tuple[Optional[bytes], Envelope]:
-        frames = await self.sock.recv_multipart()
+        frames = await self._io.recv()
         self.received += 1
         peer = None
         if self.router:
@@ -267,5 +270,6 @@ class ControlChannel:
         if self._authenticator is not None:
             self._authenticator.stop()
         self.refusals.flush()
+        self._io.close()
         self.sock.close(linger=0)
         self.ctx.term()

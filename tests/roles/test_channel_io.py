@@ -1,0 +1,112 @@
+"""``roles.channel_io.Pump``: a plain ZeroMQ socket driven from the event loop (the control channel's I/O).
+
+Its descriptor is edge-triggered and any send or receive may consume its signal: a wake-up lost that way
+would hang a test here (each waits with a watchdog), so these drive the cases that lose one: sends
+that find no room yet, an inbox that fills, ping-pong where every send races the reply."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import zmq
+
+from weightsync.roles.channel_io import Pump
+
+WATCHDOG = 20
+
+
+@contextlib.contextmanager
+def pair(max_inbox: int = 1024, connect: bool = True):
+    """(router pump, dealer pump, the router's endpoint, the dealer's socket); both closed after."""
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for s in (router, dealer):
+        s.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"d")
+    addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    if connect:
+        dealer.connect(addr)
+    r, d = Pump(router, max_inbox), Pump(dealer, max_inbox)
+    try:
+        yield r, d, addr, dealer
+    finally:
+        r.close()
+        d.close()
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+
+
+async def test_sends_without_room_wait_in_order_and_go_when_a_peer_connects():
+    with pair(connect=False) as (router, dealer, addr, dealer_sock):
+        sends = [dealer.send([b"%d" % i]) for i in range(5)]  # (a DEALER with no peer has no room)
+        assert not any(s.done() for s in sends) and len(dealer.outbox) == 5
+        dealer_sock.connect(addr)
+        await asyncio.wait_for(asyncio.gather(*sends), WATCHDOG)
+        got = [await asyncio.wait_for(router.recv(), WATCHDOG) for _ in range(5)]
+        assert [frames for frames in got] == [[b"d", b"%d" % i] for i in range(5)]
+
+
+async def test_a_cancelled_waiting_send_is_dropped_whole_and_later_ones_still_go():
+    with pair(connect=False) as (router, dealer, addr, dealer_sock):
+        first, second, third = (dealer.send([b"a", b"%d" % i]) for i in range(3))
+        second.cancel()
+        dealer_sock.connect(addr)
+        await asyncio.wait_for(asyncio.gather(first, third), WATCHDOG)
+        got = [await asyncio.wait_for(router.recv(), WATCHDOG) for _ in range(2)]
+        assert got == [[b"d", b"a", b"0"], [b"d", b"a", b"2"]]
+
+
+async def test_an_inbox_that_fills_takes_the_rest_as_it_empties():
+    with pair(max_inbox=4) as (router, dealer, _, _):
+        await asyncio.wait_for(asyncio.gather(*(dealer.send([b"%d" % i]) for i in range(50))), WATCHDOG)
+        got = [(await asyncio.wait_for(router.recv(), WATCHDOG))[1] for _ in range(50)]
+        assert got == [b"%d" % i for i in range(50)]
+        assert len(router.inbox) == 0
+
+
+async def test_a_send_looks_for_what_arrived_while_a_receive_waits():
+    """Anything that touches the socket may reset its descriptor's signal (here a poll does, as a send can):
+    the send that follows finds the message and wakes the waiting receive, with no signal left to do it."""
+    with pair() as (router, dealer, _, dealer_sock):
+        receiving = router.recv()
+        waiter = receiving.send(None)  # (stepped by hand: waiting on its future)
+        dealer_sock.send(b"hello")
+        assert router.raw.poll(WATCHDOG * 1000, zmq.POLLIN)  # (it arrived; the poll took the signal)
+        router.send([b"d", b"reply"])
+        assert waiter.done()
+        with pytest.raises(StopIteration) as stop:
+            receiving.send(None)
+        assert stop.value.value == [b"d", b"hello"]
+
+
+async def test_ping_pong_loses_no_wake_up():
+    with pair() as (router, dealer, _, _):
+        async def echo():
+            for _ in range(500):
+                peer, body = await router.recv()
+                router.send([peer, body])
+
+        server = asyncio.ensure_future(echo())
+        for i in range(500):
+            dealer.send([b"%d" % i])
+            assert await asyncio.wait_for(dealer.recv(), WATCHDOG) == [b"%d" % i]
+        await asyncio.wait_for(server, WATCHDOG)
+
+
+async def test_close_cancels_what_waits():
+    with pair(connect=False) as (router, dealer, _, _):
+        receiving = router.recv()
+        waiter = receiving.send(None)  # (stepped by hand: it now waits on this future)
+        assert waiter is router.waiter and not waiter.done()
+        queued = dealer.send([b"x"])
+        router.close()
+        dealer.close()
+        with pytest.raises(asyncio.CancelledError):
+            receiving.send(None)
+        assert queued.cancelled()
+        assert dealer.send([b"y"]).cancelled()  # (a closed pump takes nothing)
+        with pytest.raises(asyncio.CancelledError):  # (nor waits)
+            await router.recv()
