@@ -62,6 +62,7 @@ class RoundReport:
     predicted_s: float = 0.0  # what the controller predicted before it ran (roles.costs; 0: nothing learned yet)
     senders_host_s: dict[int, float] = dataclasses.field(default_factory=dict)  # per sender: staging + queueing writes
     trying: bool = False  # a sender was still timing its transport's ways (engine.cuda.fastest): not a steady round
+    checksum: str = ""  # the algorithm every row of the round was checked with ("": not checked end to end)
 
     @property
     def gbps(self) -> float:
@@ -230,5 +231,5 @@ class RoundState:
             culprit="" if ok else failed.culprit, whole_bytes=self.whole_bytes, delta_rows=rows, changed_values=changed,
             plan_id=self.plan_id, predicted_s=self.predicted_s,
             senders_host_s={r: b.stage_s + b.issue_s for r, b in sorted(self.writes.items())},
-            trying=any(b.trying for b in self.writes.values()),
+            trying=any(b.trying for b in self.writes.values()), checksum=self.checksum,
         )

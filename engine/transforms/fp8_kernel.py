@@ -28,9 +28,8 @@ the top byte of a word signed), so each program adds up its block's share of the
 in magnitude: exact in int64) and of the scales row (its one float32 word), and ``run`` folds the shares
 of each tensor as low and high 32-bit halves (``index_add``: exact at any size) into ``Batch.prints``
 (copied to pinned host memory on the launch's stream), read once the launch is done (``fingerprints``).
-Weights are worked out per row and per column and combined in int32 (no 64-bit division per element),
-and aligned blocks read their bytes back as whole words: the arithmetic is what a fingerprinted launch
-adds, so it is kept to a few integer operations a word.
+Weights are worked out per row and per column and combined in int32 (no 64-bit division per element):
+the arithmetic is what a fingerprinted launch adds (``bench/diagnostics/fp8_quantize.py``).
 The program reads its stored FP8 bytes back (after a barrier) rather than bitcasting its registers: on an
 H200 with Triton 3.6, a kernel that both stored ``q`` and bitcast it to bytes stored wrong bytes in about
 a quarter of the 16-aligned blocks' elements (and fingerprinted other ones); read back, both are right
@@ -89,33 +88,25 @@ def _quantize_blocks_kernel(table, n, src, out, scales, prints, BLOCK: tl.conste
     tl.store(out + out_at + r[:, None] * cols + c[None, :], q, mask=mask)
     tl.store(scales + scale_at + blk, scale_inv)
     if FINGERPRINT:  # this block's share of the fp64 of the weight row and of the scales row (header)
-        # A byte at p = r * cols + c is in word p >> 2 at slot p & 3. Per row (BLOCK values, int64 once): its
-        # first byte's word mod 65521; per column likewise; per element, int32 only (one conditional
-        # subtract: both parts are below 65521). No 64-bit division or modulo per element: they made the
-        # launch 2.8x slower than the quantization alone. Aligned blocks (rows start on 16 bytes) read
-        # their bytes back as whole words, a quarter of the elements to weigh and add.
+        # A byte at p = r * cols + c is in word p >> 2 at slot p & 3. Per row (BLOCK values, int64 once):
+        # its first byte's word mod 65521 and slot; per column: c >> 2 mod 65521 and c & 3. Per element,
+        # int32 only: the slot, the carry into the next word, and the weight (one conditional subtract:
+        # both parts are below 65521). No 64-bit division or modulo per element (they made the launch
+        # 2.8x slower than the quantization alone). (Reading the block back as int32 words instead of
+        # bytes was slower still on an H200: 14.9 against 10.9 ms for a 7B model's weights.)
         row_at = r * cols  # (BLOCK values, int64)
         row_word = ((row_at >> 2) % 65521).to(tl.int32)
+        row_slot = (row_at & 3).to(tl.int32)
+        col_word = ((c >> 2) % 65521).to(tl.int32)
+        u = row_slot[:, None] + (c & 3).to(tl.int32)[None, :]  # 0..6: the slot, plus 4 where it carries into the next word
+        slot = u & 3
+        w = row_word[:, None] + col_word[None, :] + (u >> 2)
+        w = tl.where(w >= 65521, w - 65521, w) + 1
         tl.debug_barrier()  # (the block's stores are visible to all its threads past this)
-        if ALIGNED:
-            c0 = (blk % block_cols) * BLOCK
-            j = tl.arange(0, BLOCK // 4)
-            w = row_word[:, None] + (((c0 >> 2) + j) % 65521).to(tl.int32)[None, :]
-            w = tl.where(w >= 65521, w - 65521, w) + 1
-            wmask = (r[:, None] < rows) & ((c0 + 4 * j)[None, :] < cols)
-            word = tl.load((out + out_at + row_at[:, None] + c0 + 4 * j[None, :]).to(tl.pointer_type(tl.int32)),
-                           mask=wmask, other=0, volatile=True)  # the bytes stored, read back: see the module's header
-            share = tl.where(wmask, word.to(tl.int64) * w.to(tl.int64), 0)
-        else:
-            row_slot = (row_at & 3).to(tl.int32)
-            u = row_slot[:, None] + (c & 3).to(tl.int32)[None, :]  # 0..6: the slot, plus 4 where it carries
-            slot = u & 3
-            w = row_word[:, None] + ((c >> 2) % 65521).to(tl.int32)[None, :] + (u >> 2)
-            w = tl.where(w >= 65521, w - 65521, w) + 1
-            b = tl.load((out + out_at + r[:, None] * cols + c[None, :]).to(tl.pointer_type(tl.uint8)), mask=mask,
-                        other=0, volatile=True).to(tl.int32)  # (read back, as above)
-            b = tl.where((slot == 3) & (b >= 128), b - 256, b)  # (a word's top byte is signed)
-            share = tl.where(mask, (b << (slot * 8)).to(tl.int64) * w.to(tl.int64), 0)
+        b = tl.load((out + out_at + r[:, None] * cols + c[None, :]).to(tl.pointer_type(tl.uint8)), mask=mask,
+                    other=0, volatile=True).to(tl.int32)  # the bytes stored, read back: see the module's header
+        b = tl.where((slot == 3) & (b >= 128), b - 256, b)  # (a word's top byte is signed)
+        share = tl.where(mask, (b << (slot * 8)).to(tl.int64) * w.to(tl.int64), 0)
         tl.store(prints + pid * 2, tl.sum(tl.sum(share, axis=1), axis=0))
         tl.store(prints + pid * 2 + 1, scale_inv.to(tl.int32, bitcast=True).to(tl.int64) * (blk % 65521 + 1))
 
