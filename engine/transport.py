@@ -197,12 +197,11 @@ class Abilities:
     seals: bool = False  # seal() -> a delivery proof the target checks (``Transport.await_proofs``)
     writes_in_place: bool = False  # address(...) and submit_written(...): a transform stores into the target
     delta_auto: bool = False  # delta="auto" sends deltas here: a link slower than encoding (docs/DELTAS.md)
-    prints: bool = False  # with compiles: replay_printed(table, epoch) fingerprints (fp64) rows as it copies them
 
     def promised(self) -> set[str]:
         """The methods these flags promise."""
         flags = {"compiles": self.compiles, "submits": self.submits, "batches": self.submits and self.batch > 1,
-                 "seals": self.seals, "writes_in_place": self.writes_in_place, "prints": self.prints}
+                 "seals": self.seals, "writes_in_place": self.writes_in_place}
         return {name for flag, on in flags.items() if on for name in ABILITY_METHODS[flag]}
 
 
@@ -212,7 +211,6 @@ ABILITY_METHODS: dict[str, tuple[str, ...]] = {
     "batches": ("submit_many",),
     "seals": ("seal",),
     "writes_in_place": ("address", "submit_written"),
-    "prints": ("replay_printed",),
 }
 
 

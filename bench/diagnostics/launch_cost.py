@@ -47,12 +47,11 @@ def direct_launcher(kernel):
 
     device = torch.device("cuda", kernel.device)
     args = (kernel.table, DeviceAddress(kernel.src_base, torch.int32, device),
-            DeviceAddress(kernel.dst_base, torch.int32, device), kernel.pieces, kernel.table, kernel.table,
-            kernel.tile, kernel.steps, False)
+            DeviceAddress(kernel.dst_base, torch.int32, device), kernel.pieces, kernel.tile, kernel.steps)
     programs = grid(kernel.pieces, kernel.programs)
     with torch.cuda.device(kernel.device):
-        compiled = _copy_pieces_kernel.warmup(*args[:6], TILE=kernel.tile, STEPS=kernel.steps, PRINT=False,
-                                              num_warps=kernel.warps, grid=(programs,))
+        compiled = _copy_pieces_kernel.warmup(*args[:4], TILE=kernel.tile, STEPS=kernel.steps, num_warps=kernel.warps,
+                                              grid=(programs,))
     run = compiled.run  # (loads the module: sets ``function``)
 
     def launch(stream: torch.cuda.Stream) -> None:

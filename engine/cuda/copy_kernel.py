@@ -12,14 +12,6 @@ piece (``grid``: so two copy kernels on two streams share the GPU), copying word
 vectors: one launch per round, whatever the tensor count. Copies whose addresses or length are not 16-byte multiples (rare: odd
 shapes) go as pointer copies (``cuda_rt.memcpy_batch_async``) on the same stream.
 
-Fingerprints in the same pass (``launch(prints=True)``, a checked round's): ``fp64`` (``engine.datapath.checksums``)
-is ``sum(w(i) * word(i)) mod 2**64`` over a copy's signed int32 words, ``w(i) = i mod 65521 + 1``, so each
-program also adds up the words it copies times their weights (its piece's first word's position in its
-copy mod 65521 comes from a second small table, ``pitched_table.dense_owners``; below 2**61 a piece, exact
-in int64), stores the piece's sum, and the launch folds each copy's pieces as low and high 32-bit halves
-(``index_add``) and copies them to pinned host memory behind it: the sender's fingerprints of what it
-sends without reading the model a second time (``prints``).
-
 The module imports Triton at import time: import it only where CUDA is.
 """
 
@@ -42,42 +34,17 @@ ALIGN = 16
 
 
 @triton.jit
-def _copy_pieces_kernel(table, src, dst, pieces, starts, partials, TILE: tl.constexpr, STEPS: tl.constexpr,
-                        PRINT: tl.constexpr):
+def _copy_pieces_kernel(table, src, dst, pieces, TILE: tl.constexpr, STEPS: tl.constexpr):
     offs = tl.arange(0, TILE)
     for piece in tl.range(tl.program_id(0), pieces, tl.num_programs(0)):  # (a program per piece, or fewer looping)
         p = piece  # (table offsets stay far below 2**31: pieces * 6)
         src_at = tl.multiple_of(tl.load(table + p * 3), 4)
         dst_at = tl.multiple_of(tl.load(table + p * 3 + 1), 4)
         words = tl.multiple_of(tl.load(table + p * 3 + 2), 4)
-        if PRINT:  # the piece's share of its row's fp64: each word times its weight (the module's header)
-            start = tl.load(starts + p).to(tl.int32)
-            acc = tl.zeros([TILE], dtype=tl.int64)
         for step in tl.static_range(STEPS):
             at = step * TILE + offs
             mask = at < words
-            word = tl.load(src + src_at + at, mask=mask)
-            tl.store(dst + dst_at + at, word, mask=mask)
-            if PRINT:
-                w = start + at
-                w = tl.where(w >= 65521, w - 65521, w) + 1
-                acc += tl.where(mask, word.to(tl.int64) * w.to(tl.int64), 0)
-        if PRINT:
-            tl.store(partials + p, tl.sum(acc, axis=0))
-
-
-def fold(halves: torch.Tensor, owners: torch.Tensor, partials: torch.Tensor) -> None:
-    """Each copy's pieces' sums (``partials``, int64; ``owners``: each piece's copy) added up into
-    ``halves`` ([copies, 2]: low and high 32-bit halves, so no sum overflows at any size)."""
-    halves.zero_()
-    halves[:, 0].index_add_(0, owners, partials & 0xFFFFFFFF)
-    halves[:, 1].index_add_(0, owners, partials >> 32)
-
-
-def values(halves: torch.Tensor) -> list[int]:
-    """``fold``'s halves (on the host) -> each copy's ``fp64``."""
-    mask = (1 << 64) - 1
-    return [((high << 32) + low) & mask for low, high in halves.tolist()]
+            tl.store(dst + dst_at + at, tl.load(src + src_at + at, mask=mask), mask=mask)
 
 
 def grid(pieces: int, programs: Optional[int]) -> int:
@@ -91,21 +58,16 @@ def grid(pieces: int, programs: Optional[int]) -> int:
 class CopyKernel:
     """A fixed list of copies from ``device``'s memory, launched as one kernel on it (plus pointer copies for
     the unaligned); the destinations are on ``target`` (default: the same device; another GPU's memory
-    mapped with peer access on, the kernel storing across the link). ``launch(stream, prints=True)``
-    also adds up the ``fp64`` of every copy the kernel makes, from the words it reads (``prints``)."""
+    mapped with peer access on, the kernel storing across the link)."""
 
     def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, target: Optional[int] = None, *,
                  tile: int = TILE, steps: int = STEPS, warps: int = WARPS, programs: Optional[int] = None) -> None:
         self.device, self.tile, self.steps, self.warps, self.programs = device, tile, steps, warps, programs
         self.target = device if target is None else target
-        self.printed = [i for i, c in enumerate(copies) if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
-        aligned = [copies[i] for i in self.printed]
-        self._sizes = [c[2] for c in aligned]
+        aligned = [c for c in copies if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
         self.rest = [c for c in copies if c[2] and (c[0] | c[1] | c[2]) % ALIGN]
         self.pieces = 0
         self.nbytes = sum(c[2] for c in copies)
-        self._sums: Optional[tuple] = None  # (owners, starts, partials, halves, host): ``prints``, made once
-        self._event: Optional[torch.cuda.Event] = None
         if not aligned:
             return
         table, self.src_base, self.dst_base = pitched_table.dense(aligned, tile * steps * 4)
@@ -116,42 +78,17 @@ class CopyKernel:
         return (f"<CopyKernel pieces={self.pieces} of {self.tile * self.steps * 4} bytes, {self.warps} warps, "
                 f"{grid(self.pieces, self.programs)} programs, pointer_copies={len(self.rest)} bytes={self.nbytes}>")
 
-    def launch(self, stream: torch.cuda.Stream, prints: bool = False) -> None:
-        """Queue every copy on ``stream`` (a stream of ``device``); with ``prints``, fingerprint the
-        kernel's copies (``printed``: their indices in the list) as it makes them, read by ``prints``."""
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        """Queue every copy on ``stream`` (a stream of ``device``)."""
         if self.pieces:
             device = torch.device("cuda", self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                sums = self._prepared() if prints else None
                 _copy_pieces_kernel[(grid(self.pieces, self.programs),)](
                     self.table, DeviceAddress(self.src_base, torch.int32, device),
                     DeviceAddress(self.dst_base, torch.int32, device), self.pieces,
-                    sums[1] if sums else self.table, sums[2] if sums else self.table,
-                    TILE=self.tile, STEPS=self.steps, PRINT=bool(sums), num_warps=self.warps)
-                if sums:
-                    owners, _, partials, halves, host = sums
-                    fold(halves, owners, partials)
-                    host.copy_(halves, non_blocking=True)
-                    self._event = torch.cuda.Event()
-                    self._event.record(stream)
+                    TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
         if self.rest:
             cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.target)
-
-    async def prints(self) -> list[int]:
-        """The ``fp64`` of each copy of ``printed``, from the last ``launch(prints=True)``, once it is done."""
-        if self._event is None or self._sums is None:
-            return []
-        await cuda_rt.wait_event(self._event)
-        return values(self._sums[4])
-
-    def _prepared(self) -> tuple:
-        if self._sums is None:
-            device = f"cuda:{self.device}"
-            owners, starts = pitched_table.dense_owners(self._sizes, self.tile * self.steps * 4)
-            halves = torch.zeros((len(self.printed), 2), dtype=torch.int64, device=device)
-            self._sums = (owners.to(device), starts.to(device), torch.empty(self.pieces, dtype=torch.int64, device=device),
-                          halves, torch.empty(halves.shape, dtype=torch.int64, pin_memory=True))
-        return self._sums
 
 
 @triton.jit

@@ -74,17 +74,6 @@ def dense(copies: Sequence[tuple[int, int, int]], piece: int) -> tuple[torch.Ten
     return torch.from_numpy(out), src_base, dst_base
 
 
-def dense_owners(sizes: Sequence[int], piece: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the pieces ``dense`` cuts copies of ``sizes`` bytes into: each piece's copy (int64), and its first
-    word's position inside that copy mod 65521 (int64: where its ``fp64`` weights start, ``checksums``)."""
-    size = np.asarray(sizes, dtype=np.int64).reshape(-1)
-    words = piece // WORD
-    counts = (size + piece - 1) // piece
-    at = np.arange(int(counts.sum()), dtype=np.int64) * words
-    at -= np.repeat((np.cumsum(counts) - counts) * words, counts)
-    return torch.from_numpy(np.repeat(np.arange(len(size), dtype=np.int64), counts)), torch.from_numpy(at % 65521)
-
-
 def table(copies: Sequence[Copy], tile: int = TILE, rows: int = ROWS) -> Table:
     """``copies`` as pieces of at most ``rows`` x ``tile`` words (empty copies dropped)."""
     live = [c for c in copies if c[2] and c[3]]

@@ -74,45 +74,24 @@ class PushReport:
     issue_s = property(lambda self: self.total("issue_s"))
 
 
-def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int,
-           printed: Optional[list] = None) -> list[asyncio.Future]:
-    """Issue the lane's compiled table on ``conn`` (one or a few host calls); its completions. With
-    ``printed`` (a list) on a connection that ``prints``, the copies also fingerprint the rows they make:
-    ``printed`` gets (those rows' places in ``lane.rows``, a coroutine function giving their fp64s)."""
+def replay(conn: Connection, lane: CompiledLane, report: LaneReport, epoch: int) -> list[asyncio.Future]:
+    """Issue the lane's compiled table on ``conn`` (one or a few host calls); its completions."""
     if lane.table is None:
         return []
-    if printed is not None and conn.abilities.prints:
-        ops, places, values = conn.replay_printed(lane.table, epoch)
-        printed.extend((places, values))
-    else:
-        ops = list(conn.replay(lane.table, epoch))
+    ops = list(conn.replay(lane.table, epoch))
     report.count += len(lane.rows)
     report.nbytes += lane.nbytes
     return ops
 
 
-async def fingerprints(lane: CompiledLane, printed: Sequence = ()) -> tuple[Sequence[int], list[int]]:
-    """The ``fp64`` of a compiled lane's direct rows' sources: (their table indices, their fingerprints).
-    ``printed``: what ``replay`` got from a connection whose copies fingerprinted some rows as they made
-    them; the other rows are read in one pass (``ManyPrints``), launched before those are awaited. The
-    same rows every checked round of the lane, so what to read is worked out once and kept with it."""
-    places, values = printed if printed else ((), None)
-    if lane.prints is None or lane.prints[2] != tuple(places):
-        done = set(places)
-        rest = [i for i in range(len(lane.rows)) if i not in done]
-        lane.prints = ([r.index for r in lane.rows], ManyPrints([lane.rows[i].src for i in rest]), tuple(places), rest)
-    indices, many, places, rest = lane.prints
-    out: list = [None] * len(lane.rows)
-    read = asyncio.ensure_future(many.values_async()) if rest else None  # (launched now, beside the copies)
-    try:
-        if values is not None:
-            for place, value in (await values()).items():
-                out[place] = value
-    finally:
-        if read is not None:
-            for place, value in zip(rest, await read):
-                out[place] = value
-    return indices, out
+async def fingerprints(lane: CompiledLane) -> tuple[Sequence[int], list[int]]:
+    """The ``fp64`` of a compiled lane's direct rows' sources, all in one pass: (their table indices, their
+    fingerprints). The same rows every checked round of the lane, so their ``ManyPrints`` is worked out
+    once and kept with it."""
+    if lane.prints is None:
+        lane.prints = ([r.index for r in lane.rows], ManyPrints([r.src for r in lane.rows]))
+    indices, many = lane.prints
+    return indices, await many.values_async()
 
 
 async def prints(rows: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[int], list[int]]:

@@ -200,11 +200,10 @@ class Pipeline:
         # (only a connection with submit seals: its writes are queued in the transport before the seal)
         seal = conn.seal if seal_early and conn.abilities.seals and conn.abilities.submits else None
         t0 = time.perf_counter()
-        printed: Optional[list] = [] if lane.rows and self.options.checksum else None  # (fp64 only:
-        replayed = replay(conn, lane, report, epoch, printed) + submit_written(conn, lane, report, epoch, launched)
-        try:  # ``compiled.direct_view``; the copies fingerprint what they make where the connection can)
-            if printed is not None:
-                report.add_checksums(*await fingerprints(lane, printed))
+        replayed = replay(conn, lane, report, epoch) + submit_written(conn, lane, report, epoch, launched)
+        try:
+            if lane.rows and self.options.checksum:  # (fp64 only: ``compiled.direct_view``)
+                report.add_checksums(*await fingerprints(lane))
             if lane.written and self.options.checksum and prints is not None:  # (fp64: ``_resolver``)
                 values = await prints.values()
                 report.add_checksums([t.index for t in lane.written], [values[t.index] for t in lane.written])

@@ -37,7 +37,7 @@ import asyncio
 import math
 import os
 import struct
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -185,7 +185,7 @@ class CudaIpcConnection:
     # for all of them, to another GPU a cudaMemcpy2DAsync each)
     abilities = Abilities(devices=frozenset({"cpu", "cuda"}), depth=64, compiles=True,
                           direct_devices=frozenset({"cuda"}), pitched_rows=True, submits=True, batch=16,
-                          seals=True, writes_in_place=True, prints=True)
+                          seals=True, writes_in_place=True)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
     chunk_rows = 256  # rows per batch call of a compiled replay to another GPU (bench/diagnostics/copy_batches.py)
 
@@ -280,31 +280,21 @@ class CudaIpcConnection:
             placed.append((row, device, desc[1], self._base(row.region, desc, device) + row.offset))
         return compile_table(placed, self.owner, self.chunk_rows)
 
-    def replay(self, table: IpcTable, epoch: int, prints: bool = False) -> list[asyncio.Future]:
-        """Queue a compiled table's launches on the copy streams, in turn; a completion per launch. With
-        ``prints``, the same-GPU copy kernels also fingerprint what they copy (``replay_printed``)."""
+    def replay(self, table: IpcTable, epoch: int) -> list[asyncio.Future]:
+        """Queue a compiled table's launches on the copy streams, in turn; a completion per launch."""
         if self.closed:
             raise ConnectionClosed("write on a closed connection", peer=self.peer)
         done = []
-        for i, (device, launch) in enumerate(table.launches):
+        for device, launch in table.launches:
             self._after_producer(device, epoch)
             stream = self.owner.copies.stream(device, self.lane, self._issued)
             self._issued += 1
             self._unsealed.add(device)
-            if prints and i in table.printing:
-                launch.launch(stream, prints=True)
-            else:
-                launch.launch(stream)
+            launch.launch(stream)
             done.append(self._completion(device, stream))
         self.sent_count += table.count
         self.sent_bytes += table.nbytes
         return done
-
-    def replay_printed(self, table: IpcTable, epoch: int) -> tuple[list[asyncio.Future], list[int], Callable]:
-        """``replay``, fingerprinting the rows the copy kernels make as they copy them (a checked round: the
-        sender's ``fp64`` of what it sends, without a second read of the model): (the completions, the
-        rows printed (places in the compiled list), a coroutine function giving {row place: fp64})."""
-        return self.replay(table, epoch, prints=True), table.printed, table.prints
 
     def _bounds(self, src: torch.Tensor, dst_region: int, dst_offset: int) -> tuple[tuple, int]:
         """(the target region's descriptor, byte count) of a write of ``src`` at region+offset; raises

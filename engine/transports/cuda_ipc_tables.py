@@ -19,7 +19,7 @@ A replay (``CudaIpcConnection.replay``) queues each launch on a copy stream of i
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -31,26 +31,13 @@ if TYPE_CHECKING:
     from .cuda_ipc import CudaIpcTransport
 
 class IpcTable:
-    """A compiled table for cuda_ipc: (sender device, a launch with ``launch(stream)``) in order; ``printing``:
-    per same-GPU copy kernel (its place in ``launches``), the rows (places in the compiled list) it copies,
-    in its copies' order: a checked round's replay fingerprints those as it copies them (``printed``)."""
+    """A compiled table for cuda_ipc: (sender device, a launch with ``launch(stream)``) in order."""
 
-    def __init__(self, launches: list, count: int, nbytes: int, printing: Optional[dict[int, list[int]]] = None) -> None:
+    def __init__(self, launches: list, count: int, nbytes: int) -> None:
         self.launches, self.count, self.nbytes = launches, count, nbytes
-        self.printing = printing or {}
-        self.printed = sorted(row for i, rows in self.printing.items()
-                              for k, row in enumerate(rows) if k in set(launches[i][1].printed))
 
     def __repr__(self) -> str:
-        return f"<cuda_ipc table {self.count} rows in {len(self.launches)} launches, {len(self.printed)} printed>"
-
-    async def prints(self) -> dict[int, int]:
-        """Row place -> ``fp64`` of its source, for ``printed``, from the last replay that printed."""
-        out: dict[int, int] = {}
-        for i, rows in self.printing.items():
-            kernel = self.launches[i][1]
-            out.update(zip((rows[k] for k in kernel.printed), await kernel.prints()))
-        return out
+        return f"<cuda_ipc table {self.count} rows in {len(self.launches)} launches>"
 
 
 def compile_table(placed: Sequence[tuple[CopyRow, int, int, int]], owner: CudaIpcTransport,
@@ -58,23 +45,17 @@ def compile_table(placed: Sequence[tuple[CopyRow, int, int, int]], owner: CudaIp
     """Each link's dense and pitched rows as one launch each (the module's table); ``placed``: each row
     with its sender GPU, its target GPU and its destination address."""
     dense: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    dense_rows: dict[tuple[int, int], list[int]] = {}  # (each dense copy's row: its place in ``placed``)
     pitched: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
-    for place, (row, device, target, dst) in enumerate(placed):
+    for row, device, target, dst in placed:
         if row.pitch:
             pitched.setdefault((device, target), []).append((dst, row.src.data_ptr(), row.nbytes // row.height,
                                                              row.height, row.pitch))
         else:
             dense.setdefault((device, target), []).append((dst, row.src.data_ptr(), row.nbytes))
-            dense_rows.setdefault((device, target), []).append(place)
     launches = [(device, _pitched(copies, device, target, owner)) for (device, target), copies in sorted(pitched.items())]
-    printing = {}
-    for link, copies in sorted(dense.items()):
-        launch = _dense(copies, *link, owner, chunk_rows)
-        if hasattr(launch, "prints"):  # (a same-GPU copy kernel: it can fingerprint what it copies)
-            printing[len(launches)] = dense_rows[link]
-        launches.append((link[0], launch))
-    return IpcTable(launches, len(placed), sum(row.nbytes for row, *_ in placed), printing)
+    launches += [(device, _dense(copies, device, target, owner, chunk_rows))
+                 for (device, target), copies in sorted(dense.items())]
+    return IpcTable(launches, len(placed), sum(row.nbytes for row, *_ in placed))
 
 
 def _pitched(copies: list, device: int, target: int, owner: "CudaIpcTransport"):

@@ -75,40 +75,6 @@ async def test_moe_shaped_compiled_rounds_bit_exact(transport, src, dst, mode):
     await _three_rounds(transport, src, dst, mode, spec="moe")
 
 
-@pytest.mark.parametrize("mode", ["shadow", "inplace"])
-async def test_checked_compiled_rounds_on_one_gpu_fingerprint_in_the_copy_kernel(mode):
-    """``fp64`` rounds on one GPU: the copy kernel fingerprints the rows it copies (``replay_printed``) and
-    each receiver's own ``fp64`` of what landed must agree, or the round aborts; three versions of the MoE
-    shape (unaligned rows among them: those are read apart)."""
-    await _three_rounds("cuda_ipc", "cuda:0", "cuda:0", mode, checksum="fp64", spec="moe")
-
-
-async def test_the_copy_kernel_fingerprints_what_it_copies():
-    """``CopyKernel.launch(prints=True)``: the same bytes land as without, and ``prints`` gives ``fp64``
-    of each aligned copy's source (``printed``: the unaligned ones go as pointer copies, unprinted),
-    twice (the second launch reuses its sums' buffers)."""
-    from weightsync.engine.cuda.copy_kernel import CopyKernel
-    from weightsync.engine.datapath.checksums import _bytes, fp64
-
-    gen = torch.Generator().manual_seed(12)
-    src = torch.randint(0, 256, (3_000_000,), generator=gen, dtype=torch.uint8).to("cuda:0")
-    dst = torch.zeros_like(src)
-    spans = [(0, 1 << 20), (1 << 20, (1 << 20) + 16), ((1 << 20) + 32, 2_900_000), (2_900_001, 2_900_100)]
-    copies = [(dst.data_ptr() + a, src.data_ptr() + a, b - a) for a, b in spans]
-    kernel = CopyKernel(copies, 0)
-    assert kernel.printed == [0, 1, 2]
-    stream = torch.cuda.Stream("cuda:0")
-    for _ in range(2):
-        dst.zero_()
-        stream.wait_stream(torch.cuda.current_stream("cuda:0"))
-        kernel.launch(stream, prints=True)
-        got = await kernel.prints()
-        stream.synchronize()
-        assert got == [fp64(_bytes(src[a:b])) for a, b in spans[:3]]
-        for a, b in spans:
-            assert torch.equal(dst[a:b], src[a:b])
-
-
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "ipc-shared"])
 def test_gpu_storages_exchange_memory(shared):
     """On this torch (with or without the binding) two CUDA storages exchange memory: views see the

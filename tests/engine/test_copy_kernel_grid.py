@@ -33,36 +33,11 @@ def test_dense_pieces_equal_the_copies_whatever_the_grid(programs):
     table, src_base, dst_base = pitched_table.dense(copies, 256 * 4)
     assert len(table) > 3 and (src_base, dst_base) == (_addr(src), _addr(dst))
     # (the interpreter takes tensors where the GPU launch passes raw addresses: the same bases here)
-    _copy_pieces_kernel[(grid(len(table), programs),)](table, src, dst, len(table), table, table, TILE=64, STEPS=4,
-                                                       PRINT=False)
+    _copy_pieces_kernel[(grid(len(table), programs),)](table, src, dst, len(table), TILE=64, STEPS=4)
     want = torch.zeros_like(dst)
     for a, b in spans:
         want[a:b] = src[a:b]
     assert torch.equal(dst, want)
-
-
-@pytest.mark.parametrize("programs", [None, 5])
-def test_the_copy_kernel_fingerprints_each_copy_as_it_copies_it(programs):
-    """``PRINT``: each program also adds up the words it copies times their ``fp64`` weights; folded per
-    copy, the sums equal ``fp64`` of each copy's source bytes (a copy past 65521 words included: the
-    weights wrap), and the copies are the same."""
-    from weightsync.engine.cuda.copy_kernel import _copy_pieces_kernel, fold, grid, values
-    from weightsync.engine.datapath.checksums import _bytes, fp64
-
-    g = torch.Generator().manual_seed(2)
-    src = torch.randint(-2**31, 2**31 - 1, (70_000,), generator=g, dtype=torch.int32)
-    dst = torch.zeros_like(src)
-    spans = [(0, 4000), (4000, 4004), (4100, 70_000)]
-    copies = [(_addr(dst) + a * 4, _addr(src) + a * 4, (b - a) * 4) for a, b in spans]
-    table, _, _ = pitched_table.dense(copies, 256 * 4)
-    owners, starts = pitched_table.dense_owners([c[2] for c in copies], 256 * 4)
-    partials = torch.zeros(len(table), dtype=torch.int64)
-    _copy_pieces_kernel[(grid(len(table), programs),)](table, src, dst, len(table), starts, partials, TILE=64,
-                                                       STEPS=4, PRINT=True)
-    halves = torch.zeros((len(copies), 2), dtype=torch.int64)
-    fold(halves, owners, partials)
-    assert values(halves) == [fp64(_bytes(src[a:b])) for a, b in spans]
-    assert torch.equal(dst[:4004], src[:4004]) and torch.equal(dst[4100:], src[4100:])
 
 
 @pytest.mark.parametrize("programs", [None, 2, 7])

@@ -62,7 +62,7 @@ def test_a_declaration_and_a_connection_that_disagree_are_named():
 
     assert unimplemented(Liar) == ["submit", "submit_many"] and undeclared(Liar) == ["seal"]
     assert {name for names in ABILITY_METHODS.values() for name in names} == {
-        "compile", "replay", "submit", "submit_many", "seal", "address", "submit_written", "replay_printed"}
+        "compile", "replay", "submit", "submit_many", "seal", "address", "submit_written"}
     assert set(BACKENDS) >= {"tcp", "memory", "cuda_ipc", "uccl", "auto"}
 
 
