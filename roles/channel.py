@@ -1,10 +1,11 @@
 """The control channel: a ZeroMQ socket speaking ``wire`` envelopes. The only place zmq meets wire.
 
 How this works: ``ControlChannel`` wraps a ZeroMQ ROUTER (controller, daemon) or DEALER (worker, CLI)
-socket, driven from the event loop by ``channel_io.Pump`` (``sock``, a ``zmq.asyncio`` socket, is there for
-options and monitoring; the channel's own sends and receives never go through its futures). ``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's
-routing id. ``recv`` returns (routing id or None, envelope); frames that do not decode raise the
-wire's ``ProtocolError`` with the routing id attached, so the owner can answer and carry on.
+socket, driven from the event loop by ``channel_io.Pump`` (``sock``, a ``zmq.asyncio`` socket, is there
+for options and monitoring; the channel's own sends and receives never go through its futures).
+``send`` numbers messages, encodes them and, on a ROUTER, prefixes the peer's routing id. ``recv``
+returns (routing id or None, envelope); frames that do not decode raise the wire's ``ProtocolError``
+with the routing id attached, so the owner can answer and carry on.
 
 With an ``auth_key`` the connection itself is authenticated and encrypted with ZeroMQ CURVE: the
 binding side is the CURVE server, the connecting side its client, and both key pairs are derived from

@@ -1,8 +1,8 @@
 """A ZeroMQ socket driven straight from the event loop: the control channel's sends and receives.
 
 How this works. ``zmq.asyncio`` gives every send and receive a future of its own and its own poll
-state; on a round of small control messages that bookkeeping was most of a hop's Python time (an empty
-1 -> 1 round in one process, ``bench/diagnostics/control_hops.py`` and docs/TRANSPORTS.md). ``Pump``
+state; on a round of small control messages that bookkeeping was most of a hop's Python time
+(``bench/diagnostics/round_in_process.py --profile``, docs/TRANSPORTS.md). ``Pump``
 drives a plain socket instead: a send goes out at once without blocking (``NOBLOCK``; ZeroMQ takes a
 multipart message whole or not at all) and only one that finds no room waits, in order, in ``outbox``;
 received messages go to ``inbox``, and ``recv`` waits on one future while it is empty.
@@ -83,7 +83,7 @@ class Pump:
                 await self.waiter
             finally:
                 self.waiter = None
-        return self.inbox.popleft()  # (what ZeroMQ kept back while the inbox was full: pumped once it is empty)
+        return self.inbox.popleft()
 
     def pump(self) -> None:
         """Move messages in and out until nothing moves (reading the events re-arms the descriptor)."""
