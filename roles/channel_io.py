@@ -42,13 +42,14 @@ class Pump:
         return f"<Pump inbox={len(self.inbox)} outbox={len(self.outbox)}{' closed' if self.closed else ''}>"
 
     def _attach(self) -> asyncio.AbstractEventLoop:
-        if self.loop is None and self.closed:
-            return asyncio.get_running_loop()
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-            self.fd = self.raw.getsockopt(zmq.FD)
-            self.loop.add_reader(self.fd, self.pump)
-        return self.loop
+        """The running loop, watching the socket (a socket used from a later loop moves to it)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop and not self.closed:
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.remove_reader(self.fd)
+            self.loop, self.fd = loop, self.raw.getsockopt(zmq.FD)
+            loop.add_reader(self.fd, self.pump)
+        return loop
 
     def send(self, frames: list) -> asyncio.Future:
         """Hand ``frames`` (one multipart message) to the socket: the future completes when it took them."""
@@ -78,7 +79,7 @@ class Pump:
         while not self.inbox:
             if self.closed:
                 raise asyncio.CancelledError()
-            self.waiter = self.loop.create_future()
+            self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:

@@ -110,3 +110,16 @@ async def test_close_cancels_what_waits():
         assert dealer.send([b"y"]).cancelled()  # (a closed pump takes nothing)
         with pytest.raises(asyncio.CancelledError):  # (nor waits)
             await router.recv()
+
+
+def test_a_socket_used_from_a_later_event_loop_moves_to_it():
+    """A pump first driven by one loop (``asyncio.run``) and then by another still wakes its receives."""
+    with pair() as (router, dealer, _, _):
+        async def exchange(i):
+            dealer.send([b"%d" % i])
+            peer, body = await asyncio.wait_for(router.recv(), WATCHDOG)
+            router.send([peer, body])
+            return await asyncio.wait_for(dealer.recv(), WATCHDOG)
+
+        assert asyncio.run(exchange(1)) == [b"1"]
+        assert asyncio.run(exchange(2)) == [b"2"]
