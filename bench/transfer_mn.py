@@ -25,7 +25,10 @@ Rows, measured in one run:
   FSDP2 rank; WeightReceiver on each TP rank; begin -> commit acknowledged), median (``engine_ms``) and
   mean (``engine_mean_ms``) of the rounds after the first two (each landing slot's first: it registers,
   opens and compiles; ``first_rounds_ms``), with the product's checks (``--full-check-every 8``: every
-  8th round reads the model on both sides; ``checked_rounds`` counts them). Bit-exact against tensors built here with plain
+  8th round reads the model on both sides; ``checked_rounds`` counts them; ``checked_ms_all`` are the
+  steady checked rounds, ``first_checks_ms`` each landing slot's first check, which builds its
+  fingerprint tables; ``period_over_unchecked_ratio``: a check period's mean round over the unchecked
+  median, what the default checks cost on average). Bit-exact against tensors built here with plain
   torch (cat, chunk) from the same seeds; FP8 weights within the block-FP8 error bound.
 - **broadcast**: what verl / slime do: trainer rank 0 broadcasts every full tensor, one collective per
   tensor, to every inference rank (NCCL on GPUs, gloo on the CPU), which keeps its TP slice (a copy).
@@ -238,7 +241,8 @@ async def engine(case: Case, link) -> dict:
         "learned_s": [(r.predicted_s, r.seconds) for r in (settled or counted) if r.predicted_s > 0],
         "rounds_timing_ways": len(counted) - len(settled),
         "ok": all(r.ok for r in reports) and not bad,
-        "checked_rounds": sum(1 for r in reports if r.stages.get("receiver_verify_max", 0) > 0),
+        "checked_rounds": sum(1 for r in reports if r.checksum),
+        **checks(reports, WARM_ROUNDS),
         "mismatches": bad,
         "nbytes": reports[-1].nbytes,
         "transfers": routing.transfer_count,
@@ -250,6 +254,20 @@ async def engine(case: Case, link) -> dict:
         "bound_s": lower_bound(pieces, senders, receivers, link),
         "quantize_bound_s": quantize_bound(routing.senders, link),
     }
+
+
+def checks(reports: list, warm: int) -> dict:
+    """The counted rounds (after the first ``warm``) checked end to end (``RoundReport.checksum``) apart from
+    the others: each landing slot's first check (versions alternate slots; it builds that slot's
+    fingerprint tables, once per plan), the steady checks after it, and the unchecked rounds."""
+    seen, first, steady = set(), [], []
+    for i, r in enumerate(reports):
+        if r.checksum:
+            if i >= warm:
+                (steady if r.version % 2 in seen else first).append(r.seconds)
+            seen.add(r.version % 2)
+    return {"first_checks_s": first, "checked_s": steady,
+            "unchecked_s": [r.seconds for r in reports[warm:] if not r.checksum]}
 
 
 def quantize_bound(tables, link) -> float:
@@ -412,6 +430,20 @@ def _learned(pairs: list[tuple[float, float]]) -> dict:
             "learned_worst_error": round(max(abs(r - 1) for r in ratios), 3), "learned_rounds": len(pairs)}
 
 
+def _period(case: Case, eng: dict) -> dict:
+    """Checked rounds beside unchecked ones: their medians, each landing slot's first check apart, and a
+    check period's mean over the unchecked median (``full_check_every`` - 1 unchecked rounds and one
+    steady checked one): what the product's default checks cost a round on average."""
+    ms = lambda xs: [round(x * 1e3, 3) for x in xs]  # noqa: E731
+    out = {"first_checks_ms": ms(eng["first_checks_s"]), "checked_ms_all": ms(eng["checked_s"])}
+    checked, plain, every = eng["checked_s"], eng["unchecked_s"], case.full_check_every
+    if checked and plain and every > 1:
+        c, u = statistics.median(checked), statistics.median(plain)
+        out.update(checked_median_ms=round(c * 1e3, 3), unchecked_median_ms=round(u * 1e3, 3),
+                   period_over_unchecked_ratio=round(((every - 1) * u + c) / every / u, 3))
+    return out
+
+
 def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = None, peer: Optional[dict] = None) -> dict:
     med = statistics.median
     engine_s = med(eng["round_s"])
@@ -431,6 +463,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "engine_mean_ms": round(mean_s * 1e3, 3),
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
         "engine_mean_over_bound_ratio": round(mean_s / eng["bound_s"], 3),
+        **_period(case, eng),
         **({"quantize_bound_ms": round(eng["quantize_bound_s"] * 1e3, 3),
             "engine_over_quantize_bound_ratio": round(engine_s / eng["quantize_bound_s"], 3)}
            if case.fp8 and case.device == "cuda" and eng["quantize_bound_s"] else {}),

@@ -49,6 +49,7 @@ def test_four_fsdp_trainers_to_two_fp8_tp_ranks_on_a_moe_shape():
                "--no-broadcast", "--full-check-every", "1")  # (make bench-mn runs this case beside the broadcast)
     assert r["case"] == "4 -> 2 disaggregated" and r["fp8"]
     assert r["full_check_every"] == 1 and r["checked_rounds"] == 4 and r["rounds_measured"] == 2
+    assert len(r["checked_ms_all"]) == 2 and r["first_checks_ms"] == []  # (each slot's first check: uncounted)
     assert r["bit_exact"]  # FP8 weights within the block-FP8 bound, everything else equal
     assert r["transfers"] > 200  # per-expert tensors: hundreds of writes a round
     assert "broadcast_ms" not in r
