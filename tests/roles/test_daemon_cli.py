@@ -328,9 +328,10 @@ def test_status_renders_peers_and_rounds_as_tables():
     assert "predicted" not in text and "learned costs" not in text  # (nothing learned yet)
     status["plan"]["predicted_round_ms"] = 412.5
     status["costs"] = {"per_row_us": 5.25, "per_round_ms": 1.5, "rounds": 4}
-    status["rounds"][0].update(ok=True, predicted_s=0.4125)
+    status["rounds"][0].update(ok=True, predicted_s=0.4125, checksum="fp64")
     text = format_status(status, width=160)
     assert "next round predicted 412.5 ms" in text and "learned costs: 5.25 us a row, 1.50 ms a round (4 rounds)" in text
+    assert "ok, checked fp64" in text  # (a round checked end to end says so)
     assert "│ 500.0 │ 412.5 │" in text  # (the round's seconds beside its prediction)
 
 
