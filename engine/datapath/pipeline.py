@@ -165,12 +165,12 @@ class Pipeline:
         for a rows object), kept per set of lanes: a shadow receiver's two landing slots alternate theirs."""
         parts = tuple(lane.written for lane in lanes.values() if lane.written)
         key = tuple(map(id, parts))
-        kept = self._written_split.get(key)
-        if kept is None or any(a is not b for a, b in zip(parts, kept[0])):
+        kept = self._written_split.get(key)  # (its parts are kept with it, so no other object has those ids)
+        if kept is None:
             cuda, host = [], []
             for t in (t for part in parts for t in part):
                 (cuda if self.sources.known_view(t).device.type == "cuda" else host).append(t)
-            if len(self._written_split) >= 8:  # (a few plans' worth; the parts are kept, so ids stay theirs)
+            if len(self._written_split) >= 8:  # (a few plans' worth)
                 self._written_split.clear()
             kept = self._written_split[key] = (parts, (tuple(cuda), tuple(host)))
         return kept[1]
