@@ -49,7 +49,7 @@ demo: $(STAMP)
 	$(BIN)/weightsync demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py --ignore=tests/e2e/test_hosts.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py --ignore=tests/e2e/test_bench_delta.py --ignore=tests/e2e/test_hosts.py
 
 # the import contracts (setup.cfg, import-linter) alone; `make test` checks them too (tests/test_packaging.py)
 lint: $(STAMP)
@@ -58,7 +58,7 @@ lint: $(STAMP)
 # The M -> N bench as shipped (FSDP2 trainer processes -> TP receivers over TCP): a minute of processes, so
 # apart from `make test`; CI runs both
 test-bench: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_bench_mn.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_bench_mn.py tests/e2e/test_bench_delta.py
 
 # the Triton kernels (copy tables, FP8 and its fingerprints, fp64, deltas) on the CPU under Triton's interpreter
 # (TRITON_INTERPRET=1), with Triton in a folder of its own ($(TRITON_DIR)): `make test` has no Triton and skips them

@@ -24,7 +24,8 @@ and each cluster's time, and ``bit_exact_steps`` (with ``--out``, a PNG of them 
 
 ``--trace DIR``: the ``always`` and ``dense`` clusters' sender and receiver run under torch.profiler,
 each round marked ``round vN``; their Chrome traces in DIR (``bench/diagnostics/trace_rounds.py`` lists
-a round's GPU work by stream).
+a round's GPU work by stream). ``--profile DIR``: the same four processes under cProfile instead while
+their rounds after the first run, their hottest functions in DIR (the host's work per round).
 
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import cProfile
 import json
 import multiprocessing as mp
 import pathlib
@@ -142,12 +145,36 @@ def crc(tensors: dict[str, torch.Tensor]):
 def _run(main, trace: str) -> None:
     """``main()`` on a new loop; with ``trace``, under torch.profiler, its Chrome trace written there
     (bench/transfer_gpu.py's; rounds are marked ``round vN`` for bench/diagnostics/trace_rounds.py)."""
-    if trace:
+    if trace.endswith(".txt"):  # (--profile: cProfile while rounds run, ``_round``)
+        from transfer_gpu import write_profile
+
+        global PROFILE
+        PROFILE = cProfile.Profile()
+        asyncio.run(main())
+        write_profile(PROFILE, trace)
+    elif trace:
         from transfer_gpu import _profiled
 
         _profiled(main, "", trace=trace)
     else:
         asyncio.run(main())
+
+
+PROFILE: "cProfile.Profile | None" = None  # (--profile: this process's, on while its rounds after the first run)
+
+
+@contextlib.contextmanager
+def _round(version: int):
+    """A round of this process: marked for torch.profiler (no cost unless traced); under ``PROFILE``."""
+    on = PROFILE is not None and version > 1
+    with torch.profiler.record_function(f"round v{version}"):
+        if on:
+            PROFILE.enable()
+        try:
+            yield
+        finally:
+            if on:
+                PROFILE.disable()
 
 
 def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
@@ -167,7 +194,7 @@ def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool
                 stepped = trainer.step(seed) if real and fraction else 0
                 if fraction and not real:
                     step(tensors, fraction, seed)
-                with torch.profiler.record_function(f"round v{version}"):  # (no cost unless traced)
+                with _round(version):
                     await (await sender.push(version))
                 d = sender.last_delta
                 done.send({"crc": crc(tensors), "rows": d.rows if d else 0, "changed": d.changed if d else 0,
@@ -190,7 +217,7 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bo
         loop = asyncio.get_running_loop()
         async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport=transport)) as receiver:
             while (version := await loop.run_in_executor(None, orders.recv)) is not None:
-                with torch.profiler.record_function(f"round v{version}"):
+                with _round(version):
                     await receiver.wait_for(version)
                 done.send(crc(receiver.state_dict()))
 
@@ -200,8 +227,9 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bo
 class Cluster:
     """One controller here, a sender and a receiver process."""
 
-    def __init__(self, name: str, mb: int, gpus: str = "", real: bool = False, trace: str = "") -> None:
-        self.name, self.mb, self.real, self.trace = name, mb, real, trace
+    def __init__(self, name: str, mb: int, gpus: str = "", real: bool = False, trace: str = "",
+                 suffix: str = "json") -> None:
+        self.name, self.mb, self.real, self.trace, self.suffix = name, mb, real, trace, suffix
         self.ends = ((("tcp", "cpu"), ("tcp", "cpu")) if not gpus else
                      (("cuda_ipc", "cuda:0"), ("cuda_ipc", "cuda:1" if gpus == "across" else "cuda:0")))
 
@@ -214,7 +242,7 @@ class Cluster:
         self.pipes = [ctx.Pipe() for _ in range(4)]
         (s_in, s_out), (s_done_r, s_done_w), (r_in, r_out), (r_done_r, r_done_w) = self.pipes
         self.to_sender, self.from_sender, self.to_receiver, self.from_receiver = s_out, s_done_r, r_out, r_done_r
-        traces = [f"{self.trace}/{end}_{self.name}.json" if self.trace else "" for end in ("sender", "receiver")]
+        traces = [f"{self.trace}/{end}_{self.name}.{self.suffix}" if self.trace else "" for end in ("sender", "receiver")]
         self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0], self.real,
                                                         traces[0])),
                       ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1], self.real,
@@ -263,10 +291,12 @@ def verify_overhead(rows: list) -> dict:
             "checked_round_over_unchecked": statistics.mean(checked) / unchecked}
 
 
-async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "") -> dict:
+async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "",
+              profile: bool = False) -> dict:
     if trace:
         pathlib.Path(trace).mkdir(parents=True, exist_ok=True)
-    clusters = {name: Cluster(name, mb, gpus, trace=trace if name in ("always", "dense") else "") for name in CLUSTERS}
+    clusters = {name: Cluster(name, mb, gpus, trace=trace if name in ("always", "dense") else "",
+                              suffix="txt" if profile else "json") for name in CLUSTERS}
     rows, warmups = [], []
     for c in clusters.values():
         await c.__aenter__()
@@ -423,6 +453,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--trace", default="", help="a folder: the always and dense clusters' sender and receiver under "
                                                 "torch.profiler there (Chrome traces; diagnostics)")
+    ap.add_argument("--profile", default="", help="a folder: the always and dense clusters' sender and receiver under "
+                                                  "cProfile there (their hottest functions; diagnostics)")
     ap.add_argument("--out", default="", help="write the figures (with the command) to this file")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -435,7 +467,7 @@ def main(argv=None) -> int:
         result = asyncio.run(run_real(args.real_steps, args.warmup))
     else:
         result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(",")),
-                                 args.warmup, args.gpus, args.trace))
+                                 args.warmup, args.gpus, args.trace or args.profile, bool(args.profile)))
     result["link"] = f"cuda_ipc {args.gpus}" if args.gpus else args.link
     if args.gpus:
         result[f"time_ratio_gpu_{args.gpus}_1pct"] = next(c["always_over_dense"] for c in result["cases"]

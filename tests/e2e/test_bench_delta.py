@@ -1,0 +1,45 @@
+"""bench/transfer_delta.py's profile and bench/diagnostics/catch_up.py on the CPU, as shipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> list[str]:
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                         timeout=170, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout.strip().splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_delta_bench_profiles_the_rounds_of_both_ends(tmp_path):
+    """``--profile``: each of the always and dense clusters' two processes writes its hottest functions,
+    taken while its rounds after the first ran (the always sender's include the encoder's)."""
+    out = json.loads(_run("transfer_delta.py", "--mb", "8", "--fractions", "0.01", "--rounds", "1", "--warmup", "1",
+                          "--profile", str(tmp_path), "--json")[-1])
+    assert out["bit_exact"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["receiver_always.txt", "receiver_dense.txt", "sender_always.txt", "sender_dense.txt"]
+    sender = (tmp_path / "sender_always.txt").read_text()
+    assert "function calls" in sender and "advance_many" in sender  # (its delta rows, encoded in the rounds)
+    assert "advance_many" not in (tmp_path / "sender_dense.txt").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_the_catch_up_diagnostic_checks_each_way_bit_for_bit():
+    rows = [json.loads(line) for line in _run("diagnostics/catch_up.py", "--mb", "2", "--rounds", "1", "--json")]
+    assert [r["fraction"] for r in rows] == [0.001, 0.01, 0.03, 0.1]
+    for r in rows:
+        assert r["copy_equal"] and r["scatter_equal"] and r["reapply_equal"]
+        assert r["changes"] == int(r["mb"] * (1 << 20) // 2 * r["fraction"])
+        assert min(r["copy_ms"], r["scatter_ms"]) > 0
