@@ -7,7 +7,7 @@ weights maps to a window of it) and ``base``, the committed version deltas apply
 ``base`` and forgets it (the landing memory is written from now on). At the fence ``land`` checks every
 delta the senders report and only then applies them all to the landing memory (the checks of
 ``engine.datapath.delta_checks.landed``: a bad one is a ``DeltaError`` naming row and sender, and nothing is
-applied). A two-slot receiver's landing slot holds an older version, so there each delta row is first
+applied; each row's view and window, ``delta_checks.Rows``, are worked out once per plan and landing memory). A two-slot receiver's landing slot holds an older version, so there each delta row is first
 copied from the live slot (which holds the base: the committed version) and the delta applied to that
 copy; rows that come whole overwrite the landing slot anyway. Every write the receiver makes to its
 landing memory thus happens at the fence, after every sender's writes are delivered: none can race the
@@ -47,6 +47,7 @@ class DeltaLanding:
         self.rows = 0  # rows that came as deltas, all rounds
         self.changed = 0  # values they changed
         self.apply_s = 0.0
+        self._rows: dict[int, checks.Rows] = {}  # per landing memory (a two-slot receiver's two): its table's rows
 
     def __repr__(self) -> str:
         size = self.region.nbytes if self.region is not None else 0
@@ -67,7 +68,7 @@ class DeltaLanding:
         did not move as their sender said (``engine.datapath.delta_checks.apply``)."""
         t0 = time.perf_counter()
         region = self.region.storage if self.region is not None else None
-        checked = checks.landed(table, summaries, region, landing, dtypes)
+        checked = checks.landed(table, summaries, region, landing, dtypes, self._rows_of(table, landing, dtypes))
         if live is not None and live.data_ptr() != landing.data_ptr():
             for start, end in _spans((d.entry.offset, d.entry.offset + d.entry.nbytes) for d in checked):
                 landing[start:end].copy_(live[start:end])
@@ -76,6 +77,17 @@ class DeltaLanding:
         self.rows += len(checked)
         self.apply_s += time.perf_counter() - t0
         return wrong
+
+    def _rows_of(self, table: ReceiverTable, landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> checks.Rows:
+        """``table``'s rows in ``landing``, as the checks need them: worked out as rows first come as deltas,
+        then kept for the plan (another table's are dropped, with the memory their views hold)."""
+        region = self.region.storage if self.region is not None else None
+        rows = self._rows.get(landing.data_ptr())
+        if rows is None or not rows.fits(table, landing, region):
+            if any(r.table is not table for r in self._rows.values()):
+                self._rows.clear()
+            rows = self._rows[landing.data_ptr()] = checks.Rows(table, landing, region, dtypes)
+        return rows
 
     def committed(self, version: int) -> None:
         """``version`` is live: the next round's deltas apply to it."""

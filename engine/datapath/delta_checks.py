@@ -4,7 +4,8 @@ How this works: the rows that came as deltas (``WriteSummary.deltas``) are read 
 the delta region (``engine.datapath.deltas.window``) and checked by ``landed`` — each names a row of the
 sender that sent it, once, inside its window, and is a well-formed delta for that row (header, escape
 counts, positions strictly increasing and inside the row) — all of them before any byte is applied; a
-bad one is a ``DeltaError`` naming the row and the sender. ``apply`` then adds them to the landing
+bad one is a ``DeltaError`` naming the row and the sender (each row's view and window are worked out once
+and kept, ``Rows``: a receiver keeps them per plan and landing slot). ``apply`` then adds them to the landing
 memory and returns those whose ``fp64`` fingerprint moved otherwise than their sender said. Rows the
 batched GPU kernels take (``delta_rows.batched``) are checked and applied together: one read of their
 headers, one launch pair and one read for the verdicts, one launch and one read for the fingerprint
@@ -61,22 +62,61 @@ def _row(landing: torch.Tensor, entry: ExpectedEntry, dtypes: Mapping[str, torch
     return landing[entry.offset:entry.offset + entry.nbytes].view(dtypes[entry.name])
 
 
+class Rows:
+    """A table's rows in one landing memory, as the checks of ``landed`` need them, worked out once per
+    row and kept (a receiver keeps one per plan and landing slot): (sender, transfer index) -> (its
+    entry, its values in the landing memory, where its window of the delta region starts, the window's
+    bytes, whether the batched kernels take it)."""
+
+    def __init__(self, table: ReceiverTable, landing: torch.Tensor, delta_region: Optional[torch.Tensor],
+                 dtypes: Mapping[str, torch.dtype]) -> None:
+        self.table, self.landing, self.region, self.dtypes = table, landing, delta_region, dtypes
+        self.entries = {(e.src_rank, e.index): e for e in table.entries}
+        self.known: dict[tuple[int, int], tuple[ExpectedEntry, torch.Tensor, int, int, bool]] = {}
+
+    def __repr__(self) -> str:
+        return f"<Rows {len(self.known)} of {len(self.entries)} worked out>"
+
+    def fits(self, table: ReceiverTable, landing: torch.Tensor, delta_region: Optional[torch.Tensor]) -> bool:
+        """Whether these are ``table``'s rows in that memory (else make new ones)."""
+        same = lambda a, b: a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr()  # noqa: E731
+                                       and a.numel() == b.numel())
+        return table is self.table and same(landing, self.landing) and same(delta_region, self.region)
+
+    def get(self, src: int, d: DeltaRow) -> tuple[ExpectedEntry, torch.Tensor, int, int, bool]:
+        """Row ``d.index`` of sender ``src``; ``DeltaError`` where the table has none such."""
+        key = (src, d.index)
+        got = self.known.get(key)
+        if got is None:
+            entry = self.entries.get(key)
+            if entry is None:
+                raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from "
+                                       "that sender", f"sender/{src}")
+            row = _row(self.landing, entry, self.dtypes)
+            start, capacity = (window(entry.offset, entry.nbytes, self.landing.numel(), self.region.numel())
+                               if self.region is not None else (0, 0))
+            got = self.known[key] = (entry, row, start, capacity, batched(row))
+        return got
+
+
 def landed(table: ReceiverTable, summaries: tuple[WriteSummary, ...], delta_region: Optional[torch.Tensor],
-           landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> list[Landed]:
+           landing: torch.Tensor, dtypes: Mapping[str, torch.dtype], rows: Optional[Rows] = None) -> list[Landed]:
     """Every delta of the round, checked against its row in ``landing`` (1-D uint8), in the senders'
     order; ``DeltaError`` naming the row and the sender for the first that is not right. Nothing is
     written. Rows the batched kernels take (``batched``) are checked together: one read of their
-    headers, one of the verdicts."""
-    entries = {(e.src_rank, e.index): e for e in table.entries}
+    headers, one of the verdicts. ``rows``: the table's ``Rows`` in that memory, kept between rounds
+    (made here when not given, or not theirs)."""
+    if rows is None or not rows.fits(table, landing, delta_region):
+        rows = Rows(table, landing, delta_region, dtypes)
     out: list[Optional[Landed]] = []
     batch: list[tuple[int, int, DeltaRow, ExpectedEntry, int, torch.Tensor]] = []  # (place in out, sender,
     #                                                                     its report, entry, start, row's values)
     for s in summaries:
         seen: set[int] = set()
         for d in s.deltas:
-            entry, start = _placed(s.peer_rank, d, entries, seen, delta_region, landing)
-            row = _row(landing, entry, dtypes)
-            if batched(row):
+            entry, row, start, capacity, fast = rows.get(s.peer_rank, d)
+            _placed(s.peer_rank, d, entry, seen, delta_region, capacity)
+            if fast and not delta_rows.KERNEL_FAILED:  # (the kernels may have failed since it was worked out)
                 batch.append((len(out), s.peer_rank, d, entry, start, row))
                 out.append(None)
             else:
@@ -94,28 +134,21 @@ def _blamed(src: int, d: DeltaRow, entry: ExpectedEntry, check: Callable):
         raise codec.DeltaError(entry.name, f"transfer {d.index}: {exc.text}", f"sender/{src}") from None
 
 
-def _placed(src: int, d: DeltaRow, entries: Mapping, seen: set, delta_region: Optional[torch.Tensor],
-            landing: torch.Tensor) -> tuple[ExpectedEntry, int]:
-    """The row a delta names and where its window starts, after the checks that need no byte of it."""
-    entry = entries.get((src, d.index))
-    if entry is None:
-        raise codec.DeltaError(f"transfer {d.index}", "names a row this receiver does not expect from that sender",
-                               f"sender/{src}")
-
-    def check() -> int:
-        if d.index in seen:
-            raise codec.DeltaError(entry.name, "sent twice in one round")
-        seen.add(d.index)
-        if delta_region is None:
-            raise codec.DeltaError(entry.name, "a delta for a receiver without a delta region")
-        start, capacity = window(entry.offset, entry.nbytes, landing.numel(), delta_region.numel())
-        if d.nbytes > capacity:
-            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes overflow its window of {capacity}")
-        if d.nbytes < codec.HEADER_BYTES:
-            raise codec.DeltaError(entry.name, f"{d.nbytes} bytes is shorter than a delta's header")
-        return start
-
-    return entry, _blamed(src, d, entry, check)
+def _placed(src: int, d: DeltaRow, entry: ExpectedEntry, seen: set, delta_region: Optional[torch.Tensor],
+            capacity: int) -> None:
+    """The checks of a delta that need no byte of it (``capacity``: its row's window's bytes)."""
+    why = ""
+    if d.index in seen:
+        why = "sent twice in one round"
+    elif delta_region is None:
+        why = "a delta for a receiver without a delta region"
+    elif d.nbytes > capacity:
+        why = f"{d.nbytes} bytes overflow its window of {capacity}"
+    elif d.nbytes < codec.HEADER_BYTES:
+        why = f"{d.nbytes} bytes is shorter than a delta's header"
+    if why:
+        raise codec.DeltaError(entry.name, f"transfer {d.index}: {why}", f"sender/{src}")
+    seen.add(d.index)
 
 
 def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: torch.Tensor,
