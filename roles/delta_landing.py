@@ -68,7 +68,7 @@ class DeltaLanding:
         did not move as their sender said (``engine.datapath.delta_checks.apply``)."""
         t0 = time.perf_counter()
         region = self.region.storage if self.region is not None else None
-        checked = checks.landed(table, summaries, region, landing, dtypes, self._rows_of(table, landing, dtypes))
+        checked = checks.landed(table, summaries, region, landing, dtypes, self._rows_of(table, landing, region, dtypes))
         if live is not None and live.data_ptr() != landing.data_ptr():
             for start, end in _spans((d.entry.offset, d.entry.offset + d.entry.nbytes) for d in checked):
                 landing[start:end].copy_(live[start:end])
@@ -78,10 +78,10 @@ class DeltaLanding:
         self.apply_s += time.perf_counter() - t0
         return wrong
 
-    def _rows_of(self, table: ReceiverTable, landing: torch.Tensor, dtypes: Mapping[str, torch.dtype]) -> checks.Rows:
+    def _rows_of(self, table: ReceiverTable, landing: torch.Tensor, region: Optional[torch.Tensor],
+                 dtypes: Mapping[str, torch.dtype]) -> checks.Rows:
         """``table``'s rows in ``landing``, as the checks need them: worked out as rows first come as deltas,
         then kept for the plan (another table's are dropped, with the memory their views hold)."""
-        region = self.region.storage if self.region is not None else None
         rows = self._rows.get(landing.data_ptr())
         if rows is None or not rows.fits(table, landing, region):
             if any(r.table is not table for r in self._rows.values()):
