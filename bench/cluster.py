@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import pathlib
+import signal
 import statistics
 import sys
 import tempfile
@@ -83,34 +85,56 @@ async def controller_child(args, key: bytes) -> None:
 
 
 async def sender_child(args, key: bytes) -> None:
-    from mn_setup import full_tensor, model_shapes
+    from mn_setup import Steps, full_tensor, model_shapes
 
     from weightsync.engine.transport import TransportOptions
     from weightsync.roles import SenderOptions, WeightSender
 
     shapes = {p.name: p.shape for p in model_shapes(args.model)}
     tensors = {name: full_tensor(name, shape, 0, 0, "cpu") for name, shape in shapes.items()}
+    steps = Steps()
     opts = SenderOptions(auth_key=key, transport_options=TransportOptions(bind_host=args.addr,
                                                                           tcp_user_timeout_s=3 * args.timeout))
     async with WeightSender(f"tcp://{args.controller}:{CONTROL_PORT}", tensors, rank=args.rank, options=opts) as s:
         emit("joined", rank=args.rank, host=s.transport_info.host)
-        reader = await lines()
-        while line := (await reader.readline()).decode().split():
+
+        async def push(line: list[str]) -> None:
             version = int(line[1])
 
             def fill() -> None:  # (the trainer's step: in a thread, so this process keeps its heartbeats)
                 for name, shape in shapes.items():
-                    tensors[name].copy_(full_tensor(name, shape, version, 0, "cpu"))
+                    tensors[name].copy_(steps(name, shape, version, 0, "cpu"))
             await asyncio.to_thread(fill)
             try:
                 await (await s.push(version))
                 emit("pushed", version=version, ok=True)
             except Exception as exc:  # reported to the driver, which decides
                 emit("pushed", version=version, ok=False, error=repr(exc))
+        await each_line(push)
+
+
+async def each_line(handle) -> None:
+    """``handle`` each line of stdin (split in words), one at a time, until stdin closes (the driver's
+    word to leave), which cancels the one running: a push waiting on a round that cannot start does
+    not keep the process."""
+    reader, queue = await lines(), asyncio.Queue()
+
+    async def run() -> None:
+        while True:
+            await handle(await queue.get())
+    task = asyncio.ensure_future(run())
+    try:
+        while line := await reader.readline():
+            queue.put_nowait(line.decode().split())
+    finally:
+        task.cancel()
+        outcome, = await asyncio.gather(task, return_exceptions=True)
+    if not isinstance(outcome, asyncio.CancelledError):
+        raise outcome
 
 
 async def receiver_child(args, key: bytes) -> None:
-    from mn_setup import mismatches, receiver_layout
+    from mn_setup import Steps, mismatches, receiver_layout
 
     from weightsync.engine.transforms.layouts import allocate
     from weightsync.engine.transport import TransportOptions
@@ -123,10 +147,11 @@ async def receiver_child(args, key: bytes) -> None:
                                                                             tcp_user_timeout_s=3 * args.timeout))
 
     async def check(version: int) -> None:
-        bad = await asyncio.to_thread(mismatches, case, args.rank, tensors, layout, version, "cpu")
+        bad = await asyncio.to_thread(mismatches, case, args.rank, tensors, layout, version, "cpu", steps)
         emit("applied", rank=args.rank, version=version, bad=bad)
 
     checks: set = set()
+    steps = Steps()
 
     async def applied(version: int) -> None:
         if args.check == "inline":  # the commit ack waits for the check: no later round can swap it away
@@ -201,6 +226,7 @@ def child(args) -> None:
 
     logging.basicConfig(level=os.environ.get("WEIGHTSYNC_LOG", "WARNING"), stream=sys.stderr,
                         format=f"%(relativeCreated)7.0f {args.role}/{args.rank} %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the roles without an event loop (below: with)
     if args.role.startswith("stream"):
         stream_child(args)
         return
@@ -210,9 +236,8 @@ def child(args) -> None:
     key = pathlib.Path(args.key_file).read_bytes()
 
     async def with_dump(coro):  # SIGUSR1: every task's stack on stderr (a stuck child says where it waits)
-        import signal
-
         def dump() -> None:
+            faulthandler.dump_traceback(all_threads=True)
             for task in asyncio.all_tasks():
                 task.print_stack(file=sys.stderr)
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
@@ -224,10 +249,14 @@ def child(args) -> None:
 # --- the driver ---------------------------------------------------------------------------------------
 
 
+FLEETS: set = set()  # the fleets with children now (SIGTERM makes them print their stacks)
+
+
 class Fleet:
     """The children of one case, by name, each with its stdout read line by line into events."""
 
     def __init__(self, cluster, args, key_file: str) -> None:
+        FLEETS.add(self)
         self.cluster, self.args, self.key_file = cluster, args, key_file
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.events: asyncio.Queue = asyncio.Queue()
@@ -263,20 +292,36 @@ class Fleet:
                 got.append(match)
                 continue
             if time.monotonic() > deadline:
-                raise asyncio.TimeoutError(f"no {event} within {timeout}s")
+                self.dump()
+                said = sorted(name for name, _ in got)
+                raise asyncio.TimeoutError(f"{len(got)} of {n} {event} within {timeout}s (from {said}); "
+                                           f"the children's stacks are on stderr")
             await self.pump()
-            exited = next((name for name, ev in self.backlog if ev["event"] == "exit"), None)
-            if exited is not None and event != "exit":
-                raise RuntimeError(f"{exited} exited while waiting for {event}")
+            failed = next((f"{name} exited with {ev['code']}" for name, ev in self.backlog
+                           if ev["event"] == "exit" and ev["code"] != 0), None)
+            if failed is not None and event != "exit":  # (a finished broadcast rank exits 0 before rank 0 says so)
+                raise RuntimeError(f"{failed} while waiting for {event}")
         return got
+
+    def dump(self) -> None:
+        """Every live child prints its stacks on stderr (SIGUSR1: see ``child``)."""
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGUSR1)
 
     async def pump(self) -> None:
         """Move what the children said into the backlog (waiting a tenth of a second at most: several
-        coroutines read the backlog, so none may sit on the queue while another holds what it needs)."""
+        coroutines read the backlog, so none may sit on the queue while another holds what it needs).
+        Not ``wait_for``: on Python 3.11 it swallows a cancellation that arrives as the event does, and
+        ``Pusher.stop`` would wait for ever."""
+        getter = asyncio.ensure_future(self.events.get())
         try:
-            self.backlog.append(await asyncio.wait_for(self.events.get(), 0.1))
-        except asyncio.TimeoutError:
-            return
+            await asyncio.wait([getter], timeout=0.1)
+        finally:
+            if getter.done() and not getter.cancelled():
+                self.backlog.append(getter.result())
+            else:
+                getter.cancel()  # (an event not taken yet stays queued)
         while not self.events.empty():
             self.backlog.append(self.events.get_nowait())
 
@@ -284,20 +329,26 @@ class Fleet:
         self.procs[name].stdin.write(text.encode() + b"\n")
 
     async def close(self) -> None:
-        """Workers leave first, then the controller (so none of them tries to join again)."""
-        order = sorted(self.procs, key=lambda name: name == "controller")
-        for name in order:
-            proc = self.procs[name]
-            if proc.stdin is not None and not proc.stdin.is_closing():
-                proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
+        """Workers leave first (all at once), then the controller (so none of them tries to join again)."""
+        workers = [proc for name, proc in self.procs.items() if name != "controller"]
+        await asyncio.gather(*(self._end(proc) for proc in workers))
+        if "controller" in self.procs:
+            await self._end(self.procs["controller"])
+        FLEETS.discard(self)
         for task in self.readers:
             task.cancel()
         await asyncio.gather(*self.readers, return_exceptions=True)
+
+    @staticmethod
+    async def _end(proc) -> None:
+        """Close the child's stdin (its signal to leave); killed if it has not exited 30 s later."""
+        if proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 async def stream_rate(cluster, args) -> float:
@@ -443,6 +494,7 @@ class Pusher:
         deadline = time.monotonic() + timeout
         while any(max(v, default=0) <= version for v in self.applied.values()):
             if time.monotonic() > deadline:
+                self.fleet.dump()
                 raise asyncio.TimeoutError
             await self.fleet.pump()
             self.collect()
@@ -510,6 +562,21 @@ async def partition_trials(cluster, args, key_file: str) -> dict:
             "problems": [r for r in rows if r["wrong_blame"] or not r["in_time"]][:10] + half[:10]}
 
 
+async def until_terminated(coro):
+    """SIGTERM: the driver's tasks and every child's stacks on stderr, then the run is cancelled (its
+    ``finally`` blocks end the children and remove the namespaces)."""
+    task = asyncio.ensure_future(coro)
+
+    def on_term() -> None:
+        for each in asyncio.all_tasks():
+            each.print_stack(file=sys.stderr)
+        for fleet in FLEETS:
+            fleet.dump()
+        task.cancel()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
+    return await task
+
+
 async def drive(args) -> dict:
     import netns
 
@@ -574,7 +641,11 @@ def main() -> int:
     if args.verb == "child":
         child(args)
         return 0
-    result = asyncio.run(drive(args))
+    try:
+        result = asyncio.run(until_terminated(drive(args)))
+    except asyncio.CancelledError:
+        print("bench/cluster.py: terminated (stacks above)", file=sys.stderr)
+        return 143
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json or args.partition:

@@ -10,6 +10,7 @@ import functools
 import multiprocessing as mp
 import socket
 import statistics
+import threading
 import time
 import traceback
 import zlib
@@ -111,6 +112,29 @@ def full_tensor(name: str, shape, version: int, seed: int, device: str) -> torch
     return t
 
 
+class Steps:
+    """``full_tensor`` for versions that only grow (a process pushing or checking round after round):
+    each tensor advanced from the last version asked for, one bf16 add a step, so the same values for
+    O(steps) work instead of O(version) (rounds that follow each other at once reach versions in the
+    thousands). Keeps one copy of each tensor: for small models."""
+
+    def __init__(self) -> None:
+        self.last: dict = {}  # (name, seed, device) -> (version, tensor)
+        self.lock = threading.Lock()  # (callers run it on worker threads)
+
+    def __call__(self, name: str, shape, version: int, seed: int, device: str) -> torch.Tensor:
+        key = (name, seed, device)
+        with self.lock:
+            have = self.last.get(key)
+            if have is None or have[0] > version or tuple(have[1].shape) != tuple(shape):
+                have = (0, full_tensor(name, shape, 0, seed, device))
+            start, t = have
+            for _ in range(version - start):
+                t.add_(1)
+            self.last[key] = (version, t)
+            return t.clone()
+
+
 def receiver_layout(case: Case, rank: int):
     from weightsync.engine.transforms.layouts import FP8Policy, TensorParallel, receiver_layout as layout
 
@@ -134,8 +158,9 @@ def expected(name: str, entry, sources: dict, world: int, index: int) -> torch.T
     return torch.cat([tp_part(sources[s], entry, world, index) for s in fused_parts(name)])
 
 
-def mismatches(case: Case, rank: int, state: dict, layout, version: int, device: str) -> list[str]:
-    """The names in ``state`` (TP rank ``rank``'s tensors) that differ from the trainer's at ``version``."""
+def mismatches(case: Case, rank: int, state: dict, layout, version: int, device: str, source=None) -> list[str]:
+    """The names in ``state`` (TP rank ``rank``'s tensors) that differ from the trainer's at ``version``
+    (``source``: ``full_tensor`` or a ``Steps``)."""
     from weightsync.engine.transforms import within_fp8_bound
 
     shapes = {p.name: p.shape for p in model_shapes(case.model)}
@@ -143,7 +168,7 @@ def mismatches(case: Case, rank: int, state: dict, layout, version: int, device:
     for entry in layout:
         if entry.name.endswith("_scale_inv"):
             continue
-        sources = {s: full_tensor(s, shapes[s], version, case.seed, device) for s in fused_parts(entry.name)}
+        sources = {s: (source or full_tensor)(s, shapes[s], version, case.seed, device) for s in fused_parts(entry.name)}
         want = expected(entry.name, entry, sources, case.receivers, rank)
         got = state[entry.name]
         if got.dtype == torch.float8_e4m3fn:

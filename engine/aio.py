@@ -5,7 +5,8 @@ budget is admitted alone, so nothing deadlocks). ``Channel`` is a bounded FIFO b
 stages with trio-like semantics: ``close()`` ends it gracefully (the reader drains what is left, then
 gets ``ChannelClosed``), ``fail(exc)`` breaks it (both ends raise). ``run_all`` runs coroutines
 concurrently and, on the first failure, cancels the rest and waits for them before re-raising, so no
-task outlives its scope (Python 3.10 has no TaskGroup). ``install_uvloop`` picks uvloop when present.
+task outlives its scope (Python 3.10 has no TaskGroup). ``within`` is ``wait_for`` that passes a
+cancellation through. ``install_uvloop`` picks uvloop when present.
 """
 
 from __future__ import annotations
@@ -160,6 +161,19 @@ async def run_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def within(aw: Awaitable[T], timeout: Optional[float]) -> T:
+    """``asyncio.wait_for`` that never swallows a cancellation: Python 3.11's returns the result when its
+    caller is cancelled just as ``aw`` completes, so a cancelled loop (a round, a receive) runs on and
+    whoever waits for it to end waits for ever. Here: ``asyncio.timeout`` (3.11+), which raises
+    ``TimeoutError`` when the time is up and passes any other cancellation through."""
+    if timeout is None:
+        return await aw
+    if not hasattr(asyncio, "timeout"):  # (3.10: wait_for is what there is)
+        return await asyncio.wait_for(aw, timeout)
+    async with asyncio.timeout(timeout):
+        return await aw
 
 
 async def shielded(aw: Awaitable[T]) -> T:

@@ -51,6 +51,7 @@ import torch
 from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from . import dataauth
+from .aio import within
 from .errors import ConfigError, TransportError, TransportUnavailable
 
 
@@ -258,7 +259,7 @@ async def await_each_proof(proofs: dict[int, bytes], timeout_s: float,
             failed[src] = f"unusable delivery proof ({exc!r})"
             continue
         try:
-            await asyncio.wait_for(fulfilled, timeout_s)
+            await within(fulfilled, timeout_s)
         except asyncio.TimeoutError:
             failed[src] = f"writes not delivered within {timeout_s}s of the fence"
         except TransportError as exc:  # (its connection closed first)

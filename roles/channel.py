@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from weightsync.engine.logs import Repeats
 from weightsync.roles.channel_io import Pump
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
-from weightsync.engine.aio import Waiters
+from weightsync.engine.aio import Waiters, within
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.transport import is_loopback
 from weightsync.wire.auth import MIN_KEY_BYTES, ReplayGuard, sign, verify
@@ -206,7 +206,7 @@ class ControlChannel:
             await sending
         else:
             try:  # (cancelling a queued send takes it out of the queue whole)
-                await asyncio.wait_for(sending, timeout)
+                await within(sending, timeout)
             except asyncio.TimeoutError:
                 log.debug("%s: %s not queued within %.2fs (no connection)", self.name, body.TYPE, timeout)
                 raise zmq.Again() from None

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import zmq
 
+from weightsync.engine.aio import within
 from weightsync.engine.errors import ConfigError
 from weightsync.wire import Envelope, ShardSpec
 from weightsync.wire import messages as m
@@ -207,7 +208,7 @@ async def request(addr: str, body: m.Message, *, timeout_s: float = 10.0, auth_k
         async def ask() -> Envelope:
             await chan.send(body)
             return (await chan.recv())[1]
-        return await asyncio.wait_for(ask(), timeout_s)
+        return await within(ask(), timeout_s)
     finally:
         chan.close()
 

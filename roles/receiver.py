@@ -231,12 +231,15 @@ class WeightReceiver(Worker):
             return
         log.info("%s: v%d was not committed (the controller's committed version is v%s): dropped",
                  self.name, version, committed)
+        self._open_regions(False)  # (shut while it was prepared: the landing slot takes writes again)
         self.rounds_aborted += 1
         if self.mode == "inplace":
             await call_hook(self.after_update, version, False)
 
     async def _on_begin(self, env: Envelope) -> None:
-        self.prepared = None  # (a new round: the landing slot is written again)
+        if self.prepared is not None:  # (a new round: the landing slot is written again)
+            self.prepared = None
+            self._open_regions(False)
         self._pending = env.body.version  # writes may have started already: they count under this epoch
         # every older round is over, begun here or not (one aborted before its begin reached us sent no abort)
         self.transport.close_epoch(self._pending - 1)
@@ -308,6 +311,7 @@ class WeightReceiver(Worker):
         received = sum(s.nbytes for s in body.checksums)
         if not problems:
             self.prepared = version
+            self._open_regions(False)  # (verified: nothing may write there until its commit or abort)
         return m.FenceAck(version, not problems, received, tuple(names), "; ".join(problems), blame,
                           apply_s=t1 - t0, verify_s=verify_s)
 

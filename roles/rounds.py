@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import zmq
 
-from weightsync.engine.aio import Spinner
+from weightsync.engine.aio import Spinner, within
 from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.wire import Origin, Role
 from weightsync.wire import messages as m
@@ -211,7 +211,7 @@ class Rounds:
 
     async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(rnd.futures[stage]), deadline)
+            await within(asyncio.shield(rnd.futures[stage]), deadline)
         except asyncio.TimeoutError:
             if not rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s"):
                 missing = sorted(rnd.receivers - rnd.applied)  # committed: whoever applied it has it

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from weightsync.engine.aio import AsyncResource, Spinner
+from weightsync.engine.aio import AsyncResource, Spinner, within
 from weightsync.engine.errors import ConfigError, ControllerLost, JoinRejected, PlanError
 from weightsync.engine.transport import Transport, TransportOptions, create_transport
 from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Manifest, Origin, Role, Session, State, TransportInfo
@@ -195,7 +195,7 @@ class Worker(AsyncResource):
             raise ControllerLost(f"hello to {self.controller_addr} could not be sent within {timeout:.1f}s: "
                                  f"no connection (is it running? same auth key?)") from None
         try:
-            _, env = await asyncio.wait_for(self._channel.recv(), timeout)
+            _, env = await within(self._channel.recv(), timeout)
         except asyncio.TimeoutError:
             raise ControllerLost(f"no answer to hello from {self.controller_addr} within "
                                  f"{timeout:.1f}s (is it running? same auth key?)") from None

@@ -13,17 +13,32 @@ CTX = mp.get_context("spawn")
 WATCHDOG = 60.0
 
 
-async def bench_json(script: str, *argv: str, timeout: float = 280.0) -> tuple[int, dict]:
-    """Run ``bench/<script> ... --json`` as a process; its exit status and the JSON of its last line."""
+async def bench_json(script: str, *argv: str, timeout: float = 240.0) -> tuple[int, dict]:
+    """Run ``bench/<script> ... --json`` as a process; its exit status and the JSON of its last line. Its
+    stderr is the test's (pytest shows it with a failure). Past ``timeout`` it gets SIGTERM (a bench that
+    handles it prints where it waits and cleans up), then SIGKILL 45 s later, and the test fails (within
+    the 300 s those tests allow)."""
     import json
     import pathlib
     import sys
 
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / script
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(path), *argv, "--json",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    return proc.returncode, json.loads(out.decode().strip().splitlines()[-1])
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(path), *argv, "--json", stdout=asyncio.subprocess.PIPE)
+    communicate = asyncio.ensure_future(proc.communicate())
+    done, _ = await asyncio.wait([communicate], timeout=timeout)
+    if not done:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(asyncio.shield(communicate), 45)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await communicate
+        raise TimeoutError(f"bench/{script} {' '.join(argv)} still running after {timeout}s (stderr: where it waited)")
+    out, _ = communicate.result()
+    lines = out.decode().strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"bench/{script} {' '.join(argv)} exited {proc.returncode} printing nothing (stderr: why)")
+    return proc.returncode, json.loads(lines[-1])
 
 
 def free_port() -> int:

@@ -46,6 +46,7 @@ import torch
 from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
+from ..aio import within
 from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
 from ..transport import Abilities, EpochCounts, TransportOptions, await_each_proof, wait_after
@@ -138,8 +139,8 @@ class TcpTransport(EpochCounts):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.options.tcp_user_timeout_s * 1000))
         timeout = self.options.connect_timeout_s
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, (host.strip("[]"), int(port))), timeout)
-            nonce = await asyncio.wait_for(_read_challenge(loop, sock, name), timeout)
+            await within(loop.sock_connect(sock, (host.strip("[]"), int(port))), timeout)
+            nonce = await within(_read_challenge(loop, sock, name), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
             why = f"no challenge within {timeout}s" if isinstance(exc, asyncio.TimeoutError) else str(exc)

@@ -48,6 +48,7 @@ import torch
 from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
+from ..aio import within
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import EpochCounts, SourceCounters, TransportOptions
@@ -254,7 +255,7 @@ class UcclTransport(EpochCounts):
                                   f"{self.options.max_unauthenticated} unauthenticated connections", "evicted")
                 oldest.close()
             try:
-                source, proof, magic, op = await asyncio.wait_for(_read_hello(reader), self.options.handshake_timeout_s)
+                source, proof, magic, op = await within(_read_hello(reader), self.options.handshake_timeout_s)
             except asyncio.TimeoutError:
                 self.guard.refuse(_peername(writer), f"no authenticated hello within "
                                   f"{self.options.handshake_timeout_s}s", "handshake timeout")
@@ -300,7 +301,7 @@ class UcclTransport(EpochCounts):
             await writer.drain()
             accepted = _off_loop(self.ep.accept)
             try:
-                result = await asyncio.wait_for(asyncio.shield(accepted), PAIRING_TIMEOUT_S)
+                result = await within(asyncio.shield(accepted), PAIRING_TIMEOUT_S)
             except asyncio.TimeoutError:
                 self._stalled = f"sender/{source} did not connect within {PAIRING_TIMEOUT_S:.0f}s"
                 raise TransportError(self._stalled) from None

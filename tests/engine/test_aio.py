@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from weightsync.engine.aio import ByteBudget, Channel, ChannelClosed, run_all
+from weightsync.engine.aio import ByteBudget, Channel, ChannelClosed, run_all, within
 from loop_helpers import one_loop_iteration
 
 WATCHDOG = 20
@@ -119,3 +119,33 @@ async def test_the_collector_waits_while_any_round_is_open_and_comes_back_after_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("timeout", [10.0, None])
+async def test_within_passes_on_a_cancellation_that_arrives_as_what_it_waits_for_completes(timeout):
+    """The awaited future resolves and the waiting task is cancelled in the same loop pass: the task
+    ends cancelled (Python 3.11's ``wait_for`` returns the result instead, and a cancelled loop runs on)."""
+    fut = asyncio.get_running_loop().create_future()
+    after = []
+
+    async def loop_body():
+        await within(asyncio.shield(fut), timeout)
+        after.append("ran on")
+
+    task = asyncio.ensure_future(loop_body())
+    await one_loop_iteration()  # (the task waits on the future)
+    fut.set_result(1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert after == []
+
+
+async def test_within_times_out_with_timeout_error_and_returns_results():
+    never = asyncio.get_running_loop().create_future()
+    with pytest.raises(asyncio.TimeoutError):
+        await within(never, 0.01)
+    assert never.cancelled()
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(7)
+    assert await within(done, 5.0) == 7

@@ -176,6 +176,51 @@ async def test_a_controller_killed_after_its_first_commit_message_is_finished_by
             assert consistent(ctl2, [r0, r1]) and mismatches(recvs[1], 3) == []
 
 
+async def test_a_version_prepared_when_the_controller_died_is_dropped_and_the_next_round_lands():
+    """The controller dies once both receivers have verified v2, before any commit leaves it: both are
+    prepared for v2, which nobody committed. The restarted controller's plan says v1: each receiver
+    drops v2 and opens its landing slot again, so v3's writes land (a slot left shut refuses them, and
+    the round would be aborted blaming the sender)."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ts, recvs = sender_tensors(0), [receiver_tensors(), receiver_tensors()]
+    ctl = Controller(addr, senders=1, receivers=2, options=FAST)
+    await ctl.start()
+    verified, never = asyncio.Event(), asyncio.get_running_loop().create_future()
+    send = ctl.rounds.send
+
+    async def die_before_commit(peer, body, **kw):
+        if isinstance(body, m.Commit):
+            verified.set()
+            await never  # (the process is gone: nothing more leaves it)
+        await send(peer, body, **kw)
+
+    async with WeightSender(addr, ts, rank=0) as s0, \
+            WeightReceiver(addr, recvs[0], rank=0) as r0, WeightReceiver(addr, recvs[1], rank=1) as r1:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(s0, ts, 1)
+        ctl.rounds.send = die_before_commit
+        update_in_place(ts, 2)
+        handle = await asyncio.wait_for(s0.push(2), WATCHDOG)
+        await asyncio.wait_for(verified.wait(), WATCHDOG)
+        ctl._chan.close()  # SIGKILL: the socket goes, nothing is said
+        for task in [*ctl._tasks, ctl.rounds.task]:
+            task.cancel()
+        await asyncio.gather(*ctl._tasks, ctl.rounds.task, return_exceptions=True)
+        assert (r0.version, r0.prepared, r1.version, r1.prepared) == (1, 2, 1, 2)
+        assert r0.transport.guard.open == r1.transport.guard.open == frozenset()  # a verified slot takes no writes
+        async with Controller(addr, senders=1, receivers=2, options=FAST) as ctl2:
+            with pytest.raises((RoundAborted, ControllerLost)):
+                await asyncio.wait_for(handle, WATCHDOG)  # v2 never committed
+            await asyncio.wait_for(ctl2.wait_ready(), WATCHDOG)
+            assert (r0.prepared, r1.prepared) == (None, None) and mismatches(recvs[0], 1) == []
+            assert all(r.landing_slot in r.transport.guard.open for r in (r0, r1))
+            await push(s0, ts, 3)
+            await asyncio.wait_for(asyncio.gather(r0.wait_for(3), r1.wait_for(3)), WATCHDOG)
+            await asyncio.wait_for(ctl2.wait_round(3), WATCHDOG)
+            assert [r.ok for r in ctl2.reports] == [True], [r.reason for r in ctl2.reports]
+            assert consistent(ctl2, [r0, r1]) and mismatches(recvs[0], 3) == [] and mismatches(recvs[1], 3) == []
+
+
 async def test_sixteen_receivers_of_a_host_restarting_at_once_all_rejoin_promptly():
     opts = ControllerOptions(heartbeat_s=0.1, timeout_s=1.0)
     ts = sender_tensors(0)
