@@ -11,7 +11,10 @@ member's message (``plan_messages``, off the event loop). A plan holds its membe
 (``sessions``); one whose members changed while it was made is void and made again. It sends each
 receiver its table; senders get theirs (``_send_sender_plans``) only once every receiver has
 acknowledged, so no sender connects before its receiver accepts the key. ``on_plan_ack`` marks the
-plan ready when every worker has acknowledged it (``on_ready``).
+plan ready when every worker has acknowledged it (``on_ready``). A plan a member refused but that is
+not final (a sender that could not reach its receiver, say, in a partition that heals with the
+membership unchanged) is made again for the same members ``options.timeout_s`` later
+(``_plan_again_later``): no membership change may ever come to replan it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Planning:
         self.messages = MessageCache()  # the data-plane keys' secret, and what the last plan's messages made
         self.task: Optional[asyncio.Task] = None
         self._ids = 0
+        self._again = False  # plan again though the members are the plan's (a member refused it)
+        self._retry: Optional[asyncio.TimerHandle] = None
         self._acks_pending: set[tuple[Role, int]] = set()
         # senders' plans (each with its body frame) held back until the receivers have acknowledged theirs
         self._sender_plans: dict[bytes, tuple[m.Plan, bytes]] = {}
@@ -94,7 +99,7 @@ class Planning:
         if any(p.session.state is State.PLAN_RECEIVED for p in self.members):
             return  # a plan may only follow an acknowledged one; the ack will call us again
         members = self.members.sessions()
-        if members == self.sessions and (self.plan is not None or self.error is not None):
+        if members == self.sessions and not self._again and (self.plan is not None or self.error is not None):
             return
         counts = self.members.counts()
         if not self.planned_once and not self.members.complete():
@@ -107,6 +112,7 @@ class Planning:
             self.ready.clear()
             return  # nothing to plan: wait for members
         self.ready.clear()
+        self._again = False
         self.task = asyncio.ensure_future(self._plan())
 
     async def _plan(self) -> None:
@@ -150,6 +156,9 @@ class Planning:
         self.on_final_error(exc)
 
     async def _install(self, routing: RoutingPlan, bodies: dict, members: dict[tuple[Role, int], bytes]) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         self.plan, self.error, self.planned_once, self.sessions = routing, None, True, members
         self._acks_pending = set(members)
         self._sender_plans = {}
@@ -189,7 +198,8 @@ class Planning:
             if not ack.ok:
                 log.error("controller: %s could not take plan %d: %s", peer.name, ack.plan_id, ack.text)
                 self.error = PlanError(f"{peer.name} refused the plan: {ack.text}", ranks=[peer.name])
-                self.error_final = False  # (a peer it could not reach, say: the next membership change replans)
+                self.error_final = False  # (a peer it could not reach, say: planned again, below)
+                self._plan_again_later()
             await self._send_sender_plans()
             if not self._acks_pending and self.error is None:
                 self.ready.set()
@@ -202,7 +212,23 @@ class Planning:
             self._acks_pending.clear()
             self._sender_plans.clear()
 
+    def _plan_again_later(self) -> None:
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(self.options.timeout_s, self._plan_again)
+
+    def _plan_again(self) -> None:
+        """A refused plan's time is up: plan again, for the same members if they have not changed (the
+        plan waits, as any, for acknowledgements still due and for a running round)."""
+        self._retry = None
+        if self.error is not None and not self.error_final:
+            log.info("controller: planning again after a refused plan")
+            self._again = True
+            self.maybe_plan()
+
     def cancel(self) -> Optional[asyncio.Task]:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self.task is not None and not self.task.done():
             self.task.cancel()
         return self.task

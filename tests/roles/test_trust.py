@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from children import free_port
 from proc_helpers import mismatches, push, receiver_tensors, sender_tensors, update_in_place
-from weightsync.engine.errors import ConfigError, ControllerLost, PlanError, RoundAborted
+from weightsync.engine.errors import ConfigError, ControllerLost, PlanError, RoundAborted, TransportError
 from weightsync.engine.logs import Repeats
 from weightsync.engine.transport import TransportOptions
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
@@ -219,6 +219,36 @@ async def test_a_version_prepared_when_the_controller_died_is_dropped_and_the_ne
             await asyncio.wait_for(ctl2.wait_round(3), WATCHDOG)
             assert [r.ok for r in ctl2.reports] == [True], [r.reason for r in ctl2.reports]
             assert consistent(ctl2, [r0, r1]) and mismatches(recvs[0], 3) == [] and mismatches(recvs[1], 3) == []
+
+
+async def test_a_plan_a_sender_could_not_take_is_made_again_for_the_same_members():
+    """The sender cannot reach its receiver when the plan comes (a partition that heals, the membership
+    unchanged): it refuses the plan, and the controller plans again a heartbeat timeout later rather
+    than wait for a membership change that never comes; the push commits."""
+    ts, recv = sender_tensors(0), receiver_tensors()
+    async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
+            WeightReceiver(ctl.address, recv, rank=0) as r0:
+        s0 = WeightSender(ctl.address, ts, rank=0)
+        refused = []
+        real_connect = None
+
+        async def unreachable_once(peer, key):
+            if not refused:
+                refused.append(peer.rank)
+                raise TransportError(f"cannot connect to {peer.transport.address}: no challenge (test)")
+            return await real_connect(peer, key)
+
+        def patch(transport):
+            nonlocal real_connect
+            real_connect = transport.connect
+            transport.connect = unreachable_once
+        s0._on_transport = patch
+        async with s0:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            assert refused == [0] and ctl.planning.plan.plan_id == 2  # (plan 1 refused, plan 2 taken)
+            await push(s0, ts, 1)
+            await asyncio.wait_for(r0.wait_for(1), WATCHDOG)
+            assert mismatches(recv, 1) == []
 
 
 async def test_sixteen_receivers_of_a_host_restarting_at_once_all_rejoin_promptly():
