@@ -10,7 +10,9 @@ landing zone. In ``inplace`` mode senders write into
 the live tensors: ``before_update`` runs at ``begin`` so serving can pause, ``after_update`` at commit
 or abort; an abort leaves the receiver ``dirty`` until the next successful round repairs it.
 At ``fence`` the receiver checks that every expected transfer arrived (counts and bytes per sender)
-and, when asked, recomputes each transfer's checksum; only then does it acknowledge.
+and, when asked, recomputes each transfer's checksum; only then does it acknowledge. The check runs
+off the receive loop (``_fence_task``: it may wait for bytes still in flight), which keeps reading:
+heartbeats keep the session, and an abort meanwhile cancels the check.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class WeightReceiver(Worker):
         self.version: Optional[int] = None
         self.dirty = False
         self._begin_task: Optional[asyncio.Task] = None  # an in-place begin waiting for before_update
+        self._fence_task: Optional[asyncio.Task] = None  # a fence's verdict, waiting for bytes in flight
         self.rounds_committed = 0
         self.rounds_aborted = 0
         self.last_abort: Optional[RoundAborted] = None  # the newest round aborted here
@@ -266,17 +269,36 @@ class WeightReceiver(Worker):
                 await self._send(m.Error(m.ErrorCode.INTERNAL, f"before_update: {exc!r}", "", version), version=version)
 
     def _cancel_begin(self) -> None:
-        task, self._begin_task = self._begin_task, None
-        if task is not None and not task.done():
-            task.cancel()
+        for name in ("_begin_task", "_fence_task"):  # (an abort or a lost session ends both)
+            task = getattr(self, name)
+            setattr(self, name, None)
+            if task is not None and not task.done():
+                task.cancel()
 
     async def _on_fence(self, env: Envelope) -> None:
-        """Verify the round and say so with ``fence_ack``. A ``fence_commit`` goes to the only receiver of
-        the round: if verification passes it applies at once and says so with ``commit_ack`` alone (it
-        tells the controller both); a failed verification is still a ``fence_ack``."""
-        ack = await self._verdict(env.body)
-        if not ack.ok or not isinstance(env.body, m.FenceCommit):
-            await self._send(ack, version=ack.version)
+        """Verify the round and say so with ``fence_ack``, off the receive loop (``_fence``): waiting
+        for a sender's bytes still in flight must not stop heartbeats, nor an abort, from being read."""
+        self._fence_task = asyncio.ensure_future(self._fence(env.body))
+
+    async def _fence(self, body: "m.Fence | m.FenceCommit") -> None:
+        """A ``fence_commit`` goes to the only receiver of the round: if verification passes it applies
+        at once and says so with ``commit_ack`` alone (it tells the controller both); a failed
+        verification is still a ``fence_ack``. Cancelled by an abort or a lost session while it checks;
+        once the verdict is in, it runs to its end (``_apply`` changes state before its first await)."""
+        try:
+            ack = await self._verdict(body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # (as the receive loop does for a failing handler)
+            log.exception("%s: checking v%d failed", self.name, body.version)
+            if self.session.allowed(Origin.WORKER, m.Error.TYPE):
+                await self._send(m.Error(m.ErrorCode.INTERNAL, f"fence: {exc!r}", "", body.version),
+                                 version=body.version)
+            return
+        self._fence_task = None  # (past the verdict: nothing cancels it now)
+        if not ack.ok or not isinstance(body, m.FenceCommit):
+            if self.session.allowed(Origin.WORKER, ack.TYPE):
+                await self._send(ack, version=ack.version)
             return
         self.rounds_one_phase += 1
         await self._apply(ack.version, carried=(ack.apply_s, ack.verify_s))  # (its commit_ack says them)
@@ -340,7 +362,8 @@ class WeightReceiver(Worker):
                 await call_hook(self.after_update, version, True)
         finally:
             self._spin(False)
-            if ack:
+            if ack and self.session.allowed(Origin.WORKER, m.CommitAck.TYPE):  # (a one-phase round's abort
+                #                                   may have been read while the hooks ran)
                 await self._send(m.CommitAck(version, True, "", *carried), version=version)
 
     def _swap(self) -> None:

@@ -179,7 +179,7 @@ async def test_a_row_its_sender_gave_no_checksum_for_fails_the_verified_round(mo
 
 
 class SlowReceiver(WeightReceiver):
-    """Verifies version 2 only once ``gate`` is set: its fence_ack crosses the abort another's verdict set off."""
+    """Verifies version 2 only once ``gate`` is set."""
 
     gate: asyncio.Event
 
@@ -187,6 +187,17 @@ class SlowReceiver(WeightReceiver):
         if body.version == 2:
             await self.gate.wait()
         return await super()._verdict(body)
+
+
+class Deaf(SlowReceiver):
+    """Reads nothing from the controller while it verifies version 2 (its receive loop held until
+    ``gate``, the check on that loop): its fence_ack, sent before it reads the abort queued meanwhile,
+    crosses the abort another's verdict set off."""
+
+    async def _on_fence(self, env):
+        if env.body.version != 2:
+            return await super()._on_fence(env)
+        await self._fence(env.body)
 
 
 class Telling(CorruptingReceiver):
@@ -206,7 +217,7 @@ async def test_a_fence_ack_that_crosses_its_rounds_abort_is_dropped_and_the_next
     SlowReceiver.gate, Telling.began = gate, began
 
     def receiver_cls(addr, tensors, rank, **kw):
-        return (Telling if rank == 0 else SlowReceiver)(addr, tensors, rank=rank, **kw)
+        return (Telling if rank == 0 else Deaf)(addr, tensors, rank=rank, **kw)
 
     caplog.set_level(logging.DEBUG, logger="weightsync")
     async with cluster(1, 2, receiver_cls=receiver_cls) as (ctl, senders, senders_t, receivers, receivers_t):
@@ -226,6 +237,29 @@ async def test_a_fence_ack_that_crosses_its_rounds_abort_is_dropped_and_the_next
         assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
     assert not [r.message for r in caplog.records if "illegal" in r.getMessage() or "PROTOCOL" in r.getMessage()]
     assert any("fence_ack of v2 crossed its abort" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_receiver_waiting_at_its_fence_keeps_reading_the_controller_and_its_abort_ends_the_wait():
+    """Receiver 1's check of version 2 waits for ever (bytes in flight that never come, say); receiver
+    0's fails and the round aborts: receiver 1 reads the abort while it waits (the check runs off its
+    receive loop), in the same session, and the next round commits on both."""
+    gate, began = asyncio.Event(), asyncio.Event()
+    SlowReceiver.gate, Telling.began = gate, began
+
+    def receiver_cls(addr, tensors, rank, **kw):
+        return (Telling if rank == 0 else SlowReceiver)(addr, tensors, rank=rank, **kw)
+
+    async with cluster(1, 2, receiver_cls=receiver_cls) as (ctl, senders, senders_t, receivers, receivers_t):
+        await asyncio.gather(*await push_all(senders, senders_t, 1))
+        handles = await push_all(senders, senders_t, 2)
+        with pytest.raises(RoundAborted, match="big"):
+            await asyncio.wait_for(handles[0], WATCHDOG)
+        with pytest.raises(RoundAborted) as aborted:
+            await asyncio.wait_for(receivers[1].wait_committed(2), WATCHDOG)
+        assert aborted.value.version == 2 and receivers[1].sessions == 1 and not gate.is_set()
+        await asyncio.wait_for(asyncio.gather(*await push_all(senders, senders_t, 3)), WATCHDOG)
+        assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
+        assert receivers[1].sessions == 1
 
 
 async def _join_error(spec_change, role="receiver"):
