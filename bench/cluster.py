@@ -343,7 +343,7 @@ class Pusher:
             self.version += 1
             for r in range(2):
                 self.fleet.say(f"sender/{r}", f"push {self.version}")
-            await self.fleet.expect("pushed", 2, timeout=600)
+            await self.fleet.expect("pushed", 2, timeout=150)  # (the round timeout is 60 s)
             self.collect()
 
     def collect(self) -> None:
@@ -363,6 +363,8 @@ class Pusher:
         """Until every receiver has applied a version above ``version``."""
         deadline = time.monotonic() + timeout
         while any(max(v, default=0) <= version for v in self.applied.values()):
+            if self.task.done():  # (the pushes stopped: say why, rather than wait out the deadline)
+                raise RuntimeError(f"the pusher stopped at v{self.version}") from self.task.exception()
             if time.monotonic() > deadline:
                 self.fleet.dump()
                 raise asyncio.TimeoutError

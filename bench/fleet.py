@@ -106,6 +106,11 @@ class Fleet:
         return got
 
     def dump(self) -> None:
+        """The driver's tasks, then every live child's stacks, on stderr."""
+        _print_tasks()
+        self.dump_children()
+
+    def dump_children(self) -> None:
         """Every live child prints its stacks on stderr (SIGUSR1: see ``child``)."""
         for proc in self.procs.values():
             if proc.returncode is None:
@@ -153,16 +158,20 @@ class Fleet:
             await proc.wait()
 
 
+def _print_tasks() -> None:
+    for each in asyncio.all_tasks():
+        each.print_stack(file=sys.stderr)
+
+
 async def until_terminated(coro):
     """SIGTERM: the driver's tasks and every child's stacks on stderr, then the run is cancelled (its
     ``finally`` blocks end the children and remove the namespaces)."""
     task = asyncio.ensure_future(coro)
 
     def on_term() -> None:
-        for each in asyncio.all_tasks():
-            each.print_stack(file=sys.stderr)
+        _print_tasks()
         for fleet in FLEETS:
-            fleet.dump()
+            fleet.dump_children()
         task.cancel()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
     return await task

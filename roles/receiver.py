@@ -276,32 +276,33 @@ class WeightReceiver(Worker):
                 task.cancel()
 
     async def _on_fence(self, env: Envelope) -> None:
-        """Verify the round and say so with ``fence_ack``, off the receive loop (``_fence``): waiting
-        for a sender's bytes still in flight must not stop heartbeats, nor an abort, from being read."""
-        self._fence_task = asyncio.ensure_future(self._fence(env.body))
+        """Verify the round and say so with ``fence_ack``, off the receive loop: waiting for a sender's
+        bytes still in flight must not stop heartbeats, nor an abort, from being read. A
+        ``fence_commit`` goes to the only receiver of the round: if verification passes it applies at
+        once and says so with ``commit_ack`` alone (it tells the controller both); a failed verification
+        is still a ``fence_ack``. An abort or a lost session cancels the check; once the verdict is in,
+        it runs to its end (``_apply`` changes state before its first await)."""
+        body = env.body
 
-    async def _fence(self, body: "m.Fence | m.FenceCommit") -> None:
-        """A ``fence_commit`` goes to the only receiver of the round: if verification passes it applies
-        at once and says so with ``commit_ack`` alone (it tells the controller both); a failed
-        verification is still a ``fence_ack``. Cancelled by an abort or a lost session while it checks;
-        once the verdict is in, it runs to its end (``_apply`` changes state before its first await)."""
-        try:
-            ack = await self._verdict(body)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # (as the receive loop does for a failing handler)
-            log.exception("%s: checking v%d failed", self.name, body.version)
-            if self.session.allowed(Origin.WORKER, m.Error.TYPE):
-                await self._send(m.Error(m.ErrorCode.INTERNAL, f"fence: {exc!r}", "", body.version),
-                                 version=body.version)
-            return
-        self._fence_task = None  # (past the verdict: nothing cancels it now)
-        if not ack.ok or not isinstance(body, m.FenceCommit):
-            if self.session.allowed(Origin.WORKER, ack.TYPE):
-                await self._send(ack, version=ack.version)
-            return
-        self.rounds_one_phase += 1
-        await self._apply(ack.version, carried=(ack.apply_s, ack.verify_s))  # (its commit_ack says them)
+        async def fence() -> None:
+            try:
+                ack = await self._verdict(body)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # (as the receive loop does for a failing handler)
+                log.exception("%s: checking v%d failed", self.name, body.version)
+                if self.session.allowed(Origin.WORKER, m.Error.TYPE):
+                    await self._send(m.Error(m.ErrorCode.INTERNAL, f"fence: {exc!r}", "", body.version),
+                                     version=body.version)
+                return
+            self._fence_task = None  # (past the verdict: nothing cancels it now)
+            if not ack.ok or not isinstance(body, m.FenceCommit):
+                if self.session.allowed(Origin.WORKER, ack.TYPE):
+                    await self._send(ack, version=ack.version)
+                return
+            self.rounds_one_phase += 1
+            await self._apply(ack.version, carried=(ack.apply_s, ack.verify_s))  # (its commit_ack says them)
+        self._fence_task = asyncio.ensure_future(fence())
 
     _on_fence_commit = _on_fence  # one handler for both messages
 

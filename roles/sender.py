@@ -65,6 +65,16 @@ class PushHandle:
             if not fut.done():
                 fut.set_exception(exc)
 
+    def release_committed(self, why: str) -> None:
+        """A round may commit while its last completions drain (its handle is no longer tracked then,
+        so nothing else would settle it); if the drain ends otherwise (the session lost, a connection
+        failed), nothing reads the tensors any more: the push is released, with an empty report."""
+        committed = self.committed
+        if not self.released.done() and committed.done() and not committed.cancelled() \
+                and committed.exception() is None:
+            log.info("v%d committed before its writes' completions drained, then %s", self.version, why)
+            self.released.set_result(PushReport({}, 0.0))
+
     @property
     def report(self) -> Optional[PushReport]:
         if self.released.done() and not self.released.exception():
@@ -304,8 +314,10 @@ class WeightSender(Worker):
                                              on_sealed=announce, deltas=deltas,
                                              mark=lambda event: self.timeline.mark(version, event))
         except asyncio.CancelledError:
+            handle.release_committed(f"{self.name}: its round was stopped")
             raise
         except Exception as exc:  # reported, never left hanging; after writes_done if it went out already
+            handle.release_committed(f"{self.name}: {exc}")
             await self._forget_broken(exc)
             await asyncio.gather(*announced, return_exceptions=True)
             await self._fail_round(version, handle, exc, _error_code(exc))

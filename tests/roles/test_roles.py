@@ -195,9 +195,9 @@ class Deaf(SlowReceiver):
     crosses the abort another's verdict set off."""
 
     async def _on_fence(self, env):
-        if env.body.version != 2:
-            return await super()._on_fence(env)
-        await self._fence(env.body)
+        await super()._on_fence(env)
+        if env.body.version == 2:
+            await asyncio.gather(self._fence_task, return_exceptions=True)
 
 
 class Telling(CorruptingReceiver):

@@ -221,6 +221,39 @@ async def test_a_version_prepared_when_the_controller_died_is_dropped_and_the_ne
             assert consistent(ctl2, [r0, r1]) and mismatches(recvs[0], 3) == [] and mismatches(recvs[1], 3) == []
 
 
+async def test_a_push_that_committed_while_its_completions_drained_returns_when_the_session_ends():
+    """A round may commit before the sender's last completions drain. If they never do (acks held up by
+    a partition, say) and then the controller goes silent, ``push()`` still returns (nothing reads the
+    tensors any more) and the handle says the version committed; it waited for ever before."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ts, recv = sender_tensors(0), receiver_tensors()
+    ctl = Controller(addr, senders=1, receivers=1, options=FAST)
+    await ctl.start()
+    async with WeightSender(addr, ts, rank=0) as s0, WeightReceiver(addr, recv, rank=0) as r0:
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(s0, ts, 1)
+        held, run = asyncio.Event(), s0.pipeline.run
+
+        async def undrained(*args, **kw):
+            report = await run(*args, **kw)
+            if kw.get("epoch") == 2:
+                await held.wait()  # (its completions never come)
+            return report
+        s0.pipeline.run = undrained
+        update_in_place(ts, 2)
+        pushing = asyncio.ensure_future(s0.push(2))
+        assert (await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)).ok
+        await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
+        assert not pushing.done() and not held.is_set()
+        ctl._chan.close()  # SIGKILL: the socket goes, nothing is said
+        for task in [*ctl._tasks, ctl.rounds.task]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*[t for t in [*ctl._tasks, ctl.rounds.task] if t is not None], return_exceptions=True)
+        handle = await asyncio.wait_for(pushing, WATCHDOG)  # (the sender noticed the silence: session lost)
+        assert await asyncio.wait_for(handle, WATCHDOG) == 2 and mismatches(recv, 2) == []
+
+
 async def test_a_plan_a_sender_could_not_take_is_made_again_for_the_same_members():
     """The sender cannot reach its receiver when the plan comes (a partition that heals, the membership
     unchanged): it refuses the plan, and the controller plans again a heartbeat timeout later rather
