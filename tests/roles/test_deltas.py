@@ -416,7 +416,7 @@ async def test_delta_rounds_over_cuda_ipc_are_bit_exact(src, dst, mode):
             rl_step(cpu, version)
             for k, v in cpu.items():
                 send_t[k].copy_(v)
-            await push(sender, version)
+            await push(sender, version, c)
             assert same(cpu, {k: v.cpu() for k, v in receiver.state_dict().items()}) == [], version
         assert receiver.deltas.rows >= LARGE * 3  # rounds 2-5 (round 4 checked end to end too)
 
