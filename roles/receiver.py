@@ -268,7 +268,7 @@ class WeightReceiver(Worker):
             if self.session.allowed(Origin.WORKER, m.Error.TYPE):
                 await self._send(m.Error(m.ErrorCode.INTERNAL, f"before_update: {exc!r}", "", version), version=version)
 
-    def _cancel_begin(self) -> None:
+    def _cancel_round_tasks(self) -> None:
         for name in ("_begin_task", "_fence_task"):  # (an abort or a lost session ends both)
             task = getattr(self, name)
             setattr(self, name, None)
@@ -400,7 +400,7 @@ class WeightReceiver(Worker):
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
-        self._cancel_begin()
+        self._cancel_round_tasks()
         self.prepared = None
         self.transport.close_epoch(body.version)
         self._open_regions(False)
@@ -415,14 +415,14 @@ class WeightReceiver(Worker):
         await call_hook(self.on_abort, body.version, str(aborted))
 
     def _on_closed(self, exc: BaseException) -> None:
-        self._cancel_begin()
+        self._cancel_round_tasks()
         super()._on_closed(exc)
         self._version_changed.set()
 
     def _on_session_lost(self, exc: BaseException) -> None:
         """A round in flight is over without a commit: nothing of it becomes visible (in place: the
         receiver stays ``dirty`` until a later round repairs it)."""
-        self._cancel_begin()
+        self._cancel_round_tasks()
         if self._pending is not None:
             self.transport.close_epoch(self._pending)  # (no more writes land; a prepared landing slot stays)
             if self.prepared != self._pending:  # not verified: nothing of it can ever be applied
