@@ -35,7 +35,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
-from fleet import Fleet, each_line, emit, lines, until_terminated  # noqa: E402
+from fleet import Fleet, each_line, emit, lines, print_tasks, until_terminated  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).resolve()  # (its ``child`` verb is what each process runs)
 HOSTS = ("c", "t0", "t1", "i0", "i1")
@@ -210,8 +210,7 @@ def child(args) -> None:
     async def with_dump(coro):  # SIGUSR1: every task's stack on stderr (a stuck child says where it waits)
         def dump() -> None:
             faulthandler.dump_traceback(all_threads=True)
-            for task in asyncio.all_tasks():
-                task.print_stack(file=sys.stderr)
+            print_tasks()
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
         await coro
     run = {"controller": controller_child, "sender": sender_child, "receiver": receiver_child}[args.role]

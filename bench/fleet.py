@@ -107,7 +107,7 @@ class Fleet:
 
     def dump(self) -> None:
         """The driver's tasks, then every live child's stacks, on stderr."""
-        _print_tasks()
+        print_tasks()
         self.dump_children()
 
     def dump_children(self) -> None:
@@ -158,7 +158,8 @@ class Fleet:
             await proc.wait()
 
 
-def _print_tasks() -> None:
+def print_tasks() -> None:
+    """Every task of the running loop, with its stack, on stderr (where a stuck process waits)."""
     for each in asyncio.all_tasks():
         each.print_stack(file=sys.stderr)
 
@@ -169,7 +170,7 @@ async def until_terminated(coro):
     task = asyncio.ensure_future(coro)
 
     def on_term() -> None:
-        _print_tasks()
+        print_tasks()
         for fleet in FLEETS:
             fleet.dump_children()
         task.cancel()

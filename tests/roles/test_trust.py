@@ -65,6 +65,15 @@ class Gate:
 # --- churn -----------------------------------------------------------------------------------------
 
 
+async def sigkill(ctl: Controller) -> None:
+    """The controller as SIGKILL leaves it: its socket gone, its tasks stopped, nothing said."""
+    ctl._chan.close()
+    tasks = [t for t in [*ctl._tasks, ctl.rounds.task] if t is not None]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_a_plan_made_for_a_session_that_was_replaced_meanwhile_is_void_and_made_again():
     """sender/1 leaves and a new session of it joins while the plan is made for the one before: the
     plan is never installed (begin would reach a session that never got it); it is made again."""
@@ -160,10 +169,7 @@ async def test_a_controller_killed_after_its_first_commit_message_is_finished_by
         handle = await asyncio.wait_for(s0.push(2), WATCHDOG)
         await asyncio.wait_for(first_commit.wait(), WATCHDOG)
         await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
-        ctl._chan.close()  # SIGKILL: the socket goes, nothing is said
-        for task in [*ctl._tasks, ctl.rounds.task]:
-            task.cancel()
-        await asyncio.gather(*ctl._tasks, ctl.rounds.task, return_exceptions=True)
+        await sigkill(ctl)
         assert r1.version == 1 and r1.prepared == 2
         async with Controller(addr, senders=1, receivers=2, options=FAST) as ctl2:
             assert await asyncio.wait_for(handle, WATCHDOG) == 2  # the outcome, from the new controller's plan
@@ -202,10 +208,7 @@ async def test_a_version_prepared_when_the_controller_died_is_dropped_and_the_ne
         update_in_place(ts, 2)
         handle = await asyncio.wait_for(s0.push(2), WATCHDOG)
         await asyncio.wait_for(verified.wait(), WATCHDOG)
-        ctl._chan.close()  # SIGKILL: the socket goes, nothing is said
-        for task in [*ctl._tasks, ctl.rounds.task]:
-            task.cancel()
-        await asyncio.gather(*ctl._tasks, ctl.rounds.task, return_exceptions=True)
+        await sigkill(ctl)
         assert (r0.version, r0.prepared, r1.version, r1.prepared) == (1, 2, 1, 2)
         assert r0.transport.guard.open == r1.transport.guard.open == frozenset()  # a verified slot takes no writes
         async with Controller(addr, senders=1, receivers=2, options=FAST) as ctl2:
@@ -245,11 +248,7 @@ async def test_a_push_that_committed_while_its_completions_drained_returns_when_
         assert (await asyncio.wait_for(ctl.wait_round(2), WATCHDOG)).ok
         await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
         assert not pushing.done() and not held.is_set()
-        ctl._chan.close()  # SIGKILL: the socket goes, nothing is said
-        for task in [*ctl._tasks, ctl.rounds.task]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*[t for t in [*ctl._tasks, ctl.rounds.task] if t is not None], return_exceptions=True)
+        await sigkill(ctl)
         handle = await asyncio.wait_for(pushing, WATCHDOG)  # (the sender noticed the silence: session lost)
         assert await asyncio.wait_for(handle, WATCHDOG) == 2 and mismatches(recv, 2) == []
 
