@@ -1,14 +1,13 @@
 """What one launch costs the host: the copy kernel of a compiled lane, the fingerprint pass, and references.
 
-How this works: a round on a GPU replays each lane's compiled table with one ``CopyKernel.launch`` (a
-Triton launch), records events and, in a checked round, launches the ``fp64`` pass; an empty round's
-sender spends 0.3-0.4 ms between its lanes being found and its seal (docs/TRANSPORTS.md). This times,
+How this works: a round on a GPU replays each lane's compiled table with one ``CopyKernel.launch``,
+records events and, in a checked round, launches the ``fp64`` pass (docs/TRANSPORTS.md). This times,
 on one GPU, ``--n`` back-to-back launches of each (host time from the first call to the last return,
-per launch; then one synchronize, not counted): the copy kernel of a one-row table through
-``CopyKernel.launch`` (Triton's launcher: argument binding and specialization each call) and through
-the compiled kernel's own ``run`` (the handle Triton returns, launched with the same arguments), one
-``cudaMemcpyAsync`` of the same bytes, a torch ``copy_``, an event record, and ``Fingerprints.launch``
-of one row. Prints one JSON line.
+per launch; then one synchronize, not counted): the copy kernel of a one-row table as rounds launch it
+(``engine.cuda.launches.Launch``: the compiled kernel's own launcher, arguments bound once) and through
+Triton's launcher (``direct=False``: binding and specialization each call), with whether each copied
+right; one ``cudaMemcpyAsync`` of the same bytes, a torch ``copy_``, an event record, and
+``Fingerprints.launch`` of one row. Prints one JSON line.
 
     python3 bench/diagnostics/launch_cost.py [--n 2000]
 """
@@ -38,27 +37,6 @@ def per_call_us(fn, n: int) -> float:
     return round(1e6 * host / n, 2)
 
 
-def direct_launcher(kernel):
-    """``kernel``'s launch (a ``CopyKernel``) through the handle Triton compiled for its arguments
-    (``JITFunction.warmup``: the same specialization as an ordinary launch), called as ``JITFunction.run``
-    calls it, without the binder and specialization each call. A prototype: Triton's handle is internal."""
-    from weightsync.engine.cuda.copy_kernel import _copy_pieces_kernel, grid
-    from weightsync.engine.transforms.fp8_kernel import DeviceAddress
-
-    device = torch.device("cuda", kernel.device)
-    args = (kernel.table, DeviceAddress(kernel.src_base, torch.int32, device),
-            DeviceAddress(kernel.dst_base, torch.int32, device), kernel.pieces, kernel.tile, kernel.steps)
-    programs = grid(kernel.pieces, kernel.programs)
-    with torch.cuda.device(kernel.device):
-        compiled = _copy_pieces_kernel.warmup(*args[:4], TILE=kernel.tile, STEPS=kernel.steps, num_warps=kernel.warps,
-                                              grid=(programs,))
-    run = compiled.run  # (loads the module: sets ``function``)
-
-    def launch(stream: torch.cuda.Stream) -> None:
-        run(programs, 1, 1, stream.cuda_stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
-    return launch
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000)
@@ -70,12 +48,18 @@ def main(argv=None) -> int:
     src = torch.arange(1 << 20, dtype=torch.int32, device=device)
     dst = torch.zeros_like(src)
     stream = torch.cuda.Stream(device)
-    kernel = copy_kernel.CopyKernel([(dst.data_ptr(), src.data_ptr(), 128)], 0)
     out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "n": args.n}
     import triton
 
     out["triton"] = triton.__version__
-    out["copy_kernel_launch_us"] = per_call_us(lambda: kernel.launch(stream), args.n)
+    for name, direct in (("copy_kernel_launch_us", False), ("copy_kernel_direct_us", None)):
+        kernel = copy_kernel.CopyKernel([(dst.data_ptr(), src.data_ptr(), 128)], 0, direct=direct)
+        out[name] = per_call_us(lambda: kernel.launch(stream), args.n)
+        dst.zero_()
+        kernel.launch(stream)
+        torch.cuda.synchronize()
+        out[name.replace("_us", "_correct")] = bool(torch.equal(dst[:32], src[:32]) and not dst[32:].any())
+    out["copy_kernel_direct"] = kernel.launcher.direct  # (False: this Triton failed the check, ``launches``)
     out["memcpy_async_us"] = per_call_us(lambda: cuda_rt.memcpy_async(dst.data_ptr(), src.data_ptr(), 128, stream), args.n)
     a, b = src[:32], dst[:32]
     with torch.cuda.stream(stream):
@@ -84,15 +68,6 @@ def main(argv=None) -> int:
     out["event_record_us"] = per_call_us(lambda: event.record(stream), args.n)
     prints = Fingerprints([(src.data_ptr(), 4096, 4096, 4096)], device)
     out["fp64_launch_us"] = per_call_us(lambda: prints.launch(stream), max(1, args.n // 10))
-    try:  # the compiled kernel launched by its own handle: what the launch costs without the binder
-        direct = direct_launcher(kernel)
-        out["copy_kernel_direct_us"] = per_call_us(lambda: direct(stream), args.n)
-        dst.zero_()
-        direct(stream)
-        torch.cuda.synchronize()
-        out["copy_kernel_direct_correct"] = bool(torch.equal(dst[:32], src[:32]) and not dst[32:].any())
-    except Exception as exc:  # (a Triton whose handle differs)
-        out["copy_kernel_direct_error"] = repr(exc)[:300]
     print(json.dumps(out))
     return 0
 

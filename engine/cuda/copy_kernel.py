@@ -9,7 +9,8 @@ the GPU, offsets counted in 4-byte words from the lowest source and destination 
 so the compiler knows their alignment; ``fp8_kernel.DeviceAddress`` stands for a raw address). ``launch``
 then runs one program per piece, or a bounded grid of programs each looping over every ``programs``-th
 piece (``grid``: so two copy kernels on two streams share the GPU), copying words in 16-byte
-vectors: one launch per round, whatever the tensor count. Copies whose addresses or length are not 16-byte multiples (rare: odd
+vectors: one launch per round, whatever the tensor count, made through the compiled kernel's own
+launcher with its arguments bound once (``launches.Launch``). Copies whose addresses or length are not 16-byte multiples (rare: odd
 shapes) go as pointer copies (``cuda_rt.memcpy_batch_async``) on the same stream.
 
 The module imports Triton at import time: import it only where CUDA is.
@@ -26,6 +27,7 @@ import triton.language as tl
 
 from ..transforms.fp8_kernel import DeviceAddress
 from . import cuda_rt, pitched_table
+from .launches import Launch
 
 TILE = 2048  # 4-byte words per step of a program
 STEPS = 8  # steps per program: a piece is TILE * STEPS words (64 KiB)
@@ -61,18 +63,25 @@ class CopyKernel:
     mapped with peer access on, the kernel storing across the link)."""
 
     def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, target: Optional[int] = None, *,
-                 tile: int = TILE, steps: int = STEPS, warps: int = WARPS, programs: Optional[int] = None) -> None:
+                 tile: int = TILE, steps: int = STEPS, warps: int = WARPS, programs: Optional[int] = None,
+                 direct: Optional[bool] = None) -> None:
         self.device, self.tile, self.steps, self.warps, self.programs = device, tile, steps, warps, programs
         self.target = device if target is None else target
         aligned = [c for c in copies if c[2] and not (c[0] | c[1] | c[2]) % ALIGN]
         self.rest = [c for c in copies if c[2] and (c[0] | c[1] | c[2]) % ALIGN]
         self.pieces = 0
         self.nbytes = sum(c[2] for c in copies)
+        self.launcher: Optional[Launch] = None
         if not aligned:
             return
         table, self.src_base, self.dst_base = pitched_table.dense(aligned, tile * steps * 4)
         self.pieces = len(table)
         self.table = table.to(f"cuda:{device}")
+        where = torch.device("cuda", device)
+        self.launcher = Launch(_copy_pieces_kernel, grid(self.pieces, programs),
+                               (self.table, DeviceAddress(self.src_base, torch.int32, where),
+                                DeviceAddress(self.dst_base, torch.int32, where), self.pieces),
+                               {"TILE": tile, "STEPS": steps, "num_warps": warps}, device, direct=direct)
 
     def __repr__(self) -> str:
         return (f"<CopyKernel pieces={self.pieces} of {self.tile * self.steps * 4} bytes, {self.warps} warps, "
@@ -80,13 +89,8 @@ class CopyKernel:
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         """Queue every copy on ``stream`` (a stream of ``device``)."""
-        if self.pieces:
-            device = torch.device("cuda", self.device)
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                _copy_pieces_kernel[(grid(self.pieces, self.programs),)](
-                    self.table, DeviceAddress(self.src_base, torch.int32, device),
-                    DeviceAddress(self.dst_base, torch.int32, device), self.pieces,
-                    TILE=self.tile, STEPS=self.steps, num_warps=self.warps)
+        if self.launcher is not None:
+            self.launcher(stream)
         if self.rest:
             cuda_rt.memcpy_batch_async(self.rest, stream, self.device, self.target)
 
@@ -122,17 +126,19 @@ class PitchedKernel:
         self.pieces, self.nbytes, self.src_base, self.dst_base = len(t), t.nbytes, t.src_base, t.dst_base
         self.table = t.pieces.to(f"cuda:{device}") if len(t) else None
         self.rest = cuda_rt.PitchedCopies(t.rest)
+        self.launcher: Optional[Launch] = None
+        if self.table is not None:
+            where = torch.device("cuda", device)
+            self.launcher = Launch(_pitched_pieces_kernel, grid(self.pieces, programs),
+                                   (self.table, DeviceAddress(self.src_base, torch.int32, where),
+                                    DeviceAddress(self.dst_base, torch.int32, where), self.pieces),
+                                   {"TILE": pitched_table.TILE, "ROWS": pitched_table.ROWS, "num_warps": 4}, device)
 
     def __repr__(self) -> str:
         return (f"<PitchedKernel pieces={self.pieces} {grid(self.pieces, self.programs)} programs bytes={self.nbytes} "
                 f"pointer_copies={len(self.rest.copies)}>")
 
     def launch(self, stream: torch.cuda.Stream) -> None:
-        if self.table is not None:
-            device = torch.device("cuda", self.device)
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                _pitched_pieces_kernel[(grid(self.pieces, self.programs),)](
-                    self.table, DeviceAddress(self.src_base, torch.int32, device),
-                    DeviceAddress(self.dst_base, torch.int32, device), self.pieces,
-                    TILE=pitched_table.TILE, ROWS=pitched_table.ROWS, num_warps=4)
+        if self.launcher is not None:
+            self.launcher(stream)
         self.rest.launch(stream)

@@ -114,7 +114,9 @@ class Fingerprints:
         table = torch.tensor(rows, dtype=torch.int64).to(self.device)
         owner = torch.from_numpy(np.repeat(np.arange(len(ranges), dtype=np.int32), chunks)).to(self.device)
         src = None if words else DeviceAddress(base, torch.uint8, self.device)
-        return (table, owner, src, programs, torch.tensor(members, dtype=torch.int64, device=self.device), pitched)
+        # (each program's range, which its partial sum adds to: worked out once, not every launch)
+        into = torch.tensor(members, dtype=torch.int64, device=self.device)[owner.to(torch.int64)]
+        return (table, owner, src, programs, into, pitched)
 
     def run(self, stream: Optional[torch.cuda.Stream] = None) -> list[int]:
         """Every range's fingerprint, computed on ``stream`` (default: the device's current one); waits
@@ -145,14 +147,14 @@ class Fingerprints:
 
     def _sums(self) -> torch.Tensor:
         sums = torch.zeros((2, self.count), dtype=torch.int64, device=self.device)
-        for table, owner, src, programs, members, pitched in self.launches:
+        for table, owner, src, programs, into, pitched in self.launches:
             partials = torch.empty(programs, dtype=torch.int64, device=self.device)
             if src is None:
                 _fp64_words_kernel[(programs,)](table, owner, partials, WORDS=WORDS, PITCHED=pitched, num_warps=8)
             else:
                 _fp64_kernel[(programs,)](table, owner, src, partials, CHUNK=CHUNK, PITCHED=pitched, num_warps=8)
             halves = torch.stack((partials & 0xFFFFFFFF, partials >> 32))
-            sums.index_add_(1, members[owner.to(torch.int64)], halves)
+            sums.index_add_(1, into, halves)
         return sums
 
 

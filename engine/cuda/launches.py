@@ -88,9 +88,9 @@ def direct_works(device: int) -> bool:
 
 
 def _check(device: int) -> bool:
-    from .copy_kernel import CopyKernel
-
     try:
+        from .copy_kernel import CopyKernel  # (imports Triton)
+
         with torch.cuda.device(device):
             src = torch.arange(1, 3 * 4096 + 1, dtype=torch.int32, device=f"cuda:{device}")
             dst = torch.zeros_like(src)

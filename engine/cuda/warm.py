@@ -4,8 +4,9 @@ Triton compiles a kernel on its first launch in a process: a tenth of a second o
 once its disk cache holds it). Inside a round that is a spike no transfer explains: the first full
 check of a dense run took 0.2 s for 8 ms of copies on 2 x H200 until the fingerprint kernel was
 compiled at start. ``warm(widths)`` launches each kernel once on a few bytes of every device named
-(``widths``: device -> the value widths of its tensors): the ``fp64`` kernels (full checks: words and
-bytes, dense and pitched), and
+(``widths``: device -> the value widths of its tensors): the copy kernel launched the direct way (its
+check, ``launches.direct_works``), the ``fp64`` kernels (full checks: words and bytes, dense and
+pitched), and
 with ``deltas`` the delta encoder (senders) or the check and apply (receivers) for widths of 1, 2 and
 4 bytes. Blocking: call it off the event loop. Errors are left to the round (it falls back itself).
 """
@@ -25,8 +26,12 @@ def warm(widths: Mapping[torch.device, set[int]], deltas: str = "") -> None:
     from ..datapath.checksums import fp64_many
     from ..datapath.delta_rows import WIDTHS
 
+    from .launches import direct_works
+
     for device, sizes in widths.items():
         try:
+            if device.type == "cuda":
+                direct_works(device.index if device.index is not None else torch.cuda.current_device())
             fp64_many(_fp64_classes(device))
             if deltas:
                 _deltas(device, sorted(w for w in sizes if w in WIDTHS), deltas)

@@ -31,6 +31,7 @@ class CopyStreams:
         self.written: dict[int, torch.cuda.Stream] = {}  # device -> the stream tracking bytes kernels stored
         self.lanes = 0  # connections made (each copies on the two streams of lane ``n % LANES``)
         self.proof_events: dict[tuple[int, int], tuple[torch.cuda.Event, bytes]] = {}  # (device, lane) -> (event, handle)
+        self.marks: dict[tuple, torch.cuda.Event] = {}  # (device, lane, what) -> an event re-recorded to order streams
 
     def __repr__(self) -> str:
         return f"<CopyStreams lanes={self.lanes} devices={sorted(self.streams)} proof_events={len(self.proof_events)}>"
@@ -61,17 +62,28 @@ class CopyStreams:
 
     def order_after_producer(self, device: int, lane: int) -> None:
         """The lane's copy streams on ``device`` (and the kernels' stream) wait for the work queued so far
-        on its current stream."""
+        on its current stream: one event of the lane, recorded there and waited on by each (``wait_stream``
+        would make and record an event per stream; a wait holds the record it was queued behind, so
+        recording the same event again next round leaves it alone)."""
+        event = self._mark((device, lane, "producer"), torch.cuda.current_stream(device))
         for index in (0, 1, -1):
-            self.stream(device, lane, index).wait_stream(torch.cuda.current_stream(device))
+            self.stream(device, lane, index).wait_event(event)
+
+    def _mark(self, key: tuple, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """The event kept for ``key``, recorded on ``stream`` now."""
+        event = self.marks.get(key)
+        if event is None:
+            event = self.marks[key] = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def seal(self, device: int, lane: int) -> bytes:
         """A proof of delivery of every copy queued so far on ``lane``'s copy streams of ``device`` and
         on its kernels' stream: an interprocess event of that lane (another lane's seal records its own)."""
         first, second = self.stream(device, lane, 0), self.stream(device, lane, 1)
-        first.wait_stream(second)
+        first.wait_event(self._mark((device, lane, "second"), second))
         if device in self.written:
-            first.wait_stream(self.written[device])
+            first.wait_event(self._mark((device, lane, "written"), self.written[device]))
         entry = self.proof_events.get((device, lane))
         if entry is None:
             with torch.cuda.device(device):
@@ -88,3 +100,4 @@ class CopyStreams:
         for _, handle in self.proof_events.values():
             _OWN_EVENTS.pop(handle, None)
         self.proof_events.clear()
+        self.marks.clear()
