@@ -11,9 +11,10 @@ interface Triton gives compiled kernels) on the round's stream.
 
 The way is checked once per device before it is used (``direct_works``): a copy kernel launched the
 direct way on scratch memory must copy exactly what it should. Where that check fails or raises (a
-Triton whose compiled kernels launch another way), or ``warmup`` does, every launch goes through
-``kernel[grid]`` as before, logged once; the bytes a launch moves are the same either way
-(``tests/e2e/test_gpu.py``).
+Triton whose compiled kernels launch another way), or ``warmup`` does, launches go through
+``kernel[grid]``, logged once per kernel; the bytes a launch moves are the same either way
+(``tests/engine/test_launches.py``). The check uses the copy kernel's own shape, so the compile it
+costs (once per process, before a member joins: ``warm.py``) is the one the rounds' copies need.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 log = logging.getLogger("weightsync")
 
 _checked: dict[int, bool] = {}  # device -> whether the direct way copied right there
+_told: set = set()  # kernels whose warmup failed (logged once each)
 _lock = threading.Lock()
 
 
@@ -73,7 +75,10 @@ def _compiled(fn: Any, grid: int, args: tuple, meta: dict, device: int) -> tuple
             kernel = fn.warmup(*args, grid=(grid,), **meta)
             runner = kernel[(grid, 1, 1)]
     except Exception as exc:  # (another Triton: the ordinary launch)
-        log.info("weightsync: %s launches through Triton's launcher: %r", getattr(fn, "__name__", fn), exc)
+        name = getattr(fn, "__name__", repr(fn))
+        if name not in _told:
+            _told.add(name)
+            log.info("weightsync: %s launches through Triton's launcher: %r", name, exc)
         return None, ()
     return runner, tuple(bound.arguments.values())
 
@@ -92,14 +97,14 @@ def _check(device: int) -> bool:
         from .copy_kernel import CopyKernel  # (imports Triton)
 
         with torch.cuda.device(device):
-            src = torch.arange(1, 3 * 4096 + 1, dtype=torch.int32, device=f"cuda:{device}")
+            src = torch.arange(1, 3 * 65536 + 1, dtype=torch.int32, device=f"cuda:{device}")
             dst = torch.zeros_like(src)
-            spans = [(0, 1000), (1024, 4096), (5000, 5004), (6000, 12000)]
+            spans = [(0, 1000), (1024, 40960), (50000, 50004), (60000, 190000)]  # (words: several pieces)
             copies = [(dst.data_ptr() + 4 * a, src.data_ptr() + 4 * a, 4 * (b - a)) for a, b in spans]
             stream = torch.cuda.Stream(device)
-            kernel = CopyKernel(copies, device, tile=256, steps=2, direct=True)
+            kernel = CopyKernel(copies, device, direct=True)
             if not kernel.launcher.direct:
-                return False
+                return False  # (its warmup failed: ``_compiled`` said why)
             kernel.launch(stream)
             stream.synchronize()
             want = torch.zeros_like(src)

@@ -138,12 +138,14 @@ class TcpTransport(EpochCounts):
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) a partitioned peer fails the connection, not hangs it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.options.tcp_user_timeout_s * 1000))
         timeout = self.options.connect_timeout_s
+        waiting = "no connection"  # (then "no challenge": which of the two a timeout cut short)
         try:
             await within(loop.sock_connect(sock, (host.strip("[]"), int(port))), timeout)
+            waiting = "no challenge"
             nonce = await within(_read_challenge(loop, sock, name), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
-            why = f"no challenge within {timeout}s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            why = f"{waiting} within {timeout}s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
             raise TransportError(f"cannot connect to {peer.transport.address}: {why}", peer=name) from exc
         except BaseException:
             sock.close()

@@ -147,3 +147,36 @@ async def test_a_frame_of_unknown_op_closes_the_connection_and_is_counted_and_lo
             await asyncio.wait_for(conn.fence(), WATCHDOG)  # (the target closed: the fence fails)
         assert dst.guard.refused == 1 and any("unknown frame op 99" in r for r in dst.guard.recent)
         assert "unknown frame op 99" in caplog.text
+
+
+async def test_a_connect_that_times_out_says_whether_it_was_answered():
+    """A listening socket nobody serves completes the TCP handshake in the kernel: the connect succeeds
+    and the challenge never comes ("no challenge within"). Once its accept queue is full the kernel
+    drops the SYNs: the connect itself is never answered ("no connection within")."""
+    import socket
+
+    from weightsync.engine.transport import TransportOptions, create_transport
+    from weightsync.wire import PeerInfo, TransportInfo
+
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(0)  # (never accepts: the kernel answers for it until its queue is full)
+    src = create_transport("tcp", TransportOptions(connect_timeout_s=0.2))
+    await src.start(0)
+    info = TransportInfo("tcp", "h", "127.0.0.1:%d" % mute.getsockname()[1], "cpu", tcp.PROOF_TAG)
+    fillers = []
+    try:
+        with pytest.raises(TransportError, match=r"no challenge within 0\.2s") as err:
+            await src.connect(PeerInfo(1, info, ()))
+        assert err.value.peer == "receiver/1"
+        for _ in range(8):  # (fill the accept queue, whatever its length on this kernel)
+            fillers.append(socket.socket())
+            fillers[-1].setblocking(False)
+            fillers[-1].connect_ex(mute.getsockname())
+        with pytest.raises(TransportError, match=r"no connection within 0\.2s"):
+            await src.connect(PeerInfo(1, info, ()))
+    finally:
+        await src.close()
+        for f in fillers:
+            f.close()
+        mute.close()
