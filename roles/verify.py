@@ -22,6 +22,7 @@ import torch
 
 from weightsync.engine.datapath.checksums import ManyPrints, checksum
 from weightsync.engine.datapath.delta_checks import named
+from weightsync.engine.datapath.staging import THREAD_THRESHOLD
 from weightsync.engine.transforms.delta import DeltaError
 from weightsync.engine.transport import Transport
 from weightsync.wire import ReceiverTable
@@ -101,7 +102,8 @@ async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
     """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8),
     and those a sender gave no checksum for (a round that verifies verifies every row: a row left out
     would pass unchecked): ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop
-    polls for; other checksums on a worker thread. ``kept``: where the ``fp64`` launch over a table's
+    polls for; other checksums on a worker thread (on the loop for rows of up to ``THREAD_THRESHOLD`` bytes
+in all, as the sender's staging does). ``kept``: where the ``fp64`` launch over a table's
     landing pieces is kept between rounds (per landing memory, a two-slot receiver's two; the owner
     empties it when its table changes, so it never holds memory a plan let go of); ``keys``: the table's
     ``table_keys``, which its owner works out once per plan."""
@@ -127,6 +129,9 @@ async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
         values = await many.values_async()
     else:
         pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
-        values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
+        if sum(column(entries, "nbytes")) > THREAD_THRESHOLD:
+            values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
+        else:  # (as the sender's staging does: a thread's hand-over costs more than a few small rows)
+            values = [checksum(piece, algo) for piece in pieces]
     wrong = [i for i, (k, value) in enumerate(zip(keys, values)) if value != expected[k]]
     return sorted(missing | {entries[i].name for i in wrong})

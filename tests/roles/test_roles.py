@@ -43,6 +43,21 @@ async def push_all(senders, senders_t, version):
     return handles
 
 
+async def push_failing(senders, senders_t, version) -> RoundAborted:
+    """Push ``version``, whose round must fail: its abort, raised by ``push()`` where it came before the
+    senders let go of their tensors (a verdict can fail while their last writes still drain), else by
+    their handles."""
+    try:
+        handles = await push_all(senders, senders_t, version)
+        outcomes = await asyncio.wait_for(asyncio.gather(*handles, return_exceptions=True), WATCHDOG)
+    except RoundAborted as exc:
+        return exc
+    for outcome in outcomes:
+        if isinstance(outcome, RoundAborted):
+            return outcome
+    raise AssertionError(f"the round of version {version} did not fail: {outcomes}")
+
+
 async def test_round_trip_bit_exact_and_versions():
     updates = []
     async with cluster(2, 2, on_update=updates.append) as (ctl, senders, senders_t, receivers, receivers_t):
@@ -134,15 +149,22 @@ class CorruptingReceiver(WeightReceiver):
         return await super()._verdict(body)
 
 
+@pytest.mark.parametrize("where", ["loop", "thread"])
 @pytest.mark.parametrize("n_recv", [1, 2], ids=["one-phase", "two-phase"])
-async def test_checksum_mismatch_aborts_and_names_parameter(n_recv):
+async def test_checksum_mismatch_aborts_and_names_parameter(n_recv, where, monkeypatch):
+    """(``where``: the receiver's checksums taken on its loop, rows this small, or on a worker thread,
+    rows past ``THREAD_THRESHOLD``.)"""
+    from weightsync.roles import verify
+
+    if where == "thread":
+        monkeypatch.setattr(verify, "THREAD_THRESHOLD", 0)
+    calls = []
+    monkeypatch.setattr(verify.asyncio, "to_thread", _counted(verify.asyncio.to_thread, calls))
     async with cluster(1, n_recv, receiver_cls=CorruptingReceiver) as (ctl, senders, senders_t, receivers, receivers_t):
         await asyncio.gather(*await push_all(senders, senders_t, 1))
         assert all(r.rounds_one_phase == (1 if n_recv == 1 else 0) for r in receivers)
-        handles = await push_all(senders, senders_t, 2)
-        with pytest.raises(RoundAborted) as e:
-            await asyncio.wait_for(handles[0], WATCHDOG)
-        assert e.value.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in e.value.text
+        failed = await push_failing(senders, senders_t, 2)
+        assert failed.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in failed.text
         for r in receivers:  # a receiver waiting on this version's outcome hears it (vLLM's update_weights)
             with pytest.raises(RoundAborted, match="version 2"):
                 await asyncio.wait_for(r.wait_committed(2), WATCHDOG)
@@ -151,6 +173,15 @@ async def test_checksum_mismatch_aborts_and_names_parameter(n_recv):
         await asyncio.gather(*await push_all(senders, senders_t, 3))  # and the next round goes through
         assert (await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)).ok
         assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
+    assert (len(calls) >= 3 * n_recv) if where == "thread" else not calls, calls
+
+
+def _counted(to_thread, calls: list):
+    async def counted(fn, *args, **kwargs):  # (the receiver's checksums alone: others use threads too)
+        if getattr(fn, "__qualname__", "").startswith("checksums."):
+            calls.append(fn)
+        return await to_thread(fn, *args, **kwargs)
+    return counted
 
 
 async def test_a_row_its_sender_gave_no_checksum_for_fails_the_verified_round(monkeypatch):
@@ -168,10 +199,8 @@ async def test_a_row_its_sender_gave_no_checksum_for_fails_the_verified_round(mo
                          for s in real(self))
 
         monkeypatch.setattr(PushReport, "summaries", without_big)
-        handles = await push_all(senders, senders_t, 2)
-        with pytest.raises(RoundAborted) as e:
-            await asyncio.wait_for(handles[0], WATCHDOG)
-        assert e.value.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in e.value.text
+        failed = await push_failing(senders, senders_t, 2)
+        assert failed.reason == m.AbortReason.CHECKSUM_MISMATCH and "big" in failed.text
         assert receivers[0].version == 1 and mismatches(receivers_t[0], 1) == []
         monkeypatch.setattr(PushReport, "summaries", real)
         await asyncio.gather(*await push_all(senders, senders_t, 3))
@@ -222,9 +251,8 @@ async def test_a_fence_ack_that_crosses_its_rounds_abort_is_dropped_and_the_next
     caplog.set_level(logging.DEBUG, logger="weightsync")
     async with cluster(1, 2, receiver_cls=receiver_cls) as (ctl, senders, senders_t, receivers, receivers_t):
         await asyncio.gather(*await push_all(senders, senders_t, 1))
-        handles = await push_all(senders, senders_t, 2)
-        with pytest.raises(RoundAborted, match="big"):  # receiver 0's verdict fails; receiver 1 is still verifying
-            await asyncio.wait_for(handles[0], WATCHDOG)
+        # receiver 0's verdict fails; receiver 1 is still verifying
+        assert "big" in str(await push_failing(senders, senders_t, 2))
         if until == "aborted":  # receiver 1's fence_ack(2) reaches a controller with no round running
             gate.set()
             handles = await push_all(senders, senders_t, 3)
@@ -251,9 +279,7 @@ async def test_a_receiver_waiting_at_its_fence_keeps_reading_the_controller_and_
 
     async with cluster(1, 2, receiver_cls=receiver_cls) as (ctl, senders, senders_t, receivers, receivers_t):
         await asyncio.gather(*await push_all(senders, senders_t, 1))
-        handles = await push_all(senders, senders_t, 2)
-        with pytest.raises(RoundAborted, match="big"):
-            await asyncio.wait_for(handles[0], WATCHDOG)
+        assert "big" in str(await push_failing(senders, senders_t, 2))
         with pytest.raises(RoundAborted) as aborted:
             await asyncio.wait_for(receivers[1].wait_committed(2), WATCHDOG)
         assert aborted.value.version == 2 and receivers[1].sessions == 1 and not gate.is_set()
