@@ -102,8 +102,8 @@ async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
     """The parameters whose landed bytes do not match their sender's checksum (``landing``: 1-D uint8),
     and those a sender gave no checksum for (a round that verifies verifies every row: a row left out
     would pass unchecked): ``fp64`` fingerprints of every entry in one launch on a GPU, which the loop
-    polls for; other checksums on a worker thread (on the loop for rows of up to ``THREAD_THRESHOLD`` bytes
-in all, as the sender's staging does). ``kept``: where the ``fp64`` launch over a table's
+    polls for; other checksums on a worker thread (on the loop for rows of up to ``THREAD_THRESHOLD``
+    bytes in all, as the sender's staging does). ``kept``: where the ``fp64`` launch over a table's
     landing pieces is kept between rounds (per landing memory, a two-slot receiver's two; the owner
     empties it when its table changes, so it never holds memory a plan let go of); ``keys``: the table's
     ``table_keys``, which its owner works out once per plan."""
