@@ -129,7 +129,7 @@ async def checksums(table: ReceiverTable, landing: torch.Tensor, algo: str,
         values = await many.values_async()
     else:
         pieces = [landing[e.offset:e.offset + e.nbytes] for e in entries]
-        if sum(column(entries, "nbytes")) > THREAD_THRESHOLD:
+        if sum(piece.numel() for piece in pieces) > THREAD_THRESHOLD:  # (``landing`` is bytes)
             values = await asyncio.to_thread(lambda: [checksum(piece, algo) for piece in pieces])
         else:  # (as the sender's staging does: a thread's hand-over costs more than a few small rows)
             values = [checksum(piece, algo) for piece in pieces]

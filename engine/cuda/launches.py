@@ -55,12 +55,10 @@ class Launch:
 
     def __call__(self, stream: torch.cuda.Stream) -> None:
         if self._direct is not None:
-            if torch.cuda.current_device() == self.device:
-                self._direct(*self._every, stream=stream.cuda_stream)
-            else:
+            if torch.cuda.current_device() != self.device:  # (the kernel is loaded in its device's context)
                 with torch.cuda.device(self.device):
-                    self._direct(*self._every, stream=stream.cuda_stream)
-            return
+                    return self._direct(*self._every, stream=stream.cuda_stream)
+            return self._direct(*self._every, stream=stream.cuda_stream)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             self.fn[(self.grid,)](*self.args, **self.meta)
 
