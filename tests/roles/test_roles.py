@@ -284,6 +284,8 @@ async def test_a_receiver_waiting_at_its_fence_keeps_reading_the_controller_and_
             await asyncio.wait_for(receivers[1].wait_committed(2), WATCHDOG)
         assert aborted.value.version == 2 and receivers[1].sessions == 1 and not gate.is_set()
         await asyncio.wait_for(asyncio.gather(*await push_all(senders, senders_t, 3)), WATCHDOG)
+        # (a sender's handle resolves at the commit decision; the receivers' commit_acks come after it)
+        assert (await asyncio.wait_for(ctl.wait_round(3), WATCHDOG)).ok
         assert all(r.version == 3 and mismatches(t, 3) == [] for r, t in zip(receivers, receivers_t))
         assert receivers[1].sessions == 1
 
