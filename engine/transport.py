@@ -82,6 +82,9 @@ class TransportOptions:
     #                                               program per piece, the first kernel fills the GPU; engine.cuda.copy_kernel.grid;
     #                                               measured: bench/diagnostics/copy_overlap.py, docs/TRANSPORTS.md)
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
+    connect_attempt_s: float = 1.0  # tcp: a connect not answered this long starts again on a fresh socket (a
+    #                                 SYN lost to a partition is otherwise resent by the kernel only 1, 3, 7 s
+    #                                 after the first), within ``connect_timeout_s`` in all
     tcp_user_timeout_s: float = 10.0  # TCP_USER_TIMEOUT: a data connection whose sent bytes stay unacknowledged
     #                                   this long fails (a partitioned peer: the round aborts, the next plan reconnects)
     handshake_timeout_s: float = 5.0  # a target closes a connection that has not proven a key by then
@@ -89,6 +92,8 @@ class TransportOptions:
     max_unauthenticated_per_address: int = 16  # of them, from one address
 
     def __post_init__(self) -> None:
+        if not self.connect_attempt_s > 0:
+            raise ConfigError("connect_attempt_s", f"must be > 0 seconds, got {self.connect_attempt_s!r}")
         if self.peer_copies not in PEER_COPIES:
             raise ConfigError("peer_copies", f"must be one of {PEER_COPIES}, got {self.peer_copies!r}")
         if (not isinstance(self.kernel_grid, tuple) or len(self.kernel_grid) != 2

@@ -77,12 +77,13 @@ class TcpTransport(EpochCounts):
         self._agents: set[_AgentProtocol] = set()
         self.closing = False
         self.address = ""
+        self.connect_retries = 0  # connects begun again on a fresh socket (``connect_attempt_s``)
         self.guard = dataauth.DataGuard()
         self.door = FrontDoor(options.max_unauthenticated, options.max_unauthenticated_per_address)
 
     def __repr__(self) -> str:
         return (f"<TcpTransport {self.address or 'not started'} regions={len(self.regions)} agents={len(self._agents)} "
-                f"refused={self.guard.refused}>")
+                f"refused={self.guard.refused} connect_retries={self.connect_retries}>")
 
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
@@ -129,31 +130,56 @@ class TcpTransport(EpochCounts):
                 await asyncio.to_thread(_upload, *mirror)
 
     async def connect(self, peer: PeerInfo, key: bytes = b"") -> "TcpConnection":
+        """Connect to ``peer``, read its challenge and prove ``key``, within ``connect_timeout_s`` in all.
+        A connect the target does not answer within ``connect_attempt_s`` starts again on a fresh socket:
+        after a partition heals the next SYN then leaves within an attempt, not at the kernel's next
+        retransmission (1, 3, 7 s after the first)."""
         host, _, port = peer.transport.address.rpartition(":")
         name = f"receiver/{peer.rank}"
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) a partitioned peer fails the connection, not hangs it
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.options.tcp_user_timeout_s * 1000))
         timeout = self.options.connect_timeout_s
+        deadline = loop.time() + timeout
         waiting = "no connection"  # (then "no challenge": which of the two a timeout cut short)
+        sock = None
         try:
-            await within(loop.sock_connect(sock, (host.strip("[]"), int(port))), timeout)
+            while sock is None:
+                attempt = self._socket(host)
+                try:
+                    await within(loop.sock_connect(attempt, (host.strip("[]"), int(port))),
+                                 min(self.options.connect_attempt_s, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    attempt.close()
+                    if loop.time() >= deadline:
+                        raise
+                    self.connect_retries += 1
+                    continue
+                except BaseException:
+                    attempt.close()
+                    raise
+                sock = attempt
             waiting = "no challenge"
-            nonce = await within(_read_challenge(loop, sock, name), timeout)
+            nonce = await within(_read_challenge(loop, sock, name), max(0.0, deadline - loop.time()))
         except (OSError, asyncio.TimeoutError) as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             why = f"{waiting} within {timeout}s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
             raise TransportError(f"cannot connect to {peer.transport.address}: {why}", peer=name) from exc
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
         conn = TcpConnection(sock, name, {r.region_id: r.nbytes for r in peer.regions}, nonce,
                              proofs=peer.transport.data == PROOF_TAG)
         await conn.hello(self.rank, dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES))
         return conn
+
+    def _socket(self, host: str) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) a partitioned peer fails the connection, not hangs it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.options.tcp_user_timeout_s * 1000))
+        return sock
 
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
         """Target side: wait until each sender's connection named in its proof (by its challenge) has

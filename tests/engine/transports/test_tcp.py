@@ -180,3 +180,68 @@ async def test_a_connect_that_times_out_says_whether_it_was_answered():
         for f in fillers:
             f.close()
         mute.close()
+
+
+async def test_a_connect_whose_syn_is_dropped_starts_again_on_a_fresh_socket():
+    """The SYN of a connect is dropped (the target's accept queue is full, as a partition drops it); the
+    queue then frees. The kernel would send that SYN again only 1 s after the first, past this
+    connect's 0.8 s: a fresh socket after ``connect_attempt_s`` gets through, reads the challenge and
+    proves its key."""
+    import socket
+
+    from weightsync.engine.transports.tcp_frames import HEADER, OP_CHALLENGE
+    from weightsync.engine.transport import TransportOptions, create_transport
+    from weightsync.wire import PeerInfo, TransportInfo
+
+    loop = asyncio.get_running_loop()
+    target = socket.socket()
+    target.bind(("127.0.0.1", 0))
+    target.listen(0)
+    target.setblocking(False)
+    src = create_transport("tcp", TransportOptions(connect_timeout_s=0.8, connect_attempt_s=0.2))
+    await src.start(0)
+    info = TransportInfo("tcp", "h", "127.0.0.1:%d" % target.getsockname()[1], "cpu", tcp.PROOF_TAG)
+    fillers, accepted, sockets = [], [], []
+    first = asyncio.Event()
+    made = src._socket
+
+    def socket_made(host):
+        sockets.append(made(host))
+        first.set()
+        return sockets[-1]
+
+    src._socket = socket_made
+    try:
+        for _ in range(8):  # (fill the accept queue, whatever its length on this kernel)
+            fillers.append(socket.socket())
+            fillers[-1].setblocking(False)
+            fillers[-1].connect_ex(target.getsockname())
+        connecting = asyncio.ensure_future(src.connect(PeerInfo(1, info, ())))
+        await asyncio.wait_for(first.wait(), WATCHDOG)  # (its SYN is sent, and dropped, by now)
+        while True:  # free the queue: what the kernel accepted so far is the fillers'
+            try:
+                accepted.append(target.accept()[0])
+            except BlockingIOError:
+                break
+        peer, _ = await asyncio.wait_for(loop.sock_accept(target), WATCHDOG)
+        accepted.append(peer)
+        await loop.sock_sendall(peer, HEADER.pack(OP_CHALLENGE, 0, 1, 2, 0))
+        conn = await asyncio.wait_for(connecting, WATCHDOG)
+        assert src.connect_retries >= 1 and len(sockets) == src.connect_retries + 1
+        assert all(s.fileno() == -1 for s in sockets[:-1])  # every abandoned attempt's socket is closed
+        assert "connect_retries=" in repr(src)
+        await conn.close()
+    finally:
+        await src.close()
+        for s in fillers + accepted:
+            s.close()
+        target.close()
+
+
+@pytest.mark.parametrize("attempt", [0, -1.0])
+def test_a_connect_attempt_of_no_time_is_refused_naming_the_option(attempt):
+    from weightsync.engine.errors import ConfigError
+    from weightsync.engine.transport import TransportOptions
+
+    with pytest.raises(ConfigError, match="connect_attempt_s"):
+        TransportOptions(connect_attempt_s=attempt)
