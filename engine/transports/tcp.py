@@ -46,13 +46,13 @@ import torch
 from weightsync.wire import PeerInfo, RegionInfo, TransportInfo
 
 from .. import dataauth
-from ..aio import within
 from ..datapath.tensors import byte_view
 from ..errors import ConnectionClosed, StagingError, TransportError
 from ..transport import Abilities, EpochCounts, TransportOptions, await_each_proof, wait_after
 
+from . import tcp_connect
 from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
-from .tcp_frames import (ACK, HEADER, MAGIC, OP_ACK, OP_CHALLENGE, OP_FENCE, OP_HELLO, OP_WRITE, PROOF, PROOF_MAGIC,
+from .tcp_frames import (ACK, HEADER, MAGIC, OP_ACK, OP_FENCE, OP_HELLO, OP_WRITE, PROOF, PROOF_MAGIC,
                          PROOF_TAG, Frames)
 
 if TYPE_CHECKING:
@@ -130,56 +130,17 @@ class TcpTransport(EpochCounts):
                 await asyncio.to_thread(_upload, *mirror)
 
     async def connect(self, peer: PeerInfo, key: bytes = b"") -> "TcpConnection":
-        """Connect to ``peer``, read its challenge and prove ``key``, within ``connect_timeout_s`` in all.
-        A connect the target does not answer within ``connect_attempt_s`` starts again on a fresh socket:
-        after a partition heals the next SYN then leaves within an attempt, not at the kernel's next
-        retransmission (1, 3, 7 s after the first)."""
-        host, _, port = peer.transport.address.rpartition(":")
+        """Connect to ``peer`` (``tcp_connect.dial``: within ``connect_timeout_s``, a fresh socket every
+        ``connect_attempt_s`` until it is answered), read its challenge and prove ``key``."""
         name = f"receiver/{peer.rank}"
-        loop = asyncio.get_running_loop()
-        timeout = self.options.connect_timeout_s
-        deadline = loop.time() + timeout
-        waiting = "no connection"  # (then "no challenge": which of the two a timeout cut short)
-        sock = None
-        try:
-            while sock is None:
-                attempt = self._socket(host)
-                try:
-                    await within(loop.sock_connect(attempt, (host.strip("[]"), int(port))),
-                                 min(self.options.connect_attempt_s, deadline - loop.time()))
-                except asyncio.TimeoutError:
-                    attempt.close()
-                    if loop.time() >= deadline:
-                        raise
-                    self.connect_retries += 1
-                    continue
-                except BaseException:
-                    attempt.close()
-                    raise
-                sock = attempt
-            waiting = "no challenge"
-            nonce = await within(_read_challenge(loop, sock, name), max(0.0, deadline - loop.time()))
-        except (OSError, asyncio.TimeoutError) as exc:
-            if sock is not None:
-                sock.close()
-            why = f"{waiting} within {timeout}s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
-            raise TransportError(f"cannot connect to {peer.transport.address}: {why}", peer=name) from exc
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
+        sock, nonce = await tcp_connect.dial(peer.transport.address, name, self.options, self._retried)
         conn = TcpConnection(sock, name, {r.region_id: r.nbytes for r in peer.regions}, nonce,
                              proofs=peer.transport.data == PROOF_TAG)
         await conn.hello(self.rank, dataauth.prove(key, nonce, self.rank) if key else bytes(dataauth.PROOF_BYTES))
         return conn
 
-    def _socket(self, host: str) -> socket.socket:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux) a partitioned peer fails the connection, not hangs it
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.options.tcp_user_timeout_s * 1000))
-        return sock
+    def _retried(self) -> None:
+        self.connect_retries += 1
 
     async def await_proofs(self, proofs: dict[int, bytes], timeout_s: float) -> dict[int, str]:
         """Target side: wait until each sender's connection named in its proof (by its challenge) has
@@ -223,20 +184,6 @@ class TcpTransport(EpochCounts):
             self._server = None
 
 
-async def _read_challenge(loop, sock: socket.socket, peer: str) -> bytes:
-    frame = b""
-    while len(frame) < HEADER.size:
-        try:
-            chunk = await loop.sock_recv(sock, HEADER.size - len(frame))
-        except OSError as exc:
-            raise ConnectionClosed(f"no challenge from the target: {exc}", peer=peer) from exc
-        if not chunk:
-            raise ConnectionClosed("the target closed before its challenge", peer=peer)
-        frame += chunk
-    op, _, lo, hi, _ = HEADER.unpack(frame)
-    if op != OP_CHALLENGE:
-        raise TransportError(f"the target sent op {op} instead of a challenge (another version?)", peer=peer)
-    return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
 
 
 def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:

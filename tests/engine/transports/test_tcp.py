@@ -10,7 +10,7 @@ import torch
 
 from weightsync.engine.datapath.compiled import CopyRow
 from weightsync.engine.errors import TransportError
-from weightsync.engine.transports import tcp
+from weightsync.engine.transports import tcp, tcp_connect
 from transport_helpers import tcp_pair
 
 WATCHDOG = 20
@@ -182,7 +182,7 @@ async def test_a_connect_that_times_out_says_whether_it_was_answered():
         mute.close()
 
 
-async def test_a_connect_whose_syn_is_dropped_starts_again_on_a_fresh_socket():
+async def test_a_connect_whose_syn_is_dropped_starts_again_on_a_fresh_socket(monkeypatch):
     """The SYN of a connect is dropped (the target's accept queue is full, as a partition drops it); the
     queue then frees. The kernel would send that SYN again only 1 s after the first, past this
     connect's 0.8 s: a fresh socket after ``connect_attempt_s`` gets through, reads the challenge and
@@ -203,14 +203,14 @@ async def test_a_connect_whose_syn_is_dropped_starts_again_on_a_fresh_socket():
     info = TransportInfo("tcp", "h", "127.0.0.1:%d" % target.getsockname()[1], "cpu", tcp.PROOF_TAG)
     fillers, accepted, sockets = [], [], []
     first = asyncio.Event()
-    made = src._socket
+    made = tcp_connect.make_socket
 
-    def socket_made(host):
-        sockets.append(made(host))
+    def socket_made(host, options):
+        sockets.append(made(host, options))
         first.set()
         return sockets[-1]
 
-    src._socket = socket_made
+    monkeypatch.setattr(tcp_connect, "make_socket", socket_made)
     try:
         for _ in range(8):  # (fill the accept queue, whatever its length on this kernel)
             fillers.append(socket.socket())
