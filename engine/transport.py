@@ -83,8 +83,8 @@ class TransportOptions:
     #                                               measured: bench/diagnostics/copy_overlap.py, docs/TRANSPORTS.md)
     connect_timeout_s: float = 10.0  # an initiator's connect, up to the target's challenge
     connect_attempt_s: float = 1.0  # tcp: a connect not answered this long starts again on a fresh socket (a
-    #                                 SYN lost to a partition is otherwise resent by the kernel only 1, 3, 7 s
-    #                                 after the first), within ``connect_timeout_s`` in all
+    #                                 SYN lost to a partition is otherwise resent on the kernel's backoff:
+    #                                 engine.transports.tcp_connect), within ``connect_timeout_s`` in all
     tcp_user_timeout_s: float = 10.0  # TCP_USER_TIMEOUT: a data connection whose sent bytes stay unacknowledged
     #                                   this long fails (a partitioned peer: the round aborts, the next plan reconnects)
     handshake_timeout_s: float = 5.0  # a target closes a connection that has not proven a key by then

@@ -184,8 +184,6 @@ class TcpTransport(EpochCounts):
             self._server = None
 
 
-
-
 def _upload(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
     device_buffer.copy_(host, non_blocking=True)
     torch.cuda.current_stream(device_buffer.device).synchronize()
