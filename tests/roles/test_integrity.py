@@ -14,7 +14,7 @@ import torch
 from children import free_port
 from weightsync.engine import dataauth
 from weightsync.engine.errors import TransportError, VersionError
-from weightsync.engine.transports import tcp
+from weightsync.engine.transports import tcp_frames
 from proc_helpers import mismatches, push, receiver_tensors, sender_tensors, update_in_place
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 from weightsync.roles.sender import PushHandle
@@ -79,10 +79,10 @@ def _stranger(address: str) -> socket.socket:
 
 def _challenge(sock: socket.socket) -> bytes:
     frame = b""
-    while len(frame) < tcp.HEADER.size:
-        frame += sock.recv(tcp.HEADER.size - len(frame))
-    op, _, lo, hi, _ = tcp.HEADER.unpack(frame)
-    assert op == tcp.OP_CHALLENGE
+    while len(frame) < tcp_frames.HEADER.size:
+        frame += sock.recv(tcp_frames.HEADER.size - len(frame))
+    op, _, lo, hi, _ = tcp_frames.HEADER.unpack(frame)
+    assert op == tcp_frames.OP_CHALLENGE
     return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
 
 
@@ -93,8 +93,8 @@ def _attack(address: str, make_hello, epoch: int, region: int, nbytes: int) -> b
         hello = make_hello(_challenge(sock))
         nan = torch.full((nbytes // 4,), float("nan")).view(torch.uint8).numpy().tobytes()
         try:
-            sock.sendall(hello + tcp.HEADER.pack(tcp.OP_WRITE, region, 0, len(nan), epoch) + nan)
-            sock.sendall(tcp.HEADER.pack(tcp.OP_FENCE, 0, 1, 0, 0))
+            sock.sendall(hello + tcp_frames.HEADER.pack(tcp_frames.OP_WRITE, region, 0, len(nan), epoch) + nan)
+            sock.sendall(tcp_frames.HEADER.pack(tcp_frames.OP_FENCE, 0, 1, 0, 0))
         except OSError:
             return b""  # the target closed while we were still sending
         out = b""
@@ -113,10 +113,10 @@ async def test_strangers_on_the_data_port_cannot_touch_weights(mode):
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         await push(sender, send_t, 1)
         address, guard = receiver.transport.address, receiver.transport.guard
-        hello = tcp.HEADER.pack(tcp.OP_HELLO, 0, tcp.MAGIC, 0, 0)
+        hello = tcp_frames.HEADER.pack(tcp_frames.OP_HELLO, 0, tcp_frames.MAGIC, 0, 0)
         ours = dataauth.new_secret()
         attempts = {
-            "old public hello": lambda nonce: tcp.HEADER.pack(tcp.OP_HELLO, 0, 0x57535443_0001, 0, 0),
+            "old public hello": lambda nonce: tcp_frames.HEADER.pack(tcp_frames.OP_HELLO, 0, 0x57535443_0001, 0, 0),
             "no proof": lambda nonce: hello + bytes(32),
             "wrong secret": lambda nonce: hello + dataauth.prove(ours, nonce, 0),  # the real nonce, our own key
             "a write before any hello": lambda nonce: b"",
