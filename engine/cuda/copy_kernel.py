@@ -57,6 +57,15 @@ def grid(pieces: int, programs: Optional[int]) -> int:
     return pieces if not programs else max(1, min(pieces, programs))
 
 
+def _table_launch(fn, kernel, programs: Optional[int], meta: dict, direct: Optional[bool] = None) -> Launch:
+    """``fn`` over ``kernel``'s piece table (``table``, ``pieces``, ``src_base``, ``dst_base``, ``device``):
+    the launch its rounds replay (``launches.Launch``)."""
+    where = torch.device("cuda", kernel.device)
+    return Launch(fn, grid(kernel.pieces, programs),
+                  (kernel.table, DeviceAddress(kernel.src_base, torch.int32, where),
+                   DeviceAddress(kernel.dst_base, torch.int32, where), kernel.pieces), meta, kernel.device, direct=direct)
+
+
 class CopyKernel:
     """A fixed list of copies from ``device``'s memory, launched as one kernel on it (plus pointer copies for
     the unaligned); the destinations are on ``target`` (default: the same device; another GPU's memory
@@ -77,11 +86,8 @@ class CopyKernel:
         table, self.src_base, self.dst_base = pitched_table.dense(aligned, tile * steps * 4)
         self.pieces = len(table)
         self.table = table.to(f"cuda:{device}")
-        where = torch.device("cuda", device)
-        self.launcher = Launch(_copy_pieces_kernel, grid(self.pieces, programs),
-                               (self.table, DeviceAddress(self.src_base, torch.int32, where),
-                                DeviceAddress(self.dst_base, torch.int32, where), self.pieces),
-                               {"TILE": tile, "STEPS": steps, "num_warps": warps}, device, direct=direct)
+        self.launcher = _table_launch(_copy_pieces_kernel, self, programs,
+                                      {"TILE": tile, "STEPS": steps, "num_warps": warps}, direct)
 
     def __repr__(self) -> str:
         return (f"<CopyKernel pieces={self.pieces} of {self.tile * self.steps * 4} bytes, {self.warps} warps, "
@@ -128,11 +134,8 @@ class PitchedKernel:
         self.rest = cuda_rt.PitchedCopies(t.rest)
         self.launcher: Optional[Launch] = None
         if self.table is not None:
-            where = torch.device("cuda", device)
-            self.launcher = Launch(_pitched_pieces_kernel, grid(self.pieces, programs),
-                                   (self.table, DeviceAddress(self.src_base, torch.int32, where),
-                                    DeviceAddress(self.dst_base, torch.int32, where), self.pieces),
-                                   {"TILE": pitched_table.TILE, "ROWS": pitched_table.ROWS, "num_warps": 4}, device)
+            self.launcher = _table_launch(_pitched_pieces_kernel, self, programs,
+                                          {"TILE": pitched_table.TILE, "ROWS": pitched_table.ROWS, "num_warps": 4})
 
     def __repr__(self) -> str:
         return (f"<PitchedKernel pieces={self.pieces} {grid(self.pieces, self.programs)} programs bytes={self.nbytes} "
