@@ -40,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from weightsync.engine.aio import install_uvloop  # noqa: E402  (the engine processes run on uvloop, as the CLI does)
+from weightsync.roles.timeline import medians  # noqa: E402
 
 BUCKET = 512 << 20
 
@@ -361,15 +362,6 @@ async def engine_rounds(transport: str, rounds: int, uccl_tcp: bool, fp8: bool =
     return reports[1:], ok, pipeline_s, timelines, written
 
 
-def _median_timeline(timelines: list) -> list[tuple[str, float]]:
-    """Each event's median time since round start over the rounds, in order (one clock: CLOCK_MONOTONIC)."""
-    at: dict[str, list[float]] = {}
-    for rows in timelines:
-        for ms, event in rows:
-            at.setdefault(event, []).append(ms)
-    return sorted(((event, statistics.median(v)) for event, v in at.items()), key=lambda x: x[1])
-
-
 def _pipeline(args):
     """The senders' PipelineOptions from the command line (None: the library's defaults)."""
     from weightsync.engine.datapath.pipeline import PipelineOptions
@@ -398,7 +390,7 @@ def _engine_rows(rows: dict, label: str, transport: str, args, fp8: bool = False
                                      "stage": True}
     rows[f"{label}: sender pipeline (first stage to last write)"] = {"seconds": med(pipeline_s), "ok": ok,
                                                                      "stage": True}
-    rows[f"{label}: full round"]["timeline_ms"] = _median_timeline(timelines)
+    rows[f"{label}: full round"]["timeline_ms"] = medians(timelines)
     rows[f"{label}: full round"]["rounds_s"] = [r.seconds for r in reports]
     rows[f"{label}: full round"]["rows_written_in_place"] = written
     issue_ms = med(_issue_ms(rows) for rows in timelines)  # host work: the sender's pipeline until all is issued

@@ -78,7 +78,7 @@ from mn_setup import (  # noqa: E402  (the case, the model and its oracle, proce
     MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, fused_parts, measured_link, mismatches,
     model_shapes, receiver_layout, tp_part,
 )
-from transfer_gpu import _median_timeline, _profiled, write_profile  # noqa: E402
+from transfer_gpu import _profiled, write_profile  # noqa: E402
 
 BUCKET = 512 << 20  # the bucketed broadcast's bucket (verl, slime)
 WARM_ROUNDS = 2  # rounds not counted: each landing slot's first
@@ -284,7 +284,7 @@ def quantize_bound(tables, link) -> float:
 def _timeline(ctl, done: list, case: Case) -> list:
     """Each event's median milliseconds since the controller started the round, over the measured
     rounds: the controller's, every sender's and every receiver's marks on one clock (one host)."""
-    from weightsync.roles.timeline import merge
+    from weightsync.roles.timeline import medians, merge
 
     rounds = []
     for v in range(2, case.rounds + 1):
@@ -295,7 +295,7 @@ def _timeline(ctl, done: list, case: Case) -> list:
         for kind, r, got in done:
             roles[f"{kind} {r}"] = (got["marks"] if kind == "sender" else got[1]).get(v, {})
         rounds.append(merge(marks["round:start"], roles))
-    return [(event, round(ms, 3)) for event, ms in _median_timeline(rounds)]
+    return [(event, round(ms, 3)) for event, ms in medians(rounds)]
 
 
 # --- the broadcast baseline ------------------------------------------------------------------------

@@ -5,12 +5,13 @@ How this works: every role keeps a ``Timeline``; the channel owner marks ``send:
 sender adds its pipeline's steps (``Pipeline.run``'s ``mark``). Marks are ``time.perf_counter()`` values, which on Linux
 read ``CLOCK_MONOTONIC``: one clock for every process of a host, so the marks of the controller, a
 sender and a receiver on one machine can be merged (``merge``) into one timeline of the round,
-relative to its start. Only the last ``keep`` versions are kept. A mark costs a dict store.
+relative to its start, and many rounds' into each event's median (``medians``). Only the last ``keep`` versions are kept. A mark costs a dict store.
 """
 
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from typing import Iterable, Mapping, Optional
 
@@ -43,6 +44,16 @@ def merge(start: float, sources: Mapping[str, Mapping[str, float]]) -> list[tupl
     """``{role: marks}`` -> [(milliseconds since ``start``, "role event")], in time order."""
     rows = [((t - start) * 1e3, f"{role} {event}") for role, marks in sources.items() for event, t in marks.items()]
     return sorted(rows)
+
+
+def medians(timelines: Iterable[Iterable[tuple[float, str]]]) -> list[tuple[str, float]]:
+    """Merged timelines of many rounds (``merge``) -> each event's median milliseconds since its round's
+    start, in time order."""
+    at: dict[str, list[float]] = {}
+    for rows in timelines:
+        for ms, event in rows:
+            at.setdefault(event, []).append(ms)
+    return sorted(((event, statistics.median(v)) for event, v in at.items()), key=lambda x: x[1])
 
 
 def hops(rows: Iterable[tuple[float, str]]) -> list[tuple[str, float]]:

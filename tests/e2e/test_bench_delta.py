@@ -1,10 +1,11 @@
-"""bench/transfer_delta.py's profile and bench/diagnostics/catch_up.py on the CPU, as shipped."""
+"""bench/transfer_delta.py's profile, bench/diagnostics/catch_up.py and round_in_process.py's timeline on the CPU, as shipped."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -43,3 +44,18 @@ def test_the_catch_up_diagnostic_checks_each_way_bit_for_bit():
         assert r["copy_equal"] and r["scatter_equal"] and r["reapply_equal"]
         assert r["changes"] == int(r["mb"] * (1 << 20) // 2 * r["fraction"])
         assert min(r["copy_ms"], r["scatter_ms"]) > 0
+
+
+@pytest.mark.timeout(60)
+def test_the_in_process_round_prints_each_message_of_the_round_in_protocol_order():
+    """``round_in_process.py --timeline``: every message of a one-phase round at its median time, in the
+    order the protocol sends them, each at or after the one before."""
+    lines = _run("diagnostics/round_in_process.py", "--rounds", "20", "--timeline")
+    rows = [re.fullmatch(r"\s*(-?[\d.]+) ms\s+(?:\+[\d.]+)?\s+(\S.*)", line).groups() for line in lines[:-1]]
+    times = [float(ms) for ms, _ in rows]
+    events = [event for _, event in rows]
+    assert times == sorted(times) and lines[-1].startswith("empty round in one process")
+    order = ["sender send:push", "controller round:start", "controller send:begin>sender/0", "sender recv:begin",
+             "sender send:writes_done", "controller send:fence_commit>receiver/0", "receiver recv:fence_commit",
+             "receiver send:commit_ack", "controller send:commit>sender/0", "sender recv:commit"]
+    assert [e for e in events if e in order] == order, events
