@@ -50,7 +50,7 @@ async def rounds(n: int, profile: bool, full_check_every: int = 0) -> tuple[list
                 t0 = time.perf_counter()
                 await (await sender.push(v))
                 times.append(time.perf_counter() - t0)
-                marks = ctl.timeline.of(v)  # (after the round: recording them is not timed)
+                marks = ctl.timeline.of(v)  # (between rounds, untimed: timelines keep their last 16 versions only)
                 timelines.append(merge(marks["round:start"], {"controller": marks, "sender": sender.timeline.of(v),
                                                               "receiver": receiver.timeline.of(v)}))
             if prof:
@@ -67,10 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true", help="print each event's median time in the round")
     args = ap.parse_args(argv)
     from weightsync.engine.aio import install_uvloop
-
-    install_uvloop()
     from weightsync.roles.timeline import medians
 
+    install_uvloop()
     times, timelines = asyncio.run(rounds(args.rounds, args.profile, args.full_check_every))
     if args.timeline:
         before = None
