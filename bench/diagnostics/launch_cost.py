@@ -7,7 +7,8 @@ per launch; then one synchronize, not counted): the copy kernel of a one-row tab
 (``engine.cuda.launches.Launch``: the compiled kernel's own launcher, arguments bound once) and through
 Triton's launcher (``direct=False``: binding and specialization each call), with whether each copied
 right; one ``cudaMemcpyAsync`` of the same bytes, a torch ``copy_``, an event record, and
-``Fingerprints.launch`` of one row. Prints one JSON line.
+``Fingerprints.launch`` of one row, and that launch waited for and its sums read (``fp64_read_us``).
+Prints one JSON line.
 
     python3 bench/diagnostics/launch_cost.py [--n 2000]
 """
@@ -68,6 +69,12 @@ def main(argv=None) -> int:
     out["event_record_us"] = per_call_us(lambda: event.record(stream), args.n)
     prints = Fingerprints([(src.data_ptr(), 4096, 4096, 4096)], device)
     out["fp64_launch_us"] = per_call_us(lambda: prints.launch(stream), max(1, args.n // 10))
+
+    def fp64_read() -> None:  # (what a checked round waits for: the launch, its event, the sums read)
+        host, event = prints.launch(stream)
+        event.synchronize()
+        prints.values(host)
+    out["fp64_read_us"] = per_call_us(fp64_read, max(1, args.n // 10))
     print(json.dumps(out))
     return 0
 

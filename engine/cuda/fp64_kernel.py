@@ -8,11 +8,15 @@ looking at its neighbours. ``Fingerprints(ranges, device)`` takes the ranges onc
 ``(address, nbytes, row_bytes, pitch)``, ``nbytes`` bytes read as rows of ``row_bytes`` bytes,
 ``pitch`` bytes apart (a dense range: one row); it cuts them into chunks of ``CHUNK`` bytes, one
 program each, and puts every range's offset (from the lowest address), length, row, pitch and first
-program in a small int64 table on the GPU, and each program's range in another. ``run`` launches
+program in a small int64 table on the GPU, and each program's range in another. ``launch`` runs
 one program per chunk, each writing the int64 sum of its chunk (below 2**60 in magnitude, so exact),
-folds the partial sums of each range as low and high 32-bit halves (``index_add``: no overflow at any
-size) and copies the pair to the host once: one launch, two small reductions and one copy, whatever
-the number of ranges, instead of a chain of int64 temporaries and host reads per row.
+then ``_fold_kernel``, one program per range adding up that range's partial sums (int64, wrapping:
+the sum mod 2**64, which is the fingerprint), and copies the sums to the host once. Everything a
+launch needs is made with the ranges: its tables, the partial sums' and the sums' buffers, and each
+kernel's ``launches.Launch`` (the compiled kernel's own launcher, its arguments bound once), so a
+launch is two kernel launches, one copy and an event record per class of ranges, about the host cost
+of a copy kernel's launch, whatever the number of ranges. The buffers are the object's: a launch on
+another stream than the last one waits for the last one's event first.
 
 Ranges whose address, length, row and pitch are multiples of 4 (nearly every row: tensors start
 aligned, and rows of 2- and 4-byte values have even lengths) take ``_fp64_words_kernel`` instead: it
@@ -25,6 +29,7 @@ The module imports Triton at import time: import it only where CUDA is.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -34,6 +39,8 @@ import triton
 import triton.language as tl
 
 from ..transforms.fp8_kernel import DeviceAddress
+from . import cuda_rt
+from .launches import Launch
 
 CHUNK = 8192  # bytes per program
 _MASK = (1 << 64) - 1
@@ -86,12 +93,30 @@ def _fp64_words_kernel(table, owner, partials, WORDS: tl.constexpr, PITCHED: tl.
     tl.store(partials + pid, tl.sum(word * w.to(tl.int64), axis=0))
 
 
+FOLD = 1024  # partial sums a fold program adds per step
+
+
+@triton.jit
+def _fold_kernel(partials, spans, sums, FOLD: tl.constexpr):
+    """One program per range: its partial sums (``spans``: first program, programs, the range's index in
+    ``sums``) added up in int64, wrapping: the range's fingerprint mod 2**64."""
+    entry = spans + tl.program_id(0).to(tl.int64) * 3
+    first = tl.load(entry + 0)
+    n = tl.load(entry + 1)
+    acc = tl.zeros([FOLD], dtype=tl.int64)
+    for start in range(0, n, FOLD):
+        at = start + tl.arange(0, FOLD)
+        acc += tl.load(partials + first + at, mask=at < n, other=0)
+    tl.store(sums + tl.load(entry + 2), tl.sum(acc, axis=0))
+
+
 class Fingerprints:
     """The ``fp64`` of fixed byte ranges on ``device`` (see the module's header); ``run`` -> one int each."""
 
     def __init__(self, ranges: Sequence[tuple[int, int, int, int]], device: torch.device) -> None:
         self.device = torch.device(device)
         self.count = len(ranges)
+        self.sums = torch.zeros(max(1, self.count), dtype=torch.int64, device=self.device)  # (empty ranges: 0)
         self.launches = []
         for words in (True, False):
             for pitched in (False, True):
@@ -99,24 +124,41 @@ class Fingerprints:
                            if nbytes and (row != pitch) == pitched and _in_words(address, nbytes, row, pitch) == words]
                 if members:
                     self.launches.append(self._launch_for([ranges[i] for i in members], members, pitched, words))
+        self._free: list[torch.Tensor] = []  # pinned host buffers whose sums were read (``values``)
+        self._last: Optional[tuple[int, torch.cuda.Event]] = None  # (stream, event) of the last launch
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Fingerprints {self.count} ranges, {len(self.launches)} classes on {self.device}>"
 
     def _launch_for(self, ranges: list[tuple[int, int, int, int]], members: list[int], pitched: bool,
                     words: bool) -> tuple:
-        """One launch's table: for the word kernel each range's own address and its lengths in words;
-        for the byte kernel offsets from the lowest address (its ``DeviceAddress``) and lengths in bytes."""
+        """One class's kernels: for the word kernel each range's own address and its lengths in words;
+        for the byte kernel offsets from the lowest address (its ``DeviceAddress``) and lengths in bytes.
+        -> ((kernel, grid, args, meta) of the partial sums, the same of their fold), as ``Launch`` takes them."""
         base = 0 if words else min(address for address, *_ in ranges)
         unit, per_program = (4, WORDS) if words else (1, CHUNK)
-        rows, chunks, programs = [], [], 0
-        for address, nbytes, row, pitch in ranges:
-            chunks.append(-(-nbytes // (unit * per_program)))
+        rows, spans, programs = [], [], 0
+        for (address, nbytes, row, pitch), member in zip(ranges, members):
+            chunks = -(-nbytes // (unit * per_program))
             rows.append((address - base, nbytes // unit, row // unit, pitch // unit, programs))
-            programs += chunks[-1]
+            spans.append((programs, chunks, member))
+            programs += chunks
         table = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        owner = torch.from_numpy(np.repeat(np.arange(len(ranges), dtype=np.int32), chunks)).to(self.device)
-        src = None if words else DeviceAddress(base, torch.uint8, self.device)
-        # (each program's range, which its partial sum adds to: worked out once, not every launch)
-        into = torch.tensor(members, dtype=torch.int64, device=self.device)[owner.to(torch.int64)]
-        return (table, owner, src, programs, into, pitched)
+        owner = torch.from_numpy(np.repeat(np.arange(len(ranges), dtype=np.int32),
+                                           [chunks for _, chunks, _ in spans])).to(self.device)
+        partials = torch.empty(programs, dtype=torch.int64, device=self.device)
+        if words:
+            main = (_fp64_words_kernel, programs, (table, owner, partials), {"WORDS": WORDS, "PITCHED": pitched})
+        else:
+            src = DeviceAddress(base, torch.uint8, self.device)
+            main = (_fp64_kernel, programs, (table, owner, src, partials), {"CHUNK": CHUNK, "PITCHED": pitched})
+        main[3]["num_warps"] = 8
+        fold = (_fold_kernel, len(ranges), (partials, torch.tensor(spans, dtype=torch.int64).to(self.device),
+                                            self.sums), {"FOLD": FOLD, "num_warps": 4})
+        if self.device.type != "cuda":  # (Triton's interpreter, in tests: launched as is)
+            return main, fold
+        return tuple(Launch(fn, grid, args, meta, self.device.index) for fn, grid, args, meta in (main, fold))
 
     def run(self, stream: Optional[torch.cuda.Stream] = None) -> list[int]:
         """Every range's fingerprint, computed on ``stream`` (default: the device's current one); waits
@@ -129,33 +171,32 @@ class Fingerprints:
     def launch(self, stream: Optional[torch.cuda.Stream] = None) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
         """Queue the fingerprints on ``stream``: (where their sums land on the host, the event after
         which they are there; ``values`` reads them then). Does not wait."""
-        if self.device.type != "cuda":  # (Triton's interpreter, in tests)
-            return self._sums(), None
-        with torch.cuda.device(self.device):
-            stream = stream or torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(stream):
-                host = torch.empty((2, self.count), dtype=torch.int64, pin_memory=True)
-                host.copy_(self._sums(), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+        if self.device.type != "cuda":
+            for kernels in self.launches:
+                for fn, grid, args, meta in kernels:
+                    fn[(grid,)](*args, **meta)
+            return self.sums[:self.count].clone(), None
+        stream = stream or torch.cuda.current_stream(self.device)
+        with self._lock:
+            if self._last is not None and self._last[0] != stream.cuda_stream:
+                stream.wait_event(self._last[1])  # (the partial sums and sums are this object's)
+            for main, fold in self.launches:
+                main(stream)
+                fold(stream)
+            host = self._free.pop() if self._free else torch.empty(self.count, dtype=torch.int64, pin_memory=True)
+            if self.count:
+                cuda_rt.memcpy_async(host.data_ptr(), self.sums.data_ptr(), 8 * self.count, stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._last = (stream.cuda_stream, event)
         return host, event
 
-    @staticmethod
-    def values(host: torch.Tensor) -> list[int]:
-        low, high = host.tolist()
-        return [((h << 32) + lo) & _MASK for lo, h in zip(low, high)]
-
-    def _sums(self) -> torch.Tensor:
-        sums = torch.zeros((2, self.count), dtype=torch.int64, device=self.device)
-        for table, owner, src, programs, into, pitched in self.launches:
-            partials = torch.empty(programs, dtype=torch.int64, device=self.device)
-            if src is None:
-                _fp64_words_kernel[(programs,)](table, owner, partials, WORDS=WORDS, PITCHED=pitched, num_warps=8)
-            else:
-                _fp64_kernel[(programs,)](table, owner, src, partials, CHUNK=CHUNK, PITCHED=pitched, num_warps=8)
-            halves = torch.stack((partials & 0xFFFFFFFF, partials >> 32))
-            sums.index_add_(1, into, halves)
-        return sums
+    def values(self, host: torch.Tensor) -> list[int]:
+        """The fingerprints a ``launch`` copied into ``host`` (once its event has passed)."""
+        out = [v & _MASK for v in host.tolist()]
+        if host.is_pinned() and len(self._free) < 4:
+            self._free.append(host)  # (read: the next launch may copy into it)
+        return out
 
 
 def _in_words(address: int, nbytes: int, row: int, pitch: int) -> bool:

@@ -269,6 +269,33 @@ def test_fp64_fingerprints_of_many_rows_in_one_launch_equal_each_row_s():
     assert checksums.fp64_many(views) == got  # (again: the prepared launch, kept)
 
 
+def test_fp64_launches_on_two_streams_read_late_each_give_their_own_sums():
+    """A prepared ``Fingerprints`` keeps its partial sums, sums and host buffers: two launches on two
+    streams, the first read only after the second was queued (and the data changed between them), each
+    give the sums of the bytes they were launched over; a third launch reuses a buffer read before."""
+    from weightsync.engine.cuda.fp64_kernel import Fingerprints
+    from weightsync.engine.datapath.checksums import _bytes, _range, fp64
+
+    gen = torch.Generator().manual_seed(12)
+    rows = [torch.randint(-2**31, 2**31 - 1, (n,), generator=gen, dtype=torch.int32).to("cuda:0")
+            for n in (5, 70000, 3 * 1024 * 1024)]
+    prints = Fingerprints(tuple(_range(r) for r in rows), torch.device("cuda:0"))
+    first_stream, second_stream = torch.cuda.Stream(0), torch.cuda.Stream(0)
+    first_stream.wait_stream(torch.cuda.current_stream(0))
+    before = [fp64(_bytes(r)) for r in rows]
+    first = prints.launch(first_stream)
+    with torch.cuda.stream(first_stream):  # (after the first launch on its stream, before the second)
+        for r in rows:
+            r.add_(1)
+    second_stream.wait_stream(first_stream)
+    second = prints.launch(second_stream)
+    torch.cuda.synchronize()
+    after = [fp64(_bytes(r)) for r in rows]
+    assert before != after
+    assert prints.values(second[0]) == after and prints.values(first[0]) == before
+    assert prints.run() == after and prints._free  # (a read buffer is used again)
+
+
 def test_fp8_quantization_on_gpu_within_the_reference_bound():
     from weightsync.engine.transforms import quantize_blocks, within_fp8_bound
 
