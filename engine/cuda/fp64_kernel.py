@@ -150,11 +150,11 @@ class Fingerprints:
                                            [chunks for _, chunks, _ in spans])).to(self.device)
         partials = torch.empty(programs, dtype=torch.int64, device=self.device)
         if words:
-            main = (_fp64_words_kernel, programs, (table, owner, partials), {"WORDS": WORDS, "PITCHED": pitched})
+            main = (_fp64_words_kernel, programs, (table, owner, partials),
+                    {"WORDS": WORDS, "PITCHED": pitched, "num_warps": 8})
         else:
-            src = DeviceAddress(base, torch.uint8, self.device)
-            main = (_fp64_kernel, programs, (table, owner, src, partials), {"CHUNK": CHUNK, "PITCHED": pitched})
-        main[3]["num_warps"] = 8
+            main = (_fp64_kernel, programs, (table, owner, DeviceAddress(base, torch.uint8, self.device), partials),
+                    {"CHUNK": CHUNK, "PITCHED": pitched, "num_warps": 8})
         fold = (_fold_kernel, len(ranges), (partials, torch.tensor(spans, dtype=torch.int64).to(self.device),
                                             self.sums), {"FOLD": FOLD, "num_warps": 4})
         if self.device.type != "cuda":  # (Triton's interpreter, in tests: launched as is)
