@@ -120,7 +120,11 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
             issue = [m.get("pipeline:sealed", m["pipeline:end"]) - m["pipeline:start"] for m in marks.values()
                      if "pipeline:start" in m]  # (a sender with no rows to send runs no pipeline)
             rows = len(sender.table.transfers)
+            # what the trainer waits per round: its push (armed or not) until it holds the commit
+            waits = [m["recv:commit"] - m.get("send:armed_push", m.get("send:push", m["recv:commit"]))
+                     for m in marks.values() if "recv:commit" in m]
             return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows, "marks": marks,
+                    "push_to_commit_s": waits, "armed_pushes": sender.armed_pushes,
                     "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows and issue else None,
                     "compiles": sender.pipeline.compiler.compiles, "trying": trying,
                     "peer_copies": {link: {"chosen": t.chosen, "ms": {w: [round(x * 1e3, 3) for x in ms]
@@ -204,7 +208,8 @@ async def engine(case: Case, link) -> dict:
     from weightsync.roles.admission import participants
 
     options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link, delta="off", spin=case.spin,
-                                full_check_every=case.full_check_every)  # (8 by default: the product's checks)
+                                full_check_every=case.full_check_every,  # (8 by default: the product's checks)
+                                arm_pushes=case.arm)
     procs = Procs()
     try:
         async with Controller(senders=case.senders, receivers=case.receivers, options=options) as ctl:
@@ -241,13 +246,16 @@ async def engine(case: Case, link) -> dict:
         "learned_s": [(r.predicted_s, r.seconds) for r in (settled or counted) if r.predicted_s > 0],
         "rounds_timing_ways": len(counted) - len(settled),
         "ok": all(r.ok for r in reports) and not bad,
+        "armed_rounds": sum(1 for r in counted if r.armed),
         "checked_rounds": sum(1 for r in reports if r.checksum),
         **checks(reports, WARM_ROUNDS),
         "mismatches": bad,
         "nbytes": reports[-1].nbytes,
         "transfers": routing.transfer_count,
         "timeline_ms": timeline,
-        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items() if k not in ("full_tensor_s", "marks", "trying")}
+        "push_to_commit_s": [max(ws) for ws in zip(*(s["push_to_commit_s"] for s in by_sender.values()))][WARM_ROUNDS - 1:],
+        "senders": {f"sender {r}": {k: v for k, v in by_sender[r].items()
+                                    if k not in ("full_tensor_s", "marks", "trying", "push_to_commit_s")}
                     for r in sorted(by_sender)},
         "full_tensor_s": by_sender[0]["full_tensor_s"],
         "predicted_s": makespan(routing.senders, senders, receivers, link),
@@ -451,7 +459,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
         "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": {None: "auto", True: "on", False: "off"}[case.spin],
-        "full_check_every": case.full_check_every, "checked_rounds": eng["checked_rounds"],
+        "full_check_every": case.full_check_every, "checked_rounds": eng["checked_rounds"], "arm": case.arm,
         "first_rounds_ms": eng["first_rounds_ms"],
         "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
@@ -460,6 +468,9 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
         "predicted_ms": round(eng["predicted_s"] * 1e3, 3),
         "engine_ms": round(engine_s * 1e3, 3),
         "engine_ms_all": [round(s * 1e3, 3) for s in eng["round_s"]],
+        # the slowest sender's push until it holds the commit (an armed push writes before the round's start)
+        "push_to_commit_ms": round(med(eng["push_to_commit_s"]) * 1e3, 3) if eng["push_to_commit_s"] else None,
+        "armed_rounds": eng["armed_rounds"],
         "engine_mean_ms": round(mean_s * 1e3, 3),
         "engine_over_bound_ratio": round(engine_s / eng["bound_s"], 3),
         "engine_mean_over_bound_ratio": round(mean_s / eng["bound_s"], 3),
@@ -593,6 +604,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-check-every", type=int, default=8, metavar="N",
                     help="end-to-end checks every N rounds, as ControllerOptions.full_check_every (default 8, the "
                          "product's; 0: none, the data path alone)")
+    ap.add_argument("--arm", action="store_true",
+                    help="the controller offers arms: each sender writes on its own push, before its begin "
+                         "(ControllerOptions.arm_pushes; roles.arms)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
@@ -602,7 +616,7 @@ def main(argv=None) -> int:
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
                 kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None,
-                full_check_every=args.full_check_every)
+                full_check_every=args.full_check_every, arm=args.arm)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     from weightsync.engine.aio import install_uvloop

@@ -66,6 +66,9 @@ class ControllerOptions:
     delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
     full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
     #                            the one after an abort) checked end to end with ``full_check``; 0: never
+    arm_pushes: bool = False  # once a round is applied, offer the senders the next one's parameters: each then
+    #                           writes on its own push, a control round trip before its begin (roles.arms; off by
+    #                           default: a replan between the arm and the push voids that push's version)
     full_check: str = "auto"  # the algorithm of those rounds (engine.datapath.checksums); "auto": fp64 (on the
     #                           device) where a member's tensors are on a GPU, crc32 (zlib, fastest on a CPU) otherwise
 
@@ -115,6 +118,7 @@ class Controller(AsyncResource):
         # what each session message does (a handler may be a coroutine function)
         self._handlers: dict[str, Callable[[Peer, Envelope], Optional[Awaitable[None]]]] = {
             m.Push.TYPE: lambda peer, env: self.rounds.on_push(peer, env.body.version),
+            m.ArmedPush.TYPE: lambda peer, env: self.rounds.on_armed_push(peer, env.body.version, env.body.arm_id),
             m.PlanAck.TYPE: lambda peer, env: self.planning.on_plan_ack(peer, env.body),
             **{t: lambda peer, env: self.rounds.on_round_message(peer, env.body)
                for t in (m.BeginAck.TYPE, m.WritesDone.TYPE, m.FenceAck.TYPE, m.CommitAck.TYPE)},

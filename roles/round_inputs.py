@@ -36,17 +36,18 @@ class RoundInputs:
     def __repr__(self) -> str:
         return f"<RoundInputs bases={len(self.bases)} started={self.started}>"
 
-    def checksum(self, devices: set[str]) -> str:
+    def checksum(self, devices: set[str], *, peek: bool = False) -> str:
         """The next round's checksum algorithm ("": none beyond each delta's fingerprint change), for
-        members whose tensors are on ``devices``."""
+        members whose tensors are on ``devices``; ``peek``: say it without counting a round started (an arm)."""
         every = self.options.full_check_every
         if every:
             visit, at = divmod(self.started, every)
             full = at == (visit % 2 if every % 2 == 0 else 0) or self.after_abort
         else:
             full = False
-        self.started += 1
-        self.after_abort = False
+        if not peek:
+            self.started += 1
+            self.after_abort = False
         algo = self.options.full_check
         if algo == "auto":
             algo = "fp64" if any(d.startswith("cuda") for d in devices) else "crc32"

@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from weightsync.engine.errors import RoundAborted
 from weightsync.wire import messages as m
+
+if TYPE_CHECKING:
+    from .arms import Arm
 
 # A round's transitions, in order: the stage the controller waits for, what completes it, and what the
 # controller sends when it is complete. Any failure before ``commit`` is sent (a participant's error, a
@@ -63,6 +66,7 @@ class RoundReport:
     senders_host_s: dict[int, float] = dataclasses.field(default_factory=dict)  # per sender: staging + queueing writes
     trying: bool = False  # a sender was still timing its transport's ways (engine.cuda.fastest): not a steady round
     checksum: str = ""  # the algorithm every row of the round was checked with ("": not checked end to end)
+    armed: int = 0  # senders that wrote before its begin, under an arm (roles.arms)
 
     @property
     def gbps(self) -> float:
@@ -101,6 +105,11 @@ class RoundState:
         self.t0 = time.perf_counter()
         self.marks: dict[str, float] = {}
         self.aborted: Optional[RoundAborted] = None
+        self.armed_by: set[bytes] = set()  # the sessions that did
+        self.arm: Optional["Arm"] = None  # the arm its senders wrote under before its begin (roles.arms)
+        self.void: list[int] = []  # other versions written under an arm: never run (``Rounds.start``)
+        self.bases: tuple[m.Base, ...] = ()  # what the round's begin names (``Rounds._armed``)
+        self.delta = ""
 
     def __repr__(self) -> str:
         return (f"<Round v{self.version} {self.stage} writes={len(self.writes)}/{len(self.senders)} "
@@ -232,4 +241,5 @@ class RoundState:
             plan_id=self.plan_id, predicted_s=self.predicted_s,
             senders_host_s={r: b.stage_s + b.issue_s for r, b in sorted(self.writes.items())},
             trying=any(b.trying for b in self.writes.values()), checksum=self.checksum,
+            armed=len(self.armed_by),
         )

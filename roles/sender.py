@@ -5,7 +5,10 @@ table and acknowledges. ``push(v)`` tells the controller the weights for v are r
 ``begin(v)``, which comes once every planned sender has pushed v. The pipeline then writes every row of
 the table; when all writes are done and fenced the sources are free again (``push`` returns, so the
 optimizer may step), and ``writes_done`` goes to the controller. The returned ``PushHandle`` resolves
-at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without waiting.
+at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without waiting. A sender that
+holds the controller's ``arm`` (the next round's parameters, ``roles.arms``) when it pushes sends
+``armed_push`` and starts writing at once; its ``writes_done`` waits for ``begin``, whose parameters
+must be the arm's.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class SenderOptions(WorkerOptions):
     quantize_on: str = ""  # a CUDA device ("cuda:0") where CPU-held sources are quantized; "": on the CPU
     base_budget_bytes: int = DEFAULT_BASE_BUDGET  # delta rounds: bytes of last-sent rows kept (docs/DELTAS.md)
     base_on: str = "device"  # where they are kept: "device" (the staged bytes' own) or "host" (pinned memory)
+    arm: bool = True  # take the controller's arms: write on our own push, before begin (roles.arms)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +109,8 @@ class WeightSender(Worker):
                  gatherable: bool = False, transforms: Mapping[str, Transform] = {}) -> None:
         tensors, dtensor_shards, dtensors = split_dtensors(named_tensors(params))
         options = with_device(options, tensors)
+        if options.arm:
+            options = dataclasses.replace(options, capabilities=(*options.capabilities, "arm"))
         super().__init__(controller_addr, rank, options)
         self.tensors = tensors
         self.shards = {**shards, **dtensor_shards}
@@ -129,6 +135,10 @@ class WeightSender(Worker):
         self.bases = Bases(options.base_budget_bytes, options.base_on)
         self.delta_side = "encode"
         self.last_delta: Optional[DeltaRound] = None  # the newest round's delta lanes and what went as deltas
+        self._arm: Optional[m.Arm] = None  # the next round's parameters, from the controller (roles.arms)
+        self._early: Optional[tuple[int, m.Arm]] = None  # a version being written under an arm, before its begin
+        self._held_done: Optional[m.WritesDone] = None  # its writes_done, sealed before the begin came
+        self.armed_pushes = 0  # pushes that started writing under an arm
 
     def __repr__(self) -> str:
         return (f"<WeightSender {self.name} {self.session.state.value} plan={self.plan_id} "
@@ -158,6 +168,7 @@ class WeightSender(Worker):
             self._round.cancel()
         if self._plan_task is not None and not self._plan_task.done():
             self._plan_task.cancel()
+        self._drop_early()
         written = self.session.state is State.WRITTEN
         for version, handle in list(self._handles.items()):
             if written and handle.released.done() and not handle.released.exception():
@@ -207,9 +218,48 @@ class WeightSender(Worker):
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
         self._spin(True)  # until our pipeline starts: begin comes sooner to a polling loop
+        if self._push_armed(handle):
+            return handle
         task = asyncio.ensure_future(self._push_when_ready(handle))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
         return handle
+
+    def _push_armed(self, handle: PushHandle) -> bool:
+        """Push under the arm we hold, writing at once: only with nothing else of ours in flight (no other
+        push, no outcome in doubt) and the arm made for our plan. False: push the usual way."""
+        arm, self._arm = self._arm, None
+        if (arm is None or arm.plan_id != self.plan_id or self.session.state is not State.READY
+                or len(self._handles) != 1 or self._in_doubt or self._early is not None):
+            return False
+        sending = self._post_if_allowed(m.ArmedPush(handle.version, arm.arm_id), version=handle.version)
+        if sending is None:
+            return False
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception() is None or handle.fail(ControllerLost(
+            f"push of v{handle.version} not sent: the control channel is gone ({f.exception()})")))
+        self.armed_pushes += 1
+        self._early = (handle.version, arm)
+        self._start_writing(handle.version, handle, arm)
+        return True
+
+    def _start_writing(self, version: int, handle: PushHandle, params: "m.UpdateBegin | m.Arm") -> None:
+        self.pipeline.options = dataclasses.replace(self.pipeline.options, checksum=params.checksum)
+        slots = {s.rank: s.slot for s in params.landing}
+        held = {b.rank: b.version for b in params.bases}
+        self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round, (params.delta, held)))
+
+    def _drop_early(self) -> Optional[int]:
+        """Our writes under an arm will not be the round's (a plan, an abort, an error came): stop them. The
+        push's outcome comes from the controller (an ``error`` with field ``arm``, or an ``abort``)."""
+        self._arm = None
+        early, self._early, self._held_done = self._early, None, None
+        if early is None:
+            return None
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+        return early[0]
+
+    async def _on_arm(self, env: Envelope) -> None:
+        self._arm = env.body if env.body.plan_id == self.plan_id else None
 
     async def _push_when_ready(self, handle: PushHandle) -> None:
         """A push is legal once the plan is acknowledged and no round is writing: wait for that. A push
@@ -228,14 +278,20 @@ class WeightSender(Worker):
         """Connect and prepare in a task of its own: the receive loop goes on reading (heartbeats, a
         leave) however long a peer takes to answer (``TransportOptions.connect_timeout_s`` at most)."""
         self._settle_in_doubt(env.body.committed)
+        early = self._round if self._early is not None else None
+        if early is not None and not (env.body.sender == self.table and self._keys == {k.rank: k.key for k in env.body.keys}):
+            self._drop_early()  # (written under the plan this one replaces, which changed what we write)
+        self._arm = None
         self.plan_error = None
         self.table = env.body.sender
         self.plan_id = env.body.plan_id
         self._keys = {k.rank: k.key for k in env.body.keys}
-        self._plan_task = asyncio.ensure_future(self._take_plan(env.body))
+        self._plan_task = asyncio.ensure_future(self._take_plan(env.body, early))
 
-    async def _take_plan(self, body: m.Plan) -> None:
+    async def _take_plan(self, body: m.Plan, early: Optional[asyncio.Future] = None) -> None:
         ack = m.PlanAck(body.plan_id, True, "")
+        if early is not None:  # (writes under an arm, kept or stopped: done with the sources and connections first)
+            await asyncio.gather(early, return_exceptions=True)
         try:
             await self._connect_peers(self.table.peers, self._keys)
             await asyncio.to_thread(self.sources.prepare, self.table.transfers)
@@ -269,6 +325,24 @@ class WeightSender(Worker):
 
     async def _on_begin(self, env: Envelope) -> None:
         version = env.body.version
+        self._arm = None
+        early = self._early
+        if early is not None and early[0] == version:
+            self._early, held = None, self._held_done
+            self._held_done = None
+            arm = early[1]  # (its plan may have been replaced by one that kept our table: ``_on_plan``)
+            if (self.plan_id, arm.checksum, arm.landing, arm.bases, arm.delta) == (
+                    env.body.plan_id, env.body.checksum, env.body.landing, env.body.bases, env.body.delta):
+                held = dataclasses.replace(held, plan_id=self.plan_id) if held is not None else None
+                if held is not None and (sending := self._post_if_allowed(held, version=version)) is not None:
+                    await sending  # (sealed before this begin came)
+                return
+            self._drop_early()
+            await self._fail_round(version, self._handles.get(version) or PushHandle(version), WeightSyncError(
+                f"begin of v{version} differs from arm {arm.arm_id}, under which it was written"), m.ErrorCode.PROTOCOL)
+            return
+        if early is not None:  # (a round we did not push for came first: our early writes never count)
+            self._drop_early()
         handle = self._handles.get(version)
         if handle is None:  # a round the controller started on its own
             handle = self._handles[version] = PushHandle(version)
@@ -277,11 +351,7 @@ class WeightSender(Worker):
             await self._fail_round(version, handle, WeightSyncError(
                 f"begin names plan {env.body.plan_id}, ours is {self.plan_id}"), m.ErrorCode.PLAN)
             return
-        pipeline = dataclasses.replace(self.pipeline.options, checksum=env.body.checksum)
-        self.pipeline.options = pipeline
-        slots = {s.rank: s.slot for s in env.body.landing}
-        held = {b.rank: b.version for b in env.body.bases}
-        self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round, (env.body.delta, held)))
+        self._start_writing(version, handle, env.body)
 
     async def _write(self, version: int, handle: PushHandle, slots: dict[int, int],
                      previous: Optional[asyncio.Future], delta: tuple[str, dict[int, int]] = ("", {})) -> None:
@@ -295,10 +365,12 @@ class WeightSender(Worker):
 
         def announce(sealed: PushReport) -> None:  # (posted at once: not behind the lanes' own steps)
             self.timeline.mark(version, "pipeline:sealed")
-            sending = self._post_if_allowed(
-                m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
-                             sealed.encode_s, sealed.issue_s, bool(getattr(self.transport, "trying", ()))),
-                version=version)
+            done = m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
+                                sealed.encode_s, sealed.issue_s, bool(getattr(self.transport, "trying", ())))
+            if self._early is not None and self._early[0] == version:  # written under an arm: after begin
+                self._held_done = done
+                return
+            sending = self._post_if_allowed(done, version=version)
             if sending is not None:
                 announced.append(sending)
 
@@ -363,6 +435,7 @@ class WeightSender(Worker):
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
+        self._drop_early()
         if self._round is not None and not self._round.done():
             self._round.cancel()  # (not awaited here: a write stuck on a partitioned peer must not stop this
             #                        loop; the next round's pipeline starts after it: ``_write``'s ``previous``)
@@ -377,9 +450,16 @@ class WeightSender(Worker):
         await super()._on_error(env)
         handle = self._handles.get(env.version) if env.version is not None else None
         if handle is not None and env.body.code == m.ErrorCode.BAD_REQUEST:
+            if self._early is not None and self._early[0] == env.version:
+                self._drop_early()
             self._handles.pop(env.version, None)
             self._spin(False)
-            handle.fail(VersionError(env.body.text))
+            if env.body.field == "arm":  # written under an arm that did not hold: the version never runs
+                aborted = RoundAborted(env.version, m.AbortReason.CANCELLED, env.body.text, "controller")
+                aborted.__cause__ = handle.cause
+                handle.fail(aborted)
+            else:
+                handle.fail(VersionError(env.body.text))
 
     def _on_closed(self, exc: BaseException) -> None:
         super()._on_closed(exc)

@@ -162,5 +162,6 @@ def _with_field(cls, **fields):
 
 
 OVERRIDES[m.UpdateBegin] = _with_field(m.UpdateBegin, delta=st.sampled_from(m.DELTA_MODES))
+OVERRIDES[m.Arm] = _with_field(m.Arm, delta=st.sampled_from(m.DELTA_MODES))
 
 bodies = st.sampled_from(sorted(m.MESSAGE_TYPES)).flatmap(lambda t: from_type(m.MESSAGE_TYPES[t]))

@@ -120,4 +120,8 @@ def samples() -> dict[str, Envelope]:
     out["commit_ack_times"] = Envelope(  # CommitAck.apply_s and .verify_s (optional): a one-phase verdict's
         dataclasses.replace(BODIES["commit_ack"], apply_s=0.0625, verify_s=0.25), msg_id=214, sender="receiver/0",
         parent_id=None, version=3)
+    out["arm"] = Envelope(  # the next round's parameters, before a one-phase round's commit
+        m.Arm(5, 9, "fp64", (m.Slot(1, 0),), (m.Base(1, 3),), "auto"), msg_id=215, sender="controller",
+        parent_id=None, version=3)
+    out["armed_push"] = Envelope(m.ArmedPush(4, 5), msg_id=216, sender="sender/0", parent_id=None, version=4)
     return out

@@ -208,6 +208,36 @@ class UpdateBegin(Message):
 
 
 @struct
+class Arm(Message):
+    """Controller -> sender (capability ``arm``): the parameters the next round will begin with, sent once
+    a round is applied by every receiver. The sender may start writing its next push at once under them
+    (``armed_push``); the round's ``begin`` then carries the same parameters. ``arm_id`` names this offer:
+    the controller honours an ``armed_push`` only while it is the current one (docs/PROTOCOL.md, 6)."""
+
+    TYPE = "arm"
+    arm_id: U64
+    plan_id: U64
+    checksum: str
+    landing: tuple[Slot, ...]
+    bases: tuple[Base, ...] = ()
+    delta: str = ""
+
+    def _check(self) -> None:
+        if self.delta not in DELTA_MODES:
+            raise Violation("value", "delta", f"{self.delta!r} is not one of {DELTA_MODES}")
+
+
+@struct
+class ArmedPush(Message):
+    """Sender -> controller: as ``push``, and this sender has started writing ``version`` under arm
+    ``arm_id`` (its writes land in the arm's slots; ``writes_done`` still waits for ``begin``)."""
+
+    TYPE = "armed_push"
+    version: U64
+    arm_id: U64
+
+
+@struct
 class BeginAck(Message):
     """In-place receiver -> controller: its ``before_update`` hook has run; writes may start (receivers
     that offered capability ``begin_ack``: the controller begins the senders only after these)."""
@@ -395,6 +425,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         PlanAck,
         Push,
         UpdateBegin,
+        Arm,
+        ArmedPush,
         BeginAck,
         WritesDone,
         Fence,

@@ -6,7 +6,8 @@ type), where ``origin`` is who sent the message. ``Session.send`` checks a messa
 send (an illegal one is our bug: ``LocalIllegalTransition``); ``Session.receive`` checks one we got
 (an illegal one is the peer's: ``RemoteIllegalTransition``). Both move the state. No I/O here.
 
-Round shape: begin -> (sender) writes_done -> commit; (receiver) fence -> fence_ack -> commit ->
+Round shape: begin -> (sender) writes_done -> commit (a sender holding an ``arm`` may push with
+``armed_push`` and write before its begin; its state still moves at begin); (receiver) fence -> fence_ack -> commit ->
 commit_ack, or, as the only receiver of a round, fence_commit -> commit_ack (or fence_ack, not ok).
 ``abort`` returns any in-round state to READY. Heartbeat and error are legal in every joined state
 and change nothing; ``leave`` from either side closes the session.
@@ -87,6 +88,10 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     # cross a new plan or a begin in flight, so it is legal in those states too and changes nothing.
     for state in (State.PLAN_RECEIVED, State.READY, State.WRITING, State.WRITTEN):
         t[S, state, W, m.Push.TYPE] = state
+        t[S, state, W, m.ArmedPush.TYPE] = state  # (its writes began before begin; the state moves at begin)
+    # the next round's parameters, once the last is applied everywhere: before a one-phase round's commit
+    t[S, State.READY, C, m.Arm.TYPE] = State.READY
+    t[S, State.WRITTEN, C, m.Arm.TYPE] = State.WRITTEN
     t[S, State.READY, C, m.UpdateBegin.TYPE] = State.WRITING
     t[S, State.WRITING, W, m.WritesDone.TYPE] = State.WRITTEN
     t[S, State.WRITTEN, C, m.Commit.TYPE] = State.READY

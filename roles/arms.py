@@ -1,0 +1,94 @@
+"""Arms: the next round's parameters, handed to the senders ahead of it, so each writes on its own push.
+
+How this works: once a round is applied by every receiver, ``Rounds`` offers the senders an ``Arm``: the
+checksum, landing slots, bases and delta mode the next round will begin with, under a fresh id
+(``Arms.offer``). A sender that holds it may answer its next push with ``armed_push`` and start writing at
+once, instead of waiting a control round trip for ``begin``; the round's ``begin`` then carries the same
+parameters, and the sender's ``writes_done`` still waits for it. ``Arms`` remembers the offer and which
+sessions wrote under it for which version (``took``). An offer holds until the next round starts
+(``take``, which hands the round the arm its senders wrote under) or a plan replaces the plan it was made
+for (``refusal``). Writes under an arm that no longer holds are void: their version never runs
+(``Rounds.void``). A push honoured before a replan still runs where the new plan kept what it wrote
+(``kept``: each armed sender's table, the receivers' sessions, their slots and bases). Offered only where every receiver lands in a second buffer (capability ``slots:2``):
+early writes never touch served memory. Pure bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Mapping, Optional
+
+from weightsync.wire import SenderTable
+from weightsync.wire import messages as m
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    arm_id: int
+    plan_id: int
+    checksum: str
+    landing: tuple[m.Slot, ...]
+    bases: tuple[m.Base, ...]
+    delta: str
+    tables: Mapping[bytes, SenderTable] = dataclasses.field(default_factory=dict, compare=False)  # by sender session
+    receivers: Mapping[int, bytes] = dataclasses.field(default_factory=dict, compare=False)  # rank -> session
+
+    def kept(self, tables: Mapping[bytes, SenderTable], receivers: Mapping[int, bytes],
+             landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...]) -> Optional[str]:
+        """Why writes under this arm by the sessions of ``tables`` are not the round the current plan would
+        run (None: they are): each of those senders' tables, the receivers' sessions, slots and bases."""
+        if dict(receivers) != dict(self.receivers):
+            return "the receivers' sessions changed"
+        if (landing, bases) != (self.landing, self.bases):
+            return f"slots {landing} and bases {bases} differ from the arm's"
+        changed = sorted(i for i, table in tables.items() if self.tables.get(i) != table)
+        return f"{len(changed)} armed sender(s)' tables changed" if changed else None
+
+    def message(self) -> m.Arm:
+        return m.Arm(self.arm_id, self.plan_id, self.checksum, self.landing, self.bases, self.delta)
+
+
+class Arms:
+    def __init__(self) -> None:
+        self.current: Optional[Arm] = None  # the offer an armed push may name now
+        self.wrote: dict[int, tuple[Arm, set[bytes]]] = {}  # version -> the arm, the sessions writing under it
+        self.offered = 0
+        self._ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        current = f"arm {self.current.arm_id}" if self.current else "none"
+        return f"<Arms {current} offered={self.offered} writing={sorted(self.wrote)}>"
+
+    def offer(self, plan_id: int, checksum: str, landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...],
+              delta: str, tables: Mapping[bytes, SenderTable] = {}, receivers: Mapping[int, bytes] = {}) -> Arm:
+        self.current = Arm(next(self._ids), plan_id, checksum, landing, bases, delta, dict(tables), dict(receivers))
+        self.offered += 1
+        return self.current
+
+    def refusal(self, arm_id: int, plan_id: Optional[int]) -> Optional[str]:
+        """Why an armed push naming ``arm_id`` cannot be honoured, or None."""
+        arm = self.current
+        if arm is None or arm.arm_id != arm_id:
+            return f"arm {arm_id} is not the current one ({arm.arm_id if arm else 'none'}: a round started since)"
+        if arm.plan_id != plan_id:
+            return f"arm {arm_id} was made for plan {arm.plan_id}, the plan is {plan_id} now"
+        return None
+
+    def took(self, version: int, session: bytes) -> None:
+        """``session`` writes ``version`` under the current arm."""
+        assert self.current is not None
+        self.wrote.setdefault(version, (self.current, set()))[1].add(session)
+
+    def take(self, version: int) -> tuple[Optional[Arm], set[bytes], list[int]]:
+        """Round ``version`` starts: the arm its senders wrote under (None: nobody did), those sessions,
+        and the other versions written under an arm, which can never run now. No offer holds past a
+        round's start."""
+        self.current = None
+        arm, sessions = self.wrote.pop(version, (None, set()))
+        others = sorted(self.wrote)
+        return arm, sessions, others
+
+    def void(self, version: int) -> set[bytes]:
+        """Forget ``version``'s writes under an arm; returns the sessions that made them."""
+        return self.wrote.pop(version, (None, set()))[1]

@@ -1,0 +1,134 @@
+"""Armed pushes (roles.arms): a sender writes on its own push under the arm the controller offered after
+the last round, before its begin; writes under an arm that no longer holds never become a version."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from weightsync.engine.errors import ConfigError, RoundAborted, VersionError
+from weightsync.roles import ControllerOptions
+from weightsync.roles.arms import Arms
+from weightsync.wire import messages as m
+from proc_helpers import mismatches, update_in_place
+from test_roles import FAST as PLAIN, WATCHDOG, cluster as plain_cluster, push_all
+
+FAST = dataclasses.replace(PLAIN, arm_pushes=True)
+
+
+def cluster(n_send=1, n_recv=1, options=FAST, **kw):
+    return plain_cluster(n_send, n_recv, options=options, **kw)
+
+
+def arm_events(senders) -> list[asyncio.Event]:
+    """One event per sender, set whenever it reads an ``arm``."""
+    events = []
+    for s in senders:
+        event, read = asyncio.Event(), s._on_arm
+
+        async def on_arm(env, read=read, event=event):
+            await read(env)
+            event.set()
+        s._on_arm = on_arm  # (the receive loop looks handlers up by name)
+        events.append(event)
+    return events
+
+
+async def _round(senders, senders_t, version):
+    handles = await push_all(senders, senders_t, version)
+    await asyncio.wait_for(asyncio.gather(*handles), WATCHDOG)
+
+
+@pytest.mark.parametrize("n_send,n_recv", [(1, 1), (2, 2)])
+async def test_after_the_first_round_each_push_writes_before_its_begin_and_lands_bit_exact(n_send, n_recv):
+    async with cluster(n_send, n_recv) as (ctl, senders, senders_t, receivers, receivers_t):
+        armed = arm_events(senders)
+        await _round(senders, senders_t, 1)  # (no arm yet: the usual way)
+        assert (await ctl.wait_round(1)).armed == 0
+        for v in (2, 3, 4):
+            if n_recv > 1:  # (the arm comes once every receiver applied, after the senders' commit)
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in armed)), WATCHDOG)
+            for e in armed:
+                e.clear()
+            await _round(senders, senders_t, v)
+            report = await ctl.wait_round(v)  # (one receiver: the arm came before the commit; several: after)
+            assert report.ok and report.armed == n_send and report.checksum == "crc32"  # (the arm's, FAST's)
+            for s in senders:  # began writing before its begin arrived
+                marks = s.timeline.of(v)
+                assert marks["send:armed_push"] < marks["pipeline:start"] < marks["recv:begin"] < marks["send:writes_done"]
+            for r, t in zip(receivers, receivers_t):
+                assert r.version == v and mismatches(t, v) == []
+        assert [s.armed_pushes for s in senders] == [3] * n_send and ctl.rounds.arms.offered == 4
+
+
+async def test_one_receiver_back_to_back_every_push_after_the_first_is_armed():
+    async with cluster() as (ctl, senders, senders_t, receivers, receivers_t):
+        for v in range(1, 7):  # (each push as soon as the last committed at the sender: the arm came first)
+            await _round(senders, senders_t, v)
+        reports = [await ctl.wait_round(v) for v in range(1, 7)]
+        assert [r.armed for r in reports] == [0, 1, 1, 1, 1, 1] and mismatches(receivers_t[0], 6) == []
+
+
+async def test_no_arm_where_a_receiver_writes_in_place_or_the_controller_offers_none():
+    async with cluster(mode="inplace") as (ctl, senders, senders_t, receivers, receivers_t):
+        for v in (1, 2, 3):
+            await _round(senders, senders_t, v)
+        assert senders[0].armed_pushes == 0 and ctl.rounds.arms.offered == 0 and mismatches(receivers_t[0], 3) == []
+    async with cluster(options=PLAIN) as (ctl, senders, senders_t, _, rt):  # (the default: no arms)
+        for v in (1, 2, 3):
+            await _round(senders, senders_t, v)
+        assert senders[0].armed_pushes == 0 and ctl.rounds.arms.offered == 0 and mismatches(rt[0], 3) == []
+
+
+async def test_a_push_under_an_arm_that_no_longer_holds_never_becomes_a_version():
+    opts = dataclasses.replace(FAST, checksum="", full_check="crc32")
+    async with cluster(options=opts) as (ctl, senders, senders_t, receivers, receivers_t):
+        await _round(senders, senders_t, 1)
+        await _round(senders, senders_t, 2)
+        assert ctl.reports[-1].checksum == ""  # (a round between the full checks)
+        arm = senders[0]._arm
+        assert arm is not None
+        senders[0]._arm = dataclasses.replace(arm, arm_id=arm.arm_id + 100)  # (as an arm from a round since)
+        update_in_place(senders_t[0], 3)
+        handle = senders[0].push_nowait(3)
+        with pytest.raises(RoundAborted) as e:
+            await asyncio.wait_for(handle, WATCHDOG)
+        assert e.value.version == 3 and "arm" in str(e.value) and "not the current one" in str(e.value)
+        assert receivers[0].version == 2 and mismatches(receivers_t[0], 2) == []  # nothing of v3 is served
+        assert ctl.rounds.voided == 3 and [r.version for r in ctl.reports] == [1, 2]
+        with pytest.raises(ConfigError):
+            ctl.rounds.check_version(3)  # (it never runs)
+        await _round(senders, senders_t, 4)  # the next round: checked end to end, bit-exact
+        assert ctl.reports[-1].ok and ctl.reports[-1].checksum == "crc32" and mismatches(receivers_t[0], 4) == []
+
+
+async def test_a_version_written_under_an_arm_that_can_never_start_is_void_and_the_next_lands_bit_exact():
+    async with cluster(2, 1) as (ctl, senders, senders_t, receivers, receivers_t):
+        await _round(senders, senders_t, 1)
+        update_in_place(senders_t[0], 2)
+        early = senders[0].push_nowait(2)  # under the arm: writes v2 at once
+        assert senders[0]._early is not None and senders[0]._early[0] == 2
+        await asyncio.wait_for(early.released, WATCHDOG)  # (all of its v2 writes have landed)
+        update_in_place(senders_t[1], 3)
+        late = senders[1].push_nowait(3)  # sender 1 passes v2: it can never start
+        with pytest.raises(VersionError, match="can never start"):
+            await asyncio.wait_for(early, WATCHDOG)
+        assert ctl.rounds.voided == 2
+        update_in_place(senders_t[0], 3)
+        await asyncio.wait_for(asyncio.gather(await senders[0].push(3), late), WATCHDOG)
+        assert receivers[0].version == 3 and mismatches(receivers_t[0], 3) == []  # v2's writes counted for nothing
+
+
+def test_an_arm_holds_until_a_round_starts_for_the_plan_it_was_made_for():
+    arms = Arms()
+    arm = arms.offer(7, "crc32", (m.Slot(0, 1),), (m.Base(0, 4),), "auto")
+    assert arms.refusal(arm.arm_id, 7) is None
+    assert "plan is 8" in arms.refusal(arm.arm_id, 8) and "not the current one" in arms.refusal(arm.arm_id + 1, 7)
+    arms.took(5, b"s0")
+    arms.took(6, b"s1")
+    taken, sessions, others = arms.take(5)
+    assert taken == arm and sessions == {b"s0"} and others == [6] and arms.current is None
+    assert "not the current one" in arms.refusal(arm.arm_id, 7)
+    assert arms.void(6) == {b"s1"} and arms.wrote == {}
