@@ -124,7 +124,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
             waits = [m["recv:commit"] - m.get("send:armed_push", m.get("send:push", m["recv:commit"]))
                      for m in marks.values() if "recv:commit" in m]
             return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows, "marks": marks,
-                    "push_to_commit_s": waits, "armed_pushes": sender.armed_pushes,
+                    "push_to_commit_s": waits, "armed_pushes": sender.early.pushes,
                     "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows and issue else None,
                     "compiles": sender.pipeline.compiler.compiles, "trying": trying,
                     "peer_copies": {link: {"chosen": t.chosen, "ms": {w: [round(x * 1e3, 3) for x in ms]

@@ -8,8 +8,10 @@ parameters, and the sender's ``writes_done`` still waits for it. ``Arms`` rememb
 sessions wrote under it for which version (``took``). An offer holds until the next round starts
 (``take``, which hands the round the arm its senders wrote under) or a plan replaces the plan it was made
 for (``refusal``). Writes under an arm that no longer holds are void: their version never runs
-(``Rounds.void``). A push honoured before a replan still runs where the new plan kept what it wrote
-(``kept``: each armed sender's table, the receivers' sessions, their slots and bases). Offered only where every receiver lands in a second buffer (capability ``slots:2``):
+(``Rounds.void``). A push made under an arm of a plan replaced since still runs: with the arm's
+parameters where the new plan kept what it wrote (``kept``: each armed sender's table, the receivers'
+sessions, their slots and bases), the usual way where its writes reached no receiver still planned
+(``landed_nowhere``), and never otherwise. Offered only where every receiver lands in a second buffer (capability ``slots:2``):
 early writes never touch served memory. Pure bookkeeping.
 """
 
@@ -45,6 +47,12 @@ class Arm:
         changed = sorted(i for i, table in tables.items() if self.tables.get(i) != table)
         return f"{len(changed)} armed sender(s)' tables changed" if changed else None
 
+    def landed_nowhere(self, receivers: Mapping[int, bytes]) -> bool:
+        """No receiver session the arm was made for is one of ``receivers``: writes under it reached only
+        processes that are gone, and a round of their version may run as if they never happened (their
+        senders, whose keys changed with every receiver, stopped them at the plan: ``WeightSender._on_plan``)."""
+        return not set(self.receivers.items()) & set(receivers.items())
+
     def message(self) -> m.Arm:
         return m.Arm(self.arm_id, self.plan_id, self.checksum, self.landing, self.bases, self.delta)
 
@@ -66,13 +74,12 @@ class Arms:
         self.offered += 1
         return self.current
 
-    def refusal(self, arm_id: int, plan_id: Optional[int]) -> Optional[str]:
-        """Why an armed push naming ``arm_id`` cannot be honoured, or None."""
+    def refusal(self, arm_id: int) -> Optional[str]:
+        """Why an armed push naming ``arm_id`` cannot be honoured, or None. (One made for a plan replaced
+        since is honoured: its round decides, ``Arm.kept`` and ``Arm.landed_nowhere``.)"""
         arm = self.current
         if arm is None or arm.arm_id != arm_id:
             return f"arm {arm_id} is not the current one ({arm.arm_id if arm else 'none'}: a round started since)"
-        if arm.plan_id != plan_id:
-            return f"arm {arm_id} was made for plan {arm.plan_id}, the plan is {plan_id} now"
         return None
 
     def took(self, version: int, session: bytes) -> None:

@@ -66,9 +66,8 @@ class ControllerOptions:
     delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
     full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
     #                            the one after an abort) checked end to end with ``full_check``; 0: never
-    arm_pushes: bool = False  # once a round is applied, offer the senders the next one's parameters: each then
-    #                           writes on its own push, a control round trip before its begin (roles.arms; off by
-    #                           default: a replan between the arm and the push voids that push's version)
+    arm_pushes: bool = True  # once a round is applied, offer the senders the next one's parameters: each then
+    #                          writes on its own push, a control round trip before its begin (roles.arms)
     full_check: str = "auto"  # the algorithm of those rounds (engine.datapath.checksums); "auto": fp64 (on the
     #                           device) where a member's tensors are on a GPU, crc32 (zlib, fastest on a CPU) otherwise
 
@@ -381,6 +380,7 @@ class Controller(AsyncResource):
         (log.info if why.startswith("left") else log.warning)("controller: %s dropped: %s", peer.name, why)
         self.rounds.member_left(peer, why, culprit)
         self.planning.maybe_plan()
+        self.waiters.wake()  # (whoever waits on the members)
 
     # --- sending ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ reached its fence is never run again. The workers' round messages reach the runn
 ``on_round_message``; their errors through ``on_error``. Once every receiver has applied a round, the
 senders get the next one's parameters (``roles.arms``): a sender may then write on its own push
 (``armed_push``), a control round trip before its ``begin``; writes under an arm that no longer holds
-are void, and their version never runs (``void``).
+are void, and their version never runs (``roles.arming``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.wire import Origin, Role
 from weightsync.wire import messages as m
 
-from .arms import Arm, Arms
+from .arming import Arming
 from .membership import Peer
 from .planning import Planning
 from .pushes import PushBook
@@ -57,20 +57,19 @@ class Rounds:
         self.task: Optional[asyncio.Task] = None
         self.committed: Optional[int] = None  # the newest version a receiver said it applied
         self.fenced = -1  # the newest version the controller sent a fence for (never run again)
-        self.voided = -1  # the newest version written under an arm that did not hold (never run)
-        self.arms = Arms()
         self.reports: list[RoundReport] = []
         self._waiters: dict[int, asyncio.Future] = {}
         self.inputs = RoundInputs(options, planning.peer_of)  # bases for delta rounds, and each round's check
+        self.arming = Arming(planning, self.inputs, self.pushes, options, send, wake)  # arms, and writes under them
 
     def __repr__(self) -> str:
         return (f"<Rounds committed=v{self.committed} reports={len(self.reports)} pending={sorted(self.pushes.pushes)} "
-                f"{self.arms!r} {self.round!r}>")
+                f"{self.arming!r} {self.round!r}>")
 
     # --- versions -----------------------------------------------------------------------------------
 
     def check_version(self, version: int) -> None:
-        floor = max([v for v in (self.committed, self.fenced, self.voided, self.round.version if self.round else None)
+        floor = max([v for v in (self.committed, self.fenced, self.arming.voided, self.round.version if self.round else None)
                      if v is not None], default=-1)
         if version <= floor:
             raise ConfigError("version", f"version {version} is not newer than {floor}: versions only move forward")
@@ -102,33 +101,17 @@ class Rounds:
     async def on_armed_push(self, peer: Peer, version: int, arm_id: int) -> None:
         """A push whose sender has started writing under arm ``arm_id``: honoured while that arm holds
         and the version may run, else void (``void``)."""
-        plan = self.planning.plan
-        why = self.arms.refusal(arm_id, plan.plan_id if plan is not None and self.planning.ready.is_set() else None)
+        why = self.arming.arms.refusal(arm_id)
         if why is None:
             try:
                 self.check_version(version)
             except ConfigError as exc:
                 why = str(exc)
         if why is not None:
-            await self.void(version, f"armed push of v{version} by {peer.name} not honoured: {why}", peer)
+            await self.arming.void(version, f"armed push of v{version} by {peer.name} not honoured: {why}", peer)
             return
-        self.arms.took(version, peer.identity)
+        self.arming.arms.took(version, peer.identity)
         await self.on_push(peer, version)
-
-    async def void(self, version: int, why: str, peer: Optional[Peer] = None) -> None:
-        """Writes were made under an arm for ``version``, which will not run: it never runs (its late
-        writes land under a round that is over at every receiver: the next ``begin`` closes it), the
-        next round is checked end to end, and every session that pushed it hears why (``error`` with
-        field ``arm``: its push fails with ``RoundAborted``)."""
-        log.warning("controller: %s", why)
-        self.voided = max(self.voided, version)
-        self.inputs.after_abort = True
-        sessions = self.pushes.forget(version) | self.arms.void(version) | ({peer.identity} if peer else set())
-        for identity in sorted(sessions):
-            member = self.planning.members.get(identity)
-            if member is not None and member.session.allowed(Origin.CONTROLLER, m.Error.TYPE):
-                await self.send(member, m.Error(m.ErrorCode.BAD_REQUEST, why, "arm", version), version=version)
-        self.wake()
 
     def drop_pushes(self) -> None:
         """No plan can be made with every configured member joined: the pending pushes never start."""
@@ -153,8 +136,8 @@ class Rounds:
                                      self.options.round_timeout_s))
         for version, why in dead:
             log.warning("controller: %s", why)
-            if self.arms.void(version):  # (written under an arm: never run)
-                self.voided = max(self.voided, version)
+            if self.arming.arms.void(version):  # (written under an arm: never run)
+                self.arming.voided = max(self.arming.voided, version)
             for identity in self.pushes.forget(version):
                 peer = members.get(identity)
                 if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Error.TYPE):
@@ -169,11 +152,9 @@ class Rounds:
         self.check_version(version)  # never a round that is not newer than the committed version
         senders = {r for role, r in self.planning.sessions if role is Role.SENDER}
         receivers = {r for role, r in self.planning.sessions if role is Role.RECEIVER}
-        devices = self._devices()
-        arm, armed_by, void = self.arms.take(version)
-        checksum = self.inputs.checksum(devices)
-        self.round = RoundState(version, plan.plan_id, senders, receivers, arm.checksum if arm else checksum, plan.nbytes)
-        self.round.arm, self.round.armed_by, self.round.void = arm, armed_by, void
+        devices = self.arming.devices()
+        self.round = RoundState(version, plan.plan_id, senders, receivers, "", plan.nbytes)
+        self.arming.begin_with(self.round)  # (its checksum, slots, bases: an arm's where its senders wrote under one)
         self.round.predicted_s = self.predict(plan.plan_id)
         self.timeline.mark(version, "round:start", self.round.t0)
         if self.options.spin is None and not self.spinner.holders:  # auto: where a member's tensors are on a GPU
@@ -195,70 +176,15 @@ class Rounds:
         finally:
             if rnd.aborted is not None:
                 if rnd.arm is not None:  # (written before its begin: its late writes may still land)
-                    self.voided = max(self.voided, rnd.version)
+                    self.arming.voided = max(self.arming.voided, rnd.version)
                 await asyncio.shield(self._send_aborts(rnd))
             self._finish(rnd, rnd.report())
-
-    def _devices(self) -> set[str]:
-        return {peer.hello.device for key in self.planning.sessions if (peer := self.planning.peer_of(key))}
-
-    def _landing(self, receivers: set[int]) -> tuple[m.Slot, ...]:
-        return tuple(m.Slot(r, peer.slot) for r in sorted(receivers)
-                     if (peer := self.planning.peer_of((Role.RECEIVER, r))) is not None)
-
-    async def _armed(self, rnd: RoundState, landing: tuple[m.Slot, ...]) -> None:
-        """Before anything is sent: other versions written under an arm never run now, and a round whose
-        senders wrote under an arm begins with its parameters, or aborts where they no longer hold."""
-        for version in rnd.void:
-            await self.void(version, f"v{version} was written under an arm, and v{rnd.version} started first")
-        arm = rnd.arm
-        if arm is None:
-            rnd.bases, rnd.delta = self.inputs.bases_for(rnd.receivers), self.inputs.delta()
-            return
-        rnd.bases, rnd.delta = arm.bases, arm.delta
-        why = None if arm.plan_id == rnd.plan_id and arm.landing == landing else arm.kept(
-            self._tables(rnd.armed_by), self._receivers(), landing, self.inputs.bases_for(rnd.receivers))
-        if why is not None:
-            raise RoundAborted(rnd.version, m.AbortReason.CANCELLED, f"senders wrote v{rnd.version} under arm "
-                               f"{arm.arm_id} of plan {arm.plan_id}, which plan {rnd.plan_id} did not keep: {why}",
-                               "controller")
-
-    def _tables(self, sessions: set[bytes]) -> dict:
-        """The current plan's table of each sender session in ``sessions`` (None: not one of its senders)."""
-        plan, by_session = self.planning.plan, {i: key for key, i in self.planning.sessions.items()}
-        return {i: plan.senders.get(by_session[i][1]) if i in by_session and plan is not None else None
-                for i in sessions}
-
-    def _receivers(self) -> dict[int, bytes]:
-        return {r: i for (role, r), i in self.planning.sessions.items() if role is Role.RECEIVER}
-
-    async def _offer_arm(self, rnd: RoundState) -> None:
-        """Every receiver applied ``rnd``: offer the senders the next round's parameters (``roles.arms``),
-        where every receiver lands in a second buffer and none waits for its ``before_update`` hook."""
-        plan = self.planning.plan
-        if (not self.options.arm_pushes or rnd.applied < rnd.receivers or plan is None or plan.plan_id != rnd.plan_id
-                or not self.planning.ready.is_set() or not self.planning.live() or self.pushes):
-            return  # (a push already waiting begins the usual way)
-        peers = [(key, peer) for key in sorted(self.planning.sessions) if (peer := self.planning.peer_of(key))]
-        if any(key[0] is Role.RECEIVER and ("slots:2" not in peer.hello.capabilities
-                                            or "begin_ack" in peer.hello.capabilities) for key, peer in peers):
-            return
-        armed = [peer for key, peer in peers if key[0] is Role.SENDER and "arm" in peer.hello.capabilities]
-        if not armed:
-            return
-        arm = self.arms.offer(plan.plan_id, self.inputs.checksum(self._devices(), peek=True),
-                              self._landing(rnd.receivers), self.inputs.bases_for(rnd.receivers), self.inputs.delta(),
-                              self._tables({peer.identity for peer in armed}), self._receivers())
-        for peer in armed:
-            if peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
-                await self.send(peer, arm.message(), version=rnd.version)
 
     async def _steps(self, rnd: RoundState) -> None:
         """``round_state.ROUND_STEPS``, in order."""
         deadline = self.options.round_timeout_s
-        landing = self._landing(rnd.receivers)
-        await self._armed(rnd, landing)
-        landing = rnd.arm.landing if rnd.arm is not None else landing
+        landing = rnd.landing
+        await self.arming.before_begin(rnd)
         receivers = [(Role.RECEIVER, r) for r in sorted(rnd.receivers)]
         senders = [(Role.SENDER, r) for r in sorted(rnd.senders)]
         gated = self._gated(rnd)
@@ -280,14 +206,14 @@ class Rounds:
         rnd.stage = "committing"
         rnd.committed = True
         if rnd.one_phase:  # (applied already: the arm goes ahead of the commit a trainer waits for)
-            await self._offer_arm(rnd)
+            await self.arming.offer(rnd)
         for key in sorted(self.planning.sessions):
             if self.planning.peer_of(key) is not None and not (rnd.one_phase and key[0] is Role.RECEIVER):
                 await self._send_to(key, m.Commit(rnd.version), rnd.version)
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
         if not rnd.one_phase:
-            await self._offer_arm(rnd)
+            await self.arming.offer(rnd)
 
     async def _begin(self, rnd: RoundState, keys: list[tuple[Role, int]], landing: tuple[m.Slot, ...]) -> None:
         bases, mode = rnd.bases, rnd.delta
@@ -391,8 +317,8 @@ class Rounds:
         reporter."""
         log.warning("controller: %s reports %s: %s", peer.name, error.code.name, error.text)
         rnd = self.round
-        if error.version is not None and error.version in self.arms.wrote and (rnd is None or rnd.version != error.version):
-            await self.void(error.version, f"v{error.version}, written under an arm, failed at {peer.name}: {error.text}")
+        if error.version is not None and error.version in self.arming.arms.wrote and (rnd is None or rnd.version != error.version):
+            await self.arming.void(error.version, f"v{error.version}, written under an arm, failed at {peer.name}: {error.text}")
             return
         if rnd is None or error.version != rnd.version or not self.planning.holds(peer):
             return

@@ -29,10 +29,10 @@ from weightsync.engine.errors import ConfigError, ControllerLost, PlanError, Rou
 from weightsync.engine.transforms import group_bytes_for
 from weightsync.engine.plan.windows import GATHER_BUDGET_BYTES
 from weightsync.engine.transforms.gather import Gatherer, split_dtensors
-from weightsync.engine.transport import Connection
-from weightsync.wire import Envelope, Manifest, PeerInfo, Role, SenderTable, ShardSpec, State
+from weightsync.wire import Envelope, Manifest, Role, SenderTable, ShardSpec, State
 from weightsync.wire import messages as m
 
+from .sender_parts import DataConnections, EarlyWrites
 from .worker import Worker, WorkerOptions, with_device
 
 log = logging.getLogger("weightsync")
@@ -123,8 +123,8 @@ class WeightSender(Worker):
         self.pipeline = Pipeline(self.sources, options.pipeline, StagingPool(pin=torch.cuda.is_available()))
         self.table: Optional[SenderTable] = None
         self.plan_id: Optional[int] = None
-        self.conns: dict[int, Connection] = {}
-        self._conn_keys: dict[int, tuple[str, bytes]] = {}  # receiver -> (address, pair key) of its connection
+        self.conns = DataConnections()  # receiver rank -> its connection
+        self._conn_keys = self.conns.made_for  # receiver -> (address, pair key) of its connection
         self._keys: dict[int, bytes] = {}  # receiver -> the current plan's pair key
         self._handles: dict[int, PushHandle] = {}
         self._round: Optional[asyncio.Task] = None
@@ -135,10 +135,7 @@ class WeightSender(Worker):
         self.bases = Bases(options.base_budget_bytes, options.base_on)
         self.delta_side = "encode"
         self.last_delta: Optional[DeltaRound] = None  # the newest round's delta lanes and what went as deltas
-        self._arm: Optional[m.Arm] = None  # the next round's parameters, from the controller (roles.arms)
-        self._early: Optional[tuple[int, m.Arm]] = None  # a version being written under an arm, before its begin
-        self._held_done: Optional[m.WritesDone] = None  # its writes_done, sealed before the begin came
-        self.armed_pushes = 0  # pushes that started writing under an arm
+        self.early = EarlyWrites()  # the controller's arm, and a version written under one before its begin
 
     def __repr__(self) -> str:
         return (f"<WeightSender {self.name} {self.session.state.value} plan={self.plan_id} "
@@ -168,7 +165,7 @@ class WeightSender(Worker):
             self._round.cancel()
         if self._plan_task is not None and not self._plan_task.done():
             self._plan_task.cancel()
-        self._drop_early()
+        self.early.drop(None)  # (the round task was cancelled above)
         written = self.session.state is State.WRITTEN
         for version, handle in list(self._handles.items()):
             if written and handle.released.done() and not handle.released.exception():
@@ -218,28 +215,18 @@ class WeightSender(Worker):
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
         self._spin(True)  # until our pipeline starts: begin comes sooner to a polling loop
-        if self._push_armed(handle):
+        arm = self.early.take(self.plan_id) if self.session.state is State.READY and len(self._handles) == 1 \
+            and not self._in_doubt else None  # (an arm: write now, with nothing else of ours in flight)
+        sending = self._post_if_allowed(m.ArmedPush(version, arm.arm_id), version=version) if arm else None
+        if sending is not None:
+            sending.add_done_callback(lambda f: f.cancelled() or f.exception() is None or handle.fail(ControllerLost(
+                f"push of v{version} not sent: the control channel is gone ({f.exception()})")))
+            self.early.start(version, arm)
+            self._start_writing(version, handle, arm)
             return handle
         task = asyncio.ensure_future(self._push_when_ready(handle))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
         return handle
-
-    def _push_armed(self, handle: PushHandle) -> bool:
-        """Push under the arm we hold, writing at once: only with nothing else of ours in flight (no other
-        push, no outcome in doubt) and the arm made for our plan. False: push the usual way."""
-        arm, self._arm = self._arm, None
-        if (arm is None or arm.plan_id != self.plan_id or self.session.state is not State.READY
-                or len(self._handles) != 1 or self._in_doubt or self._early is not None):
-            return False
-        sending = self._post_if_allowed(m.ArmedPush(handle.version, arm.arm_id), version=handle.version)
-        if sending is None:
-            return False
-        sending.add_done_callback(lambda f: f.cancelled() or f.exception() is None or handle.fail(ControllerLost(
-            f"push of v{handle.version} not sent: the control channel is gone ({f.exception()})")))
-        self.armed_pushes += 1
-        self._early = (handle.version, arm)
-        self._start_writing(handle.version, handle, arm)
-        return True
 
     def _start_writing(self, version: int, handle: PushHandle, params: "m.UpdateBegin | m.Arm") -> None:
         self.pipeline.options = dataclasses.replace(self.pipeline.options, checksum=params.checksum)
@@ -247,19 +234,8 @@ class WeightSender(Worker):
         held = {b.rank: b.version for b in params.bases}
         self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round, (params.delta, held)))
 
-    def _drop_early(self) -> Optional[int]:
-        """Our writes under an arm will not be the round's (a plan, an abort, an error came): stop them. The
-        push's outcome comes from the controller (an ``error`` with field ``arm``, or an ``abort``)."""
-        self._arm = None
-        early, self._early, self._held_done = self._early, None, None
-        if early is None:
-            return None
-        if self._round is not None and not self._round.done():
-            self._round.cancel()
-        return early[0]
-
     async def _on_arm(self, env: Envelope) -> None:
-        self._arm = env.body if env.body.plan_id == self.plan_id else None
+        self.early.arm = env.body if env.body.plan_id == self.plan_id else None
 
     async def _push_when_ready(self, handle: PushHandle) -> None:
         """A push is legal once the plan is acknowledged and no round is writing: wait for that. A push
@@ -278,10 +254,10 @@ class WeightSender(Worker):
         """Connect and prepare in a task of its own: the receive loop goes on reading (heartbeats, a
         leave) however long a peer takes to answer (``TransportOptions.connect_timeout_s`` at most)."""
         self._settle_in_doubt(env.body.committed)
-        early = self._round if self._early is not None else None
+        early = self._round if self.early.under is not None else None
         if early is not None and not (env.body.sender == self.table and self._keys == {k.rank: k.key for k in env.body.keys}):
-            self._drop_early()  # (written under the plan this one replaces, which changed what we write)
-        self._arm = None
+            self.early.drop(self._round)  # (written under the plan this one replaces, which changed what we write)
+        self.early.arm = None
         self.plan_error = None
         self.table = env.body.sender
         self.plan_id = env.body.plan_id
@@ -293,7 +269,7 @@ class WeightSender(Worker):
         if early is not None:  # (writes under an arm, kept or stopped: done with the sources and connections first)
             await asyncio.gather(early, return_exceptions=True)
         try:
-            await self._connect_peers(self.table.peers, self._keys)
+            await self.conns.connect(self.transport, self.table.peers, self._keys)
             await asyncio.to_thread(self.sources.prepare, self.table.transfers)
         except WeightSyncError as exc:
             log.warning("%s: cannot take plan %d: %s", self.name, body.plan_id, exc)
@@ -304,45 +280,28 @@ class WeightSender(Worker):
         except zmq.ZMQError as exc:  # (the session is being torn down: it will not need the ack)
             log.debug("%s: plan_ack %d not sent: %s", self.name, body.plan_id, exc)
 
-    async def _connect_peers(self, peers: tuple[PeerInfo, ...], keys: Mapping[int, bytes]) -> None:
-        """One connection per receiver of the table, proving the plan's key for the pair. A connection
-        is kept while the plan keeps the receiver's address and key: a pair's key is bound to both
-        processes' sessions, so a replan keeps the connections to receivers that stayed, and a restarted
-        receiver (a new session: a new key) is connected to again; one the plan no longer names is closed."""
-        named = {p.rank for p in peers}
-        for rank in [r for r in self.conns if r not in named]:
-            await self.conns.pop(rank).close()
-            self._conn_keys.pop(rank, None)
-        for peer in peers:
-            key = keys.get(peer.rank, b"")
-            if self._conn_keys.get(peer.rank) == (peer.transport.address, key):
-                continue
-            old = self.conns.pop(peer.rank, None)
-            if old is not None:
-                await old.close()
-            self.conns[peer.rank] = await self.transport.connect(peer, key)
-            self._conn_keys[peer.rank] = (peer.transport.address, key)
-
     async def _on_begin(self, env: Envelope) -> None:
         version = env.body.version
-        self._arm = None
-        early = self._early
+        early, held, failed = self.early.under, self.early.held, self.early.error
+        self.early.arm = None
         if early is not None and early[0] == version:
-            self._early, held = None, self._held_done
-            self._held_done = None
-            arm = early[1]  # (its plan may have been replaced by one that kept our table: ``_on_plan``)
+            self.early.under = self.early.held = self.early.error = None
+            arm = early[1]
+            if failed is not None:  # (its round began after all: it fails with what went wrong)
+                await self._fail_round(version, self._handles.get(version) or PushHandle(version), failed,
+                                       _error_code(failed))
+                return  # (its plan may have been replaced by one that kept our table: ``_on_plan``)
             if (self.plan_id, arm.checksum, arm.landing, arm.bases, arm.delta) == (
                     env.body.plan_id, env.body.checksum, env.body.landing, env.body.bases, env.body.delta):
                 held = dataclasses.replace(held, plan_id=self.plan_id) if held is not None else None
                 if held is not None and (sending := self._post_if_allowed(held, version=version)) is not None:
                     await sending  # (sealed before this begin came)
                 return
-            self._drop_early()
             await self._fail_round(version, self._handles.get(version) or PushHandle(version), WeightSyncError(
                 f"begin of v{version} differs from arm {arm.arm_id}, under which it was written"), m.ErrorCode.PROTOCOL)
             return
         if early is not None:  # (a round we did not push for came first: our early writes never count)
-            self._drop_early()
+            self.early.drop(self._round)
         handle = self._handles.get(version)
         if handle is None:  # a round the controller started on its own
             handle = self._handles[version] = PushHandle(version)
@@ -367,8 +326,8 @@ class WeightSender(Worker):
             self.timeline.mark(version, "pipeline:sealed")
             done = m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
                                 sealed.encode_s, sealed.issue_s, bool(getattr(self.transport, "trying", ())))
-            if self._early is not None and self._early[0] == version:  # written under an arm: after begin
-                self._held_done = done
+            if self.early.writing(version):  # written under an arm: after its begin
+                self.early.held = done
                 return
             sending = self._post_if_allowed(done, version=version)
             if sending is not None:
@@ -378,7 +337,7 @@ class WeightSender(Worker):
         self._spin(False)  # from here the pipeline's completion polling keeps the loop awake
         try:
             if len(self.conns) < len(self.table.peers):  # a connection a failure closed: made again
-                await self._connect_peers(self.table.peers, self._keys)
+                await self.conns.connect(self.transport, self.table.peers, self._keys)
             mode, held = delta  # (after the previous round: its bases are settled now)
             sizes = windows(mode, self.table.peers, self.conns, self.bases.pays)
             deltas = self.last_delta = self.bases.round(version, mode, held, sizes)
@@ -390,8 +349,11 @@ class WeightSender(Worker):
             raise
         except Exception as exc:  # reported, never left hanging; after writes_done if it went out already
             handle.release_committed(f"{self.name}: {exc}")
-            await self._forget_broken(exc)
+            await self.conns.forget_broken(exc, self.name)
             await asyncio.gather(*announced, return_exceptions=True)
+            if self.early.writing(version):  # before its begin: said at the begin, if one comes (a plan may
+                self.early.error, handle.cause = exc, exc  # make it moot)
+                return
             await self._fail_round(version, handle, exc, _error_code(exc))
             if not isinstance(exc, (TransportError, StagingError, WeightSyncError)):
                 log.exception("%s: round %s failed", self.name, version)  # a bug or a torch error
@@ -401,18 +363,6 @@ class WeightSender(Worker):
         if not handle.released.done():
             handle.released.set_result(report)
         await asyncio.gather(*announced)
-
-    async def _forget_broken(self, exc: Exception) -> None:
-        """A data connection that failed (a partitioned or restarted peer) is closed and forgotten: the
-        next round connects to that receiver again (``_connect_peers``, with its timeout)."""
-        peer = getattr(exc, "peer", None) if isinstance(exc, TransportError) else None
-        role, _, rank = (peer or "").partition("/")
-        if role == "receiver" and rank.isdigit() and int(rank) in self.conns:
-            log.warning("%s: data connection to %s failed (%s); it is made again for the next round",
-                        self.name, peer, exc)
-            conn = self.conns.pop(int(rank))
-            self._conn_keys.pop(int(rank), None)
-            await conn.close()
 
     async def _fail_round(self, version: int, handle: PushHandle, exc: BaseException, code: m.ErrorCode) -> None:
         """Report a local failure; the handle fails with the controller's verdict (its ``abort``, whose
@@ -435,7 +385,7 @@ class WeightSender(Worker):
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
-        self._drop_early()
+        self.early.drop(self._round)
         if self._round is not None and not self._round.done():
             self._round.cancel()  # (not awaited here: a write stuck on a partitioned peer must not stop this
             #                        loop; the next round's pipeline starts after it: ``_write``'s ``previous``)
@@ -450,8 +400,8 @@ class WeightSender(Worker):
         await super()._on_error(env)
         handle = self._handles.get(env.version) if env.version is not None else None
         if handle is not None and env.body.code == m.ErrorCode.BAD_REQUEST:
-            if self._early is not None and self._early[0] == env.version:
-                self._drop_early()
+            if self.early.writing(env.version):
+                self.early.drop(self._round)
             self._handles.pop(env.version, None)
             self._spin(False)
             if env.body.field == "arm":  # written under an arm that did not hold: the version never runs
@@ -480,10 +430,7 @@ class WeightSender(Worker):
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        for conn in self.conns.values():
-            await conn.close()
-        self.conns.clear()
-        self._conn_keys.clear()
+        await self.conns.close()
 
 
 def _error_code(exc: Exception) -> m.ErrorCode:

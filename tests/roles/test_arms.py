@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from weightsync.engine.errors import ConfigError, RoundAborted, VersionError
-from weightsync.roles import ControllerOptions
+from weightsync.roles import Controller, WeightReceiver, WeightSender
 from weightsync.roles.arms import Arms
 from weightsync.wire import messages as m
-from proc_helpers import mismatches, update_in_place
+from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 from test_roles import FAST as PLAIN, WATCHDOG, cluster as plain_cluster, push_all
 
 FAST = dataclasses.replace(PLAIN, arm_pushes=True)
@@ -60,7 +60,7 @@ async def test_after_the_first_round_each_push_writes_before_its_begin_and_lands
                 assert marks["send:armed_push"] < marks["pipeline:start"] < marks["recv:begin"] < marks["send:writes_done"]
             for r, t in zip(receivers, receivers_t):
                 assert r.version == v and mismatches(t, v) == []
-        assert [s.armed_pushes for s in senders] == [3] * n_send and ctl.rounds.arms.offered == 4
+        assert [s.early.pushes for s in senders] == [3] * n_send and ctl.rounds.arming.arms.offered == 4
 
 
 async def test_one_receiver_back_to_back_every_push_after_the_first_is_armed():
@@ -75,11 +75,11 @@ async def test_no_arm_where_a_receiver_writes_in_place_or_the_controller_offers_
     async with cluster(mode="inplace") as (ctl, senders, senders_t, receivers, receivers_t):
         for v in (1, 2, 3):
             await _round(senders, senders_t, v)
-        assert senders[0].armed_pushes == 0 and ctl.rounds.arms.offered == 0 and mismatches(receivers_t[0], 3) == []
-    async with cluster(options=PLAIN) as (ctl, senders, senders_t, _, rt):  # (the default: no arms)
+        assert senders[0].early.pushes == 0 and ctl.rounds.arming.arms.offered == 0 and mismatches(receivers_t[0], 3) == []
+    async with cluster(options=dataclasses.replace(PLAIN, arm_pushes=False)) as (ctl, senders, senders_t, _, rt):
         for v in (1, 2, 3):
             await _round(senders, senders_t, v)
-        assert senders[0].armed_pushes == 0 and ctl.rounds.arms.offered == 0 and mismatches(rt[0], 3) == []
+        assert senders[0].early.pushes == 0 and ctl.rounds.arming.arms.offered == 0 and mismatches(rt[0], 3) == []
 
 
 async def test_a_push_under_an_arm_that_no_longer_holds_never_becomes_a_version():
@@ -88,16 +88,16 @@ async def test_a_push_under_an_arm_that_no_longer_holds_never_becomes_a_version(
         await _round(senders, senders_t, 1)
         await _round(senders, senders_t, 2)
         assert ctl.reports[-1].checksum == ""  # (a round between the full checks)
-        arm = senders[0]._arm
+        arm = senders[0].early.arm
         assert arm is not None
-        senders[0]._arm = dataclasses.replace(arm, arm_id=arm.arm_id + 100)  # (as an arm from a round since)
+        senders[0].early.arm = dataclasses.replace(arm, arm_id=arm.arm_id + 100)  # (as an arm from a round since)
         update_in_place(senders_t[0], 3)
         handle = senders[0].push_nowait(3)
         with pytest.raises(RoundAborted) as e:
             await asyncio.wait_for(handle, WATCHDOG)
         assert e.value.version == 3 and "arm" in str(e.value) and "not the current one" in str(e.value)
         assert receivers[0].version == 2 and mismatches(receivers_t[0], 2) == []  # nothing of v3 is served
-        assert ctl.rounds.voided == 3 and [r.version for r in ctl.reports] == [1, 2]
+        assert ctl.rounds.arming.voided == 3 and [r.version for r in ctl.reports] == [1, 2]
         with pytest.raises(ConfigError):
             ctl.rounds.check_version(3)  # (it never runs)
         await _round(senders, senders_t, 4)  # the next round: checked end to end, bit-exact
@@ -109,26 +109,89 @@ async def test_a_version_written_under_an_arm_that_can_never_start_is_void_and_t
         await _round(senders, senders_t, 1)
         update_in_place(senders_t[0], 2)
         early = senders[0].push_nowait(2)  # under the arm: writes v2 at once
-        assert senders[0]._early is not None and senders[0]._early[0] == 2
+        assert senders[0].early.under is not None and senders[0].early.under[0] == 2
         await asyncio.wait_for(early.released, WATCHDOG)  # (all of its v2 writes have landed)
         update_in_place(senders_t[1], 3)
         late = senders[1].push_nowait(3)  # sender 1 passes v2: it can never start
         with pytest.raises(VersionError, match="can never start"):
             await asyncio.wait_for(early, WATCHDOG)
-        assert ctl.rounds.voided == 2
+        assert ctl.rounds.arming.voided == 2
         update_in_place(senders_t[0], 3)
         await asyncio.wait_for(asyncio.gather(await senders[0].push(3), late), WATCHDOG)
         assert receivers[0].version == 3 and mismatches(receivers_t[0], 3) == []  # v2's writes counted for nothing
 
 
-def test_an_arm_holds_until_a_round_starts_for_the_plan_it_was_made_for():
+def test_an_arm_holds_until_a_round_starts_and_a_new_plan_keeps_its_writes_or_they_reached_no_one_planned():
     arms = Arms()
-    arm = arms.offer(7, "crc32", (m.Slot(0, 1),), (m.Base(0, 4),), "auto")
-    assert arms.refusal(arm.arm_id, 7) is None
-    assert "plan is 8" in arms.refusal(arm.arm_id, 8) and "not the current one" in arms.refusal(arm.arm_id + 1, 7)
+    table = object()  # (a sender's table: compared by equality)
+    arm = arms.offer(7, "crc32", (m.Slot(0, 1),), (m.Base(0, 4),), "auto", {b"s0": table}, {0: b"r0"})
+    assert arms.refusal(arm.arm_id) is None and "not the current one" in arms.refusal(arm.arm_id + 1)
+    slots, bases = (m.Slot(0, 1),), (m.Base(0, 4),)
+    assert arm.kept({b"s0": table}, {0: b"r0"}, slots, bases) is None  # (a replan that changed nothing of it)
+    assert "tables changed" in arm.kept({b"s0": object()}, {0: b"r0"}, slots, bases)
+    assert "sessions changed" in arm.kept({b"s0": table}, {0: b"r0-restarted"}, slots, bases)
+    assert "differ" in arm.kept({b"s0": table}, {0: b"r0"}, (m.Slot(0, 0),), bases)
+    assert arm.landed_nowhere({0: b"r0-restarted"}) and not arm.landed_nowhere({0: b"r0", 1: b"r1"})
     arms.took(5, b"s0")
     arms.took(6, b"s1")
     taken, sessions, others = arms.take(5)
     assert taken == arm and sessions == {b"s0"} and others == [6] and arms.current is None
-    assert "not the current one" in arms.refusal(arm.arm_id, 7)
+    assert "not the current one" in arms.refusal(arm.arm_id)
     assert arms.void(6) == {b"s1"} and arms.wrote == {}
+
+
+async def _die(receiver):
+    """The receiver's process dies, saying nothing."""
+    receiver._channel.close()
+    for task in receiver._tasks:
+        task.cancel()
+    await asyncio.gather(*receiver._tasks, return_exceptions=True)
+    await receiver.transport.close()
+
+
+async def test_an_armed_push_whose_receivers_all_restarted_runs_the_usual_way():
+    opts = dataclasses.replace(FAST, heartbeat_s=0.05, timeout_s=0.5)
+    ts = sender_tensors(0)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl, WeightSender(ctl.address, ts, rank=0) as s0:
+        old = await WeightReceiver(ctl.address, receiver_tensors(), rank=0).__aenter__()
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await _round([s0], [ts], 1)
+        await _die(old)
+        await asyncio.wait_for(ctl.waiters.wait(lambda: len(ctl.peers) == 1), WATCHDOG)  # (the controller noticed)
+        update_in_place(ts, 2)
+        pending = s0.push_nowait(2)  # under the arm (no plan since): its writes go to a process that is gone
+        assert s0.early.writing(2)
+        recv = receiver_tensors()
+        async with WeightReceiver(ctl.address, recv, rank=0) as new:
+            await asyncio.wait_for(pending, WATCHDOG)
+            report = await ctl.wait_round(2)
+            assert report.ok and report.armed == 0 and new.version == 2 and mismatches(recv, 2) == []
+
+
+async def test_an_armed_push_that_reached_a_receiver_still_planned_never_runs_once_it_failed():
+    """Receiver 1 dies unnoticed as sender/0 writes v2 under its arm, so receiver 0 holds some of v2:
+    v2 fails (its round, or the plan that replaced its arm's), is never served anywhere and never runs;
+    v3 is bit-exact on both."""
+    opts = dataclasses.replace(FAST, heartbeat_s=0.05, timeout_s=0.5)
+    ts, recvs = sender_tensors(0), [receiver_tensors(), receiver_tensors()]
+    async with Controller(senders=1, receivers=2, options=opts) as ctl, WeightSender(ctl.address, ts, rank=0) as s0, \
+            WeightReceiver(ctl.address, recvs[0], rank=0) as r0:
+        old = await WeightReceiver(ctl.address, receiver_tensors(), rank=1).__aenter__()
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        armed = arm_events([s0])
+        await _round([s0], [ts], 1)
+        await asyncio.wait_for(armed[0].wait(), WATCHDOG)  # (two receivers: the arm comes after the commit)
+        await _die(old)
+        update_in_place(ts, 2)
+        pending = s0.push_nowait(2)
+        assert s0.early.writing(2)
+        async with WeightReceiver(ctl.address, recvs[1], rank=1) as r1:
+            with pytest.raises(RoundAborted) as e:
+                await asyncio.wait_for(pending, WATCHDOG)
+            assert e.value.version == 2
+            assert r0.version == 1 and mismatches(recvs[0], 1) == []  # nothing of v2 is served
+            with pytest.raises(ConfigError):
+                ctl.rounds.check_version(2)
+            await _round([s0], [ts], 3)
+            await asyncio.wait_for(r1.wait_for(3), WATCHDOG)
+            assert r0.version == r1.version == 3 and mismatches(recvs[0], 3) == [] == mismatches(recvs[1], 3)

@@ -123,6 +123,8 @@ async def test_a_planned_sender_replaced_before_the_round_starts_never_gets_begi
             await asyncio.wait_for(asyncio.gather(pending, s1b.push_nowait(2)), WATCHDOG)
         await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
         assert [r.ok for r in ctl.reports] == [True, True] and consistent(ctl, [r0]) and mismatches(recv, 2) == []
+        # sender/0 wrote v2 under its arm before the replan, which kept its table and the receiver: kept too
+        assert (await ctl.wait_round(2)).armed == 1
 
 
 async def test_any_failure_inside_a_round_aborts_it_and_never_records_a_commit(monkeypatch):

@@ -1,0 +1,122 @@
+"""Arming: the controller's part that offers the senders arms and decides what writes under them are.
+
+How this works: ``Rounds`` owns one ``Arming``. Once every receiver applied a round, ``offer`` sends each
+sender that can take one an ``arm`` (``roles.arms``: the next round's parameters), where every receiver
+lands in a second buffer and none waits for a ``before_update`` hook. When a round starts, ``begin_with``
+sets what its ``begin`` names: the arm's parameters where its senders wrote under one that still holds
+(the plan may have been replaced by one that kept what they wrote), the usual ones where those writes
+reached no receiver still planned, and otherwise marks the round ``broken`` (it aborts). ``void`` makes a
+version written under an arm that will not run never run: the sessions that pushed it hear why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional
+
+from weightsync.engine.errors import RoundAborted
+from weightsync.wire import Origin, Role
+from weightsync.wire import messages as m
+
+from .arms import Arms
+from .membership import Peer
+from .planning import Planning
+from .pushes import PushBook
+from .round_inputs import RoundInputs
+from .round_state import RoundState
+
+if TYPE_CHECKING:
+    from .controller import ControllerOptions
+
+log = logging.getLogger("weightsync")
+
+
+class Arming:
+    def __init__(self, planning: Planning, inputs: RoundInputs, pushes: PushBook, options: "ControllerOptions",
+                 send: Callable[..., Awaitable[None]], wake: Callable[[], None]) -> None:
+        self.planning, self.inputs, self.pushes, self.options = planning, inputs, pushes, options
+        self.send, self.wake = send, wake
+        self.arms = Arms()
+        self.voided = -1  # the newest version written under an arm that did not hold (never run)
+
+    def __repr__(self) -> str:
+        return f"<Arming {self.arms!r} voided=v{self.voided}>"
+
+    # --- what the plan holds now --------------------------------------------------------------------
+
+    def devices(self) -> set[str]:
+        return {peer.hello.device for key in self.planning.sessions if (peer := self.planning.peer_of(key))}
+
+    def landing(self, receivers: set[int]) -> tuple[m.Slot, ...]:
+        return tuple(m.Slot(r, peer.slot) for r in sorted(receivers)
+                     if (peer := self.planning.peer_of((Role.RECEIVER, r))) is not None)
+
+    def tables(self, sessions: set[bytes]) -> dict:
+        """The current plan's table of each sender session in ``sessions`` (None: not one of its senders)."""
+        plan, by_session = self.planning.plan, {i: key for key, i in self.planning.sessions.items()}
+        return {i: plan.senders.get(by_session[i][1]) if i in by_session and plan is not None else None
+                for i in sessions}
+
+    def receivers(self) -> dict[int, bytes]:
+        return {r: i for (role, r), i in self.planning.sessions.items() if role is Role.RECEIVER}
+
+    # --- arms ---------------------------------------------------------------------------------------
+
+    async def offer(self, rnd: RoundState) -> None:
+        """Every receiver applied ``rnd``: offer the senders the next round's parameters."""
+        plan = self.planning.plan
+        if (not self.options.arm_pushes or rnd.applied < rnd.receivers or plan is None or plan.plan_id != rnd.plan_id
+                or not self.planning.ready.is_set() or not self.planning.live() or self.pushes):
+            return  # (a push already waiting begins the usual way)
+        peers = [(key, peer) for key in sorted(self.planning.sessions) if (peer := self.planning.peer_of(key))]
+        if any(key[0] is Role.RECEIVER and ("slots:2" not in peer.hello.capabilities
+                                            or "begin_ack" in peer.hello.capabilities) for key, peer in peers):
+            return
+        armed = [peer for key, peer in peers if key[0] is Role.SENDER and "arm" in peer.hello.capabilities]
+        if not armed:
+            return
+        arm = self.arms.offer(plan.plan_id, self.inputs.checksum(self.devices(), peek=True),
+                              self.landing(rnd.receivers), self.inputs.bases_for(rnd.receivers), self.inputs.delta(),
+                              self.tables({peer.identity for peer in armed}), self.receivers())
+        for peer in armed:
+            if peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
+                await self.send(peer, arm.message(), version=rnd.version)
+
+    def begin_with(self, rnd: RoundState) -> None:
+        """What round ``rnd`` (just made) begins with: its checksum, slots, bases and delta mode, and
+        whether writes made under an arm are part of it (``rnd.arm``) or make it fail (``rnd.broken``)."""
+        plan = self.planning.plan
+        arm, armed_by, rnd.void = self.arms.take(rnd.version)
+        rnd.checksum, rnd.landing = self.inputs.checksum(self.devices()), self.landing(rnd.receivers)
+        rnd.bases, rnd.delta = self.inputs.bases_for(rnd.receivers), self.inputs.delta()
+        if arm is not None and (arm.plan_id, arm.landing) != (plan.plan_id, rnd.landing):  # (a plan made since)
+            rnd.broken = arm.kept(self.tables(armed_by), self.receivers(), rnd.landing, rnd.bases)
+            if rnd.broken is not None and arm.landed_nowhere(self.receivers()):
+                arm, armed_by, rnd.broken = None, set(), None  # (its senders write again from their begin)
+        if arm is not None:
+            rnd.checksum, rnd.landing, rnd.bases, rnd.delta = arm.checksum, arm.landing, arm.bases, arm.delta
+        rnd.arm, rnd.armed_by = arm, armed_by
+
+    async def before_begin(self, rnd: RoundState) -> None:
+        """Other versions written under an arm never run now; a ``broken`` round aborts."""
+        for version in rnd.void:
+            await self.void(version, f"v{version} was written under an arm, and v{rnd.version} started first")
+        if rnd.broken is not None:
+            raise RoundAborted(rnd.version, m.AbortReason.CANCELLED, f"senders wrote v{rnd.version} under arm "
+                               f"{rnd.arm.arm_id} of plan {rnd.arm.plan_id}, which plan {rnd.plan_id} did not keep: "
+                               f"{rnd.broken}", "controller")
+
+    async def void(self, version: int, why: str, peer: Optional[Peer] = None) -> None:
+        """Writes were made under an arm for ``version``, which will not run: it never runs (its late
+        writes land under a round that is over at every receiver: the next ``begin`` closes it), the
+        next round is checked end to end, and every session that pushed it hears why (``error`` with
+        field ``arm``: its push fails with ``RoundAborted``)."""
+        log.warning("controller: %s", why)
+        self.voided = max(self.voided, version)
+        self.inputs.after_abort = True
+        sessions = self.pushes.forget(version) | self.arms.void(version) | ({peer.identity} if peer else set())
+        for identity in sorted(sessions):
+            member = self.planning.members.get(identity)
+            if member is not None and member.session.allowed(Origin.CONTROLLER, m.Error.TYPE):
+                await self.send(member, m.Error(m.ErrorCode.BAD_REQUEST, why, "arm", version), version=version)
+        self.wake()

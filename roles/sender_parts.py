@@ -1,0 +1,103 @@
+"""Two parts a ``WeightSender`` owns: its data connections, and what it writes under an arm.
+
+How this works: ``DataConnections`` is the sender's connection per receiver of its table (a dict by
+receiver rank) with the (address, pair key) each was made for: ``connect`` keeps a connection while the
+plan keeps both, makes one again for a restarted receiver (a new session: a new key) and closes one
+the plan no longer names; ``forget_broken`` drops one whose peer failed, so the next round connects
+again. ``EarlyWrites`` holds the controller's ``arm`` (``roles.arms``) until a push takes it, then the
+version written under it before its ``begin``: the ``writes_done`` sealed before that begin, and how the
+writes failed if they did (said at the begin, if one comes). ``drop`` forgets it all when a plan, an
+abort or an error makes those writes moot, and stops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Mapping, Optional
+
+from weightsync.engine.errors import TransportError
+from weightsync.engine.transport import Connection, Transport
+from weightsync.wire import PeerInfo
+from weightsync.wire import messages as m
+
+log = logging.getLogger("weightsync")
+
+
+class DataConnections(dict):
+    """receiver rank -> Connection; ``made_for``: receiver rank -> (address, pair key) it was made with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made_for: dict[int, tuple[str, bytes]] = {}
+
+    async def connect(self, transport: Transport, peers: tuple[PeerInfo, ...], keys: Mapping[int, bytes]) -> None:
+        """One connection per receiver of the table, proving the plan's key for the pair. A connection
+        is kept while the plan keeps the receiver's address and key: a pair's key is bound to both
+        processes' sessions, so a replan keeps the connections to receivers that stayed, and a restarted
+        receiver (a new session: a new key) is connected to again; one the plan no longer names is closed."""
+        named = {p.rank for p in peers}
+        for rank in [r for r in self if r not in named]:
+            await self.pop(rank).close()
+            self.made_for.pop(rank, None)
+        for peer in peers:
+            key = keys.get(peer.rank, b"")
+            if self.made_for.get(peer.rank) == (peer.transport.address, key):
+                continue
+            old: Optional[Connection] = self.pop(peer.rank, None)
+            if old is not None:
+                await old.close()
+            self[peer.rank] = await transport.connect(peer, key)
+            self.made_for[peer.rank] = (peer.transport.address, key)
+
+    async def forget_broken(self, exc: Exception, name: str) -> None:
+        """A data connection that failed (a partitioned or restarted peer) is closed and forgotten: the
+        next round connects to that receiver again (``connect``, with its timeout)."""
+        peer = getattr(exc, "peer", None) if isinstance(exc, TransportError) else None
+        role, _, rank = (peer or "").partition("/")
+        if role == "receiver" and rank.isdigit() and int(rank) in self:
+            log.warning("%s: data connection to %s failed (%s); it is made again for the next round", name, peer, exc)
+            conn = self.pop(int(rank))
+            self.made_for.pop(int(rank), None)
+            await conn.close()
+
+    async def close(self) -> None:
+        for conn in self.values():
+            await conn.close()
+        self.clear()
+        self.made_for.clear()
+
+
+class EarlyWrites:
+    def __init__(self) -> None:
+        self.arm: Optional[m.Arm] = None  # the next round's parameters, from the controller
+        self.under: Optional[tuple[int, m.Arm]] = None  # (version, arm) written before its begin
+        self.held: Optional[m.WritesDone] = None  # its writes_done, sealed before the begin came
+        self.error: Optional[Exception] = None  # how its writes failed
+        self.pushes = 0  # pushes that wrote under an arm
+
+    def __repr__(self) -> str:
+        return f"<EarlyWrites arm={self.arm.arm_id if self.arm else None} writing={self.under and self.under[0]} pushes={self.pushes}>"
+
+    def take(self, plan_id: Optional[int]) -> Optional[m.Arm]:
+        """The arm, for a push that may write under it now (it is for our plan, nothing is written under
+        another); held for one push at most."""
+        arm, self.arm = self.arm, None
+        return arm if arm is not None and arm.plan_id == plan_id and self.under is None else None
+
+    def start(self, version: int, arm: m.Arm) -> None:
+        self.under = (version, arm)
+        self.pushes += 1
+
+    def writing(self, version: int) -> bool:
+        """``version`` is written under an arm, and its begin has not come."""
+        return self.under is not None and self.under[0] == version
+
+    def drop(self, task: Optional[asyncio.Future]) -> Optional[int]:
+        """Forget the arm and what was written under one (stopping ``task``, its writes): the version, if any."""
+        under, self.arm, self.under, self.held, self.error = self.under, None, None, None, None
+        if under is None:
+            return None
+        if task is not None and not task.done():
+            task.cancel()
+        return under[0]
