@@ -5,7 +5,9 @@ sender that can take one an ``arm`` (``roles.arms``: the next round's parameters
 lands in a second buffer and none waits for a ``before_update`` hook. When a round starts, ``begin_with``
 sets what its ``begin`` names: the arm's parameters where its senders wrote under one that still holds
 (the plan may have been replaced by one that kept what they wrote), the usual ones where those writes
-reached no receiver still planned, and otherwise marks the round ``broken`` (it aborts). ``void`` makes a
+reached no receiver still planned, and otherwise marks the round ``broken`` (it aborts). An armed
+sender whose plan held gets no ``begin``: its ``armed_push`` stood for it, and a ``writes_done`` (or an
+``error``) it sent before the round started is kept for it (``before_round``). ``void`` makes a
 version written under an arm that will not run never run: the sessions that pushed it hear why.
 """
 
@@ -15,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional
 
 from weightsync.engine.errors import RoundAborted
-from weightsync.wire import Origin, Role
+from weightsync.wire import Origin, Role, State
 from weightsync.wire import messages as m
 
 from .arms import Arms
@@ -38,6 +40,8 @@ class Arming:
         self.send, self.wake = send, wake
         self.arms = Arms()
         self.voided = -1  # the newest version written under an arm that did not hold (never run)
+        self.done: dict[int, dict[int, m.WritesDone]] = {}  # version -> sender rank -> writes_done before its round
+        self.failed: dict[int, str] = {}  # version -> how a sender's writes under its arm failed before its round
 
     def __repr__(self) -> str:
         return f"<Arming {self.arms!r} voided=v{self.voided}>"
@@ -93,9 +97,26 @@ class Arming:
             rnd.broken = arm.kept(self.tables(armed_by), self.receivers(), rnd.landing, rnd.bases)
             if rnd.broken is not None and arm.landed_nowhere(self.receivers()):
                 arm, armed_by, rnd.broken = None, set(), None  # (its senders write again from their begin)
+        done, failed = self.done.pop(rnd.version, {}), self.failed.pop(rnd.version, None)
         if arm is not None:
             rnd.checksum, rnd.landing, rnd.bases, rnd.delta = arm.checksum, arm.landing, arm.bases, arm.delta
+            rnd.broken = rnd.broken or failed
+            if arm.plan_id == plan.plan_id:  # (its senders are writing already: no begin goes to them)
+                for rank, body in done.items():
+                    rnd.on_writes_done(rank, body)
         rnd.arm, rnd.armed_by = arm, armed_by
+
+    def pending(self, version: Optional[int]) -> bool:
+        """``version`` was pushed under an arm, and its round has not started."""
+        return version is not None and version in self.arms.wrote
+
+    def before_round(self, peer: Peer, body: "m.WritesDone | m.Error") -> None:
+        """An armed sender's writes_done, or its error, before the round of its version started: kept
+        for that round (an error fails it, unless its writes turn out to have reached no one planned)."""
+        if isinstance(body, m.WritesDone):
+            self.done.setdefault(body.version, {})[peer.hello.rank] = body
+        else:
+            self.failed.setdefault(body.version, f"{peer.name}: {body.text}")
 
     async def before_begin(self, rnd: RoundState) -> None:
         """Other versions written under an arm never run now; a ``broken`` round aborts."""
@@ -106,17 +127,22 @@ class Arming:
                                f"{rnd.arm.arm_id} of plan {rnd.arm.plan_id}, which plan {rnd.plan_id} did not keep: "
                                f"{rnd.broken}", "controller")
 
-    async def void(self, version: int, why: str, peer: Optional[Peer] = None) -> None:
+    async def void(self, version: int, why: str, peer: Optional[Peer] = None, field: str = "arm") -> None:
         """Writes were made under an arm for ``version``, which will not run: it never runs (its late
         writes land under a round that is over at every receiver: the next ``begin`` closes it), the
-        next round is checked end to end, and every session that pushed it hears why (``error`` with
-        field ``arm``: its push fails with ``RoundAborted``)."""
+        next round is checked end to end, and every session that pushed it hears why: ``error`` with
+        ``field`` (``arm``: its push fails with ``RoundAborted``; ``version``, a push that can never start:
+        ``VersionError``), then ``abort`` where its session is writing under the arm."""
         log.warning("controller: %s", why)
         self.voided = max(self.voided, version)
         self.inputs.after_abort = True
         sessions = self.pushes.forget(version) | self.arms.void(version) | ({peer.identity} if peer else set())
+        self.done.pop(version, None)
+        self.failed.pop(version, None)
         for identity in sorted(sessions):
             member = self.planning.members.get(identity)
             if member is not None and member.session.allowed(Origin.CONTROLLER, m.Error.TYPE):
-                await self.send(member, m.Error(m.ErrorCode.BAD_REQUEST, why, "arm", version), version=version)
+                await self.send(member, m.Error(m.ErrorCode.BAD_REQUEST, why, field, version), version=version)
+            if member is not None and member.session.state in (State.WRITING, State.WRITTEN):  # (writing under it)
+                await self.send(member, m.Abort(version, m.AbortReason.CANCELLED, why, "controller"), version=version)
         self.wake()

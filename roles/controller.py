@@ -288,7 +288,7 @@ class Controller(AsyncResource):
         peer.last_seen = time.monotonic()
         self.hearing.heard(peer.last_seen, len(self.peers))
         self.timeline.mark(env.version, f"recv:{env.type}<{peer.name}")
-        if crossed(self.rounds.round, env.type, env.version):
+        if crossed(self.rounds.round, env.type, env.version) and not self.rounds.arming.pending(env.version):
             log.debug("controller: %s: %s of v%s crossed its abort: dropped", peer.name, env.type, env.version)
             return
         illegal = peer.session.accept(env.type, env.version)

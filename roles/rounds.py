@@ -26,7 +26,7 @@ import zmq
 
 from weightsync.engine.aio import Spinner, within
 from weightsync.engine.errors import ConfigError, RoundAborted
-from weightsync.wire import Origin, Role
+from weightsync.wire import Origin, Role, State
 from weightsync.wire import messages as m
 
 from .arming import Arming
@@ -135,9 +135,10 @@ class Rounds:
                                      if members.get(i) else "a departed sender", self.committed, now,
                                      self.options.round_timeout_s))
         for version, why in dead:
+            if self.arming.pending(version):  # (written under an arm: never run)
+                await self.arming.void(version, why, field="version")
+                continue
             log.warning("controller: %s", why)
-            if self.arming.arms.void(version):  # (written under an arm: never run)
-                self.arming.voided = max(self.arming.voided, version)
             for identity in self.pushes.forget(version):
                 peer = members.get(identity)
                 if peer is not None and peer.session.allowed(Origin.CONTROLLER, m.Error.TYPE):
@@ -218,6 +219,9 @@ class Rounds:
     async def _begin(self, rnd: RoundState, keys: list[tuple[Role, int]], landing: tuple[m.Slot, ...]) -> None:
         bases, mode = rnd.bases, rnd.delta
         for key in keys:
+            peer = self.planning.peer_of(key)
+            if peer is not None and peer.identity in rnd.armed_by and peer.session.state in (State.WRITING, State.WRITTEN):
+                continue  # (its armed_push stood for its begin: it writes under the arm already)
             slots = landing if key[0] is Role.SENDER else ()
             named = bases if key[0] is Role.SENDER else tuple(b for b in bases if b.rank == key[1])
             await self._send_to(key, m.UpdateBegin(rnd.version, rnd.plan_id, rnd.checksum, slots, named, mode),
@@ -296,6 +300,9 @@ class Rounds:
     def on_round_message(self, peer: Peer, body: Any) -> None:
         """begin_ack, writes_done, fence_ack or commit_ack, from a session of the running round's plan."""
         rnd = self.round
+        if isinstance(body, m.WritesDone) and self.arming.pending(body.version) and self.planning.holds(peer):
+            self.arming.before_round(peer, body)  # (an armed sender's, before its round started)
+            return
         if rnd is None or body.version != rnd.version or not self.planning.holds(peer):
             return  # (late messages of old rounds, and sessions the plan does not name, are ignored)
         blame = ""
@@ -317,8 +324,8 @@ class Rounds:
         reporter."""
         log.warning("controller: %s reports %s: %s", peer.name, error.code.name, error.text)
         rnd = self.round
-        if error.version is not None and error.version in self.arming.arms.wrote and (rnd is None or rnd.version != error.version):
-            await self.arming.void(error.version, f"v{error.version}, written under an arm, failed at {peer.name}: {error.text}")
+        if self.arming.pending(error.version) and (rnd is None or rnd.version != error.version):
+            self.arming.before_round(peer, error)  # (its round fails with it, if it still counts when it starts)
             return
         if rnd is None or error.version != rnd.version or not self.planning.holds(peer):
             return

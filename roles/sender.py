@@ -282,20 +282,16 @@ class WeightSender(Worker):
 
     async def _on_begin(self, env: Envelope) -> None:
         version = env.body.version
-        early, held, failed = self.early.under, self.early.held, self.early.error
+        early, held = self.early.under, self.early.held
         self.early.arm = None
-        if early is not None and early[0] == version:
-            self.early.under = self.early.held = self.early.error = None
+        if early is not None and early[0] == version:  # (a plan replaced the arm's, keeping our table: ``_on_plan``)
+            self.early.under = self.early.held = None
             arm = early[1]
-            if failed is not None:  # (its round began after all: it fails with what went wrong)
-                await self._fail_round(version, self._handles.get(version) or PushHandle(version), failed,
-                                       _error_code(failed))
-                return  # (its plan may have been replaced by one that kept our table: ``_on_plan``)
             if (self.plan_id, arm.checksum, arm.landing, arm.bases, arm.delta) == (
                     env.body.plan_id, env.body.checksum, env.body.landing, env.body.bases, env.body.delta):
                 held = dataclasses.replace(held, plan_id=self.plan_id) if held is not None else None
                 if held is not None and (sending := self._post_if_allowed(held, version=version)) is not None:
-                    await sending  # (sealed before this begin came)
+                    await sending  # (sealed before this begin came: said again, for this plan)
                 return
             await self._fail_round(version, self._handles.get(version) or PushHandle(version), WeightSyncError(
                 f"begin of v{version} differs from arm {arm.arm_id}, under which it was written"), m.ErrorCode.PROTOCOL)
@@ -326,9 +322,10 @@ class WeightSender(Worker):
             self.timeline.mark(version, "pipeline:sealed")
             done = m.WritesDone(version, self.plan_id, sealed.summaries(), sealed.stage_s, sealed.write_s,
                                 sealed.encode_s, sealed.issue_s, bool(getattr(self.transport, "trying", ())))
-            if self.early.writing(version):  # written under an arm: after its begin
-                self.early.held = done
-                return
+            if self.early.writing(version):  # written under an arm: its armed_push stood for begin, unless a
+                self.early.held = done         # plan came since (then said again at the begin it gets)
+                if self.session.state is not State.WRITING:
+                    return
             sending = self._post_if_allowed(done, version=version)
             if sending is not None:
                 announced.append(sending)
@@ -351,9 +348,6 @@ class WeightSender(Worker):
             handle.release_committed(f"{self.name}: {exc}")
             await self.conns.forget_broken(exc, self.name)
             await asyncio.gather(*announced, return_exceptions=True)
-            if self.early.writing(version):  # before its begin: said at the begin, if one comes (a plan may
-                self.early.error, handle.cause = exc, exc  # make it moot)
-                return
             await self._fail_round(version, handle, exc, _error_code(exc))
             if not isinstance(exc, (TransportError, StagingError, WeightSyncError)):
                 log.exception("%s: round %s failed", self.name, version)  # a bug or a torch error
@@ -377,6 +371,7 @@ class WeightSender(Worker):
             await sending
 
     async def _on_commit(self, env: Envelope) -> None:
+        self.early.finish(env.body.version)
         self.committed = env.body.version
         self.bases.commit(env.body.version)  # (an aborted round's deltas are undone before the next one)
         handle = self._handles.pop(env.body.version, None)

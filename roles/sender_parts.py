@@ -5,9 +5,9 @@ receiver rank) with the (address, pair key) each was made for: ``connect`` keeps
 plan keeps both, makes one again for a restarted receiver (a new session: a new key) and closes one
 the plan no longer names; ``forget_broken`` drops one whose peer failed, so the next round connects
 again. ``EarlyWrites`` holds the controller's ``arm`` (``roles.arms``) until a push takes it, then the
-version written under it before its ``begin``: the ``writes_done`` sealed before that begin, and how the
-writes failed if they did (said at the begin, if one comes). ``drop`` forgets it all when a plan, an
-abort or an error makes those writes moot, and stops them.
+version written under it, which its ``armed_push`` began, and its ``writes_done`` (said again at the
+``begin`` a plan that kept those writes brings). ``drop`` forgets it all when a plan, an abort or an
+error makes those writes moot, and stops them.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class EarlyWrites:
     def __init__(self) -> None:
         self.arm: Optional[m.Arm] = None  # the next round's parameters, from the controller
         self.under: Optional[tuple[int, m.Arm]] = None  # (version, arm) written before its begin
-        self.held: Optional[m.WritesDone] = None  # its writes_done, sealed before the begin came
-        self.error: Optional[Exception] = None  # how its writes failed
+        self.held: Optional[m.WritesDone] = None  # its writes_done (said again at a begin a replan brings)
         self.pushes = 0  # pushes that wrote under an arm
 
     def __repr__(self) -> str:
@@ -93,9 +92,14 @@ class EarlyWrites:
         """``version`` is written under an arm, and its begin has not come."""
         return self.under is not None and self.under[0] == version
 
+    def finish(self, version: int) -> None:
+        """``version``'s round is over (the arm for the next, which may have come first, stays)."""
+        if self.writing(version):
+            self.under, self.held = None, None
+
     def drop(self, task: Optional[asyncio.Future]) -> Optional[int]:
         """Forget the arm and what was written under one (stopping ``task``, its writes): the version, if any."""
-        under, self.arm, self.under, self.held, self.error = self.under, None, None, None, None
+        under, self.arm, self.under, self.held = self.under, None, None, None
         if under is None:
             return None
         if task is not None and not task.done():

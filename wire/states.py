@@ -6,8 +6,8 @@ type), where ``origin`` is who sent the message. ``Session.send`` checks a messa
 send (an illegal one is our bug: ``LocalIllegalTransition``); ``Session.receive`` checks one we got
 (an illegal one is the peer's: ``RemoteIllegalTransition``). Both move the state. No I/O here.
 
-Round shape: begin -> (sender) writes_done -> commit (a sender holding an ``arm`` may push with
-``armed_push`` and write before its begin; its state still moves at begin); (receiver) fence -> fence_ack -> commit ->
+Round shape: begin -> (sender) writes_done -> commit (a sender holding an ``arm`` pushes with
+``armed_push`` instead, which stands for its begin); (receiver) fence -> fence_ack -> commit ->
 commit_ack, or, as the only receiver of a round, fence_commit -> commit_ack (or fence_ack, not ok).
 ``abort`` returns any in-round state to READY. Heartbeat and error are legal in every joined state
 and change nothing; ``leave`` from either side closes the session.
@@ -88,7 +88,11 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     # cross a new plan or a begin in flight, so it is legal in those states too and changes nothing.
     for state in (State.PLAN_RECEIVED, State.READY, State.WRITING, State.WRITTEN):
         t[S, state, W, m.Push.TYPE] = state
-        t[S, state, W, m.ArmedPush.TYPE] = state  # (its writes began before begin; the state moves at begin)
+    # a push under an arm: the sender writes from now, and no begin comes for it while the arm's plan holds
+    t[S, State.READY, W, m.ArmedPush.TYPE] = State.WRITING
+    t[S, State.PLAN_RECEIVED, W, m.ArmedPush.TYPE] = State.PLAN_RECEIVED  # (crossed a plan: begun under that one)
+    t[S, State.WRITING, C, m.Plan.TYPE] = State.PLAN_RECEIVED  # a plan made while an armed push waits for its round
+    t[S, State.WRITTEN, C, m.Plan.TYPE] = State.PLAN_RECEIVED
     # the next round's parameters, once the last is applied everywhere: before a one-phase round's commit
     t[S, State.READY, C, m.Arm.TYPE] = State.READY
     t[S, State.WRITTEN, C, m.Arm.TYPE] = State.WRITTEN

@@ -108,3 +108,16 @@ def test_accept_answers_an_illegal_message_with_a_protocol_error():
     assert s.state is State.JOINED and err.code == m.ErrorCode.PROTOCOL and err.field == "commit"
     assert err.version == 4 and "sender in state JOINED" in err.text
     assert s.accept("plan") is None and s.state is State.PLAN_RECEIVED
+
+
+def test_sender_armed_push_stands_for_begin_and_a_plan_may_cross_it():
+    round_ = [(W, "push"), (C, "begin"), (W, "writes_done"), (C, "commit")]
+    armed = [(C, "arm"), (W, "armed_push"), (W, "writes_done"), (C, "arm"), (C, "commit")]  # (one-phase: arm, then commit)
+    assert _run(m.Role.SENDER, JOIN + round_ + armed) is State.READY
+    # a plan made while an armed push waits for its round: that round begins under the new plan
+    assert _run(m.Role.SENDER, JOIN + round_ + [(C, "arm"), (W, "armed_push"), (C, "plan"), (W, "plan_ack"),
+                                                (C, "begin"), (W, "writes_done"), (C, "commit")]) is State.READY
+    # one that crossed the armed push: the controller reads it after sending the plan
+    assert _run(m.Role.SENDER, JOIN + round_ + [(C, "arm"), (C, "plan"), (W, "armed_push"), (W, "plan_ack")]) is State.READY
+    # writes under an arm that does not hold: abort from writing or written
+    assert _run(m.Role.SENDER, JOIN + [(C, "arm"), (W, "armed_push"), (W, "writes_done"), (C, "abort")]) is State.READY
