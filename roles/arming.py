@@ -42,6 +42,7 @@ class Arming:
         self.voided = -1  # the newest version written under an arm that did not hold (never run)
         self.done: dict[int, dict[int, m.WritesDone]] = {}  # version -> sender rank -> writes_done before its round
         self.failed: dict[int, str] = {}  # version -> how a sender's writes under its arm failed before its round
+        self.driven = False  # rounds are started by ``Controller.update``, not pushes: no arms
 
     def __repr__(self) -> str:
         return f"<Arming {self.arms!r} voided=v{self.voided}>"
@@ -69,7 +70,7 @@ class Arming:
     async def offer(self, rnd: RoundState) -> None:
         """Every receiver applied ``rnd``: offer the senders the next round's parameters."""
         plan = self.planning.plan
-        if (not self.options.arm_pushes or rnd.applied < rnd.receivers or plan is None or plan.plan_id != rnd.plan_id
+        if (not self.options.arm_pushes or self.driven or rnd.applied < rnd.receivers or plan is None or plan.plan_id != rnd.plan_id
                 or not self.planning.ready.is_set() or not self.planning.live() or self.pushes):
             return  # (a push already waiting begins the usual way)
         peers = [(key, peer) for key in sorted(self.planning.sessions) if (peer := self.planning.peer_of(key))]

@@ -198,7 +198,9 @@ class Controller(AsyncResource):
         return await self.rounds.wait_round(version)
 
     def update(self, version: int) -> None:
-        """Start a round for ``version`` without waiting for pushes (the daemon's and CLI's way)."""
+        """Start a round for ``version`` without waiting for pushes (the daemon's and CLI's way). Rounds
+        started this way offer no arms from then on (``roles.arming``: no push will take them)."""
+        self.rounds.arming.driven = True
         self.rounds.start(version)
 
     def status(self) -> dict:

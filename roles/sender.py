@@ -380,7 +380,12 @@ class WeightSender(Worker):
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body
-        self.early.drop(self._round)
+        dropped = self.early.drop(self._round)
+        if dropped is not None and dropped != body.version:  # (another round's abort stopped them: that push
+            stopped = self._handles.pop(dropped, None)        #  has no round to wait for)
+            if stopped is not None:
+                stopped.fail(RoundAborted(dropped, m.AbortReason.CANCELLED, f"its writes under an arm were stopped by "
+                                          f"the abort of v{body.version}", "controller"))
         if self._round is not None and not self._round.done():
             self._round.cancel()  # (not awaited here: a write stuck on a partitioned peer must not stop this
             #                        loop; the next round's pipeline starts after it: ``_write``'s ``previous``)

@@ -93,6 +93,7 @@ def _build() -> dict[tuple[m.Role, State, Origin, str], State]:
     t[S, State.PLAN_RECEIVED, W, m.ArmedPush.TYPE] = State.PLAN_RECEIVED  # (crossed a plan: begun under that one)
     t[S, State.WRITING, C, m.Plan.TYPE] = State.PLAN_RECEIVED  # a plan made while an armed push waits for its round
     t[S, State.WRITTEN, C, m.Plan.TYPE] = State.PLAN_RECEIVED
+    t[S, State.PLAN_RECEIVED, W, m.WritesDone.TYPE] = State.PLAN_RECEIVED  # (an armed one that crossed that plan)
     # the next round's parameters, once the last is applied everywhere: before a one-phase round's commit
     t[S, State.READY, C, m.Arm.TYPE] = State.READY
     t[S, State.WRITTEN, C, m.Arm.TYPE] = State.WRITTEN
