@@ -41,7 +41,8 @@ class Arming:
         self.arms = Arms()
         self.voided = -1  # the newest version written under an arm that did not hold (never run)
         self.done: dict[int, dict[int, m.WritesDone]] = {}  # version -> sender rank -> writes_done before its round
-        self.failed: dict[int, str] = {}  # version -> how a sender's writes under its arm failed before its round
+        self.failed: dict[int, tuple] = {}  # version -> (reason, text, culprit): a sender's writes under its arm
+        #                                     failed before its round
         self.driven = False  # rounds are started by ``Controller.update``, not pushes: no arms
 
     def __repr__(self) -> str:
@@ -95,7 +96,10 @@ class Arming:
         rnd.checksum, rnd.landing = self.inputs.checksum(self.devices()), self.landing(rnd.receivers)
         rnd.bases, rnd.delta = self.inputs.bases_for(rnd.receivers), self.inputs.delta()
         if arm is not None and (arm.plan_id, arm.landing) != (plan.plan_id, rnd.landing):  # (a plan made since)
-            rnd.broken = arm.kept(self.tables(armed_by), self.receivers(), rnd.landing, rnd.bases)
+            kept = arm.kept(self.tables(armed_by), self.receivers(), rnd.landing, rnd.bases)
+            rnd.broken = None if kept is None else (m.AbortReason.MEMBERSHIP_CHANGED, f"senders wrote v{rnd.version} under "
+                                                    f"arm {arm.arm_id} of plan {arm.plan_id}, which plan {plan.plan_id} "
+                                                    f"did not keep: {kept[0]}", kept[1])
             if rnd.broken is not None and arm.landed_nowhere(self.receivers()):
                 arm, armed_by, rnd.broken = None, set(), None  # (its senders write again from their begin)
         done, failed = self.done.pop(rnd.version, {}), self.failed.pop(rnd.version, None)
@@ -117,16 +121,15 @@ class Arming:
         if isinstance(body, m.WritesDone):
             self.done.setdefault(body.version, {})[peer.hello.rank] = body
         else:
-            self.failed.setdefault(body.version, f"{peer.name}: {body.text}")
+            culprit = body.field if body.code == m.ErrorCode.TRANSPORT and body.field.startswith("receiver/") else peer.name
+            self.failed.setdefault(body.version, (m.AbortReason.PEER_ERROR, f"{peer.name}: {body.text}", culprit))
 
     async def before_begin(self, rnd: RoundState) -> None:
         """Other versions written under an arm never run now; a ``broken`` round aborts."""
         for version in rnd.void:
             await self.void(version, f"v{version} was written under an arm, and v{rnd.version} started first")
         if rnd.broken is not None:
-            raise RoundAborted(rnd.version, m.AbortReason.CANCELLED, f"senders wrote v{rnd.version} under arm "
-                               f"{rnd.arm.arm_id} of plan {rnd.arm.plan_id}, which plan {rnd.plan_id} did not keep: "
-                               f"{rnd.broken}", "controller")
+            raise RoundAborted(rnd.version, *rnd.broken)
 
     async def void(self, version: int, why: str, peer: Optional[Peer] = None, field: str = "arm") -> None:
         """Writes were made under an arm for ``version``, which will not run: it never runs (its late

@@ -37,15 +37,18 @@ class Arm:
     receivers: Mapping[int, bytes] = dataclasses.field(default_factory=dict, compare=False)  # rank -> session
 
     def kept(self, tables: Mapping[bytes, SenderTable], receivers: Mapping[int, bytes],
-             landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...]) -> Optional[str]:
+             landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...]) -> Optional[tuple[str, str]]:
         """Why writes under this arm by the sessions of ``tables`` are not the round the current plan would
-        run (None: they are): each of those senders' tables, the receivers' sessions, slots and bases."""
-        if dict(receivers) != dict(self.receivers):
-            return "the receivers' sessions changed"
+        run, and the member to blame (None: they are): each of those senders' tables, the receivers'
+        sessions, slots and bases."""
+        moved = sorted(r for r in {*receivers, *self.receivers} if receivers.get(r) != self.receivers.get(r))
+        if moved:
+            return f"the session of receiver(s) {moved} changed", f"receiver/{moved[0]}"
         if (landing, bases) != (self.landing, self.bases):
-            return f"slots {landing} and bases {bases} differ from the arm's"
+            odd = sorted({s.rank for s in set(landing) ^ set(self.landing)} | {b.rank for b in set(bases) ^ set(self.bases)})
+            return f"slots {landing} and bases {bases} differ from the arm's", f"receiver/{odd[0]}" if odd else "controller"
         changed = sorted(i for i, table in tables.items() if self.tables.get(i) != table)
-        return f"{len(changed)} armed sender(s)' tables changed" if changed else None
+        return (f"{len(changed)} armed sender(s)' tables changed", "controller") if changed else None
 
     def landed_nowhere(self, receivers: Mapping[int, bytes]) -> bool:
         """No receiver session the arm was made for is one of ``receivers``: writes under it reached only

@@ -108,7 +108,8 @@ class RoundState:
         self.armed_by: set[bytes] = set()  # the sessions that did
         self.arm: Optional["Arm"] = None  # the arm its senders wrote under before its begin (roles.arms)
         self.void: list[int] = []  # other versions written under an arm: never run (``Rounds.start``)
-        self.broken: Optional[str] = None  # why the arm it was written under no longer holds: it aborts
+        self.broken: Optional[tuple] = None  # (reason, text, culprit): why writes under an arm do not count, and
+        #                                       whom to blame: it aborts (``roles.arming``)
         self.landing: tuple[m.Slot, ...] = ()  # what the round's begin names (``Rounds.start``)
         self.bases: tuple[m.Base, ...] = ()
         self.delta = ""

@@ -7,8 +7,8 @@ the table; when all writes are done and fenced the sources are free again (``pus
 optimizer may step), and ``writes_done`` goes to the controller. The returned ``PushHandle`` resolves
 at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without waiting. A sender that
 holds the controller's ``arm`` (the next round's parameters, ``roles.arms``) when it pushes sends
-``armed_push`` and starts writing at once; its ``writes_done`` waits for ``begin``, whose parameters
-must be the arm's.
+``armed_push``, which stands for its ``begin``, and writes at once; a plan that comes before its round
+starts keeps those writes (same table, same pair keys) or stops them, and a ``begin`` then follows.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class SenderOptions(WorkerOptions):
     quantize_on: str = ""  # a CUDA device ("cuda:0") where CPU-held sources are quantized; "": on the CPU
     base_budget_bytes: int = DEFAULT_BASE_BUDGET  # delta rounds: bytes of last-sent rows kept (docs/DELTAS.md)
     base_on: str = "device"  # where they are kept: "device" (the staged bytes' own) or "host" (pinned memory)
-    arm: bool = True  # take the controller's arms: write on our own push, before begin (roles.arms)
+    arm: bool = True  # take the controller's arms: write on our own push, no begin awaited (roles.arms)
 
     def __post_init__(self) -> None:
         super().__post_init__()
