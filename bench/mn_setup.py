@@ -41,7 +41,7 @@ class Case:
     peer_copies: str = "fastest"  # cuda_ipc: rows into another GPU by "kernel", "dma" or the "fastest" (TransportOptions)
     kernel_grid: Optional[tuple[float, float]] = None  # cuda_ipc copy kernels' programs per SM (None: TransportOptions')
     full_check_every: int = 8  # the controller's end-to-end checks (the product's default; 0: none, the data path alone)
-    arm: bool = False  # the controller offers arms: each sender writes on its own push (ControllerOptions.arm_pushes)
+    arm: bool = True  # the controller offers arms: each sender writes on its own push (ControllerOptions.arm_pushes)
 
     def sender_device(self, rank: int) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{rank}"

@@ -604,9 +604,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-check-every", type=int, default=8, metavar="N",
                     help="end-to-end checks every N rounds, as ControllerOptions.full_check_every (default 8, the "
                          "product's; 0: none, the data path alone)")
-    ap.add_argument("--arm", action="store_true",
-                    help="the controller offers arms: each sender writes on its own push, before its begin "
-                         "(ControllerOptions.arm_pushes; roles.arms)")
+    ap.add_argument("--no-arm", action="store_true",
+                    help="the controller offers no arms: each sender waits for its begin (ControllerOptions."
+                         "arm_pushes=False; by default an armed push stands for its begin, roles.arms)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
@@ -616,7 +616,7 @@ def main(argv=None) -> int:
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
                 kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None,
-                full_check_every=args.full_check_every, arm=args.arm)
+                full_check_every=args.full_check_every, arm=not args.no_arm)
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     from weightsync.engine.aio import install_uvloop
