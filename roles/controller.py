@@ -67,7 +67,7 @@ class ControllerOptions:
     full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
     #                            the one after an abort) checked end to end with ``full_check``; 0: never
     arm_pushes: bool = True  # once a round is applied, offer the senders the next one's parameters: each then
-    #                          writes on its own push, a control round trip before its begin (roles.arms)
+    #                          writes on its own push, which stands for its begin (roles.arms)
     full_check: str = "auto"  # the algorithm of those rounds (engine.datapath.checksums); "auto": fp64 (on the
     #                           device) where a member's tensors are on a GPU, crc32 (zlib, fastest on a CPU) otherwise
 

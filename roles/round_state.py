@@ -66,7 +66,7 @@ class RoundReport:
     senders_host_s: dict[int, float] = dataclasses.field(default_factory=dict)  # per sender: staging + queueing writes
     trying: bool = False  # a sender was still timing its transport's ways (engine.cuda.fastest): not a steady round
     checksum: str = ""  # the algorithm every row of the round was checked with ("": not checked end to end)
-    armed: int = 0  # senders that wrote before its begin, under an arm (roles.arms)
+    armed: int = 0  # senders that wrote on their own push, under an arm (roles.arms)
 
     @property
     def gbps(self) -> float:
@@ -106,7 +106,7 @@ class RoundState:
         self.marks: dict[str, float] = {}
         self.aborted: Optional[RoundAborted] = None
         self.armed_by: set[bytes] = set()  # the sessions that did
-        self.arm: Optional["Arm"] = None  # the arm its senders wrote under before its begin (roles.arms)
+        self.arm: Optional["Arm"] = None  # the arm its senders wrote under on their own push (roles.arms)
         self.void: list[int] = []  # other versions written under an arm: never run (``Rounds.start``)
         self.broken: Optional[tuple] = None  # (reason, text, culprit): why writes under an arm do not count, and
         #                                       whom to blame: it aborts (``roles.arming``)

@@ -11,8 +11,8 @@ committed version follows the receivers' ``commit_ack`` s (``learn_committed``),
 reached its fence is never run again. The workers' round messages reach the running round through
 ``on_round_message``; their errors through ``on_error``. Once every receiver has applied a round, the
 senders get the next one's parameters (``roles.arms``): a sender may then write on its own push
-(``armed_push``), a control round trip before its ``begin``; writes under an arm that no longer holds
-are void, and their version never runs (``roles.arming``).
+(``armed_push``, which stands for its ``begin``); writes under an arm that no longer holds are void,
+and their version never runs (``roles.arming``).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class Rounds:
             rnd.abort(m.AbortReason.CANCELLED, f"controller failed running the round: {exc!r}", "controller")
         finally:
             if rnd.aborted is not None:
-                if rnd.arm is not None:  # (written before its begin: its late writes may still land)
+                if rnd.arm is not None:  # (written on its senders' own pushes: late writes may still land)
                     self.arming.voided = max(self.arming.voided, rnd.version)
                 await asyncio.shield(self._send_aborts(rnd))
             self._finish(rnd, rnd.report())

@@ -135,7 +135,7 @@ class WeightSender(Worker):
         self.bases = Bases(options.base_budget_bytes, options.base_on)
         self.delta_side = "encode"
         self.last_delta: Optional[DeltaRound] = None  # the newest round's delta lanes and what went as deltas
-        self.early = EarlyWrites()  # the controller's arm, and a version written under one before its begin
+        self.early = EarlyWrites()  # the controller's arm, and a version written under one
 
     def __repr__(self) -> str:
         return (f"<WeightSender {self.name} {self.session.state.value} plan={self.plan_id} "

@@ -71,7 +71,7 @@ class DataConnections(dict):
 class EarlyWrites:
     def __init__(self) -> None:
         self.arm: Optional[m.Arm] = None  # the next round's parameters, from the controller
-        self.under: Optional[tuple[int, m.Arm]] = None  # (version, arm) written before its begin
+        self.under: Optional[tuple[int, m.Arm]] = None  # (version, arm) written under it, its round not over
         self.held: Optional[m.WritesDone] = None  # its writes_done (said again at a begin a replan brings)
         self.pushes = 0  # pushes that wrote under an arm
 

@@ -203,16 +203,20 @@ class UpdateBegin(Message):
     delta: str = ""
 
     def _check(self) -> None:
-        if self.delta not in DELTA_MODES:
-            raise Violation("value", "delta", f"{self.delta!r} is not one of {DELTA_MODES}")
+        _check_delta(self.delta)
+
+
+def _check_delta(delta: str) -> None:
+    if delta not in DELTA_MODES:
+        raise Violation("value", "delta", f"{delta!r} is not one of {DELTA_MODES}")
 
 
 @struct
 class Arm(Message):
     """Controller -> sender (capability ``arm``): the parameters the next round will begin with, sent once
-    a round is applied by every receiver. The sender may start writing its next push at once under them
-    (``armed_push``); the round's ``begin`` then carries the same parameters. ``arm_id`` names this offer:
-    the controller honours an ``armed_push`` only while it is the current one (docs/PROTOCOL.md, 6)."""
+    a round is applied by every receiver. The sender may push its next version with ``armed_push`` and
+    write it at once under them. ``arm_id`` names this offer: the controller honours an ``armed_push``
+    only while it is the current one (docs/PROTOCOL.md, 6, *Armed pushes*)."""
 
     TYPE = "arm"
     arm_id: U64
@@ -223,14 +227,13 @@ class Arm(Message):
     delta: str = ""
 
     def _check(self) -> None:
-        if self.delta not in DELTA_MODES:
-            raise Violation("value", "delta", f"{self.delta!r} is not one of {DELTA_MODES}")
+        _check_delta(self.delta)
 
 
 @struct
 class ArmedPush(Message):
     """Sender -> controller: as ``push``, and this sender has started writing ``version`` under arm
-    ``arm_id`` (its writes land in the arm's slots; ``writes_done`` still waits for ``begin``)."""
+    ``arm_id`` (its writes land in the arm's slots); it stands for the sender's ``begin``."""
 
     TYPE = "armed_push"
     version: U64

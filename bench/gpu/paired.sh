@@ -13,19 +13,6 @@ for _ in $(seq "$reps"); do
     if [ "$tree" = base ]; then dir=$root/.gpu/base commit=$base; else dir=$root commit=$new; fi
     # shellcheck disable=SC2086  # (the bench's arguments, split on purpose)
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 280 python3 bench/transfer_mn.py $args --json 2>&1 | tail -n 1) \
-      | python3 -c '
-import json, sys
-tree, commit, card, out = sys.argv[1:]
-line = sys.stdin.read().strip()
-try:
-    d = json.loads(line)
-except ValueError:
-    print("FAILED", tree, line[-2000:])
-    sys.exit()
-d = {"tree": tree, "commit": commit, **d, "device": "1 x " + card}
-with open(out, "a") as f:
-    f.write(json.dumps(d) + "\n")
-print(tree, d["model"], "engine_ms", d["engine_ms"], "bound_ms", d.get("bound_ms"), "control_rtt_ms", d["control_rtt_ms"],
-      "checked_median_ms", d.get("checked_median_ms"))' "$tree" "$commit" "$card" "$out"
+      | python3 "$root/bench/gpu/tag_line.py" "$tree" "$commit" "$card" "$out"
   done
 done
