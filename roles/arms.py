@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 from typing import Mapping, Optional
 
+from weightsync.engine.errors import ConfigError
 from weightsync.wire import SenderTable
 from weightsync.wire import messages as m
 
@@ -86,8 +87,9 @@ class Arms:
         return None
 
     def took(self, version: int, session: bytes) -> None:
-        """``session`` writes ``version`` under the current arm."""
-        assert self.current is not None
+        """``session`` writes ``version`` under the current arm (``refusal`` said it holds)."""
+        if self.current is None:
+            raise ConfigError("arm", f"v{version} taken under an arm, and none is current")
         self.wrote.setdefault(version, (self.current, set()))[1].add(session)
 
     def take(self, version: int) -> tuple[Optional[Arm], set[bytes], list[int]]:

@@ -32,57 +32,10 @@ from weightsync.engine.transforms.gather import Gatherer, split_dtensors
 from weightsync.wire import Envelope, Manifest, Role, SenderTable, ShardSpec, State
 from weightsync.wire import messages as m
 
-from .sender_parts import DataConnections, EarlyWrites
+from .sender_parts import DataConnections, EarlyWrites, PushHandle
 from .worker import Worker, WorkerOptions, with_device
 
 log = logging.getLogger("weightsync")
-
-
-def _quiet(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # mark retrieved: the user may never await a handle of a failed push
-
-
-class PushHandle:
-    """One push. ``released``: sources free again. Awaiting the handle waits for the global commit."""
-
-    def __init__(self, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        self.version = version
-        self.released: asyncio.Future[PushReport] = loop.create_future()
-        self.committed: asyncio.Future[int] = loop.create_future()
-        self.released.add_done_callback(_quiet)
-        self.committed.add_done_callback(_quiet)
-        self.cause: Optional[BaseException] = None  # this rank's own failure, while the verdict is awaited
-
-    def __repr__(self) -> str:
-        state = "committed" if self.committed.done() and not self.committed.exception() else (
-            "failed" if self.committed.done() else "released" if self.released.done() else "pending")
-        return f"<PushHandle v{self.version} {state}>"
-
-    def __await__(self):
-        return self.committed.__await__()
-
-    def fail(self, exc: BaseException) -> None:
-        for fut in (self.released, self.committed):
-            if not fut.done():
-                fut.set_exception(exc)
-
-    def release_committed(self, why: str) -> None:
-        """A round may commit while its last completions drain (its handle is no longer tracked then,
-        so nothing else would settle it); if the drain ends otherwise (the session lost, a connection
-        failed), nothing reads the tensors any more: the push is released, with an empty report."""
-        committed = self.committed
-        if not self.released.done() and committed.done() and not committed.cancelled() \
-                and committed.exception() is None:
-            log.info("v%d committed before its writes' completions drained, then %s", self.version, why)
-            self.released.set_result(PushReport({}, 0.0))
-
-    @property
-    def report(self) -> Optional[PushReport]:
-        if self.released.done() and not self.released.exception():
-            return self.released.result()
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
