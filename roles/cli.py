@@ -252,7 +252,8 @@ def format_status(s: dict, width: int = 120) -> str:
             deltas = (f"{r['delta_rows']} rows as deltas, {r['changed_values']:,} values changed"
                       if r.get("delta_rows") else "")
             whole = f"{r['nbytes'] / r['whole_bytes']:.1%}" if r.get("whole_bytes") else "-"
-            result = ("ok" + (f", checked {r['checksum']}" if r.get("checksum") else "")) if r["ok"] else "ABORTED " + r["reason"]
+            result = ("ok" + (f", checked {r['checksum']}" if r.get("checksum") else "")
+                      + (f", {r['armed']} armed" if r.get("armed") else "")) if r["ok"] else "ABORTED " + r["reason"]
             table.add_row(f"v{r['version']}", result, f"{r['nbytes'] / 1e9:.3f}",
                           whole, f"{r['seconds'] * 1e3:.1f}",
                           f"{r['predicted_s'] * 1e3:.1f}" if r.get("predicted_s") else "-", f"{r['gbps']:.2f}",

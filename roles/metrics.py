@@ -31,6 +31,8 @@ class Metrics:
                                   "move fewer: weightsync_bytes)", registry=self.registry)
         self.delta_rows = prom.Counter("weightsync_delta_rows", "Rows that went as deltas", registry=self.registry)
         self.changed = prom.Counter("weightsync_changed_values", "Values the deltas changed", registry=self.registry)
+        self.armed = prom.Counter("weightsync_armed_rounds", "Committed rounds whose senders wrote on their own push, "
+                                  "under an arm (docs/PROTOCOL.md, Armed pushes)", registry=self.registry)
         self.predicted = prom.Gauge("weightsync_round_predicted_seconds", "The controller's prediction of the last "
                                     "committed round, made before it (learned costs; 0: none yet)", registry=self.registry)
         self.link = prom.Gauge("weightsync_link_gbps", "GB/s of the last round per link", ["sender", "receiver"],
@@ -45,6 +47,7 @@ class Metrics:
         self.whole.inc(report.whole_bytes)
         self.delta_rows.inc(report.delta_rows)
         self.changed.inc(report.changed_values)
+        self.armed.inc(1 if report.armed else 0)
         self.seconds.observe(report.seconds)
         self.predicted.set(report.predicted_s)
         for stage in ("gate", "transfer", "fence", "commit"):

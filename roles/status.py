@@ -44,6 +44,8 @@ def controller_status(address: str, membership: Any, planning: Any, rounds: Any,
         "plan_error": str(planning.error) if planning.error else None,
         "committed_version": rounds.committed,
         "round": None if rounds.round is None else {"version": rounds.round.version, "stage": rounds.round.stage},
+        "arms": {"offered": rounds.arming.arms.offered, "current": rounds.arming.arms.current is not None,
+                 "voided_version": rounds.arming.voided if rounds.arming.voided >= 0 else None},
         "pending_pushes": {str(v): sorted(names[i] for i in ids if i in names)
                            for v, ids in sorted(rounds.pushes.pushes.items())},
         "rounds": [r.to_json() for r in rounds.reports[-10:]],

@@ -62,6 +62,7 @@ async def test_after_the_first_round_each_push_writes_at_once_with_no_begin_and_
             for r, t in zip(receivers, receivers_t):
                 assert r.version == v and mismatches(t, v) == []
         assert [s.early.pushes for s in senders] == [3] * n_send and ctl.rounds.arming.arms.offered == 4
+        assert ctl.status()["arms"] == {"offered": 4, "current": True, "voided_version": None}
 
 
 async def test_one_receiver_back_to_back_every_push_after_the_first_is_armed():

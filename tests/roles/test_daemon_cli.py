@@ -263,7 +263,7 @@ def test_prometheus_metrics_endpoint():
                                                       "sender_encode_max": 0.3, "receiver_apply_max": 0.02,
                                                       "receiver_verify_max": 0.0},
                                 [LinkStat(0, 1, 10**9, 3, 2.5)], whole_bytes=4 * 10**10, delta_rows=12,
-                                changed_values=5 * 10**8, predicted_s=0.45))
+                                changed_values=5 * 10**8, predicted_s=0.45, armed=2))
     metrics.observe(RoundReport(8, False, 0, 0.1, {}, [], reason="PEER_LOST: gone"))
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WATCHDOG).read().decode()
     assert 'weightsync_rounds_total{outcome="committed"} 1.0' in text
@@ -273,6 +273,7 @@ def test_prometheus_metrics_endpoint():
     assert "weightsync_round_predicted_seconds 0.45" in text
     assert "weightsync_bytes_total 1e+09" in text and "weightsync_whole_bytes_total 4e+10" in text
     assert "weightsync_delta_rows_total 12.0" in text and "weightsync_changed_values_total 5e+08" in text
+    assert "weightsync_armed_rounds_total 1.0" in text  # (a committed round two senders wrote under an arm)
     assert 'weightsync_stage_seconds_sum{stage="encode"} 0.3' in text
     assert 'weightsync_stage_seconds_sum{stage="apply"} 0.02' in text
     assert 'stage="verify"' not in text  # (no checksums that round)
@@ -328,10 +329,10 @@ def test_status_renders_peers_and_rounds_as_tables():
     assert "predicted" not in text and "learned costs" not in text  # (nothing learned yet)
     status["plan"]["predicted_round_ms"] = 412.5
     status["costs"] = {"per_row_us": 5.25, "per_round_ms": 1.5, "rounds": 4}
-    status["rounds"][0].update(ok=True, predicted_s=0.4125, checksum="fp64")
+    status["rounds"][0].update(ok=True, predicted_s=0.4125, checksum="fp64", armed=1)
     text = format_status(status, width=160)
     assert "next round predicted 412.5 ms" in text and "learned costs: 5.25 us a row, 1.50 ms a round (4 rounds)" in text
-    assert "ok, checked fp64" in text  # (a round checked end to end says so)
+    assert "ok, checked fp64, 1 armed" in text  # (a round checked end to end, its sender armed, says so)
     assert "│ 500.0 │ 412.5 │" in text  # (the round's seconds beside its prediction)
 
 
