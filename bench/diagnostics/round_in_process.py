@@ -8,9 +8,10 @@ work, the figure is the members' Python and ZeroMQ's I/O threads, no process wak
 path itself costs (docs/TRANSPORTS.md). ``--profile``: cProfile of the timed rounds, hottest functions.
 ``--timeline``: each event of a round (``roles/timeline``: every message sent and received, the
 sender's pipeline steps) at its median milliseconds since the controller started the round, with the
-step from the event before: where a round's host time goes, message by message.
+step from the event before: where a round's host time goes, message by message. ``--no-arm``: the
+controller offers no arms, so each push waits for its ``begin`` (docs/PROTOCOL.md, *Armed pushes*).
 
-    python3 bench/diagnostics/round_in_process.py --rounds 400 [--full-check-every N] [--profile] [--timeline]
+    python3 bench/diagnostics/round_in_process.py --rounds 400 [--full-check-every N] [--no-arm] [--profile] [--timeline]
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 
-async def rounds(n: int, profile: bool, full_check_every: int = 0) -> tuple[list[float], list]:
+async def rounds(n: int, profile: bool, full_check_every: int = 0, arm: bool = True) -> tuple[list[float], list]:
     """(each timed round's seconds, each one's merged timeline: ``roles.timeline.merge``)."""
     from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender
     from weightsync.roles.timeline import merge
 
     sent = {"model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)}
     served = {"model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)}
-    async with Controller(senders=1, receivers=1, options=ControllerOptions(full_check_every=full_check_every)) as ctl:
+    options = ControllerOptions(full_check_every=full_check_every, arm_pushes=arm)
+    async with Controller(senders=1, receivers=1, options=options) as ctl:
         async with WeightSender(ctl.address, sent, rank=0) as sender, \
                 WeightReceiver(ctl.address, served, rank=0) as receiver:
             await ctl.wait_ready()
@@ -65,18 +67,19 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--full-check-every", type=int, default=0, metavar="N")
     ap.add_argument("--timeline", action="store_true", help="print each event's median time in the round")
+    ap.add_argument("--no-arm", action="store_true", help="no arms: each push waits for its begin")
     args = ap.parse_args(argv)
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles.timeline import medians
 
     install_uvloop()
-    times, timelines = asyncio.run(rounds(args.rounds, args.profile, args.full_check_every))
+    times, timelines = asyncio.run(rounds(args.rounds, args.profile, args.full_check_every, not args.no_arm))
     if args.timeline:
         before = None
         for event, ms in medians(timelines):
             print(f"{ms:8.3f} ms  {'' if before is None else f'+{ms - before:.3f}':>7}  {event}")
             before = ms
-    print(f"empty round in one process (full_check_every={args.full_check_every}): median {statistics.median(times) * 1e3:.3f} ms, "
+    print(f"empty round in one process (full_check_every={args.full_check_every}, arms {'off' if args.no_arm else 'on'}): median {statistics.median(times) * 1e3:.3f} ms, "
           f"mean {statistics.mean(times) * 1e3:.3f} ms over {len(times)} rounds")
     return 0
 

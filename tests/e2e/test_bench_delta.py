@@ -47,15 +47,25 @@ def test_the_catch_up_diagnostic_checks_each_way_bit_for_bit():
 
 
 @pytest.mark.timeout(60)
-def test_the_in_process_round_prints_each_message_of_the_round_in_protocol_order():
+@pytest.mark.parametrize("arm", [True, False], ids=["armed", "no-arm"])
+def test_the_in_process_round_prints_each_message_of_the_round_in_protocol_order(arm):
     """``round_in_process.py --timeline``: every message of a one-phase round at its median time, in the
-    order the protocol sends them, each at or after the one before."""
-    lines = _run("diagnostics/round_in_process.py", "--rounds", "20", "--timeline")
+    order the protocol sends them, each at or after the one before; armed (the default), the sender's
+    ``armed_push`` stands for its ``begin`` and the arm comes before the commit."""
+    lines = _run("diagnostics/round_in_process.py", "--rounds", "20", "--timeline", *([] if arm else ["--no-arm"]))
     rows = [re.fullmatch(r"\s*(-?[\d.]+) ms\s+(?:\+[\d.]+)?\s+(\S.*)", line).groups() for line in lines[:-1]]
     times = [float(ms) for ms, _ in rows]
     events = [event for _, event in rows]
     assert times == sorted(times) and lines[-1].startswith("empty round in one process")
-    order = ["sender send:push", "controller round:start", "controller send:begin>sender/0", "sender recv:begin",
-             "sender send:writes_done", "controller send:fence_commit>receiver/0", "receiver recv:fence_commit",
-             "receiver send:commit_ack", "controller send:commit>sender/0", "sender recv:commit"]
+    assert lines[-1].startswith(f"empty round in one process (full_check_every=0, arms {'on' if arm else 'off'})")
+    if arm:
+        order = ["sender send:armed_push", "controller round:start",
+                 "controller send:begin>receiver/0", "controller send:fence_commit>receiver/0",
+                 "receiver send:commit_ack", "controller send:arm>sender/0", "controller send:commit>sender/0",
+                 "sender recv:commit"]
+        assert not any(e in events for e in ("controller send:begin>sender/0", "sender recv:begin", "sender send:push"))
+    else:
+        order = ["sender send:push", "controller round:start", "controller send:begin>sender/0", "sender recv:begin",
+                 "sender send:writes_done", "controller send:fence_commit>receiver/0", "receiver recv:fence_commit",
+                 "receiver send:commit_ack", "controller send:commit>sender/0", "sender recv:commit"]
     assert [e for e in events if e in order] == order, events
