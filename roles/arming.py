@@ -88,19 +88,20 @@ class Arming:
             if peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
                 await self.send(peer, arm.message(), version=rnd.version)
 
-    def begin_with(self, rnd: RoundState) -> None:
+    def begin_with(self, rnd: RoundState, devices: set[str]) -> None:
         """What round ``rnd`` (just made) begins with: its checksum, slots, bases and delta mode, and
         whether writes made under an arm are part of it (``rnd.arm``) or make it fail (``rnd.broken``)."""
         plan = self.planning.plan
         arm, armed_by, rnd.void = self.arms.take(rnd.version)
-        rnd.checksum, rnd.landing = self.inputs.checksum(self.devices()), self.landing(rnd.receivers)
+        rnd.checksum, rnd.landing = self.inputs.checksum(devices), self.landing(rnd.receivers)
         rnd.bases, rnd.delta = self.inputs.bases_for(rnd.receivers), self.inputs.delta()
         if arm is not None and (arm.plan_id, arm.landing) != (plan.plan_id, rnd.landing):  # (a plan made since)
-            kept = arm.kept(self.tables(armed_by), self.receivers(), rnd.landing, rnd.bases)
+            receivers = self.receivers()
+            kept = arm.kept(self.tables(armed_by), receivers, rnd.landing, rnd.bases)
             rnd.broken = None if kept is None else (m.AbortReason.MEMBERSHIP_CHANGED, f"senders wrote v{rnd.version} under "
                                                     f"arm {arm.arm_id} of plan {arm.plan_id}, which plan {plan.plan_id} "
                                                     f"did not keep: {kept[0]}", kept[1])
-            if rnd.broken is not None and arm.landed_nowhere(self.receivers()):
+            if rnd.broken is not None and arm.landed_nowhere(receivers):
                 arm, armed_by, rnd.broken = None, set(), None  # (its senders write again from their begin)
         done, failed = self.done.pop(rnd.version, {}), self.failed.pop(rnd.version, None)
         if arm is not None:

@@ -155,7 +155,7 @@ class Rounds:
         receivers = {r for role, r in self.planning.sessions if role is Role.RECEIVER}
         devices = self.arming.devices()
         self.round = RoundState(version, plan.plan_id, senders, receivers, "", plan.nbytes)
-        self.arming.begin_with(self.round)  # (its checksum, slots, bases: an arm's where its senders wrote under one)
+        self.arming.begin_with(self.round, devices)  # (its checksum, slots, bases: an arm's where its senders wrote under one)
         self.round.predicted_s = self.predict(plan.plan_id)
         self.timeline.mark(version, "round:start", self.round.t0)
         if self.options.spin is None and not self.spinner.holders:  # auto: where a member's tensors are on a GPU
