@@ -68,25 +68,31 @@ class Arming:
 
     # --- arms ---------------------------------------------------------------------------------------
 
-    async def offer(self, rnd: RoundState) -> None:
-        """Every receiver applied ``rnd``: offer the senders the next round's parameters."""
+    async def offer(self, rnd: RoundState, committing: bool = False) -> Optional[tuple[m.Arm, set[bytes]]]:
+        """Every receiver applied ``rnd``: offer the senders the next round's parameters. ``committing``
+        (their ``commit`` goes next): a sender that offered capability ``commit_arm`` gets the arm in its
+        commit, and the returned (arm, sessions) says to whom; the others get an ``arm`` now."""
         plan = self.planning.plan
         if (not self.options.arm_pushes or self.driven or rnd.applied < rnd.receivers or plan is None or plan.plan_id != rnd.plan_id
                 or not self.planning.ready.is_set() or not self.planning.live() or self.pushes):
-            return  # (a push already waiting begins the usual way)
+            return None  # (a push already waiting begins the usual way)
         peers = [(key, peer) for key in sorted(self.planning.sessions) if (peer := self.planning.peer_of(key))]
         if any(key[0] is Role.RECEIVER and ("slots:2" not in peer.hello.capabilities
                                             or "begin_ack" in peer.hello.capabilities) for key, peer in peers):
-            return
+            return None
         armed = [peer for key, peer in peers if key[0] is Role.SENDER and "arm" in peer.hello.capabilities]
         if not armed:
-            return
+            return None
         arm = self.arms.offer(plan.plan_id, self.inputs.checksum(self.devices(), peek=True),
                               self.landing(rnd.receivers), self.inputs.bases_for(rnd.receivers), self.inputs.delta(),
                               self.tables({peer.identity for peer in armed}), self.receivers())
+        message, riding = arm.message(), set()
         for peer in armed:
-            if peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
-                await self.send(peer, arm.message(), version=rnd.version)
+            if committing and "commit_arm" in peer.hello.capabilities:
+                riding.add(peer.identity)  # (one message fewer ahead of the commit the trainer waits for)
+            elif peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
+                await self.send(peer, message, version=rnd.version)
+        return message, riding
 
     def begin_with(self, rnd: RoundState, devices: set[str]) -> None:
         """What round ``rnd`` (just made) begins with: its checksum, slots, bases and delta mode, and

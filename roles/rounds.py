@@ -206,11 +206,11 @@ class Rounds:
         await self._stage(rnd, "fenced", deadline)
         rnd.stage = "committing"
         rnd.committed = True
-        if rnd.one_phase:  # (applied already: the arm goes ahead of the commit a trainer waits for)
-            await self.arming.offer(rnd)
+        # (one phase: applied already, so the arm goes with, or ahead of, the commit a trainer waits for)
+        arm, riding = (await self.arming.offer(rnd, committing=True) if rnd.one_phase else None) or (None, ())
         for key in sorted(self.planning.sessions):
-            if self.planning.peer_of(key) is not None and not (rnd.one_phase and key[0] is Role.RECEIVER):
-                await self._send_to(key, m.Commit(rnd.version), rnd.version)
+            if (peer := self.planning.peer_of(key)) is not None and not (rnd.one_phase and key[0] is Role.RECEIVER):
+                await self._send_to(key, m.Commit(rnd.version, arm if peer.identity in riding else None), rnd.version)
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
         if not rnd.one_phase:

@@ -6,8 +6,8 @@ table and acknowledges. ``push(v)`` tells the controller the weights for v are r
 the table; when all writes are done and fenced the sources are free again (``push`` returns, so the
 optimizer may step), and ``writes_done`` goes to the controller. The returned ``PushHandle`` resolves
 at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without waiting. A sender that
-holds the controller's ``arm`` (the next round's parameters, ``roles.arms``) when it pushes sends
-``armed_push``, which stands for its ``begin``, and writes at once; a plan that comes before its round
+holds the controller's ``arm`` (the next round's parameters, ``roles.arms``; in the last ``commit`` or
+on its own) when it pushes sends ``armed_push``, which stands for its ``begin``, and writes at once; a plan that comes before its round
 starts keeps those writes (same table, same pair keys) or stops them, and a ``begin`` then follows.
 """
 
@@ -63,7 +63,7 @@ class WeightSender(Worker):
         tensors, dtensor_shards, dtensors = split_dtensors(named_tensors(params))
         options = with_device(options, tensors)
         if options.arm:
-            options = dataclasses.replace(options, capabilities=(*options.capabilities, "arm"))
+            options = dataclasses.replace(options, capabilities=(*options.capabilities, "arm", "commit_arm"))
         super().__init__(controller_addr, rank, options)
         self.tensors = tensors
         self.shards = {**shards, **dtensor_shards}
@@ -188,7 +188,10 @@ class WeightSender(Worker):
         self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round, (params.delta, held)))
 
     async def _on_arm(self, env: Envelope) -> None:
-        self.early.arm = env.body if env.body.plan_id == self.plan_id else None
+        self._take_arm(env.body)
+
+    def _take_arm(self, arm: m.Arm) -> None:
+        self.early.arm = arm if arm.plan_id == self.plan_id else None
 
     async def _push_when_ready(self, handle: PushHandle) -> None:
         """A push is legal once the plan is acknowledged and no round is writing: wait for that. A push
@@ -325,6 +328,8 @@ class WeightSender(Worker):
 
     async def _on_commit(self, env: Envelope) -> None:
         self.early.finish(env.body.version)
+        if env.body.arm is not None:  # (the next round's arm, in the commit: held before the push it serves)
+            self._take_arm(env.body.arm)
         self.committed = env.body.version
         self.bases.commit(env.body.version)  # (an aborted round's deltas are undone before the next one)
         handle = self._handles.pop(env.body.version, None)

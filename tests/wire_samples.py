@@ -124,4 +124,6 @@ def samples() -> dict[str, Envelope]:
         m.Arm(5, 9, "fp64", (m.Slot(1, 0),), (m.Base(1, 3),), "auto"), msg_id=215, sender="controller",
         parent_id=None, version=3)
     out["armed_push"] = Envelope(m.ArmedPush(4, 5), msg_id=216, sender="sender/0", parent_id=None, version=4)
+    out["commit_arm"] = Envelope(  # Commit.arm (optional, capability commit_arm): the next round's arm in the commit
+        m.Commit(3, m.Arm(6, 9, "", (m.Slot(0, 1),), (), "")), msg_id=217, sender="controller", parent_id=None, version=3)
     return out

@@ -341,8 +341,13 @@ class FenceAck(Message):
 
 @struct
 class Commit(Message):
+    """Controller -> round members: ``version`` is committed. ``arm`` (to a sender that offered
+    capability ``commit_arm``, in a round whose receivers applied it before this commit): the next
+    round's parameters, as an ``arm`` message would carry them, in the message the sender waits for."""
+
     TYPE = "commit"
     version: U64
+    arm: Optional[Arm] = None
 
 
 @struct

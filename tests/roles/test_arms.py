@@ -4,12 +4,13 @@ the last round, before its begin; writes under an arm that no longer holds never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
 
 from weightsync.engine.errors import ConfigError, RoundAborted, VersionError
-from weightsync.roles import Controller, WeightReceiver, WeightSender
+from weightsync.roles import Controller, SenderOptions, WeightReceiver, WeightSender
 from weightsync.roles.arms import Arms
 from weightsync.wire import messages as m
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
@@ -71,6 +72,37 @@ async def test_one_receiver_back_to_back_every_push_after_the_first_is_armed():
             await _round(senders, senders_t, v)
         reports = [await ctl.wait_round(v) for v in range(1, 7)]
         assert [r.armed for r in reports] == [0, 1, 1, 1, 1, 1] and mismatches(receivers_t[0], 6) == []
+
+
+async def test_the_arm_rides_in_the_commit_and_a_sender_without_commit_arm_gets_it_on_its_own():
+    """One receiver (one phase): the next round's arm is in the sender's commit, no ``arm`` message goes;
+    a sender that offers ``arm`` but not ``commit_arm`` (a 3.1 peer) gets an ``arm`` ahead of its commit,
+    whose bytes then carry no arm. Both push armed, bit-exact."""
+    async with cluster() as (ctl, senders, senders_t, receivers, receivers_t):
+        for v in range(1, 5):
+            await _round(senders, senders_t, v)
+            assert f"send:arm>{senders[0].name}" not in ctl.timeline.of(v) and "recv:arm" not in senders[0].timeline.of(v)
+        assert [(await ctl.wait_round(v)).armed for v in range(1, 5)] == [0, 1, 1, 1] and mismatches(receivers_t[0], 4) == []
+    old = dataclasses.replace(SenderOptions(), capabilities=("checksum", "arm"), arm=False)  # (as a 3.1 sender says it)
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(Controller(senders=1, receivers=1, options=FAST))
+        sent, served = sender_tensors(0), receiver_tensors()
+        sender = await stack.enter_async_context(WeightSender(ctl.address, sent, rank=0, options=old))
+        receiver = await stack.enter_async_context(WeightReceiver(ctl.address, served, rank=0))
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        commits = []
+        take = sender._on_commit
+
+        async def on_commit(env):
+            commits.append(env.body.arm)
+            await take(env)
+        sender._on_commit = on_commit
+        for v in range(1, 5):
+            await _round([sender], [sent], v)
+            if v > 1:
+                assert "recv:arm" in sender.timeline.of(v - 1) and f"send:arm>{sender.name}" in ctl.timeline.of(v - 1)
+        assert commits == [None] * 4 and [(await ctl.wait_round(v)).armed for v in range(1, 5)] == [0, 1, 1, 1]
+        assert receiver.version == 4 and mismatches(served, 4) == []
 
 
 async def test_no_arm_where_a_receiver_writes_in_place_or_the_controller_offers_none():
