@@ -6,9 +6,9 @@ buffer of the same layout is the landing zone: senders write there while serving
 and ``commit`` makes the landing bytes live in one step without awaiting (serving never sees a mix):
 host buffers exchange their memory, so every tensor (a view of the live storage) sees the new version
 at once; GPU buffers rebind each tensor to the landing buffer; the old live memory becomes the next
-landing zone. In ``inplace`` mode senders write into
-the live tensors: ``before_update`` runs at ``begin`` so serving can pause, ``after_update`` at commit
-or abort; an abort leaves the receiver ``dirty`` until the next successful round repairs it.
+landing zone. In ``inplace`` mode senders write into the live tensors: ``before_update`` runs at
+``begin`` so serving can pause, ``after_update`` at commit or abort; an abort leaves the receiver
+``dirty`` until the next successful round repairs it.
 At ``fence`` the receiver checks that every expected transfer arrived (counts and bytes per sender)
 and, when asked, recomputes each transfer's checksum; only then does it acknowledge. The check runs
 off the receive loop (``_fence_task``: it may wait for bytes still in flight), which keeps reading:
@@ -251,8 +251,7 @@ class WeightReceiver(Worker):
         wrong_base = self.deltas.begin(self.rank, env.body.bases)
         if wrong_base is not None:
             await self._send(m.Error(m.ErrorCode.BAD_REQUEST, wrong_base, "base", self._pending), version=self._pending)
-        if self.mode == "inplace":  # serving may take a while to pause: wait off the receive loop, which
-            #                            must keep reading (heartbeats, an abort)
+        if self.mode == "inplace":  # (off the receive loop, which keeps reading: serving may take a while to pause)
             self._begin_task = asyncio.ensure_future(self._begin_in_place(self._pending))
 
     async def _begin_in_place(self, version: int) -> None:
@@ -362,10 +361,11 @@ class WeightReceiver(Worker):
             if self.mode == "inplace":
                 await call_hook(self.after_update, version, True)
         finally:
-            self._spin(False)
-            if ack and self.session.allowed(Origin.WORKER, m.CommitAck.TYPE):  # (a one-phase round's abort
-                #                                   may have been read while the hooks ran)
-                await self._send(m.CommitAck(version, True, "", *carried), version=version)
+            try:  # (allowed: a one-phase round's abort may have come while the hooks ran)
+                if ack and self.session.allowed(Origin.WORKER, m.CommitAck.TYPE):
+                    await self._send(m.CommitAck(version, True, "", *carried), version=version)
+            finally:
+                self._spin(False)  # (after the ack: the collector it paused may run from here)
 
     def _swap(self) -> None:
         """Make the landing buffer's bytes live; the next version lands in the old live memory.

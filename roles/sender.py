@@ -167,7 +167,7 @@ class WeightSender(Worker):
                                f"committed {self._last_version})")
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
-        self._spin(True)  # until our pipeline starts: begin comes sooner to a polling loop
+        self._spin(True)  # until the round ends here: begin, then commit, come sooner to a polling loop
         arm = self.early.take(self.plan_id) if self.session.state is State.READY and len(self._handles) == 1 \
             and not self._in_doubt else None  # (an arm: write now, with nothing else of ours in flight)
         sending = self._post_if_allowed(m.ArmedPush(version, arm.arm_id), version=version) if arm else None
@@ -287,7 +287,6 @@ class WeightSender(Worker):
                 announced.append(sending)
 
         self.timeline.mark(version, "pipeline:start")
-        self._spin(False)  # from here the pipeline's completion polling keeps the loop awake
         try:
             if len(self.conns) < len(self.table.peers):  # a connection a failure closed: made again
                 await self.conns.connect(self.transport, self.table.peers, self._keys)
@@ -335,6 +334,7 @@ class WeightSender(Worker):
         handle = self._handles.pop(env.body.version, None)
         if handle is not None and not handle.committed.done():
             handle.committed.set_result(env.body.version)
+        self._spin(False)  # (last: the collector it held back may run from here)
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body

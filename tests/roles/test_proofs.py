@@ -134,6 +134,12 @@ async def test_spinning_roles_poll_only_while_a_round_runs():
             WeightReceiver(ctl.address, recv_t, rank=0, options=ReceiverOptions(spin=True)) as receiver:
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         spinners = (ctl.spinner, sender.spinner, receiver.spinner)
+        at_commit, take = [], sender._on_commit
+
+        async def on_commit(env):  # (the sender polls until its round ends: its commit)
+            at_commit.append(sender.spinner.holders)
+            await take(env)
+        sender._on_commit = on_commit
         for v in (1, 2):
             update_in_place(send_t, v)
             await asyncio.wait_for(await sender.push(v), WATCHDOG)
@@ -141,7 +147,7 @@ async def test_spinning_roles_poll_only_while_a_round_runs():
             await asyncio.wait_for(ctl.wait_round(v), WATCHDOG)
         assert mismatches(recv_t, 2) == []
         assert [s.held for s in spinners] == [2, 2, 2]  # each held once per round ...
-        assert [s.holders for s in spinners] == [0, 0, 0]  # ... and let go when it ended
+        assert [s.holders for s in spinners] == [0, 0, 0] and at_commit == [1, 1]  # ... and let go when it ended
         assert ctl.spinner.spins > 0 and receiver.spinner.spins > 0  # (they polled while waiting)
         assert sender.transport.options.busy_poll and receiver.transport.options.busy_poll  # device polls too
 
