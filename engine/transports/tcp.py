@@ -51,6 +51,7 @@ from ..errors import ConnectionClosed, StagingError, TransportError
 from ..transport import Abilities, EpochCounts, TransportOptions, await_each_proof, wait_after
 
 from . import tcp_connect
+from .listen import Listener
 from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
 from .tcp_frames import (ACK, HEADER, MAGIC, OP_ACK, OP_FENCE, OP_HELLO, OP_WRITE, PROOF, PROOF_MAGIC,
                          PROOF_TAG, Frames)
@@ -73,7 +74,7 @@ class TcpTransport(EpochCounts):
         self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # region -> (pinned host mirror, buffer)
         self._dirty: set[int] = set()  # mirrored regions written since the last settle
         EpochCounts.__init__(self)
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._server: Optional[Listener] = None
         self._agents: set[_AgentProtocol] = set()
         self.closing = False
         self.address = ""
@@ -88,10 +89,8 @@ class TcpTransport(EpochCounts):
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
         self.guard.listeners.append(self._stop_closed_writes)  # (the guard may be auto's, shared)
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _AgentProtocol(self), self.options.bind_host,
-                                                self.options.port, reuse_address=True)
-        port = self._server.sockets[0].getsockname()[1]
+        self._server = Listener(lambda: _AgentProtocol(self))  # (never strands a connection it accepted)
+        port = self._server.start(self.options.bind_host, self.options.port)
         host = self.options.advertise_host or self.options.bind_host
         self.address = f"{host}:{port}"
         host_id = self.options.host()
@@ -180,7 +179,6 @@ class TcpTransport(EpochCounts):
             self._server.close()
             for agent in list(self._agents):
                 agent.transport.close()
-            await self._server.wait_closed()
             self._server = None
 
 
