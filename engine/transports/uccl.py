@@ -52,6 +52,7 @@ from ..aio import within
 from ..cuda import cuda_rt
 from ..errors import ConnectionClosed, RegistrationError, TransportError, TransportUnavailable
 from ..transport import EpochCounts, SourceCounters, TransportOptions
+from .listen import Listener
 from .uccl_frames import (BLOB, FENCE_TIMEOUT_S, FRAME, MAGIC, MAILBOX, OP_ACCEPTED, OP_ADVERTISE, OP_CHALLENGE,
                           OP_FENCE, OP_HELLO, PAIRING_TIMEOUT_S, REFUSED, ok as _ok)
 
@@ -184,7 +185,7 @@ class UcclTransport(EpochCounts):
         self.regions: dict[int, tuple[torch.Tensor, int, int]] = {}  # region id -> (buffer, mr id, its address then)
         self.blocks: dict[tuple[int, int], int] = {}  # (base, size) of a whole source allocation -> mr id
         EpochCounts.__init__(self)  # (source, epoch) -> what the source reported at its fence
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._server: Optional[Listener] = None
         self._sessions: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self._waiting: dict[asyncio.StreamWriter, None] = {}  # side-channel sessions not yet authenticated, oldest first
         self._pairing = asyncio.Lock()
@@ -198,8 +199,8 @@ class UcclTransport(EpochCounts):
     async def start(self, rank: int) -> TransportInfo:
         self.rank = rank
         self.ep = await _off_loop(self._make_endpoint)
-        self._server = await asyncio.start_server(self._session, self.options.bind_host, self.options.port)
-        port = self._server.sockets[0].getsockname()[1]
+        self._server = Listener(lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._session))
+        port = self._server.start(self.options.bind_host, self.options.port)  # (never strands a connection)
         host = self.options.host()
         address = f"{self.options.advertise_host or self.options.bind_host}:{port}"
         return TransportInfo(self.kind, host, address, self.options.device, bytes(self.ep.get_metadata()))
@@ -241,6 +242,9 @@ class UcclTransport(EpochCounts):
     # --- target side: one side-channel session per incoming connection -----------------------------
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._server is None:  # (accepted as the transport closed: ended, not left silent)
+            writer.close()
+            return
         self._sessions[writer] = asyncio.current_task()
         source = -1
         try:

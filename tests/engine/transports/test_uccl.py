@@ -148,3 +148,30 @@ async def test_the_side_channel_front_door_times_out_and_bounds_strangers():
         for _, writer in strangers:
             writer.close()
         await dst.close()
+
+
+@pytest.mark.parametrize("turns", range(5))
+async def test_a_side_channel_connection_accepted_as_the_transport_closes_hears_its_end(turns):
+    """Initiators connect while the target closes, ``turns`` loop turns after the kernel took their
+    connections: each hears a reset or an end of stream at once, never silence (``engine.transports.listen``)."""
+    import socket
+
+    loop = asyncio.get_running_loop()
+    dst, info, _, _ = await _target()
+    host, _, port = info.address.rpartition(":")
+    clients = [socket.create_connection((host, int(port))) for _ in range(4)]
+    try:
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await dst.close()
+        for c in clients:
+            c.setblocking(False)
+            ended = False
+            while not ended:  # (a challenge may come first, then the end)
+                try:
+                    ended = not await asyncio.wait_for(loop.sock_recv(c, 64), 3.0)
+                except ConnectionResetError:
+                    ended = True
+    finally:
+        for c in clients:
+            c.close()
