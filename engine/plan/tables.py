@@ -19,6 +19,7 @@ receiver's pieces taken in that order by one C-level ``itemgetter`` and transpos
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, Sequence
@@ -42,8 +43,8 @@ class RoutingPlan:
     senders: dict[int, SenderTable]
     receivers: dict[int, ReceiverTable]
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # (read at every round's start: summed once per plan)
         return sum(t.nbytes for t in self.senders.values())
 
     @property
