@@ -188,10 +188,7 @@ class WeightSender(Worker):
         self._round = asyncio.ensure_future(self._write(version, handle, slots, self._round, (params.delta, held)))
 
     async def _on_arm(self, env: Envelope) -> None:
-        self._take_arm(env.body)
-
-    def _take_arm(self, arm: m.Arm) -> None:
-        self.early.arm = arm if arm.plan_id == self.plan_id else None
+        self.early.offered(env.body, self.plan_id)
 
     async def _push_when_ready(self, handle: PushHandle) -> None:
         """A push is legal once the plan is acknowledged and no round is writing: wait for that. A push
@@ -328,7 +325,7 @@ class WeightSender(Worker):
     async def _on_commit(self, env: Envelope) -> None:
         self.early.finish(env.body.version)
         if env.body.arm is not None:  # (the next round's arm, in the commit: held before the push it serves)
-            self._take_arm(env.body.arm)
+            self.early.offered(env.body.arm, self.plan_id)
         self.committed = env.body.version
         self.bases.commit(env.body.version)  # (an aborted round's deltas are undone before the next one)
         handle = self._handles.pop(env.body.version, None)

@@ -128,6 +128,10 @@ class EarlyWrites:
     def __repr__(self) -> str:
         return f"<EarlyWrites arm={self.arm.arm_id if self.arm else None} writing={self.under and self.under[0]} pushes={self.pushes}>"
 
+    def offered(self, arm: m.Arm, plan_id: Optional[int]) -> None:
+        """The controller's arm (its own message, or in a commit): held where it is for our plan."""
+        self.arm = arm if arm.plan_id == plan_id else None
+
     def take(self, plan_id: Optional[int]) -> Optional[m.Arm]:
         """The arm, for a push that may write under it now (it is for our plan, nothing is written under
         another); held for one push at most."""
