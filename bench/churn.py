@@ -17,7 +17,8 @@ cycle:
 - a round the controller records as committed is served by every receiver session it was planned for,
   bit for bit (else a **false commit**), and no receiver serves a version the controller does not
   know as committed, or goes back;
-- an aborted round blames only a member replaced in that cycle, or nobody (else **wrong blame**).
+- an aborted round blames only a member replaced in that cycle (or before it, where no plan had named
+  its new session when the cycle began), or nobody (else **wrong blame**).
 
 The last line (``--json``) is one object with those counts, the rounds committed and aborted, and the
 command; exit status 1 on any false commit, stall, wrong blame or mismatch.
@@ -127,7 +128,7 @@ class Fleet:
 async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> None:
     ctl = fleet.ctl
     sender, receiver = rng.randrange(fleet.args.senders), rng.randrange(fleet.args.receivers)
-    changed = {f"sender/{sender}", f"receiver/{receiver}"}
+    changed = {f"sender/{sender}", f"receiver/{receiver}"} | unplanned(fleet)
     moment = rng.choice(["before", "among", "planning"])
 
     async def churn() -> None:
@@ -166,6 +167,14 @@ async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> 
             except WeightSyncError as exc:  # (refused at once: typed)
                 tally["errors"][type(exc).__name__] = tally["errors"].get(type(exc).__name__, 0) + 1
     await settle(fleet, version, pushes, late, changed, tally)
+
+
+def unplanned(fleet: Fleet) -> set[str]:
+    """Members replaced before this cycle whose new session no plan has named yet: the plan that does
+    comes during this cycle (an armed push made before it may abort blaming them)."""
+    planned = fleet.ctl.planning.sessions
+    return {f"{w.role.value}/{w.rank}" for w in [*fleet.senders.values(), *fleet.receivers.values()]
+            if planned.get((w.role, w.rank)) != _identity(w)}
 
 
 def note(tally: dict, kind: str, text: str) -> None:
