@@ -242,15 +242,17 @@ class Rounds:
         return peer is not None and "fence_commit" in peer.hello.capabilities
 
     async def _stage(self, rnd: RoundState, stage: str, deadline: Optional[float]) -> None:
+        """Until ``stage`` is reached. Its future is awaited as it is (no shield: this task wakes in the
+        loop turn after the message that completes it); a timeout cancels it, and every completion of
+        a stage checks that it is not done yet."""
         try:
-            await within(asyncio.shield(rnd.futures[stage]), deadline)
+            await within(rnd.futures[stage], deadline)
         except asyncio.TimeoutError:
-            if not rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s"):
-                missing = sorted(rnd.receivers - rnd.applied)  # committed: whoever applied it has it
-                log.warning("controller: v%d committed; no commit_ack within %ss from receiver(s) %s",
-                            rnd.version, deadline, missing)
-                return
-            await rnd.futures[stage]
+            if rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s") or rnd.aborted:
+                raise rnd.aborted from None
+            missing = sorted(rnd.receivers - rnd.applied)  # committed: whoever applied it has it
+            log.warning("controller: v%d committed; no commit_ack within %ss from receiver(s) %s",
+                        rnd.version, deadline, missing)
 
     async def _send_to(self, key: tuple[Role, int], body: m.Message, version: int) -> None:
         """Send to the session the plan named for ``key``: never to another session of the same rank."""

@@ -70,6 +70,38 @@ async def test_mismatched_pushes_end_in_a_typed_error_and_can_resync():
         assert receiver.version == 6
 
 
+@pytest.mark.parametrize("receivers", [1, 2])
+async def test_a_stage_that_outlasts_the_round_timeout_aborts_the_round_as_timeout(receivers):
+    """A receiver whose verdict never comes (one phase: ``fence_commit``; two: ``fence``): the round
+    aborts with ``TIMEOUT`` naming the stage once ``round_timeout_s`` has passed, no receiver serves it,
+    and the next round, with the verdict back, commits bit-exact everywhere."""
+    from weightsync.engine.errors import RoundAborted
+    from weightsync.wire import messages as m
+
+    opts = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, round_timeout_s=0.5)
+    send_t, recv_ts = sender_tensors(0), [receiver_tensors() for _ in range(receivers)]
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(Controller(senders=1, receivers=receivers, options=opts))
+        sender = await stack.enter_async_context(WeightSender(ctl.address, send_t, rank=0))
+        rs = [await stack.enter_async_context(WeightReceiver(ctl.address, t, rank=r)) for r, t in enumerate(recv_ts)]
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        await applied(1, *rs)
+        verdict = rs[-1]._verdict
+
+        async def never(body):
+            await asyncio.Event().wait()  # (cancelled by the round's abort)
+        rs[-1]._verdict = never
+        with pytest.raises(RoundAborted) as err:
+            await push(sender, send_t, 2)
+        assert err.value.reason == m.AbortReason.TIMEOUT and "stage fenced took longer than 0.5s" in str(err.value)
+        assert ctl.reports[-1].version == 2 and not ctl.reports[-1].ok and [r.version for r in rs] == [1] * receivers
+        rs[-1]._verdict = verdict
+        await push(sender, send_t, 3)
+        await applied(3, *rs)
+        assert all(mismatches(t, 3) == [] for t in recv_ts)
+
+
 def _stranger(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=WATCHDOG)
