@@ -17,8 +17,9 @@ cycle:
 - a round the controller records as committed is served by every receiver session it was planned for,
   bit for bit (else a **false commit**), and no receiver serves a version the controller does not
   know as committed, or goes back;
-- an aborted round blames only a member replaced in that cycle (or before it, where no plan had named
-  its new session when the cycle began), or nobody (else **wrong blame**).
+- an aborted round blames only a member replaced in that cycle (or before it, where the senders could
+  not hold a plan naming its new session when the cycle began; for a push carried from the cycle before,
+  one replaced then), or nobody (else **wrong blame**).
 
 The last line (``--json``) is one object with those counts, the rounds committed and aborted, and the
 command; exit status 1 on any false commit, stall, wrong blame or mismatch.
@@ -75,6 +76,7 @@ class Fleet:
         self.receivers: dict[int, WeightReceiver] = {}
         self.served: dict[int, int] = {}  # receiver object id -> the newest version it served
         self.carried: list = []  # late pushes whose round ended without them (settled next cycle)
+        self.changed: set[str] = set()  # the members the last cycle replaced (a carried push may blame them)
         self.rounds: dict[int, dict] = {}  # version -> the plan's sessions when its round started
         start_round = self.ctl.rounds.start
 
@@ -170,11 +172,14 @@ async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> 
 
 
 def unplanned(fleet: Fleet) -> set[str]:
-    """Members replaced before this cycle whose new session no plan has named yet: the plan that does
-    comes during this cycle (an armed push made before it may abort blaming them)."""
-    planned = fleet.ctl.planning.sessions
+    """Members replaced before this cycle whose new session no plan has named yet, or one the senders may
+    not hold yet: the receivers the controller's current arm names another session for (an armed push made
+    under it may abort blaming them once the plan that names the new session comes, in this cycle)."""
+    planned, arm = fleet.ctl.planning.sessions, fleet.ctl.rounds.arming.arms.current
+    armed = arm.receivers if arm is not None else {}
     return {f"{w.role.value}/{w.rank}" for w in [*fleet.senders.values(), *fleet.receivers.values()]
-            if planned.get((w.role, w.rank)) != _identity(w)}
+            if planned.get((w.role, w.rank)) != _identity(w)
+            or (w.role.value == "receiver" and w.rank in armed and armed[w.rank] != _identity(w))}
 
 
 def note(tally: dict, kind: str, text: str) -> None:
@@ -194,7 +199,9 @@ async def settle(fleet: Fleet, version: int, pushes: dict, late: dict, changed: 
     carried to the next cycle, whose newer pushes must end it promptly (``PushBook.dead``)."""
     limit = fleet.args.round_timeout + 2 * fleet.args.timeout + 2.0
     carried, fleet.carried = fleet.carried, []
-    await outcomes(fleet, version, [*pushes.values(), *carried], changed, limit, tally)
+    await outcomes(fleet, version, list(pushes.values()), changed, limit, tally)
+    await outcomes(fleet, version, carried, changed | fleet.changed, limit, tally)  # (their own cycle's too)
+    fleet.changed = changed
     if any(h.committed.done() and h.committed.exception() is None for h in pushes.values()) or not pushes:
         await outcomes(fleet, version, list(late.values()), changed, limit, tally)
     else:
