@@ -40,10 +40,13 @@ class Listener:
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host``:``port`` (0: any free port) from the running loop; returns the port."""
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (as an initiator dials: ``tcp_connect``)
+        address = socket.getaddrinfo(host.strip("[]"), port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][4]
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (IPv6 only, as asyncio's servers bind it)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
             sock.listen(BACKLOG)
             sock.setblocking(False)
