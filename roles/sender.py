@@ -7,8 +7,9 @@ the table; when all writes are done and fenced the sources are free again (``pus
 optimizer may step), and ``writes_done`` goes to the controller. The returned ``PushHandle`` resolves
 at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without waiting. A sender that
 holds the controller's ``arm`` (the next round's parameters, ``roles.arms``; in the last ``commit`` or
-on its own) when it pushes sends ``armed_push``, which stands for its ``begin``, and writes at once; a plan that comes before its round
-starts keeps those writes (same table, same pair keys) or stops them, and a ``begin`` then follows.
+on its own) when it pushes sends ``armed_push``, which stands for its ``begin``, and writes at once; a
+plan that comes before its round starts keeps those writes (same table, same pair keys) or stops them,
+and a ``begin`` then follows. The loop polls from a push until its commit (``WorkerOptions.spin``).
 """
 
 from __future__ import annotations
@@ -331,7 +332,8 @@ class WeightSender(Worker):
         handle = self._handles.pop(env.body.version, None)
         if handle is not None and not handle.committed.done():
             handle.committed.set_result(env.body.version)
-        self._spin(False)  # (last: the collector it held back may run from here)
+        self._spin(bool(self._handles))  # (last: the collector it held back may run from here, unless a
+        #                                   newer push of ours is still in flight)
 
     async def _on_abort(self, env: Envelope) -> None:
         body = env.body

@@ -36,7 +36,8 @@ class Listener:
 
     def __repr__(self) -> str:
         where = "%s:%s" % self.sock.getsockname()[:2] if self.sock is not None else "not listening"
-        return f"<Listener {where} accepted={self.accepted} closing={self.closing}>"
+        return (f"<Listener {where} accepted={self.accepted} handing={len(self._handing)} "
+                f"closed_at_accept={self.closed_at_accept} closing={self.closing}>")
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host``:``port`` (0: any free port) from the running loop; returns the port."""
