@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 
 import torch
 
@@ -24,3 +26,27 @@ async def tcp_pair(nbytes: int = 64):
         await conn.close()
         await src.close()
         await dst.close()
+
+
+async def connect_while_closing(address: str, close, turns: int, clients: int = 4) -> None:
+    """``clients`` connections the kernel completes at ``address`` ("host:port"), then ``close()`` awaited
+    ``turns`` loop turns later: returns once each has heard its end (a reset or an end of stream, maybe
+    after a challenge); a connection left open and silent fails the 3 s wait."""
+    loop = asyncio.get_running_loop()
+    host, _, port = address.rpartition(":")
+    socks = [socket.create_connection((host, int(port))) for _ in range(clients)]
+    try:
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await close()
+        for c in socks:
+            c.setblocking(False)
+            ended = False
+            while not ended:  # (a challenge may come first, then the end)
+                try:
+                    ended = not await asyncio.wait_for(loop.sock_recv(c, 64), 3.0)
+                except ConnectionResetError:
+                    ended = True
+    finally:
+        for c in socks:
+            c.close()

@@ -11,7 +11,7 @@ import torch
 from weightsync.engine.datapath.compiled import CopyRow
 from weightsync.engine.errors import TransportError
 from weightsync.engine.transports import tcp, tcp_connect
-from transport_helpers import tcp_pair
+from transport_helpers import connect_while_closing, tcp_pair
 
 WATCHDOG = 20
 
@@ -253,27 +253,8 @@ async def test_a_connection_accepted_as_the_transport_closes_hears_its_end_not_s
     connections: each must hear a reset or an end of stream at once. (asyncio's own server left one it
     had accepted, but not yet given a transport, open and silent when it closed then: the sender waited
     its whole ``connect_timeout_s`` for a challenge, ``engine.transports.listen``.)"""
-    import socket
-
     from weightsync.engine.transport import TransportOptions
 
-    loop = asyncio.get_running_loop()
     target = tcp.TcpTransport(TransportOptions())
     await target.start(0)
-    host, _, port = target.address.rpartition(":")
-    clients = [socket.create_connection((host, int(port))) for _ in range(4)]  # (the kernel completes each)
-    try:
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        await target.close()
-        for c in clients:
-            c.setblocking(False)
-            ended = False
-            while not ended:  # (a challenge may come first, then the end)
-                try:
-                    ended = not await asyncio.wait_for(loop.sock_recv(c, 64), 3.0)
-                except ConnectionResetError:
-                    ended = True
-    finally:
-        for c in clients:
-            c.close()
+    await connect_while_closing(target.address, target.close, turns)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fake_uccl
+from transport_helpers import connect_while_closing
 from weightsync.engine.errors import RegistrationError
 from weightsync.engine.transport import BACKENDS, TransportOptions, connect_authorized, register_backend
 from weightsync.engine.transports import uccl, uccl_connection
@@ -154,24 +155,5 @@ async def test_the_side_channel_front_door_times_out_and_bounds_strangers():
 async def test_a_side_channel_connection_accepted_as_the_transport_closes_hears_its_end(turns):
     """Initiators connect while the target closes, ``turns`` loop turns after the kernel took their
     connections: each hears a reset or an end of stream at once, never silence (``engine.transports.listen``)."""
-    import socket
-
-    loop = asyncio.get_running_loop()
     dst, info, _, _ = await _target()
-    host, _, port = info.address.rpartition(":")
-    clients = [socket.create_connection((host, int(port))) for _ in range(4)]
-    try:
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        await dst.close()
-        for c in clients:
-            c.setblocking(False)
-            ended = False
-            while not ended:  # (a challenge may come first, then the end)
-                try:
-                    ended = not await asyncio.wait_for(loop.sock_recv(c, 64), 3.0)
-                except ConnectionResetError:
-                    ended = True
-    finally:
-        for c in clients:
-            c.close()
+    await connect_while_closing(info.address, dst.close, turns)
