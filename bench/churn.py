@@ -19,7 +19,7 @@ cycle:
   know as committed, or goes back;
 - an aborted round blames only a member replaced in that cycle (or before it, where the senders could
   not hold a plan naming its new session when the cycle began; for a push carried from the cycle before,
-  one replaced then), or nobody (else **wrong blame**).
+  one replaced then), one that joined again as a new session on its own, or nobody (else **wrong blame**).
 
 The last line (``--json``) is one object with those counts, the rounds committed and aborted, and the
 command; exit status 1 on any false commit, stall, wrong blame or mismatch.
@@ -77,6 +77,7 @@ class Fleet:
         self.served: dict[int, int] = {}  # receiver object id -> the newest version it served
         self.carried: list = []  # late pushes whose round ended without them (settled next cycle)
         self.changed: set[str] = set()  # the members the last cycle replaced (a carried push may blame them)
+        self.sessions: dict[int, tuple[str, bytes]] = {}  # worker object id -> (name, session) as the cycle began
         self.rounds: dict[int, dict] = {}  # version -> the plan's sessions when its round started
         start_round = self.ctl.rounds.start
 
@@ -121,6 +122,15 @@ class Fleet:
             await old.close()
         group[rank] = await (self._sender(rank) if role == "sender" else self._receiver(rank))
 
+    def members(self) -> list:
+        return [*self.senders.values(), *self.receivers.values()]
+
+    def rejoined(self) -> set[str]:
+        """Members that joined again as a new session during this cycle without being replaced (their
+        session was dropped, say as silent, and they rejoined): changed as much as a replaced one."""
+        return {name for w in self.members() if (was := self.sessions.get(id(w))) is not None
+                and (name := was[0]) and _identity(w) not in (b"", was[1])}
+
     async def close(self) -> None:
         for worker in [*self.senders.values(), *self.receivers.values()]:
             await worker.close()
@@ -131,6 +141,7 @@ async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> 
     ctl = fleet.ctl
     sender, receiver = rng.randrange(fleet.args.senders), rng.randrange(fleet.args.receivers)
     changed = {f"sender/{sender}", f"receiver/{receiver}"} | unplanned(fleet)
+    fleet.sessions = {id(w): (f"{w.role.value}/{w.rank}", _identity(w)) for w in fleet.members()}
     moment = rng.choice(["before", "among", "planning"])
 
     async def churn() -> None:
@@ -221,9 +232,10 @@ async def outcomes(fleet: Fleet, version: int, handles: list, changed: set, limi
                                   f"senders (state, pending, in doubt): {senders}; {_inside(fleet)}")
         except RoundAborted as exc:
             tally["errors"]["RoundAborted"] = tally["errors"].get("RoundAborted", 0) + 1
-            if exc.culprit and exc.culprit not in changed:
+            if exc.culprit and exc.culprit not in changed | fleet.rejoined():
                 tally["wrong_blame"] += 1
-                note(tally, "wrong_blame", f"v{version}: blamed {exc.culprit}, changed {sorted(changed)}: {exc.text[:200]}")
+                note(tally, "wrong_blame", f"v{version}: blamed {exc.culprit}, changed {sorted(changed)}: {exc.text[:200]}; "
+                                           f"last log: {list(RECENT)[-20:]}")
         except WeightSyncError as exc:
             kind = type(exc).__name__
             tally["errors"][kind] = tally["errors"].get(kind, 0) + 1
