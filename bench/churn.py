@@ -128,11 +128,11 @@ class Fleet:
     def rejoined(self) -> set[str]:
         """Members that joined again as a new session during this cycle without being replaced (their
         session was dropped, say as silent, and they rejoined): changed as much as a replaced one."""
-        return {name for w in self.members() if (was := self.sessions.get(id(w))) is not None
-                and (name := was[0]) and _identity(w) not in (b"", was[1])}
+        return {was[0] for w in self.members() if (was := self.sessions.get(id(w))) is not None
+                and _identity(w) not in (b"", was[1])}
 
     async def close(self) -> None:
-        for worker in [*self.senders.values(), *self.receivers.values()]:
+        for worker in self.members():
             await worker.close()
         await self.ctl.close()
 
@@ -188,7 +188,7 @@ def unplanned(fleet: Fleet) -> set[str]:
     under it may abort blaming them once the plan that names the new session comes, in this cycle)."""
     planned, arm = fleet.ctl.planning.sessions, fleet.ctl.rounds.arming.arms.current
     armed = arm.receivers if arm is not None else {}
-    return {f"{w.role.value}/{w.rank}" for w in [*fleet.senders.values(), *fleet.receivers.values()]
+    return {f"{w.role.value}/{w.rank}" for w in fleet.members()
             if planned.get((w.role, w.rank)) != _identity(w)
             or (w.role.value == "receiver" and w.rank in armed and armed[w.rank] != _identity(w))}
 
