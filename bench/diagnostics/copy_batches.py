@@ -47,11 +47,11 @@ def patterns(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream]
     return out
 
 
-def replays(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream], dst_device: int,
-            shapes: tuple[tuple[int, int, int], ...] = ()) -> dict:
+def replays(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream], dst_device: int) -> dict:
     """name -> a function replaying the copies the way a compiled round may: one batch call, batch calls
     of 256 on two streams, and (same GPU) one Triton launch. (A CUDA graph of batch calls is not an
-    option: capturing ``cudaMemcpyBatchAsync`` fails with error 900, CUDA 12.9.)"""
+    option: capturing ``cudaMemcpyBatchAsync`` fails with error 900, CUDA 12.9.) The kernel's other shapes:
+    ``bench/diagnostics/copy_kernel.py``."""
     from weightsync.engine.cuda.copy_kernel import CopyKernel
 
     out = {"all in one batch call": pointer_copies(pairs, streams[:1], len(pairs), dst_device),
@@ -59,9 +59,6 @@ def replays(pairs: list[tuple[int, int, int]], streams: list[torch.cuda.Stream],
     if dst_device == 0:
         kernel = CopyKernel(pairs, 0)
         out["one Triton launch (CopyKernel)"] = lambda: kernel.launch(streams[0])
-        for tile, steps, warps in shapes:  # other program shapes (tile x steps 4-byte words, warps)
-            other = CopyKernel(pairs, 0, tile=tile, steps=steps, warps=warps)
-            out[f"one Triton launch, {tile} x {steps} words, {warps} warps"] = (lambda k: lambda: k.launch(streams[0]))(other)
     return out
 
 
@@ -71,10 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--model", default="qwen2.5-7b", help="qwen2.5-7b or qwen3-30b-a3b (per-expert tensors)")
     ap.add_argument("--colocated", action="store_true", help="GPU0 -> GPU0 (trainer and inference on one GPU)")
-    ap.add_argument("--kernel-shapes", default="", help="colocated: more CopyKernel shapes to time, "
-                    "TILE:STEPS:WARPS,... (e.g. 4096:8:16,2048:16:8)")
     args = ap.parse_args(argv)
-    shapes = tuple(tuple(int(x) for x in item.split(":")) for item in args.kernel_shapes.split(",") if item)
     if torch.cuda.device_count() < 2 and not args.colocated:
         print("needs two GPUs")
         return 0
@@ -88,7 +82,7 @@ def main(argv=None) -> int:
     b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst_device}")
     streams = [torch.cuda.Stream(device=0) for _ in range(2)]
     rows = {"one copy of the same bytes (the bound)": lambda: b.copy_(a),
-            **replays(pairs, streams, dst_device, shapes), **patterns(pairs, streams, dst_device)}
+            **replays(pairs, streams, dst_device), **patterns(pairs, streams, dst_device)}
     print(f"{args.model}: {len(pairs)} tensors, {nbytes / 1e9:.2f} GB, GPU0 -> GPU{dst_device}; "
           f"CUDA runtime {cuda_rt.runtime_version()}, "
           f"batch calls {'available' if cuda_rt.batch_copies() else 'unavailable'}; median of {args.rounds}")

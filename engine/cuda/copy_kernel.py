@@ -4,7 +4,7 @@ How this works. A trainer and an inference engine on the same GPU (colocated) ex
 device-to-device copies; thousands of them (a MoE model's per-expert tensors) issued one by one cost
 microseconds of launch each, far more than the bytes take. ``CopyKernel(copies, device)`` takes the
 ``(dst, src, nbytes)`` pointer triples once per plan and cuts every copy into pieces of at most
-``tile * steps`` words (64 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table (``pitched_table.dense``) on
+``tile * steps`` words (128 KiB by default); the pieces' (source offset, destination offset, length) go into one int64 table (``pitched_table.dense``) on
 the GPU, offsets counted in 4-byte words from the lowest source and destination (kernel arguments,
 so the compiler knows their alignment; ``fp8_kernel.DeviceAddress`` stands for a raw address). ``launch``
 then runs one program per piece, or a bounded grid of programs each looping over every ``programs``-th
@@ -29,9 +29,9 @@ from ..transforms.fp8_kernel import DeviceAddress
 from . import cuda_rt, pitched_table
 from .launches import Launch
 
-TILE = 2048  # 4-byte words per step of a program
-STEPS = 8  # steps per program: a piece is TILE * STEPS words (64 KiB)
-WARPS = 8  # (bench/diagnostics/copy_kernel.py measures other shapes)
+TILE = 4096  # 4-byte words per step of a program (8 per thread: two 16-byte vectors)
+STEPS = 8  # steps per program: a piece is TILE * STEPS words (128 KiB)
+WARPS = 16  # (bench/diagnostics/copy_kernel.py times other shapes: this one was the fastest on every model)
 ALIGN = 16
 
 

@@ -1,0 +1,90 @@
+"""The colocated copy kernel's shapes against one flat copy of the same bytes (the bound), per model.
+
+Why: a colocated round moves a model's tensors from the trainer's memory into the inference engine's
+on one GPU with one launch of ``engine.cuda.copy_kernel.CopyKernel`` (a table of 64 KiB pieces, one
+program each). Its data time is the round's floor, and the benchmark's bound is one ``copy_`` of the
+same number of bytes (``bench/transfer_gpu.bound_seconds``). This times, on GPU 0, the kernel in the
+shape the engine uses and in other shapes (words per step, steps per piece, warps, a bounded grid of
+programs looping over the pieces), one flat copy of the model's bytes, and one ``copy_`` per tensor,
+for each ``--models`` (separately allocated tensors, as a trainer's and an engine's are; random bf16).
+Each line: milliseconds (median of ``--rounds`` after a warm-up, the GPU idle between calls,
+``transfer_gpu._timed``: launch to synchronize, as a round sees it) and the ratio to the flat copy.
+Results: docs/results/copy_kernel_h200.jsonl.
+
+    python3 bench/diagnostics/copy_kernel.py [--models qwen2.5-0.5b,qwen2.5-7b] [--rounds 15] [--shapes 4096:8:16,2048:8:8:4] [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from transfer_gpu import _timed, make_state  # noqa: E402
+
+# (tile words, steps, warps, programs per SM or None): the engine's shape (``copy_kernel.TILE``, ...) first
+SHAPES = [(4096, 8, 16, None), (2048, 8, 8, None), (2048, 8, 4, None), (1024, 16, 4, None), (4096, 4, 8, None),
+          (2048, 16, 8, None), (1024, 8, 4, None), (2048, 8, 8, 4), (2048, 8, 8, 8), (4096, 4, 8, 8)]
+
+
+def cases(model: str, rounds: int, shapes: list) -> list[dict]:
+    from weightsync.engine.cuda.copy_kernel import CopyKernel
+
+    src = make_state("cuda:0", model=model)
+    dst = {k: torch.empty_like(v) for k, v in src.items()}
+    copies = [(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size()) for k, v in src.items()]
+    nbytes = sum(c[2] for c in copies)
+    stream = torch.cuda.current_stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flat_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    flat_b = torch.empty_like(flat_a)
+    flat = statistics.median(_timed(lambda: flat_b.copy_(flat_a), rounds))
+    del flat_a, flat_b
+    out = [{"way": "one flat copy_ (the bound)", "ms": flat * 1e3}]
+    per = statistics.median(_timed(lambda: [dst[k].copy_(v) for k, v in src.items()], rounds))
+    out.append({"way": "copy_ per tensor", "ms": per * 1e3})
+    for tile, steps, warps, per_sm in shapes:
+        kernel = CopyKernel(copies, 0, tile=tile, steps=steps, warps=warps,
+                            programs=per_sm * sms if per_sm else None)
+        for d in dst.values():
+            d.zero_()
+        took = statistics.median(_timed(lambda: kernel.launch(stream), rounds))
+        exact = all(torch.equal(dst[k], v) for k, v in src.items())
+        out.append({"way": f"CopyKernel tile={tile} steps={steps} warps={warps} "
+                           f"programs={f'{per_sm}/SM' if per_sm else 'one per piece'}",
+                    "ms": took * 1e3, "pieces": kernel.pieces, "bit_exact": exact})
+    for line in out:
+        line.update(model=model, tensors=len(copies), nbytes=nbytes, over_flat=round(line["ms"] / (flat * 1e3), 4),
+                    ms=round(line["ms"], 4), device=torch.cuda.get_device_name(0))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-7b,qwen3-30b-a3b")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--shapes", default="", help="TILE:STEPS:WARPS[:PROGRAMS_PER_SM],... (default: a fixed set)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    shapes = [tuple([*map(int, s.split(":")), None][:4]) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    lines = []
+    for model in args.models.split(","):
+        for line in cases(model, args.rounds, shapes):
+            line["command"] = "bench/diagnostics/copy_kernel.py " + " ".join(sys.argv[1:])
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+        torch.cuda.empty_cache()
+    if args.out:
+        pathlib.Path(args.out).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
