@@ -184,13 +184,13 @@ async def cycle(fleet: Fleet, version: int, rng: random.Random, tally: dict) -> 
 
 def unplanned(fleet: Fleet) -> set[str]:
     """Members replaced before this cycle whose new session no plan has named yet, or one the senders may
-    not hold yet: the receivers the controller's current arm names another session for (an armed push made
-    under it may abort blaming them once the plan that names the new session comes, in this cycle)."""
+    not hold yet: the receivers whose session the controller's current arm does not name (another session,
+    or none: it was made while the rank was away), since an armed push made under it aborts blaming them
+    once the plan that names the new session comes, in this cycle (``Arm.kept``)."""
     planned, arm = fleet.ctl.planning.sessions, fleet.ctl.rounds.arming.arms.current
-    armed = arm.receivers if arm is not None else {}
     return {f"{w.role.value}/{w.rank}" for w in fleet.members()
             if planned.get((w.role, w.rank)) != _identity(w)
-            or (w.role.value == "receiver" and w.rank in armed and armed[w.rank] != _identity(w))}
+            or (w.role.value == "receiver" and arm is not None and arm.receivers.get(w.rank) != _identity(w))}
 
 
 def note(tally: dict, kind: str, text: str) -> None:

@@ -195,8 +195,19 @@ def test_a_proof_is_bound_to_the_key_the_nonce_and_the_rank():
     assert guard.admit(3, nonce, dataauth.prove(key, nonce, 3), "peer") == key
     assert guard.admit(3, dataauth.new_nonce(), dataauth.prove(key, nonce, 3), "peer") is None  # replayed
     assert guard.admit(4, nonce, dataauth.prove(key, nonce, 4), "peer") is None  # a rank the plan does not name
+    assert guard.write_problem(3, key, 0) is None
     guard.authorize({3: dataauth.new_secret()})  # a new plan: the old key no longer writes
     assert guard.write_problem(3, key, 0) is not None and guard.refused == 2
+
+
+def test_a_refused_write_says_which_way_its_connection_fell_out_of_the_plan():
+    guard, key = dataauth.DataGuard(), dataauth.new_secret()
+    guard.authorize({3: key})
+    assert guard.write_problem(3, None, 0).endswith("its connection proved no key")
+    guard.authorize({3: dataauth.new_secret()})
+    assert guard.write_problem(3, key, 0).endswith("the key of an earlier pair of sessions")
+    guard.authorize({})
+    assert guard.write_problem(3, key, 0).endswith("the current plan does not name it")
 
 
 async def _crash(worker) -> None:
