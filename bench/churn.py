@@ -275,7 +275,9 @@ async def check(fleet: Fleet, version: int, limit: float, tally: dict) -> None:
             fleet.served[id(r)] = r.version
             if ctl.committed is None or r.version > ctl.committed:
                 tally["false_commits"] += 1
-                note(tally, "false_commits", f"receiver/{r.rank} serves v{r.version}, controller committed v{ctl.committed}")
+                said = next((f"{x.reason} {x.culprit}" for x in reversed(ctl.reports) if x.version == r.version), "no report")
+                note(tally, "false_commits", f"v{version}: receiver/{r.rank} serves v{r.version}, controller committed "
+                                             f"v{ctl.committed} (its round: {said}); last log: {list(RECENT)[-20:]}")
             if not matches(r.tensors, r.version):
                 tally["mismatches"] += 1
                 note(tally, "mismatches", f"v{version}: receiver/{r.rank} serves v{r.version} with other bytes")

@@ -102,6 +102,7 @@ class RoundState:
         self.stage = "writing"
         self.committed = False
         self.one_phase = False  # fence and commit in one exchange (a round with one capable receiver)
+        self.deciding = False  # one phase, fence_commit sent: the receiver applies on its own verdict (``abort``)
         self.t0 = time.perf_counter()
         self.marks: dict[str, float] = {}
         self.aborted: Optional[RoundAborted] = None
@@ -137,7 +138,7 @@ class RoundState:
         if not body.ok:
             self.abort(m.AbortReason.CHECKSUM_MISMATCH,
                        f"receiver/{rank} failed verification: {body.text} {list(body.mismatches)[:5]}",
-                       blame or f"receiver/{rank}")
+                       blame or f"receiver/{rank}", force=True)
             return
         if self.one_phase:  # the receiver applies on its own verdict: from here the round cannot abort
             self.committed = True
@@ -191,9 +192,12 @@ class RoundState:
             self.marks[stage] = time.perf_counter()
             fut.set_result(None)
 
-    def abort(self, reason: m.AbortReason, text: str, culprit: str = "") -> bool:
-        """Fail the round if it is not committed yet; returns whether it did."""
-        if self.committed or self.aborted is not None:
+    def abort(self, reason: m.AbortReason, text: str, culprit: str = "", *, force: bool = False) -> bool:
+        """Fail the round if it is not committed yet; returns whether it did. While the lone receiver of a
+        one-phase round decides (``deciding``: from its ``fence_commit`` it applies on its own verdict, and
+        an ``abort`` could reach it after it did), only a ``force`` abort counts: its own failed verdict,
+        error or loss, the round's timeout, shutdown. Nobody else's failure can stop it from there."""
+        if self.committed or self.aborted is not None or (self.deciding and not force):
             return False
         self.aborted = RoundAborted(self.version, reason, text, culprit)
         for fut in self.futures.values():

@@ -169,7 +169,7 @@ class Rounds:
         except RoundAborted as exc:
             rnd.abort(exc.reason, exc.text, exc.culprit)  # no-op when the round recorded it already
         except asyncio.CancelledError:
-            rnd.abort(m.AbortReason.SHUTDOWN, "controller shutting down", "controller")
+            rnd.abort(m.AbortReason.SHUTDOWN, "controller shutting down", "controller", force=True)
             raise
         except Exception as exc:  # a bug of ours must never pass for a commit: abort, and say so
             log.exception("controller: round v%d failed", rnd.version)
@@ -201,8 +201,13 @@ class Rounds:
         rnd.one_phase = self._one_phase(rnd)
         self.fenced = max(self.fenced, rnd.version)  # (a receiver may be prepared for it from now: never rerun)
         fence = m.FenceCommit if rnd.one_phase else m.Fence
-        for r in sorted(rnd.receivers):
-            await self._send_to((Role.RECEIVER, r), fence(rnd.version, rnd.fence_for(r)), rnd.version)
+        rnd.deciding = rnd.one_phase  # (set before it is queued: from then on the receiver may apply on its own)
+        try:
+            for r in sorted(rnd.receivers):
+                await self._send_to((Role.RECEIVER, r), fence(rnd.version, rnd.fence_for(r)), rnd.version)
+        except BaseException:
+            rnd.deciding = False  # (not queued: no receiver can apply it)
+            raise
         await self._stage(rnd, "fenced", deadline)
         rnd.stage = "committing"
         rnd.committed = True
@@ -248,11 +253,13 @@ class Rounds:
         try:
             await within(rnd.futures[stage], deadline)
         except asyncio.TimeoutError:
-            if rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s") or rnd.aborted:
+            if rnd.abort(m.AbortReason.TIMEOUT, f"stage {stage} took longer than {deadline}s", force=True) or rnd.aborted:
                 raise rnd.aborted from None
             missing = sorted(rnd.receivers - rnd.applied)  # committed: whoever applied it has it
             log.warning("controller: v%d committed; no commit_ack within %ss from receiver(s) %s",
                         rnd.version, deadline, missing)
+        if rnd.aborted is not None:  # (aborted after the stage was reached, before this task ran again:
+            raise rnd.aborted        #  the abort stands, and nothing of the next stage is sent)
 
     async def _send_to(self, key: tuple[Role, int], body: m.Message, version: int) -> None:
         """Send to the session the plan named for ``key``: never to another session of the same rank."""
@@ -336,7 +343,7 @@ class Rounds:
         if error.code == m.ErrorCode.TRANSPORT and role in ("sender", "receiver") and rank.isdigit() \
                 and (Role(role), int(rank)) in self.planning.sessions:
             culprit = error.field
-        rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {error.text}", culprit)
+        rnd.abort(m.AbortReason.PEER_ERROR, f"{peer.name}: {error.text}", culprit, force=peer.hello.role is Role.RECEIVER)
 
     def fail(self, reason: m.AbortReason, text: str, culprit: str) -> None:
         """Abort the running round, if any, before it commits."""
@@ -345,18 +352,20 @@ class Rounds:
 
     def member_left(self, peer: Peer, why: str, culprit: Optional[str] = None) -> None:
         """A member's session is over: its pushes go with it; a round it takes part in aborts (or, after
-        commit, stops waiting for it), blaming ``culprit`` (default: the member)."""
+        commit, stops waiting for it; so it does for a sender while a one-phase round's receiver decides),
+        blaming ``culprit`` (default: the member)."""
         self.pushes.forget_session(peer.identity)
         self.inputs.forget(peer)
         rnd = self.round
         if rnd is not None and self.planning.holds(peer):
-            if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", culprit or peer.name):
+            if not rnd.abort(m.AbortReason.PEER_LOST, f"{peer.name} {why}", culprit or peer.name,
+                             force=peer.hello.role is Role.RECEIVER):
                 rnd.drop(peer.hello.role, peer.hello.rank)
 
     def cancel(self) -> list[asyncio.Future]:
         """For shutdown: abort the round in flight, fail whoever waits for a round; what to await."""
         if self.round is not None:
-            self.round.abort(m.AbortReason.SHUTDOWN, "controller shutting down")
+            self.round.abort(m.AbortReason.SHUTDOWN, "controller shutting down", force=True)
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(RoundAborted(-1, m.AbortReason.SHUTDOWN, "controller closed"))

@@ -102,6 +102,68 @@ async def test_a_stage_that_outlasts_the_round_timeout_aborts_the_round_as_timeo
         assert all(mismatches(t, 3) == [] for t in recv_ts)
 
 
+async def test_an_abort_after_the_last_fence_ack_stands_and_no_commit_goes_out(monkeypatch):
+    """Two receivers: the last ``fence_ack`` completes the fence stage and, in the same loop turn, before
+    the round's task runs again, the round is aborted (a member leaving, a sender's error, handled by the
+    receive loop first). The abort stands: no ``commit`` goes out, no receiver serves the version, the
+    push ends in ``RoundAborted`` as the report does, and the next round commits bit-exact. (The task
+    used to go on to commit a round it had recorded aborted: every receiver served it, the controller's
+    committed version stayed behind.)"""
+    from weightsync.engine.errors import RoundAborted
+    from weightsync.roles import round_state
+    from weightsync.wire import messages as m
+
+    maybe = round_state.RoundState._maybe
+
+    def then_abort(rnd, stage, complete):
+        maybe(rnd, stage, complete)
+        if rnd.version == 2 and stage == "fenced" and rnd.futures[stage].done() and rnd.aborted is None:
+            assert rnd.abort(m.AbortReason.PEER_LOST, "sender/0 left as the last fence_ack came", "sender/0")
+    monkeypatch.setattr(round_state.RoundState, "_maybe", then_abort)
+    send_t, recv_ts = sender_tensors(0), [receiver_tensors() for _ in range(2)]
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(Controller(senders=1, receivers=2, options=FAST))
+        sender = await stack.enter_async_context(WeightSender(ctl.address, send_t, rank=0))
+        rs = [await stack.enter_async_context(WeightReceiver(ctl.address, t, rank=r)) for r, t in enumerate(recv_ts)]
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        await applied(1, *rs)
+        with pytest.raises(RoundAborted) as err:
+            await push(sender, send_t, 2)
+        assert err.value.culprit == "sender/0" and not ctl.reports[-1].ok and ctl.committed == 1
+        await push(sender, send_t, 3)
+        await applied(3, *rs)
+        assert [r.rounds_aborted for r in rs] == [1, 1] and all(mismatches(t, 3) == [] for t in recv_ts)
+
+
+async def test_once_the_lone_receiver_has_its_fence_commit_only_it_decides():
+    """One receiver (one phase): once ``fence_commit`` is on its way the receiver applies on its own
+    verdict, so a sender's failure from then on (here: an abort blaming it, as its leaving would make)
+    is refused: the round commits, the receiver serves it and the push holds the commit. (Honoured, the
+    abort could reach a receiver that had applied already: it served a version the controller had
+    recorded aborted.) The receiver's own failed verdict, error or loss, and the round's timeout, still
+    abort it (``test_a_stage_that_outlasts_the_round_timeout_aborts_the_round_as_timeout``)."""
+    from weightsync.wire import messages as m
+
+    send_t, recv_t = sender_tensors(0), receiver_tensors()
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(Controller(senders=1, receivers=1, options=FAST))
+        sender = await stack.enter_async_context(WeightSender(ctl.address, send_t, rank=0))
+        receiver = await stack.enter_async_context(WeightReceiver(ctl.address, recv_t, rank=0))
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+        await push(sender, send_t, 1)
+        send_to, refused = ctl.rounds._send_to, []
+
+        async def then_fail(key, body, version):
+            await send_to(key, body, version)
+            if isinstance(body, m.FenceCommit):
+                refused.append(not ctl.rounds.round.abort(m.AbortReason.PEER_LOST, "sender/0 left", "sender/0"))
+        ctl.rounds._send_to = then_fail
+        await push(sender, send_t, 2)
+        await applied(2, receiver)
+        assert refused == [True] and ctl.reports[-1].ok and ctl.committed == 2 and mismatches(recv_t, 2) == []
+
+
 def _stranger(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=WATCHDOG)
