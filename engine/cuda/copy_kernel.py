@@ -102,7 +102,7 @@ class CopyKernel:
 
 
 @triton.jit
-def _pitched_pieces_kernel(table, src, dst, pieces, TILE: tl.constexpr, ROWS: tl.constexpr):
+def _pitched_pieces_kernel(table, src, dst, pieces, TILE: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):
     offs = tl.arange(0, TILE)
     for piece in tl.range(tl.program_id(0), pieces, tl.num_programs(0)):
         p = piece  # (table offsets stay far below 2**31: pieces * 6)
@@ -112,6 +112,10 @@ def _pitched_pieces_kernel(table, src, dst, pieces, TILE: tl.constexpr, ROWS: tl
         height = tl.load(table + p * 6 + 3)
         src_pitch = tl.load(table + p * 6 + 4)
         dst_pitch = tl.load(table + p * 6 + 5)
+        if VEC:  # (every offset, width and pitch a multiple of 4 words: 16-byte vectors)
+            src_at, dst_at = tl.multiple_of(src_at, 4), tl.multiple_of(dst_at, 4)
+            width = tl.multiple_of(width, 4)
+            src_pitch, dst_pitch = tl.multiple_of(src_pitch, 4), tl.multiple_of(dst_pitch, 4)
         across = offs < width
         for r in tl.static_range(ROWS):
             mask = across & (offs * 0 + r < height)  # (a vector compare: the interpreter needs one)
@@ -124,21 +128,24 @@ class PitchedKernel:
     peer's mapped memory: cuda_ipc times both against the copy engines, ``engine.cuda.fastest``), as one
     launch of a descriptor table (``engine.cuda.pitched_table``: one program per
     piece of at most ``ROWS`` rows of ``TILE`` words); copies it cannot address (not 4-byte aligned)
-    go as ``cudaMemcpy2DAsync`` calls on the same stream."""
+    go as ``cudaMemcpy2DAsync`` calls on the same stream. Where every copy's addresses, width and pitch
+    are 16-byte multiples (bf16 TP slices of even widths), the kernel moves 16-byte vectors (``vec``)."""
 
-    def __init__(self, copies, device: int, programs: Optional[int] = None) -> None:
+    def __init__(self, copies, device: int, programs: Optional[int] = None, *, tile: int = pitched_table.TILE,
+                 rows: int = pitched_table.ROWS, warps: int = pitched_table.WARPS, vec: Optional[bool] = None) -> None:
         self.device, self.programs = device, programs
-        t = pitched_table.table(copies)
+        t = pitched_table.table(copies, tile, rows)
+        self.vec = pitched_table.vectors(copies) if vec is None else vec
         self.pieces, self.nbytes, self.src_base, self.dst_base = len(t), t.nbytes, t.src_base, t.dst_base
         self.table = t.pieces.to(f"cuda:{device}") if len(t) else None
         self.rest = cuda_rt.PitchedCopies(t.rest)
         self.launcher: Optional[Launch] = None
         if self.table is not None:
             self.launcher = _table_launch(_pitched_pieces_kernel, self, programs,
-                                          {"TILE": pitched_table.TILE, "ROWS": pitched_table.ROWS, "num_warps": 4})
+                                          {"TILE": tile, "ROWS": rows, "VEC": self.vec, "num_warps": warps})
 
     def __repr__(self) -> str:
-        return (f"<PitchedKernel pieces={self.pieces} {grid(self.pieces, self.programs)} programs bytes={self.nbytes} "
+        return (f"<PitchedKernel pieces={self.pieces} {grid(self.pieces, self.programs)} programs vec={self.vec} bytes={self.nbytes} "
                 f"pointer_copies={len(self.rest.copies)}>")
 
     def launch(self, stream: torch.cuda.Stream) -> None:

@@ -30,6 +30,7 @@ import torch
 WORD = 4
 TILE = 256  # words of a row a program copies at most (1 KiB)
 ROWS = 16  # rows a program copies at most
+WARPS = 4  # (bench/diagnostics/copy_kernel.py --pitched times other shapes)
 Copy = tuple[int, int, int, int, int]  # dst, src, width bytes, height rows, source pitch bytes
 
 
@@ -48,6 +49,12 @@ class Table:
 def aligned(copy: Copy) -> bool:
     dst, src, width, _, pitch = copy
     return not (dst | src | width | pitch) % WORD
+
+
+def vectors(copies: Sequence[Copy]) -> bool:
+    """Every 4-byte-aligned copy's addresses, width and pitch are 16-byte multiples: each piece's offsets,
+    widths and pitches in words are then multiples of 4 (tiles are too), so a kernel may move 16-byte vectors."""
+    return all(not (dst | src | width | pitch) % 16 for dst, src, width, _, pitch in copies if aligned((dst, src, width, _, pitch)))
 
 
 def _pieces(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -41,7 +41,8 @@ def test_dense_pieces_equal_the_copies_whatever_the_grid(programs):
 
 
 @pytest.mark.parametrize("programs", [None, 2, 7])
-def test_pitched_pieces_equal_the_copies_whatever_the_grid(programs):
+@pytest.mark.parametrize("vec", [False, True])
+def test_pitched_pieces_equal_the_copies_whatever_the_grid(programs, vec):
     from weightsync.engine.cuda.copy_kernel import _pitched_pieces_kernel, grid
 
     g = torch.Generator().manual_seed(1)
@@ -51,7 +52,7 @@ def test_pitched_pieces_equal_the_copies_whatever_the_grid(programs):
     assert len(t) > 7
     words, out = src.view(torch.int32).view(-1)[10:], dst.view(torch.int32).view(-1)  # (at the table's bases)
     assert (_addr(words), _addr(out)) == (t.src_base, t.dst_base)
-    _pitched_pieces_kernel[(grid(len(t), programs),)](t.pieces, words, out, len(t), TILE=64, ROWS=16)
+    _pitched_pieces_kernel[(grid(len(t), programs),)](t.pieces, words, out, len(t), TILE=64, ROWS=16, VEC=vec)
     assert torch.equal(dst, src[:, 10:290])
 
 

@@ -84,6 +84,21 @@ def test_pitched_copies_land_the_same_either_way(unchecked, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("column", [40, 41, 42])  # (16-byte aligned: vectors; 4 or 8 bytes off: words)
+def test_pitched_kernel_moves_vectors_only_where_every_copy_allows(column):
+    from weightsync.engine.cuda.copy_kernel import PitchedKernel
+
+    full = torch.randn(700, 900, device="cuda:0")
+    dst = torch.zeros(300, 500, device="cuda:0")
+    kernel = PitchedKernel([(dst.data_ptr(), full[100:].data_ptr() + column * 4, 500 * 4, 300, 900 * 4)], 0)
+    assert kernel.vec is (column % 4 == 0)
+    kernel.launch(torch.cuda.current_stream(0))
+    torch.cuda.synchronize(0)
+    assert torch.equal(dst, full[100:400, column:column + 500])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
 def test_a_check_that_copies_wrong_bytes_keeps_triton_s_launcher(unchecked, monkeypatch, caplog):
     from weightsync.engine.cuda import copy_kernel
 

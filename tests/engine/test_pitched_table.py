@@ -89,3 +89,17 @@ def test_a_dense_table_lands_every_copy_where_the_copy_would(spans, piece, seed)
     for src_at, dst_at, words in table.tolist():
         d[dst_at:dst_at + words] = s[src_at:src_at + words]
     assert torch.equal(got, want)
+
+
+def test_vectors_only_where_every_address_width_and_pitch_is_a_16_byte_multiple():
+    base = 1 << 20
+    ok = (base, base + 4096, 1024, 8, 2048)
+    assert pt.vectors([ok])
+    assert pt.vectors([])
+    for i, odd in enumerate((8, 8, 8, None, 8)):  # each field in turn off by 8 bytes (the height does not count)
+        if odd is None:
+            continue
+        bad = list(ok)
+        bad[i] += odd
+        assert not pt.vectors([ok, tuple(bad)])
+    assert pt.vectors([ok, (base + 2, base, 6, 3, 10)])  # (not 4-byte aligned: not in the table)
