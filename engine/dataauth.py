@@ -100,10 +100,13 @@ class DataGuard:
 
     def write_problem(self, sender: int, key: Optional[bytes], region: int) -> Optional[str]:
         """Why a write from an authenticated connection may not land, or None."""
-        if key is None or self.keys.get(sender) != key:
-            why = ("its connection proved no key" if key is None else "the current plan does not name it"
-                   if sender not in self.keys else "its connection proved the key of an earlier pair of sessions")
-            return f"sender/{sender} is not authenticated under the current plan: {why}"
+        if key is None:
+            return f"sender/{sender} is not authenticated under the current plan: its connection proved no key"
+        if sender not in self.keys:
+            return f"sender/{sender} is not authenticated under the current plan: the current plan does not name it"
+        if self.keys[sender] != key:
+            return (f"sender/{sender} is not authenticated under the current plan: its connection proved the key "
+                    f"of an earlier pair of sessions")
         if self.open is not None and region not in self.open:
             return f"region {region} is not open for writing (open: {sorted(self.open)})"
         return None

@@ -1,8 +1,8 @@
 """The colocated copy kernel's shapes against one flat copy of the same bytes (the bound), per model.
 
 Why: a colocated round moves a model's tensors from the trainer's memory into the inference engine's
-on one GPU with one launch of ``engine.cuda.copy_kernel.CopyKernel`` (a table of 64 KiB pieces, one
-program each). Its data time is the round's floor, and the benchmark's bound is one ``copy_`` of the
+on one GPU with one launch of ``engine.cuda.copy_kernel.CopyKernel`` (a table of pieces, one program
+each). Its data time is the round's floor, and the benchmark's bound is one ``copy_`` of the
 same number of bytes (``bench/transfer_gpu.bound_seconds``). This times, on GPU 0, the kernel in the
 shape the engine uses and in other shapes (words per step, steps per piece, warps, a bounded grid of
 programs looping over the pieces), one flat copy of the model's bytes, and one ``copy_`` per tensor,
@@ -46,26 +46,39 @@ def cases(model: str, rounds: int, shapes: list) -> list[dict]:
     nbytes = sum(c[2] for c in copies)
     stream = torch.cuda.current_stream()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    flat_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    flat_b = torch.empty_like(flat_a)
-    flat = statistics.median(_timed(lambda: flat_b.copy_(flat_a), rounds))
-    del flat_a, flat_b
-    out = [{"way": "one flat copy_ (the bound)", "ms": flat * 1e3}]
-    per = statistics.median(_timed(lambda: [dst[k].copy_(v) for k, v in src.items()], rounds))
-    out.append({"way": "copy_ per tensor", "ms": per * 1e3})
+    flat = _flat_ms(nbytes, rounds)
+    out = [{"way": "one flat copy_ (the bound)", "ms": flat},
+           {"way": "copy_ per tensor", "ms": _ms(lambda: [dst[k].copy_(v) for k, v in src.items()], rounds)}]
     for tile, steps, warps, per_sm in shapes:
         kernel = CopyKernel(copies, 0, tile=tile, steps=steps, warps=warps,
                             programs=per_sm * sms if per_sm else None)
         for d in dst.values():
             d.zero_()
-        took = statistics.median(_timed(lambda: kernel.launch(stream), rounds))
+        took = _ms(lambda: kernel.launch(stream), rounds)
         exact = all(torch.equal(dst[k], v) for k, v in src.items())
         out.append({"way": f"CopyKernel tile={tile} steps={steps} warps={warps} "
                            f"programs={f'{per_sm}/SM' if per_sm else 'one per piece'}",
-                    "ms": took * 1e3, "pieces": kernel.pieces, "bit_exact": exact})
+                    "ms": took, "pieces": kernel.pieces, "bit_exact": exact})
+    return _lines(out, flat, model=model, tensors=len(copies), nbytes=nbytes)
+
+
+def _ms(fn, rounds: int) -> float:
+    """Milliseconds per call of ``fn``: the median of ``rounds`` (``transfer_gpu._timed``)."""
+    return statistics.median(_timed(fn, rounds)) * 1e3
+
+
+def _flat_ms(nbytes: int, rounds: int) -> float:
+    """One ``copy_`` of ``nbytes`` on GPU 0 (the bound), in milliseconds; its buffers freed after."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty_like(a)
+    return _ms(lambda: b.copy_(a), rounds)
+
+
+def _lines(out: list[dict], flat: float, **fields) -> list[dict]:
+    """Each line with ``fields``, its ratio to the flat copy and the device."""
     for line in out:
-        line.update(model=model, tensors=len(copies), nbytes=nbytes, over_flat=round(line["ms"] / (flat * 1e3), 4),
-                    ms=round(line["ms"], 4), device=torch.cuda.get_device_name(0))
+        line.update(fields, ms=round(line["ms"], 4), over_flat=round(line["ms"] / flat, 4),
+                    device=torch.cuda.get_device_name(0))
     return out
 
 
@@ -89,25 +102,19 @@ def pitched_cases(model: str, rounds: int, shapes: list) -> list[dict]:
     nbytes = sum(c[2] * c[3] for c in copies)
     want = {k: v[: v.shape[0] // 2, : v.shape[1] // 2] for k, v in src.items()}
     stream = torch.cuda.current_stream()
-    flat_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    flat_b = torch.empty_like(flat_a)
-    flat = statistics.median(_timed(lambda: flat_b.copy_(flat_a), rounds))
-    del flat_a, flat_b
+    flat = _flat_ms(nbytes, rounds)
     dma = cuda_rt.PitchedCopies(copies)
-    out = [{"way": "one flat copy_ (the bound)", "ms": flat * 1e3},
-           {"way": "cudaMemcpy2DAsync per tensor", "ms": statistics.median(_timed(lambda: dma.launch(stream), rounds)) * 1e3}]
+    out = [{"way": "one flat copy_ (the bound)", "ms": flat},
+           {"way": "cudaMemcpy2DAsync per tensor", "ms": _ms(lambda: dma.launch(stream), rounds)}]
     for tile, rows, warps, vec in shapes:
         kernel = PitchedKernel(copies, 0, tile=tile, rows=rows, warps=warps, vec=bool(vec))
         for d in dst.values():
             d.zero_()
-        took = statistics.median(_timed(lambda: kernel.launch(stream), rounds))
+        took = _ms(lambda: kernel.launch(stream), rounds)
         exact = all(torch.equal(dst[k], w) for k, w in want.items())
-        out.append({"way": f"PitchedKernel tile={tile} rows={rows} warps={warps} vec={bool(vec)}", "ms": took * 1e3,
+        out.append({"way": f"PitchedKernel tile={tile} rows={rows} warps={warps} vec={bool(vec)}", "ms": took,
                     "pieces": kernel.pieces, "bit_exact": exact})
-    for line in out:
-        line.update(model=model, pitched=True, tensors=len(copies), nbytes=nbytes, ms=round(line["ms"], 4),
-                    over_flat=round(line["ms"] / (flat * 1e3), 4), device=torch.cuda.get_device_name(0))
-    return out
+    return _lines(out, flat, model=model, pitched=True, tensors=len(copies), nbytes=nbytes)
 
 
 def main() -> int:

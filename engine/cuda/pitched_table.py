@@ -54,7 +54,7 @@ def aligned(copy: Copy) -> bool:
 def vectors(copies: Sequence[Copy]) -> bool:
     """Every 4-byte-aligned copy's addresses, width and pitch are 16-byte multiples: each piece's offsets,
     widths and pitches in words are then multiples of 4 (tiles are too), so a kernel may move 16-byte vectors."""
-    return all(not (dst | src | width | pitch) % 16 for dst, src, width, _, pitch in copies if aligned((dst, src, width, _, pitch)))
+    return all(not (c[0] | c[1] | c[2] | c[4]) % 16 for c in copies if aligned(c))
 
 
 def _pieces(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
