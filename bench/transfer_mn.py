@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import dataclasses
 import json
 import pathlib
@@ -78,10 +79,31 @@ from mn_setup import (  # noqa: E402  (the case, the model and its oracle, proce
     MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, fused_parts, measured_link, mismatches,
     model_shapes, receiver_layout, tp_part,
 )
-from transfer_gpu import _profiled, write_profile  # noqa: E402
+from transfer_gpu import write_profile  # noqa: E402
 
 BUCKET = 512 << 20  # the bucketed broadcast's bucket (verl, slime)
 WARM_ROUNDS = 2  # rounds not counted: each landing slot's first
+PROFILE: Optional[cProfile.Profile] = None  # (--profile: this process's, on while the counted rounds run)
+
+
+def _steady(on: bool) -> None:
+    """The counted rounds start (``on``) or are over: this process's profile, if any, runs meanwhile."""
+    if PROFILE is not None:
+        PROFILE.enable() if on else PROFILE.disable()
+
+
+def _profiled(main, path: str):
+    """Run ``main()`` on a new loop; with ``path``, profiling its counted rounds (``_steady``) and writing
+    the hottest functions there."""
+    global PROFILE
+    if not path:
+        return asyncio.run(main())
+    PROFILE = cProfile.Profile()
+    try:
+        return asyncio.run(main())
+    finally:
+        PROFILE.disable()
+        write_profile(PROFILE, path)
 
 
 # --- engine processes ------------------------------------------------------------------------------
@@ -106,6 +128,8 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
     async def main():
         async with WeightSender(addr, model, rank=rank, options=opts) as sender:
             for v in range(1, case.rounds + 1):
+                if v == WARM_ROUNDS + 1:
+                    _steady(True)
                 with torch.no_grad():
                     for p in model.parameters():  # a training step: every rank updates its own shards
                         p.to_local().add_(1)
@@ -114,6 +138,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
                 with torch.profiler.record_function(f"round v{v}"):  # (marks the round in --trace; no cost otherwise)
                     await (await sender.push(v))
                 trying[v] = bool(getattr(sender.transport, "trying", ()))  # ways still timed (engine.cuda.fastest)
+            _steady(False)
             g = sender.sources.gatherer
             marks = {v: sender.timeline.of(v) for v in range(2, case.rounds + 1)}
             # seconds from pipeline start to every write issued (sealed), per measured round
@@ -195,7 +220,10 @@ def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
 
     async def main():
         async with WeightReceiver(addr, tensors, rank=rank, shards=shards, options=opts) as receiver:
+            await receiver.wait_for(WARM_ROUNDS)
+            _steady(True)
             await receiver.wait_for(case.rounds)
+            _steady(False)
             marks = {v: receiver.timeline.of(v) for v in range(2, case.rounds + 1)}
             conn.send(("receiver", rank, (mismatches(case, rank, tensors, layout, case.rounds, device), marks)))
     _profiled(main, f"{case.profile}/receiver{rank}.txt" if case.profile else "")
@@ -221,11 +249,14 @@ async def engine(case: Case, link) -> dict:
             watch = asyncio.ensure_future(procs.reports(case.senders + case.receivers))
 
             async def rounds():
-                first = [await ctl.wait_round(1)]
+                first = [await ctl.wait_round(1)] + [await ctl.wait_round(v) for v in range(2, WARM_ROUNDS + 1)]
+                _steady(True)
                 # read while all are still joined: once the last round commits, members leave and the
                 # controller drops the plan they made
                 joined, routing = participants(p.hello for p in ctl.peers.values()), ctl.plan
-                return first + [await ctl.wait_round(v) for v in range(2, case.rounds + 1)], joined, routing
+                counted = [await ctl.wait_round(v) for v in range(WARM_ROUNDS + 1, case.rounds + 1)]
+                _steady(False)
+                return first + counted, joined, routing
             reports, (senders, receivers), routing = await procs.guard(rounds(), watch)
             done = await watch
             timeline = _timeline(ctl, done, case)
@@ -563,19 +594,17 @@ async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) 
 
 
 async def _controller_profiled(coro, folder: str):
-    """``await coro``; with ``folder``, under cProfile (this process: the controller's side), written to
-    ``controller.txt`` there like the workers' profiles."""
+    """``await coro``; with ``folder``, under cProfile while the counted rounds run (this process: the
+    controller's side), written to ``controller.txt`` there like the workers' profiles."""
     if not folder:
         return await coro
-    import cProfile
-
-    prof = cProfile.Profile()
-    prof.enable()
+    global PROFILE
+    PROFILE = cProfile.Profile()
     try:
         return await coro
     finally:
-        prof.disable()
-        write_profile(prof, str(pathlib.Path(folder, "controller.txt")))
+        PROFILE.disable()
+        write_profile(PROFILE, str(pathlib.Path(folder, "controller.txt")))
 
 
 def main(argv=None) -> int:
@@ -608,7 +637,7 @@ def main(argv=None) -> int:
                     help="the controller offers no arms: each sender waits for its begin (ControllerOptions."
                          "arm_pushes=False; by default an armed push stands for its begin, roles.arms)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
-    ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there (diagnostics)")
+    ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there while the counted rounds run (diagnostics)")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
     args = ap.parse_args(argv)
     if args.rounds <= WARM_ROUNDS:

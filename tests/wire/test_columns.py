@@ -155,3 +155,29 @@ def test_checksums_decode_as_columns_checked_and_equal_to_their_elements():
     with pytest.raises(errors.ProtocolError) as e:
         decode([frames[0], msgpack.packb(body)])
     assert "checksums" in str(e.value)
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda c: c.update(index=b"\x00\x00\x00\x00"), "checksums.index"),  # (n=0 but a value in a column)
+    (lambda c: c.update(extra=b""), "checksums"),
+    (lambda c: c.pop("value"), "checksums"),
+    (lambda c: c.update(value=""), "checksums.value"),  # (a string where the column's bytes go)
+])
+def test_no_rows_decode_as_the_empty_columns_and_nothing_else_passes_for_them(mutate, field):
+    """A summary with no checksums (most of them) encodes and decodes its empty columns as one map made
+    once: the same bytes as the walk per column gives, decoded to no rows (``Rows`` where
+    the struct is kept as columns); a map of no rows that differs from it in any way still goes through
+    the checks and is refused naming its field."""
+    from weightsync.wire.columns import _structs
+
+    summary = m.WriteSummary(1, 2, 8, ())
+    frames = encode(Envelope(m.Fence(4, (summary,)), 1, "controller"))
+    body = msgpack.unpackb(frames[1])
+    assert body["checksums"][0]["checksums"] == _structs(m.Checksum)[0]([])
+    assert "deltas" not in body["checksums"][0]  # (an optional field at its default stays off the wire)
+    got = decode(frames).body.checksums[0]
+    assert type(got.checksums) is Rows and len(got.checksums) == 0 and got.deltas == ()
+    assert got == summary and encode(Envelope(m.Fence(4, (got,)), 1, "controller")) == frames
+    mutate(body["checksums"][0]["checksums"])
+    with pytest.raises(errors.ProtocolError, match=field):
+        decode([frames[0], msgpack.packb(body, use_bin_type=True)])
