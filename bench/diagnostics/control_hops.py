@@ -4,8 +4,12 @@ event loops kept polling (``weightsync.engine.aio.Spinner``) or PM QoS held (``/
 Why: a round's control messages reach processes that have been idle for tens of milliseconds; this
 measures what such a hop costs on a machine, apart from the engine (pyzmq asyncio on uvloop, ROUTER <->
 DEALER, 100-byte messages, median of 110-380 round trips). Results: docs/results/control_hops_h200x2.txt.
+``channel_round_trips`` (the last line) makes the same round trip through the engine's own control
+channel (``roles.channel.ControlChannel``: its socket pump, the codec, a ``fence_commit`` out and a
+``commit_ack`` back, each encoded, sent, received and decoded, with ``--auth`` HMAC-signed and CURVE
+encrypted too): what one round trip of a round's messages costs before any role acts on them.
 
-    python3 bench/diagnostics/control_hops.py [qos]
+    python3 bench/diagnostics/control_hops.py [qos] [--auth]
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import pathlib
 import statistics
 import struct
 import sys
@@ -20,6 +25,8 @@ import time
 
 import zmq
 import zmq.asyncio
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # (the checkout: ``weightsync``)
 
 
 async def _spinner(stop: asyncio.Event) -> None:
@@ -79,6 +86,52 @@ async def round_trips(gap_s: float, spin: bool) -> list[float]:
     return times[10:]
 
 
+def _channel_echo(addr: str, key) -> None:
+    import uvloop
+
+    uvloop.install()
+
+    async def main():
+        from weightsync.roles.channel import ControlChannel
+        from weightsync.wire import messages as m
+
+        chan = ControlChannel(zmq.DEALER, "receiver/0", auth_key=key)
+        chan.connect(addr)
+        await chan.send(m.Heartbeat(0))
+        while True:
+            _, env = await chan.recv()
+            if not isinstance(env.body, m.FenceCommit):
+                break
+            await chan.send(m.CommitAck(env.body.version, True, "", 1e-4, 0.0), version=env.body.version)
+        chan.close()
+    asyncio.run(main())
+
+
+async def channel_round_trips(key=None, rounds: int = 400) -> list[float]:
+    """Round trips through ``ControlChannel`` (the module's header): seconds each, after ten warm-up ones."""
+    from weightsync.roles.channel import ControlChannel
+    from weightsync.wire import messages as m
+
+    chan = ControlChannel(zmq.ROUTER, "controller", auth_key=key)
+    addr = chan.bind("tcp://127.0.0.1:0")
+    proc = mp.get_context("spawn").Process(target=_channel_echo, args=(addr, key))
+    proc.start()
+    peer, _ = await chan.recv()
+    summary = m.WriteSummary(0, 294, 1260334848, (), b"p" * 80)  # (a cuda_ipc proof's size)
+    times = []
+    try:
+        for v in range(1, rounds + 1):
+            t0 = time.perf_counter()
+            await chan.send(m.FenceCommit(v, (summary,)), to=peer, version=v)
+            await chan.recv()
+            times.append(time.perf_counter() - t0)
+        await chan.send(m.Abort(0, m.AbortReason.SHUTDOWN, "done", "controller"), to=peer)
+    finally:
+        proc.join(30)
+        chan.close()
+    return times[10:]
+
+
 def main() -> int:
     import uvloop
 
@@ -94,6 +147,10 @@ def main() -> int:
         times = sorted(asyncio.run(round_trips(gap_s, spin)))
         print(f"gap {gap_s * 1e3:.0f} ms spin {spin}: rtt median {statistics.median(times) * 1e6:.1f} us "
               f"p90 {times[int(0.9 * len(times))] * 1e6:.1f}")
+    key = os.urandom(32) if "--auth" in sys.argv[1:] else None
+    times = sorted(asyncio.run(channel_round_trips(key)))
+    print(f"engine channel (fence_commit -> commit_ack{', signed and encrypted' if key else ''}): rtt median "
+          f"{statistics.median(times) * 1e6:.1f} us p90 {times[int(0.9 * len(times))] * 1e6:.1f}")
     return 0
 
 
