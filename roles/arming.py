@@ -72,6 +72,18 @@ class Arming:
         """Every receiver applied ``rnd``: offer the senders the next round's parameters. ``committing``
         (their ``commit`` goes next): a sender that offered capability ``commit_arm`` gets the arm in its
         commit, and the returned (arm, sessions) says to whom; the others get an ``arm`` now."""
+        made = self._arm(rnd, committing)
+        if made is None:
+            return None
+        message, riding, apart = made
+        for peer in apart:
+            if peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
+                await self.send(peer, message, version=rnd.version)
+        return message, riding
+
+    def _arm(self, rnd: RoundState, committing: bool) -> Optional[tuple[m.Arm, set[bytes], list[Peer]]]:
+        """``offer``'s arm, made current: (its message, the sessions it rides with in their commit, the
+        senders it goes to as a message of its own); None where no arm is offered."""
         plan = self.planning.plan
         if (not self.options.arm_pushes or self.driven or rnd.applied < rnd.receivers or plan is None or plan.plan_id != rnd.plan_id
                 or not self.planning.ready.is_set() or not self.planning.live() or self.pushes):
@@ -86,13 +98,26 @@ class Arming:
         arm = self.arms.offer(plan.plan_id, self.inputs.checksum(self.devices(), peek=True),
                               self.landing(rnd.receivers), self.inputs.bases_for(rnd.receivers), self.inputs.delta(),
                               self.tables({peer.identity for peer in armed}), self.receivers())
-        message, riding = arm.message(), set()
-        for peer in armed:
-            if committing and "commit_arm" in peer.hello.capabilities:
-                riding.add(peer.identity)  # (one message fewer ahead of the commit the trainer waits for)
-            elif peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
-                await self.send(peer, message, version=rnd.version)
-        return message, riding
+        riding = {peer.identity for peer in armed if committing and "commit_arm" in peer.hello.capabilities}
+        return arm.message(), riding, [peer for peer in armed if peer.identity not in riding]
+
+    def commit_senders(self, rnd: RoundState) -> bool:
+        """A one-phase round's lone receiver applied ``rnd`` (its ``commit_ack``, being handled): send the
+        senders their ``commit`` now, each with the next round's arm where it offered ``commit_arm``,
+        rather than a loop turn later from the round's task. False (nothing sent; the task sends) where a
+        sender takes the arm only as a message of its own, which goes ahead of its commit."""
+        senders = [peer for key in sorted(self.planning.sessions)
+                   if key[0] is Role.SENDER and (peer := self.planning.peer_of(key)) is not None]
+        if self.options.arm_pushes and any("arm" in p.hello.capabilities and "commit_arm" not in p.hello.capabilities
+                                           for p in senders):
+            return False
+        rnd.stage = "committing"
+        arm, riding, _ = self._arm(rnd, committing=True) or (None, set(), [])
+        for peer in senders:
+            sending = self.send(peer, m.Commit(rnd.version, arm if peer.identity in riding else None), version=rnd.version)
+            sending.add_done_callback(lambda f, name=peer.name: f.cancelled() or f.exception() is None or log.warning(
+                "controller: commit of v%d to %s not sent: %s", rnd.version, name, f.exception()))
+        return True
 
     def begin_with(self, rnd: RoundState, devices: set[str]) -> None:
         """What round ``rnd`` (just made) begins with: its checksum, slots, bases and delta mode, and

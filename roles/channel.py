@@ -214,11 +214,11 @@ class ControlChannel:
         return msg_id
 
     def post(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
-             parent_id: Optional[int] = None) -> asyncio.Future:
+             parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> asyncio.Future:
         """``send`` without waiting, for a message that must leave now rather than when a task gets its
         turn: ZeroMQ takes it during this call (or, where earlier sends still wait for room, queues it
         behind them, in order); the future completes when it is taken (await it for a failure)."""
-        _, sending = self._queue(body, to, version, parent_id, None)
+        _, sending = self._queue(body, to, version, parent_id, body_frame)
         sending.add_done_callback(self._posted)
         return sending
 

@@ -386,11 +386,15 @@ class Controller(AsyncResource):
 
     # --- sending ----------------------------------------------------------------------------------
 
-    async def _send(self, peer: Peer, body: m.Message, *, version: Optional[int] = None,
-                    parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> None:
+    def _send(self, peer: Peer, body: m.Message, *, version: Optional[int] = None,
+              parent_id: Optional[int] = None, body_frame: Optional[bytes] = None) -> asyncio.Future:
+        """Hand ``body`` to ``peer``'s socket now (``ControlChannel.post``, in order with every earlier
+        send): the future completes once ZeroMQ took it, failing as the send failed. Callers await it,
+        except where a message must leave within the handler of the one that prompted it (a one-phase
+        round's commit: ``Arming.commit_senders``)."""
         peer.session.send(body.TYPE)
-        await self._chan.send(body, to=peer.identity, version=version, parent_id=parent_id, body_frame=body_frame)
+        sending = self._chan.post(body, to=peer.identity, version=version, parent_id=parent_id, body_frame=body_frame)
         self.timeline.mark(version, f"send:{body.TYPE}>{peer.name}")
         if peer.session.state is State.CLOSED:
             self.membership.remove(peer)
-
+        return sending

@@ -209,13 +209,14 @@ class Rounds:
             rnd.deciding = False  # (not queued: no receiver can apply it)
             raise
         await self._stage(rnd, "fenced", deadline)
-        rnd.stage = "committing"
-        rnd.committed = True
-        # (one phase: applied already, so the arm goes with, or ahead of, the commit a trainer waits for)
-        arm, riding = (await self.arming.offer(rnd, committing=True) if rnd.one_phase else None) or (None, ())
-        for key in sorted(self.planning.sessions):
-            if (peer := self.planning.peer_of(key)) is not None and not (rnd.one_phase and key[0] is Role.RECEIVER):
-                await self._send_to(key, m.Commit(rnd.version, arm if peer.identity in riding else None), rnd.version)
+        if rnd.stage == "fencing":  # (else the lone receiver's commit_ack had the senders' commits sent: ``on_round_message``)
+            rnd.stage = "committing"
+            rnd.committed = True
+            # (one phase: applied already, so the arm goes with, or ahead of, the commit a trainer waits for)
+            arm, riding = (await self.arming.offer(rnd, committing=True) if rnd.one_phase else None) or (None, ())
+            for key in sorted(self.planning.sessions):
+                if (peer := self.planning.peer_of(key)) is not None and not (rnd.one_phase and key[0] is Role.RECEIVER):
+                    await self._send_to(key, m.Commit(rnd.version, arm if peer.identity in riding else None), rnd.version)
         await self._stage(rnd, "applied", deadline)
         rnd.stage = "done"
         if not rnd.one_phase:
@@ -325,6 +326,8 @@ class Rounds:
         if isinstance(body, m.CommitAck) and body.applied:
             self.inputs.applied(peer, rnd.version)
             self.learn_committed(rnd.version)  # a receiver serves it: committed, whatever comes next
+            if rnd.one_phase and rnd.stage == "fencing" and rnd.committed:  # (its verdict and its apply in one message:
+                self.arming.commit_senders(rnd)                             #  the commits leave now, not a turn later)
 
     async def on_error(self, peer: Peer, error: m.Error) -> None:
         """A participant's error fails the running round, or the version it wrote under an arm before its

@@ -105,6 +105,24 @@ async def test_the_arm_rides_in_the_commit_and_a_sender_without_commit_arm_gets_
         assert receiver.version == 4 and mismatches(served, 4) == []
 
 
+async def test_a_one_phase_rounds_commit_leaves_while_the_receivers_commit_ack_is_handled():
+    """One receiver: its ``commit_ack`` says it verified and applied; the senders' ``commit`` (with the next
+    arm) is handed to the socket by the handler of that ack, not a loop turn later by the round's task,
+    and the rounds stay armed and bit-exact."""
+    async with cluster() as (ctl, senders, senders_t, receivers, receivers_t):
+        sent_by_then, handle = [], ctl.rounds.on_round_message
+
+        def on_round_message(peer, body):
+            handle(peer, body)
+            if isinstance(body, m.CommitAck):
+                sent_by_then.append(f"send:commit>{senders[0].name}" in ctl.timeline.of(body.version))
+        ctl.rounds.on_round_message = on_round_message  # (the controller's handlers look it up per message)
+        for v in range(1, 5):
+            await _round(senders, senders_t, v)
+        assert sent_by_then == [True] * 4
+        assert [(await ctl.wait_round(v)).armed for v in range(1, 5)] == [0, 1, 1, 1] and mismatches(receivers_t[0], 4) == []
+
+
 async def test_no_arm_where_a_receiver_writes_in_place_or_the_controller_offers_none():
     async with cluster(mode="inplace") as (ctl, senders, senders_t, receivers, receivers_t):
         for v in (1, 2, 3):
@@ -226,6 +244,6 @@ async def test_an_armed_push_that_reached_a_receiver_still_planned_never_runs_on
             assert r0.version == 1 and mismatches(recvs[0], 1) == []  # nothing of v2 is served
             with pytest.raises(ConfigError):
                 ctl.rounds.check_version(2)
-            await _round([s0], [ts], 3)
-            await asyncio.wait_for(r1.wait_for(3), WATCHDOG)
+            await _round([s0], [ts], 3)  # (the sender's commit does not wait for the receivers to read theirs)
+            await asyncio.wait_for(asyncio.gather(r0.wait_for(3), r1.wait_for(3)), WATCHDOG)
             assert r0.version == r1.version == 3 and mismatches(recvs[0], 3) == [] == mismatches(recvs[1], 3)
