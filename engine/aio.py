@@ -146,7 +146,12 @@ _WAKE = object()
 
 
 async def run_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run concurrently; on the first error cancel the others, wait for them, then re-raise it."""
+    """Run concurrently; on the first error cancel the others, wait for them, then re-raise it. A lone
+    coroutine is awaited in the caller's task (no task of its own, no loop turn before it starts: a
+    one-receiver round's lane)."""
+    coros = list(coros)
+    if len(coros) == 1:
+        return [await coros[0]]
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return []
