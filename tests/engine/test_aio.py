@@ -87,6 +87,36 @@ async def test_run_all_cancels_siblings_on_first_error():
     assert cancelled.is_set()
 
 
+async def test_run_all_awaits_a_lone_coroutine_in_the_callers_task_with_its_error_and_cancellation():
+    """One coroutine (a one-receiver round's lane) runs in the caller's task, starting at once; its error
+    reaches the caller, and cancelling the caller cancels it."""
+    caller, cancelled, started = asyncio.current_task(), asyncio.Event(), asyncio.Event()
+
+    async def which():
+        return asyncio.current_task()
+
+    async def fail():
+        raise RuntimeError("lone")
+
+    async def forever():
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    assert await run_all([which()]) == [caller] and await run_all(iter([which()])) == [caller]
+    with pytest.raises(RuntimeError, match="lone"):
+        await run_all([fail()])
+    task = asyncio.ensure_future(run_all([forever()]))
+    await asyncio.wait_for(started.wait(), WATCHDOG)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cancelled.is_set() and await run_all([]) == []
+
+
 async def test_the_collector_waits_while_any_round_is_open_and_comes_back_after_the_last():
     """``Spinner`` pauses Python's cyclic garbage collector while held (a round is open; a full collection
     of a process holding torch took 50-250 ms, inside a round that long a stall): holders nest, across
