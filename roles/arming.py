@@ -101,23 +101,23 @@ class Arming:
         riding = {peer.identity for peer in armed if committing and "commit_arm" in peer.hello.capabilities}
         return arm.message(), riding, [peer for peer in armed if peer.identity not in riding]
 
-    def commit_senders(self, rnd: RoundState) -> bool:
+    def commit_senders(self, rnd: RoundState) -> None:
         """A one-phase round's lone receiver applied ``rnd`` (its ``commit_ack``, being handled): send the
         senders their ``commit`` now, each with the next round's arm where it offered ``commit_arm``,
-        rather than a loop turn later from the round's task. False (nothing sent; the task sends) where a
-        sender takes the arm only as a message of its own, which goes ahead of its commit."""
+        rather than a loop turn later from the round's task (``rnd.stage`` says which did). Nothing is sent
+        here (the task sends) where a sender takes the arm only as a message of its own, which goes ahead
+        of its commit."""
         senders = [peer for key in sorted(self.planning.sessions)
                    if key[0] is Role.SENDER and (peer := self.planning.peer_of(key)) is not None]
         if self.options.arm_pushes and any("arm" in p.hello.capabilities and "commit_arm" not in p.hello.capabilities
                                            for p in senders):
-            return False
+            return
         rnd.stage = "committing"
         arm, riding, _ = self._arm(rnd, committing=True) or (None, set(), [])
         for peer in senders:
             sending = self.send(peer, m.Commit(rnd.version, arm if peer.identity in riding else None), version=rnd.version)
             sending.add_done_callback(lambda f, name=peer.name: f.cancelled() or f.exception() is None or log.warning(
                 "controller: commit of v%d to %s not sent: %s", rnd.version, name, f.exception()))
-        return True
 
     def begin_with(self, rnd: RoundState, devices: set[str]) -> None:
         """What round ``rnd`` (just made) begins with: its checksum, slots, bases and delta mode, and

@@ -279,13 +279,16 @@ def converters(cls: type) -> tuple[Callable[[Any, str], Any], Callable[[Any, str
 
     empty: dict = {}  # (made on first use: the columns of no rows, the same map every time)
 
+    def no_rows() -> dict:
+        if not empty:
+            empty.update(encode([]))
+        return empty
+
     def to(v: Any, path: str) -> Any:
         if not isinstance(v, (tuple, list, Rows)):
             raise Violation("type", path, f"expected a sequence, got {type(v).__name__}")
         if not len(v):  # (most summaries carry no checksums and no deltas: one map, no walk per column)
-            if not empty:
-                empty.update(encode([]))
-            return dict(empty)
+            return dict(no_rows())
         try:
             if type(v) is Rows and v.cls is cls:
                 out = encode.from_columns(len(v), v.columns)
@@ -304,7 +307,7 @@ def converters(cls: type) -> tuple[Callable[[Any, str], Any], Callable[[Any, str
         n = v.get("n")
         if type(n) is not int or n < 0:
             raise Violation("value", f"{path}.n", f"expected a count, got {n!r}")
-        if n == 0 and empty and v == empty:  # (exactly the map ``to`` makes of no rows: nothing to check further)
+        if n == 0 and v == no_rows():  # (exactly the map ``to`` makes of no rows: nothing to check further)
             return Rows(cls, {name: () for name in compiled_struct(cls).names}) if kept else ()
         if kept:
             return Rows(cls, dict(zip(compiled_struct(cls).names, decode.columns(v, n, path))))
