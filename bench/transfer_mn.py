@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import dataclasses
 import json
@@ -92,18 +93,26 @@ def _steady(on: bool) -> None:
         PROFILE.enable() if on else PROFILE.disable()
 
 
-def _profiled(main, path: str):
-    """Run ``main()`` on a new loop; with ``path``, profiling its counted rounds (``_steady``) and writing
-    the hottest functions there."""
+@contextlib.contextmanager
+def _profiling(path: str):
+    """With ``path``: this process's profile (``PROFILE``), on while the counted rounds run (``_steady``),
+    its hottest functions written there at the end."""
     global PROFILE
     if not path:
-        return asyncio.run(main())
+        yield
+        return
     PROFILE = cProfile.Profile()
     try:
-        return asyncio.run(main())
+        yield
     finally:
         PROFILE.disable()
         write_profile(PROFILE, path)
+
+
+def _profiled(main, path: str):
+    """Run ``main()`` on a new loop, under ``_profiling(path)``."""
+    with _profiling(path):
+        return asyncio.run(main())
 
 
 # --- engine processes ------------------------------------------------------------------------------
@@ -596,15 +605,8 @@ async def run(case: Case, with_broadcast: bool = True, with_ckpt: bool = False) 
 async def _controller_profiled(coro, folder: str):
     """``await coro``; with ``folder``, under cProfile while the counted rounds run (this process: the
     controller's side), written to ``controller.txt`` there like the workers' profiles."""
-    if not folder:
+    with _profiling(str(pathlib.Path(folder, "controller.txt")) if folder else ""):
         return await coro
-    global PROFILE
-    PROFILE = cProfile.Profile()
-    try:
-        return await coro
-    finally:
-        PROFILE.disable()
-        write_profile(PROFILE, str(pathlib.Path(folder, "controller.txt")))
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ version written under an arm that will not run never run: the sessions that push
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional
 
@@ -103,21 +104,24 @@ class Arming:
 
     def commit_senders(self, rnd: RoundState) -> None:
         """A one-phase round's lone receiver applied ``rnd`` (its ``commit_ack``, being handled): send the
-        senders their ``commit`` now, each with the next round's arm where it offered ``commit_arm``,
-        rather than a loop turn later from the round's task (``rnd.stage`` says which did). Nothing is sent
-        here (the task sends) where a sender takes the arm only as a message of its own, which goes ahead
-        of its commit."""
-        senders = [peer for key in sorted(self.planning.sessions)
-                   if key[0] is Role.SENDER and (peer := self.planning.peer_of(key)) is not None]
-        if self.options.arm_pushes and any("arm" in p.hello.capabilities and "commit_arm" not in p.hello.capabilities
-                                           for p in senders):
-            return
+        senders their ``commit`` now, rather than a loop turn later from the round's task (``rnd.stage``
+        says which did), with the next round's arm inside where the sender offered ``commit_arm``, else
+        as an ``arm`` of its own handed to the socket just before (sends to a peer leave in order)."""
         rnd.stage = "committing"
-        arm, riding, _ = self._arm(rnd, committing=True) or (None, set(), [])
-        for peer in senders:
-            sending = self.send(peer, m.Commit(rnd.version, arm if peer.identity in riding else None), version=rnd.version)
-            sending.add_done_callback(lambda f, name=peer.name: f.cancelled() or f.exception() is None or log.warning(
-                "controller: commit of v%d to %s not sent: %s", rnd.version, name, f.exception()))
+        arm, riding, apart = self._arm(rnd, committing=True) or (None, set(), [])
+        for peer in apart:
+            if peer.session.allowed(Origin.CONTROLLER, m.Arm.TYPE):
+                self._posted(self.send(peer, arm, version=rnd.version), "arm", rnd.version, peer)
+        for key in sorted(self.planning.sessions):
+            if key[0] is Role.SENDER and (peer := self.planning.peer_of(key)) is not None:
+                commit = m.Commit(rnd.version, arm if peer.identity in riding else None)
+                self._posted(self.send(peer, commit, version=rnd.version), "commit", rnd.version, peer)
+
+    @staticmethod
+    def _posted(sending: asyncio.Future, what: str, version: int, peer: Peer) -> None:
+        """A message handed to the socket without awaiting it: a failure is logged, not lost."""
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
+            "controller: %s of v%d to %s not sent: %s", what, version, peer.name, f.exception()))
 
     def begin_with(self, rnd: RoundState, devices: set[str]) -> None:
         """What round ``rnd`` (just made) begins with: its checksum, slots, bases and delta mode, and
