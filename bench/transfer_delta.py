@@ -58,25 +58,34 @@ CLUSTERS = {"dense": dict(delta="off"), "dense-unchecked": dict(delta="off", ful
             "auto": dict(delta="auto"), "always": dict(delta="always")}
 
 
-def layout(mb: int) -> dict[str, tuple[int, ...]]:
-    """``model``'s names and shapes, without making it."""
+def layout(size: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+    """``model``'s names and shapes, without making it: ``size`` is (MiB, experts)."""
+    mb, experts = size
     out, layer, nbytes = {}, 0, 0
     while nbytes < mb * MiB:
-        for i in range(4):
-            out[f"layers.{layer}.w{i}"] = (1024, 4096)
+        if experts:  # an MoE layer: each expert's gate, up and down projections, 512 x 128 each
+            for e in range(experts):
+                for w in ("gate", "up", "down"):
+                    out[f"layers.{layer}.experts.{e}.{w}"] = (512, 128) if w != "down" else (128, 512)
+            nbytes += 2 * experts * 3 * 512 * 128
+        else:
+            for i in range(4):
+                out[f"layers.{layer}.w{i}"] = (1024, 4096)
+            nbytes += 2 * 4 * 1024 * 4096
         for i in range(2):
             out[f"layers.{layer}.norm{i}"] = (4096,)
-        nbytes += 2 * (4 * 1024 * 4096 + 2 * 4096)
+        nbytes += 2 * 2 * 4096
         layer += 1
     return out
 
 
-def model(mb: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """``mb`` MiB of bf16: per layer four 1024 x 4096 matrices and two 4096 vectors, as many layers as fit
+def model(size: tuple[int, int], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``size`` (MiB, experts) of bf16: per layer four 1024 x 4096 matrices (or each expert's three
+    512 x 128 projections) and two 4096 vectors, as many layers as fit
     (drawn on ``device``, seeded: the same bytes in every process that draws them there)."""
     g = torch.Generator(device=device).manual_seed(0)
     return {name: (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16) if len(shape) > 1
-            else torch.ones(shape, dtype=torch.bfloat16, device=device) for name, shape in layout(mb).items()}
+            else torch.ones(shape, dtype=torch.bfloat16, device=device) for name, shape in layout(size).items()}
 
 
 def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
@@ -177,7 +186,7 @@ def _round(version: int):
                 PROFILE.disable()
 
 
-def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
+def _sender(addr: str, size: tuple[int, int], orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import SenderOptions, WeightSender
 
@@ -186,7 +195,7 @@ def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool
     async def main():
         transport, device = where
         trainer = Trainer() if real else None
-        tensors = trainer.served if real else model(mb, device)
+        tensors = trainer.served if real else model(size, device)
         loop = asyncio.get_running_loop()
         async with WeightSender(addr, tensors, rank=0, options=SenderOptions(transport=transport)) as sender:
             while (order := await loop.run_in_executor(None, orders.recv)) is not None:
@@ -204,7 +213,7 @@ def _sender(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool
     _run(main, trace)
 
 
-def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
+def _receiver(addr: str, size: tuple[int, int], orders, done, where: tuple[str, str], real: bool = False, trace: str = "") -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.roles import ReceiverOptions, WeightReceiver
 
@@ -212,7 +221,7 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bo
 
     async def main():
         transport, device = where
-        shapes = Trainer.shapes() if real else layout(mb)
+        shapes = Trainer.shapes() if real else layout(size)
         tensors = {k: torch.zeros(shape, dtype=torch.bfloat16, device=device) for k, shape in shapes.items()}
         loop = asyncio.get_running_loop()
         async with WeightReceiver(addr, tensors, rank=0, options=ReceiverOptions(transport=transport)) as receiver:
@@ -227,9 +236,9 @@ def _receiver(addr: str, mb: int, orders, done, where: tuple[str, str], real: bo
 class Cluster:
     """One controller here, a sender and a receiver process."""
 
-    def __init__(self, name: str, mb: int, gpus: str = "", real: bool = False, trace: str = "",
+    def __init__(self, name: str, size: tuple[int, int], gpus: str = "", real: bool = False, trace: str = "",
                  suffix: str = "json") -> None:
-        self.name, self.mb, self.real, self.trace, self.suffix = name, mb, real, trace, suffix
+        self.name, self.size, self.real, self.trace, self.suffix = name, size, real, trace, suffix
         self.ends = ((("tcp", "cpu"), ("tcp", "cpu")) if not gpus else
                      (("cuda_ipc", "cuda:0"), ("cuda_ipc", "cuda:1" if gpus == "across" else "cuda:0")))
 
@@ -243,9 +252,9 @@ class Cluster:
         (s_in, s_out), (s_done_r, s_done_w), (r_in, r_out), (r_done_r, r_done_w) = self.pipes
         self.to_sender, self.from_sender, self.to_receiver, self.from_receiver = s_out, s_done_r, r_out, r_done_r
         traces = [f"{self.trace}/{end}_{self.name}.{self.suffix}" if self.trace else "" for end in ("sender", "receiver")]
-        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.mb, s_in, s_done_w, self.ends[0], self.real,
+        self.procs = [ctx.Process(target=_sender, args=(self.ctl.address, self.size, s_in, s_done_w, self.ends[0], self.real,
                                                         traces[0])),
-                      ctx.Process(target=_receiver, args=(self.ctl.address, self.mb, r_in, r_done_w, self.ends[1], self.real,
+                      ctx.Process(target=_receiver, args=(self.ctl.address, self.size, r_in, r_done_w, self.ends[1], self.real,
                                                           traces[1]))]
         for p in self.procs:
             p.start()
@@ -291,11 +300,11 @@ def verify_overhead(rows: list) -> dict:
             "checked_round_over_unchecked": statistics.mean(checked) / unchecked}
 
 
-async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "",
+async def run(size: tuple[int, int], rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "",
               profile: bool = False) -> dict:
     if trace:
         pathlib.Path(trace).mkdir(parents=True, exist_ok=True)
-    clusters = {name: Cluster(name, mb, gpus, trace=trace if name in ("always", "dense") else "",
+    clusters = {name: Cluster(name, size, gpus, trace=trace if name in ("always", "dense") else "",
                               suffix="txt" if profile else "json") for name in CLUSTERS}
     rows, warmups = [], []
     for c in clusters.values():
@@ -322,7 +331,7 @@ async def run(mb: int, rounds: int, fractions: tuple[float, ...], warmup: int, g
     finally:
         for c in clusters.values():
             await c.__aexit__(None, None, None)
-    result = summarize(rows, whole, mb)
+    result = summarize(rows, whole, size)
     result["warmup_rounds"] = warmups
     result["bit_exact"] = result["bit_exact"] and all(w["bit_exact"] for w in warmups)
     return result
@@ -367,7 +376,7 @@ async def run_real(steps: int, warmup: int) -> dict:
             "bit_exact": all(x["bit_exact"] for x in per_step) and all(w["bit_exact"] for w in whole.values())}
 
 
-def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
+def summarize(rows: list[dict], whole: dict, size: tuple[int, int]) -> dict:
     def med(fraction, name, key="seconds"):
         return statistics.median(r[name][key] for r in rows if r["fraction"] == fraction)
 
@@ -383,7 +392,7 @@ def summarize(rows: list[dict], whole: dict, mb: int) -> dict:
               "always_over_dense": ratio(f, "always", "dense"), "whole_over_always_bytes": total / med(f, "always", "bytes")}
              for f in fractions]
     return {
-        "model_bytes": total, "tensors": len(layout(mb)), "cases": cases,
+        "model_bytes": total, "tensors": len(layout(size)), "cases": cases,
         "bytes_per_changed_value": (statistics.median((r["always"]["bytes"] - (total - r["always"]["whole_bytes"]))
                                                       / max(1, r["always"]["changed"]) for r in at1) if at1 else None),
         "bytes_ratio_1pct": total / statistics.median(r["auto"]["bytes"] for r in at1) if at1 else None,
@@ -441,6 +450,8 @@ def shaped(args, argv: list[str]) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="delta rounds against dense rounds over loopback TCP")
     ap.add_argument("--mb", type=int, default=512, help="MiB of bf16 weights")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="an MoE model: this many experts a layer, three 512 x 128 projections each (thousands of rows)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per changed fraction")
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     ap.add_argument("--warmup", type=int, default=3, help="rounds at 1%% first, not counted (auto measures there)")
@@ -466,7 +477,7 @@ def main(argv=None) -> int:
     if args.real_steps:
         result = asyncio.run(run_real(args.real_steps, args.warmup))
     else:
-        result = asyncio.run(run(args.mb, args.rounds, tuple(float(f) for f in args.fractions.split(",")),
+        result = asyncio.run(run((args.mb, args.experts), args.rounds, tuple(float(f) for f in args.fractions.split(",")),
                                  args.warmup, args.gpus, args.trace or args.profile, bool(args.profile)))
     result["link"] = f"cuda_ipc {args.gpus}" if args.gpus else args.link
     if args.gpus:

@@ -172,7 +172,7 @@ class Applier:
             parts.append((launch["members"], per))
         for members, per in parts:
             found[members] = per.cpu()
-        self.checked = [_verdict(head, *f) for (_, _, head), f in zip(self.deltas, found.tolist())]
+        self.checked = [codec.verdict(head, *f) for (_, _, head), f in zip(self.deltas, found.tolist())]
         return self.checked
 
     def apply(self) -> list[int]:
@@ -199,17 +199,3 @@ class Applier:
             for k, (low, high) in zip(members, halves.cpu().tolist()):
                 changes[k] = ((high << 32) + low) & _MASK
         return changes
-
-
-def _verdict(head: tuple[int, ...], escaped_gaps: int, escaped_steps: int, total: int, least: int) -> Optional[str]:
-    """Why a delta does not fit its row, from its header and what the kernels found (None: it fits)."""
-    _, _, c, fg, fs, numel = head
-    if escaped_gaps != fg:
-        return f"{escaped_gaps} escaped gaps, {fg} given"
-    if fg and least < 1:
-        return "a gap below 1: positions must be strictly increasing"
-    if c and total - 1 >= numel:
-        return f"position {total - 1} is outside the row's {numel} values"
-    if escaped_steps != fs:
-        return f"{escaped_steps} escaped steps, {fs} given"
-    return None

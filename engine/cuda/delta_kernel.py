@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ..transforms import delta as codec
+from ..transforms.delta import Encoded
 
 TILE = 2048  # values a program compares (count and compact)
 TILE_WARPS = 4
@@ -198,16 +199,6 @@ def _segment_starts(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     row's first block)."""
     running = torch.cumsum(values, 0) - values
     return running - running[first]
-
-
-class Encoded:
-    """One row's outcome: ``packed`` (its delta's bytes) or None to go whole; the values it changed and
-    its ``fp64`` change (mod 2**64; 0 for a row that goes whole)."""
-
-    __slots__ = ("packed", "changes", "change")
-
-    def __init__(self, packed: Optional[torch.Tensor], changes: int, change: int) -> None:
-        self.packed, self.changes, self.change = packed, changes, change
 
 
 def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], wait: bool = True) -> list[Encoded]:

@@ -7,10 +7,11 @@ counts, positions strictly increasing and inside the row) — all of them before
 bad one is a ``DeltaError`` naming the row and the sender (each row's view and window are worked out once
 and kept, ``Rows``: a receiver keeps them per plan and landing slot). ``apply`` then adds them to the landing
 memory and returns those whose ``fp64`` fingerprint moved otherwise than their sender said. Rows the
-batched GPU kernels take (``delta_rows.batched``) are checked and applied together: one read of their
-headers, one launch pair and one read for the verdicts, one launch and one read for the fingerprint
-changes (``engine.cuda.delta_apply.Applier``); CPU rows take the compiled kernels, on up to
-``APPLY_THREADS`` threads; others the torch codec.
+batched kernels take (``delta_rows.batched``) are checked and applied together: on GPUs one read of
+their headers, one launch pair and one read for the verdicts, one launch and one read for the
+fingerprint changes (``engine.cuda.delta_apply.Applier``); on CPUs one compiled walk of every delta,
+then one compiled apply per thread, on up to ``APPLY_THREADS`` threads (``delta_cpu.Applier``); others
+one by one (the compiled kernels where numba is, else the torch codec).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Landed:
 
     src: int
     entry: ExpectedEntry
-    delta: Optional[codec.Delta]  # None: in a batch of the GPU kernels (``checked``: its Applier and place)
+    delta: Optional[codec.Delta]  # None: in a batch of the batched kernels (``checked``: its Applier and place)
     checked: Optional[tuple]  # the torch check's (positions, steps); None: the compiled kernels'
     change: int  # the fingerprint change its sender reported
     changes: int  # the values it changes
@@ -160,14 +161,18 @@ def _one(src: int, d: DeltaRow, entry: ExpectedEntry, start: int, delta_region: 
 
 def _check_batch(batch: list, out: list, delta_region: torch.Tensor) -> None:
     """The batched rows' checks (``landed``): headers read at once, then the kernels' verdicts."""
-    from ..cuda import delta_apply as kernel  # (batched rows: Triton imports here)
-
+    rows = batch[0][5]
+    if delta_rows.batch_kernels(rows) is delta_cpu:  # (CPU rows: numba, applied on APPLY_THREADS threads)
+        kernel, more = delta_cpu, (_apply_pool(), APPLY_THREADS)
+    else:
+        from ..cuda import delta_apply as kernel  # (GPU rows: Triton imports here)
+        more = ()
     heads = kernel.headers(delta_region, [start for *_, start, _ in batch])
     items = []
     for (_, src, d, entry, start, row), head in zip(batch, heads):
         _blamed(src, d, entry, lambda: _header_fits(head, d, row, entry.name))
         items.append((delta_region[start:start + d.nbytes], row, head))
-    applier = kernel.Applier(items)
+    applier = kernel.Applier(items, *more)
     try:
         verdicts = applier.check()
     except Exception as exc:  # (a kernel that cannot run here, nothing written yet: these one by one)

@@ -23,6 +23,8 @@ from .checksums import fp64_change
 log = logging.getLogger("weightsync")
 
 WIDTHS = (1, 2, 4)  # bytes per value the batched GPU kernels take
+GPU_BATCH_BYTES = 1 << 30  # GPU rows of a lane encoded as one batch, up to this many bytes
+CPU_BATCH_BYTES = 4 << 20  # CPU rows of a lane encoded as one batch, up to this many bytes
 
 KERNEL_ON_CPU = False  # tests: CPU rows take the batched kernels too (Triton's interpreter, TRITON_INTERPRET=1)
 KERNEL_FAILED: list[str] = []  # why the batched kernels could not run here (then rows go one by one)
@@ -47,11 +49,31 @@ def kernel_failed(exc: BaseException) -> None:
 
 
 def batched(row: torch.Tensor) -> bool:
-    """Whether rows like ``row`` take the batched kernels: CUDA rows of 1, 2 or 4-byte values, contiguous,
-    where Triton imports and has not failed (``KERNEL_ON_CPU``: CPU rows too)."""
+    """Whether rows like ``row`` take the batched kernels (``batch_kernels``): contiguous rows, CUDA rows
+    of 1, 2 or 4-byte values where Triton imports (``KERNEL_ON_CPU``: CPU rows too), CPU rows where
+    numba does; none once a batched kernel failed here."""
+    if not row.is_contiguous() or row.numel() > codec.MAX_NUMEL or KERNEL_FAILED:
+        return False
+    if row.device.type == "cpu" and not KERNEL_ON_CPU:
+        return delta_cpu.usable(row)
     return ((row.device.type == "cuda" or KERNEL_ON_CPU) and row.element_size() in WIDTHS
-            and row.is_contiguous() and row.numel() <= codec.MAX_NUMEL and not KERNEL_FAILED
             and gpu_kernels() is not None)
+
+
+def batch_kernels(row: torch.Tensor):
+    """The module whose ``encode_many``, ``headers`` and ``Applier`` take rows like ``row`` (``batched``):
+    ``engine.transforms.delta_cpu`` for CPU rows, ``engine.cuda.delta_kernel`` for GPU rows (with
+    ``KERNEL_ON_CPU``, CPU rows too)."""
+    if row.device.type == "cpu" and not KERNEL_ON_CPU:
+        return delta_cpu
+    return gpu_kernels()
+
+
+def batch_bytes(row: torch.Tensor) -> int:
+    """Bytes of rows like ``row`` a lane gathers into one batch: GPU rows up to ``GPU_BATCH_BYTES`` (a few
+    launches and waits a batch), CPU rows up to ``CPU_BATCH_BYTES`` (each batch one call on a worker
+    thread, while the event loop writes what is encoded already)."""
+    return CPU_BATCH_BYTES if row.device.type == "cpu" else GPU_BATCH_BYTES
 
 
 def advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta], int, bool]:

@@ -1,10 +1,11 @@
 """A delta lane's rows between the pipeline's stager and its writer (``engine.datapath.pipeline``).
 
 How this works: each staged row of a delta lane becomes its delta where it may go as one
-(``DeltaRound.stage``), else goes whole. Large CPU rows are encoded on worker threads (``as_delta``;
-the compiled encoder lets go of the GIL), the loop writing the rows before them meanwhile. GPU rows are
-gathered into batches and encoded together on the loop's thread (``as_deltas``: a few launches and one
-wait per batch), each delta's write ordered after an event behind the launches. The stager keeps what
+(``DeltaRound.stage``), else goes whole. Rows the batched kernels take are gathered into batches and
+encoded together (``as_deltas``): CPU rows a few MiB a batch, in one compiled call on a worker thread
+(it lets go of the GIL), the loop writing the rows before them meanwhile; GPU rows on the loop's
+thread (a few launches and one wait per batch), each delta's write ordered after an event behind the
+launches. Other rows go one by one (``as_delta``; large CPU ones on worker threads). The stager keeps what
 is being encoded in a deque, in lane order; ``hand_over`` gives the oldest entry's rows to the writer
 once encoded.
 """
@@ -43,21 +44,28 @@ async def as_delta(deltas: DeltaRound, t: Transfer, staged: Staged, report: Lane
 
 
 async def as_deltas(deltas: DeltaRound, rows: list, report: LaneReport) -> None:
-    """A batch of a delta lane's GPU rows (``(t, staged, budget)``), encoded together on the loop's
-    thread (``DeltaRound.stage_many``: a few launches and one wait, for the sizes; a worker thread would
-    wait milliseconds for the GIL each time it needs it back from a polling loop). Each delta's write
-    waits for an event behind the launches."""
+    """A batch of a delta lane's rows (``(t, staged, budget)``), encoded together
+    (``DeltaRound.stage_many``). CPU rows: one compiled call on a worker thread (it lets go of the GIL;
+    the loop writes meanwhile). GPU rows: on the loop's thread (a few launches and one wait, for the
+    sizes; a worker thread would wait milliseconds for the GIL each time it needs it back from a polling
+    loop), each delta's write waiting for an event behind the launches."""
     for _, staged, _ in rows:
         await staged.wait()
     start = time.perf_counter()
-    outs = deltas.stage_many([(t, staged.tensor) for t, staged, _ in rows], wait=False)
+    pairs = [(t, staged.tensor) for t, staged, _ in rows]
     device = rows[0][1].tensor.device
     done = None
-    if device.type == "cuda":
-        from ..cuda import cuda_rt
+    if device.type == "cpu":
+        outs = await asyncio.to_thread(deltas.stage_many, pairs)
+    else:
+        outs = deltas.stage_many(pairs, wait=False)
+        if device.type == "cuda":
+            from ..cuda import cuda_rt
 
-        done = cuda_rt.recorded(device)
-    report.encode_s += time.perf_counter() - start
+            done = cuda_rt.recorded(device)
+    took = time.perf_counter() - start
+    report.encode_s += took
+    report.stage_s += took  # (the stager did not wait for it: a row's encoding is part of its staging)
     for (_, staged, _), out in zip(rows, outs):
         _as_sent(staged, out)
         if out is not None:

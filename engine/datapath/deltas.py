@@ -54,7 +54,6 @@ REPROBE = 16  # "auto": a lane dense this many rounds in a row tries deltas agai
 REPROBE_MAX = 1024  # each try that does not pay doubles that wait, up to this many rounds
 OFF_LOOP_BYTES = 1 << 20  # CPU rows this large are encoded on worker threads (the event loop keeps writing)
 ENCODERS = 2  # such rows (or batches) of a lane encoded at once (the compiled encoder lets go of the GIL)
-BATCH_BYTES = 1 << 30  # GPU rows of a lane encoded as one batch, up to this many bytes (``batched``)
 
 
 def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> tuple[int, int]:
@@ -143,6 +142,7 @@ class Bases:
         self.dense_rounds: dict[int, int] = {}  # receiver -> rounds since its lane was last in delta mode
         self.reprobe: dict[int, int] = {}  # receiver -> dense rounds before its lane tries deltas again
         self._probing: set[int] = set()  # receivers whose lane tries deltas again, until the encoder is measured
+        self._warmed: set[int] = set()  # receivers whose lane has written a measured dense round (the next measures)
         self.lock = threading.Lock()  # (rows are encoded on worker threads: guards the dicts and counters)
         self._idle = threading.Condition(self.lock)  # notified as each encode ends
         self._busy = 0  # rows being encoded now
@@ -262,27 +262,38 @@ class Bases:
             return [done[_key(t)] for t, _ in rows]
 
     def _advance_all(self, todo: Mapping[tuple, tuple[_Base, torch.Tensor]], wait: bool) -> dict[tuple, _Pending]:
-        """Bring each base to its new bytes: in one batch those that hold a version, on the new bytes'
-        device, where the batched kernels serve; ``_encode`` the rest."""
-        fast = {key: (base, new) for key, (base, new) in todo.items()
-                if base.version is not None and base.tensor.device == new.device and delta_rows.batched(new)}
-        out = {key: self._encode(base, new) for key, (base, new) in todo.items() if key not in fast}
-        if fast:
-            t0 = time.perf_counter()
-            try:
-                encoded = delta_rows.gpu_kernels().encode_many([(base.tensor, new) for base, new in fast.values()], wait)
-            except Exception as exc:  # (a kernel that cannot run here: these rows whole, later ones one by one)
-                delta_rows.kernel_failed(exc)
-                for key, (base, new) in fast.items():
-                    base.version = None  # (what the launches did to it is unknown: copied whole)
-                    out[key] = self._encode(base, new)
-                return out
-            with self.lock:
-                self._encoded[0] += time.perf_counter() - t0
-                self._encoded[1] += sum(new.numel() * new.element_size() for _, new in fast.values())
-            for (key, (base, _)), e in zip(fast.items(), encoded):
-                out[key] = _Pending(base.version, None, e.change if e.packed is not None else 0, e.packed, e.changes)
-                base.version = None
+        """Bring each base to its new bytes: those that hold a version, on the new bytes' device, where
+        the batched kernels serve, in one batch per kind of device; ``_encode`` the rest."""
+        groups: dict[str, dict[tuple, tuple[_Base, torch.Tensor]]] = {}
+        for key, (base, new) in todo.items():
+            if base.version is not None and base.tensor.device == new.device and delta_rows.batched(new):
+                groups.setdefault(new.device.type, {})[key] = (base, new)
+        batched = {key for fast in groups.values() for key in fast}
+        out = {key: self._encode(base, new) for key, (base, new) in todo.items() if key not in batched}
+        for fast in groups.values():
+            out.update(self._encode_batch(fast, wait))
+        return out
+
+    def _encode_batch(self, fast: Mapping[tuple, tuple[_Base, torch.Tensor]], wait: bool) -> dict[tuple, _Pending]:
+        """``_advance_all``'s batch of rows on one kind of device (``delta_rows.batch_kernels``)."""
+        t0 = time.perf_counter()
+        try:
+            kernels = delta_rows.batch_kernels(next(iter(fast.values()))[1])
+            encoded = kernels.encode_many([(base.tensor, new) for base, new in fast.values()], wait)
+        except Exception as exc:  # (a kernel that cannot run here: these rows whole, later ones one by one)
+            delta_rows.kernel_failed(exc)
+            out = {}
+            for key, (base, new) in fast.items():
+                base.version = None  # (what the launches did to it is unknown: copied whole)
+                out[key] = self._encode(base, new)
+            return out
+        with self.lock:
+            self._encoded[0] += time.perf_counter() - t0
+            self._encoded[1] += sum(new.numel() * new.element_size() for _, new in fast.values())
+        out = {}
+        for (key, (base, _)), e in zip(fast.items(), encoded):
+            out[key] = _Pending(base.version, None, e.change if e.packed is not None else 0, e.packed, e.changes)
+            base.version = None
         return out
 
     def observe(self, lanes: Mapping[int, object], seconds: float, delta_lanes: frozenset = frozenset()) -> None:
@@ -292,7 +303,9 @@ class Bases:
         meanwhile, so it is never above the link's.)"""
         for rank, lane in lanes.items():
             if rank not in delta_lanes and lane.nbytes >= MEASURED and seconds > 0:
-                self.link_rates[rank] = lane.nbytes / seconds
+                if rank in self._warmed:  # (a lane's first round, cold connections and all, is not its link)
+                    self.link_rates[rank] = lane.nbytes / seconds
+                self._warmed.add(rank)
             self.dense_rounds[rank] = 0 if rank in delta_lanes else self.dense_rounds.get(rank, 0) + 1
         seconds, nbytes = self._encoded
         if nbytes >= MEASURED and seconds > 0:
@@ -302,7 +315,7 @@ class Bases:
     def pays(self, rank: int) -> bool:
         """Whether a delta round may beat a dense one toward ``rank`` ("auto"): encoding (and, as costly
         again, applying at the receiver) must outrun the link. The link is measured first, by a dense
-        round; then deltas are tried until the encode rate is measured too (it falls as more values
+        round (not the lane's first: its connections are cold); then deltas are tried until the encode rate is measured too (it falls as more values
         change); a lane dense for ``REPROBE`` rounds tries again, and each try that does not pay doubles
         that wait (up to ``REPROBE_MAX``): on a link where deltas never pay, the tries cost ever less."""
         rate = self.link_rates.get(rank)
@@ -341,9 +354,10 @@ class DeltaRound:
         return new.device.type == "cpu" and new.numel() * new.element_size() >= OFF_LOOP_BYTES
 
     @staticmethod
-    def batches(new: torch.Tensor) -> bool:
-        """Whether ``stage_many`` should take ``new`` with others (``batched``: GPU rows)."""
-        return delta_rows.batched(new)
+    def batches(new: torch.Tensor) -> int:
+        """Bytes of rows like ``new`` that ``stage_many`` should take together (``delta_rows.batched``,
+        ``batch_bytes``); 0: ``stage`` takes it alone."""
+        return delta_rows.batch_bytes(new) if delta_rows.batched(new) else 0
 
     def stage(self, t: Transfer, new: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
         """Row ``t`` of a delta lane, its new bytes ``new``: (packed delta, its offset in the receiver's

@@ -54,7 +54,7 @@ from ..transport import Connection
 from ..aio import ByteBudget, Channel, run_all
 from .checksums import validate as validate_checksum
 from .compiled import CompiledLane, RoundCompiler
-from .deltas import BATCH_BYTES, ENCODERS, DeltaRound
+from .deltas import ENCODERS, DeltaRound
 from .delta_staging import as_delta, as_deltas, hand_over
 from .lanes import (WRITTEN_CHECKSUMS, LaneReport, PushReport, Seals, WrittenPrints, fingerprints,
                     prints, replay, submit_written)
@@ -234,7 +234,7 @@ class Pipeline:
         # (not in lanes with transforms: their launches must keep ahead of the writes, docs/TRANSFORMS.md)
         prompt = transfers[0] if transfers and not any(t.transform for t in transfers) else None
         encoding: collections.deque = collections.deque()  # ([(t, staged, budget)], their encode), lane order
-        gathering: list = []  # GPU rows of a delta lane for the next batch: (t, staged, budget)
+        gathering: list = []  # rows of a delta lane for the next batch: (t, staged, budget)
         gathered = 0  # their bytes
         unprinted: list = []  # (table index, bytes) whose checksum is taken in one pass (``staging.LATER``)
         unprinted_bytes = 0
@@ -276,12 +276,12 @@ class Pipeline:
                         staged.unprinted = None
                         if unprinted_bytes >= PRINT_BYTES:
                             await print_unprinted()
-                    if deltas is not None and deltas.batches(staged.tensor):  # GPU rows: encoded in batches
+                    if deltas is not None and (batch := deltas.batches(staged.tensor)):  # encoded in batches
                         gathering.append((t, staged, upfront))
                         gathered += t.nbytes
                         handed_over = True  # (``gathering`` holds it now)
                         report.stage_s += time.perf_counter() - t0
-                        if gathered >= BATCH_BYTES:
+                        if gathered >= batch:
                             await encode_gathered(ENCODERS - 1)
                         continue
                     if deltas is not None and deltas.off_loop(staged.tensor):  # on worker threads, ENCODERS

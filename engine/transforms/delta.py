@@ -251,3 +251,28 @@ def unpack(data: bytes, row: str = "row") -> Delta:
 
     gaps, steps = take(changes, torch.uint8), take(changes, torch.int8)
     return Delta(width, numel, gaps, take(far_gaps, torch.uint32), steps, take(far_steps, far_step))
+
+
+class Encoded:
+    """One row's outcome: ``packed`` (its delta's bytes) or None to go whole; the values it changed and
+    its ``fp64`` change (mod 2**64; 0 for a row that goes whole)."""
+
+    __slots__ = ("packed", "changes", "change")
+
+    def __init__(self, packed: Optional[torch.Tensor], changes: int, change: int) -> None:
+        self.packed, self.changes, self.change = packed, changes, change
+
+
+def verdict(head: tuple[int, ...], escaped_gaps: int, escaped_steps: int, total: int, least: int) -> Optional[str]:
+    """Why a delta does not fit its row, from its header and what a batched walk of it found (the escaped
+    gaps and steps, the sum of its gaps, its least far gap; None: it fits)."""
+    _, _, c, fg, fs, numel = head
+    if escaped_gaps != fg:
+        return f"{escaped_gaps} escaped gaps, {fg} given"
+    if fg and least < 1:
+        return "a gap below 1: positions must be strictly increasing"
+    if c and total - 1 >= numel:
+        return f"position {total - 1} is outside the row's {numel} values"
+    if escaped_steps != fs:
+        return f"{escaped_steps} escaped steps, {fs} given"
+    return None

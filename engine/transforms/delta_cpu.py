@@ -24,7 +24,7 @@ paths bit for bit.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -97,3 +97,98 @@ def apply(delta: codec.Delta, row: torch.Tensor, name: str = "row", *, undo: boo
     if not checked:
         check(delta, row, name)
     return int(_kernels().apply(_np(row), *_arrays(delta), delta.width, -1 if undo else 1)) & _MASK
+
+
+SLOT_ALIGN = 16  # each row's packed delta starts on a multiple of this in a batch's buffer
+
+
+def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], wait: bool = True) -> list[codec.Encoded]:
+    """``advance`` of many rows in one compiled call (``delta_kernels.encode_rows``): each ``(base, new)``
+    1-D, contiguous, on the CPU, of one dtype and length. Each row's packed delta (``pack_tensor``'s bytes,
+    a view of one buffer of the batch) or None to go whole; every base ends equal to its new bytes.
+    (``wait``: the GPU encoder's; CPU work is done when this returns.)"""
+    if not rows:
+        return []
+    table, at, limit, far, values = [], 0, 1, 8, 0
+    for base, new in rows:
+        if base.numel() != new.numel() or base.dtype != new.dtype or not (base.is_contiguous() and new.is_contiguous()):
+            raise codec.DeltaError("row", f"base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} "
+                                          f"{new.dtype} differ, or are not contiguous")
+        if new.numel() > codec.MAX_NUMEL:
+            raise codec.DeltaError("row", f"{new.numel()} values: a delta covers rows of at most {codec.MAX_NUMEL}")
+        width = new.element_size()
+        if width not in (1, 2, 4, 8):
+            raise codec.DeltaError("row", f"values of {width} bytes have no integer view")
+        nbytes = new.numel() * width
+        table.append((base.data_ptr(), new.data_ptr(), new.numel(), width, at))
+        at += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        row_limit = max(0, (nbytes - codec.HEADER_BYTES - 1) // 2) + 1
+        limit, far = max(limit, row_limit), max(far, row_limit * codec.far_step_dtype(width).itemsize)
+        values = max(values, new.numel())
+    out = np.empty(at, np.uint8)  # (pages are touched only where deltas are written: ~2 bytes a change)
+    results = np.empty((len(rows), 3), np.int64)
+    _kernels().encode_rows(np.array(table, np.int64), out, np.empty(limit, np.uint8),
+                           np.empty(values // 256 + 2, np.uint32), np.empty(limit, np.int8), np.empty(far, np.uint8),
+                           results)
+    packed = torch.from_numpy(out)
+    return [codec.Encoded(packed[start:start + size] if size >= 0 else None, changes, change & _MASK)
+            for (*_, start), (size, changes, change) in zip(table, results.tolist())]
+
+
+def headers(region: torch.Tensor, starts: Sequence[int]) -> list[tuple[int, ...]]:
+    """The header fields of the deltas packed at ``starts`` of ``region`` (uint8, on the CPU)."""
+    if not starts:
+        return []
+    raw = region.numpy()[np.asarray(starts, np.int64)[:, None] + np.arange(codec.HEADER_BYTES)]
+    return [tuple(r) for r in raw.view(np.int32).reshape(-1, 6).tolist()]
+
+
+class Applier:
+    """Deltas checked, then applied, many in one compiled call each (``engine.cuda.delta_apply.Applier``'s
+    CPU twin): each ``(packed, row, header)``, ``packed`` a uint8 view of a delta's bytes whose header
+    fields ``header`` gives (as ``headers`` reads them, sizes already checked against its bytes), ``row``
+    the 1-D contiguous values it applies to, of the header's width and count. ``apply`` splits the rows
+    among up to ``threads`` threads of ``pool`` (the kernels let go of the GIL)."""
+
+    def __init__(self, deltas: Sequence[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]], pool=None,
+                 threads: int = 1) -> None:
+        self.deltas, self.pool, self.threads = list(deltas), pool, threads
+        self.checked: Optional[list] = None
+
+    def __repr__(self) -> str:
+        return f"<Applier {len(self.deltas)} deltas checked={self.checked is not None}>"
+
+    def check(self) -> list[Optional[str]]:
+        """Per delta, why it does not fit its row (None: it does); nothing written."""
+        table = np.array([(packed.data_ptr(), head[2], head[3], head[4]) for packed, _, head in self.deltas],
+                         np.int64).reshape(-1, 4)
+        found = np.empty((len(self.deltas), 4), np.int64)
+        _kernels().walk_rows(table, found)
+        self.checked = [codec.verdict(head, *f) for (_, _, head), f in zip(self.deltas, found.tolist())]
+        return self.checked
+
+    def apply(self, undo: bool = False) -> list[int]:
+        """Apply every delta (after ``check`` found them all good; ``undo``: take them back); each row's
+        ``fp64`` change, mod 2**64."""
+        if self.checked is None or any(self.checked):
+            raise codec.DeltaError("row", "apply before a check that every delta passed")
+        table = np.array([(packed.data_ptr(), row.data_ptr(), head[5], head[1], head[2], head[3], head[4])
+                          for packed, row, head in self.deltas], np.int64).reshape(-1, 7)
+        changes = np.empty(len(self.deltas), np.int64)
+        sign = -1 if undo else 1
+        parts = self._parts(table)
+        if len(parts) > 1 and self.pool is not None:
+            for f in [self.pool.submit(_kernels().apply_rows, table[a:b], sign, changes[a:b]) for a, b in parts]:
+                f.result()
+        else:
+            _kernels().apply_rows(table, sign, changes)
+        return [c & _MASK for c in changes.tolist()]
+
+    def _parts(self, table: np.ndarray) -> list[tuple[int, int]]:
+        """Runs of rows with about equal changes, one per thread."""
+        if self.threads <= 1 or len(table) < 2:
+            return [(0, len(table))]
+        ends = np.cumsum(table[:, 4] + 1)
+        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, self.threads) / self.threads)
+        bounds = sorted({0, len(table), *(int(c) for c in cuts)})
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 MOD = 65521  # fp64's weights repeat every MOD words (engine.datapath.checksums)
+MAGIC = 0x57534431  # a packed delta's first four bytes (engine.transforms.delta.MAGIC)
 OK, BAD = 0, 1
 
 
@@ -113,3 +116,148 @@ def apply(values, gaps, far_gaps, steps, far_steps, width, sign):
         fp += share(pos, b, np.int64(values[pos]), width)
     return fp
 
+
+
+# Many rows a call (``delta_cpu.encode_many``, ``Applier``): rows given by address in an int64 table, read
+# and written as bytes (the values' width a number, not a type: one compiled kernel serves every dtype).
+
+def _pointer(item):
+    """An intrinsic: a pointer to ``item`` values at an address (int64)."""
+    @intrinsic
+    def at(typingctx, addr):
+        sig = types.CPointer(item)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
+        return sig, codegen
+    return at
+
+
+_u8_at, _i16_at, _i32_at, _i64_at, _u64_at = (_pointer(t) for t in (types.uint8, types.int16, types.int32,
+                                                                       types.int64, types.uint64))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _load(raw, i, width):
+    """Value ``i``'s bit pattern as int64, as ``delta.bits`` reads it (bytes unsigned, wider signed)."""
+    p = i * width
+    if width == 1:
+        return np.int64(raw[p])
+    v = np.int64(0)
+    for k in range(width):
+        v |= np.int64(raw[p + k]) << (8 * k)
+    if width < 8 and v >= (np.int64(1) << (8 * width - 1)):
+        v -= np.int64(1) << (8 * width)
+    return v
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _store(raw, at, v, nbytes):
+    """``v``'s low ``nbytes`` bytes at ``raw[at:]``, little-endian."""
+    for k in range(nbytes):
+        raw[at + k] = (v >> (8 * k)) & 0xFF
+
+
+@numba.njit(cache=True, nogil=True)
+def _encode_at(b, n, numel, width, gaps, far_gaps, steps, far_steps):
+    """``encode`` of the row at addresses ``b`` (base) and ``n`` (new), through views of its width."""
+    limit = max(0, (numel * width - 25) // 2)  # (2 bytes a change at least: a delta smaller than the row)
+    words = numel * width // 8 if b % 8 == 0 and n % 8 == 0 else 0
+    bw, nw = numba.carray(_u64_at(b), words), numba.carray(_u64_at(n), words)
+    if width == 2:
+        return encode(numba.carray(_i16_at(b), numel), numba.carray(_i16_at(n), numel), bw, nw, gaps, far_gaps,
+                      steps, far_steps.view(np.int16), width, limit)
+    if width == 4:
+        return encode(numba.carray(_i32_at(b), numel), numba.carray(_i32_at(n), numel), bw, nw, gaps, far_gaps,
+                      steps, far_steps.view(np.int32), width, limit)
+    if width == 1:
+        return encode(numba.carray(_u8_at(b), numel), numba.carray(_u8_at(n), numel), bw, nw, gaps, far_gaps,
+                      steps, far_steps.view(np.int16), width, limit)
+    return encode(numba.carray(_i64_at(b), numel), numba.carray(_i64_at(n), numel), bw, nw, gaps, far_gaps,
+                  steps, far_steps.view(np.int64), width, limit)
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_rows(table, out, gaps, far_gaps, steps, far_steps, results):
+    """``encode`` of many rows: ``table[r]`` = (base address, new address, values, width, where its packed
+    delta goes in ``out``: a slot of its row's bytes). ``results[r]`` = (the packed delta's bytes, or -1:
+    the row goes whole; the values it changes; its fp64 change). Every base ends equal to its new bytes.
+    Scratch for the most changes a row may have (``limit``): ``gaps`` (uint8), ``far_gaps`` (uint32),
+    ``steps`` (int8) and ``far_steps`` (uint8, bytes for as many far steps of the widest)."""
+    for r in range(table.shape[0]):
+        numel, width, at = table[r, 2], table[r, 3], table[r, 4]
+        nbytes = numel * width
+        c, fg, fs, fp = _encode_at(table[r, 0], table[r, 1], numel, width, gaps, far_gaps, steps, far_steps)
+        far = 2 if width <= 2 else width
+        size = 24 + 2 * c + 4 * fg + far * fs
+        if c < 0 or size >= nbytes:
+            base, new = numba.carray(_u8_at(table[r, 0]), nbytes), numba.carray(_u8_at(table[r, 1]), nbytes)
+            base[:] = new
+            results[r, 0], results[r, 1], results[r, 2] = -1, 0, 0
+            continue
+        _store(out, at, MAGIC, 4)
+        _store(out, at + 4, width, 4)
+        _store(out, at + 8, c, 4)
+        _store(out, at + 12, fg, 4)
+        _store(out, at + 16, fs, 4)
+        _store(out, at + 20, numel, 4)
+        out[at + 24:at + 24 + c] = gaps[:c]
+        out[at + 24 + c:at + 24 + 2 * c] = steps[:c].view(np.uint8)
+        out[at + 24 + 2 * c:at + 24 + 2 * c + 4 * fg] = far_gaps[:fg].view(np.uint8)
+        out[at + 24 + 2 * c + 4 * fg:at + size] = far_steps[:far * fs]
+        results[r, 0], results[r, 1], results[r, 2] = size, c, fp
+
+
+@numba.njit(cache=True, nogil=True)
+def walk_rows(table, found):
+    """``walk`` of many packed deltas: ``table[r]`` = (its address, changes, far gaps, far steps; the
+    header's, whose sizes add up to its bytes). ``found[r]`` = (escaped gaps, escaped steps, the sum of
+    its gaps, its least far gap): ``delta.verdict`` says what they mean."""
+    for r in range(table.shape[0]):
+        c, fg = table[r, 1], table[r, 2]
+        raw = numba.carray(_u8_at(table[r, 0]), 24 + 2 * c + 4 * fg)
+        eg, es, total, least = 0, 0, np.int64(0), np.int64(1) << 40
+        for k in range(c):
+            g = np.int64(raw[24 + k])
+            if g == 0:
+                g = np.int64(0)
+                if eg < fg:
+                    for j in range(4):
+                        g |= np.int64(raw[24 + 2 * c + 4 * eg + j]) << (8 * j)
+                    least = min(least, g)
+                eg += 1
+            total += g
+            if raw[24 + c + k] == 0x80:
+                es += 1
+        found[r, 0], found[r, 1], found[r, 2], found[r, 3] = eg, es, total, least
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_at(row, numel, width, gaps, far_gaps, steps, far_steps, sign):
+    """``apply`` to the row at address ``row``, through a view of its width."""
+    if width == 2:
+        return apply(numba.carray(_i16_at(row), numel), gaps, far_gaps, steps, far_steps.view(np.int16), width, sign)
+    if width == 4:
+        return apply(numba.carray(_i32_at(row), numel), gaps, far_gaps, steps, far_steps.view(np.int32), width, sign)
+    if width == 1:
+        return apply(numba.carray(_u8_at(row), numel), gaps, far_gaps, steps, far_steps.view(np.int16), width, sign)
+    return apply(numba.carray(_i64_at(row), numel), gaps, far_gaps, steps, far_steps.view(np.int64), width, sign)
+
+
+@numba.njit(cache=True, nogil=True)
+def apply_rows(table, sign, changes):
+    """``apply`` of many checked deltas: ``table[r]`` = (packed address, row address, values, width,
+    changes, far gaps, far steps). ``changes[r]``: its row's fp64 change. (Far gaps and steps lie
+    unaligned after the one-byte arrays: copied out first; they are few.)"""
+    most_fg, most_fs = 0, 0
+    for r in range(table.shape[0]):
+        most_fg, most_fs = max(most_fg, table[r, 5]), max(most_fs, table[r, 6])
+    far_gaps, far_steps = np.empty(4 * most_fg, np.uint8), np.empty(8 * most_fs, np.uint8)
+    for r in range(table.shape[0]):
+        numel, width, c, fg, fs = table[r, 2], table[r, 3], table[r, 4], table[r, 5], table[r, 6]
+        far = 2 if width <= 2 else width
+        raw = numba.carray(_u8_at(table[r, 0]), 24 + 2 * c + 4 * fg + far * fs)
+        far_gaps[:4 * fg] = raw[24 + 2 * c:24 + 2 * c + 4 * fg]
+        far_steps[:far * fs] = raw[24 + 2 * c + 4 * fg:]
+        changes[r] = _apply_at(table[r, 1], numel, width, raw[24:24 + c], far_gaps[:4 * fg].view(np.uint32),
+                               raw[24 + c:24 + 2 * c].view(np.int8), far_steps[:far * fs], sign)

@@ -53,13 +53,14 @@ from ..transport import Abilities, EpochCounts, TransportOptions, await_each_pro
 from . import tcp_connect
 from .listen import Listener
 from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
-from .tcp_frames import (ACK, HEADER, MAGIC, OP_ACK, OP_FENCE, OP_HELLO, OP_WRITE, PROOF, PROOF_MAGIC,
-                         PROOF_TAG, Frames)
+from .tcp_frames import (ACK, CHUNK_BYTES, CHUNK_IOVECS, HEADER, MAGIC, OP_ACK, OP_FENCE, OP_HELLO, OP_WRITE, PROOF,
+                         PROOF_MAGIC, PROOF_TAG, Frames)
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
 
 EARLY_SEAL_BYTES = 16 << 20  # a lane seals before its fence only up to this much (0.13 s at 1 Gbit/s)
+SUBMIT_BATCH = 64  # staged rows a lane's writer hands ``submit_many`` at once (one task, few ``sendmsg``)
 
 
 class TcpTransport(EpochCounts):
@@ -192,7 +193,7 @@ class TcpConnection:
 
     # GPU sources are staged through pinned host memory; compiled rows (ready-made frames) read CPU memory
     abilities = Abilities(devices=frozenset({"cpu"}), compiles=True, direct_devices=frozenset({"cpu"}),
-                          submits=True, seals=True, delta_auto=True)
+                          submits=True, batch=SUBMIT_BATCH, seals=True, delta_auto=True)
     generation = 0  # the target's regions are fixed for the connection's life (a new plan connects anew)
 
     def __init__(self, sock: socket.socket, peer: str, sizes: dict[int, int], nonce: bytes = bytes(16),
@@ -240,6 +241,37 @@ class TcpConnection:
         task = asyncio.ensure_future(self._write(src, dst_region, dst_offset, epoch, after, left))
         task.add_done_callback(lambda _: self._unissue(left))
         return task
+
+    def submit_many(self, rows: Sequence[tuple[torch.Tensor, int, int, Optional[torch.cuda.Event]]],
+                    epoch: int) -> list[asyncio.Future]:
+        """``submit`` of many rows (source, region, offset, after): counted as issued now, their frames sent
+        by one task, many per ``sendmsg`` (chunks as a compiled table's, ``tcp_frames.CHUNK_IOVECS`` and
+        ``CHUNK_BYTES``); that task's future stands for every row."""
+        if self._closed:
+            raise ConnectionClosed("connection is closed", peer=self.peer)
+        left = self._issue(len(rows), sum(src.numel() * src.element_size() for src, *_ in rows))
+        task = asyncio.ensure_future(self._write_many(rows, epoch, left))
+        task.add_done_callback(lambda _: self._unissue(left))
+        return [task] * len(rows)
+
+    async def _write_many(self, rows, epoch: int, left: list[int]) -> None:
+        for *_, after in rows:
+            await wait_after(after)
+        chunks: list[tuple[list, int, int]] = []  # (buffers, rows, payload bytes)
+        for src, region, offset, _ in rows:
+            payload = byte_view(src)
+            frame = [memoryview(HEADER.pack(OP_WRITE, region, offset, len(payload), epoch))]
+            frame += [memoryview(payload).cast("B")] if len(payload) else []
+            if not chunks or len(chunks[-1][0]) + len(frame) > CHUNK_IOVECS or chunks[-1][2] + len(payload) > CHUNK_BYTES:
+                chunks.append(([], 0, 0))
+            views, count, nbytes = chunks[-1]
+            chunks[-1] = (views + frame, count + 1, nbytes + len(payload))
+        async with self.lock:
+            for views, count, nbytes in chunks:
+                try:
+                    await self._send_views(views)
+                finally:  # a chunk that started is finished (``_send_views``), even when cancelled: it counts
+                    self._sent(left, count, nbytes)
 
     def seal(self) -> Optional[bytes]:
         """A delivery proof of every write issued so far: the target waits until this connection (named

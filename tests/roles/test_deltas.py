@@ -239,11 +239,13 @@ async def test_an_aborted_round_leaves_every_base_and_the_next_round_is_still_ex
             assert same(send_t, r.state_dict()) == []
 
 
-def test_auto_measures_the_link_dense_first_then_sends_deltas_only_where_encoding_outruns_it():
+def test_auto_measures_the_link_dense_after_the_first_round_then_sends_deltas_only_where_encoding_outruns_it():
     from types import SimpleNamespace as Lane
 
     bases = Bases()
     assert not bases.pays(0)  # no link rate yet: a dense round measures it
+    bases.observe({0: Lane(nbytes=100 << 20), 1: Lane(nbytes=100 << 20)}, 10.0)
+    assert not bases.pays(0) and not bases.pays(1)  # a lane's first round is cold: not its link's rate
     bases.observe({0: Lane(nbytes=100 << 20)}, 1.0)
     bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     assert bases.pays(0) and bases.pays(1)  # the encode rate is not known yet: deltas are tried

@@ -3,6 +3,8 @@ the same delta bytes, the same bases, the same fingerprint changes, the same ref
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -86,3 +88,69 @@ def test_a_malformed_delta_is_refused_with_the_torch_error_before_any_byte_is_wr
 def test_cpu_rows_take_the_kernels_and_others_do_not():
     assert k.usable(torch.zeros(4), torch.zeros(4))
     assert not k.usable(torch.zeros(4), torch.zeros(4, device="meta"))
+
+
+def _skewed(dtype: torch.dtype, n: int, seed: int, skew: int) -> torch.Tensor:
+    """A random row of ``n`` values starting ``skew`` values into its memory (off 8-byte words)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    room = torch.zeros((n + skew) * width, dtype=torch.uint8)
+    row = room[skew * width:].view(dtype)
+    row.copy_(random_row(dtype, n, seed))
+    return row
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(1, 3000), st.integers(0, 2**16),
+                               st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]), st.sampled_from([1, 200]),
+                               st.integers(0, 3)), min_size=1, max_size=8))
+def test_a_batch_encodes_each_row_as_advance_does_one_by_one_and_applies_back_bit_for_bit(rows):
+    bases, news, olds = [], [], []
+    for dtype, n, seed, fraction, ulps, skew in rows:
+        base = _skewed(dtype, n, seed, skew)
+        bases.append(base)
+        olds.append(base.clone())
+        news.append(changed(base, seed + 1, fraction, ulps))
+    singles = [k.advance(old.clone(), new) for old, new in zip(olds, news)]
+    batch = k.encode_many(list(zip(bases, news)))
+    for base, new, (delta, change), got in zip(bases, news, singles, batch):
+        assert torch.equal(d.bits(base), d.bits(new))  # (every base took its new row, delta or not)
+        assert (got.packed is None) == (delta is None)
+        if delta is not None:
+            assert bytes(got.packed.numpy()) == d.pack(delta)
+            assert (got.changes, got.change) == (delta.changes, change)
+    sent = [(got, old, new) for got, old, new in zip(batch, olds, news) if got.packed is not None]
+    if not sent:
+        return
+    targets = [old.clone() for _, old, _ in sent]
+    items = [(got.packed, t, k.headers(got.packed, [0])[0]) for (got, _, _), t in zip(sent, targets)]
+    applier = k.Applier(items, concurrent.futures.ThreadPoolExecutor(3), threads=3)
+    assert applier.check() == [None] * len(items)
+    assert applier.apply() == [got.change for got, _, _ in sent]
+    for t, (_, _, new) in zip(targets, sent):
+        assert torch.equal(d.bits(t), d.bits(new))
+    assert all((c + got.change) & MASK == 0 for c, (got, _, _) in zip(applier.apply(undo=True), sent))
+    for t, (_, old, _) in zip(targets, sent):
+        assert torch.equal(d.bits(t), d.bits(old))
+
+
+def test_an_applier_refuses_to_apply_before_every_delta_checked_good():
+    base = random_row(torch.bfloat16, 5000, 5)
+    new = changed(base, 6, 0.01, 1)
+    packed = k.encode_many([(base.clone(), new)])[0].packed
+    bad = packed.clone()
+    bad[24 + 3] = 0  # (a zero gap no far gap stands for)
+    target = base.clone()
+    applier = k.Applier([(bad, target, k.headers(bad, [0])[0]), (packed, base.clone(), k.headers(packed, [0])[0])])
+    with pytest.raises(d.DeltaError, match="apply before a check"):
+        applier.apply()
+    assert "escaped gaps" in applier.check()[0] and applier.check()[1] is None
+    with pytest.raises(d.DeltaError, match="apply before a check"):
+        applier.apply()
+    assert torch.equal(d.bits(target), d.bits(base))
+
+
+def test_a_batch_refuses_rows_it_cannot_take_naming_them():
+    with pytest.raises(d.DeltaError, match="differ"):
+        k.encode_many([(torch.zeros(4), torch.zeros(5))])
+    with pytest.raises(d.DeltaError, match="not contiguous"):
+        k.encode_many([(torch.zeros(8), torch.zeros(4, 2).t())])

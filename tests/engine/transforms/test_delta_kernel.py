@@ -1,10 +1,10 @@
-"""The batched delta kernels (``engine.cuda.delta_kernel`` and ``delta_apply``) against the torch codec, bit for
-bit.
+"""The batched delta kernels (``engine.cuda.delta_kernel`` and ``delta_apply``; on CPUs ``engine.transforms.
+delta_cpu``'s ``encode_many`` and ``Applier``) against the torch codec, bit for bit.
 
-On a GPU (``gpu``), and on the CPU under Triton's interpreter where it is installed
-(``TRITON_INTERPRET=1``; ``make test`` has no Triton and skips those). Rows of every width the kernels
-take, block edges, gaps around 256 (escaped across a block boundary too), far steps; malformed deltas
-refused before anything is written.
+The Triton kernels on a GPU (``gpu``), and on the CPU under Triton's interpreter where it is installed
+(``TRITON_INTERPRET=1``; ``make test`` has no Triton and skips those); the compiled CPU ones
+(``"numba"``) wherever numba is. Rows of every width the kernels take, block edges, gaps around 256
+(escaped across a block boundary too), far steps; malformed deltas refused before anything is written.
 """
 
 from __future__ import annotations
@@ -21,16 +21,28 @@ from weightsync.engine.transforms import delta as codec
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                               reason="needs CUDA")]),
-           pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter"))]
+           pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter")),
+           pytest.param("numba", marks=pytest.mark.skipif(importlib.util.find_spec("numba") is None,
+                                                          reason="needs numba"))]
+TILE, BLOCK = 2048, 1024  # the Triton kernels' (rows and changes cut at these)
 
 
-def _kernel():
+def _kernel(device: str = "cuda"):
+    if device == "numba":
+        from weightsync.engine.transforms import delta_cpu
+
+        return delta_cpu
     from weightsync.engine.cuda import delta_kernel
 
+    assert (delta_kernel.TILE, delta_kernel.BLOCK) == (TILE, BLOCK)
     return delta_kernel
 
 
-def _apply():
+def _apply(device: str = "cuda"):
+    if device == "numba":
+        from weightsync.engine.transforms import delta_cpu
+
+        return delta_cpu
     from weightsync.engine.cuda import delta_apply
 
     return delta_apply
@@ -72,7 +84,7 @@ def _rows(g) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (5000, torch.bfloat16, 0.01), (3000, torch.float32, 0.2), (70000, torch.bfloat16, 0.001),
         (4100, torch.uint8, 0.05), (9000, torch.float16, 0.3), (100, torch.bfloat16, 0.9), (0, torch.bfloat16, 0.1),
         (2048, torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.uint8, 0.02))]
-    return rows + _edges(_kernel().TILE) + [_change_edges(_kernel().BLOCK)]
+    return rows + _edges(TILE) + [_change_edges(BLOCK)]
 
 
 def _change_edges(block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +100,7 @@ def _change_edges(block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _on(device: str, rows):
+    device = "cpu" if device == "numba" else device
     return [(b.to(device), n.to(device)) for b, n in rows]
 
 
@@ -97,7 +110,7 @@ def test_batched_encode_equals_the_torch_codec_and_brings_every_base_to_the_new_
     rows = _rows(g)
     refs = [codec.encode(base.clone(), new) for base, new in rows]
     bases = _on(device, rows)
-    out = _kernel().encode_many(bases)
+    out = _kernel(device).encode_many(bases)
     for (base, new), ref, got in zip(bases, refs, out):
         assert torch.equal(codec.bits(base).cpu(), codec.bits(new).cpu())
         if ref is None:
@@ -111,6 +124,8 @@ def test_batched_encode_equals_the_torch_codec_and_brings_every_base_to_the_new_
 @pytest.mark.parametrize("room, whole", [(lambda c: c[0] + c[2], [False, True, False]),  # row 1 alone outgrows it
                                          (lambda c: c[1] + 1, [False, False, False])])  # three groups
 def test_rows_past_the_staging_go_in_groups_or_whole_and_every_base_still_lands(device, monkeypatch, room, whole):
+    if device == "numba":
+        pytest.skip("the compiled CPU encoder stages nothing: each row is one pass")
     kernel = _kernel()
     g = torch.Generator().manual_seed(9)
     rows = [_pair(g, 20000, torch.bfloat16, f) for f in (0.001, 0.02, 0.01)]  # ~20, ~400, ~200 changes
@@ -148,10 +163,10 @@ def test_batched_apply_lands_every_row_bit_exact_with_the_fingerprint_change(dev
     g = torch.Generator().manual_seed(8)
     rows = [r for r in _rows(g) if r[1].numel()]
     region, starts, deltas = _packed(rows)
-    region = region.to(device)
-    heads = _apply().headers(region, starts)
-    targets = [base.clone().to(device) for base, _ in rows]
-    applier = _apply().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
+    region = _on(device, [(region, region)])[0][0]
+    heads = _apply(device).headers(region, starts)
+    targets = [t for t, _ in _on(device, [(base.clone(), base) for base, _ in rows])]
+    applier = _apply(device).Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
     assert applier.check() == [None] * len(rows)
     changes = applier.apply()
     for (_, new), t, d, change in zip(rows, targets, deltas, changes):
@@ -176,12 +191,12 @@ def test_malformed_deltas_are_refused_before_any_byte_is_written(device, damage,
     g = torch.Generator().manual_seed(9)
     rows = [_pair(g, 70000, torch.bfloat16, 0.004, far=0.0), _pair(g, 5000, torch.bfloat16, 0.01)]
     region, starts, deltas = _packed(rows)
-    heads = _apply().headers(region, starts)
+    heads = _apply(device).headers(region, starts)
     assert heads[0][3] > 0  # the first row has far gaps to damage
     damage(region, _at(region, starts[0], heads[0]))
-    region = region.to(device)
-    targets = [base.clone().to(device) for base, _ in rows]
-    applier = _apply().Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
+    region = _on(device, [(region, region)])[0][0]
+    targets = [t for t, _ in _on(device, [(base.clone(), base) for base, _ in rows])]
+    applier = _apply(device).Applier([(region[s:], t, h) for s, t, h in zip(starts, targets, heads)])
     verdicts = applier.check()
     assert verdicts[0] is not None and says in verdicts[0] and verdicts[1] is None
     with pytest.raises(codec.DeltaError):

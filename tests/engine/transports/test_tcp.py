@@ -112,6 +112,38 @@ async def test_writes_cancelled_before_they_are_sent_leave_the_issued_count():
         await conn.fence()
 
 
+async def test_submit_many_sends_rows_in_chunks_of_frames_that_a_seal_covers(monkeypatch):
+    """A writer's batch of staged rows (``submit_many``): one task sends their frames a chunk per
+    ``sendmsg``; counted as issued at once (a seal made before the task ran covers them), landed in order."""
+    monkeypatch.setattr(tcp, "CHUNK_IOVECS", 5)  # (two frames a chunk: rows 0-1, 2-3, 4-5, 6)
+    async with tcp_pair(256) as (src, dst, conn):
+        rows = [torch.full((8 + i,), i + 1, dtype=torch.uint8) for i in range(7)]
+        offsets = [sum(8 + j for j in range(i)) for i in range(7)]
+        sent = []
+        real = conn._send_views
+        conn._send_views = lambda views: (sent.append(len(views)), real(views))[1]
+        ops = conn.submit_many([(r, 0, off, None) for r, off in zip(rows, offsets)], 3)
+        assert len(ops) == 7 and conn.issued_count == 7 and not ops[0].done()
+        proof = conn.seal()
+        assert await asyncio.wait_for(dst.await_proofs({0: proof}, 10.0), WATCHDOG) == {}
+        assert bytes(dst.regions[0][:offsets[-1] + 14]) == bytes(torch.cat(rows).numpy())
+        await asyncio.gather(*ops)
+        assert sent == [4, 4, 4, 2] and (conn.sent_count, conn.sent_bytes) == (7, sum(r.numel() for r in rows))
+        await conn.fence()
+        assert (dst.counters(3)[0].count, dst.counters(3)[0].nbytes) == (7, sum(r.numel() for r in rows))
+
+
+async def test_a_batch_cancelled_before_it_is_sent_leaves_the_issued_count():
+    async with tcp_pair(64) as (src, dst, conn):
+        ops = conn.submit_many([(torch.full((8,), i, dtype=torch.uint8), 0, 8 * i, None) for i in range(3)], 1)
+        ops[0].cancel()
+        await asyncio.gather(*ops, return_exceptions=True)
+        assert (conn.issued_count, conn.issued_bytes) == (conn.sent_count, conn.sent_bytes) == (0, 0)
+        await conn.write(torch.full((8,), 5, dtype=torch.uint8), 0, 56, 2)
+        assert await asyncio.wait_for(dst.await_proofs({0: conn.seal()}, 10.0), WATCHDOG) == {}
+        await conn.fence()
+
+
 async def test_a_proof_fails_at_once_when_its_connection_closes():
     """Writes a proof counts that can never arrive (the sender's connection is gone) fail the wait when
     the target sees the close, not at the proof timeout."""
