@@ -383,7 +383,9 @@ class Worker(AsyncResource):
 
 async def warm_kernels(tensors: dict, delta_side: str) -> None:
     """Compile the GPU kernels rounds may launch on the devices of ``tensors`` before joining
-    (``engine.cuda.warm``: Triton compiles each on its first launch, which no round should pay)."""
+    (``engine.cuda.warm``: Triton compiles each on its first launch, which no round should pay); with
+    ``delta_side`` and CPU tensors, load the compiled CPU delta kernels on a thread meanwhile
+    (``delta_cpu.warm_soon``: joining does not wait for numba's import)."""
     widths: dict = {}
     for t in tensors.values():
         if t.device.type == "cuda":
@@ -392,6 +394,10 @@ async def warm_kernels(tensors: dict, delta_side: str) -> None:
         from weightsync.engine.cuda.warm import warm
 
         await asyncio.to_thread(warm, widths, delta_side)
+    if delta_side and any(t.device.type == "cpu" for t in tensors.values()):
+        from weightsync.engine.transforms import delta_cpu
+
+        delta_cpu.warm_soon()
 
 
 def spins(spin: Optional[bool], device: str) -> bool:

@@ -67,6 +67,17 @@ def window(offset: int, nbytes: int, region_nbytes: int, delta_nbytes: int) -> t
     return (start, end - start) if end > start else (0, 0)
 
 
+def _busy(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds inside any of ``spans`` (encodes on two threads at once count once: the rate is the
+    encoder's as a round sees it)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def check_bases(budget_bytes: int, on: str) -> None:
     """``SenderOptions.base_budget_bytes`` and ``base_on``, or a ``ConfigError`` naming the bad one."""
     if budget_bytes < 0:
@@ -138,7 +149,8 @@ class Bases:
         self._over_budget_logged = False
         self.link_rates: dict[int, float] = {}  # receiver -> bytes/s its lane wrote whole rows at (measured)
         self.encode_rate: Optional[float] = None  # bytes/s of rows encoded against their base (measured)
-        self._encoded = [0.0, 0]  # this round: seconds, bytes
+        self._spans: list[tuple[float, float]] = []  # this round: when rows were being encoded (threads overlap)
+        self._encoded_bytes = 0  # ... and their bytes
         self.dense_rounds: dict[int, int] = {}  # receiver -> rounds since its lane was last in delta mode
         self.reprobe: dict[int, int] = {}  # receiver -> dense rounds before its lane tries deltas again
         self._probing: set[int] = set()  # receivers whose lane tries deltas again, until the encoder is measured
@@ -218,8 +230,7 @@ class Bases:
             t0 = time.perf_counter()
             delta, change, copied = delta_rows.advance(base.tensor, flat)
             with self.lock:
-                self._encoded[0] += time.perf_counter() - t0
-                self._encoded[1] += flat.numel() * flat.element_size()
+                self._took(t0, flat.numel() * flat.element_size())
         if not copied:
             base.tensor.copy_(flat, non_blocking=True)
         base.version = None
@@ -288,8 +299,7 @@ class Bases:
                 out[key] = self._encode(base, new)
             return out
         with self.lock:
-            self._encoded[0] += time.perf_counter() - t0
-            self._encoded[1] += sum(new.numel() * new.element_size() for _, new in fast.values())
+            self._took(t0, sum(new.numel() * new.element_size() for _, new in fast.values()))
         out = {}
         for (key, (base, _)), e in zip(fast.items(), encoded):
             out[key] = _Pending(base.version, None, e.change if e.packed is not None else 0, e.packed, e.changes)
@@ -307,10 +317,15 @@ class Bases:
                     self.link_rates[rank] = lane.nbytes / seconds
                 self._warmed.add(rank)
             self.dense_rounds[rank] = 0 if rank in delta_lanes else self.dense_rounds.get(rank, 0) + 1
-        seconds, nbytes = self._encoded
+        seconds, nbytes = _busy(self._spans), self._encoded_bytes
         if nbytes >= MEASURED and seconds > 0:
             self.encode_rate = nbytes / seconds
-        self._encoded = [0.0, 0]
+        self._spans, self._encoded_bytes = [], 0
+
+    def _took(self, t0: float, nbytes: int, t1: Optional[float] = None) -> None:
+        """Rows of ``nbytes`` were encoded from ``t0`` to ``t1`` (now). Under ``lock``."""
+        self._spans.append((t0, time.perf_counter() if t1 is None else t1))
+        self._encoded_bytes += nbytes
 
     def pays(self, rank: int) -> bool:
         """Whether a delta round may beat a dense one toward ``rank`` ("auto"): encoding (and, as costly

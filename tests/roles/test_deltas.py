@@ -249,8 +249,10 @@ def test_auto_measures_the_link_dense_after_the_first_round_then_sends_deltas_on
     bases.observe({0: Lane(nbytes=100 << 20)}, 1.0)
     bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     assert bases.pays(0) and bases.pays(1)  # the encode rate is not known yet: deltas are tried
-    bases._encoded = [0.1, 100 << 20]  # encoding at ~1 GB/s
+    bases._took(0.0, 50 << 20, 0.1)  # encoding at ~1 GB/s, on two threads at once
+    bases._took(0.05, 50 << 20, 0.1)
     bases.observe({}, 1.0, delta_lanes=frozenset({0, 1}))
+    assert bases.encode_rate == (100 << 20) / 0.1  # (the threads' overlapping encodes count once)
     assert bases.pays(0) and not bases.pays(1)  # a 100 MB/s link pays for it, a 10 GB/s one does not
     bases.observe({0: Lane(nbytes=100 << 20)}, 0.5, delta_lanes=frozenset({0}))
     assert bases.link_rates[0] == 100 << 20  # a delta lane's writes never count as the link's rate
@@ -258,7 +260,7 @@ def test_auto_measures_the_link_dense_after_the_first_round_then_sends_deltas_on
         assert not bases.pays(1)
         bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     assert bases.pays(1)  # dense REPROBE rounds in a row: the encoder is measured again
-    bases._encoded = [0.1, 100 << 20]  # the try: still ~1 GB/s, against a 10 GB/s link
+    bases._took(0.0, 100 << 20, 0.1)  # the try: still ~1 GB/s, against a 10 GB/s link
     bases.observe({1: Lane(nbytes=1 << 20)}, 1.0, delta_lanes=frozenset({1}))
     assert not bases.pays(1) and bases.reprobe[1] == 2 * REPROBE  # it did not pay: the next try waits twice as long
     for _ in range(2 * REPROBE - 1):
@@ -266,14 +268,14 @@ def test_auto_measures_the_link_dense_after_the_first_round_then_sends_deltas_on
         assert not bases.pays(1)
     bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     assert bases.pays(1)  # the second try
-    bases._encoded = [0.001, 100 << 20]  # the steps now change little: ~100 GB/s
+    bases._took(0.0, 100 << 20, 0.001)  # the steps now change little: ~100 GB/s
     bases.observe({1: Lane(nbytes=1 << 20)}, 1.0, delta_lanes=frozenset({1}))
     assert bases.pays(1) and bases.reprobe[1] == REPROBE  # it paid: back to the first wait
     bases.reprobe[1] = REPROBE_MAX  # (after many tries that did not pay)
     bases.observe({1: Lane(nbytes=100 << 20)}, 0.01)
     bases.dense_rounds[1] = REPROBE_MAX
     assert bases.pays(1)
-    bases._encoded = [0.1, 100 << 20]
+    bases._took(0.0, 100 << 20, 0.1)
     bases.observe({1: Lane(nbytes=1 << 20)}, 1.0, delta_lanes=frozenset({1}))
     assert not bases.pays(1) and bases.reprobe[1] == REPROBE_MAX  # the wait grows no further
 
