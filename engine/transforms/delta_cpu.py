@@ -14,6 +14,12 @@ numba (``cache=True``: compiled once per machine, then loaded):
 - ``check(delta, row)``: walk the positions without writing (escape counts, gaps >= 1, inside the
   row); a delta that fails gets ``delta.check``'s typed error, naming the row.
 - ``apply(delta, row, undo=)``: check, then add (subtract) the steps in place; the fingerprint change.
+- Many rows a call, for a lane's batches (``delta_rows.batched``), with the interface of the GPU
+  kernels (``engine.cuda.delta_kernel.encode_many``, ``delta_apply.headers`` and ``Applier``):
+  ``encode_many`` packs every row's delta (``pack_tensor``'s bytes) into one buffer, rows given by
+  address in one table; ``Applier`` walks a round's packed deltas in one call and applies them in one
+  call per thread. No Python runs per row inside them: on a model of thousands of small tensors that
+  per-row work was most of a round.
 
 ``usable(t)`` says where they run: CPU tensors, with numba importable (it is a dependency on the
 CPU; where it is missing, e.g. a GPU host's minimal install, the torch code serves). The fingerprint
