@@ -445,3 +445,32 @@ def test_every_nth_round_the_first_and_the_one_after_an_abort_are_checked_end_to
     assert RoundInputs(ControllerOptions(checksum="sum64"), lambda key: None).checksum({"cpu"}) == "sum64"
     never = RoundInputs(ControllerOptions(full_check_every=0), lambda key: None)
     assert [never.checksum({"cpu"}) for _ in range(3)] == ["", "", ""]
+
+
+async def test_a_cpu_member_loads_the_compiled_delta_kernels_on_a_thread_as_it_joins(monkeypatch):
+    """A CPU sender or receiver with deltas starts loading numba's kernels while it joins, so its first
+    delta round does not pay the import; joining does not wait for it, and a member without deltas
+    (or on GPUs only) does not start it."""
+    from weightsync.engine.transforms import delta_cpu
+    from weightsync.roles.worker import warm_kernels
+
+    started = []
+    monkeypatch.setattr(delta_cpu, "warm_soon", lambda: started.append(threading.current_thread()))
+    await warm_kernels({"w": torch.zeros(4)}, "")
+    await warm_kernels({"w": torch.zeros(4, device="meta")}, "encode")
+    assert started == []
+    await warm_kernels({"w": torch.zeros(4)}, "encode")
+    assert started == [threading.current_thread()]  # (started from the loop's thread: not awaited)
+
+
+def test_warming_runs_every_compiled_kernel_once_on_a_thread_of_its_own():
+    from weightsync.engine.transforms import delta_cpu
+
+    if delta_cpu._kernels() is None:
+        pytest.skip("numba is not installed")
+    thread = delta_cpu.warm_soon()
+    assert thread is delta_cpu.warm_soon() and thread.daemon  # (once a process)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert all(k.signatures for k in (delta_cpu._kernels().encode_rows, delta_cpu._kernels().walk_rows,
+                                      delta_cpu._kernels().apply_rows))
