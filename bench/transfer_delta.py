@@ -25,7 +25,8 @@ and each cluster's time, and ``bit_exact_steps`` (with ``--out``, a PNG of them 
 ``--trace DIR``: the ``always`` and ``dense`` clusters' sender and receiver run under torch.profiler,
 each round marked ``round vN``; their Chrome traces in DIR (``bench/diagnostics/trace_rounds.py`` lists
 a round's GPU work by stream). ``--profile DIR``: the same four processes under cProfile instead while
-their rounds after the first run, their hottest functions in DIR (the host's work per round).
+their rounds after the first run, their hottest functions in DIR (the host's work per round, on each
+event loop's thread: CPU rows are encoded and applied on worker threads, timed in the round's stages).
 
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense

@@ -25,15 +25,16 @@ def _run(script: str, *args: str) -> list[str]:
 @pytest.mark.timeout(180)
 def test_the_delta_bench_profiles_the_rounds_of_both_ends(tmp_path):
     """``--profile``: each of the always and dense clusters' two processes writes its hottest functions,
-    taken while its rounds after the first ran (the always sender's include the encoder's)."""
+    taken on its event loop's thread while its rounds after the first ran (the always sender's include
+    handing its delta rows to the encoder, which runs on worker threads)."""
     out = json.loads(_run("transfer_delta.py", "--mb", "8", "--fractions", "0.01", "--rounds", "1", "--warmup", "1",
                           "--profile", str(tmp_path), "--json")[-1])
     assert out["bit_exact"]
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["receiver_always.txt", "receiver_dense.txt", "sender_always.txt", "sender_dense.txt"]
     sender = (tmp_path / "sender_always.txt").read_text()
-    assert "function calls" in sender and "advance_many" in sender  # (its delta rows, encoded in the rounds)
-    assert "advance_many" not in (tmp_path / "sender_dense.txt").read_text()
+    assert "function calls" in sender and "as_deltas" in sender  # (its delta rows, encoded in the rounds)
+    assert "as_deltas" not in (tmp_path / "sender_dense.txt").read_text()
 
 
 @pytest.mark.timeout(120)
