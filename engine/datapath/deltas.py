@@ -330,9 +330,10 @@ class Bases:
     def pays(self, rank: int) -> bool:
         """Whether a delta round may beat a dense one toward ``rank`` ("auto"): encoding (and, as costly
         again, applying at the receiver) must outrun the link. The link is measured first, by a dense
-        round (not the lane's first: its connections are cold); then deltas are tried until the encode rate is measured too (it falls as more values
-        change); a lane dense for ``REPROBE`` rounds tries again, and each try that does not pay doubles
-        that wait (up to ``REPROBE_MAX``): on a link where deltas never pay, the tries cost ever less."""
+        round (not the lane's first: its connections are cold); then deltas are tried until the encode
+        rate is measured too (it falls as more values change); a lane dense for ``REPROBE`` rounds tries
+        again, and each try that does not pay doubles that wait (up to ``REPROBE_MAX``): on a link where
+        deltas never pay, the tries cost ever less."""
         rate = self.link_rates.get(rank)
         if rate is None:
             return False
