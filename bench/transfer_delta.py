@@ -8,7 +8,8 @@ checked end to end), ``dense-unchecked`` (``delta="off"``, ``full_check_every=0`
 ``always`` (the defaults but for ``delta``). Every round, each sender applies the same seeded synthetic
 step to its bf16 model (``--mb`` of tensors shaped like a transformer's: large matrices and small
 vectors): a fraction of the values, spread uniformly, move by one or two units in the last place. Then
-the four push the version one after another (one cluster moves bytes at a time), and the round's
+the four push the version one after another (one cluster moves bytes at a time, their order rotating
+from round to round so that none always follows the same one), and the round's
 seconds (begin -> commit acknowledged, as the controller times it) and wire bytes are recorded. After
 every round each receiver's CRC-32 over its served tensors (on GPUs: the ``fp64`` fingerprint of each
 tensor) must equal its sender's (``bit_exact``).
@@ -301,6 +302,13 @@ def verify_overhead(rows: list) -> dict:
             "checked_round_over_unchecked": statistics.mean(checked) / unchecked}
 
 
+def rotated(names: list[str], version: int) -> list[str]:
+    """The clusters' order in round ``version``: each takes every place in turn (a cluster that follows
+    the dense ones, which load the link and the CPU for seconds, is not always the same one)."""
+    k = version % len(names)
+    return names[k:] + names[:k]
+
+
 async def run(size: tuple[int, int], rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "",
               profile: bool = False) -> dict:
     if trace:
@@ -323,8 +331,8 @@ async def run(size: tuple[int, int], rounds: int, fractions: tuple[float, ...], 
             for r in range(rounds):
                 version += 1
                 row = {"fraction": fraction, "version": version}
-                for name, c in clusters.items():
-                    row[name] = await c.round(version, fraction, seed=version)
+                for name in rotated(list(clusters), version):
+                    row[name] = await clusters[name].round(version, fraction, seed=version)
                 rows.append(row)
                 print(json.dumps({"fraction": fraction, **{n: round(row[n]["seconds"], 4) for n in clusters},
                                   "auto_bytes": row["auto"]["bytes"], "always_stages": row["always"]["stages"],
