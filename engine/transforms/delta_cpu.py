@@ -61,15 +61,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return codec.bits(t).numpy()
 
 
+def _pair(base: torch.Tensor, new: torch.Tensor) -> None:
+    """``DeltaError`` unless ``base`` and ``new`` hold as many values of one dtype, at most ``MAX_NUMEL``."""
+    if base.numel() != new.numel() or base.dtype != new.dtype:
+        raise codec.DeltaError("row", f"base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} {new.dtype} differ")
+    if new.numel() > codec.MAX_NUMEL:
+        raise codec.DeltaError("row", f"{new.numel()} values: a delta covers rows of at most {codec.MAX_NUMEL}")
+
+
 def advance(base: torch.Tensor, new: torch.Tensor) -> tuple[Optional[codec.Delta], int]:
     """Bring ``base`` (1-D, contiguous) to ``new`` (same values, dtype): (the delta that does it, or None
     where sending ``new`` whole is no larger; the change of the row's fp64 fingerprint, mod 2**64)."""
+    _pair(base, new)
     b, n = _np(base), _np(new.reshape(-1))
-    if b.shape != n.shape or b.dtype != n.dtype:
-        raise codec.DeltaError("row", f"base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} {new.dtype} differ")
     width, numel = n.itemsize, n.size
-    if numel > codec.MAX_NUMEL:
-        raise codec.DeltaError("row", f"{numel} values: a delta covers rows of at most {codec.MAX_NUMEL}")
     limit = max(0, (numel * width - codec.HEADER_BYTES - 1) // 2)  # (2 bytes a change at least)
     gaps, steps = np.empty(limit, np.uint8), np.empty(limit, np.int8)
     far_gaps = np.empty(limit, np.uint32)
@@ -119,14 +124,11 @@ def encode_many(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], wait: bool = 
         return []
     table, at, limit, far, values = [], 0, 1, 8, 0
     for base, new in rows:
-        if base.numel() != new.numel() or base.dtype != new.dtype or not (base.is_contiguous() and new.is_contiguous()):
-            raise codec.DeltaError("row", f"base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} "
-                                          f"{new.dtype} differ, or are not contiguous")
-        if new.numel() > codec.MAX_NUMEL:
-            raise codec.DeltaError("row", f"{new.numel()} values: a delta covers rows of at most {codec.MAX_NUMEL}")
+        _pair(base, new)
+        if not (base.is_contiguous() and new.is_contiguous()):
+            raise codec.DeltaError("row", f"base {tuple(base.stride())} or new {tuple(new.stride())} is not contiguous")
         width = new.element_size()
-        if width not in (1, 2, 4, 8):
-            raise codec.DeltaError("row", f"values of {width} bytes have no integer view")
+        codec.bits(new)  # (values of a width with no integer view: its DeltaError)
         nbytes = new.numel() * width
         table.append((base.data_ptr(), new.data_ptr(), new.numel(), width, at))
         at += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN

@@ -117,9 +117,8 @@ def apply(values, gaps, far_gaps, steps, far_steps, width, sign):
     return fp
 
 
-
-# Many rows a call (``delta_cpu.encode_many``, ``Applier``): rows given by address in an int64 table, read
-# and written as bytes (the values' width a number, not a type: one compiled kernel serves every dtype).
+# Many rows a call (``delta_cpu.encode_many``, ``Applier``): rows given by address in an int64 table,
+# each seen through a view of its width (``_encode_at``, ``_apply_at``) by the one-row kernels above.
 
 def _pointer(item):
     """An intrinsic: a pointer to ``item`` values at an address (int64)."""
@@ -135,20 +134,6 @@ def _pointer(item):
 
 _u8_at, _i16_at, _i32_at, _i64_at, _u64_at = (_pointer(t) for t in (types.uint8, types.int16, types.int32,
                                                                        types.int64, types.uint64))
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _load(raw, i, width):
-    """Value ``i``'s bit pattern as int64, as ``delta.bits`` reads it (bytes unsigned, wider signed)."""
-    p = i * width
-    if width == 1:
-        return np.int64(raw[p])
-    v = np.int64(0)
-    for k in range(width):
-        v |= np.int64(raw[p + k]) << (8 * k)
-    if width < 8 and v >= (np.int64(1) << (8 * width - 1)):
-        v -= np.int64(1) << (8 * width)
-    return v
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -220,7 +205,6 @@ def walk_rows(table, found):
         for k in range(c):
             g = np.int64(raw[24 + k])
             if g == 0:
-                g = np.int64(0)
                 if eg < fg:
                     for j in range(4):
                         g |= np.int64(raw[24 + 2 * c + 4 * eg + j]) << (8 * j)

@@ -53,8 +53,8 @@ from ..transport import Abilities, EpochCounts, TransportOptions, await_each_pro
 from . import tcp_connect
 from .listen import Listener
 from .tcp_agent import AgentProtocol as _AgentProtocol, FrontDoor
-from .tcp_frames import (ACK, CHUNK_BYTES, CHUNK_IOVECS, HEADER, MAGIC, OP_ACK, OP_FENCE, OP_HELLO, OP_WRITE, PROOF,
-                         PROOF_MAGIC, PROOF_TAG, Frames)
+from .tcp_frames import (ACK, HEADER, MAGIC, OP_ACK, OP_FENCE, OP_HELLO, OP_WRITE, PROOF, PROOF_MAGIC,
+                         PROOF_TAG, Frames, chunked)
 
 if TYPE_CHECKING:
     from ..datapath.compiled import CopyRow
@@ -245,8 +245,8 @@ class TcpConnection:
     def submit_many(self, rows: Sequence[tuple[torch.Tensor, int, int, Optional[torch.cuda.Event]]],
                     epoch: int) -> list[asyncio.Future]:
         """``submit`` of many rows (source, region, offset, after): counted as issued now, their frames sent
-        by one task, many per ``sendmsg`` (chunks as a compiled table's, ``tcp_frames.CHUNK_IOVECS`` and
-        ``CHUNK_BYTES``); that task's future stands for every row."""
+        by one task, many per ``sendmsg`` (chunks as a compiled table's: ``tcp_frames.chunked``); that
+        task's future stands for every row."""
         if self._closed:
             raise ConnectionClosed("connection is closed", peer=self.peer)
         left = self._issue(len(rows), sum(src.numel() * src.element_size() for src, *_ in rows))
@@ -257,17 +257,13 @@ class TcpConnection:
     async def _write_many(self, rows, epoch: int, left: list[int]) -> None:
         for *_, after in rows:
             await wait_after(after)
-        chunks: list[tuple[list, int, int]] = []  # (buffers, rows, payload bytes)
+        frames = []
         for src, region, offset, _ in rows:
             payload = byte_view(src)
-            frame = [memoryview(HEADER.pack(OP_WRITE, region, offset, len(payload), epoch))]
-            frame += [memoryview(payload).cast("B")] if len(payload) else []
-            if not chunks or len(chunks[-1][0]) + len(frame) > CHUNK_IOVECS or chunks[-1][2] + len(payload) > CHUNK_BYTES:
-                chunks.append(([], 0, 0))
-            views, count, nbytes = chunks[-1]
-            chunks[-1] = (views + frame, count + 1, nbytes + len(payload))
+            header = memoryview(HEADER.pack(OP_WRITE, region, offset, len(payload), epoch))
+            frames.append(([header, payload] if len(payload) else [header], 1, len(payload)))
         async with self.lock:
-            for views, count, nbytes in chunks:
+            for views, count, nbytes in chunked(frames):
                 try:
                     await self._send_views(views)
                 finally:  # a chunk that started is finished (``_send_views``), even when cancelled: it counts

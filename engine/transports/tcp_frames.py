@@ -53,22 +53,14 @@ class Frames:
         self.headers = torch.zeros((len(runs), HEADER.size), dtype=torch.uint8)
         raw = byte_view(self.headers)
         self._epochs = self.headers.numpy()[:, HEADER.size - 8:].view("<u8")[:, 0]  # each header's epoch field
-        self.chunks: list[tuple[list, int, int]] = []  # (buffers, rows, payload bytes)
-        views: list = []
-        count = nbytes = 0
+        frames = []
         for i, run in enumerate(runs):
             first, size = run[0], sum(r.nbytes for r in run)
             op, offset = (OP_WRITE, first.offset) if len(run) == 1 else (OP_WRITE_RUN, first.offset | len(run) << RUN_SHIFT)
             HEADER.pack_into(raw, i * HEADER.size, op, first.region, offset, size, 0)
-            frame = [raw[i * HEADER.size:(i + 1) * HEADER.size]] + [byte_view(r.src) for r in run if r.nbytes]
-            if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + size > CHUNK_BYTES):
-                self.chunks.append((views, count, nbytes))
-                views, count, nbytes = [], 0, 0
-            views += frame
-            count += len(run)
-            nbytes += size
-        if views:
-            self.chunks.append((views, count, nbytes))
+            frames.append(([raw[i * HEADER.size:(i + 1) * HEADER.size]] + [byte_view(r.src) for r in run if r.nbytes],
+                           len(run), size))
+        self.chunks = chunked(frames)  # (buffers, rows, payload bytes)
         self.nbytes = sum(c[2] for c in self.chunks)
         self.epoch = 0
 
@@ -80,6 +72,25 @@ class Frames:
         if epoch != self.epoch:
             self._epochs[:] = epoch  # (numpy: a torch tensor made and copied each round cost ~50 us)
             self.epoch = epoch
+
+
+def chunked(frames) -> list[tuple[list, int, int]]:
+    """Frames ``(buffers, rows, payload bytes)`` grouped, in order, into chunks of at most
+    ``CHUNK_IOVECS`` buffers and about ``CHUNK_BYTES`` bytes, each one ``sendmsg``: (buffers, rows, payload
+    bytes) a chunk."""
+    chunks: list[tuple[list, int, int]] = []
+    views: list = []
+    count = nbytes = 0
+    for frame, rows, size in frames:
+        if views and (len(views) + len(frame) > CHUNK_IOVECS or nbytes + size > CHUNK_BYTES):
+            chunks.append((views, count, nbytes))
+            views, count, nbytes = [], 0, 0
+        views += frame
+        count += rows
+        nbytes += size
+    if views:
+        chunks.append((views, count, nbytes))
+    return chunks
 
 
 def _runs(rows: Sequence[CopyRow]) -> list[list[CopyRow]]:

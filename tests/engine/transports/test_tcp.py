@@ -10,7 +10,7 @@ import torch
 
 from weightsync.engine.datapath.compiled import CopyRow
 from weightsync.engine.errors import TransportError
-from weightsync.engine.transports import tcp, tcp_connect
+from weightsync.engine.transports import tcp, tcp_connect, tcp_frames
 from transport_helpers import connect_while_closing, tcp_pair
 
 WATCHDOG = 20
@@ -115,7 +115,7 @@ async def test_writes_cancelled_before_they_are_sent_leave_the_issued_count():
 async def test_submit_many_sends_rows_in_chunks_of_frames_that_a_seal_covers(monkeypatch):
     """A writer's batch of staged rows (``submit_many``): one task sends their frames a chunk per
     ``sendmsg``; counted as issued at once (a seal made before the task ran covers them), landed in order."""
-    monkeypatch.setattr(tcp, "CHUNK_IOVECS", 5)  # (two frames a chunk: rows 0-1, 2-3, 4-5, 6)
+    monkeypatch.setattr(tcp_frames, "CHUNK_IOVECS", 5)  # (two frames a chunk: rows 0-1, 2-3, 4-5, 6)
     async with tcp_pair(256) as (src, dst, conn):
         rows = [torch.full((8 + i,), i + 1, dtype=torch.uint8) for i in range(7)]
         offsets = [sum(8 + j for j in range(i)) for i in range(7)]
