@@ -29,7 +29,7 @@ TORCH_SPEC_cpu  := torch==$(TORCH_VERSION)+cpu
 TORCH_SPEC_cuda := torch==$(TORCH_VERSION)
 PIP_TORCH := $(BIN)/python -m pip install -q $(TORCH_SPEC_$(TORCH)) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test test-faults test-bench test-kernels test-vllm bench-vllm bench-delta rl rl-delta bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
+.PHONY: demo test test-faults test-bench test-kernels test-vllm bench-vllm bench-delta rl rl-delta rl-delta-gpu bench-cpu bench-depth bench-planner bench-joins bench-faults bench-churn bench-cluster test-hosts lint bench-gpu bench-mn bench-gpu-mn bench-gather bench-gpu-gather gpu-wheels clean venv
 
 venv: $(STAMP)
 
@@ -117,6 +117,11 @@ rl-delta: $(STAMP)
 	for mode in always off; do OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/rl_loop.py \
 	  --bf16 --size 125m --optimizer adamw --lr 1e-6 --inference 2 --steps 8 --prompts 8 --group 4 --delta $$mode \
 	  --out docs/results/rl_loop_bf16_$${mode}_cpu || exit 1; done
+
+# the same on one GPU (run there, after `source bench/gpu/env.sh .whl`): a Qwen2.5-0.5B-shaped policy, trainer and
+# inference on the same GPU over CUDA IPC, deltas / whole / auto (bench/gpu/rl_delta.sh)
+rl-delta-gpu:
+	bash bench/gpu/rl_delta.sh docs/results
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/transfer_cpu.py --pairs 9 --cases mix,small,one --json | tee docs/results/transfer_cpu.txt

@@ -456,6 +456,13 @@ def shaped(args, argv: list[str]) -> int:
         return cluster.popen("bench", [sys.executable, __file__, *inner, "--link", args.rate]).wait()
 
 
+def command(argv: list[str], link: str) -> str:
+    """The command that reproduces a run: a shaped link's inner run (``--link RATE``) is shown as the
+    ``--rate RATE`` it was started with."""
+    shown = [a for i, a in enumerate(argv) if a != "--link" and (i == 0 or argv[i - 1] != "--link")]
+    return " ".join(["bench/transfer_delta.py", *(["--rate", link] if "--link" in argv else []), *shown])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="delta rounds against dense rounds over loopback TCP")
     ap.add_argument("--mb", type=int, default=512, help="MiB of bf16 weights")
@@ -492,8 +499,7 @@ def main(argv=None) -> int:
     if args.gpus:
         result[f"time_ratio_gpu_{args.gpus}_1pct"] = next(c["always_over_dense"] for c in result["cases"]
                                                           if c["fraction"] == 0.01)
-    result["command"] = "bench/transfer_delta.py " + " ".join(a for a in argv if not a.startswith("--link")
-                                                                and a != args.link)
+    result["command"] = command(argv, args.link)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         if args.real_steps:

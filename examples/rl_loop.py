@@ -60,18 +60,19 @@ from weightsync.roles.integrations.torchrun import TorchrunSender  # noqa: E402
 DIGITS, PROMPT, ANSWER = 10, 3, 4  # digit d is token d + 1; token 0 pads
 
 
-SIZES = {  # hidden, intermediate, layers, heads
-    "tiny": (128, 256, 2, 2),
-    "125m": (768, 3072, 14, 12),  # 132 M parameters
+SIZES = {  # hidden, intermediate, layers, attention heads, key-value heads
+    "tiny": (128, 256, 2, 2, 2),
+    "125m": (768, 3072, 14, 12, 12),  # 132 M parameters
+    "0.5b": (896, 4864, 24, 14, 2),  # Qwen2.5-0.5B's layers with this task's 64 tokens: 358 M parameters
 }
 
 
 def policy(seed: int = 0, size: str = "tiny") -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    hidden, inter, layers, heads = SIZES[size]
+    hidden, inter, layers, heads, kv_heads = SIZES[size]
     cfg = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
                       tie_word_embeddings=False)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).float()
@@ -271,7 +272,10 @@ async def _finish(row: dict, pending: asyncio.Future, sync) -> None:
         report = await sync.controller.wait_round(row["step"])
         row.update(wire_bytes=report.nbytes, whole_bytes=report.whole_bytes, delta_rows=report.delta_rows,
                    round_ms=round(1e3 * report.seconds, 2),  # (begin to every commit_ack; without the wait
-                   transfer_ms=round(1e3 * report.stages.get("transfer", 0.0), 2))  # for generation: gate)
+                   transfer_ms=round(1e3 * report.stages.get("transfer", 0.0), 2),  # for generation: gate)
+                   **{f"{name}_ms": round(1e3 * report.stages.get(stage, 0.0), 2)  # (the busiest member's)
+                      for name, stage in (("encode", "sender_encode_max"), ("apply", "receiver_apply_max"),
+                                          ("verify", "receiver_verify_max"))})
 
 
 def _check_served(rows: list[dict], expected: dict[int, int], checks: "mp.Queue", inference: int) -> None:
@@ -337,7 +341,8 @@ def _changed_bytes(rows: list[dict], args) -> dict:
             "changed_median": statistics.median(r["changed"] for r in later),
             "bytes_ratio_median": round(statistics.median(r["whole_bytes"] / r["wire_bytes"] for r in later), 2),
             "update_ms_median_after_first": round(statistics.median(r["update_ms"] for r in later), 2),
-            "transfer_ms_median_after_first": round(statistics.median(r["transfer_ms"] for r in later), 2),
+            **{f"{k}_ms_median_after_first": round(statistics.median(r[f"{k}_ms"] for r in later), 2)
+               for k in ("transfer", "encode", "apply", "verify")},
             "bit_exact_steps": sum(r["bit_exact"] for r in rows)}  # (of the summary's "steps")
 
 
@@ -379,12 +384,17 @@ def main() -> int:
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--transport", default="tcp", help="tcp (CPU) or cuda_ipc (GPU)")
     ap.add_argument("--out", default="docs/results/rl_loop_cpu", help="writes OUT.png and OUT.json")
-    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the policy's shape (125m: 132 M parameters)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the policy's shape (125m: 132 M parameters; 0.5b: Qwen2.5-0.5B's layers, 358 M)")
     ap.add_argument("--optimizer", choices=("adam", "adamw"), default="adam")
     ap.add_argument("--bf16", action="store_true",
                     help="fp32 master weights, bf16 served: push a bf16 cast, record changed bytes and check every version")
     ap.add_argument("--delta", choices=("auto", "always", "off"), default="auto", help="ControllerOptions.delta")
+    ap.add_argument("--plot", default="", metavar="FILE.json",
+                    help="only draw FILE.png from a run's FILE.json (a GPU image without matplotlib wrote it)")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(pathlib.Path(args.plot).read_text())["steps"], str(pathlib.Path(args.plot).with_suffix(".png")))
+        return 0
     if args.bf16 and args.engine != "hf":
         ap.error("--bf16 runs the transformers inference processes (--engine hf)")
     backend = "nccl" if args.transport == "cuda_ipc" else "gloo"

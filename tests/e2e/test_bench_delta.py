@@ -70,3 +70,16 @@ def test_the_in_process_round_prints_each_message_of_the_round_in_protocol_order
                  "sender send:writes_done", "controller send:fence_commit>receiver/0", "receiver recv:fence_commit",
                  "receiver send:commit_ack", "controller send:commit>sender/0", "sender recv:commit"]
     assert [e for e in events if e in order] == order, events
+
+
+def test_a_shaped_runs_command_says_the_rate_it_ran_at():
+    """The command a result file records reproduces it: a shaped link's inner run (``--link 1gbit``) is
+    recorded as the ``--rate 1gbit`` it was started with, a loopback run as it was given."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("transfer_delta", ROOT / "bench" / "transfer_delta.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    inner = ["--real-steps", "6", "--out", "x.json", "--link", "1gbit"]
+    assert bench.command(inner, "1gbit") == "bench/transfer_delta.py --rate 1gbit --real-steps 6 --out x.json"
+    assert bench.command(["--mb", "8"], "loopback") == "bench/transfer_delta.py --mb 8"
