@@ -205,6 +205,8 @@ def _sender(addr: str, size: tuple[int, int], orders, done, where: tuple[str, st
                 stepped = trainer.step(seed) if real and fraction else 0
                 if fraction and not real:
                     step(tensors, fraction, seed)
+                    if device.startswith("cuda"):  # (the step's kernels done: the round times the transfer alone)
+                        torch.cuda.synchronize(device)
                 with _round(version):
                     await (await sender.push(version))
                 d = sender.last_delta
