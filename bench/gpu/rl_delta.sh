@@ -6,7 +6,7 @@
 #
 #   source bench/gpu/env.sh .whl && bash bench/gpu/rl_delta.sh OUT [STEPS]      (make rl-delta-gpu)
 set -u
-out=$1 steps=${2:-10}
+out=$1 steps=${2:-8}
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")  # h100, h200
 mkdir -p "$out"
 for mode in always off auto; do

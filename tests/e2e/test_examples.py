@@ -86,6 +86,7 @@ def test_the_rl_loop_with_bf16_receivers_moves_changed_bytes_and_serves_every_ve
     assert all(s["changed"] < 0.5 for s in steps) and any(s["changed"] > 0 for s in steps), steps
     assert steps[0]["wire_bytes"] == steps[0]["whole_bytes"]  # the first round has no base: whole rows
     assert all(s["wire_bytes"] < s["whole_bytes"] for s in steps[1:]), steps
+    assert all(s["encode_ms"] > 0 and s["apply_ms"] > 0 for s in steps[1:]), steps  # (each delta round's own work)
     (tmp_path / "rl.png").unlink()  # --plot draws it again from the JSON alone (for runs on a GPU image without matplotlib)
     subprocess.run([sys.executable, str(ROOT / "examples" / "rl_loop.py"), "--plot", str(tmp_path / "rl.json")],
                    check=True, capture_output=True, timeout=60, cwd=ROOT)
