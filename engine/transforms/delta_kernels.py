@@ -13,6 +13,7 @@ from numba.extending import intrinsic
 MOD = 65521  # fp64's weights repeat every MOD words (engine.datapath.checksums)
 MAGIC = 0x57534431  # a packed delta's first four bytes (engine.transforms.delta.MAGIC)
 OK, BAD = 0, 1
+CHUNK_WORDS = 4096  # words ``encode`` compares a pass (their indices stay in the L1 cache)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -35,45 +36,64 @@ def share(p, b, a, width):
     return ((a - b) << (8 * width * slot)) * ((p >> shift) % MOD + 1)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _record(i, b, a, prev, c, fg, fs, gaps, far_gaps, steps, far_steps, width):
+    """``encode``'s change ``c``: value ``i`` from bit pattern ``b`` to ``a``, ``prev`` the last changed
+    position; its gap and step, escaped where they do not fit a byte. The far counts after it."""
+    g = i - prev
+    if g < 256:
+        gaps[c] = g
+    else:
+        gaps[c] = 0
+        far_gaps[fg] = g
+        fg += 1
+    d = a - b
+    if width < 8:
+        half = np.int64(1) << (8 * width - 1)
+        d = ((d + half) & (2 * half - 1)) - half  # (wrapped into the width, signed)
+    if -128 < d < 128:
+        steps[c] = d
+    else:
+        steps[c] = -128
+        far_steps[fs] = d
+        fs += 1
+    return fg, fs
+
+
 @numba.njit(cache=True, nogil=True)
 def encode(base, new, base_words, new_words, gaps, far_gaps, steps, far_steps, width, limit):
+    """The changes from ``base`` to ``new`` (``delta.encode``'s arrays), ``base`` brought to ``new``:
+    (changes, far gaps, far steps, fp64 change), changes -1 past ``limit``. Compared 8 bytes a word
+    (``*_words``: the same rows as words; empty where they do not start on 8 bytes) in two passes a
+    chunk: the indices of the words that differ, gathered without a branch (most words are equal, and
+    a branch a word mispredicts at every change), then the values of those words alone, and after the
+    last chunk the values after the last whole word."""
     per = 8 // width
-    half = np.int64(1) << (8 * width - 1)
     c, fg, fs, prev, fp = 0, 0, 0, -1, np.int64(0)
     words = base_words.size
-    for w in range(words + 1):
-        if w < words:
-            if base_words[w] == new_words[w]:
-                continue
-            lo, hi = w * per, w * per + per
-        else:
-            lo, hi = words * per, base.size
-        for i in range(lo, hi):
-            b, a = np.int64(base[i]), np.int64(new[i])
-            if a == b:
-                continue
-            if c == limit:
-                return -1, 0, 0, fp
-            g = i - prev
-            prev = i
-            if g < 256:
-                gaps[c] = g
-            else:
-                gaps[c] = 0
-                far_gaps[fg] = g
-                fg += 1
-            d = a - b
-            if width < 8:
-                d = ((d + half) & (2 * half - 1)) - half  # (wrapped into the width, signed)
-            if -128 < d < 128:
-                steps[c] = d
-            else:
-                steps[c] = -128
-                far_steps[fs] = d
-                fs += 1
-            fp += share(i, b, a, width)
-            base[i] = new[i]
-            c += 1
+    found = np.empty(min(words, CHUNK_WORDS) + 1, np.int64)
+    for start in range(0, max(words, 1), CHUNK_WORDS):
+        stop = min(words, start + CHUNK_WORDS)
+        k = 0
+        for w in range(start, stop):
+            found[k] = w
+            k += base_words[w] != new_words[w]
+        if stop == words:  # (the last chunk: then the values after the last whole word, -1)
+            found[k] = -1
+            k += 1
+        for j in range(k):
+            lo, hi = (found[j] * per, found[j] * per + per) if found[j] >= 0 else (words * per, base.size)
+            for i in range(lo, hi):
+                b, a = np.int64(base[i]), np.int64(new[i])
+                if a == b:
+                    continue
+                if c == limit:
+                    return -1, 0, 0, fp
+                fg, fs = _record(i, b, a, prev, c, fg, fs, gaps, far_gaps, steps, far_steps, width)
+                prev = i
+                fp += share(i, b, a, width)
+                base[i] = new[i]
+                c += 1
     return c, fg, fs, fp
 
 

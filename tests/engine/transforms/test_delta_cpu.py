@@ -47,6 +47,31 @@ def test_advance_gives_the_torch_delta_and_the_fingerprint_change_bit_for_bit(dt
     assert change == fp64_change(*reference.changed, width)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("skew", [0, 1])
+def test_rows_of_many_chunks_of_words_encode_as_the_torch_codec_does(dtype, skew):
+    """Rows longer than the words the kernel compares a pass (``CHUNK_WORDS``), changed at the first and
+    last values of each chunk, of the words beside them and after the last whole word, and here and
+    there between: the same delta and fingerprint change as the torch codec; a row off the 8-byte words
+    (``skew``: compared value by value) too."""
+    kernels = k._kernels()
+    width = torch.empty(0, dtype=dtype).element_size()
+    per, chunk = 8 // width, kernels.CHUNK_WORDS
+    n = (3 * chunk + 5) * per + per - 1  # (three chunks and a part, then values after the last whole word)
+    room = torch.zeros(n * width + skew * width, dtype=torch.uint8)
+    base = room[skew * width:].view(dtype)
+    base.copy_(random_row(dtype, n, 7))
+    new = changed(base, 8, 0.002, 2)
+    bits = d.bits(new)
+    for edge in (1, 2, 3):
+        for at in (edge * chunk * per - 1, edge * chunk * per, edge * chunk * per + per - 1, n - 1, 0):
+            bits[at] = d.bits(base)[at] ^ 1
+    reference, before = d.encode(base, new), fingerprint(base)
+    got, change = k.advance(base, new)
+    assert reference is not None and got is not None and d.pack(got) == d.pack(reference)
+    assert (before + change) & MASK == fingerprint(new) and torch.equal(d.bits(base), d.bits(new))
+
+
 @settings(max_examples=100, deadline=None)
 @given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**16),
        fraction=st.sampled_from([0.001, 0.03, 0.3]), ulps=st.sampled_from([1, 200]))
