@@ -8,11 +8,16 @@ round's end-to-end check: ``ControllerOptions.checksum`` when set, else ``full_c
 ``full_check_every`` rounds (the first included) and on the round after an abort ("auto": fp64,
 computed on the device, where a member's tensors are on a GPU; crc32 otherwise). A two-slot receiver
 lands alternate rounds in alternate slots, so with an even period every other check comes one round
-later (rounds 0, 9, 16, 25, ... for 8): both slots take turns being checked. Pure bookkeeping.
+later (rounds 0, 9, 16, 25, ... for 8): both slots take turns being checked. ``delta``: the round's
+delta mode; under ``"auto"`` each sender decides per lane from its own rates (``engine.datapath.deltas``),
+but only the whole round shows what a receiver's apply costs, so a round that went mostly as deltas and
+took longer than the quickest of the last whole rounds turns deltas off for ``AUTO_OFF`` rounds, twice
+as long after each try that is slower again (up to ``AUTO_OFF_MAX``). Pure bookkeeping.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Callable, Optional
 
 from weightsync.wire import Role
@@ -22,7 +27,11 @@ from .membership import Peer
 
 if TYPE_CHECKING:
     from .controller import ControllerOptions
-    from .round_state import RoundState
+    from .round_state import RoundReport, RoundState
+
+AUTO_OFF = 16  # "auto": rounds with deltas off after a delta round slower than a whole one
+AUTO_OFF_MAX = 1024  # (doubling after each try that is slower again, up to this)
+WHOLE_KEPT = 4  # whole rounds whose quickest a delta round is judged against
 
 
 class RoundInputs:
@@ -32,9 +41,12 @@ class RoundInputs:
         self.bases: dict[bytes, int] = {}  # receiver session -> the committed version its deltas apply to
         self.started = 0  # rounds started
         self.after_abort = False
+        self.whole_s: collections.deque = collections.deque(maxlen=WHOLE_KEPT)  # the last whole rounds' seconds
+        self.auto_off = 0  # "auto": rounds left with deltas off
+        self.auto_wait = AUTO_OFF  # how many the next slower delta round turns them off for
 
     def __repr__(self) -> str:
-        return f"<RoundInputs bases={len(self.bases)} started={self.started}>"
+        return f"<RoundInputs bases={len(self.bases)} started={self.started} auto_off={self.auto_off}>"
 
     def checksum(self, devices: set[str], *, peek: bool = False) -> str:
         """The next round's checksum algorithm ("": none beyond each delta's fingerprint change), for
@@ -54,7 +66,25 @@ class RoundInputs:
         return self.options.checksum or (algo if full else "")
 
     def delta(self) -> str:
-        return "" if self.options.delta == "off" else self.options.delta
+        """The next round's delta mode ("": none; "auto" may be off for a while: ``judge``)."""
+        if self.options.delta == "off" or (self.options.delta == "auto" and self.auto_off):
+            return ""
+        return self.options.delta
+
+    def judge(self, report: "RoundReport") -> None:
+        """"auto": a committed round's time. A whole round (no deltas) is kept; a round that went mostly as
+        deltas (under half its whole bytes) and took longer than the quickest kept whole round turns deltas
+        off for ``auto_wait`` rounds and doubles that wait; one that did not restores it."""
+        if self.options.delta != "auto" or not report.ok:
+            return
+        self.auto_off = max(0, self.auto_off - 1)
+        if not report.delta_rows:
+            self.whole_s.append(report.seconds)
+        elif 2 * report.nbytes < report.whole_bytes and self.whole_s:
+            if report.seconds > min(self.whole_s):
+                self.auto_off, self.auto_wait = self.auto_wait, min(2 * self.auto_wait, AUTO_OFF_MAX)
+            else:
+                self.auto_wait = AUTO_OFF
 
     def bases_for(self, receivers: set[int]) -> tuple[m.Base, ...]:
         """The receivers a delta may go to, with the version each holds: those that take deltas and whose

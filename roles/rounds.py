@@ -284,6 +284,7 @@ class Rounds:
     def _finish(self, rnd: RoundState, report: RoundReport) -> None:
         self.spinner.release()
         self.inputs.finished(rnd, report.ok)
+        self.inputs.judge(report)
         if report.ok:
             self.learn_committed(rnd.version)
         self.reports.append(report)

@@ -447,6 +447,55 @@ def test_every_nth_round_the_first_and_the_one_after_an_abort_are_checked_end_to
     assert [never.checksum({"cpu"}) for _ in range(3)] == ["", "", ""]
 
 
+def test_auto_turns_deltas_off_after_a_delta_round_slower_than_a_whole_one_and_tries_again_later():
+    """``delta="auto"``: a round that went mostly as deltas and took longer than the quickest of the last
+    whole rounds (whose time includes the receivers' apply, which no sender sees) has the next
+    ``AUTO_OFF`` rounds go whole, twice as many after each slower try; a faster try restores the wait.
+    Rounds that failed, or went mostly whole, judge nothing; "always" and "off" never change."""
+    from weightsync.roles.round_inputs import AUTO_OFF, AUTO_OFF_MAX, RoundInputs
+    from weightsync.roles.round_state import RoundReport
+
+    def whole(s, ok=True):
+        return RoundReport(1, ok, 100, s, {}, [], whole_bytes=100)
+
+    def deltas(s, ok=True, nbytes=2):
+        return RoundReport(1, ok, nbytes, s, {}, [], whole_bytes=100, delta_rows=5)
+
+    def off_for(inputs) -> int:
+        n = 0
+        while inputs.delta() == "":
+            inputs.judge(whole(0.1))
+            n += 1
+        return n
+
+    inputs = RoundInputs(ControllerOptions(delta="auto"), lambda key: None)
+    inputs.judge(deltas(9.0))  # (no whole round yet: nothing to judge against)
+    inputs.judge(whole(0.3))
+    inputs.judge(whole(0.1))
+    inputs.judge(deltas(0.05))
+    assert inputs.delta() == "auto"
+    inputs.judge(deltas(0.2, ok=False))  # failed: not judged
+    inputs.judge(deltas(0.2, nbytes=60))  # mostly whole: not judged
+    assert inputs.delta() == "auto"
+    inputs.judge(deltas(0.15))  # slower than the quickest whole round (0.1), if not than the slowest
+    assert "auto_off=16" in repr(inputs)
+    assert off_for(inputs) == AUTO_OFF
+    inputs.judge(deltas(0.15))
+    assert off_for(inputs) == 2 * AUTO_OFF
+    inputs.judge(deltas(0.05))  # paid: the next slower try waits AUTO_OFF again
+    inputs.judge(deltas(0.15))
+    assert off_for(inputs) == AUTO_OFF
+    for _ in range(12):
+        inputs.judge(deltas(0.15))
+        off_for(inputs)
+    assert inputs.auto_wait == AUTO_OFF_MAX
+    for mode in ("always", "off"):
+        fixed = RoundInputs(ControllerOptions(delta=mode), lambda key: None)
+        fixed.judge(whole(0.1))
+        fixed.judge(deltas(1.0))
+        assert fixed.delta() == ("" if mode == "off" else mode)
+
+
 async def test_a_cpu_member_loads_the_compiled_delta_kernels_on_a_thread_as_it_joins(monkeypatch):
     """A CPU sender or receiver with deltas starts loading numba's kernels while it joins, so its first
     delta round does not pay the import; joining does not wait for it, and a member without deltas
