@@ -42,6 +42,7 @@ class RoundInputs:
         self.started = 0  # rounds started
         self.after_abort = False
         self.whole_s: collections.deque = collections.deque(maxlen=WHOLE_KEPT)  # the last whole rounds' seconds
+        self.whole_plan = 0  # ... of this plan
         self.auto_off = 0  # "auto": rounds left with deltas off
         self.auto_wait = AUTO_OFF  # how many the next slower delta round turns them off for
 
@@ -73,10 +74,13 @@ class RoundInputs:
 
     def judge(self, report: "RoundReport") -> None:
         """"auto": a committed round's time. A whole round (no deltas) is kept; a round that went mostly as
-        deltas (under half its whole bytes) and took longer than the quickest kept whole round turns deltas
-        off for ``auto_wait`` rounds and doubles that wait; one that did not restores it."""
+        deltas (under half its whole bytes) and took longer than the quickest kept whole round of its plan
+        turns deltas off for ``auto_wait`` rounds and doubles that wait; one that did not restores it."""
         if self.options.delta != "auto" or not report.ok:
             return
+        if report.plan_id != self.whole_plan:  # (another plan moves other bytes: its whole rounds anew)
+            self.whole_s.clear()
+            self.whole_plan = report.plan_id
         self.auto_off = max(0, self.auto_off - 1)
         if not report.delta_rows:
             self.whole_s.append(report.seconds)

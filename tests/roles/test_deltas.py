@@ -489,6 +489,8 @@ def test_auto_turns_deltas_off_after_a_delta_round_slower_than_a_whole_one_and_t
         inputs.judge(deltas(0.15))
         off_for(inputs)
     assert inputs.auto_wait == AUTO_OFF_MAX
+    inputs.judge(RoundReport(1, True, 2, 0.15, {}, [], whole_bytes=100, delta_rows=5, plan_id=7))
+    assert inputs.delta() == "auto"  # (another plan: no whole round of its own to judge against yet)
     for mode in ("always", "off"):
         fixed = RoundInputs(ControllerOptions(delta=mode), lambda key: None)
         fixed.judge(whole(0.1))
