@@ -452,17 +452,22 @@ def shaped(args, argv: list[str]) -> int:
     why = netns.available()
     if why is not None:
         raise SystemExit(f"--rate needs network namespaces: {why}")
-    inner = [a for i, a in enumerate(argv) if a != "--rate" and (i == 0 or argv[i - 1] != "--rate")]
+    inner = _without(argv, "--rate")
     with netns.Cluster(["bench"], rate=args.rate, prefix="wsd") as cluster:
         cluster.shape_loopback("bench", args.rate)
         return cluster.popen("bench", [sys.executable, __file__, *inner, "--link", args.rate]).wait()
 
 
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag`` and the value after it."""
+    return [a for i, a in enumerate(argv) if a != flag and (i == 0 or argv[i - 1] != flag)]
+
+
 def command(argv: list[str], link: str) -> str:
     """The command that reproduces a run: a shaped link's inner run (``--link RATE``) is shown as the
     ``--rate RATE`` it was started with."""
-    shown = [a for i, a in enumerate(argv) if a != "--link" and (i == 0 or argv[i - 1] != "--link")]
-    return " ".join(["bench/transfer_delta.py", *(["--rate", link] if "--link" in argv else []), *shown])
+    return " ".join(["bench/transfer_delta.py", *(["--rate", link] if "--link" in argv else []),
+                     *_without(argv, "--link")])
 
 
 def main(argv=None) -> int:
