@@ -8,7 +8,13 @@ then as a round runs it (``fp8_kernel.Batch`` written in place at fixed destinat
 tensors), plain and fingerprinted (a checked round's launch: ``fingerprint=True``), beside a device copy
 of the same bf16 bytes. Bytes read/written per element say how far each is from the memory bound.
 
+``--device cpu``: the CPU's two formulations side by side, one thread, Qwen2.5-0.5B's quantized weights
+by default (or ``--model``, ``--layers``): ``quantize_blocks`` as CPUs run it (strip by strip, in float32)
+and the one pass over each whole matrix that devices run (``fp8._quantize_whole``), alternating, each
+round checked to give the same bytes.
+
     python3 bench/diagnostics/fp8_quantize.py --rounds 5
+    python3 bench/diagnostics/fp8_quantize.py --device cpu --rounds 5
 """
 
 from __future__ import annotations
@@ -24,33 +30,80 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _time(fn, weights, rounds: int) -> float:
     times = []
     for _ in range(rounds + 1):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         for w in weights:
             fn(w)
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+def _weights(model: str, layers, device: str) -> list:
+    from weightsync.engine.models.shapes import state_dict_shapes
+    from weightsync.engine.transforms.layouts import FP8Policy
+
+    policy = FP8Policy()
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16)
+            for p in state_dict_shapes(model, layers=layers) if policy.wants(p.name, len(p.shape))]
+
+
+def _cpu(args) -> int:
+    """Strips (CPUs) beside one pass per matrix (devices), alternating rounds, same bytes checked."""
+    from weightsync.engine.transforms import fp8
+
+    torch.set_num_threads(1)
+    weights = _weights(args.model or "qwen2.5-0.5b", args.layers, "cpu")
+    elems = sum(w.numel() for w in weights)
+    ways = {"quantize_blocks (CPUs: strips in float32)": fp8.quantize_blocks,
+            "one pass over each matrix (devices: _quantize_whole)":
+                lambda w: fp8._quantize_whole(fp8.as_matrix(w), 128)}
+    times: dict = {name: [] for name in ways}
+    for r in range(args.rounds + 1):  # (the first round warms up: not counted)
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            for w in weights:
+                fn(w)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    for w in weights[:: max(1, len(weights) // 16)]:
+        (q, s), (q1, s1) = (fn(w) for fn in ways.values())
+        if not (torch.equal(q.reshape(-1).view(torch.uint8), q1.reshape(-1).view(torch.uint8))
+                and torch.equal(s.reshape(-1), s1.reshape(-1))):
+            raise SystemExit(f"the two formulations differ on a {list(w.shape)} weight")
+    print(f"{len(weights)} weights, {elems / 1e6:.0f} M elements, one thread, median of {args.rounds} rounds")
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"  {name:<56} {t * 1e3:8.1f} ms  {2 * elems / t / 1e9:6.2f} GB/s of bf16 read")
+    first, second = (statistics.median(ts) for ts in times.values())
+    print(f"  strips are {second / first:.2f}x faster (same bytes)")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--model", default="", help="default: qwen2.5-7b on CUDA, qwen2.5-0.5b on the CPU")
+    ap.add_argument("--layers", type=int, default=None, help="only this many decoder layers")
     args = ap.parse_args(argv)
+    if args.device == "cpu":
+        return _cpu(args)
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    from weightsync.engine.transforms.layouts import FP8Policy
-    from weightsync.engine.models.shapes import state_dict_shapes
     from weightsync.engine.transforms import quantize_blocks
 
-    policy = FP8Policy()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = [torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-               for p in state_dict_shapes("qwen2.5-7b") if policy.wants(p.name, len(p.shape))]
+    weights = _weights(args.model or "qwen2.5-7b", args.layers, "cuda")
     elems = sum(w.numel() for w in weights)
 
     def block_max(w):

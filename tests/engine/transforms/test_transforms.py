@@ -67,6 +67,49 @@ def test_a_stack_of_matrices_is_quantized_matrix_by_matrix():
         quantize_blocks(torch.zeros(2, 192, 128))
 
 
+def _per_block(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, block by block: scale = max |x| / 448 (at least 1e-12 / 448), weight = x times the
+    scale's reciprocal, computed in x * float32's dtype and rounded to e4m3."""
+    rows, cols = x.shape
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    s = torch.empty(-(-rows // block), -(-cols // block))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            b = x[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            s[i, j] = max(float(b.abs().max()), 1e-12) / 448.0
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = b * s[i, j:j + 1].reciprocal()
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("strip", [1 << 18, 1 << 14, 1])
+def test_cpu_quantization_in_strips_equals_the_one_pass_formulation(monkeypatch, dtype, strip):
+    """On CPUs ``quantize_blocks`` works strip by strip (a copy in float32, scaled in place); it must give
+    the bytes of the one pass over the whole matrix that devices use, and of the per-block definition:
+    strips of one block row and of several, ragged last rows and columns, transposed (strided) sources,
+    all-zero blocks, signed zeros and values at both ends of the dtype's range."""
+    from weightsync.engine.transforms import fp8
+
+    monkeypatch.setattr(fp8, "STRIP_VALUES", strip)
+    g = torch.Generator().manual_seed(5)
+    big = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max) / 4  # (scales are float32)
+    for shape in [(1, 1), (64, 256), (300, 700), (640, 130), (257, 129)]:
+        x = (torch.randn(shape, generator=g) * torch.logspace(-5, 2, shape[1])).to(dtype)
+        x[:min(shape[0], 128), :min(shape[1], 128)] = 0.0  # an all-zero block (or the whole of a small one)
+        x.view(-1)[-1] = -0.0
+        if x.numel() > 2:
+            x.view(-1)[-2], x.view(-1)[-3] = big, torch.finfo(dtype).tiny
+        for source in (x, x.t()):
+            q, s = fp8.quantize_blocks(source)
+            q1, s1 = fp8._quantize_whole(source, 128)
+            assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)), (shape, dtype, strip)
+            assert torch.equal(s.view(torch.int32), s1.view(torch.int32)), (shape, dtype, strip)
+        if shape[0] * shape[1] <= 64 * 256:
+            qd, sd = _per_block(x, 128)
+            q, s = fp8.quantize_blocks(x)
+            assert torch.equal(q.view(torch.uint8), qd.view(torch.uint8)) and torch.equal(s, sd)
+
+
 # --- mapping rules ----------------------------------------------------------------------------------
 
 
