@@ -44,6 +44,8 @@ else
 endif
 	@echo "[make] installing weightsync and its test, ray and rl extras (a minute or two the first time)"
 	$(BIN)/python -m pip install -q -e '.[test,ray,rl]'
+	@echo "[make] compiling the CPU delta kernels into numba's cache (once per checkout: ~10 s)"
+	$(BIN)/python -c "from weightsync.engine.transforms import delta_cpu; delta_cpu.warm()"
 	@touch $(STAMP)
 
 demo: $(STAMP)

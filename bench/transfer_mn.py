@@ -77,8 +77,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from mn_setup import (  # noqa: E402  (the case, the model and its oracle, processes: bench/mn_setup.py)
-    MAPPING, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, fused_parts, measured_link, mismatches,
-    model_shapes, receiver_layout, tp_part,
+    MAPPING, WATCHDOG_S, Case, Procs, _init_dist, free_port, fsdp_model, full_tensor, fused_parts, measured_link,
+    mismatches, model_shapes, receiver_layout, tp_part,
 )
 from transfer_gpu import write_profile  # noqa: E402
 
@@ -118,7 +118,17 @@ def _profiled(main, path: str):
 # --- engine processes ------------------------------------------------------------------------------
 
 
-def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
+def _settled(ready) -> None:
+    """This process's background start-up work is done (the compiled CPU delta kernels loading, which
+    holds the GIL: rounds in its ~0.5 s run slower, ``delta_cpu.warmed``), and every engine process's is:
+    ``ready`` is a barrier of them all. The counted rounds measure steady rounds, not a member's start."""
+    from weightsync.engine.transforms import delta_cpu
+
+    delta_cpu.warmed(WATCHDOG_S)
+    ready.wait(WATCHDOG_S)
+
+
+def _engine_sender(case: Case, rank: int, addr: str, port: int, ready, conn) -> None:
     import torch.distributed as dist
 
     from weightsync.engine.aio import install_uvloop
@@ -136,6 +146,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, conn) -> None:
 
     async def main():
         async with WeightSender(addr, model, rank=rank, options=opts) as sender:
+            await asyncio.to_thread(_settled, ready)
             for v in range(1, case.rounds + 1):
                 if v == WARM_ROUNDS + 1:
                     _steady(True)
@@ -213,7 +224,7 @@ def full_tensor_seconds(model: torch.nn.Module, case: Case) -> list[float]:
     return times[1:]
 
 
-def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
+def _engine_receiver(case: Case, rank: int, addr: str, ready, conn) -> None:
     from weightsync.engine.aio import install_uvloop
     from weightsync.engine.transforms.layouts import allocate
     from weightsync.engine.transport import TransportOptions
@@ -229,6 +240,7 @@ def _engine_receiver(case: Case, rank: int, addr: str, conn) -> None:
 
     async def main():
         async with WeightReceiver(addr, tensors, rank=rank, shards=shards, options=opts) as receiver:
+            await asyncio.to_thread(_settled, ready)
             await receiver.wait_for(WARM_ROUNDS)
             _steady(True)
             await receiver.wait_for(case.rounds)
@@ -251,10 +263,11 @@ async def engine(case: Case, link) -> dict:
     try:
         async with Controller(senders=case.senders, receivers=case.receivers, options=options) as ctl:
             port = free_port()
+            ready = procs.ctx.Barrier(case.senders + case.receivers)
             for r in range(case.senders):
-                procs.start(_engine_sender, case, r, ctl.address, port)
+                procs.start(_engine_sender, case, r, ctl.address, port, ready)
             for r in range(case.receivers):
-                procs.start(_engine_receiver, case, r, ctl.address)
+                procs.start(_engine_receiver, case, r, ctl.address, ready)
             watch = asyncio.ensure_future(procs.reports(case.senders + case.receivers))
 
             async def rounds():

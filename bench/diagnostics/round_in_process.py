@@ -33,6 +33,7 @@ import torch  # noqa: E402
 async def rounds(n: int, profile: bool, full_check_every: int = 0, arm: bool = True) -> tuple[list[float], list]:
     """(each timed round's seconds, each one's merged timeline: ``roles.timeline.merge``)."""
     from weightsync.roles import Controller, ControllerOptions, WeightReceiver, WeightSender
+    from weightsync.engine.transforms import delta_cpu
     from weightsync.roles.timeline import merge
 
     sent = {"model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)}
@@ -42,6 +43,7 @@ async def rounds(n: int, profile: bool, full_check_every: int = 0, arm: bool = T
         async with WeightSender(ctl.address, sent, rank=0) as sender, \
                 WeightReceiver(ctl.address, served, rank=0) as receiver:
             await ctl.wait_ready()
+            await asyncio.to_thread(delta_cpu.warmed)  # (steady rounds: not while the CPU delta kernels load)
             for v in range(1, 6):
                 await (await sender.push(v))
             prof = cProfile.Profile() if profile else None

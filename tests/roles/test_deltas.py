@@ -514,6 +514,29 @@ async def test_a_cpu_member_loads_the_compiled_delta_kernels_on_a_thread_as_it_j
     assert started == [threading.current_thread()]  # (started from the loop's thread: not awaited)
 
 
+def test_waiting_for_the_background_load_waits_for_a_started_one_and_starts_none(monkeypatch):
+    """``warmed`` (benchmarks of steady rounds call it first): True at once where no load was started
+    (and it starts none), False while a started one runs, True once it ended."""
+    import functools
+
+    from weightsync.engine.transforms import delta_cpu
+
+    gate = threading.Event()
+
+    @functools.cache
+    def warm_soon():
+        thread = threading.Thread(target=gate.wait, daemon=True)
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(delta_cpu, "warm_soon", warm_soon)
+    assert delta_cpu.warmed() and not warm_soon.cache_info().currsize
+    thread = warm_soon()
+    assert not delta_cpu.warmed(0.01)  # (the load waits on the gate: the bounded wait must run out)
+    gate.set()
+    assert delta_cpu.warmed(60) and not thread.is_alive()
+
+
 def test_warming_runs_every_compiled_kernel_once_on_a_thread_of_its_own():
     from weightsync.engine.transforms import delta_cpu
 
@@ -521,7 +544,6 @@ def test_warming_runs_every_compiled_kernel_once_on_a_thread_of_its_own():
         pytest.skip("numba is not installed")
     thread = delta_cpu.warm_soon()
     assert thread is delta_cpu.warm_soon() and thread.daemon  # (once a process)
-    thread.join(60)
-    assert not thread.is_alive()
+    assert delta_cpu.warmed(60) and not thread.is_alive()
     assert all(k.signatures for k in (delta_cpu._kernels().encode_rows, delta_cpu._kernels().walk_rows,
                                       delta_cpu._kernels().apply_rows))
