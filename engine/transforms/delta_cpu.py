@@ -222,8 +222,8 @@ def warmed(timeout: Optional[float] = None) -> bool:
     """Wait (blocking: call it off the loop) for this process's ``warm_soon`` load, if one was started;
     -> whether none is running any more. Until it ends it holds the GIL for most of its time, so a
     member's event loop waits for it up to a switch interval (5 ms) at a time: rounds run in the first
-    ~0.5 s after a CPU member joins (numba's cache loaded; ~10 s where it is compiled, once per machine:
-    ``make venv`` does) are slower. A benchmark of steady rounds waits for it first."""
+    ~0.5 s after a CPU member joins (numba's cache loaded; ~10 s where it is compiled, once per checkout:
+    ``make venv`` does it) are slower. A benchmark of steady rounds waits for it first."""
     if not warm_soon.cache_info().currsize:
         return True
     thread = warm_soon()

@@ -84,9 +84,9 @@ def _quantize_strip(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, b
                     block: int) -> None:
     """Block rows ``b0:b1`` of 2-D ``x`` into ``q`` and ``scale_inv``, as ``_quantize_whole`` computes them
     (on CPUs 5-6x faster: ``bench/diagnostics/fp8_quantize.py --device cpu``; the transforms tests check
-    that both give the same bytes). The strip is copied once into the dtype the multiplication computes in (float32; float64 for
-    float64 sources), zero-padded to whole blocks; each block's absolute max is taken from that copy, the
-    copy is scaled in place and rounded to e4m3 into ``q``. A strip's temporaries (``STRIP_VALUES``) stay
+    that both give the same bytes). The strip is copied once into the dtype the multiplication computes
+    in (float32; float64 for float64 sources), zero-padded to whole blocks; each block's absolute max is
+    taken from that copy, the copy is scaled in place and rounded to e4m3 into ``q``. A strip's temporaries (``STRIP_VALUES``) stay
     small enough for the allocator to reuse: a large matrix's whole would be fresh pages every call, and
     faulting them in cost more than the arithmetic. The reduction takes the inner, contiguous dim first:
     over dims (1, 3) at once it is several times slower, as is ``aminmax`` on bfloat16."""
