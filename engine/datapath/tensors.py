@@ -10,7 +10,6 @@ and finds tied names (one storage under two names). ``spec_for`` builds the wire
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Mapping, Optional, Union
 
 import torch
@@ -35,11 +34,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
     return memoryview(flat.numpy()).cast("B")
-
-
-def checksum(data: memoryview) -> int:
-    """CRC-32 of the bytes (zlib; releases the GIL on large buffers)."""
-    return zlib.crc32(data)
 
 
 MAX_NAME_BYTES = 1024  # a parameter name's UTF-8 bytes, at most (the longest in common models is under 200)

@@ -59,3 +59,20 @@ async def test_a_block_of_a_dim0_shard_is_its_rows_of_the_columns():
     assert staged.pooled and torch.equal(staged.tensor, shard[1:3, 1:3])
     with pytest.raises(StagingError, match=r"parameter 'w': .*dim0_start=2.*outside the rows"):
         await sources.stage(_t(1, "w", 2 * 2 * 4, Slice(1, 1, 3, 2, 4)), StagingPool(), "")
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4096 + 7, (1 << 20) + 5])
+def test_crc32_checksums_are_zlibs_crc32(n):
+    """``crc32`` is zlib's CRC-32 of the bytes, whoever computes it (ISA-L where it imports, as it does
+    wherever weightsync's dependencies are installed; zlib otherwise): odd sizes, other dtypes, strided."""
+    import importlib.util
+    import zlib
+
+    from weightsync.engine.datapath import checksums
+
+    g = torch.Generator().manual_seed(n)
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    assert checksums.checksum(t, "crc32") == zlib.crc32(t.numpy().tobytes())
+    x = torch.randn(33, 17 + n % 5, generator=g).to(torch.bfloat16).t()
+    assert checksums.checksum(x, "crc32") == zlib.crc32(x.contiguous().view(torch.uint8).numpy().tobytes())
+    assert (checksums._crc32 is zlib.crc32) == (importlib.util.find_spec("isal") is None)
