@@ -54,7 +54,7 @@ class AgentProtocol(asyncio.BufferedProtocol):
         self.epoch = 0
         self.landed_count = 0  # cumulative, per connection: what a FENCE acknowledges
         self.landed_bytes = 0
-        self.errors: list[str] = []
+        self.errors: list[tuple[int, str]] = []  # (round, why): refused writes a fence reports while their round is open
         self.waiting: list[tuple[int, int, int, asyncio.Future]] = []  # delivery proofs: (source, count, bytes, fulfilled)
         self.transport: asyncio.Transport
         self.deadline: Optional[asyncio.TimerHandle] = None
@@ -266,8 +266,9 @@ class AgentProtocol(asyncio.BufferedProtocol):
                 return
             self.owner._dirty.add(a)
             self.state, self.target, self.region = "payload", region[b:b + c], a
-        elif op == OP_FENCE:
-            text = "; ".join(self.errors)[:1000].encode()
+        elif op == OP_FENCE:  # (what was refused in rounds still open here: a closed round's are its own)
+            closed = self.owner.closed_epoch
+            text = "; ".join(t for e, t in self.errors if e > closed)[:1000].encode()
             self.errors = []
             self.transport.write(ACK.pack(OP_ACK, b, self.landed_count, self.landed_bytes, len(text)) + text)
         else:
@@ -312,7 +313,9 @@ class AgentProtocol(asyncio.BufferedProtocol):
             self.state, self.drain_left = "drain", nbytes
 
     def _error(self, text: str) -> None:
-        self.errors.append(text)
+        closed = self.owner.closed_epoch  # (a lane that seals early sends no fence: those of closed rounds go)
+        self.errors = [(e, t) for e, t in self.errors if e > closed]
+        self.errors.append((self.epoch, text))
         self.owner.count(self.source, self.epoch).errors.append(text)
 
 

@@ -79,6 +79,30 @@ async def test_a_payload_still_arriving_when_its_region_closes_is_drained_not_la
         assert bytes(region[landed_before:]).count(0) == big - landed_before
 
 
+async def test_a_refused_write_fails_its_own_rounds_fence_and_no_later_rounds():
+    """A write the target refuses (a plan race: its current plan does not name the writer) fails the
+    fence of its own round, which is still open there. Where no fence came in that round (a lane that
+    sealed early sends none) and the round closed at the target, the refusal is that round's alone: a
+    later round's fence on the same connection must not report it (it blamed the target for a round
+    it served well: the churn's wrong blames)."""
+    async with tcp_pair(64) as (src, dst, conn):
+        await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1)
+        await asyncio.wait_for(conn.fence(), WATCHDOG)  # (the connection has proved its key)
+        keys = dict(dst.guard.keys)
+        dst.guard.authorize({})  # a plan that does not name sender/0
+        await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 1)
+        with pytest.raises(TransportError, match="does not name it"):
+            await asyncio.wait_for(conn.fence(), WATCHDOG)
+        await conn.write(torch.ones(8, dtype=torch.uint8), 0, 0, 2)  # round 2, refused, sealed early
+        await asyncio.wait_for(dst.await_proofs({0: conn.seal()}, 10.0), WATCHDOG)  # (it reached the target)
+        assert dst.guard.refused == 2
+        dst.close_epoch(2)  # round 2 is over at the target
+        dst.guard.authorize(keys)  # the next plan names sender/0 again
+        await conn.write(torch.full((8,), 3, dtype=torch.uint8), 0, 0, 3)
+        await asyncio.wait_for(conn.fence(), WATCHDOG)
+        assert bytes(dst.regions[0][:8]) == bytes([3]) * 8
+
+
 async def test_a_seal_proves_the_issued_writes_and_the_target_waits_until_they_land():
     """``seal`` right after ``submit`` (the frame not yet sent: its task has not run): the target's
     ``await_proofs`` waits until the bytes are in its region, and only for the sender that proved its key
