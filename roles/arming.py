@@ -67,6 +67,9 @@ class Arming:
     def receivers(self) -> dict[int, bytes]:
         return {r: i for (role, r), i in self.planning.sessions.items() if role is Role.RECEIVER}
 
+    def senders(self) -> dict[int, bytes]:
+        return {r: i for (role, r), i in self.planning.sessions.items() if role is Role.SENDER}
+
     # --- arms ---------------------------------------------------------------------------------------
 
     async def offer(self, rnd: RoundState, committing: bool = False) -> Optional[tuple[m.Arm, set[bytes]]]:
@@ -98,7 +101,7 @@ class Arming:
             return None
         arm = self.arms.offer(plan.plan_id, self.inputs.checksum(self.devices(), peek=True),
                               self.landing(rnd.receivers), self.inputs.bases_for(rnd.receivers), self.inputs.delta(),
-                              self.tables({peer.identity for peer in armed}), self.receivers())
+                              self.tables({peer.identity for peer in armed}), self.receivers(), self.senders())
         riding = {peer.identity for peer in armed if committing and "commit_arm" in peer.hello.capabilities}
         return arm.message(), riding, [peer for peer in armed if peer.identity not in riding]
 
@@ -132,7 +135,7 @@ class Arming:
         rnd.bases, rnd.delta = self.inputs.bases_for(rnd.receivers), self.inputs.delta()
         if arm is not None and (arm.plan_id, arm.landing) != (plan.plan_id, rnd.landing):  # (a plan made since)
             receivers = self.receivers()
-            kept = arm.kept(self.tables(armed_by), receivers, rnd.landing, rnd.bases)
+            kept = arm.kept(self.tables(armed_by), receivers, rnd.landing, rnd.bases, self.senders())
             rnd.broken = None if kept is None else (m.AbortReason.MEMBERSHIP_CHANGED, f"senders wrote v{rnd.version} under "
                                                     f"arm {arm.arm_id} of plan {arm.plan_id}, which plan {plan.plan_id} "
                                                     f"did not keep: {kept[0]}", kept[1])

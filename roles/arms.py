@@ -36,12 +36,15 @@ class Arm:
     delta: str
     tables: Mapping[bytes, SenderTable] = dataclasses.field(default_factory=dict, compare=False)  # by sender session
     receivers: Mapping[int, bytes] = dataclasses.field(default_factory=dict, compare=False)  # rank -> session
+    senders: Mapping[int, bytes] = dataclasses.field(default_factory=dict, compare=False)  # rank -> session
 
     def kept(self, tables: Mapping[bytes, SenderTable], receivers: Mapping[int, bytes],
-             landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...]) -> Optional[tuple[str, str]]:
+             landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...],
+             senders: Mapping[int, bytes] = {}) -> Optional[tuple[str, str]]:
         """Why writes under this arm by the sessions of ``tables`` are not the round the current plan would
         run, and the member to blame (None: they are): each of those senders' tables, the receivers'
-        sessions, slots and bases."""
+        sessions, slots and bases. Tables changed by a sender that came, went or came back as a new
+        session (``senders``: rank -> session now) blame it; otherwise the controller."""
         moved = sorted(r for r in {*receivers, *self.receivers} if receivers.get(r) != self.receivers.get(r))
         if moved:
             return f"the session of receiver(s) {moved} changed", f"receiver/{moved[0]}"
@@ -49,7 +52,12 @@ class Arm:
             odd = sorted({s.rank for s in set(landing) ^ set(self.landing)} | {b.rank for b in set(bases) ^ set(self.bases)})
             return f"slots {landing} and bases {bases} differ from the arm's", f"receiver/{odd[0]}" if odd else "controller"
         changed = sorted(i for i, table in tables.items() if self.tables.get(i) != table)
-        return (f"{len(changed)} armed sender(s)' tables changed", "controller") if changed else None
+        if not changed:
+            return None
+        came = sorted(r for r in {*senders, *self.senders} if senders.get(r) != self.senders.get(r))
+        return (f"{len(changed)} armed sender(s)' tables changed"
+                + (f" (the session of sender(s) {came} changed)" if came else ""),
+                f"sender/{came[0]}" if came else "controller")
 
     def landed_nowhere(self, receivers: Mapping[int, bytes]) -> bool:
         """No receiver session the arm was made for is one of ``receivers``: writes under it reached only
@@ -73,8 +81,10 @@ class Arms:
         return f"<Arms {current} offered={self.offered} writing={sorted(self.wrote)}>"
 
     def offer(self, plan_id: int, checksum: str, landing: tuple[m.Slot, ...], bases: tuple[m.Base, ...],
-              delta: str, tables: Mapping[bytes, SenderTable] = {}, receivers: Mapping[int, bytes] = {}) -> Arm:
-        self.current = Arm(next(self._ids), plan_id, checksum, landing, bases, delta, dict(tables), dict(receivers))
+              delta: str, tables: Mapping[bytes, SenderTable] = {}, receivers: Mapping[int, bytes] = {},
+              senders: Mapping[int, bytes] = {}) -> Arm:
+        self.current = Arm(next(self._ids), plan_id, checksum, landing, bases, delta, dict(tables), dict(receivers),
+                           dict(senders))
         self.offered += 1
         return self.current
 

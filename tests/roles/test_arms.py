@@ -183,6 +183,11 @@ def test_an_arm_holds_until_a_round_starts_and_a_new_plan_keeps_its_writes_or_th
     assert "tables changed" in arm.kept({b"s0": object()}, {0: b"r0"}, slots, bases)[0]
     assert arm.kept({b"s0": table}, {0: b"r0-restarted"}, slots, bases)[1] == "receiver/0"  # (blames who changed)
     assert arm.kept({b"s0": table}, {0: b"r0"}, (m.Slot(0, 0),), bases)[1] == "receiver/0"
+    came = arms.offer(8, "", slots, bases, "auto", {b"s1": table}, {0: b"r0"}, {1: b"s1"})
+    why, blamed = came.kept({b"s1": object()}, {0: b"r0"}, slots, bases, {0: b"s0-new", 1: b"s1"})
+    assert blamed == "sender/0" and "sender(s) [0]" in why  # (tables changed as sender/0 came back)
+    assert came.kept({b"s1": object()}, {0: b"r0"}, slots, bases, {1: b"s1"})[1] == "controller"
+    arm = arms.offer(7, "crc32", (m.Slot(0, 1),), (m.Base(0, 4),), "auto", {b"s0": table}, {0: b"r0"})
     assert arm.landed_nowhere({0: b"r0-restarted"}) and not arm.landed_nowhere({0: b"r0", 1: b"r1"})
     arms.took(5, b"s0")
     arms.took(6, b"s1")
@@ -247,3 +252,63 @@ async def test_an_armed_push_that_reached_a_receiver_still_planned_never_runs_on
             await _round([s0], [ts], 3)  # (the sender's commit does not wait for the receivers to read theirs)
             await asyncio.wait_for(asyncio.gather(r0.wait_for(3), r1.wait_for(3)), WATCHDOG)
             assert r0.version == r1.version == 3 and mismatches(recvs[0], 3) == [] == mismatches(recvs[1], 3)
+
+
+def plan_events(receivers) -> list[asyncio.Event]:
+    """One event per receiver, set once it has taken a plan (its ``plan_ack`` handed to the socket)."""
+    events = []
+    for r in receivers:
+        event, take = asyncio.Event(), r._on_plan
+
+        async def on_plan(env, take=take, event=event):
+            await take(env)
+            event.set()
+        r._on_plan = on_plan  # (the receive loop looks handlers up by name)
+        events.append(event)
+    return events
+
+
+async def test_writes_under_an_arm_that_a_returning_sender_replanned_abort_blaming_that_sender():
+    """sender/0 leaves, sender/1 alone holds an arm; sender/0 comes back, and the receivers take the plan
+    that splits the rows again (in which sender/1 no longer writes to receiver/0) before sender/1 hears of
+    it: sender/1's push under the old arm writes to receiver/0, which refuses it. That version aborts
+    blaming sender/0, whose return changed the tables (not receiver/0, not the controller), nothing of it
+    is served, and the next round is bit-exact on both receivers."""
+    opts = dataclasses.replace(FAST, heartbeat_s=0.05, timeout_s=0.5)
+    ts, recvs = [sender_tensors(0), sender_tensors(0)], [receiver_tensors(), receiver_tensors()]
+    async with Controller(senders=2, receivers=2, options=opts) as ctl, \
+            WeightSender(ctl.address, ts[1], rank=1) as s1, \
+            WeightReceiver(ctl.address, recvs[0], rank=0) as r0, WeightReceiver(ctl.address, recvs[1], rank=1) as r1:
+        async with WeightSender(ctl.address, ts[0], rank=0) as s0:
+            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+            await _round([s0, s1], ts, 1)
+        armed = arm_events([s1])
+        await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)  # (the plan without sender/0)
+        await _round([s1], [ts[1]], 2)
+        await asyncio.wait_for(armed[0].wait(), WATCHDOG)
+        assert 1 in r0.transport.guard.keys  # sender/1 writes to receiver/0 under this arm's plan
+        gate, send_plans = asyncio.Event(), ctl.planning._send_sender_plans
+
+        async def held() -> None:  # the senders hear of the next plan only once the gate opens
+            await gate.wait()
+            await send_plans()
+        ctl.planning._send_sender_plans = held
+        taken = plan_events([r0, r1])
+        async with WeightSender(ctl.address, ts[0], rank=0) as back:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in taken)), WATCHDOG)
+            assert 1 not in r0.transport.guard.keys  # (the new plan: receiver/0 takes sender/0's rows alone)
+            update_in_place(ts[1], 3)
+            early = s1.push_nowait(3)
+            assert s1.early.writing(3)
+            gate.set()
+            update_in_place(ts[0], 3)
+            late = back.push_nowait(3)
+            outcomes = await asyncio.wait_for(asyncio.gather(early, late, return_exceptions=True), WATCHDOG)
+            aborted = [o for o in outcomes if isinstance(o, RoundAborted)]
+            assert aborted and all(o.culprit == "sender/0" and o.version == 3 for o in aborted), outcomes
+            assert r0.version == r1.version == 2 and mismatches(recvs[0], 2) == [] == mismatches(recvs[1], 2)
+            update_in_place(ts[0], 4)
+            update_in_place(ts[1], 4)
+            await _round([back, s1], ts, 4)
+            await asyncio.wait_for(asyncio.gather(r0.wait_for(4), r1.wait_for(4)), WATCHDOG)
+            assert mismatches(recvs[0], 4) == [] == mismatches(recvs[1], 4)
