@@ -23,18 +23,23 @@ def cluster(n_send=1, n_recv=1, options=FAST, **kw):
     return plain_cluster(n_send, n_recv, options=options, **kw)
 
 
-def arm_events(senders) -> list[asyncio.Event]:
-    """One event per sender, set whenever it reads an ``arm``."""
+def handler_events(workers, handler: str) -> list[asyncio.Event]:
+    """One event per worker, set whenever its ``handler`` (``_on_arm``: it read an ``arm``; ``_on_plan``:
+    it took a plan, its ``plan_ack`` handed to the socket) has run."""
     events = []
-    for s in senders:
-        event, read = asyncio.Event(), s._on_arm
+    for w in workers:
+        event, run = asyncio.Event(), getattr(w, handler)
 
-        async def on_arm(env, read=read, event=event):
-            await read(env)
+        async def wrapped(env, run=run, event=event):
+            await run(env)
             event.set()
-        s._on_arm = on_arm  # (the receive loop looks handlers up by name)
+        setattr(w, handler, wrapped)  # (the receive loop looks handlers up by name)
         events.append(event)
     return events
+
+
+def arm_events(senders) -> list[asyncio.Event]:
+    return handler_events(senders, "_on_arm")
 
 
 async def _round(senders, senders_t, version):
@@ -254,20 +259,6 @@ async def test_an_armed_push_that_reached_a_receiver_still_planned_never_runs_on
             assert r0.version == r1.version == 3 and mismatches(recvs[0], 3) == [] == mismatches(recvs[1], 3)
 
 
-def plan_events(receivers) -> list[asyncio.Event]:
-    """One event per receiver, set once it has taken a plan (its ``plan_ack`` handed to the socket)."""
-    events = []
-    for r in receivers:
-        event, take = asyncio.Event(), r._on_plan
-
-        async def on_plan(env, take=take, event=event):
-            await take(env)
-            event.set()
-        r._on_plan = on_plan  # (the receive loop looks handlers up by name)
-        events.append(event)
-    return events
-
-
 async def test_writes_under_an_arm_that_a_returning_sender_replanned_abort_blaming_that_sender():
     """sender/0 leaves, sender/1 alone holds an arm; sender/0 comes back, and the receivers take the plan
     that splits the rows again (in which sender/1 no longer writes to receiver/0) before sender/1 hears of
@@ -293,7 +284,7 @@ async def test_writes_under_an_arm_that_a_returning_sender_replanned_abort_blami
             await gate.wait()
             await send_plans()
         ctl.planning._send_sender_plans = held
-        taken = plan_events([r0, r1])
+        taken = handler_events([r0, r1], "_on_plan")
         async with WeightSender(ctl.address, ts[0], rank=0) as back:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in taken)), WATCHDOG)
             assert 1 not in r0.transport.guard.keys  # (the new plan: receiver/0 takes sender/0's rows alone)
