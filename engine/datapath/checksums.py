@@ -4,8 +4,8 @@
 host first — fine for tests, slow for big GPU models), computed by ISA-L (``isal``, a dependency) where
 it imports, else by zlib: the same values, ISA-L 5.9x faster on this CPU (24.7 GB/s against 4.2; both
 let go of the GIL), which is most of what a CPU member's full check costs. ``sum64``: a
-position-weighted sum of the bytes in int64, computed by torch on the tensor's own device (exact integer arithmetic, so CPU and GPU agree bit for bit); it
-catches flipped, lost and reordered bytes. ``fp64``: the same idea over 4-byte words, the fingerprint
+position-weighted sum of the bytes in int64, computed by torch on the tensor's own device (exact
+integer arithmetic, so CPU and GPU agree bit for bit); it catches flipped, lost and reordered bytes. ``fp64``: the same idea over 4-byte words, the fingerprint
 of delta rounds: ``sum(w(i) * word(i)) mod 2**64`` where ``word(i)`` is the little-endian signed int32
 of bytes ``4i .. 4i+3`` of the row (the last one zero-padded) and ``w(i) = i mod 65521 + 1``. Being a
 weighted sum it can be *updated* from a row's changes (``fp64_change``: the words a delta touched,
