@@ -64,11 +64,9 @@ class Arming:
         return {i: plan.senders.get(by_session[i][1]) if i in by_session and plan is not None else None
                 for i in sessions}
 
-    def receivers(self) -> dict[int, bytes]:
-        return {r: i for (role, r), i in self.planning.sessions.items() if role is Role.RECEIVER}
-
-    def senders(self) -> dict[int, bytes]:
-        return {r: i for (role, r), i in self.planning.sessions.items() if role is Role.SENDER}
+    def sessions(self, role: Role) -> dict[int, bytes]:
+        """The planned members of ``role``: rank -> session."""
+        return {r: i for (of, r), i in self.planning.sessions.items() if of is role}
 
     # --- arms ---------------------------------------------------------------------------------------
 
@@ -101,7 +99,8 @@ class Arming:
             return None
         arm = self.arms.offer(plan.plan_id, self.inputs.checksum(self.devices(), peek=True),
                               self.landing(rnd.receivers), self.inputs.bases_for(rnd.receivers), self.inputs.delta(),
-                              self.tables({peer.identity for peer in armed}), self.receivers(), self.senders())
+                              self.tables({peer.identity for peer in armed}), self.sessions(Role.RECEIVER),
+                              self.sessions(Role.SENDER))
         riding = {peer.identity for peer in armed if committing and "commit_arm" in peer.hello.capabilities}
         return arm.message(), riding, [peer for peer in armed if peer.identity not in riding]
 
@@ -134,8 +133,8 @@ class Arming:
         rnd.checksum, rnd.landing = self.inputs.checksum(devices), self.landing(rnd.receivers)
         rnd.bases, rnd.delta = self.inputs.bases_for(rnd.receivers), self.inputs.delta()
         if arm is not None and (arm.plan_id, arm.landing) != (plan.plan_id, rnd.landing):  # (a plan made since)
-            receivers = self.receivers()
-            kept = arm.kept(self.tables(armed_by), receivers, rnd.landing, rnd.bases, self.senders())
+            receivers = self.sessions(Role.RECEIVER)
+            kept = arm.kept(self.tables(armed_by), receivers, rnd.landing, rnd.bases, self.sessions(Role.SENDER))
             rnd.broken = None if kept is None else (m.AbortReason.MEMBERSHIP_CHANGED, f"senders wrote v{rnd.version} under "
                                                     f"arm {arm.arm_id} of plan {arm.plan_id}, which plan {plan.plan_id} "
                                                     f"did not keep: {kept[0]}", kept[1])

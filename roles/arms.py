@@ -45,7 +45,7 @@ class Arm:
         run, and the member to blame (None: they are): each of those senders' tables, the receivers'
         sessions, slots and bases. Tables changed by a sender that came, went or came back as a new
         session (``senders``: rank -> session now) blame it; otherwise the controller."""
-        moved = sorted(r for r in {*receivers, *self.receivers} if receivers.get(r) != self.receivers.get(r))
+        moved = _changed(self.receivers, receivers)
         if moved:
             return f"the session of receiver(s) {moved} changed", f"receiver/{moved[0]}"
         if (landing, bases) != (self.landing, self.bases):
@@ -54,7 +54,7 @@ class Arm:
         changed = sorted(i for i, table in tables.items() if self.tables.get(i) != table)
         if not changed:
             return None
-        came = sorted(r for r in {*senders, *self.senders} if senders.get(r) != self.senders.get(r))
+        came = _changed(self.senders, senders)
         return (f"{len(changed)} armed sender(s)' tables changed"
                 + (f" (the session of sender(s) {came} changed)" if came else ""),
                 f"sender/{came[0]}" if came else "controller")
@@ -67,6 +67,11 @@ class Arm:
 
     def message(self) -> m.Arm:
         return m.Arm(self.arm_id, self.plan_id, self.checksum, self.landing, self.bases, self.delta)
+
+
+def _changed(then: Mapping[int, bytes], now: Mapping[int, bytes]) -> list[int]:
+    """The ranks whose session differs between ``then`` and ``now`` (came, went or came back), in order."""
+    return sorted(r for r in {*then, *now} if then.get(r) != now.get(r))
 
 
 class Arms:
