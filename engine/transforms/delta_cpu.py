@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from typing import Optional, Sequence
 
@@ -44,7 +45,10 @@ _MASK = (1 << 64) - 1
 
 @functools.cache
 def _kernels():
-    """The compiled kernels (the ``delta_kernels`` module), or None without numba."""
+    """The compiled kernels (the ``delta_kernels`` module), or None without numba (or on a big-endian
+    host: they find a word's changed values by their place in little-endian words)."""
+    if sys.byteorder != "little":
+        return None
     try:
         from . import delta_kernels
     except ImportError:

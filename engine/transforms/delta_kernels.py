@@ -8,6 +8,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
+from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
 MOD = 65521  # fp64's weights repeat every MOD words (engine.datapath.checksums)
@@ -66,8 +67,10 @@ def encode(base, new, base_words, new_words, gaps, far_gaps, steps, far_steps, w
     (changes, far gaps, far steps, fp64 change), changes -1 past ``limit``. Compared 8 bytes a word
     (``*_words``: the same rows as words; empty where they do not start on 8 bytes) in two passes a
     chunk: the indices of the words that differ, gathered without a branch (most words are equal, and
-    a branch a word mispredicts at every change), then the values of those words alone, and after the
-    last chunk the values after the last whole word."""
+    a branch a word mispredicts at every change); then, in each of those words, the values that
+    changed, found from the xor of its two bit patterns (``_lanes``: a loop of as many turns as changed
+    values, not a turn and an unpredictable branch a value). After the last chunk, the values after the
+    last whole word one by one."""
     per = 8 // width
     c, fg, fs, prev, fp = 0, 0, 0, -1, np.int64(0)
     words = base_words.size
@@ -82,8 +85,22 @@ def encode(base, new, base_words, new_words, gaps, far_gaps, steps, far_steps, w
             found[k] = -1
             k += 1
         for j in range(k):
-            lo, hi = (found[j] * per, found[j] * per + per) if found[j] >= 0 else (words * per, base.size)
-            for i in range(lo, hi):
+            w = found[j]
+            if w >= 0:
+                lanes = _lanes(base_words[w] ^ new_words[w], width)
+                while lanes != 0:
+                    i = w * per + np.int64(trailing_zeros(lanes)) // (8 * width)
+                    lanes &= lanes - np.uint64(1)
+                    if c == limit:
+                        return -1, 0, 0, fp
+                    b, a = np.int64(base[i]), np.int64(new[i])
+                    fg, fs = _record(i, b, a, prev, c, fg, fs, gaps, far_gaps, steps, far_steps, width)
+                    prev = i
+                    fp += share(i, b, a, width)
+                    base[i] = new[i]
+                    c += 1
+                continue
+            for i in range(words * per, base.size):
                 b, a = np.int64(base[i]), np.int64(new[i])
                 if a == b:
                     continue
@@ -95,6 +112,22 @@ def encode(base, new, base_words, new_words, gaps, far_gaps, steps, far_steps, w
                 base[i] = new[i]
                 c += 1
     return c, fg, fs, fp
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _lanes(x, width):
+    """One bit per value of ``width`` bytes that is not 0 in word ``x`` (the value's lowest bit, where
+    little-endian words hold it), without a branch: each value's low bits carried into its top bit."""
+    if width == 8:
+        return np.uint64(1) if x != 0 else np.uint64(0)
+    if width == 4:
+        low, high = np.uint64(0x0000000100000001), np.uint64(0x7FFFFFFF7FFFFFFF)
+    elif width == 2:
+        low, high = np.uint64(0x0001000100010001), np.uint64(0x7FFF7FFF7FFF7FFF)
+    else:
+        low, high = np.uint64(0x0101010101010101), np.uint64(0x7F7F7F7F7F7F7F7F)
+    top = ((x & high) + high) | x  # (each value's top bit: set where the value is not 0)
+    return (top >> np.uint64(8 * width - 1)) & low
 
 
 @numba.njit(cache=True, nogil=True)
