@@ -34,13 +34,31 @@ async def _spinner(stop: asyncio.Event) -> None:
         await asyncio.sleep(0)
 
 
-def _echo(addr: str, spin: bool) -> None:
+def pin(cpu: int, ctx: "zmq.Context | None" = None) -> None:
+    """Where this process's threads run (bench/diagnostics/hop_wakeups.py): ``cpu`` >= 0, this thread and
+    the threads it starts next (``ctx``'s I/O thread among them) on that CPU; -2, ``ctx``'s I/O thread
+    alone on the CPU this thread runs on now; -3, ``ctx``'s I/O thread SCHED_FIFO; -1, as they are."""
+    if cpu == -3:
+        ctx.set(zmq.THREAD_SCHED_POLICY, 1)  # (SCHED_FIFO)
+        ctx.set(zmq.THREAD_PRIORITY, 1)
+    elif cpu == -2:
+        import ctypes
+
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, ctypes.CDLL(None).sched_getcpu())
+    elif cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
+        if ctx is not None:
+            ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+
+
+def _echo(addr: str, spin: bool, cpu: int = -1) -> None:
     import uvloop
 
     uvloop.install()
 
     async def main():
         ctx = zmq.asyncio.Context()
+        pin(cpu, ctx)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(addr)
@@ -59,31 +77,51 @@ def _echo(addr: str, spin: bool) -> None:
     asyncio.run(main())
 
 
-async def round_trips(gap_s: float, spin: bool) -> list[float]:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:0")
-    proc = mp.get_context("spawn").Process(target=_echo, args=(sock.getsockopt_string(zmq.LAST_ENDPOINT), spin))
-    proc.start()
-    ident, _ = await sock.recv_multipart()
+async def trips(once, gap_s: float, n: int, spin: bool, block: bool = True) -> list[float]:
+    """Seconds of each of ``n`` awaits of ``once()`` (a round trip), after ten warm-up ones, ``gap_s``
+    apart: idle in a blocking sleep (``block``: as a controller between the messages of a round) or in
+    the loop (which ``spin`` keeps polling)."""
     stop = asyncio.Event()
     if spin:
         asyncio.ensure_future(_spinner(stop))
     times = []
-    for _ in range(120 if gap_s else 400):
-        if gap_s:
-            time.sleep(gap_s)  # this process idles (blocking), as a controller does between messages
-        t0 = time.perf_counter()
+    try:
+        for _ in range(n):
+            if gap_s and block:
+                time.sleep(gap_s)  # this process idles (blocking), as a controller does between messages
+            elif gap_s:
+                await asyncio.sleep(gap_s)
+            t0 = time.perf_counter()
+            await once()
+            times.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+    return times[10:]
+
+
+async def round_trips(gap_s: float, spin: bool, cpus: tuple[int, int] = (-1, -1), block: bool = True,
+                      n: int = 0) -> list[float]:
+    """ZeroMQ round trips to an echoing process (``trips``); ``cpus``: ``pin`` here and there."""
+    ctx = zmq.asyncio.Context()
+    pin(cpus[0], ctx)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    proc = mp.get_context("spawn").Process(target=_echo, args=(sock.getsockopt_string(zmq.LAST_ENDPOINT), spin,
+                                                                cpus[1]))
+    proc.start()
+    ident, _ = await sock.recv_multipart()
+
+    async def once() -> None:
         await sock.send_multipart([ident, b"x" * 100])
         await sock.recv_multipart()
-        times.append(time.perf_counter() - t0)
-    await sock.send_multipart([ident, b"q"])
-    stop.set()
-    proc.join(30)
-    sock.close()
-    ctx.term()
-    return times[10:]
+    try:
+        return await trips(once, gap_s, n or (120 if gap_s else 400), spin, block)
+    finally:
+        await sock.send_multipart([ident, b"q"])
+        proc.join(30)
+        sock.close()
+        ctx.term()
 
 
 def _channel_echo(addr: str, key) -> None:
