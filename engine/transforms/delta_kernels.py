@@ -93,25 +93,27 @@ def encode(base, new, base_words, new_words, gaps, far_gaps, steps, far_steps, w
                     lanes &= lanes - np.uint64(1)
                     if c == limit:
                         return -1, 0, 0, fp
-                    b, a = np.int64(base[i]), np.int64(new[i])
-                    fg, fs = _record(i, b, a, prev, c, fg, fs, gaps, far_gaps, steps, far_steps, width)
+                    c, fg, fs, fp = _take(i, base, new, prev, c, fg, fs, fp, gaps, far_gaps, steps, far_steps, width)
                     prev = i
-                    fp += share(i, b, a, width)
-                    base[i] = new[i]
-                    c += 1
                 continue
             for i in range(words * per, base.size):
-                b, a = np.int64(base[i]), np.int64(new[i])
-                if a == b:
+                if base[i] == new[i]:
                     continue
                 if c == limit:
                     return -1, 0, 0, fp
-                fg, fs = _record(i, b, a, prev, c, fg, fs, gaps, far_gaps, steps, far_steps, width)
+                c, fg, fs, fp = _take(i, base, new, prev, c, fg, fs, fp, gaps, far_gaps, steps, far_steps, width)
                 prev = i
-                fp += share(i, b, a, width)
-                base[i] = new[i]
-                c += 1
     return c, fg, fs, fp
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _take(i, base, new, prev, c, fg, fs, fp, gaps, far_gaps, steps, far_steps, width):
+    """``encode``'s change ``c``, value ``i``: recorded (``_record``), its fingerprint change added and
+    ``base[i]`` brought to ``new[i]``; the counts and the fingerprint change after it."""
+    b, a = np.int64(base[i]), np.int64(new[i])
+    fg, fs = _record(i, b, a, prev, c, fg, fs, gaps, far_gaps, steps, far_steps, width)
+    base[i] = new[i]
+    return c + 1, fg, fs, fp + share(i, b, a, width)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
