@@ -238,7 +238,10 @@ async def test_tcp_replays_coalesced_frames_bit_exact(gap):
 
 async def test_a_receiver_that_closes_mid_batch_aborts_the_round_and_nothing_is_applied(monkeypatch):
     """The receiver's end drops the connection 1 MiB into round 2 (inside a run of frames): the round
-    aborts with the transport error as its cause, and the receiver stays on version 1, bit-exact."""
+    aborts and the receiver stays on version 1, bit-exact. Which side tells first is a race: a sender
+    that sees the drop aborts it with the transport error as its cause; one that had queued every
+    frame before it (loopback buffers hold megabytes) seals, and the receiver's verdict aborts it, its
+    arrivals short of what that sender wrote."""
     spec = MOE_SPEC
     sent, recv = sender_tensors(0, spec), receiver_tensors(spec)
     seen = {"bytes": 0}
@@ -262,7 +265,10 @@ async def test_a_receiver_that_closes_mid_batch_aborts_the_round_and_nothing_is_
         update_in_place(sent, 2, spec)
         with pytest.raises(RoundAborted) as info:
             await asyncio.wait_for(await sender.push(2), WATCHDOG)
-        assert isinstance(info.value.__cause__, TransportError), repr(info.value.__cause__)
+        aborted = info.value
+        noticed = isinstance(aborted.__cause__, TransportError)
+        short = aborted.culprit == "sender/0" and "from sender/0 landed" in str(aborted)
+        assert noticed or short, repr(aborted)
         assert receiver.version == 1 and mismatches(recv, 1, spec) == []
 
 
