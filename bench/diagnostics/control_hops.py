@@ -34,14 +34,18 @@ async def _spinner(stop: asyncio.Event) -> None:
         await asyncio.sleep(0)
 
 
+AS_THEY_ARE, IO_HERE, IO_FIFO = -1, -2, -3  # ``pin``'s ways other than a CPU
+
+
 def pin(cpu: int, ctx: "zmq.Context | None" = None) -> None:
     """Where this process's threads run (bench/diagnostics/hop_wakeups.py): ``cpu`` >= 0, this thread and
-    the threads it starts next (``ctx``'s I/O thread among them) on that CPU; -2, ``ctx``'s I/O thread
-    alone on the CPU this thread runs on now; -3, ``ctx``'s I/O thread SCHED_FIFO; -1, as they are."""
-    if cpu == -3:
+    the threads it starts next (``ctx``'s I/O thread among them) on that CPU; ``IO_HERE``, ``ctx``'s I/O
+    thread alone on the CPU this thread runs on now; ``IO_FIFO``, ``ctx``'s I/O thread SCHED_FIFO;
+    ``AS_THEY_ARE``, nothing moved."""
+    if cpu == IO_FIFO:
         ctx.set(zmq.THREAD_SCHED_POLICY, 1)  # (SCHED_FIFO)
         ctx.set(zmq.THREAD_PRIORITY, 1)
-    elif cpu == -2:
+    elif cpu == IO_HERE:
         import ctypes
 
         ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, ctypes.CDLL(None).sched_getcpu())
@@ -51,7 +55,7 @@ def pin(cpu: int, ctx: "zmq.Context | None" = None) -> None:
             ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
 
 
-def _echo(addr: str, spin: bool, cpu: int = -1) -> None:
+def _echo(addr: str, spin: bool, cpu: int = AS_THEY_ARE) -> None:
     import uvloop
 
     uvloop.install()
@@ -99,7 +103,7 @@ async def trips(once, gap_s: float, n: int, spin: bool, block: bool = True) -> l
     return times[10:]
 
 
-async def round_trips(gap_s: float, spin: bool, cpus: tuple[int, int] = (-1, -1), block: bool = True,
+async def round_trips(gap_s: float, spin: bool, cpus: tuple[int, int] = (AS_THEY_ARE, AS_THEY_ARE), block: bool = True,
                       n: int = 0) -> list[float]:
     """ZeroMQ round trips to an echoing process (``trips``); ``cpus``: ``pin`` here and there."""
     ctx = zmq.asyncio.Context()

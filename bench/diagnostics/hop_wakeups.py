@@ -19,9 +19,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from control_hops import _spinner, pin, round_trips, trips  # noqa: E402
+from control_hops import AS_THEY_ARE, IO_FIFO, IO_HERE, _spinner, pin, round_trips, trips  # noqa: E402
 
-PINS = {-1: "no", -2: "io thread only", -3: "io fifo"}
+PINS = {AS_THEY_ARE: "no", IO_HERE: "io thread only", IO_FIFO: "io fifo"}
 
 
 def _tcp_echo(port: int, spin: bool, cpu: int) -> None:
@@ -70,10 +70,10 @@ def main() -> int:
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     far = (cpus[0], cpus[len(cpus) // 2])
-    gap, none = args.gap_ms / 1e3, (-1, -1)
+    gap, none, here, fifo = args.gap_ms / 1e3, (AS_THEY_ARE,) * 2, (IO_HERE,) * 2, (IO_FIFO,) * 2
     cases = [("zmq", 0.0, False, none), ("zmq", gap, False, none), ("zmq", gap, True, none), ("zmq", gap, True, far),
-             ("zmq", gap, False, far), ("zmq", gap, True, (-2, -2)), ("zmq", gap, True, (-3, -3)),
-             ("zmq", 0.0, False, (-3, -3)), ("tcp", 0.0, False, none), ("tcp", gap, False, none),
+             ("zmq", gap, False, far), ("zmq", gap, True, here), ("zmq", gap, True, fifo),
+             ("zmq", 0.0, False, fifo), ("tcp", 0.0, False, none), ("tcp", gap, False, none),
              ("tcp", gap, True, none), ("tcp", gap, True, far)]
     for way, g, spin, where in cases:
         n = args.n if g else 400
