@@ -34,18 +34,14 @@ async def _spinner(stop: asyncio.Event) -> None:
         await asyncio.sleep(0)
 
 
-AS_THEY_ARE, IO_HERE, IO_FIFO = -1, -2, -3  # ``pin``'s ways other than a CPU
+AS_THEY_ARE, IO_HERE = -1, -2  # ``pin``'s ways other than a CPU
 
 
 def pin(cpu: int, ctx: "zmq.Context | None" = None) -> None:
     """Where this process's threads run (bench/diagnostics/hop_wakeups.py): ``cpu`` >= 0, this thread and
     the threads it starts next (``ctx``'s I/O thread among them) on that CPU; ``IO_HERE``, ``ctx``'s I/O
-    thread alone on the CPU this thread runs on now; ``IO_FIFO``, ``ctx``'s I/O thread SCHED_FIFO;
-    ``AS_THEY_ARE``, nothing moved."""
-    if cpu == IO_FIFO:
-        ctx.set(zmq.THREAD_SCHED_POLICY, 1)  # (SCHED_FIFO)
-        ctx.set(zmq.THREAD_PRIORITY, 1)
-    elif cpu == IO_HERE:
+    thread alone on the CPU this thread runs on now; ``AS_THEY_ARE``, nothing moved."""
+    if cpu == IO_HERE:
         import ctypes
 
         ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, ctypes.CDLL(None).sched_getcpu())

@@ -1,8 +1,8 @@
 """Where an idle hop's time goes: a control round trip between two processes 20 ms apart, over ZeroMQ
 (pyzmq asyncio on uvloop, ROUTER <-> DEALER: ``control_hops.round_trips``) and over a plain asyncio TCP
 stream (no I/O threads), the event loops idle or polling while they wait (``spin``), and each process's
-threads pinned (``control_hops.pin``): all of them to one CPU, its ZeroMQ I/O thread to the CPU its
-loop runs on, or that I/O thread run SCHED_FIFO. Results: docs/results/hop_wakeups_h100.txt.
+threads pinned (``control_hops.pin``): all of them to one CPU, or its ZeroMQ I/O thread alone to the
+CPU its loop runs on. Results: docs/results/hop_wakeups_h100.txt.
 
     python3 bench/diagnostics/hop_wakeups.py [--gap-ms 20] [--n 150]
 """
@@ -19,9 +19,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from control_hops import AS_THEY_ARE, IO_FIFO, IO_HERE, _spinner, pin, round_trips, trips  # noqa: E402
+from control_hops import AS_THEY_ARE, IO_HERE, _spinner, pin, round_trips, trips  # noqa: E402
 
-PINS = {AS_THEY_ARE: "no", IO_HERE: "io thread only", IO_FIFO: "io fifo"}
+PINS = {AS_THEY_ARE: "no", IO_HERE: "io thread only"}
 
 
 def _tcp_echo(port: int, spin: bool, cpu: int) -> None:
@@ -70,10 +70,9 @@ def main() -> int:
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     far = (cpus[0], cpus[len(cpus) // 2])
-    gap, none, here, fifo = args.gap_ms / 1e3, (AS_THEY_ARE,) * 2, (IO_HERE,) * 2, (IO_FIFO,) * 2
+    gap, none, here = args.gap_ms / 1e3, (AS_THEY_ARE,) * 2, (IO_HERE,) * 2
     cases = [("zmq", 0.0, False, none), ("zmq", gap, False, none), ("zmq", gap, True, none), ("zmq", gap, True, far),
-             ("zmq", gap, False, far), ("zmq", gap, True, here), ("zmq", gap, True, fifo),
-             ("zmq", 0.0, False, fifo), ("tcp", 0.0, False, none), ("tcp", gap, False, none),
+             ("zmq", gap, False, far), ("zmq", gap, True, here), ("tcp", 0.0, False, none), ("tcp", gap, False, none),
              ("tcp", gap, True, none), ("tcp", gap, True, far)]
     for way, g, spin, where in cases:
         n = args.n if g else 400
