@@ -239,6 +239,12 @@ class ControlChannel:
             frames = [to, *frames]
         return msg_id, self._io.send(frames)
 
+    def delivered(self) -> int:
+        """How many messages this channel has taken from its socket, once it has taken every one delivered
+        to the process by now; ``recv`` hands them out in that order (``received`` counts those)."""
+        self._io.pump()
+        return self._io.taken
+
     async def recv(self) -> tuple[Optional[bytes], Envelope]:
         frames = await self._io.recv()
         self.received += 1

@@ -32,6 +32,7 @@ class Pump:
     def __init__(self, raw: zmq.Socket, max_inbox: int = 1024) -> None:
         self.raw, self.max_inbox = raw, max_inbox
         self.inbox: collections.deque = collections.deque()  # received multipart messages (lists of bytes)
+        self.taken = 0  # messages moved from the socket into ``inbox`` so far
         self.outbox: collections.deque = collections.deque()  # (frames, future): sends waiting for room, in order
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.fd: Optional[int] = None
@@ -96,6 +97,7 @@ class Pump:
             moved = False
             if events & _POLLIN and len(self.inbox) < self.max_inbox:
                 self.inbox.append(raw.recv_multipart(_NOBLOCK))
+                self.taken += 1
                 moved = True
             while outbox and outbox[0][1].done():  # (cancelled while waiting: dropped whole)
                 outbox.popleft()

@@ -9,7 +9,10 @@ at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without 
 holds the controller's ``arm`` (the next round's parameters, ``roles.arms``; in the last ``commit`` or
 on its own) when it pushes sends ``armed_push``, which stands for its ``begin``, and writes at once; a
 plan that comes before its round starts keeps those writes (same table, same pair keys) or stops them,
-and a ``begin`` then follows. The loop polls from a push until its commit (``WorkerOptions.spin``).
+and a ``begin`` then follows. A push first has the receive loop handle the control messages delivered
+before it (a caller that held the loop, a training step, left them unread: the arm among them), so it
+decides with what the controller has said. The loop polls from a push until its commit
+(``WorkerOptions.spin``).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class WeightSender(Worker):
         self._keys: dict[int, bytes] = {}  # receiver -> the current plan's pair key
         self._handles: dict[int, PushHandle] = {}
         self._round: Optional[asyncio.Task] = None
+        self._deferred: Optional[asyncio.Task] = None  # the last push that waited to read delivered messages first
         self._plan_task: Optional[asyncio.Task] = None  # connecting and preparing a plan, off the receive loop
         self._in_doubt: dict[int, PushHandle] = {}  # pushes written, whose commit a lost session did not tell
         self._last_version = -1
@@ -169,18 +173,54 @@ class WeightSender(Worker):
         self._last_version = version
         handle = self._handles[version] = PushHandle(version)
         self._spin(True)  # until the round ends here: begin, then commit, come sooner to a polling loop
-        arm = self.early.take(self.plan_id) if self.session.state is State.READY and len(self._handles) == 1 \
-            and not self._in_doubt else None  # (an arm: write now, with nothing else of ours in flight)
+        unread, before = self.backlog.unread(), self._deferred
+        if unread is None and (before is None or before.done()):
+            self._push_now(handle)
+            return handle
+
+        # messages came while the caller held the loop (a commit, an arm), or an earlier push still waits to
+        # read them (pushes leave in order): push once the receive loop has handled them
+        async def push_after_reading() -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
+            await self.backlog.read(unread or 0)
+            if self.lost is not None:
+                raise self.lost
+            if not handle.committed.done():
+                self._push_now(handle)
+        task = self._deferred = asyncio.ensure_future(push_after_reading())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
+        return handle
+
+    def _push_now(self, handle: PushHandle) -> None:
+        """Under the arm held for the current plan, write at once (``armed_push``); else ``push`` once
+        the plan is acknowledged and no round is writing. A push that failed meanwhile (its session was
+        lost: its caller has been told, and may have moved the tensors on) is never sent, to this
+        controller or a restarted one."""
+        version = handle.version
+        first = min(self._handles, default=version) == version  # (no earlier push of ours in flight)
+        arm = self.early.take(self.plan_id) if self.session.state is State.READY and first \
+            and not self._in_doubt else None  # (an arm: write now)
         sending = self._post_if_allowed(m.ArmedPush(version, arm.arm_id), version=version) if arm else None
         if sending is not None:
             sending.add_done_callback(lambda f: f.cancelled() or f.exception() is None or handle.fail(ControllerLost(
                 f"push of v{version} not sent: the control channel is gone ({f.exception()})")))
             self.early.start(version, arm)
             self._start_writing(version, handle, arm)
-            return handle
-        task = asyncio.ensure_future(self._push_when_ready(handle))
+            handle.sent.set_result(True)
+            return
+
+        async def push_when_ready() -> None:
+            await self._wait_state(State.READY)
+            if not handle.committed.done():
+                try:
+                    await self._send(m.Push(version), version=version)
+                except zmq.ZMQError as exc:
+                    raise ControllerLost(f"push of v{version} not sent: the control channel is gone ({exc})") from exc
+                if not handle.sent.done():
+                    handle.sent.set_result(False)
+        task = asyncio.ensure_future(push_when_ready())
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or handle.fail(t.exception()))
-        return handle
 
     def _start_writing(self, version: int, handle: PushHandle, params: "m.UpdateBegin | m.Arm") -> None:
         self.pipeline.options = dataclasses.replace(self.pipeline.options, checksum=params.checksum)
@@ -190,17 +230,6 @@ class WeightSender(Worker):
 
     async def _on_arm(self, env: Envelope) -> None:
         self.early.offered(env.body, self.plan_id)
-
-    async def _push_when_ready(self, handle: PushHandle) -> None:
-        """A push is legal once the plan is acknowledged and no round is writing: wait for that. A push
-        that failed meanwhile (its session was lost: its caller has been told, and may have moved the
-        tensors on) is never sent, to this controller or a restarted one."""
-        await self._wait_state(State.READY)
-        if not handle.committed.done():
-            try:
-                await self._send(m.Push(handle.version), version=handle.version)
-            except zmq.ZMQError as exc:
-                raise ControllerLost(f"push of v{handle.version} not sent: the control channel is gone ({exc})") from exc
 
     # --- protocol handlers ------------------------------------------------------------------------
 

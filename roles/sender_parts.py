@@ -33,15 +33,18 @@ def _quiet(fut: asyncio.Future) -> None:
 
 
 class PushHandle:
-    """One push. ``released``: sources free again. Awaiting the handle waits for the global commit."""
+    """One push. ``sent``: the push has left, True under an arm (its writes started at once), False as a
+    plain ``push`` (its writes wait for ``begin``). ``released``: sources free again. Awaiting the handle
+    waits for the global commit."""
 
     def __init__(self, version: int) -> None:
         loop = asyncio.get_running_loop()
         self.version = version
+        self.sent: asyncio.Future[bool] = loop.create_future()
         self.released: asyncio.Future[PushReport] = loop.create_future()
         self.committed: asyncio.Future[int] = loop.create_future()
-        self.released.add_done_callback(_quiet)
-        self.committed.add_done_callback(_quiet)
+        for fut in (self.sent, self.released, self.committed):
+            fut.add_done_callback(_quiet)
         self.cause: Optional[BaseException] = None  # this rank's own failure, while the verdict is awaited
 
     def __repr__(self) -> str:
@@ -53,7 +56,7 @@ class PushHandle:
         return self.committed.__await__()
 
     def fail(self, exc: BaseException) -> None:
-        for fut in (self.released, self.committed):
+        for fut in (self.sent, self.released, self.committed):
             if not fut.done():
                 fut.set_exception(exc)
 

@@ -37,6 +37,7 @@ from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, 
 from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
+from .backlog import Backlog
 from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, random_identity
 from .timeline import Timeline
 
@@ -98,6 +99,7 @@ class Worker(AsyncResource):
         self.incarnation = secrets.token_bytes(8)  # names this worker in every hello it sends
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
+        self.backlog = Backlog(None)  # what the receive loop has still to handle (roles.backlog), per session
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
         self.spinner = Spinner(spins(options.spin, options.transport_options.device))
         self._spinning = False
@@ -126,6 +128,8 @@ class Worker(AsyncResource):
 
     def _start_loops(self) -> None:
         self.sessions += 1
+        self.backlog.close()  # (whoever waited on the last session's messages stops)
+        self.backlog = Backlog(self._channel)
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
 
     async def _teardown(self) -> None:
@@ -211,39 +215,45 @@ class Worker(AsyncResource):
     # --- loops ------------------------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
-        while True:
-            try:
-                _, env = await self._channel.recv()
-            except ProtocolError as exc:
-                log.warning("%s: undecodable message from controller: %s", self.name, exc)
-                continue
-            self._last_heard = time.monotonic()
-            self.timeline.mark(env.version, f"recv:{env.type}")
-            illegal = self.session.accept(env.type, env.version)
-            if illegal is not None:
-                log.warning("%s: %s", self.name, illegal.text)
-                await self._send(illegal)
-                continue
-            self._state_moved()
-            handler = getattr(self, f"_on_{env.type}", None)
-            if handler is not None:
+        backlog = self.backlog  # (this session's: ``_start_loops``)
+        try:
+            while True:
+                backlog.handled()
                 try:
-                    await handler(env)
-                except (ProtocolError, zmq.ZMQError):
-                    raise
-                except Exception as exc:  # a failing handler must not silence the session
-                    log.exception("%s: handling %s failed", self.name, env.type)
-                    if self.session.allowed(Origin.WORKER, m.Error.TYPE):
-                        await self._send(m.Error(m.ErrorCode.INTERNAL, f"{env.type}: {exc!r}", "", env.version),
-                                         version=env.version)
-            if self.session.state is State.CLOSED:  # (it said leave)
-                reason = getattr(env.body, "reason", env.type)
-                log.info("%s: controller asked us to leave: %s", self.name, reason)
-                self._session_lost(ControllerLost(f"controller closed the session ({env.type}: {reason})"))
-                return
-            if isinstance(env.body, m.Error) and env.body.field == "hello":  # it knows no session of ours
-                self._session_lost(ControllerLost(f"controller no longer knows this session: {env.body.text}"))
-                return
+                    _, env = await self._channel.recv()
+                except ProtocolError as exc:
+                    log.warning("%s: undecodable message from controller: %s", self.name, exc)
+                    continue
+                backlog.taking()
+                self._last_heard = time.monotonic()
+                self.timeline.mark(env.version, f"recv:{env.type}")
+                illegal = self.session.accept(env.type, env.version)
+                if illegal is not None:
+                    log.warning("%s: %s", self.name, illegal.text)
+                    await self._send(illegal)
+                    continue
+                self._state_moved()
+                handler = getattr(self, f"_on_{env.type}", None)
+                if handler is not None:
+                    try:
+                        await handler(env)
+                    except (ProtocolError, zmq.ZMQError):
+                        raise
+                    except Exception as exc:  # a failing handler must not silence the session
+                        log.exception("%s: handling %s failed", self.name, env.type)
+                        if self.session.allowed(Origin.WORKER, m.Error.TYPE):
+                            await self._send(m.Error(m.ErrorCode.INTERNAL, f"{env.type}: {exc!r}", "", env.version),
+                                             version=env.version)
+                if self.session.state is State.CLOSED:  # (it said leave)
+                    reason = getattr(env.body, "reason", env.type)
+                    log.info("%s: controller asked us to leave: %s", self.name, reason)
+                    self._session_lost(ControllerLost(f"controller closed the session ({env.type}: {reason})"))
+                    return
+                if isinstance(env.body, m.Error) and env.body.field == "hello":  # it knows no session of ours
+                    self._session_lost(ControllerLost(f"controller no longer knows this session: {env.body.text}"))
+                    return
+        finally:
+            backlog.close()
 
     async def _heartbeat_loop(self) -> None:
         period = self.welcome.heartbeat_ms / 1000
@@ -374,6 +384,7 @@ class Worker(AsyncResource):
         """The session is over (controller lost or closing): fail whatever is waiting."""
         if self.lost is None:
             self.lost = exc
+        self.backlog.close()
         self._spin(False)
         self._state_moved()
 

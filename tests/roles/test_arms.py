@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 
 import pytest
+import zmq
 
 from weightsync.engine.errors import ConfigError, RoundAborted, VersionError
 from weightsync.roles import Controller, SenderOptions, WeightReceiver, WeightSender
@@ -77,6 +79,51 @@ async def test_one_receiver_back_to_back_every_push_after_the_first_is_armed():
             await _round(senders, senders_t, v)
         reports = [await ctl.wait_round(v) for v in range(1, 7)]
         assert [r.armed for r in reports] == [0, 1, 1, 1, 1, 1] and mismatches(receivers_t[0], 6) == []
+
+
+async def test_a_push_after_a_step_that_held_the_loop_reads_the_arm_delivered_meanwhile_and_writes_under_it():
+    """A trainer's step holds its event loop (synchronous compute between pushes). With two receivers the
+    arm comes after the commit, so it is delivered while the loop is held: the push reads the control
+    messages delivered before it, the arm among them, and writes under it rather than waiting for a begin."""
+    opts = dataclasses.replace(FAST, heartbeat_s=30.0, timeout_s=60.0)  # (nothing else is delivered meanwhile)
+    ts, recvs = sender_tensors(0), [receiver_tensors(), receiver_tensors()]
+    loop, held, arm_sent = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
+
+    def trainer() -> tuple:
+        async def main():
+            async with WeightSender(ctl.address, ts, rank=0) as s:
+                update_in_place(ts, 1)
+                await (await s.push(1))
+                loop.call_soon_threadsafe(held.set)
+                assert arm_sent.wait(WATCHDOG)  # the step: this loop runs nothing until the arm has been sent
+                assert s._channel._io.raw.poll(WATCHDOG * 1000, zmq.POLLIN)  # ... and is delivered here
+                assert s.early.arm is None  # (not read yet)
+                update_in_place(ts, 2)
+                handle = s.push_nowait(2)
+                after = s.push_nowait(3)  # (the same bytes, pushed behind it: it leaves after v2)
+                armed = await asyncio.wait_for(handle.sent, WATCHDOG)
+                assert await asyncio.wait_for(asyncio.gather(handle, after), WATCHDOG) == [2, 3]
+                return armed, after.sent.result(), s.early.pushes, "recv:begin" in s.timeline.of(2)
+        return asyncio.run(main())
+
+    async with Controller(senders=1, receivers=2, options=opts) as ctl, \
+            WeightReceiver(ctl.address, recvs[0], rank=0) as r0, WeightReceiver(ctl.address, recvs[1], rank=1) as r1:
+        ctl_receivers = (r0, r1)
+        offer = ctl.rounds.arming.offer
+
+        async def offer_once_held(rnd, committing=False):  # (the arm of v1 leaves once the trainer's loop is held)
+            await held.wait()
+            return await offer(rnd, committing)
+        ctl.rounds.arming.offer = offer_once_held
+        trained = asyncio.ensure_future(asyncio.to_thread(trainer))
+        try:
+            await asyncio.wait_for(ctl.wait_round(1), WATCHDOG)  # (ends after its arm was handed to the socket)
+        finally:
+            arm_sent.set()
+        assert await asyncio.wait_for(trained, WATCHDOG) == (True, False, 1, False)  # (v3: a plain push, after v2's)
+        reports = [await ctl.wait_round(v) for v in (2, 3)]
+        assert [(r.ok, r.armed) for r in reports] == [(True, 1), (True, 0)]
+        assert all(r.version == 3 and mismatches(t, 2) == [] for r, t in zip(ctl_receivers, recvs))
 
 
 async def test_the_arm_rides_in_the_commit_and_a_sender_without_commit_arm_gets_it_on_its_own():
@@ -166,7 +213,7 @@ async def test_a_version_written_under_an_arm_that_can_never_start_is_void_and_t
         await _round(senders, senders_t, 1)
         update_in_place(senders_t[0], 2)
         early = senders[0].push_nowait(2)  # under the arm: writes v2 at once
-        assert senders[0].early.under is not None and senders[0].early.under[0] == 2
+        assert await asyncio.wait_for(early.sent, WATCHDOG) and senders[0].early.under is not None and senders[0].early.under[0] == 2
         await asyncio.wait_for(early.released, WATCHDOG)  # (all of its v2 writes have landed)
         update_in_place(senders_t[1], 3)
         late = senders[1].push_nowait(3)  # sender 1 passes v2: it can never start
@@ -222,7 +269,7 @@ async def test_an_armed_push_whose_receivers_all_restarted_runs_the_usual_way():
         await asyncio.wait_for(ctl.waiters.wait(lambda: len(ctl.peers) == 1), WATCHDOG)  # (the controller noticed)
         update_in_place(ts, 2)
         pending = s0.push_nowait(2)  # under the arm (no plan since): its writes go to a process that is gone
-        assert s0.early.writing(2)
+        assert await asyncio.wait_for(pending.sent, WATCHDOG) and s0.early.writing(2)
         recv = receiver_tensors()
         async with WeightReceiver(ctl.address, recv, rank=0) as new:
             await asyncio.wait_for(pending, WATCHDOG)
@@ -246,7 +293,7 @@ async def test_an_armed_push_that_reached_a_receiver_still_planned_never_runs_on
         await _die(old)
         update_in_place(ts, 2)
         pending = s0.push_nowait(2)
-        assert s0.early.writing(2)
+        assert await asyncio.wait_for(pending.sent, WATCHDOG) and s0.early.writing(2)
         async with WeightReceiver(ctl.address, recvs[1], rank=1) as r1:
             with pytest.raises(RoundAborted) as e:
                 await asyncio.wait_for(pending, WATCHDOG)
@@ -290,7 +337,7 @@ async def test_writes_under_an_arm_that_a_returning_sender_replanned_abort_blami
             assert 1 not in r0.transport.guard.keys  # (the new plan: receiver/0 takes sender/0's rows alone)
             update_in_place(ts[1], 3)
             early = s1.push_nowait(3)
-            assert s1.early.writing(3)
+            assert await asyncio.wait_for(early.sent, WATCHDOG) and s1.early.writing(3)
             gate.set()
             update_in_place(ts[0], 3)
             late = back.push_nowait(3)

@@ -17,7 +17,6 @@ from weightsync.engine.errors import TransportError, VersionError
 from weightsync.engine.transports import tcp_frames
 from proc_helpers import mismatches, push, receiver_tensors, sender_tensors, update_in_place
 from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
-from weightsync.roles.sender import PushHandle
 
 FAST = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5, checksum="crc32")
 WATCHDOG = 30
@@ -37,7 +36,7 @@ async def test_a_departed_senders_pending_push_never_starts_a_round():
         a = await WeightSender(ctl.address, a_t, rank=0).__aenter__()
         async with WeightSender(ctl.address, b_t, rank=1) as b:
             await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
-            await a._push_when_ready(PushHandle(50))  # pending: sender/1 has not pushed 50
+            assert await asyncio.wait_for(a.push_nowait(50).sent, WATCHDOG) is False  # pending: sender/1 has not pushed 50
             await a.close()  # sender/0 goes away with its push pending (its leave follows the push)
             for v in (1, 2, 3):  # sender/1 alone goes on
                 await push(b, b_t, v)
