@@ -123,3 +123,43 @@ def test_a_socket_used_from_a_later_event_loop_moves_to_it():
 
         assert asyncio.run(exchange(1)) == [b"1"]
         assert asyncio.run(exchange(2)) == [b"2"]
+
+
+async def test_a_backlog_counts_what_was_delivered_and_unhandled_and_a_closed_one_ends_every_wait():
+    """``roles.backlog.Backlog`` over a real channel pair: nothing delivered, nothing to read; two messages
+    delivered while nobody read them, a wait until both were taken and the second handled; closing the
+    backlog (its session over) ends a wait that nothing else would."""
+    from weightsync.roles.backlog import Backlog
+    from weightsync.roles.channel import ControlChannel
+    from weightsync.wire import messages as m
+
+    controller, worker = ControlChannel(zmq.ROUTER, "controller"), ControlChannel(zmq.DEALER, "sender/0")
+    try:
+        worker.connect(controller.bind("tcp://127.0.0.1:*"))
+        await worker.send(m.Heartbeat(1))
+        peer, _ = await asyncio.wait_for(controller.recv(), WATCHDOG)
+        backlog = Backlog(worker)
+        assert backlog.unread() is None and Backlog(None).unread() is None
+        for seq in (2, 3):
+            await controller.send(m.Heartbeat(seq), to=peer)
+        while worker.delivered() < 2:  # (delivered, not read: as while a caller held the loop)
+            assert worker._io.raw.poll(WATCHDOG * 1000, zmq.POLLIN)
+        assert backlog.unread() == 2 and worker.received == 0
+        reading = asyncio.ensure_future(backlog.read(2))
+        for seq in (2, 3):
+            _, env = await asyncio.wait_for(worker.recv(), WATCHDOG)
+            backlog.taking()
+            assert env.body.seq == seq and not reading.done()
+            await asyncio.sleep(0)  # (a loop turn: still taking, the read waits)
+            assert not reading.done()
+            backlog.handled()
+        await asyncio.wait_for(reading, WATCHDOG)
+        assert backlog.unread() is None
+        backlog.taking()
+        stuck = asyncio.ensure_future(backlog.read(99))
+        backlog.close()
+        await asyncio.wait_for(stuck, WATCHDOG)
+        assert backlog.unread() is None and not backlog.handling
+    finally:
+        worker.close()
+        controller.close()
