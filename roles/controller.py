@@ -38,6 +38,7 @@ from .costs import Costs
 from .limits import PeerLimits, RateLimiter
 from .membership import Hearing, Membership, Peer
 from .planning import Planning
+from .pulse import SUFFIX as PULSE
 from .round_state import RoundReport
 from .rounds import Rounds, crossed
 from .status import controller_status, run_command
@@ -282,6 +283,12 @@ class Controller(AsyncResource):
         if isinstance(body, m.Hello) and peer is None:
             await self._admit(identity, env)
             return
+        if peer is None and identity.endswith(PULSE):  # a session's heartbeat from its worker's thread (roles.pulse)
+            owner = self.membership.get(identity[:-len(PULSE)])
+            if isinstance(body, m.Heartbeat) and owner is not None and env.sender == owner.name:
+                owner.last_seen = time.monotonic()
+                self.hearing.heard(owner.last_seen, len(self.peers))
+            return  # (never answered)
         if peer is None:
             # field "hello": this identity has no session here (a restarted controller): join again
             await self._chan.send(m.Error(m.ErrorCode.PROTOCOL, f"{env.type} before hello", "hello", env.version),
@@ -334,7 +341,7 @@ class Controller(AsyncResource):
             log.info("controller: %s reports v%d committed", peer.name, hello.committed)
             self.rounds.learn_committed(hello.committed)
         welcome = m.Welcome(f"{peer.name}@{self.address}", PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum",),
+                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum", "pulse"),
                             self.committed)
         await self._send(peer, welcome, parent_id=env.msg_id)
         log.info("controller: %s joined from %s (%s)", peer.name, hello.host, hello.transport.address)

@@ -38,6 +38,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
 from .backlog import Backlog
+from .pulse import Pulse
 from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, random_identity
 from .timeline import Timeline
 
@@ -60,6 +61,8 @@ class WorkerOptions:
     spin: Optional[bool] = None  # poll the event loop while a round runs (aio.Spinner): one busy core while a
     #                              round is open, a round's hops seen sooner; None: where the tensors are on a GPU
     control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
+    pulse: bool = True  # heartbeats from a thread of their own too, where the controller takes them (roles.pulse):
+    #                     the session lives while the caller holds the event loop (a training step)
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
@@ -100,6 +103,8 @@ class Worker(AsyncResource):
         self._last_heard = 0.0
         self._state_waiters: list[tuple[tuple, asyncio.Future]] = []
         self.backlog = Backlog(None)  # what the receive loop has still to handle (roles.backlog), per session
+        self.pulse: Optional[Pulse] = None  # this session's heartbeats from a thread (roles.pulse)
+        self._identity = b""  # this session's routing id
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
         self.spinner = Spinner(spins(options.spin, options.transport_options.device))
         self._spinning = False
@@ -130,7 +135,15 @@ class Worker(AsyncResource):
         self.sessions += 1
         self.backlog.close()  # (whoever waited on the last session's messages stops)
         self.backlog = Backlog(self._channel)
+        if self.pulse is not None:  # (the last session's)
+            self.pulse.stop()
+        self.pulse = None
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
+        if self.options.pulse and "pulse" in self.welcome.capabilities:
+            self.pulse = Pulse(self.controller_addr, self._identity, self.name, self.welcome.heartbeat_ms / 1000,
+                               limits=self.options.limits, auth_key=self.options.auth_key,
+                               dscp=self.options.control_dscp,
+                               alive=lambda tasks=tuple(self._tasks): not any(t.done() for t in tasks)).start()
 
     async def _teardown(self) -> None:
         if self._channel is not None and self.session.allowed(Origin.WORKER, m.Leave.TYPE):
@@ -162,8 +175,9 @@ class Worker(AsyncResource):
             if self._channel is not None:
                 self._channel.close()
             self.session = Session(self.role, Origin.WORKER)
+            self._identity = random_identity(self.name)
             self._channel = ControlChannel(zmq.DEALER, self.name, limits=self.options.limits,
-                                           identity=random_identity(self.name), auth_key=self.options.auth_key,
+                                           identity=self._identity, auth_key=self.options.auth_key,
                                            dscp=self.options.control_dscp)
             self._channel.connect(self.controller_addr)
             try:
@@ -385,6 +399,8 @@ class Worker(AsyncResource):
         if self.lost is None:
             self.lost = exc
         self.backlog.close()
+        if self.pulse is not None:
+            self.pulse.stop()
         self._spin(False)
         self._state_moved()
 

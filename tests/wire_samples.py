@@ -53,7 +53,7 @@ SUMMARY = m.WriteSummary(1, 2, 320, (m.Checksum(0, 0xDEADBEEF), m.Checksum(1, 7)
 
 BODIES: dict[str, m.Message] = {
     "hello": m.Hello(m.Role.SENDER, 0, "node-a", "cpu", 4242, 1, 0, ("tcp", "checksum"), MANIFEST, TRANSPORT),
-    "welcome": m.Welcome("s-1", 1, 0, 500, 5000, ("checksum",)),
+    "welcome": m.Welcome("s-1", 1, 0, 500, 5000, ("checksum", "pulse")),
     "reject": m.Reject(m.RejectCode.VERSION_MISMATCH, "major differs", 1, 0, 2, 3),
     "plan": m.Plan(9, SENDER_TABLE, None),
     "plan_ack": m.PlanAck(9, True, ""),
