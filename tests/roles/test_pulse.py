@@ -13,21 +13,23 @@ import time
 import pytest
 import zmq
 
-from weightsync.roles import Controller, ControllerOptions, SenderOptions, WeightReceiver, WeightSender
+from weightsync.roles import Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver, WeightSender
 from weightsync.roles.channel import ControlChannel
 from weightsync.roles.pulse import SUFFIX
 from weightsync.wire import messages as m
 from proc_helpers import mismatches, receiver_tensors, sender_tensors, update_in_place
 
 WATCHDOG = 30
+KEY = b"k" * 32
 OPTS = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5)
 
 
-def trainer(address: str, ts: dict, pulse: bool, held: threading.Event, go: threading.Event, hold_s: float):
+def trainer(address: str, ts: dict, pulse: bool, held: threading.Event, go: threading.Event, hold_s: float,
+            key=None):
     """A sender in a thread of its own (its own event loop): round 1, then a step that holds the loop for
     ``hold_s`` (after ``go``), then round 2. -> (its sessions, v2's outcome)."""
     async def main():
-        async with WeightSender(address, ts, rank=0, options=SenderOptions(pulse=pulse)) as s:
+        async with WeightSender(address, ts, rank=0, options=SenderOptions(pulse=pulse, auth_key=key)) as s:
             update_in_place(ts, 1)
             await asyncio.wait_for(await s.push(1), WATCHDOG)
             held.set()
@@ -43,13 +45,14 @@ def trainer(address: str, ts: dict, pulse: bool, held: threading.Event, go: thre
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("pulse", [True, False])
-async def test_a_step_that_holds_the_senders_loop_past_the_timeout_keeps_its_session_with_a_pulse(pulse):
+@pytest.mark.parametrize("pulse,key", [(True, None), (True, KEY), (False, None)])
+async def test_a_step_that_holds_the_senders_loop_past_the_timeout_keeps_its_session_with_a_pulse(pulse, key):
+    """(With a key the pulse passes CURVE, its messages' signatures and the replay guard.)"""
     ts, recv = sender_tensors(0), receiver_tensors()
     held, go = threading.Event(), threading.Event()
-    async with Controller(senders=1, receivers=1, options=OPTS) as ctl, \
-            WeightReceiver(ctl.address, recv, rank=0) as receiver:
-        work = asyncio.ensure_future(asyncio.to_thread(trainer, ctl.address, ts, pulse, held, go, 4 * OPTS.timeout_s))
+    async with Controller(senders=1, receivers=1, options=dataclasses.replace(OPTS, auth_key=key)) as ctl, \
+            WeightReceiver(ctl.address, recv, rank=0, options=ReceiverOptions(auth_key=key)) as receiver:
+        work = asyncio.ensure_future(asyncio.to_thread(trainer, ctl.address, ts, pulse, held, go, 4 * OPTS.timeout_s, key))
         try:
             await asyncio.wait_for(asyncio.to_thread(held.wait, WATCHDOG), WATCHDOG)
         finally:
