@@ -82,7 +82,7 @@ if [ "$part" = mn ] || [ "$part" = mn1 ] || [ "$part" = mn2 ]; then
 # M -> N (bench/transfer_mn.py): the cases this machine's GPU count allows, one JSON line each
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 case $gpus in
-  1) cases=("1 1 --colocated") ;;
+  1) cases=("1 1 --colocated" "2 2 --colocated --one-gpu") ;;  # (--one-gpu: every rank on GPU 0, the empty model alone)
   2|3) cases=("2 2 --colocated" "1 1") ;;
   4|5|6|7) cases=("2 2" "4 4 --colocated") ;;
   *) cases=("4 4" "8 8 --colocated") ;;
@@ -94,9 +94,11 @@ esac
 # first 7, which are not counted either, and of the rest every 8th is checked end to end, as the product does)
 for c in "${cases[@]}"; do
   set -- $c
-  for m in "--model empty --no-broadcast" "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b" \
-           "--model qwen2.5-7b --fp8 --no-broadcast" "--model qwen2.5-7b --fp8 --no-broadcast --full-check-every 0"; do
-    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${3:-} $m --rounds 27 --json 2>>"$out/transfer_mn.log" | tail -n 1
+  models=("--model empty --no-broadcast" "--model qwen2.5-0.5b --ckpt" "--model qwen2.5-7b --ckpt" "--model qwen3-30b-a3b"
+          "--model qwen2.5-7b --fp8 --no-broadcast" "--model qwen2.5-7b --fp8 --no-broadcast --full-check-every 0")
+  [[ "$c" == *--one-gpu* ]] && models=("--model empty --no-broadcast")
+  for m in "${models[@]}"; do
+    timeout 400 python3 bench/transfer_mn.py --senders $1 --receivers $2 ${@:3} $m --rounds 27 --json 2>>"$out/transfer_mn.log" | tail -n 1
   done
 done > "$out/transfer_mn_$part.jsonl"
 cat "$out/transfer_mn_$part.jsonl"

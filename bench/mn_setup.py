@@ -42,21 +42,24 @@ class Case:
     kernel_grid: Optional[tuple[float, float]] = None  # cuda_ipc copy kernels' programs per SM (None: TransportOptions')
     full_check_every: int = 8  # the controller's end-to-end checks (the product's default; 0: none, the data path alone)
     arm: bool = True  # the controller offers arms: each sender writes on its own push (ControllerOptions.arm_pushes)
+    one_gpu: bool = False  # every rank on GPU 0 (the empty model: M -> N's control path where one GPU is lent)
 
     def sender_device(self, rank: int) -> str:
-        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
+        return "cpu" if self.device == "cpu" else f"cuda:{0 if self.one_gpu else rank}"
 
     def receiver_device(self, rank: int) -> str:
         if self.device == "cpu":
             return "cpu"
-        return f"cuda:{rank if self.colocated else self.senders + rank}"
+        return f"cuda:{0 if self.one_gpu else rank if self.colocated else self.senders + rank}"
 
     @property
     def transport(self) -> str:
         return "tcp" if self.device == "cpu" else "cuda_ipc"
 
     def check(self) -> None:
-        if self.device == "cuda":
+        if self.one_gpu and (self.device != "cuda" or self.model != "empty" or not self.colocated):
+            raise SystemExit("--one-gpu runs the empty model, colocated, on CUDA (its bound is no bytes)")
+        if self.device == "cuda" and not self.one_gpu:
             need = max(self.senders, self.receivers) if self.colocated else self.senders + self.receivers
             if torch.cuda.device_count() < need:
                 raise SystemExit(f"{self.senders} -> {self.receivers} ({'colocated' if self.colocated else 'disaggregated'}) "
@@ -222,7 +225,7 @@ def _init_dist(case: Case, device: str, rank: int, world: int, port: int) -> Non
 
     if case.device == "cuda":
         torch.cuda.set_device(device)
-    backend = "gloo" if case.device == "cpu" else "nccl"
+    backend = "gloo" if case.device == "cpu" or case.one_gpu else "nccl"  # (NCCL refuses two ranks on one GPU)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 

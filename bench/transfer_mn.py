@@ -46,6 +46,8 @@ Rows, measured in one run:
 Every run also measures the back-to-back control round trip between two processes
 (bench/diagnostics/control_hops.py): ``control_rtt_ms`` and ``engine_over_rtt``; with ``--model empty``
 (one 64-value tensor: a round of control messages, nothing to move) that is ``empty_round_over_rtt``.
+``--one-gpu`` puts every rank of such a colocated empty round on GPU 0 (gloo for the trainers' group): an
+M -> N round's control path measured where one GPU is lent.
 
 Models: ``tiny-dense`` / ``tiny-moe`` (Qwen2 / Qwen3-MoE configs small enough for a CPU), ``qwen2.5-0.5b``,
 ``qwen2.5-7b`` and ``qwen3-30b-a3b`` (12 layers, per-expert tensors; engine.models.shapes.bench_model).
@@ -55,6 +57,7 @@ Models: ``tiny-dense`` / ``tiny-moe`` (Qwen2 / Qwen3-MoE configs small enough fo
     python3 bench/transfer_mn.py --senders 4 --receivers 4 --model qwen2.5-7b            (x8: GPUs 0-3 -> 4-7)
     python3 bench/transfer_mn.py --senders 2 --receivers 2 --colocated --model qwen2.5-7b --ckpt
     python3 bench/transfer_mn.py --senders 8 --receivers 8 --colocated --model qwen3-30b-a3b --fp8
+    python3 bench/transfer_mn.py --senders 2 --receivers 2 --colocated --model empty --one-gpu --no-broadcast
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, ready, conn) -> 
     try:
         stats = (_traced(main, f"{case.trace}/sender{rank}") if case.trace else
                  _profiled(main, f"{case.profile}/sender{rank}.txt" if case.profile else ""))
-        conn.send(("sender", rank, {**stats, "full_tensor_s": full_tensor_seconds(model, case)}))
+        gathers = [] if case.one_gpu else full_tensor_seconds(model, case)  # (for the broadcasts, which --one-gpu skips)
+        conn.send(("sender", rank, {**stats, "full_tensor_s": gathers}))
     finally:
         dist.destroy_process_group()
 
@@ -651,6 +655,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-arm", action="store_true",
                     help="the controller offers no arms: each sender waits for its begin (ControllerOptions."
                          "arm_pushes=False; by default an armed push stands for its begin, roles.arms)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="every rank on GPU 0: M -> N's control path (--model empty --colocated) where one GPU is lent")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
     ap.add_argument("--profile", default="", help="a folder: cProfile each sender, receiver and the controller there while the counted rounds run (diagnostics)")
     ap.add_argument("--trace", default="", help="a folder: torch.profiler each sender there, CPU and CUDA (diagnostics)")
@@ -660,7 +666,9 @@ def main(argv=None) -> int:
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
                 kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None,
-                full_check_every=args.full_check_every, arm=not args.no_arm)
+                full_check_every=args.full_check_every, arm=not args.no_arm, one_gpu=args.one_gpu)
+    if args.one_gpu and not args.no_broadcast:
+        ap.error("--one-gpu needs --no-broadcast (NCCL refuses two ranks on one GPU)")
     if args.ckpt and (args.device != "cuda" or args.fp8):
         ap.error("--ckpt runs on CUDA receivers without --fp8 (checkpoint-engine hands vLLM full tensors)")
     from weightsync.engine.aio import install_uvloop

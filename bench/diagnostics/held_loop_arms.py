@@ -7,9 +7,10 @@ the loop runs nothing meanwhile, as in most trainers) or awaited (``asyncio.slee
 control channel meanwhile). With two or more receivers the arm comes after the commit (docs/PROTOCOL.md,
 *Armed pushes*), so in the blocking case it is delivered while the loop is held; a push reads what was
 delivered before it (``WeightSender.push_nowait``) and goes armed. Prints, per way, the pushes that went
-armed and the median milliseconds from push to commit (the sender's timeline). docs/OPERATIONS.md.
+armed and the median milliseconds from push to commit (the sender's timeline; ``--timeline``: the last
+push's events). docs/OPERATIONS.md.
 
-    python3 bench/diagnostics/held_loop_arms.py [--receivers 2] [--pushes 20] [--step-ms 50]
+    python3 bench/diagnostics/held_loop_arms.py [--receivers 2] [--pushes 20] [--step-ms 50] [--timeline]
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _sender(addr: str, blocking: bool, pushes: int, step_s: float, out) -> None:
                 await (await sender.push(v))
                 marks = sender.timeline.of(v)
                 waits.append(marks["recv:commit"] - marks.get("send:armed_push", marks.get("send:push", 0.0)))
-            out.put((sender.early.pushes, statistics.median(waits[1:]) * 1e3))
+            last = sender.timeline.of(pushes)
+            out.put((sender.early.pushes, statistics.median(waits[1:]) * 1e3,
+                     {event: round((t - last["recv:commit"]) * 1e3, 3) for event, t in sorted(last.items(), key=lambda kv: kv[1])}))
     asyncio.run(main())
 
 
@@ -75,11 +78,14 @@ def main() -> int:
     ap.add_argument("--receivers", type=int, default=2)
     ap.add_argument("--pushes", type=int, default=20)
     ap.add_argument("--step-ms", type=float, default=50.0)
+    ap.add_argument("--timeline", action="store_true", help="the sender's events of its last push")
     args = ap.parse_args()
     for blocking in (True, False):
-        armed, wait_ms = asyncio.run(run(blocking, args.receivers, args.pushes, args.step_ms / 1e3))
+        armed, wait_ms, last = asyncio.run(run(blocking, args.receivers, args.pushes, args.step_ms / 1e3))
         print(f"{'blocking' if blocking else 'awaited'} step of {args.step_ms:.0f} ms, {args.receivers} receivers: "
               f"{armed} of {args.pushes} pushes armed, push to commit {wait_ms:.2f} ms (median)", flush=True)
+        if args.timeline:  # the last push's events at their milliseconds before its commit reached the sender
+            print("  " + ", ".join(f"{event} {ms}" for event, ms in last.items()), flush=True)
     return 0
 
 

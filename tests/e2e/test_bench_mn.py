@@ -104,3 +104,20 @@ def test_two_fsdp_trainers_to_two_tp_ranks_colocated_on_gpus(model, fp8):
     assert r["bit_exact"] and r["mismatches"] == {}
     assert r["rounds_measured"] >= 1 and all(s["compiles"] <= 4 for s in r["senders"].values())
     assert ("quantize_bound_ms" in r) == fp8 and r.get("quantize_bound_ms", 1) > 0  # (reading bf16 counts too)
+
+
+def test_one_gpu_runs_the_empty_colocated_case_alone_and_says_so_otherwise():
+    """``--one-gpu`` (every rank on GPU 0) is for the empty model's control path: anything else is refused
+    by name, before a process starts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from mn_setup import Case
+
+    with pytest.raises(SystemExit, match="--one-gpu runs the empty model, colocated, on CUDA"):
+        Case("qwen2.5-7b", 2, 2, "cuda", colocated=True, one_gpu=True).check()
+    with pytest.raises(SystemExit, match="--one-gpu"):
+        Case("empty", 2, 2, "cuda", colocated=False, one_gpu=True).check()
+    case = Case("empty", 2, 2, "cuda", colocated=True, one_gpu=True)
+    assert {case.sender_device(r) for r in (0, 1)} == {case.receiver_device(r) for r in (0, 1)} == {"cuda:0"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_mn.py"), "--one-gpu", "--model", "empty",
+                          "--colocated"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode != 0 and "--one-gpu needs --no-broadcast" in run.stderr
