@@ -49,7 +49,7 @@ class Pulse:
         return self
 
     def stop(self) -> None:
-        """Stop sending and close the socket (waits for the thread: at most one period)."""
+        """Stop sending; returns once the thread has closed its socket (it wakes at once)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()

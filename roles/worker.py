@@ -38,8 +38,8 @@ from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
 from .backlog import Backlog
-from .pulse import Pulse
 from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, random_identity
+from .pulse import Pulse
 from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
