@@ -5,8 +5,9 @@ minutes long, and while it runs the worker's event loop runs nothing: its heartb
 controller drops a worker it has not heard for ``timeout_s`` (5 s by default). So, where the
 controller's ``welcome`` offers the capability ``pulse`` (docs/PROTOCOL.md, *Heartbeats*), each
 session also starts a ``Pulse``: a thread with a DEALER socket of its own, whose routing id is the
-session's followed by ``+pulse``, that sends ``heartbeat`` every ``heartbeat_ms`` (signed like every
-message where there is a key, over CURVE like the session's own socket) and reads nothing. The
+session's followed by ``+pulse``, that reads nothing and sends ``heartbeat`` every ``heartbeat_ms``
+while the loop's own heartbeat task has missed two of its beats (``beat``: a loop that runs adds no
+messages; signed like every message where there is a key, over CURVE like the session's own socket). The
 controller takes such a heartbeat as a sign of life of the session whose routing id it extends, when it
 names that session's worker, and answers nothing. The thread ends with the session (``stop``), once
 the session's loops are over (``alive``: a receive loop that ended, or was cancelled), and with the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Callable, Optional
 
 import zmq
@@ -38,6 +40,7 @@ class Pulse:
         self.alive = alive  # (read from the thread: the session's loops are not over)
         self.limits, self.auth_key, self.dscp = limits, auth_key, dscp
         self.sent = 0
+        self.beaten = time.monotonic()  # when the loop's own heartbeat task last ran (``beat``)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"weightsync-pulse-{name}", daemon=True)
 
@@ -47,6 +50,10 @@ class Pulse:
     def start(self) -> "Pulse":
         self._thread.start()
         return self
+
+    def beat(self) -> None:
+        """The loop's own heartbeat ran: no pulse is needed until it misses two."""
+        self.beaten = time.monotonic()
 
     def stop(self) -> None:
         """Stop sending; returns once the thread has closed its socket (it wakes at once)."""
@@ -74,6 +81,8 @@ class Pulse:
         ids = itertools.count(1)
         try:
             while not self._stop.wait(self.period_s) and self.alive():
+                if time.monotonic() - self.beaten < 2 * self.period_s:
+                    continue  # (the loop beats: nothing to add)
                 frames = encode(Envelope(m.Heartbeat(self.sent + 1), next(ids), self.name, None, None), self.limits)
                 if self.auth_key is not None:
                     frames = sign(frames, self.auth_key)

@@ -276,6 +276,8 @@ class Worker(AsyncResource):
         while True:
             before = time.monotonic()
             await asyncio.sleep(period)
+            if self.pulse is not None:
+                self.pulse.beat()  # (the loop runs: the pulse need not speak for it)
             stalled = time.monotonic() - before - period
             if stalled > timeout / 2:  # our own event loop was blocked: do not blame the controller
                 log.warning("%s: event loop stalled for %.1fs (a blocking call on the loop?)", self.name, stalled)
