@@ -9,9 +9,8 @@ at ``commit`` or raises ``RoundAborted``. ``push_nowait`` does the same without 
 holds the controller's ``arm`` (the next round's parameters, ``roles.arms``; in the last ``commit`` or
 on its own) when it pushes sends ``armed_push``, which stands for its ``begin``, and writes at once; a
 plan that comes before its round starts keeps those writes (same table, same pair keys) or stops them,
-and a ``begin`` then follows. A push first has the receive loop handle the control messages delivered
-before it (a caller that held the loop, a training step, left them unread: the arm among them), so it
-decides with what the controller has said. The loop polls from a push until its commit
+and a ``begin`` then follows. A push first lets the receive loop handle what was delivered before it
+(``roles.backlog``: an arm a training step left unread). The loop polls from a push until its commit
 (``WorkerOptions.spin``).
 """
 
@@ -36,7 +35,7 @@ from weightsync.engine.transforms.gather import Gatherer, split_dtensors
 from weightsync.wire import Envelope, Manifest, Role, SenderTable, ShardSpec, State
 from weightsync.wire import messages as m
 
-from .sender_parts import DataConnections, EarlyWrites, PushHandle
+from .sender_parts import DataConnections, EarlyWrites, PushHandle, error_code
 from .worker import Worker, WorkerOptions, with_device
 
 log = logging.getLogger("weightsync")
@@ -85,7 +84,7 @@ class WeightSender(Worker):
         self._keys: dict[int, bytes] = {}  # receiver -> the current plan's pair key
         self._handles: dict[int, PushHandle] = {}
         self._round: Optional[asyncio.Task] = None
-        self._deferred: Optional[asyncio.Task] = None  # the last push that waited to read delivered messages first
+        self._deferred: Optional[asyncio.Task] = None  # the last push that waited to read what was delivered
         self._plan_task: Optional[asyncio.Task] = None  # connecting and preparing a plan, off the receive loop
         self._in_doubt: dict[int, PushHandle] = {}  # pushes written, whose commit a lost session did not tell
         self._last_version = -1
@@ -178,9 +177,7 @@ class WeightSender(Worker):
             self._push_now(handle)
             return handle
 
-        # messages came while the caller held the loop (a commit, an arm), or an earlier push still waits to
-        # read them (pushes leave in order): push once the receive loop has handled them
-        async def push_after_reading() -> None:
+        async def push_after_reading() -> None:  # (after the push before it: pushes leave in order)
             if before is not None:
                 await asyncio.gather(before, return_exceptions=True)
             await self.backlog.read(unread or 0)
@@ -193,10 +190,8 @@ class WeightSender(Worker):
         return handle
 
     def _push_now(self, handle: PushHandle) -> None:
-        """Under the arm held for the current plan, write at once (``armed_push``); else ``push`` once
-        the plan is acknowledged and no round is writing. A push that failed meanwhile (its session was
-        lost: its caller has been told, and may have moved the tensors on) is never sent, to this
-        controller or a restarted one."""
+        """Under the current plan's arm, write at once (``armed_push``); else ``push`` once the session is
+        READY, unless the push failed meanwhile (its caller may have moved the tensors on)."""
         version = handle.version
         first = min(self._handles, default=version) == version  # (no earlier push of ours in flight)
         arm = self.early.take(self.plan_id) if self.session.state is State.READY and first \
@@ -330,7 +325,7 @@ class WeightSender(Worker):
             handle.release_committed(f"{self.name}: {exc}")
             await self.conns.forget_broken(exc, self.name)
             await asyncio.gather(*announced, return_exceptions=True)
-            await self._fail_round(version, handle, exc, _error_code(exc))
+            await self._fail_round(version, handle, exc, error_code(exc))
             if not isinstance(exc, (TransportError, StagingError, WeightSyncError)):
                 log.exception("%s: round %s failed", self.name, version)  # a bug or a torch error
             return
@@ -417,11 +412,3 @@ class WeightSender(Worker):
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.conns.close()
-
-
-def _error_code(exc: Exception) -> m.ErrorCode:
-    if isinstance(exc, StagingError):
-        return m.ErrorCode.STAGING
-    if isinstance(exc, (TransportError, WeightSyncError)):
-        return m.ErrorCode.TRANSPORT
-    return m.ErrorCode.INTERNAL

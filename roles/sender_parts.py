@@ -19,7 +19,7 @@ import logging
 from typing import Mapping, Optional
 
 from weightsync.engine.datapath.pipeline import PushReport
-from weightsync.engine.errors import TransportError
+from weightsync.engine.errors import StagingError, TransportError, WeightSyncError
 from weightsync.engine.transport import Connection, Transport
 from weightsync.wire import PeerInfo
 from weightsync.wire import messages as m
@@ -162,3 +162,12 @@ class EarlyWrites:
         if task is not None and not task.done():
             task.cancel()
         return under[0]
+
+
+def error_code(exc: Exception) -> m.ErrorCode:
+    """The error code a sender reports a failed round's exception with."""
+    if isinstance(exc, StagingError):
+        return m.ErrorCode.STAGING
+    if isinstance(exc, (TransportError, WeightSyncError)):
+        return m.ErrorCode.TRANSPORT
+    return m.ErrorCode.INTERNAL

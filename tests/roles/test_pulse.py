@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-import time
 
 import pytest
 import zmq
@@ -24,17 +23,15 @@ KEY = b"k" * 32
 OPTS = ControllerOptions(heartbeat_s=0.05, timeout_s=0.5)
 
 
-def trainer(address: str, ts: dict, pulse: bool, held: threading.Event, go: threading.Event, hold_s: float,
-            key=None):
-    """A sender in a thread of its own (its own event loop): round 1, then a step that holds the loop for
-    ``hold_s`` (after ``go``), then round 2. -> (its sessions, v2's outcome)."""
+def trainer(address: str, ts: dict, pulse: bool, held: threading.Event, go: threading.Event, key=None):
+    """A sender in a thread of its own (its own event loop): round 1, then a step that holds the loop
+    until ``go``, then round 2. -> (its sessions, v2's outcome)."""
     async def main():
         async with WeightSender(address, ts, rank=0, options=SenderOptions(pulse=pulse, auth_key=key)) as s:
             update_in_place(ts, 1)
             await asyncio.wait_for(await s.push(1), WATCHDOG)
             held.set()
-            assert go.wait(WATCHDOG)
-            time.sleep(hold_s)  # (the training step: synchronous compute, the loop runs nothing)
+            assert go.wait(WATCHDOG)  # (the training step: synchronous compute, the loop runs nothing)
             update_in_place(ts, 2)
             try:
                 await asyncio.wait_for(await s.push(2), WATCHDOG)
@@ -52,9 +49,18 @@ async def test_a_step_that_holds_the_senders_loop_past_the_timeout_keeps_its_ses
     held, go = threading.Event(), threading.Event()
     async with Controller(senders=1, receivers=1, options=dataclasses.replace(OPTS, auth_key=key)) as ctl, \
             WeightReceiver(ctl.address, recv, rank=0, options=ReceiverOptions(auth_key=key)) as receiver:
-        work = asyncio.ensure_future(asyncio.to_thread(trainer, ctl.address, ts, pulse, held, go, 4 * OPTS.timeout_s, key))
+        beats, beat = 0, ctl._beat
+
+        async def counted(seq, now):  # (the step lasts 40 of the controller's silence checks: 4 timeouts)
+            nonlocal beats
+            await beat(seq, now)
+            beats += held.is_set()
+            if beats * OPTS.heartbeat_s >= 4 * OPTS.timeout_s:
+                go.set()
+        ctl._beat = counted
+        work = asyncio.ensure_future(asyncio.to_thread(trainer, ctl.address, ts, pulse, held, go, key))
         try:
-            await asyncio.wait_for(asyncio.to_thread(held.wait, WATCHDOG), WATCHDOG)
+            await asyncio.wait_for(asyncio.to_thread(go.wait, WATCHDOG), WATCHDOG)
         finally:
             go.set()
         sessions, outcome = await asyncio.wait_for(work, WATCHDOG)
