@@ -137,6 +137,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, ready, conn) -> 
     from weightsync.engine.aio import install_uvloop
     from weightsync.engine.transport import TransportOptions
     from weightsync.roles import SenderOptions, WeightSender
+    from weightsync.roles.timeline import push_wait
 
     install_uvloop()
     _init_dist(case, case.sender_device(rank), rank, case.senders, port)
@@ -169,8 +170,7 @@ def _engine_sender(case: Case, rank: int, addr: str, port: int, ready, conn) -> 
                      if "pipeline:start" in m]  # (a sender with no rows to send runs no pipeline)
             rows = len(sender.table.transfers)
             # what the trainer waits per round: its push (armed or not) until it holds the commit
-            waits = [m["recv:commit"] - m.get("send:armed_push", m.get("send:push", m["recv:commit"]))
-                     for m in marks.values() if "recv:commit" in m]
+            waits = [push_wait(m) for m in marks.values() if "recv:commit" in m]
             return {"gathered": g.gathered // case.rounds if g else 0, "rows": rows, "marks": marks,
                     "push_to_commit_s": waits, "armed_pushes": sender.early.pushes,
                     "host_us_per_row": statistics.median(issue) / rows * 1e6 if rows and issue else None,

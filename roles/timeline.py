@@ -60,3 +60,10 @@ def hops(rows: Iterable[tuple[float, str]]) -> list[tuple[str, float]]:
     """Consecutive marks of a merged timeline -> [("a -> b", milliseconds between them)]."""
     rows = list(rows)
     return [(f"{a} -> {b}", tb - ta) for (ta, a), (tb, b) in zip(rows, rows[1:])]
+
+
+def push_wait(marks: Mapping[str, float]) -> float:
+    """What a trainer waited for a version (a sender's ``Timeline.of``): from its push, armed or not, until
+    it held the commit (0 where it made no push)."""
+    done = marks["recv:commit"]
+    return done - marks.get("send:armed_push", marks.get("send:push", done))

@@ -32,6 +32,7 @@ NAME = "model.norm.weight"
 
 def _sender(addr: str, blocking: bool, pushes: int, step_s: float, out) -> None:
     from weightsync.roles import WeightSender
+    from weightsync.roles.timeline import push_wait
 
     async def main():
         weights = {NAME: torch.zeros(64, dtype=torch.bfloat16)}
@@ -45,7 +46,7 @@ def _sender(addr: str, blocking: bool, pushes: int, step_s: float, out) -> None:
                 weights[NAME].add_(1)
                 await (await sender.push(v))
                 marks = sender.timeline.of(v)
-                waits.append(marks["recv:commit"] - marks.get("send:armed_push", marks.get("send:push", 0.0)))
+                waits.append(push_wait(marks))
             last = sender.timeline.of(pushes)
             out.put((sender.early.pushes, statistics.median(waits[1:]) * 1e3,
                      {event: round((t - last["recv:commit"]) * 1e3, 3) for event, t in sorted(last.items(), key=lambda kv: kv[1])}))

@@ -22,3 +22,11 @@ def test_medians_take_each_event_over_the_rounds_it_appears_in_in_time_order():
     assert [event for event, _ in got] == ["sender send:push", "controller recv:push", "sender recv:commit"]
     assert [ms for _, ms in got] == pytest.approx([2.0, 2.5, 5.0])
     assert [step for _, step in hops([(ms, event) for event, ms in got])] == pytest.approx([0.5, 2.5])
+
+
+def test_push_wait_runs_from_the_push_armed_or_not_to_the_commit():
+    from weightsync.roles.timeline import push_wait
+
+    assert push_wait({"send:armed_push": 1.0, "recv:commit": 1.5}) == 0.5
+    assert push_wait({"send:push": 2.0, "recv:begin": 2.1, "recv:commit": 2.75}) == 0.75
+    assert push_wait({"recv:begin": 3.0, "recv:commit": 3.5}) == 0.0  # (a round it did not push for)
