@@ -42,6 +42,7 @@ class Case:
     kernel_grid: Optional[tuple[float, float]] = None  # cuda_ipc copy kernels' programs per SM (None: TransportOptions')
     full_check_every: int = 8  # the controller's end-to-end checks (the product's default; 0: none, the data path alone)
     arm: bool = True  # the controller offers arms: each sender writes on its own push (ControllerOptions.arm_pushes)
+    streams: bool = True  # sessions' messages on streams of their own (ControllerOptions.session_streams)
     one_gpu: bool = False  # every rank on GPU 0 (the empty model: M -> N's control path where one GPU is lent)
 
     def sender_device(self, rank: int) -> str:

@@ -262,7 +262,7 @@ async def engine(case: Case, link) -> dict:
 
     options = ControllerOptions(timeout_s=300.0, mapping=MAPPING, link=link, delta="off", spin=case.spin,
                                 full_check_every=case.full_check_every,  # (8 by default: the product's checks)
-                                arm_pushes=case.arm)
+                                arm_pushes=case.arm, session_streams=case.streams)
     procs = Procs()
     try:
         async with Controller(senders=case.senders, receivers=case.receivers, options=options) as ctl:
@@ -516,7 +516,7 @@ def summary(case: Case, link, eng: dict, bc: dict, bucketed: Optional[dict] = No
     out = {
         "case": f"{case.senders} -> {case.receivers} {'colocated' if case.colocated else 'disaggregated'}",
         "model": case.model, "device": case.device, "transport": case.transport, "fp8": case.fp8, "spin": {None: "auto", True: "on", False: "off"}[case.spin],
-        "full_check_every": case.full_check_every, "checked_rounds": eng["checked_rounds"], "arm": case.arm,
+        "full_check_every": case.full_check_every, "checked_rounds": eng["checked_rounds"], "arm": case.arm, "streams": case.streams,
         "first_rounds_ms": eng["first_rounds_ms"],
         "rounds_measured": len(eng["round_s"]), "rounds_timing_ways": eng["rounds_timing_ways"],
         "bytes_per_round": eng["nbytes"], "transfers": eng["transfers"],
@@ -655,6 +655,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-arm", action="store_true",
                     help="the controller offers no arms: each sender waits for its begin (ControllerOptions."
                          "arm_pushes=False; by default an armed push stands for its begin, roles.arms)")
+    ap.add_argument("--no-streams", action="store_true",
+                    help="sessions keep their messages on ZeroMQ (ControllerOptions.session_streams=False; by default "
+                         "each goes to a TCP stream of its own after welcome, roles.channel_stream)")
     ap.add_argument("--one-gpu", action="store_true",
                     help="every rank on GPU 0: M -> N's control path (--model empty --colocated) where one GPU is lent")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object on the last line")
@@ -666,7 +669,8 @@ def main(argv=None) -> int:
     case = Case(args.model, args.senders, args.receivers, args.device, args.colocated, args.fp8, args.rounds,
                 profile=args.profile, trace=args.trace, spin={"auto": None, "on": True, "off": False}[args.spin], pitched_kernel=not args.no_pitched_kernel, peer_copies=args.peer_copies,
                 kernel_grid=tuple(float(x) for x in args.kernel_grid.split(",")) if args.kernel_grid else None,
-                full_check_every=args.full_check_every, arm=not args.no_arm, one_gpu=args.one_gpu)
+                full_check_every=args.full_check_every, arm=not args.no_arm, one_gpu=args.one_gpu,
+                streams=not args.no_streams)
     if args.one_gpu and not args.no_broadcast:
         ap.error("--one-gpu needs --no-broadcast (NCCL refuses two ranks on one GPU)")
     if args.ckpt and (args.device != "cuda" or args.fp8):

@@ -20,6 +20,14 @@ plane that fills it (a TCP data plane shares the link unmarked). On top, every m
 (``weightsync.wire.auth``) and each peer's message ids must increase: an unauthenticated or replayed
 message raises ``Unauthenticated`` / ``Replayed`` and is never handed to the owner's handlers. Every
 socket is created with linger 0 and closed by ``close``.
+
+Session streams (``roles.channel_stream``, docs/PROTOCOL.md *Session streams*): a ROUTER that
+``listen_stream``s issues a token per session (``expect``); what it sends that session from then on
+waits until the session's stream attaches, then goes there, and what the stream brings reaches ``recv``
+as if from the ROUTER. A DEALER that ``attach``es sends and receives on its stream from then on, and
+``recv`` raises ``StreamClosed`` once the stream closed and nothing is left to read. Messages on a
+stream are signed, numbered and checked exactly as on the socket; with a key the stream itself is
+authenticated and encrypted (``wire.stream``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from weightsync.engine.logs import Repeats
 from weightsync.roles.channel_io import Pump
+from weightsync.roles.channel_stream import StreamClosed, Streams
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
 from weightsync.engine.aio import Waiters, within
 from weightsync.engine.errors import ConfigError
@@ -52,6 +61,14 @@ log = logging.getLogger("weightsync")
 ZAP_DOMAIN = "weightsync"
 _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def endpoint_host(addr: str) -> Optional[str]:
+    """The host of a ZeroMQ tcp:// endpoint (brackets kept off an IPv6 one); None for any other."""
+    if not addr.startswith("tcp://"):
+        return None
+    host = addr.removeprefix("tcp://").rpartition(":")[0]
+    return host.strip("[]") if host and host != "*" else "0.0.0.0"
 
 
 def random_identity(prefix: str) -> bytes:
@@ -141,13 +158,38 @@ class ControlChannel:
         self._authenticator = None
         self._monitor: Optional[asyncio.Task] = None
         self._monitor_sock: Optional[zmq.asyncio.Socket] = None
-        self._refusal_waiters = Waiters()
+        self._waiters = Waiters()
         self._io = Pump(zmq.Socket.shadow(self.sock.underlying))  # (sends and receives: ``channel_io``)
+        self.streams = Streams(self._io, name, auth_key, dscp, limits.max_message_bytes + 4096 + 64,
+                               self._stream_refused)  # (session streams: ``roles.channel_stream``)
 
     def __repr__(self) -> str:
         kind = "ROUTER" if self.router else "DEALER"
         secure = " curve" if self.keys else ""
-        return f"<ControlChannel {kind}{secure} {self.name} sent={self.sent} received={self.received} refused={self.refused}>"
+        streams = f" streams={len(self.streams.links)}" if self.streams.links or self.streams.listener else ""
+        return (f"<ControlChannel {kind}{secure} {self.name} sent={self.sent} received={self.received}"
+                f" refused={self.refused}{streams}>")
+
+    def listen_stream(self, host: str, port: int = 0) -> int:
+        """A ROUTER's listener for session streams on ``host`` (the one it binds) and ``port`` (0: any): its port."""
+        return self.streams.listen(host, port, self._waiters.wake)
+
+    def expect(self, identity: bytes, token: bytes) -> None:
+        """``identity``'s stream will come with ``token``; what is sent it waits for that stream from now on."""
+        self.streams.expect(identity, token)
+
+    async def attach(self, host: str, port: int, token: bytes, timeout: float) -> None:
+        """A DEALER's session moves to its stream: every send and receive from now on."""
+        await self.streams.attach(host, port, token, timeout)
+
+    async def wait_attached(self, identity: bytes) -> None:
+        """Until ``identity``'s session stream has attached (a ROUTER's)."""
+        await self._waiters.wait(lambda: identity in self.streams.links)
+
+    def _stream_refused(self, where: str, why: str) -> None:
+        self.refused += 1
+        self._waiters.wake()
+        self.refusals.log(("stream", where), f"control channel {self.name}: refused a session stream from {where}: {why}")
 
     def bind(self, addr: str) -> str:
         """Bind; with a key, as the CURVE server behind a ZAP handler that admits the derived client
@@ -183,7 +225,7 @@ class ControlChannel:
             except zmq.ZMQError:  # (the monitor closed)
                 return
             self.refused += 1
-            self._refusal_waiters.wake()
+            self._waiters.wake()
             where = event.get("endpoint", b"?")
             where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
             self.refusals.log(("handshake", where),
@@ -192,7 +234,7 @@ class ControlChannel:
 
     async def wait_refused(self, count: int) -> None:
         """Until ``count`` connections have been refused at the handshake (binding side, with a key)."""
-        await self._refusal_waiters.wait(lambda: self.refused >= count)
+        await self._waiters.wait(lambda: self.refused >= count)
 
     async def send(self, body: Message, *, to: Optional[bytes] = None, version: Optional[int] = None,
                    parent_id: Optional[int] = None, body_frame: Optional[bytes] = None,
@@ -233,6 +275,10 @@ class ControlChannel:
         frames = encode(Envelope(body, msg_id, self.name, parent_id, version), self.limits, body_frame)
         if self.auth_key is not None:
             frames = sign(frames, self.auth_key)
+        if self.streams.route(to if self.router else b"", frames):
+            taken = asyncio.get_running_loop().create_future()
+            taken.set_result(None)  # (a closed stream drops it, as ZeroMQ drops what goes to a peer gone)
+            return msg_id, taken
         if self.router:
             if to is None:
                 raise ValueError("a ROUTER send needs the peer's routing id")
@@ -243,6 +289,7 @@ class ControlChannel:
         """How many messages this channel has taken from its socket, once it has taken every one delivered
         to the process by now; ``recv`` hands them out in that order (``received`` counts those)."""
         self._io.pump()
+        self.streams.pump()  # (bytes a held loop left in the kernel's buffer)
         return self._io.taken
 
     async def recv(self) -> tuple[Optional[bytes], Envelope]:
@@ -263,8 +310,9 @@ class ControlChannel:
             raise
 
     def forget(self, peer: bytes) -> None:
-        """A peer's session is over: drop what was kept for it (its replay guard entry)."""
+        """A peer's session is over: drop what was kept for it (its replay guard entry, its stream)."""
         self.replays.forget(peer)
+        self.streams.forget(peer)
 
     def close(self) -> None:
         if self._monitor is not None:
@@ -277,6 +325,7 @@ class ControlChannel:
         if self._authenticator is not None:
             self._authenticator.stop()
         self.refusals.flush()
+        self.streams.close()
         self._io.close()
         self.sock.close(linger=0)
         self.ctx.term()

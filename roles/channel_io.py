@@ -14,6 +14,11 @@ moves messages in and out until nothing moves; reading the events is what re-arm
 ``inbox`` holds at most ``max_inbox`` messages; beyond that ZeroMQ's own queue and high-water mark hold
 the rest (``recv`` pumps again once the inbox is empty). ``close`` cancels what still waits, as closing a
 ``zmq.asyncio`` socket does.
+
+Session streams (``roles.channel_stream``) put what they read into the same inbox (``deliver``), so the
+owner reads one sequence; ``pump`` also calls each ``sources`` hook (a stream that stopped reading while
+the inbox was full reads again). ``broken``: once set (the session's stream closed), ``recv`` raises it
+when the inbox is empty.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class Pump:
         self.fd: Optional[int] = None
         self.waiter: Optional[asyncio.Future] = None
         self.closed = False
+        self.sources: list = []  # hooks ``pump`` calls: streams that deliver here (``deliver``)
+        self.broken: Optional[BaseException] = None  # raised by ``recv`` once the inbox is empty
 
     def __repr__(self) -> str:
         return f"<Pump inbox={len(self.inbox)} outbox={len(self.outbox)}{' closed' if self.closed else ''}>"
@@ -72,6 +79,22 @@ class Pump:
         self.pump()  # (the send may have consumed the descriptor's signal)
         return sending
 
+    def room(self) -> bool:
+        """Whether the inbox takes more (a stream reads only while it does)."""
+        return len(self.inbox) < self.max_inbox
+
+    def deliver(self, frames: list) -> None:
+        """A message read elsewhere (a session stream), after those already in the inbox."""
+        self.inbox.append(frames)
+        self.taken += 1
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def wake(self) -> None:
+        """Wake a waiting ``recv`` (``broken`` was set)."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
     async def recv(self) -> list:
         """The next message (a list of frames, bytes)."""
         self._attach()
@@ -80,6 +103,8 @@ class Pump:
         while not self.inbox:
             if self.closed:
                 raise asyncio.CancelledError()
+            if self.broken is not None:
+                raise self.broken
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -117,6 +142,8 @@ class Pump:
                     moved = True
             if not moved:
                 break
+        for source in self.sources:
+            source()
         if self.inbox and self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 

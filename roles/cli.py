@@ -65,6 +65,7 @@ def _controller(args: argparse.Namespace) -> int:
                                 delta=args.delta, full_check_every=args.full_check_every,
                                 round_timeout_s=args.round_timeout, auth_key=_auth_key(args),
                                 link=LinkModel(net_bw=args.nic_gbit * 1e9 / 8), mapping=args.mapping,
+                                session_streams=not args.no_session_streams, stream_port=args.stream_port,
                                 **_dscp(args))
     from .progress import RoundProgress
 
@@ -317,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     ctl.add_argument("--timeout", type=float, default=5.0, help="seconds of silence before a peer is lost")
     ctl.add_argument("--control-dscp", type=int, default=None, help=dscp_help)
+    ctl.add_argument("--stream-port", type=int, default=0,
+                     help="TCP port of the sessions' streams, on the --bind host (default: any free one)")
+    ctl.add_argument("--no-session-streams", action="store_true",
+                     help="keep every session's messages on the ZeroMQ endpoint (docs/PROTOCOL.md, Session streams)")
     ctl.add_argument("--round-timeout", type=float, default=None, help="abort a round stage after this long")
     ctl.add_argument("--nic-gbit", type=float, default=400.0, help="NIC speed per GPU for the planner")
     ctl.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from typing import Any, Awaitable, Callable, Optional
 
@@ -33,7 +34,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
-from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure
+from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, endpoint_host
 from .costs import Costs
 from .limits import PeerLimits, RateLimiter
 from .membership import Hearing, Membership, Peer
@@ -71,6 +72,9 @@ class ControllerOptions:
     #                          writes on its own push, which stands for its begin (roles.arms)
     full_check: str = "auto"  # the algorithm of those rounds (engine.datapath.checksums); "auto": fp64 (on the
     #                           device) where a member's tensors are on a GPU, crc32 (zlib, fastest on a CPU) otherwise
+    session_streams: bool = True  # after welcome, a session's messages on a TCP stream of its own where the worker
+    #                               offers it (roles.channel_stream): no ZeroMQ I/O threads on a round's hops
+    stream_port: int = 0  # the streams' port, on the host ``bind_addr`` names (0: one the system picks)
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
@@ -83,6 +87,8 @@ class ControllerOptions:
         if self.delta not in DELTA_MODES:
             raise ConfigError("delta", f"must be one of {DELTA_MODES}, got {self.delta!r}")
         check_dscp("control_dscp", self.control_dscp)
+        if not isinstance(self.stream_port, int) or not 0 <= self.stream_port < 65536:
+            raise ConfigError("stream_port", f"a TCP port in 0..65535 (0: any free one), got {self.stream_port!r}")
         get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
 
 
@@ -164,6 +170,13 @@ class Controller(AsyncResource):
         except zmq.ZMQError as exc:
             self._chan.close()
             raise ConfigError("bind_addr", f"cannot bind {self.bind_addr}: {exc}") from exc
+        host = endpoint_host(self.address)
+        if self.options.session_streams and host is not None:
+            try:
+                self._chan.listen_stream(host, self.options.stream_port)
+            except OSError as exc:
+                self._chan.close()
+                raise ConfigError("stream_port", f"cannot listen on {host}:{self.options.stream_port}: {exc}") from exc
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._heartbeat_loop())]
 
     async def _teardown(self) -> None:
@@ -340,10 +353,16 @@ class Controller(AsyncResource):
             # a restarted controller learns how far the workers got: no round may go back behind it
             log.info("controller: %s reports v%d committed", peer.name, hello.committed)
             self.rounds.learn_committed(hello.committed)
+        listener = self._chan.streams.listener if "stream" in hello.capabilities else None
+        token = secrets.token_bytes(16) if listener is not None else b""
         welcome = m.Welcome(f"{peer.name}@{self.address}", PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000), ("checksum", "pulse"),
-                            self.committed)
-        await self._send(peer, welcome, parent_id=env.msg_id)
+                            int(self.options.heartbeat_s * 1000), int(self.options.timeout_s * 1000),
+                            ("checksum", "pulse", *(("stream",) if listener else ())), self.committed,
+                            listener.port if listener else None, token)
+        sending = self._send(peer, welcome, parent_id=env.msg_id)
+        if listener is not None:  # (from here on what goes to the session waits for its stream)
+            self._chan.expect(identity, token)
+        await sending
         log.info("controller: %s joined from %s (%s)", peer.name, hello.host, hello.transport.address)
         self.planning.maybe_plan()
 

@@ -38,7 +38,8 @@ from weightsync.wire import messages as m
 from weightsync.wire.errors import ProtocolError
 
 from .backlog import Backlog
-from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, random_identity
+from .channel import (CONTROL_DSCP, ControlChannel, StreamClosed, check_auth_key, check_dscp, check_exposure,
+                      endpoint_host, random_identity)
 from .pulse import Pulse
 from .timeline import Timeline
 
@@ -63,6 +64,8 @@ class WorkerOptions:
     control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
     pulse: bool = True  # heartbeats from a thread of their own too, where the controller takes them (roles.pulse):
     #                     the session lives while the caller holds the event loop (a training step)
+    session_stream: bool = True  # after welcome, the session's messages on a TCP stream of its own where the
+    #                              controller offers one (roles.channel_stream): no ZeroMQ I/O threads on its hops
 
     def __post_init__(self) -> None:
         check_auth_key(self.auth_key)
@@ -205,7 +208,8 @@ class Worker(AsyncResource):
     async def _join(self, manifest: Manifest, timeout: float) -> None:
         hello = m.Hello(self.role, self.rank, self.transport_info.host, self.transport_info.device,
                         os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                        self.options.capabilities, manifest, self.transport_info, incarnation=self.incarnation,
+                        (*self.options.capabilities, *(("stream",) if self.options.session_stream else ())),
+                        manifest, self.transport_info, incarnation=self.incarnation,
                         **self._hello_fields())
         try:  # (a fresh channel queues it at once: unless its connection failed its handshake, no pipe left)
             await self._send(hello, timeout=timeout)
@@ -222,6 +226,12 @@ class Worker(AsyncResource):
             raise JoinRejected(env.body.code, env.body.text)
         if not isinstance(env.body, m.Welcome):
             raise ControllerLost(f"expected welcome, got {env.type}")
+        if env.body.stream_port is not None and self.options.session_stream:  # (the session's messages move to
+            host = endpoint_host(self.controller_addr) or "127.0.0.1"       # its stream, on the host we reached)
+            try:
+                await self._channel.attach(host, env.body.stream_port, env.body.stream_token, timeout)
+            except (OSError, ProtocolError, asyncio.TimeoutError) as exc:
+                raise ControllerLost(f"session stream to {host}:{env.body.stream_port} failed: {exc!r}") from exc
         self.welcome = env.body
         self._last_heard = time.monotonic()
         self._on_welcome(env.body)
@@ -238,6 +248,9 @@ class Worker(AsyncResource):
                 except ProtocolError as exc:
                     log.warning("%s: undecodable message from controller: %s", self.name, exc)
                     continue
+                except StreamClosed as exc:
+                    self._session_lost(ControllerLost(str(exc)))
+                    return
                 backlog.taking()
                 self._last_heard = time.monotonic()
                 self.timeline.mark(env.version, f"recv:{env.type}")

@@ -163,5 +163,8 @@ def _with_field(cls, **fields):
 
 OVERRIDES[m.UpdateBegin] = _with_field(m.UpdateBegin, delta=st.sampled_from(m.DELTA_MODES))
 OVERRIDES[m.Arm] = _with_field(m.Arm, delta=st.sampled_from(m.DELTA_MODES))
+OVERRIDES[m.Welcome] = st.one_of(
+    _with_field(m.Welcome, stream_port=st.none()),
+    _with_field(m.Welcome, stream_port=st.integers(1, 65535), stream_token=st.binary(min_size=16, max_size=16)))
 
 bodies = st.sampled_from(sorted(m.MESSAGE_TYPES)).flatmap(lambda t: from_type(m.MESSAGE_TYPES[t]))

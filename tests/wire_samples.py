@@ -93,6 +93,9 @@ def samples() -> dict[str, Envelope]:
         parent_id=None, version=None)
     out["welcome_committed"] = Envelope(dataclasses.replace(BODIES["welcome"], committed=41), msg_id=205,
                                         sender="controller", parent_id=None, version=None)
+    out["welcome_stream"] = Envelope(dataclasses.replace(BODIES["welcome"], capabilities=("checksum", "pulse", "stream"),
+                                                         stream_port=40123, stream_token=bytes(range(16))),
+                                     msg_id=206, sender="controller", parent_id=None, version=None)
     out["plan_keys"] = Envelope(  # Plan.keys (optional): one data-plane key per peer of the table
         dataclasses.replace(BODIES["plan"], keys=(m.DataKey(1, bytes(range(32))),)), msg_id=206,
         sender="controller", parent_id=None, version=None)

@@ -22,7 +22,7 @@ from . import errors
 from .messages import MESSAGE_TYPES, Message, Reject
 from .schema import U32, U64, Violation, from_wire, struct, to_wire
 
-PROTOCOL_VERSION: tuple[int, int] = (3, 3)
+PROTOCOL_VERSION: tuple[int, int] = (3, 4)
 
 MiB = 1 << 20
 

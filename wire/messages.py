@@ -94,6 +94,13 @@ class Welcome(Message):
     timeout_ms: U32
     capabilities: tuple[str, ...]
     committed: Optional[U64] = None  # the controller's last committed version: a (re)joining sender resumes above it
+    stream_port: Optional[U32] = None  # (capability ``stream``) the port of this session's stream, on the controller's host
+    stream_token: bytes = b""  # the token that stream's first record must carry (``wire.stream``), 16 bytes
+
+    def _check(self) -> None:
+        if self.stream_port is not None and not (0 < self.stream_port < 65536 and len(self.stream_token) == 16):
+            raise Violation("value", "stream_port", f"port {self.stream_port} with a token of "
+                            f"{len(self.stream_token)} bytes: a port in 1..65535 and 16 bytes")
 
 
 @struct

@@ -7,7 +7,9 @@ DEALER, 100-byte messages, median of 110-380 round trips). Results: docs/results
 ``channel_round_trips`` (the last line) makes the same round trip through the engine's own control
 channel (``roles.channel.ControlChannel``: its socket pump, the codec, a ``fence_commit`` out and a
 ``commit_ack`` back, each encoded, sent, received and decoded, with ``--auth`` HMAC-signed and CURVE
-encrypted too): what one round trip of a round's messages costs before any role acts on them.
+encrypted too): what one round trip of a round's messages costs before any role acts on them; and the
+same through the channel's session stream (``roles.channel_stream``: after ``welcome`` a session's
+messages go on a TCP stream of its own, with ``--auth`` sealed with ChaCha20-Poly1305).
 
     python3 bench/diagnostics/control_hops.py [qos] [--auth]
 """
@@ -124,7 +126,7 @@ async def round_trips(gap_s: float, spin: bool, cpus: tuple[int, int] = (AS_THEY
         ctx.term()
 
 
-def _channel_echo(addr: str, key) -> None:
+def _channel_echo(addr: str, key, stream: bool = False) -> None:
     import uvloop
 
     uvloop.install()
@@ -136,6 +138,9 @@ def _channel_echo(addr: str, key) -> None:
         chan = ControlChannel(zmq.DEALER, "receiver/0", auth_key=key)
         chan.connect(addr)
         await chan.send(m.Heartbeat(0))
+        if stream:  # (the welcome names the stream's port and token: every message after it goes there)
+            _, env = await chan.recv()
+            await chan.attach("127.0.0.1", env.body.stream_port, env.body.stream_token, 10.0)
         while True:
             _, env = await chan.recv()
             if not isinstance(env.body, m.FenceCommit):
@@ -145,16 +150,22 @@ def _channel_echo(addr: str, key) -> None:
     asyncio.run(main())
 
 
-async def channel_round_trips(key=None, rounds: int = 400) -> list[float]:
-    """Round trips through ``ControlChannel`` (the module's header): seconds each, after ten warm-up ones."""
+async def channel_round_trips(key=None, rounds: int = 400, stream: bool = False) -> list[float]:
+    """Round trips through ``ControlChannel`` (the module's header): seconds each, after ten warm-up ones;
+    ``stream``: through its session stream."""
     from weightsync.roles.channel import ControlChannel
     from weightsync.wire import messages as m
 
     chan = ControlChannel(zmq.ROUTER, "controller", auth_key=key)
     addr = chan.bind("tcp://127.0.0.1:0")
-    proc = mp.get_context("spawn").Process(target=_channel_echo, args=(addr, key))
+    port = chan.listen_stream("127.0.0.1") if stream else None
+    proc = mp.get_context("spawn").Process(target=_channel_echo, args=(addr, key, stream))
     proc.start()
     peer, _ = await chan.recv()
+    if stream:
+        token = os.urandom(16)
+        await chan.send(m.Welcome("s", 3, 4, 500, 5000, ("stream",), None, port, token), to=peer)
+        chan.expect(peer, token)
     summary = m.WriteSummary(0, 294, 1260334848, (), b"p" * 80)  # (a cuda_ipc proof's size)
     times = []
     try:
@@ -186,9 +197,11 @@ def main() -> int:
         print(f"gap {gap_s * 1e3:.0f} ms spin {spin}: rtt median {statistics.median(times) * 1e6:.1f} us "
               f"p90 {times[int(0.9 * len(times))] * 1e6:.1f}")
     key = os.urandom(32) if "--auth" in sys.argv[1:] else None
-    times = sorted(asyncio.run(channel_round_trips(key)))
-    print(f"engine channel (fence_commit -> commit_ack{', signed and encrypted' if key else ''}): rtt median "
-          f"{statistics.median(times) * 1e6:.1f} us p90 {times[int(0.9 * len(times))] * 1e6:.1f}")
+    for stream in (False, True):
+        times = sorted(asyncio.run(channel_round_trips(key, stream=stream)))
+        print(f"engine channel{' on its session stream' if stream else ''} (fence_commit -> commit_ack"
+              f"{', signed and encrypted' if key else ''}): rtt median "
+              f"{statistics.median(times) * 1e6:.1f} us p90 {times[int(0.9 * len(times))] * 1e6:.1f}")
     return 0
 
 

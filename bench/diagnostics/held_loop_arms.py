@@ -8,7 +8,10 @@ control channel meanwhile). With two or more receivers the arm comes after the c
 *Armed pushes*), so in the blocking case it is delivered while the loop is held; a push reads what was
 delivered before it (``WeightSender.push_nowait``) and goes armed. Prints, per way, the pushes that went
 armed and the median milliseconds from push to commit (the sender's timeline; ``--timeline``: the last
-push's events). docs/OPERATIONS.md.
+push's events, the controller's and the receivers' beside the sender's, since the push). The pushes start
+once each process has loaded its CPU delta kernels (``delta_cpu.warmed``: on a machine that compiles them
+first, ~10 s during which that thread holds the GIL and every round is tens of milliseconds).
+docs/OPERATIONS.md.
 
     python3 bench/diagnostics/held_loop_arms.py [--receivers 2] [--pushes 20] [--step-ms 50] [--timeline]
 """
@@ -35,8 +38,11 @@ def _sender(addr: str, blocking: bool, pushes: int, step_s: float, out) -> None:
     from weightsync.roles.timeline import push_wait
 
     async def main():
+        from weightsync.engine.transforms import delta_cpu
+
         weights = {NAME: torch.zeros(64, dtype=torch.bfloat16)}
         async with WeightSender(addr, weights, rank=0) as sender:
+            await asyncio.to_thread(delta_cpu.warmed, 120)  # (its start-up load holds the GIL: not a step's cost)
             waits = []
             for v in range(1, pushes + 1):
                 if blocking:
@@ -47,14 +53,14 @@ def _sender(addr: str, blocking: bool, pushes: int, step_s: float, out) -> None:
                 await (await sender.push(v))
                 marks = sender.timeline.of(v)
                 waits.append(push_wait(marks))
-            last = sender.timeline.of(pushes)
-            out.put((sender.early.pushes, statistics.median(waits[1:]) * 1e3,
-                     {event: round((t - last["recv:commit"]) * 1e3, 3) for event, t in sorted(last.items(), key=lambda kv: kv[1])}))
+            out.put((sender.early.pushes, statistics.median(waits[1:]) * 1e3, sender.timeline.of(pushes)))
     asyncio.run(main())
 
 
 async def run(blocking: bool, receivers: int, pushes: int, step_s: float) -> tuple[int, float]:
+    from weightsync.engine.transforms import delta_cpu
     from weightsync.roles import Controller, WeightReceiver
+    from weightsync.roles.timeline import merge
 
     ctx = mp.get_context("spawn")
     async with Controller(senders=1, receivers=receivers) as ctl:
@@ -62,13 +68,16 @@ async def run(blocking: bool, receivers: int, pushes: int, step_s: float) -> tup
                    for r in range(receivers)]
         for r in members:
             await r.start()
+        await asyncio.to_thread(delta_cpu.warmed, 120)
         try:
             out = ctx.Queue()
             proc = ctx.Process(target=_sender, args=(ctl.address, blocking, pushes, step_s, out))
             proc.start()
-            result = await asyncio.to_thread(out.get, True, 60 + pushes * step_s * 2)
+            armed, wait_ms, marks = await asyncio.to_thread(out.get, True, 60 + pushes * step_s * 2)
             await asyncio.to_thread(proc.join, 30)
-            return result
+            sources = {"sender": marks, "controller": ctl.timeline.of(pushes),
+                       **{f"receiver {r}": m.timeline.of(pushes) for r, m in enumerate(members)}}
+            return armed, wait_ms, merge(marks.get("send:armed_push", marks.get("send:push", 0.0)), sources)
         finally:
             for r in members:
                 await r.close()
@@ -85,8 +94,9 @@ def main() -> int:
         armed, wait_ms, last = asyncio.run(run(blocking, args.receivers, args.pushes, args.step_ms / 1e3))
         print(f"{'blocking' if blocking else 'awaited'} step of {args.step_ms:.0f} ms, {args.receivers} receivers: "
               f"{armed} of {args.pushes} pushes armed, push to commit {wait_ms:.2f} ms (median)", flush=True)
-        if args.timeline:  # the last push's events at their milliseconds before its commit reached the sender
-            print("  " + ", ".join(f"{event} {ms}" for event, ms in last.items()), flush=True)
+        if args.timeline:  # the last push's events, every role's, at their milliseconds since the push
+            for ms, event in last:
+                print(f"  {ms:9.3f}  {event}", flush=True)
     return 0
 
 

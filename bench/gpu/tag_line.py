@@ -1,6 +1,6 @@
 """Tag the JSON line a bench printed last (stdin) with its tree, commit and card, append it to a results
 file and print a one-line summary: ``... | python3 bench/gpu/tag_line.py TREE COMMIT CARD OUT.jsonl``
-(bench/gpu/paired.sh and bench/gpu/armed.sh)."""
+(bench/gpu/paired.sh and bench/gpu/toggled.sh)."""
 
 import json
 import sys

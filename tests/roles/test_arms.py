@@ -4,6 +4,7 @@ the last round, before its begin; writes under an arm that no longer holds never
 from __future__ import annotations
 
 import asyncio
+import select
 import contextlib
 import dataclasses
 import threading
@@ -96,7 +97,8 @@ async def test_a_push_after_a_step_that_held_the_loop_reads_the_arm_delivered_me
                 await (await s.push(1))
                 loop.call_soon_threadsafe(held.set)
                 assert arm_sent.wait(WATCHDOG)  # the step: this loop runs nothing until the arm has been sent
-                assert s._channel._io.raw.poll(WATCHDOG * 1000, zmq.POLLIN)  # ... and is delivered here
+                assert select.select([s._channel.streams.links[b""].sock], [], [], WATCHDOG)[0]  # ... and is delivered here
+                #                                                          (on the session's stream: roles.channel_stream)
                 assert s.early.arm is None  # (not read yet)
                 update_in_place(ts, 2)
                 handle = s.push_nowait(2)

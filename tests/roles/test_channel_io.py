@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 
 import pytest
 import zmq
@@ -125,10 +126,12 @@ def test_a_socket_used_from_a_later_event_loop_moves_to_it():
         assert asyncio.run(exchange(2)) == [b"2"]
 
 
-async def test_a_backlog_counts_what_was_delivered_and_unhandled_and_a_closed_one_ends_every_wait():
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_backlog_counts_what_was_delivered_and_unhandled_and_a_closed_one_ends_every_wait(stream):
     """``roles.backlog.Backlog`` over a real channel pair: nothing delivered, nothing to read; two messages
     delivered while nobody read them, a wait until both were taken and the second handled; closing the
-    backlog (its session over) ends a wait that nothing else would."""
+    backlog (its session over) ends a wait that nothing else would. ``stream``: the pair's session
+    stream carries them (``delivered`` reads what waits in the kernel's buffer)."""
     from weightsync.roles.backlog import Backlog
     from weightsync.roles.channel import ControlChannel
     from weightsync.wire import messages as m
@@ -138,12 +141,20 @@ async def test_a_backlog_counts_what_was_delivered_and_unhandled_and_a_closed_on
         worker.connect(controller.bind("tcp://127.0.0.1:*"))
         await worker.send(m.Heartbeat(1))
         peer, _ = await asyncio.wait_for(controller.recv(), WATCHDOG)
+        if stream:
+            token, port = bytes(range(16)), controller.listen_stream("127.0.0.1")
+            controller.expect(peer, token)
+            await worker.attach("127.0.0.1", port, token, WATCHDOG)
+            await asyncio.wait_for(controller.wait_attached(peer), WATCHDOG)
         backlog = Backlog(worker)
         assert backlog.unread() is None and Backlog(None).unread() is None
         for seq in (2, 3):
             await controller.send(m.Heartbeat(seq), to=peer)
         while worker.delivered() < 2:  # (delivered, not read: as while a caller held the loop)
-            assert worker._io.raw.poll(WATCHDOG * 1000, zmq.POLLIN)
+            if stream:
+                assert select.select([worker.streams.links[b""].sock], [], [], WATCHDOG)[0]
+            else:
+                assert worker._io.raw.poll(WATCHDOG * 1000, zmq.POLLIN)
         assert backlog.unread() == 2 and worker.received == 0
         reading = asyncio.ensure_future(backlog.read(2))
         for seq in (2, 3):

@@ -363,29 +363,33 @@ async def test_a_passive_observer_learns_no_key_and_its_recording_replays_to_not
     opts = ControllerOptions(heartbeat_s=0.05, timeout_s=2.0, auth_key=KEY)
     ts = {name: torch.arange(64, dtype=torch.float32)}
     async with Controller(senders=1, receivers=1, options=opts) as ctl:
-        tap = Tap(ctl.address)
-        async with tap as tapped, \
-                WeightSender(tapped, ts, rank=0, options=SenderOptions(auth_key=KEY)) as s0, \
-                WeightReceiver(ctl.address, {name: torch.zeros(64)}, rank=0,
-                               options=ReceiverOptions(auth_key=KEY)) as r0:
-            await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
-            handle = await asyncio.wait_for(s0.push(1), WATCHDOG)
-            await asyncio.wait_for(handle, WATCHDOG)
-            pair_key = s0._conn_keys[0][1]
-            assert len(pair_key) == 32 and pair_key not in tap.down and pair_key not in tap.up
-            assert name.encode() not in tap.up and name.encode() not in tap.down  # (the manifest, the plan)
-            assert len(tap.up) > 1000 and len(tap.down) > 1000
-            # the recording, replayed from a fresh connection by a party without the key
-            identity, peers, refused = s0._channel.sock.getsockopt(zmq.ROUTING_ID), dict(ctl.peers), ctl._chan.refused
-            host, _, port = ctl.address.removeprefix("tcp://").rpartition(":")
-            with socket.create_connection((host, int(port))) as raw:
-                raw.sendall(bytes(tap.up))
-                await asyncio.wait_for(ctl._chan.wait_refused(refused + 1), WATCHDOG)
-            assert ctl.peers == peers and ctl.peers[identity].name == "sender/0"  # no rank held, nobody kicked out
-            ts[name].add_(1)
-            await asyncio.wait_for(await asyncio.wait_for(s0.push(2), WATCHDOG), WATCHDOG)
-            await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
-            assert torch.equal(r0.tensors[name], ts[name])
+        stream_port = ctl._chan.streams.listener.port
+        tap, stream_tap = Tap(ctl.address), Tap(f"tcp://127.0.0.1:{stream_port}")
+        async with tap as tapped, stream_tap as stream_tapped:
+            ctl._chan.streams.listener.port = int(stream_tapped.rpartition(":")[2])  # (sessions' streams pass the observer too)
+            async with WeightSender(tapped, ts, rank=0, options=SenderOptions(auth_key=KEY)) as s0, \
+                    WeightReceiver(ctl.address, {name: torch.zeros(64)}, rank=0,
+                                   options=ReceiverOptions(auth_key=KEY)) as r0:
+                await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
+                handle = await asyncio.wait_for(s0.push(1), WATCHDOG)
+                await asyncio.wait_for(handle, WATCHDOG)
+                pair_key = s0._conn_keys[0][1]
+                for seen in (tap.up, tap.down, stream_tap.up, stream_tap.down):
+                    assert pair_key not in seen and name.encode() not in seen  # (the manifest, the plan)
+                assert len(tap.up) > 1000 and min(len(stream_tap.up), len(stream_tap.down)) > 1000
+                # the recordings, replayed from fresh connections by a party without the key
+                identity, peers, refused = s0._channel.sock.getsockopt(zmq.ROUTING_ID), dict(ctl.peers), ctl._chan.refused
+                host, _, port = ctl.address.removeprefix("tcp://").rpartition(":")
+                for where, recording in ((int(port), tap.up), (stream_port, stream_tap.up)):
+                    with socket.create_connection((host, where)) as raw:
+                        raw.sendall(bytes(recording))
+                        refused += 1
+                        await asyncio.wait_for(ctl._chan.wait_refused(refused), WATCHDOG)
+                assert ctl.peers == peers and ctl.peers[identity].name == "sender/0"  # no rank held, nobody kicked out
+                ts[name].add_(1)
+                await asyncio.wait_for(await asyncio.wait_for(s0.push(2), WATCHDOG), WATCHDOG)
+                await asyncio.wait_for(r0.wait_for(2), WATCHDOG)
+                assert torch.equal(r0.tensors[name], ts[name])
 
 
 async def test_a_keyless_client_cannot_take_a_live_senders_routing_id():
@@ -419,15 +423,19 @@ async def test_a_worker_whose_control_pipe_is_gone_closes_at_once_and_a_live_one
     """A DEALER whose connection ended in a failed handshake (a key or mechanism mismatch) has no pipe
     left, and a blocking send on it waits forever. ``disconnect`` leaves the same state, deterministically.
     The worker's leave, hello and heartbeats never wait on it: closing returns, and a worker left
-    running notices the silence, fails the push it had in flight, joins again and commits the next."""
+    running notices the silence, fails the push it had in flight, joins again and commits the next.
+    (Sessions on ZeroMQ throughout: a session stream's sends never wait, and one that closes ends its
+    session at once, tests/roles/test_streams.py.)"""
     ts, recv = sender_tensors(0), receiver_tensors()
+    zmq_only = ReceiverOptions(session_stream=False)
     async with Controller(senders=1, receivers=1, options=FAST) as ctl, \
-            WeightSender(ctl.address, ts, rank=0) as s0, WeightReceiver(ctl.address, recv, rank=0) as r0:
+            WeightSender(ctl.address, ts, rank=0, options=SenderOptions(session_stream=False)) as s0, \
+            WeightReceiver(ctl.address, recv, rank=0, options=zmq_only) as r0:
         await asyncio.wait_for(ctl.wait_ready(), WATCHDOG)
         await push(s0, ts, 1)
         r0._channel.sock.disconnect(ctl.address)
         await asyncio.wait_for(r0.close(), WATCHDOG)  # (its leave finds no pipe)
-        async with WeightReceiver(ctl.address, receiver_tensors(), rank=0) as r1:
+        async with WeightReceiver(ctl.address, receiver_tensors(), rank=0, options=zmq_only) as r1:
             s0._channel.sock.disconnect(ctl.address)
             with pytest.raises(ControllerLost, match="silent"):
                 await push(s0, ts, 2)  # its push message waits on the dead pipe; its heartbeats never do
