@@ -18,7 +18,7 @@ the rest (``recv`` pumps again once the inbox is empty). ``close`` cancels what 
 Session streams (``roles.channel_stream``) put what they read into the same inbox (``deliver``), so the
 owner reads one sequence; ``pump`` also calls each ``sources`` hook (a stream that stopped reading while
 the inbox was full reads again). ``broken``: once set (the session's stream closed), ``recv`` raises it
-when the inbox is empty.
+when the inbox is empty; ``socket_done``: the socket is left alone (a DEALER's session moved to its stream).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Pump:
         self.closed = False
         self.sources: list = []  # hooks ``pump`` calls: streams that deliver here (``deliver``)
         self.broken: Optional[BaseException] = None  # raised by ``recv`` once the inbox is empty
+        self.socket_done = False  # a DEALER whose session moved to a stream: its socket carries nothing more
 
     def __repr__(self) -> str:
         return f"<Pump inbox={len(self.inbox)} outbox={len(self.outbox)}{' closed' if self.closed else ''}>"
@@ -117,7 +118,7 @@ class Pump:
         if self.closed:
             return
         raw, outbox = self.raw, self.outbox
-        while True:
+        while not self.socket_done:
             events = raw.getsockopt(_EVENTS)
             moved = False
             if events & _POLLIN and len(self.inbox) < self.max_inbox:

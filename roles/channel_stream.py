@@ -140,6 +140,8 @@ class Link:
             except ProtocolError as exc:
                 self.close(f"{type(exc).__name__}: {exc}")
                 return
+            if len(data) < _READ:  # (it took all there was: the loop's watch says when more comes)
+                return
 
     def close(self, why: str = "closed") -> None:
         if self.closed:
@@ -310,7 +312,7 @@ class Streams:
         if link.closed:
             raise StreamClosed(f"the session's stream {link.closed}")
         self.links[b""] = link
-        self.streaming = True
+        self.streaming = self.io.socket_done = True
         self.io.sources.append(link.resume)
 
     def _attached(self, identity: bytes, link: Link) -> None:
