@@ -28,6 +28,7 @@ import socket
 from typing import Callable, Optional
 
 from weightsync.engine.aio import within
+from weightsync.roles.channel_io import Pump
 from weightsync.wire import stream as ws
 from weightsync.wire.errors import ProtocolError
 
@@ -222,7 +223,12 @@ class Listener:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, addr = await loop.sock_accept(self.sock)
+            try:
+                conn, addr = await loop.sock_accept(self.sock)
+            except OSError as exc:  # (out of descriptors, most likely: those in their handshake end, then more)
+                log.warning("session streams: accept failed: %r", exc)
+                await asyncio.sleep(0.1)
+                continue
             if len(self.pending) >= self.max_pending:
                 conn.close()
                 self.refused(str(addr[0]), "too many connections in their handshake")
@@ -280,7 +286,7 @@ class Streams:
     """A control channel's session streams (the channel's part): a ROUTER's ``listener`` and a stream per
     routing id in ``links``, or a DEALER's one (``links[b""]``), and where each message goes (``route``)."""
 
-    def __init__(self, io, name: str, auth_key: Optional[bytes], dscp: int, max_record: int,
+    def __init__(self, io: "Pump", name: str, auth_key: Optional[bytes], dscp: int, max_record: int,
                  refused: Callable[[str, str], None]) -> None:
         self.io, self.name, self.auth_key, self.dscp, self.max_record = io, name, auth_key, dscp, max_record
         self.refused = refused

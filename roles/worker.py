@@ -108,6 +108,7 @@ class Worker(AsyncResource):
         self.backlog = Backlog(None)  # what the receive loop has still to handle (roles.backlog), per session
         self.pulse: Optional[Pulse] = None  # this session's heartbeats from a thread (roles.pulse)
         self._identity = b""  # this session's routing id
+        self.streams_ok = options.session_stream  # offer session streams (not after one failed to connect)
         self.timeline = Timeline()  # per version: when each round message was sent / received (roles.timeline)
         self.spinner = Spinner(spins(options.spin, options.transport_options.device))
         self._spinning = False
@@ -208,7 +209,7 @@ class Worker(AsyncResource):
     async def _join(self, manifest: Manifest, timeout: float) -> None:
         hello = m.Hello(self.role, self.rank, self.transport_info.host, self.transport_info.device,
                         os.getpid() & 0xFFFFFFFF, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1],
-                        (*self.options.capabilities, *(("stream",) if self.options.session_stream else ())),
+                        (*self.options.capabilities, *(("stream",) if self.streams_ok else ())),
                         manifest, self.transport_info, incarnation=self.incarnation,
                         **self._hello_fields())
         try:  # (a fresh channel queues it at once: unless its connection failed its handshake, no pipe left)
@@ -226,11 +227,14 @@ class Worker(AsyncResource):
             raise JoinRejected(env.body.code, env.body.text)
         if not isinstance(env.body, m.Welcome):
             raise ControllerLost(f"expected welcome, got {env.type}")
-        if env.body.stream_port is not None and self.options.session_stream:  # (the session's messages move to
-            host = endpoint_host(self.controller_addr) or "127.0.0.1"       # its stream, on the host we reached)
+        if env.body.stream_port is not None and self.streams_ok:  # (the session's messages move to its stream,
+            host = endpoint_host(self.controller_addr) or "127.0.0.1"  # on the host we reached the controller at)
             try:
                 await self._channel.attach(host, env.body.stream_port, env.body.stream_token, timeout)
-            except (OSError, ProtocolError, asyncio.TimeoutError) as exc:
+            except (OSError, ProtocolError, asyncio.TimeoutError) as exc:  # (a port a firewall closes, most likely:
+                self.streams_ok = False                                    # we join again without, on ZeroMQ)
+                log.warning("%s: session stream to %s:%s failed (%r): joining again on ZeroMQ alone",
+                            self.name, host, env.body.stream_port, exc)
                 raise ControllerLost(f"session stream to {host}:{env.body.stream_port} failed: {exc!r}") from exc
         self.welcome = env.body
         self._last_heard = time.monotonic()

@@ -180,3 +180,19 @@ async def test_a_connection_that_never_finishes_its_handshake_is_closed_and_coun
             assert await asyncio.to_thread(idle.recv, 100) == b""  # (closed on it)
     finally:
         chan.close()
+
+
+async def test_a_worker_that_cannot_reach_the_streams_port_joins_on_zeromq_alone():
+    """A firewall that lets the ZeroMQ endpoint through and not the streams' port: the stream fails to
+    connect, the worker joins again without offering streams, and its rounds commit over ZeroMQ."""
+    ts, recv = sender_tensors(0), receiver_tensors()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # (bound, never listening: a connection there is refused)
+        async with Controller(senders=1, receivers=1) as ctl:
+            ctl._chan.streams.listener.port = closed.getsockname()[1]  # (what the welcomes name)
+            async with WeightReceiver(ctl.address, recv, rank=0) as receiver, \
+                    WeightSender(ctl.address, ts, rank=0) as sender:
+                await _round(ctl, sender, ts, recv, 1)
+                for w in (sender, receiver):
+                    assert not w.streams_ok and not w._channel.streams.streaming and "stream" not in w.welcome.capabilities
+                assert not ctl._chan.streams.links
