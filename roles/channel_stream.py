@@ -82,8 +82,7 @@ class Link:
         data = ws.record(self.sealer.seal(ws.pack(frames)))
         self.sent += 1
         if self.out:
-            self.out += data
-            return True
+            return self._queue(data)
         try:
             n = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -92,8 +91,17 @@ class Link:
             self.close(f"write failed: {exc}")
             return False
         if n < len(data):
-            self.out += data[n:]
             self.loop.add_writer(self.fd, self._flush)
+            return self._queue(data[n:])
+        return True
+
+    def _queue(self, data: bytes) -> bool:
+        """Keep what the kernel did not take; a peer that leaves more than a few messages' worth unread
+        (a process stopped, or one that reads nothing) has its stream closed."""
+        self.out += data
+        if len(self.out) > 4 * self.framer.max_record:
+            self.close(f"its peer left {len(self.out)} bytes unread")
+            return False
         return True
 
     def _flush(self) -> None:
@@ -155,8 +163,9 @@ class Link:
             #    reset that can discard what the peer has not read yet)
             if self.out:
                 self.sock.send(self.out)
-            while self.sock.recv(_READ):
-                pass
+            for _ in range(16):
+                if not self.sock.recv(_READ):
+                    break
         except OSError:
             pass
         self.sock.close()

@@ -196,3 +196,15 @@ async def test_a_worker_that_cannot_reach_the_streams_port_joins_on_zeromq_alone
                 for w in (sender, receiver):
                     assert not w.streams_ok and not w._channel.streams.streaming and "stream" not in w.welcome.capabilities
                 assert not ctl._chan.streams.links
+
+
+async def test_a_peer_that_reads_nothing_has_its_stream_closed_once_a_few_messages_wait_unsent():
+    ours, theirs = socket.socketpair()
+    why = []
+    link = Link(ours, None, None, 1024, deliver=lambda frames: None, on_closed=lambda link, reason: why.append(reason),
+                name="worker")
+    with theirs:  # (never read: the kernel's buffers fill, then the link's own)
+        sent = 0
+        while link.send([bytes(1000)]):
+            sent += 1
+        assert sent > 4 and link.closed and "unread" in why[0] and len(why) == 1
