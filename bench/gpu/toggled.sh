@@ -7,7 +7,7 @@
 set -u
 flag=$1 commit=$2 out=$3 args=$4 reps=${5:-1}
 root=$PWD
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); [ -n "$card" ] || card="CPU of $(nproc) cores"
 for _ in $(seq "$reps"); do
   for tree in off on; do
     with=""; [ "$tree" = off ] && with=$flag
