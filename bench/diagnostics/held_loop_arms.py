@@ -13,7 +13,7 @@ once each process has loaded its CPU delta kernels (``delta_cpu.warmed``: on a m
 first, ~10 s during which that thread holds the GIL and every round is tens of milliseconds).
 docs/OPERATIONS.md.
 
-    python3 bench/diagnostics/held_loop_arms.py [--receivers 2] [--pushes 20] [--step-ms 50] [--timeline]
+    python3 bench/diagnostics/held_loop_arms.py [--receivers 2] [--pushes 20] [--step-ms 50] [--timeline] [--no-streams]
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ def _sender(addr: str, blocking: bool, pushes: int, step_s: float, out) -> None:
     asyncio.run(main())
 
 
-async def run(blocking: bool, receivers: int, pushes: int, step_s: float) -> tuple[int, float]:
+async def run(blocking: bool, receivers: int, pushes: int, step_s: float, streams: bool = True) -> tuple[int, float, list]:
     from weightsync.engine.transforms import delta_cpu
-    from weightsync.roles import Controller, WeightReceiver
+    from weightsync.roles import Controller, ControllerOptions, WeightReceiver
     from weightsync.roles.timeline import merge
 
     ctx = mp.get_context("spawn")
-    async with Controller(senders=1, receivers=receivers) as ctl:
+    async with Controller(senders=1, receivers=receivers, options=ControllerOptions(session_streams=streams)) as ctl:
         members = [WeightReceiver(ctl.address, {NAME: torch.zeros(64, dtype=torch.bfloat16)}, rank=r)
                    for r in range(receivers)]
         for r in members:
@@ -89,9 +89,11 @@ def main() -> int:
     ap.add_argument("--pushes", type=int, default=20)
     ap.add_argument("--step-ms", type=float, default=50.0)
     ap.add_argument("--timeline", action="store_true", help="the sender's events of its last push")
+    ap.add_argument("--no-streams", action="store_true", help="sessions stay on ZeroMQ (ControllerOptions.session_streams)")
     args = ap.parse_args()
     for blocking in (True, False):
-        armed, wait_ms, last = asyncio.run(run(blocking, args.receivers, args.pushes, args.step_ms / 1e3))
+        armed, wait_ms, last = asyncio.run(run(blocking, args.receivers, args.pushes, args.step_ms / 1e3,
+                                                   not args.no_streams))
         print(f"{'blocking' if blocking else 'awaited'} step of {args.step_ms:.0f} ms, {args.receivers} receivers: "
               f"{armed} of {args.pushes} pushes armed, push to commit {wait_ms:.2f} ms (median)", flush=True)
         if args.timeline:  # the last push's events, every role's, at their milliseconds since the push
