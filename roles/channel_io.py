@@ -88,11 +88,10 @@ class Pump:
         """A message read elsewhere (a session stream), after those already in the inbox."""
         self.inbox.append(frames)
         self.taken += 1
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self.wake()
 
     def wake(self) -> None:
-        """Wake a waiting ``recv`` (``broken`` was set)."""
+        """Wake a waiting ``recv`` (a message came, or ``broken`` was set)."""
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
