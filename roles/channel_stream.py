@@ -207,7 +207,7 @@ class Listener:
     def __init__(self, host: str, port: int, auth_key: Optional[bytes], *, dscp: int, max_record: int,
                  attached: Callable[[bytes, Link], None], refused: Callable[[str, str], None],
                  deliver: Callable[[bytes, list], None], closed: Callable[[bytes, Link, str], None],
-                 room: Callable[[], bool], handshake_s: float = 5.0, max_pending: int = 64) -> None:
+                 room: Callable[[], bool], handshake_s: float = 5.0, max_pending: int = 1024) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
