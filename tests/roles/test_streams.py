@@ -209,3 +209,21 @@ async def test_a_peer_that_reads_nothing_has_its_stream_closed_once_a_few_messag
         while link.send([bytes(1000)]):
             sent += 1
         assert sent > 4 and link.closed and "unread" in why[0] and len(why) == 1
+
+
+async def test_connections_past_the_handshake_limit_are_closed_at_once_and_counted():
+    chan = ControlChannel(zmq.ROUTER, "controller")
+    try:
+        chan.bind("tcp://127.0.0.1:0")
+        port = chan.listen_stream("127.0.0.1")
+        assert chan.streams.listener.max_pending == 1024  # (the documented limit)
+        chan.streams.listener.max_pending = 2
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=WATCHDOG) for _ in range(3)]
+        try:
+            await asyncio.wait_for(chan.wait_refused(1), WATCHDOG)
+            assert await asyncio.to_thread(socks[2].recv, 100) == b"" and len(chan.streams.listener.pending) == 2
+        finally:
+            for sock in socks:
+                sock.close()
+    finally:
+        chan.close()
