@@ -50,8 +50,9 @@ from weightsync.engine.logs import Repeats
 from weightsync.roles.channel_io import Pump
 from weightsync.roles.channel_stream import StreamClosed, Streams
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
+from weightsync.wire import messages as m
 from weightsync.engine.aio import Waiters, within
-from weightsync.engine.errors import ConfigError
+from weightsync.engine.errors import ConfigError, ControllerLost
 from weightsync.engine.transport import is_loopback
 from weightsync.wire.auth import MIN_KEY_BYTES, ReplayGuard, sign, verify
 from weightsync.wire.errors import ProtocolError
@@ -181,6 +182,17 @@ class ControlChannel:
     async def attach(self, host: str, port: int, token: bytes, timeout: float) -> None:
         """A DEALER's session moves to its stream: every send and receive from now on."""
         await self.streams.attach(host, port, token, timeout)
+
+    async def attach_to(self, controller_addr: str, welcome: m.Welcome, timeout: float) -> None:
+        """``attach`` to the stream ``welcome`` names, on the host ``controller_addr`` reached; a stream that
+        cannot be made raises ``ControllerLost`` (logged: the worker joins again on ZeroMQ alone)."""
+        host = endpoint_host(controller_addr) or "127.0.0.1"
+        try:
+            await self.attach(host, welcome.stream_port, welcome.stream_token, timeout)
+        except (OSError, ProtocolError, asyncio.TimeoutError) as exc:
+            log.warning("%s: session stream to %s:%s failed (%r): joining again on ZeroMQ alone",
+                        self.name, host, welcome.stream_port, exc)
+            raise ControllerLost(f"session stream to {host}:{welcome.stream_port} failed: {exc!r}") from exc
 
     async def wait_attached(self, identity: bytes) -> None:
         """Until ``identity``'s session stream has attached (a ROUTER's)."""

@@ -39,7 +39,7 @@ from weightsync.wire.errors import ProtocolError
 
 from .backlog import Backlog
 from .channel import (CONTROL_DSCP, ControlChannel, StreamClosed, check_auth_key, check_dscp, check_exposure,
-                      endpoint_host, random_identity)
+                      random_identity)
 from .pulse import Pulse
 from .timeline import Timeline
 
@@ -227,15 +227,12 @@ class Worker(AsyncResource):
             raise JoinRejected(env.body.code, env.body.text)
         if not isinstance(env.body, m.Welcome):
             raise ControllerLost(f"expected welcome, got {env.type}")
-        if env.body.stream_port is not None and self.streams_ok:  # (the session's messages move to its stream,
-            host = endpoint_host(self.controller_addr) or "127.0.0.1"  # on the host we reached the controller at)
+        if env.body.stream_port is not None and self.streams_ok:  # (the session's messages move to its stream)
             try:
-                await self._channel.attach(host, env.body.stream_port, env.body.stream_token, timeout)
-            except (OSError, ProtocolError, asyncio.TimeoutError) as exc:  # (a port a firewall closes, most likely:
-                self.streams_ok = False                                    # we join again without, on ZeroMQ)
-                log.warning("%s: session stream to %s:%s failed (%r): joining again on ZeroMQ alone",
-                            self.name, host, env.body.stream_port, exc)
-                raise ControllerLost(f"session stream to {host}:{env.body.stream_port} failed: {exc!r}") from exc
+                await self._channel.attach_to(self.controller_addr, env.body, timeout)
+            except ControllerLost:  # (a port a firewall closes, most likely: we join again on ZeroMQ alone)
+                self.streams_ok = False
+                raise
         self.welcome = env.body
         self._last_heard = time.monotonic()
         self._on_welcome(env.body)
