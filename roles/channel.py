@@ -25,7 +25,9 @@ Session streams (``roles.channel_stream``, docs/PROTOCOL.md *Session streams*): 
 ``listen_stream``s issues a token per session (``expect``); what it sends that session from then on
 waits until the session's stream attaches, then goes there, and what the stream brings reaches ``recv``
 as if from the ROUTER. A DEALER that ``attach``es sends and receives on its stream from then on, and
-``recv`` raises ``StreamClosed`` once the stream closed and nothing is left to read. Messages on a
+``recv`` raises ``StreamClosed`` once the stream closed and nothing is left to read; a ROUTER's ``recv``
+raises ``StreamEnded`` (naming the routing id) where a session's stream closed from the other side or on
+the way, after every message that stream brought. Messages on a
 stream are signed, numbered and checked exactly as on the socket; with a key the stream itself is
 authenticated and encrypted (``wire.stream``).
 """
@@ -48,7 +50,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from weightsync.engine.logs import Repeats
 from weightsync.roles.channel_io import Pump
-from weightsync.roles.channel_stream import StreamClosed, Streams
+from weightsync.roles.channel_stream import StreamClosed, StreamEnded, Streams
 from weightsync.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
 from weightsync.wire import messages as m
 from weightsync.engine.aio import Waiters, within
@@ -306,6 +308,8 @@ class ControlChannel:
 
     async def recv(self) -> tuple[Optional[bytes], Envelope]:
         frames = await self._io.recv()
+        if isinstance(frames, StreamEnded):  # (a session's stream ended: after what it delivered)
+            raise frames
         self.received += 1
         peer = None
         if self.router:

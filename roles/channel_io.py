@@ -17,7 +17,8 @@ the rest (``recv`` pumps again once the inbox is empty). ``close`` cancels what 
 
 Session streams (``roles.channel_stream``) put what they read into the same inbox (``deliver``), so the
 owner reads one sequence; ``pump`` also calls each ``sources`` hook (a stream that stopped reading while
-the inbox was full reads again). ``broken``: once set (the session's stream closed), ``recv`` raises it
+the inbox was full reads again), and a ROUTER's stream that ends puts its exception there (``end``).
+``broken``: once set (the session's stream closed), ``recv`` raises it
 when the inbox is empty; ``socket_done``: the socket is left alone (a DEALER's session moved to its stream).
 """
 
@@ -88,6 +89,11 @@ class Pump:
         """A message read elsewhere (a session stream), after those already in the inbox."""
         self.inbox.append(frames)
         self.taken += 1
+        self.wake()
+
+    def end(self, ended: BaseException) -> None:
+        """A session's stream ended: ``recv`` raises ``ended`` in its turn, after what came before it."""
+        self.inbox.append(ended)
         self.wake()
 
     def wake(self) -> None:

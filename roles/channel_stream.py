@@ -291,6 +291,15 @@ class StreamClosed(ConnectionError):
     """The session's stream closed (the controller went away, or refused or dropped the stream)."""
 
 
+class StreamEnded(StreamClosed):
+    """A session's stream closed from the worker's side or on the way (a ROUTER's ``recv`` raises it
+    after every message that stream delivered): ``identity``'s session is over."""
+
+    def __init__(self, identity: bytes, why: str) -> None:
+        super().__init__(f"the session's stream {why}")
+        self.identity, self.why = identity, why
+
+
 class Streams:
     """A control channel's session streams (the channel's part): a ROUTER's ``listener`` and a stream per
     routing id in ``links``, or a DEALER's one (``links[b""]``), and where each message goes (``route``)."""
@@ -342,9 +351,11 @@ class Streams:
         self._wake()
 
     def _closed(self, identity: bytes, link: Link, why: str) -> None:
-        if self.links.get(identity) is link:
+        if self.links.get(identity) is link:  # (not ended here: ``forget`` and ``close`` take it out first)
             del self.links[identity]
             log.info("control channel %s: stream of %r %s", self.name, identity, why)
+            if not self.streaming:  # (a ROUTER's: the owner hears it after what the stream delivered)
+                self.io.end(StreamEnded(identity, why))
         if link.resume in self.io.sources:
             self.io.sources.remove(link.resume)
         if self.streaming:  # (a DEALER's: its session is over)
@@ -374,12 +385,13 @@ class Streams:
         self.expected.pop(identity, None)
         if self.listener is not None:
             self.listener.tokens = {t: i for t, i in self.listener.tokens.items() if i != identity}
-        link = self.links.get(identity)
+        link = self.links.pop(identity, None)
         if link is not None:
             link.close("its session is over")
 
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
-        for link in list(self.links.values()):
+        links, self.links = self.links, {}
+        for link in links.values():
             link.close("the channel closed")

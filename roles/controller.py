@@ -34,7 +34,7 @@ from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
-from .channel import CONTROL_DSCP, ControlChannel, check_auth_key, check_dscp, check_exposure, endpoint_host
+from .channel import CONTROL_DSCP, ControlChannel, StreamEnded, check_auth_key, check_dscp, check_exposure, endpoint_host
 from .costs import Costs
 from .limits import PeerLimits, RateLimiter
 from .membership import Hearing, Membership, Peer
@@ -256,6 +256,10 @@ class Controller(AsyncResource):
                 continue
             except ProtocolError as exc:
                 await self._bad_message(exc)
+                continue
+            except StreamEnded as exc:  # (a process gone, or one that closed it: no network's silence)
+                if (peer := self.membership.get(exc.identity)) is not None:
+                    self._drop(peer, f"its session stream {exc.why}")
                 continue
             if not self._rates.allow(identity, time.monotonic()):
                 self.dropped += 1

@@ -141,6 +141,37 @@ async def test_a_stream_that_closes_ends_the_session_at_once_and_the_worker_join
         await _round(ctl, sender, ts, recv, 2)
 
 
+async def _killed(worker) -> None:
+    """As a process killed by SIGKILL leaves it: its sockets close and nothing is said."""
+    worker._channel.close()
+    for task in worker._tasks:
+        task.cancel()
+    await asyncio.gather(*worker._tasks, return_exceptions=True)
+    worker._channel = None
+    await worker.close()
+
+
+async def test_a_stream_closed_from_the_workers_side_ends_its_session_at_once_blaming_it(caplog):
+    """A worker's process dies: its stream's end (no network's silence makes one) ends the session at the
+    controller at once, naming the member, and the rank's next process joins without waiting out the
+    dead one's silence (never a DUPLICATE_RANK against a session that is gone)."""
+    ts, recv = sender_tensors(0), receiver_tensors()
+    opts = ControllerOptions(timeout_s=120.0)  # (no heartbeat could notice it within the test)
+    async with Controller(senders=1, receivers=1, options=opts) as ctl, \
+            WeightSender(ctl.address, ts, rank=0) as sender:
+        receiver = await WeightReceiver(ctl.address, recv, rank=0).__aenter__()
+        await _round(ctl, sender, ts, recv, 1)
+        plan = ctl.plan.plan_id
+        caplog.set_level("INFO", logger="weightsync")
+        await _killed(receiver)
+        await asyncio.wait_for(ctl.waiters.wait(lambda: len(ctl.peers) == 1), WATCHDOG)
+        assert "controller: receiver/0 dropped: its session stream closed by the peer" in caplog.text
+        async with WeightReceiver(ctl.address, recv, rank=0) as again:
+            await asyncio.wait_for(ctl.wait_plan(plan), WATCHDOG)
+            assert again.sessions == 1 and "DUPLICATE_RANK" not in caplog.text
+            await _round(ctl, sender, ts, recv, 2)
+
+
 async def test_the_streams_port_can_be_fixed_and_one_taken_or_out_of_range_is_named():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
