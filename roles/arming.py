@@ -29,7 +29,7 @@ from .round_inputs import RoundInputs
 from .round_state import RoundState
 
 if TYPE_CHECKING:
-    from .controller import ControllerOptions
+    from .controller_options import ControllerOptions
 
 log = logging.getLogger("weightsync")
 

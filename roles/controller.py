@@ -4,8 +4,8 @@ How this works: the controller is its socket loop, its dispatch and the wiring o
 ``Membership`` (who is joined, as which session, and whether a ``hello`` may join: ``roles.membership``),
 ``Planning`` (when to plan, the plan and its keys, held by session: ``roles.planning``) and ``Rounds``
 (pushes, the round's state machine, verdicts and the committed version: ``roles.rounds``, whose
-transitions are ``roles.round_state.ROUND_STEPS``). One receive loop handles every message in order:
-``hello`` goes through admission (a ``reject`` otherwise); identity comes from the hello, never from
+transitions are ``roles.round_state.ROUND_STEPS``); its options are ``roles.controller_options``.
+One receive loop handles every message in order: ``hello`` goes through admission (a ``reject`` otherwise); identity comes from the hello, never from
 arrival order. Each session message is checked against the session state machine and handed to the
 part that owns it (``_handlers``). A membership change re-plans between rounds; a plan acknowledged by
 every member starts the rounds its senders pushed for; a round's end lets the next plan or round go. A
@@ -15,7 +15,6 @@ heartbeat loop keeps peers alive and drops silent ones.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -24,19 +23,18 @@ from typing import Any, Awaitable, Callable, Optional
 import zmq
 
 from weightsync.engine.aio import AsyncResource, Spinner, Waiters
-from weightsync.engine.datapath.checksums import validate as validate_checksum
-from weightsync.engine.datapath.deltas import DELTA_MODES
 from weightsync.engine.errors import ConfigError
 from weightsync.engine.logs import Repeats
-from weightsync.engine.plan import LinkModel, Mapping, PlanOptions, RoutingPlan, get_mapping
-from weightsync.wire import PROTOCOL_VERSION, DEFAULT_LIMITS, Envelope, Limits, Origin, Role, Session, State
+from weightsync.engine.plan import RoutingPlan
+from weightsync.wire import PROTOCOL_VERSION, Envelope, Origin, Role, Session, State
 from weightsync.wire import messages as m
 from weightsync.wire.auth import Replayed, Unauthenticated
 from weightsync.wire.errors import FieldError, ProtocolError, VersionMismatch
 
-from .channel import CONTROL_DSCP, ControlChannel, StreamEnded, check_auth_key, check_dscp, check_exposure, endpoint_host
+from .channel import ControlChannel, StreamEnded, check_exposure, endpoint_host
+from .controller_options import ControllerOptions
 from .costs import Costs
-from .limits import PeerLimits, RateLimiter
+from .limits import RateLimiter
 from .membership import Hearing, Membership, Peer
 from .planning import Planning
 from .pulse import SUFFIX as PULSE
@@ -46,50 +44,6 @@ from .status import controller_status, run_command
 from .timeline import Timeline
 
 log = logging.getLogger("weightsync")
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerOptions:
-    heartbeat_s: float = 0.5
-    timeout_s: float = 5.0
-    checksum: str = ""  # "crc32": senders checksum every transfer, receivers verify after the fence
-    round_timeout_s: Optional[float] = None
-    link: LinkModel = LinkModel()
-    plan: PlanOptions = PlanOptions()
-    limits: Limits = DEFAULT_LIMITS
-    keep_reports: int = 100
-    auth_key: Optional[bytes] = None  # HMAC key: only holders can join or command (wire.auth)
-    peer_limits: PeerLimits = PeerLimits()
-    mapping: "str | Mapping" = "identity"  # receiver names from sender names (engine.plan.mapping.MAPPINGS)
-    one_phase_commit: bool = True  # a round with one receiver: fence and commit in one exchange
-    spin: Optional[bool] = None  # poll the event loop while a round runs (aio.Spinner): one busy core while a
-    #                              round is open, its hops seen sooner; None: where a member's tensors are on a GPU
-    control_dscp: int = CONTROL_DSCP  # the control channel's packets' DSCP (0: unmarked)
-    delta: str = "auto"  # changed bytes only: "auto" (where the link pays for it), "always" or "off" (docs/DELTAS.md)
-    full_check_every: int = 8  # with ``checksum`` off: every row of every Nth round (and of the first, and of
-    #                            the one after an abort) checked end to end with ``full_check``; 0: never
-    arm_pushes: bool = True  # once a round is applied, offer the senders the next one's parameters: each then
-    #                          writes on its own push, which stands for its begin (roles.arms)
-    full_check: str = "auto"  # the algorithm of those rounds (engine.datapath.checksums); "auto": fp64 (on the
-    #                           device) where a member's tensors are on a GPU, crc32 (zlib, fastest on a CPU) otherwise
-    session_streams: bool = True  # after welcome, a session's messages on a TCP stream of its own where the worker
-    #                               offers it (roles.channel_stream): no ZeroMQ I/O threads on a round's hops
-    stream_port: int = 0  # the streams' port, on the host ``bind_addr`` names (0: one the system picks)
-
-    def __post_init__(self) -> None:
-        check_auth_key(self.auth_key)
-        validate_checksum(self.checksum)
-        if self.full_check != "auto":
-            validate_checksum(self.full_check)
-        if self.full_check_every < 0 or (self.full_check_every and not self.full_check):
-            raise ConfigError("full_check_every", f"must be >= 0 with an algorithm in full_check, got "
-                                                  f"{self.full_check_every} and {self.full_check!r}")
-        if self.delta not in DELTA_MODES:
-            raise ConfigError("delta", f"must be one of {DELTA_MODES}, got {self.delta!r}")
-        check_dscp("control_dscp", self.control_dscp)
-        if not isinstance(self.stream_port, int) or not 0 <= self.stream_port < 65536:
-            raise ConfigError("stream_port", f"a TCP port in 0..65535 (0: any free one), got {self.stream_port!r}")
-        get_mapping(self.mapping)  # an unknown name is a ConfigError now, not at the first plan
 
 
 class Controller(AsyncResource):

@@ -36,7 +36,7 @@ from weightsync.wire.splice import PartsEncoder
 from .membership import Membership, Peer
 
 if TYPE_CHECKING:
-    from .controller import ControllerOptions
+    from .controller_options import ControllerOptions
 
 log = logging.getLogger("weightsync")
 

@@ -26,7 +26,7 @@ from weightsync.wire import messages as m
 from .membership import Peer
 
 if TYPE_CHECKING:
-    from .controller import ControllerOptions
+    from .controller_options import ControllerOptions
     from .round_state import RoundReport, RoundState
 
 AUTO_OFF = 16  # "auto": rounds with deltas off after a delta round slower than a whole one

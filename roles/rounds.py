@@ -38,7 +38,7 @@ from .round_state import RoundReport, RoundState
 from .timeline import Timeline
 
 if TYPE_CHECKING:
-    from .controller import ControllerOptions
+    from .controller_options import ControllerOptions
 
 log = logging.getLogger("weightsync")
 
