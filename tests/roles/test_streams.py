@@ -170,6 +170,10 @@ async def test_a_stream_closed_from_the_workers_side_ends_its_session_at_once_bl
             await asyncio.wait_for(ctl.wait_plan(plan), WATCHDOG)
             assert again.sessions == 1 and "DUPLICATE_RANK" not in caplog.text
             await _round(ctl, sender, ts, recv, 2)
+        # a clean leave is read before its stream's end: the member left, and nothing else is said of it
+        await asyncio.wait_for(ctl.waiters.wait(lambda: len(ctl.peers) == 1), WATCHDOG)
+        assert "controller: receiver/0 dropped: left" in caplog.text
+        assert caplog.text.count("dropped: its session stream") == 1
 
 
 async def test_the_streams_port_can_be_fixed_and_one_taken_or_out_of_range_is_named():
