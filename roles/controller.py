@@ -1,15 +1,17 @@
 """``Controller``: admits workers, plans routing, and runs update rounds over one ZeroMQ ROUTER.
 
 How this works: the controller is its socket loop, its dispatch and the wiring of three parts it owns:
-``Membership`` (who is joined, as which session, and whether a ``hello`` may join: ``roles.membership``),
-``Planning`` (when to plan, the plan and its keys, held by session: ``roles.planning``) and ``Rounds``
-(pushes, the round's state machine, verdicts and the committed version: ``roles.rounds``, whose
-transitions are ``roles.round_state.ROUND_STEPS``); its options are ``roles.controller_options``.
-One receive loop handles every message in order: ``hello`` goes through admission (a ``reject`` otherwise); identity comes from the hello, never from
-arrival order. Each session message is checked against the session state machine and handed to the
-part that owns it (``_handlers``). A membership change re-plans between rounds; a plan acknowledged by
-every member starts the rounds its senders pushed for; a round's end lets the next plan or round go. A
-heartbeat loop keeps peers alive and drops silent ones.
+``Membership`` (who is joined, as which session, and whether a ``hello`` may join:
+``roles.membership``), ``Planning`` (when to plan, the plan and its keys, held by session:
+``roles.planning``) and ``Rounds`` (pushes, the round's state machine, verdicts and the committed
+version: ``roles.rounds``, whose transitions are ``roles.round_state.ROUND_STEPS``); its options are
+``roles.controller_options``. One receive loop handles every message in order: ``hello`` goes through
+admission (a ``reject`` otherwise); identity comes from the hello, never from arrival order. Each
+session message is checked against the session state machine and handed to the part that owns it
+(``_handlers``). A membership change re-plans between rounds; a plan acknowledged by every member starts
+the rounds its senders pushed for; a round's end lets the next plan or round go. A heartbeat loop keeps
+peers alive and drops silent ones; a session whose stream ended is dropped when the receive loop reaches
+that end (``StreamEnded``, after everything the stream brought).
 """
 
 from __future__ import annotations
