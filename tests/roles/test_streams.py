@@ -13,7 +13,7 @@ import zmq
 
 from weightsync.roles import (Controller, ControllerOptions, ReceiverOptions, SenderOptions, WeightReceiver,
                               WeightSender)
-from weightsync.engine.errors import ConfigError
+from weightsync.engine.errors import ConfigError, RoundAborted
 from weightsync.roles.channel import ControlChannel
 from weightsync.roles.channel_stream import Link, dial
 from weightsync.wire import stream as ws
@@ -174,6 +174,31 @@ async def test_a_stream_closed_from_the_workers_side_ends_its_session_at_once_bl
         await asyncio.wait_for(ctl.waiters.wait(lambda: len(ctl.peers) == 1), WATCHDOG)
         assert "controller: receiver/0 dropped: left" in caplog.text
         assert caplog.text.count("dropped: its session stream") == 1
+
+
+async def test_a_receiver_whose_process_dies_mid_round_aborts_it_at_once_naming_it():
+    """Two receivers (a two-phase round): receiver/1's process dies as its fence comes. The round aborts
+    blaming receiver/1 as soon as its stream ends, long before any timeout, and the receiver that
+    stayed still serves the version before."""
+    ts, recv0, recv1 = sender_tensors(0), receiver_tensors(), receiver_tensors()
+    opts = ControllerOptions(timeout_s=120.0, round_timeout_s=120.0)  # (neither could end it within the test)
+    async with Controller(senders=1, receivers=2, options=opts) as ctl, \
+            WeightReceiver(ctl.address, recv0, rank=0) as receiver0, \
+            WeightSender(ctl.address, ts, rank=0) as sender:
+        receiver1 = await WeightReceiver(ctl.address, recv1, rank=1).__aenter__()
+        await _round(ctl, sender, ts, recv0, 1)
+
+        async def dies(env) -> None:  # (its sockets close as the kernel closes a dead process's)
+            receiver1._channel.close()
+
+        receiver1._on_fence = dies
+        update_in_place(ts, 2)
+        with pytest.raises(RoundAborted) as e:
+            await asyncio.wait_for(await sender.push(2), WATCHDOG)
+        assert e.value.culprit == "receiver/1" and "its session stream" in str(e.value)
+        assert receiver0.version == 1 and mismatches(recv0, 1) == []
+        receiver1._channel = None
+        await receiver1.close()
 
 
 async def test_the_streams_port_can_be_fixed_and_one_taken_or_out_of_range_is_named():
