@@ -215,7 +215,7 @@ class Controller(AsyncResource):
                 continue
             except StreamEnded as exc:  # (a process gone, or one that closed it: no network's silence)
                 if (peer := self.membership.get(exc.identity)) is not None:
-                    self._drop(peer, f"its session stream {exc.why}")
+                    self._drop(peer, f"its session stream {exc.why}", ended=True)
                 continue
             if not self._rates.allow(identity, time.monotonic()):
                 self.dropped += 1
@@ -350,13 +350,15 @@ class Controller(AsyncResource):
         if self.rounds.pushes:
             await self.rounds.refuse_dead_pushes(now)
 
-    def _drop(self, peer: Peer, why: str, *, replaced: bool = False) -> None:
+    def _drop(self, peer: Peer, why: str, *, replaced: bool = False, ended: bool = False) -> None:
         """End a member's session; a round it is in aborts blaming it, or the controller where no member
         at all was heard as it went quiet, or shortly before it joined again (``Hearing``: our own
-        network, most likely)."""
+        network, most likely). ``ended``: its session stream ended, which the member's side did (a
+        network's silence ends no stream), so the member is blamed whatever we heard."""
         now, members = time.monotonic(), len(self.peers)
-        ours = (self.hearing.recent(now, self.options.timeout_s + self.hearing.quiet_s, members) if replaced
-                else not why.startswith("left") and self.hearing.explains(peer.last_seen, now, members))
+        ours = (False if ended or why.startswith("left")
+                else self.hearing.recent(now, self.options.timeout_s + self.hearing.quiet_s, members) if replaced
+                else self.hearing.explains(peer.last_seen, now, members))
         culprit = "controller" if ours else peer.name
         if ours:
             why = f"{why} (no member was heard around then: the controller's own network, likely)"
