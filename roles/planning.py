@@ -196,7 +196,8 @@ class Planning:
             if ack.landing is not None and "slots:2" in peer.hello.capabilities:
                 peer.slot = ack.landing  # (it may have applied a prepared version since its hello)
             if not ack.ok:
-                log.error("controller: %s could not take plan %d: %s", peer.name, ack.plan_id, ack.text)
+                log.warning("controller: %s could not take plan %d (planned again): %s", peer.name, ack.plan_id,
+                            ack.text)  # (a member gone meanwhile, most often: churn, not a fault of ours)
                 self.error = PlanError(f"{peer.name} refused the plan: {ack.text}", ranks=[peer.name])
                 self.error_final = False  # (a peer it could not reach, say: planned again, below)
                 self._plan_again_later()
