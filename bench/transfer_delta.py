@@ -8,8 +8,8 @@ checked end to end), ``dense-unchecked`` (``delta="off"``, ``full_check_every=0`
 ``always`` (the defaults but for ``delta``). Every round, each sender applies the same seeded synthetic
 step to its bf16 model (``--mb`` of tensors shaped like a transformer's: large matrices and small
 vectors): a fraction of the values, spread uniformly, move by one or two units in the last place. Then
-the four push the version one after another (one cluster moves bytes at a time, their order rotating
-from round to round so that none always follows the same one), and the round's
+the four push the version one after another (one cluster moves bytes at a time, in an order drawn
+afresh each round, seeded by the version, so that none always follows the same one), and the round's
 seconds (begin -> commit acknowledged, as the controller times it) and wire bytes are recorded. After
 every round each receiver's CRC-32 over its served tensors (on GPUs: the ``fp64`` fingerprint of each
 tensor) must equal its sender's (``bit_exact``).
@@ -32,7 +32,10 @@ event loop's thread: CPU rows are encoded and applied on worker threads, timed i
 Figures (the last line with ``--json``): ``bytes_per_changed_value`` (wire bytes over changed values,
 ``always`` at 1%), ``bytes_ratio_1pct`` (whole over wire bytes at 1%), ``time_ratio_tcp_1pct`` (dense
 round over ``auto`` round at 1%), ``auto_worst_slowdown`` / ``always_worst_slowdown`` (the worst
-fraction's median of ``auto`` / dense and ``always`` / dense round seconds), ``verify_overhead_ratio``
+fraction's median of ``auto`` / dense and ``always`` / dense round seconds; beside them
+``same_work_worst_spread``, the worst fraction's median ratio of the two dense clusters on rounds both
+ran unchecked, identical work: how far apart this machine puts two identical rounds, an A/A check, and
+per case ``auto_whole_rounds`` of ``rounds``, those in which ``auto`` sent every byte), ``verify_overhead_ratio``
 (the dense round with the default checks over the unchecked one, weighed over a check period:
 ``verify_overhead``; ``checked_round_over_unchecked`` beside it) and ``bit_exact``.
 """
@@ -46,6 +49,7 @@ import cProfile
 import json
 import multiprocessing as mp
 import pathlib
+import random
 import statistics
 import sys
 import zlib
@@ -305,10 +309,13 @@ def verify_overhead(rows: list) -> dict:
 
 
 def rotated(names: list[str], version: int) -> list[str]:
-    """The clusters' order in round ``version``: each takes every place in turn (a cluster that follows
-    the dense ones, which load the link and the CPU for seconds, is not always the same one)."""
-    k = version % len(names)
-    return names[k:] + names[:k]
+    """The clusters' order in round ``version``: a permutation drawn from the version (seeded), so each
+    takes every place and follows every other about equally often (a cluster that follows the ``always``
+    one, which loads the CPU for up to a second, is not always the same one; a rotation would keep each
+    cluster's predecessor fixed)."""
+    order = list(names)
+    random.Random(version).shuffle(order)
+    return order
 
 
 async def run(size: tuple[int, int], rounds: int, fractions: tuple[float, ...], warmup: int, gpus: str = "", trace: str = "",
@@ -338,7 +345,7 @@ async def run(size: tuple[int, int], rounds: int, fractions: tuple[float, ...], 
                 rows.append(row)
                 print(json.dumps({"fraction": fraction, **{n: round(row[n]["seconds"], 4) for n in clusters},
                                   "auto_bytes": row["auto"]["bytes"], "always_stages": row["always"]["stages"],
-                                  "dense_stages": row["dense"]["stages"]}), flush=True)
+                                  "dense_stages": row["dense"]["stages"], "auto_stages": row["auto"]["stages"]}), flush=True)
     finally:
         for c in clusters.values():
             await c.__aexit__(None, None, None)
@@ -394,14 +401,23 @@ def summarize(rows: list[dict], whole: dict, size: tuple[int, int]) -> dict:
     def ratio(fraction, a, b):
         return statistics.median(r[a]["seconds"] / r[b]["seconds"] for r in rows if r["fraction"] == fraction)
 
+    def same_work(fraction):  # (A/A: the two dense clusters on rounds both ran unchecked, identical work)
+        pairs = [r["dense-unchecked"]["seconds"] / r["dense"]["seconds"] for r in rows
+                 if r["fraction"] == fraction and not r["dense"]["checked"]]
+        return statistics.median(pairs) if pairs else None
+
     fractions = sorted({r["fraction"] for r in rows})
     total = whole["dense"]["bytes"]
     at1 = [r for r in rows if r["fraction"] == 0.01]
     cases = [{"fraction": f, "dense_s": med(f, "dense"), "dense_unchecked_s": med(f, "dense-unchecked"),
               "auto_s": med(f, "auto"), "always_s": med(f, "always"), "auto_bytes": med(f, "auto", "bytes"),
               "always_bytes": med(f, "always", "bytes"), "auto_over_dense": ratio(f, "auto", "dense"),
-              "always_over_dense": ratio(f, "always", "dense"), "whole_over_always_bytes": total / med(f, "always", "bytes")}
+              "always_over_dense": ratio(f, "always", "dense"), "whole_over_always_bytes": total / med(f, "always", "bytes"),
+              "same_work_ratio": same_work(f),
+              "auto_whole_rounds": sum(r["auto"]["bytes"] >= total for r in rows if r["fraction"] == f),
+              "rounds": sum(r["fraction"] == f for r in rows)}
              for f in fractions]
+    spreads = [max(c["same_work_ratio"], 1 / c["same_work_ratio"]) for c in cases if c["same_work_ratio"]]
     return {
         "model_bytes": total, "tensors": len(layout(size)), "cases": cases,
         "bytes_per_changed_value": (statistics.median((r["always"]["bytes"] - (total - r["always"]["whole_bytes"]))
@@ -410,6 +426,7 @@ def summarize(rows: list[dict], whole: dict, size: tuple[int, int]) -> dict:
         "time_ratio_tcp_1pct": statistics.median(r["dense"]["seconds"] / r["auto"]["seconds"] for r in at1) if at1 else None,
         "auto_worst_slowdown": max(c["auto_over_dense"] for c in cases),
         "always_worst_slowdown": max(c["always_over_dense"] for c in cases),
+        "same_work_worst_spread": max(spreads) if spreads else None,
         **verify_overhead(rows),
         "bit_exact": all(r[n]["bit_exact"] for r in rows for n in CLUSTERS) and all(w["bit_exact"] for w in whole.values()),
     }
