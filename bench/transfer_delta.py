@@ -308,7 +308,7 @@ def verify_overhead(rows: list) -> dict:
             "checked_round_over_unchecked": statistics.mean(checked) / unchecked}
 
 
-def rotated(names: list[str], version: int) -> list[str]:
+def drawn_order(names: list[str], version: int) -> list[str]:
     """The clusters' order in round ``version``: a permutation drawn from the version (seeded), so each
     takes every place and follows every other about equally often (a cluster that follows the ``always``
     one, which loads the CPU for up to a second, is not always the same one; a rotation would keep each
@@ -340,7 +340,7 @@ async def run(size: tuple[int, int], rounds: int, fractions: tuple[float, ...], 
             for r in range(rounds):
                 version += 1
                 row = {"fraction": fraction, "version": version}
-                for name in rotated(list(clusters), version):
+                for name in drawn_order(list(clusters), version):
                     row[name] = await clusters[name].round(version, fraction, seed=version)
                 rows.append(row)
                 print(json.dumps({"fraction": fraction, **{n: round(row[n]["seconds"], 4) for n in clusters},
