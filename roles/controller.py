@@ -356,9 +356,12 @@ class Controller(AsyncResource):
         network, most likely). ``ended``: its session stream ended, which the member's side did (a
         network's silence ends no stream), so the member is blamed whatever we heard."""
         now, members = time.monotonic(), len(self.peers)
-        ours = (False if ended or why.startswith("left")
-                else self.hearing.recent(now, self.options.timeout_s + self.hearing.quiet_s, members) if replaced
-                else self.hearing.explains(peer.last_seen, now, members))
+        if ended or why.startswith("left"):
+            ours = False
+        elif replaced:
+            ours = self.hearing.recent(now, self.options.timeout_s + self.hearing.quiet_s, members)
+        else:
+            ours = self.hearing.explains(peer.last_seen, now, members)
         culprit = "controller" if ours else peer.name
         if ours:
             why = f"{why} (no member was heard around then: the controller's own network, likely)"
